@@ -1,0 +1,49 @@
+"""llmrl: Hugging Face language models as the policies, critics and reward models of RL agents.
+
+Your RL script is the client: it creates a :class:`Caller` and asks the model servers to
+``score`` candidate actions, ``generate`` text, run ``custom_module_fns`` (heads) and
+``update`` themselves. The servers are the other ranks of a DeepSpeed launch.
+
+This module only re-exports. It is deliberately light: importing it loads neither torch,
+deepspeed nor transformers; they are imported where they are used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Caller",
+    "LLMRLError",
+    "ConfigError",
+    "PluginError",
+    "RequestError",
+    "ServerDiedError",
+    "RequestTimeoutError",
+    "__version__",
+]
+
+_LAZY = {
+    "Caller": "llmrl.engine.client",
+    "LLMRLError": "llmrl.engine.errors",
+    "ConfigError": "llmrl.engine.errors",
+    "PluginError": "llmrl.engine.errors",
+    "RequestError": "llmrl.engine.errors",
+    "ServerDiedError": "llmrl.engine.errors",
+    "RequestTimeoutError": "llmrl.engine.errors",
+}
+
+
+def __getattr__(name: str):
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'llmrl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,71 @@
+"""The messages of the client-server protocol, as small picklable classes.
+
+Client -> server: :class:`Request` (a numbered call with its kind and this rank's share of the
+arguments) and :class:`Shutdown`. Server -> client: :class:`Hello` once, :class:`Heartbeat` every
+``timeouts.heartbeat`` seconds, and one :class:`Reply` per request, in request order.
+
+This module only defines shapes; transport lives in :mod:`llmrl.engine.wire`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Request kinds.
+SETUP = "setup"
+SCORE = "score"
+GENERATE = "generate"
+UPDATE = "update"
+SAVE = "save"
+PING = "ping"
+STATS = "stats"
+SLEEP = "sleep"  # test hook: hold a rank busy without computing
+
+KINDS = (SETUP, SCORE, GENERATE, UPDATE, SAVE, PING, STATS, SLEEP)
+
+
+@dataclass
+class Request:
+    id: int
+    kind: str
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Shutdown:
+    reason: str = "client closed"
+
+
+@dataclass
+class Hello:
+    rank: int
+    llm: str
+    replica: int
+    tp_rank: int
+    host: str
+    pid: int
+
+
+@dataclass
+class Heartbeat:
+    busy_with: int | None = None  # id of the request being served, if any
+
+
+@dataclass
+class ErrorInfo:
+    """An exception raised on a server, reduced to what the client needs to re-raise it."""
+
+    type: str
+    message: str
+    traceback: str
+    plugin: str | None = None
+    aborted_by_peer: bool = False  # this rank stopped because another rank of its LLM failed
+
+
+@dataclass
+class Reply:
+    id: int
+    rank: int
+    value: Any = None
+    error: ErrorInfo | None = None

@@ -1,0 +1,93 @@
+"""Start-up discovery: how every rank finds the client and the other ranks of its LLM group.
+
+Rank 0 hosts a key-value store (torch's TCPStore) at the launcher's MASTER_ADDR:MASTER_PORT. Through
+it, rank 0 publishes the run's secret token and the address of its listener, and the leader of each
+LLM group publishes the address of its group's own store. The group's store listens on a port the
+operating system picked, on the leader's own node, so groups never collide and need not live on
+rank 0's node.
+
+This module does not create process groups or move requests; it only exchanges addresses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+TOKEN_KEY = "llmrl/token"
+CLIENT_ADDRESS_KEY = "llmrl/client"
+
+
+def group_key(llm: str) -> str:
+    return f"llmrl/group/{llm}"
+
+
+def host_run_store(master_addr: str, master_port: int, timeout: float):
+    """The run's store, hosted by rank 0 (it listens on the launcher's master port)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout))
+
+
+def join_run_store(master_addr: str, master_port: int, timeout: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def host_group_store(host: str, timeout: float):
+    """A store for one LLM group, on a port the OS picks (no collisions between groups)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def join_group_store(address: str, timeout: float):
+    from torch.distributed import TCPStore
+
+    host, port = split_address(address)
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def reachable_address(master_addr: str) -> str:
+    """This node's address as seen on the route to the master (loopback stays loopback)."""
+    try:
+        target = socket.gethostbyname(master_addr)
+    except OSError:
+        return master_addr
+    if target.startswith("127."):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((target, 9))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def listen(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` and an OS-picked port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((socket.gethostbyname(host), 0))
+    sock.listen(1024)
+    return sock
+
+
+def format_address(host: str, port: int) -> str:
+    return f"{host}:{port}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for tests and for the launcher's master port)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
