@@ -35,6 +35,7 @@ class Request:
 @dataclass
 class Shutdown:
     reason: str = "client closed"
+    abort: bool = False  # the run failed: exit at once, non-zero, without waiting for work in progress
 
 
 @dataclass

@@ -54,8 +54,14 @@ def tiny_tokenizer(add_bos: bool, add_eos: bool, vocab_size: int = 320):
 def build_tiny(kind: str, seed: int = 0):
     """(model, tokenizer) of a tiny random model: llama (causal, BOS), gpt2 (causal, no BOS), t5 (seq2seq)."""
     import torch
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     tokenizer = tiny_tokenizer(add_bos=(kind == "llama"), add_eos=(kind == "t5"))
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in SPECIALS.items()}

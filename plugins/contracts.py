@@ -1,0 +1,333 @@
+"""The three plugin contracts (:class:`Head`, :class:`Initializer`, :class:`Updater`) and what they receive.
+
+A plugin is a class. The config names it (entry-point name, ``module:attr`` or ``__main__:Name``)
+with keyword arguments for its constructor; an optional ``args_schema`` class attribute (a JSON
+Schema) lets the config be checked before any model loads. Every hook is documented below; a class
+that breaks the contract is rejected at load time with a message naming the plugin and the hook
+(:func:`check_contract`).
+
+This module defines shapes and documentation only; discovery is in :mod:`llmrl.plugins.registry`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class LLMInfo:
+    """What a plugin may know about the LLM it is attached to."""
+
+    name: str
+    kind: str  # "causal" or "seq2seq"
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    hf_config: Any = None
+    tokenizer: Any = None
+
+
+@dataclass
+class ForwardOutputs:
+    """The outputs of one forward pass over contexts and their candidates, with explicit boundaries.
+
+    Candidates are flattened in context order; ``candidate_context[k]`` is the index of the context
+    of candidate ``k``. Heads never have to guess token positions: the hidden states they need are
+    taken at the right token by the engine.
+
+    Attributes:
+        kind: "causal" or "seq2seq".
+        num_contexts: number of contexts in this pass.
+        candidate_scores: ``[n_candidates]`` sum of the candidate tokens' log-probs (differentiable in updates).
+        candidate_token_counts: ``[n_candidates]`` number of tokens in each candidate.
+        candidate_context: ``[n_candidates]`` context index of each candidate.
+        context_hidden: ``[n_contexts, H]`` last-layer hidden state at each context's last token (causal: the last
+            token of the context tokenised alone; seq2seq: the decoder's start position, which reads the whole
+            encoded context). Present when a head asks for it (``Head.needs_context_hidden``).
+        candidate_hidden: ``[n_candidates, H]`` last-layer hidden state at the last token of context+candidate.
+            Present when a head asks for it (``Head.needs_candidate_hidden``).
+    """
+
+    kind: str
+    num_contexts: int
+    candidate_scores: torch.Tensor
+    candidate_token_counts: torch.Tensor
+    candidate_context: torch.Tensor
+    context_hidden: torch.Tensor | None = None
+    candidate_hidden: torch.Tensor | None = None
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def scores_by_context(self, fill: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores, mask)``, both ``[n_contexts, max_candidates]``: padded per-context candidate scores."""
+        counts = torch.bincount(self.candidate_context.cpu(), minlength=self.num_contexts)
+        width = int(counts.max()) if counts.numel() else 0
+        scores = self.candidate_scores.new_full((self.num_contexts, width), fill)
+        mask = torch.zeros((self.num_contexts, width), dtype=torch.bool, device=scores.device)
+        if self.candidate_scores.numel():
+            starts = torch.cumsum(counts, 0) - counts
+            ctx = self.candidate_context.cpu()
+            col = torch.arange(len(ctx)) - starts[ctx]
+            ctx, col = ctx.to(scores.device), col.to(scores.device)
+            scores = scores.index_put((ctx, col), self.candidate_scores)
+            mask[ctx, col] = True
+        return scores, mask
+
+
+class Head(torch.nn.Module):
+    """A module computing extra outputs from the LLM's forward pass (a value head, a Q-head, a classifier).
+
+    Subclass it, set the class attributes, and implement ``__init__`` and ``forward``. The engine
+    seeds the random generator identically on every replica before building heads, so heads start
+    equal everywhere; they are trained with the model when an updater uses them.
+
+    Class attributes:
+        level: ``"context"`` (one output per context, e.g. a state value) or ``"candidate"``
+            (one output per candidate, e.g. an action value).
+        needs_context_hidden / needs_candidate_hidden: which hidden states ``forward`` reads.
+        args_schema: optional JSON Schema of the constructor's keyword arguments.
+    """
+
+    level: ClassVar[str] = "context"
+    needs_context_hidden: ClassVar[bool] = True
+    needs_candidate_hidden: ClassVar[bool] = False
+    args_schema: ClassVar[dict | None] = None
+
+    def __init__(self, llm: LLMInfo, **args):
+        """Build the head's layers.
+
+        Args:
+            llm: the LLM's sizes, dtype and device (build layers of ``llm.hidden_size``).
+            **args: the ``args`` given in the config.
+        """
+        super().__init__()
+
+    def forward(self, outputs: ForwardOutputs) -> torch.Tensor:
+        """Compute the head's output.
+
+        Args:
+            outputs: the pass's outputs; read ``outputs.context_hidden`` or ``outputs.candidate_hidden``.
+
+        Returns:
+            A tensor whose first dimension is ``outputs.num_contexts`` (level "context") or the number
+            of candidates (level "candidate").
+        """
+        raise NotImplementedError
+
+
+class Initializer:
+    """Transforms the loaded model before the DeepSpeed engine is built: freeze layers, add LoRA
+    adapters, load weights. Initializers run in config order, with the same random seed on every
+    replica.
+
+    Class attributes:
+        args_schema: optional JSON Schema of the constructor's keyword arguments.
+    """
+
+    args_schema: ClassVar[dict | None] = None
+
+    def __init__(self, **args):
+        """Receive the ``args`` given in the config."""
+
+    def initialize(self, model: torch.nn.Module, llm: LLMInfo) -> torch.nn.Module:
+        """Return the model to serve (the same object modified in place, or a wrapper such as a PeftModel).
+
+        Args:
+            model: the Hugging Face model, on its device, in evaluation mode.
+            llm: the LLM's description.
+
+        Returns:
+            The model to use from now on. Parameters left with ``requires_grad=True`` are trained.
+        """
+        raise NotImplementedError
+
+
+class Updater:
+    """One training step on one replica: gets this replica's share of the batch and a :class:`Trainer`.
+
+    Every replica of the LLM runs ``update`` at once, each on its share; DeepSpeed averages the
+    gradients across replicas (never across other LLMs or the client). All replicas must call
+    ``trainer.backward`` and ``trainer.step`` the same number of times: iterate with
+    ``batch.minibatches(...)``, which yields the same number of (possibly empty) minibatches on every
+    replica, and reduce losses with ``batch.mean(...)``, which is exact across replicas.
+
+    Class attributes:
+        args_schema: optional JSON Schema of the constructor's keyword arguments.
+    """
+
+    args_schema: ClassVar[dict | None] = None
+
+    def __init__(self, **args):
+        """Receive the ``args`` given in the config."""
+
+    def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        """Train on this replica's share of the batch.
+
+        Args:
+            batch: the contexts, candidates and per-sample keyword arguments of this replica.
+            trainer: forward passes with gradients, ``backward`` and ``step`` (see :class:`Trainer`).
+
+        Returns:
+            Plain statistics (floats, ints, lists), returned to the client per replica.
+        """
+        raise NotImplementedError
+
+
+class Trainer:
+    """What an updater uses to train (implemented by the engine; documented here for plugin authors).
+
+    Attributes:
+        llm: the LLM's description.
+        engine: the DeepSpeed engine (for advanced use).
+        micro_batch_size / gradient_accumulation_steps: from ``llms.<name>.training``.
+    """
+
+    llm: LLMInfo
+    engine: Any
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+    def forward(self, contexts: list[str], candidates: list[list[str]] | None = None, heads=(),
+                peft_adapter: str | None = None) -> ForwardOutputs:
+        """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none)."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (DeepSpeed scales it for gradient accumulation)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Advance one micro-step; the optimizer steps (and clips) at accumulation boundaries."""
+        raise NotImplementedError
+
+    def adapters_disabled(self):
+        """Context manager: forward passes inside use the base model without LoRA adapters."""
+        raise NotImplementedError
+
+
+def _even_split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+@dataclass
+class UpdateBatch:
+    """This replica's share of an ``update`` call.
+
+    Attributes:
+        contexts / candidates: this replica's samples (``candidates`` may be None).
+        kwargs: keyword arguments of the call; per-sample ones (length = number of contexts) are sliced.
+        indices: positions of these samples in the whole call.
+        global_size: number of samples in the whole call, over all replicas.
+        replica / num_replicas: this replica's index and the number of replicas.
+        replica_sizes: the number of samples of every replica (equal up to one).
+    """
+
+    contexts: list[str]
+    candidates: list[list[str]] | None
+    kwargs: dict[str, Any]
+    indices: list[int]
+    global_size: int
+    replica: int
+    num_replicas: int
+    replica_sizes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of per-sample ``values`` over the whole call, as DeepSpeed will see it once it has
+        averaged gradients across replicas (exact for unequal shares; empty shares contribute zero)."""
+        if self.global_size == 0:
+            return values.sum() * 0.0
+        return values.sum() * (self.num_replicas / self.global_size)
+
+    def select(self, positions: list[int], sizes: list[int]) -> UpdateBatch:
+        """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
+        kwargs = {}
+        for key, value in self.kwargs.items():
+            kwargs[key] = _take(value, positions) if _is_per_sample(value, len(self)) else value
+        return replace(
+            self,
+            contexts=[self.contexts[p] for p in positions],
+            candidates=None if self.candidates is None else [self.candidates[p] for p in positions],
+            kwargs=kwargs,
+            indices=[self.indices[p] for p in positions],
+            global_size=sum(sizes),
+            replica_sizes=list(sizes),
+        )
+
+    def minibatches(self, size: int, shuffle: bool = False, generator: torch.Generator | None = None
+                    ) -> Iterator[UpdateBatch]:
+        """Split into minibatches of at most ``size`` samples per replica.
+
+        Every replica yields the same number of minibatches (the last ones may be empty on replicas
+        with fewer samples), so collective steps stay aligned.
+        """
+        count = max(1, math.ceil(max(self.replica_sizes) / size)) if self.replica_sizes else 1
+        order = list(range(len(self)))
+        if shuffle:
+            order = torch.randperm(len(self), generator=generator).tolist()
+        per_replica = [[min(size, max(0, n - k * size)) for k in range(count)] for n in self.replica_sizes]
+        for k in range(count):
+            positions = order[k * size: k * size + per_replica[self.replica][k]]
+            yield self.select(positions, [sizes[k] for sizes in per_replica])
+
+
+def _is_per_sample(value, n: int) -> bool:
+    if isinstance(value, (str, bytes, dict)):
+        return False
+    try:
+        return len(value) == n
+    except TypeError:
+        return False
+
+
+def _take(value, positions: list[int]):
+    if isinstance(value, torch.Tensor):
+        return value[torch.tensor(positions, dtype=torch.long)] if positions else value[:0]
+    try:
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            return value[positions]
+    except ImportError:
+        pass
+    return type(value)(value[p] for p in positions) if isinstance(value, tuple) else [value[p] for p in positions]
+
+
+# ----------------------------------------------------------------------------- contract checks
+
+_HOOKS = {
+    "head": ("forward", ["outputs"]),
+    "initializer": ("initialize", ["model", "llm"]),
+    "updater": ("update", ["batch", "trainer"]),
+}
+_BASES = {"head": Head, "initializer": Initializer, "updater": Updater}
+
+
+def check_contract(kind: str, cls, name: str) -> str | None:
+    """Why ``cls`` breaks the ``kind`` contract, or None if it keeps it."""
+    if not inspect.isclass(cls):
+        return f"plugin {name!r} must be a class, got {type(cls).__name__}"
+    if kind == "head" and not issubclass(cls, torch.nn.Module):
+        return f"head {name!r} ({cls.__qualname__}) must subclass llmrl.plugins.Head (a torch.nn.Module)"
+    hook, expected = _HOOKS[kind]
+    method = getattr(cls, hook, None)
+    if method is None or method is getattr(_BASES[kind], hook):
+        return f"{kind} {name!r} ({cls.__qualname__}) does not implement {hook}({', '.join(expected)})"
+    params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(required) > len(expected) or (len(positional) < len(expected) and not has_var):
+        got = ", ".join(p.name for p in params)
+        return (f"{kind} {name!r} ({cls.__qualname__}): {hook}({got}) does not match the contract "
+                f"{hook}({', '.join(expected)})")
+    return None
