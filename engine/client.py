@@ -426,6 +426,11 @@ class Caller:
         self._wait(self._links.submit(protocol.PING, [([rank], {})], lambda v: v[rank]))
         return time.perf_counter() - start
 
+    def servers(self) -> dict[int, dict]:
+        """Every server rank: its LLM, replica, tensor-parallel rank, host and pid."""
+        return {rank: {"llm": h.llm, "replica": h.replica, "tp_rank": h.tp_rank, "host": h.host, "pid": h.pid}
+                for rank, h in sorted(self._links.hellos.items())}
+
     def server_memory(self) -> dict[int, dict]:
         """Memory use of every server rank (resident set size, peak, CUDA allocations, parameter bytes)."""
         self._check_open()

@@ -232,6 +232,10 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+            "gpu": "auto", "cuda": "auto", "decoder": "causal", "encoder-decoder": "seq2seq", "adam_w": "adamw"}
+
+
 def schema_problems(data: dict) -> list[Problem]:
     """Validate against the JSON Schema; one readable problem per schema error."""
     import jsonschema
@@ -265,10 +269,15 @@ def _explain(error) -> list[Problem]:
         return [(path, f"expected {expected}, got {_describe(error.instance)}")]
     if kind == "enum":
         options = ", ".join(json.dumps(o) for o in schema["enum"])
-        return [(path, f"{json.dumps(error.instance)} is not one of {options}{_suggest(error.instance, schema['enum'])}")]
+        alias = _ALIASES.get(str(error.instance).lower())
+        hint = f"; did you mean {alias!r}?" if alias in schema["enum"] else _suggest(error.instance, schema["enum"])
+        return [(path, f"{json.dumps(error.instance)} is not one of {options}{hint}")]
     if kind in ("anyOf", "oneOf"):
         hint = schema.get("x-hint", "see the schema's description")
         return [(path, f"{_describe(error.instance)} is not accepted here: {hint}")]
+    if kind == "pattern" and "propertyNames" in error.schema_path:
+        return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a "
+                       "letter or '_'")]
     if kind == "propertyNames":
         return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a letter")]
     if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):

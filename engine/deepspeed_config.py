@@ -24,7 +24,6 @@ def build_deepspeed_config(llm: LLMConfig) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
-        "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * llm.replicas,
         "gradient_clipping": float(training.gradient_clipping),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,

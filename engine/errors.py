@@ -23,6 +23,9 @@ class ConfigError(LLMRLError):
         lines += [f"  - {path or '<root>'}: {message}" for path, message in self.problems]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):
+        return type(self), (self.problems, self.source)
+
 
 class PluginError(LLMRLError):
     """A plugin could not be found, imported, built or run. The message names the plugin."""
@@ -38,9 +41,15 @@ class RequestError(LLMRLError):
         self.rank = rank
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+        self.plugin: str | None = None
+        self.raw_message = message
         prefix = f"[rank {rank}] " if rank is not None else ""
         kind = f"{remote_type}: " if remote_type else ""
         super().__init__(f"{prefix}{kind}{message}")
+
+    def __reduce__(self):
+        return _rebuild_request_error, (self.raw_message, self.rank, self.remote_type, self.remote_traceback,
+                                        self.plugin)
 
 
 class ServerDiedError(LLMRLError):
@@ -49,11 +58,21 @@ class ServerDiedError(LLMRLError):
     def __init__(self, rank: int, reason: str, detail: str = ""):
         self.rank = rank
         self.reason = reason
+        self.detail = detail
         text = f"llmrl server rank {rank} is gone: {reason}"
         if detail:
             text += f" ({detail})"
         super().__init__(text)
 
+    def __reduce__(self):
+        return type(self), (self.rank, self.reason, self.detail)
+
 
 class RequestTimeoutError(LLMRLError, TimeoutError):
     """A request took longer than the request timeout (config key ``timeouts.request``)."""
+
+
+def _rebuild_request_error(message, rank, remote_type, remote_traceback, plugin) -> RequestError:
+    err = RequestError(message, rank=rank, remote_type=remote_type, remote_traceback=remote_traceback)
+    err.plugin = plugin
+    return err

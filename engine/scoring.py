@@ -127,6 +127,9 @@ def _chunk_rows(plan: TokenPlan, batch: BatchSpec, budget: int, max_rows: int, n
 
 
 def accepts_logits_to_keep(model) -> bool:
+    """Whether the model can compute logits at chosen positions only (PEFT wrappers forward it on)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

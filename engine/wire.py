@@ -67,7 +67,8 @@ class Connection:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies must not wait (Nagle)
         self._send_lock = threading.Lock()
         self.closed = False
 

@@ -1,0 +1,28 @@
+"""The ``llmrl`` command: one verb per module (run, validate, env, plugins)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmrl.launch import env, plugins_list, run, validate
+
+VERBS = {
+    "run": (run, "launch a run: rank 0 runs SCRIPT, the other ranks serve the config's LLMs"),
+    "validate": (validate, "check a config without starting anything"),
+    "env": (env, "print the versions and accelerator for a bug report"),
+    "plugins": (plugins_list, "list the installed plugins"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmrl", description="Hugging Face LLMs as RL agents, on DeepSpeed ranks.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for name, (module, help_text) in VERBS.items():
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    return VERBS[args.verb][0].main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

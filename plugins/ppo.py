@@ -1,0 +1,155 @@
+"""The built-in PPO updater (entry point ``ppo``) for policies that choose among scored candidate actions.
+
+The policy over a context's candidates is the softmax of their scores (log p(candidate | context)),
+as in GLAM (Carta et al., 2023). Each update call runs ``epochs`` passes over the batch in shuffled
+minibatches of ``training.micro_batch_size`` samples per replica; DeepSpeed steps the optimizer every
+``gradient_accumulation_steps`` micro-batches and clips gradients by ``training.gradient_clipping``.
+
+Per-sample keyword arguments of ``caller.update(contexts, candidates, ...)``:
+    actions: index of the chosen candidate.
+    old_logprobs: log-prob of that action under the policy that collected the data (``score(..., normalize=True)``).
+    advantages: advantage estimates (normalise them in your script if you want).
+    returns: value targets.
+    old_values: values at collection time (for value clipping; optional when ``value_clip`` is null).
+
+Loss per sample: clipped policy loss + ``value_coef`` x (clipped) value loss - ``entropy_coef`` x entropy
++ ``kl_coef`` x KL(policy || base model), where the base model is the same network with its LoRA
+adapters disabled. The maths lives in :func:`ppo_terms`, a pure function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+
+
+@dataclass
+class PPOTerms:
+    policy_loss: torch.Tensor  # per sample
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    approx_kl: torch.Tensor
+    clipped: torch.Tensor  # 1.0 where the ratio was clipped
+
+
+def ppo_terms(logits: torch.Tensor, mask: torch.Tensor, actions: torch.Tensor, old_logprobs: torch.Tensor,
+              advantages: torch.Tensor, values: torch.Tensor | None, returns: torch.Tensor | None,
+              old_values: torch.Tensor | None, clip_eps: float, value_clip: float | None) -> PPOTerms:
+    """Per-sample PPO terms for a categorical policy over candidates.
+
+    Args:
+        logits: ``[n, K]`` candidate scores (unnormalised log-probs), padded.
+        mask: ``[n, K]`` True for real candidates.
+        actions, old_logprobs, advantages, returns, old_values: ``[n]``.
+        values: ``[n]`` current value estimates (None: no value loss).
+    """
+    logits = logits.masked_fill(~mask, float("-inf"))
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(1, actions[:, None]).squeeze(1)
+    log_ratio = logp - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    policy_loss = -torch.minimum(unclipped, clipped_ratio * advantages)
+    probs = logp_all.exp()
+    entropy = -(probs * logp_all.masked_fill(~mask, 0.0)).sum(-1)
+    approx_kl = (ratio - 1.0) - log_ratio
+    clipped = ((ratio - 1.0).abs() > clip_eps).float()
+    if values is None or returns is None:
+        value_loss = torch.zeros_like(policy_loss)
+    elif value_clip is None or old_values is None:
+        value_loss = 0.5 * (values - returns) ** 2
+    else:
+        values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+        value_loss = 0.5 * torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2)
+    return PPOTerms(policy_loss, value_loss, entropy, approx_kl.detach(), clipped.detach())
+
+
+def kl_to_base(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(policy || base) per sample, both categorical over the same candidates."""
+    logp = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), -1)
+    base = torch.log_softmax(base_logits.masked_fill(~mask, float("-inf")), -1)
+    return (logp.exp() * (logp - base).masked_fill(~mask, 0.0)).sum(-1)
+
+
+class PPOUpdater(Updater):
+    """Args (config ``args``):
+        epochs: passes over the batch per update (default 4).
+        clip_eps: policy ratio clip (default 0.2).
+        value_clip: value clip around ``old_values`` (default 0.2; null disables).
+        value_coef / entropy_coef / kl_coef: loss weights (defaults 0.5, 0.01, 0.0).
+        value_head: the head key giving V(context) (default "value"; null for a policy-only update).
+        peft_adapter: the LoRA adapter to train (default: the active one).
+        seed: seed of the minibatch shuffling.
+    """
+
+    args_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "epochs": {"type": "integer", "minimum": 1},
+            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
+            "value_clip": {"type": ["number", "null"], "exclusiveMinimum": 0},
+            "value_coef": {"type": "number", "minimum": 0},
+            "entropy_coef": {"type": "number"},
+            "kl_coef": {"type": "number", "minimum": 0},
+            "value_head": {"type": ["string", "null"]},
+            "peft_adapter": {"type": ["string", "null"]},
+            "seed": {"type": "integer"},
+        },
+    }
+
+    def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
+                 value_coef: float = 0.5, entropy_coef: float = 0.01, kl_coef: float = 0.0,
+                 value_head: str | None = "value", peft_adapter: str | None = None, seed: int = 0):
+        self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
+        self.value_coef, self.entropy_coef, self.kl_coef = value_coef, entropy_coef, kl_coef
+        self.value_head, self.peft_adapter = value_head, peft_adapter
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        if batch.candidates is None:
+            raise ValueError("the ppo updater needs candidates (the actions offered in each context)")
+        missing = [k for k in ("actions", "old_logprobs", "advantages") if k not in batch.kwargs]
+        if self.value_head and "returns" not in batch.kwargs:
+            missing.append("returns")
+        if missing:
+            raise ValueError(f"the ppo updater needs the per-sample keyword argument(s) {missing} in caller.update(...)")
+        totals: dict[str, float] = {}
+        count = 0
+        heads = [self.value_head] if self.value_head else []
+        for _ in range(self.epochs):
+            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter)
+                logits, mask = out.scores_by_context()
+                device = logits.device
+                field = lambda key: torch.as_tensor(mb.kwargs[key], dtype=torch.float32, device=device)  # noqa: E731
+                actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=device)
+                values = out.heads[self.value_head].float() if self.value_head else None
+                terms = ppo_terms(
+                    logits.float(), mask, actions, field("old_logprobs"), field("advantages"), values,
+                    field("returns") if self.value_head else None,
+                    field("old_values") if "old_values" in mb.kwargs else None, self.clip_eps, self.value_clip)
+                per_sample = (terms.policy_loss + self.value_coef * terms.value_loss
+                              - self.entropy_coef * terms.entropy)
+                kl = torch.zeros_like(per_sample)
+                if self.kl_coef > 0:
+                    with torch.no_grad(), trainer.adapters_disabled():
+                        base, _ = trainer.forward(mb.contexts, mb.candidates).scores_by_context()
+                    kl = kl_to_base(logits.float(), base.float(), mask)
+                    per_sample = per_sample + self.kl_coef * kl
+                trainer.backward(mb.mean(per_sample))
+                trainer.step()
+                n = len(mb)
+                if n:
+                    for key, value in (("policy_loss", terms.policy_loss), ("value_loss", terms.value_loss),
+                                       ("entropy", terms.entropy), ("approx_kl", terms.approx_kl),
+                                       ("clip_fraction", terms.clipped), ("kl_to_base", kl)):
+                        totals[key] = totals.get(key, 0.0) + float(value.detach().sum())
+                    count += n
+        stats = {key: value / max(count, 1) for key, value in totals.items()}
+        stats["samples"] = len(batch)
+        return stats

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny offline models (built once per session) and live runs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Tiny models are built once per test session into one folder shared with every launched rank.
+os.environ.setdefault("LLMRL_TEST_MODELS", os.path.join(tempfile.gettempdir(), "llmrl-tiny-models"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Ranks import test plugins (module:attr) from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"]."""
+    from llmrl.engine.testing import tiny_model
+
+    return {kind: tiny_model(kind) for kind in ("llama", "gpt2", "t5")}
+
+
+@pytest.fixture(scope="session")
+def reference_models():
+    """In-process (model, tokenizer) pairs identical to the saved tiny models."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from llmrl.engine.testing import tiny_model
+
+    out = {}
+    for kind in ("llama", "gpt2", "t5"):
+        path = tiny_model(kind)
+        cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
+        model = cls.from_pretrained(path).eval()
+        out[kind] = (model, AutoTokenizer.from_pretrained(path))
+    return out
+
+
+@pytest.fixture
+def live_run():
+    """Factory of LiveRun objects that are all stopped (and their processes killed) after the test."""
+    from llmrl.engine.testing import LiveRun
+
+    runs = []
+
+    def start(config, **kwargs):
+        run = LiveRun(config, **kwargs)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        if run.process.poll() is None:
+            run.kill()

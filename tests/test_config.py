@@ -1,0 +1,175 @@
+"""Config validation: every shipped config is valid; every broken config gets all its errors at once,
+each with its dotted path and a hint; overrides; rank counting."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+
+import pytest
+import torch
+
+from llmrl.engine.config import load_config, world_size_problem
+from llmrl.engine.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_there_are_documented_configs():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"cpu-single.yaml", "cpu-two-replicas.yaml", "cpu-tensor-parallel.yaml", "gpu.yaml",
+            "two-nodes.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_is_valid(path):
+    config = load_config(path, check_environment=False)
+    assert config.world_size >= 2
+    if "gpu" in os.path.basename(path) and not torch.cuda.is_available():
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert [p for p, _ in err.value.problems] == ["llms.policy.devices"]
+    else:
+        load_config(path)  # environment checks pass too
+
+
+def test_two_nodes_config_matches_the_example_hostfile():
+    from llmrl.launch.command import hostfile_slots
+
+    config = load_config(os.path.join(ROOT, "configs", "two-nodes.yaml"), check_environment=False)
+    with open(os.path.join(ROOT, "hostfile.example")) as f:
+        assert sum(hostfile_slots(f.read()).values()) == config.world_size
+
+
+@pytest.fixture
+def base(tiny):
+    return {"llms": {"main": {"model": tiny["llama"]}}}
+
+
+def _mutate(config, path, value):
+    node = config
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    if value is _DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return config
+
+
+_DELETE = object()
+
+# (dotted key to set, value, expected problem path, expected words in its message)
+BROKEN = [
+    ("llms.main.replicas", "2", "llms.main.replicas", "expected integer"),
+    ("llm", {}, "llm", "did you mean 'llms'"),
+    ("llms.main.replica", 2, "llms.main.replica", "did you mean 'replicas'"),
+    ("llms.main.model", _DELETE, "llms.main", "missing required key 'model'"),
+    ("llms.main.model", "/nonexistent/models/tiny", "llms.main.model", "does not exist"),
+    ("llms.main.dtype", "fp32", "llms.main.dtype", "did you mean 'float32'"),
+    ("llms.main.tensor_parallel", 0, "llms.main.tensor_parallel", "must be >= 1"),
+    ("llms.main.tensor_parallel", 3, "llms.main.tensor_parallel", "does not divide"),
+    ("llms.main.devices", [0, 1, 2], "llms.main.devices", "one id per rank"),
+    ("llms.main.devices", "gpu", "llms.main.devices", "write cpu, auto, or a list"),
+    ("llms.main.dtype", "float16", "llms.main.dtype", "not supported on CPU"),
+    ("llms.main.training.zero_stage", 4, "llms.main.training.zero_stage", "is not one of"),
+    ("llms.main.training.optimizer.lr", -1, "llms.main.training.optimizer.lr", "must be > 0"),
+    ("timeouts.request", "soon", "timeouts.request", "expected number or null"),
+    ("llms.main.heads", {"v": "valu"}, "llms.main.heads.v", "did you mean 'value'"),
+    ("llms.main.heads", {"v": {"plugin": "value", "args": {"hidden": "big"}}}, "llms.main.heads.v.args", "hidden"),
+    ("llms.main.heads", {"v": {"plugin": "value", "args": {"width": 3}}}, "llms.main.heads.v.args", "width"),
+    ("llms.main.heads", {"v": {"plugin": "nosuchmodule.heads:Head"}}, "llms.main.heads.v", "failed"),
+    ("llms.main.quantization", {"bits": 4}, "llms.main.quantization", "cannot be tensor-parallel"),
+    ("llms", {}, "llms", "at least one"),
+    ("llms.my llm", {"model": "x"}, "llms", "not allowed"),
+    ("llms.main.checkpoint", "/nonexistent/ckpt", "llms.main.checkpoint", "does not exist"),
+    ("seed", -1, "seed", "must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("key,value,path,words", BROKEN, ids=[f"{b[0]}={b[1]!r}" for b in BROKEN])
+def test_broken_config_names_the_field(base, key, value, path, words):
+    config = _mutate(copy.deepcopy(base), key, value)
+    if key == "llms.main.quantization":
+        config["llms"]["main"]["tensor_parallel"] = 2
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=config)
+    problems = err.value.problems
+    assert any(p == path and words in m for p, m in problems), problems
+
+
+def test_cuda_devices_on_a_cpu_only_machine(base):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    base["llms"]["main"]["devices"] = [0]
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base)
+    assert err.value.problems == [("llms.main.devices", err.value.problems[0][1])]
+    assert "CUDA is not available" in err.value.problems[0][1]
+
+
+def test_4bit_without_bitsandbytes(base, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    base["llms"]["main"]["quantization"] = {"bits": 4}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base)
+    assert err.value.problems == [("llms.main.quantization", "needs the bitsandbytes package: pip install bitsandbytes")]
+
+
+def test_gpt2_cannot_be_tensor_parallel(tiny):
+    config = {"llms": {"main": {"model": tiny["gpt2"], "tensor_parallel": 2}}}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=config)
+    assert any("AutoTP does not support gpt2" in m for _, m in err.value.problems)
+
+
+def test_every_error_is_reported_at_once(base):
+    base["llms"]["main"].update({"replicas": "two", "dtype": "fp32", "replica": 3})
+    base["timeouts"] = {"startup": -5}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base)
+    paths = sorted(p for p, _ in err.value.problems)
+    assert paths == ["llms.main.dtype", "llms.main.replica", "llms.main.replicas", "timeouts.startup"]
+    text = str(err.value)
+    assert "4 problem(s)" in text and "llms.main.replica: unknown key 'replica'" in text
+
+
+def test_overrides_are_typed_and_validated(base):
+    config = load_config(raw=base, overrides=["llms.main.replicas=3", "seed=7", "llms.main.devices=cpu",
+                                              "timeouts.request=null"])
+    assert config.llms["main"].replicas == 3 and config.seed == 7 and config.timeouts.request is None
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base, overrides=["llms.main.replicass=2", "nonsense"])
+    paths = [p for p, _ in err.value.problems]
+    assert "nonsense" in paths and "llms.main.replicass" in paths
+
+
+def test_defaults_are_filled(base):
+    llm = load_config(raw=base).llms["main"]
+    assert (llm.type, llm.dtype, llm.replicas, llm.tensor_parallel, llm.devices) == ("causal", "float32", 1, 1, "cpu")
+    assert llm.training.zero_stage == 0 and llm.updater is None and llm.prefix_reuse
+
+
+def test_world_size_counts_every_rank(base):
+    base["llms"]["main"].update({"replicas": 2, "tensor_parallel": 2})
+    base["llms"]["critic"] = {"model": base["llms"]["main"]["model"], "replicas": 3}
+    config = load_config(raw=base)
+    assert config.world_size == 1 + 4 + 3
+    assert world_size_problem(config, 8) is None
+    message = world_size_problem(config, 5)
+    assert "started 5 rank(s) but the config needs 8" in message and "--num_gpus 8" in message
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("llms: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

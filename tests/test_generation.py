@@ -1,0 +1,67 @@
+"""Batched generation equals plain Hugging Face generate, and its log-probs are the raw model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrl.engine.generation import check_generate_kwargs, generate
+
+PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
+
+
+def _reference_logprobs(model, tok, prompt, tokens, seq2seq):
+    with torch.no_grad():
+        if seq2seq:
+            dec = [model.config.decoder_start_token_id] + tokens[:-1]
+            logits = model(**tok(prompt, return_tensors="pt"), decoder_input_ids=torch.tensor([dec])).logits[0]
+            return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        ids = tok(prompt)["input_ids"]
+        full = torch.tensor([ids + tokens])
+        logits = model(input_ids=full).logits[0]
+        lp = torch.log_softmax(logits, -1)
+        return torch.stack([lp[len(ids) + t - 1, tok_id] for t, tok_id in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+def test_greedy_generation_matches_plain_hf(reference_models, kind):
+    model, tok = reference_models[kind]
+    k = "seq2seq" if kind == "t5" else "causal"
+    results = generate(model, tok, k, PROMPTS, {"max_new_tokens": 6, "do_sample": False}, "cpu", 8192, 64, 512)
+    for prompt, (sample,) in zip(PROMPTS, results):
+        with torch.no_grad():
+            enc = tok(prompt, return_tensors="pt")
+            plain = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        plain = plain[0, enc["input_ids"].shape[1]:] if k == "causal" else plain[0, 1:]
+        plain = plain.tolist()
+        eos = model.generation_config.eos_token_id
+        if eos in plain:
+            plain = plain[: plain.index(eos) + 1]
+        assert sample["tokens"].tolist() == plain
+        expected = _reference_logprobs(model, tok, prompt, plain, k == "seq2seq")
+        torch.testing.assert_close(sample["logprobs"], expected, atol=1e-4, rtol=0)
+
+
+def test_sampled_logprobs_are_raw_and_stop_at_eos(reference_models):
+    model, tok = reference_models["llama"]
+    torch.manual_seed(0)
+    greedy = generate(model, tok, "causal", PROMPTS[:1], {"max_new_tokens": 8}, "cpu", 8192, 64, 512)[0][0]
+    stop = greedy["tokens"][2].item()  # make the third generated token an EOS
+    out = generate(model, tok, "causal", PROMPTS[:1], {"max_new_tokens": 8, "eos_token_id": stop}, "cpu", 8192, 64,
+                   512)[0][0]
+    assert out["tokens"].tolist() == greedy["tokens"][:3].tolist()
+    assert len(out["logprobs"]) == 3
+    # Temperature and top-k change the sampling, not the reported log-probs.
+    hot = generate(model, tok, "causal", PROMPTS[:2], {"max_new_tokens": 5, "do_sample": True, "temperature": 3.0,
+                                                        "top_k": 5, "num_return_sequences": 3}, "cpu", 8192, 64, 512,
+                   seed=1)
+    assert [len(r) for r in hot] == [3, 3]
+    for prompt, samples in zip(PROMPTS[:2], hot):
+        for s in samples:
+            expected = _reference_logprobs(model, tok, prompt, s["tokens"].tolist(), False)
+            torch.testing.assert_close(s["logprobs"], expected, atol=1e-4, rtol=0)
+
+
+def test_reserved_generate_arguments_are_refused():
+    with pytest.raises(ValueError, match="output_logits"):
+        check_generate_kwargs({"output_logits": False})
