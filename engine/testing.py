@@ -177,7 +177,7 @@ class LiveRun:
             raw = config
             self.config_path = str(self.workdir / "config.yaml")
             with open(self.config_path, "w") as f:
-                yaml.safe_dump(config, f)
+                yaml.safe_dump(config, f, sort_keys=False)
         from llmrl.engine.config import load_config
 
         self.config = load_config(raw=raw, overrides=list(overrides), check_environment=False, check_plugins=False)

@@ -124,23 +124,7 @@ class PPOUpdater(Updater):
         for _ in range(self.epochs):
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter)
-                logits, mask = out.scores_by_context()
-                device = logits.device
-                field = lambda key: torch.as_tensor(mb.kwargs[key], dtype=torch.float32, device=device)  # noqa: E731
-                actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=device)
-                values = out.heads[self.value_head].float() if self.value_head else None
-                terms = ppo_terms(
-                    logits.float(), mask, actions, field("old_logprobs"), field("advantages"), values,
-                    field("returns") if self.value_head else None,
-                    field("old_values") if "old_values" in mb.kwargs else None, self.clip_eps, self.value_clip)
-                per_sample = (terms.policy_loss + self.value_coef * terms.value_loss
-                              - self.entropy_coef * terms.entropy)
-                kl = torch.zeros_like(per_sample)
-                if self.kl_coef > 0:
-                    with torch.no_grad(), trainer.adapters_disabled():
-                        base, _ = trainer.forward(mb.contexts, mb.candidates).scores_by_context()
-                    kl = kl_to_base(logits.float(), base.float(), mask)
-                    per_sample = per_sample + self.kl_coef * kl
+                per_sample, terms, kl = self._loss(mb, out, trainer)
                 trainer.backward(mb.mean(per_sample))
                 trainer.step()
                 n = len(mb)
@@ -153,3 +137,24 @@ class PPOUpdater(Updater):
         stats = {key: value / max(count, 1) for key, value in totals.items()}
         stats["samples"] = len(batch)
         return stats
+
+    def _loss(self, mb: UpdateBatch, out, trainer: Trainer):
+        """Per-sample total loss of one minibatch, with its PPO terms and KL to the base model."""
+        logits, mask = out.scores_by_context()
+        device = logits.device
+
+        def column(key: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.as_tensor(mb.kwargs[key], dtype=dtype, device=device)
+
+        values = out.heads[self.value_head].float() if self.value_head else None
+        terms = ppo_terms(logits.float(), mask, column("actions", torch.long), column("old_logprobs"),
+                          column("advantages"), values, column("returns") if self.value_head else None,
+                          column("old_values") if "old_values" in mb.kwargs else None, self.clip_eps, self.value_clip)
+        per_sample = terms.policy_loss + self.value_coef * terms.value_loss - self.entropy_coef * terms.entropy
+        kl = torch.zeros_like(per_sample)
+        if self.kl_coef > 0:
+            with torch.no_grad(), trainer.adapters_disabled():
+                base, _ = trainer.forward(mb.contexts, mb.candidates).scores_by_context()
+            kl = kl_to_base(logits.float(), base.float(), mask)
+            per_sample = per_sample + self.kl_coef * kl
+        return per_sample, terms, kl

@@ -19,7 +19,8 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
               []]
 
 
-def run_plan(model, tok, kind, contexts, candidates, needs=Needs(), budget=8192, rows=64, reuse=True):
+def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True):
+    needs = needs or Needs()
     plan = tokenize(tok, kind, contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
     ctx_hidden = [None] * len(contexts)

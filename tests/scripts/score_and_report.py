@@ -1,0 +1,20 @@
+"""A client script for launch tests: scores one request and reports what it saw as JSON."""
+
+import json
+import os
+import sys
+
+from llmrl import Caller
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    with open(f"{out}.ran.{os.getpid()}", "w"):
+        pass
+    with Caller() as caller:
+        scores = caller.score(["You see a wall"], [[" turn left", " go forward"]])
+        report = {"argv": sys.argv, "scores": [s.tolist() for s in scores],
+                  "servers": {str(k): v for k, v in caller.servers().items()}}
+    with open(out, "w") as f:
+        json.dump(report, f)
+    if len(sys.argv) > 2 and sys.argv[2] == "--exit":
+        sys.exit(int(sys.argv[3]))
