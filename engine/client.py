@@ -416,6 +416,17 @@ class Caller:
         self._check_open()
         return save_run(self, os.fspath(path))
 
+    def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:
+        """The LLM's full weights (model, adapters and heads; ZeRO-3 and tensor-parallel shards gathered) as CPU
+        tensors, keyed like ``model.<hf name>`` and ``heads.<key>.<name>``; ``prefix`` selects a subset.
+        ``replica=k`` returns replica k's own copy instead (ZeRO 0-2 without tensor parallelism)."""
+        self._check_open()
+        name = self._check_llm(llm)
+        replicas = self._replicas(name)
+        ranks = [r for group in replicas for r in group] if replica is None else replicas[replica]
+        payload = {"prefix": prefix, "replica": replica}
+        return self._wait(self._links.submit(protocol.STATE_DICT, [(ranks, payload)], lambda values: values[ranks[0]]))
+
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
         import time

@@ -20,9 +20,10 @@ UPDATE = "update"
 SAVE = "save"
 PING = "ping"
 STATS = "stats"
+STATE_DICT = "state_dict"
 SLEEP = "sleep"  # test hook: hold a rank busy without computing
 
-KINDS = (SETUP, SCORE, GENERATE, UPDATE, SAVE, PING, STATS, SLEEP)
+KINDS = (SETUP, SCORE, GENERATE, UPDATE, SAVE, PING, STATS, STATE_DICT, SLEEP)
 
 
 @dataclass

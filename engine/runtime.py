@@ -337,6 +337,11 @@ class LLMRuntime:
 
         return save_shard(self, payload["path"])
 
+    def state_dict(self, payload: dict):
+        from llmrl.engine.checkpoint import state_dict_request
+
+        return state_dict_request(self, payload)
+
     def memory(self) -> dict:
         import resource
 

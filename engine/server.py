@@ -196,7 +196,8 @@ class Server:
         if not self.set_up:
             raise RuntimeError("the server is not set up: create the Caller first")
         handler = {protocol.SCORE: runtime.score, protocol.GENERATE: runtime.generate,
-                   protocol.UPDATE: runtime.update, protocol.SAVE: runtime.save}.get(kind)
+                   protocol.UPDATE: runtime.update, protocol.SAVE: runtime.save,
+                   protocol.STATE_DICT: runtime.state_dict}.get(kind)
         if handler is None:
             raise ValueError(f"unknown request kind {kind!r}")
         return handler(payload)

@@ -1,0 +1,95 @@
+"""Plugins used by the tests; servers import them as ``llmrl_test_plugins:Name`` (tests/ is on their path)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from llmrl.plugins.contracts import Head, Updater
+
+
+class ChosenScoreUpdater(Updater):
+    """loss_i = -weight_i * log p(chosen candidate_i | context_i) [+ (V(context_i) - target_i)^2].
+
+    Deterministic and simple, so that a plain PyTorch step can reproduce it exactly.
+    Keyword arguments of ``update``: actions, weights, targets (per sample); adapter, fail_on_replica and
+    fail_after_steps (whole: make one replica raise after that many micro-steps).
+    """
+
+    def __init__(self, head: str | None = None):
+        self.head = head
+
+    def update(self, batch, trainer):
+        total, steps = 0.0, 0
+        adapter = batch.kwargs.get("adapter")
+        fail_on = batch.kwargs.get("fail_on_replica")
+        for mb in batch.minibatches(trainer.micro_batch_size):
+            if fail_on == batch.replica and steps >= batch.kwargs.get("fail_after_steps", 0):
+                raise ValueError(f"deliberate failure on replica {batch.replica}")
+            out = trainer.forward(mb.contexts, mb.candidates, heads=[self.head] if self.head else [],
+                                  peft_adapter=adapter)
+            scores, _ = out.scores_by_context(fill=0.0)
+            actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=scores.device)
+            weights = torch.as_tensor(mb.kwargs["weights"], dtype=torch.float32, device=scores.device)
+            per_sample = -weights * scores.gather(1, actions[:, None]).squeeze(1)
+            if self.head:
+                targets = torch.as_tensor(mb.kwargs["targets"], dtype=torch.float32, device=scores.device)
+                per_sample = per_sample + (out.heads[self.head] - targets) ** 2
+            loss = mb.mean(per_sample)
+            trainer.backward(loss)
+            trainer.step()
+            total += float(loss)
+            steps += 1
+        return {"loss": total, "micro_steps": steps, "replica": batch.replica, "indices": batch.indices}
+
+
+class ConstantHead(Head):
+    """Outputs ``value`` for every context (plus 0 x a parameter, so it is a real module)."""
+
+    args_schema = {"type": "object", "properties": {"value": {"type": "number"}}, "additionalProperties": False}
+
+    def __init__(self, llm, value: float = 1.5):
+        super().__init__(llm)
+        self.value = value
+        self.scale = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, outputs):
+        return torch.full((outputs.num_contexts,), self.value) + 0 * self.scale
+
+
+class CandidateLengthHead(Head):
+    """A candidate-level head: the number of tokens of each candidate (checks boundaries reach heads)."""
+
+    level = "candidate"
+    needs_context_hidden = False
+    needs_candidate_hidden = True
+
+    def forward(self, outputs):
+        return outputs.candidate_token_counts.float() + 0 * outputs.candidate_hidden.sum(-1)
+
+
+class SlowHead(Head):
+    """Sleeps ``seconds`` in its forward: a request that takes too long."""
+
+    def __init__(self, llm, seconds: float = 5.0):
+        super().__init__(llm)
+        self.seconds = seconds
+
+    def forward(self, outputs):
+        time.sleep(self.seconds)
+        return torch.zeros(outputs.num_contexts)
+
+
+class BrokenHead(Head):
+    """Raises in its forward."""
+
+    def forward(self, outputs):
+        raise RuntimeError("BrokenHead always fails")
+
+
+class NoForwardHead(torch.nn.Module):
+    """Breaks the head contract (no forward(outputs))."""
+
+    def __init__(self, llm):
+        super().__init__()
