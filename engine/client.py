@@ -517,7 +517,8 @@ def _startup_bar(progress: bool, total: int):
         from tqdm import tqdm
     except ImportError:
         return None
-    bar = tqdm(total=total, desc="llmrl: servers connected", unit="rank", leave=False, file=sys.stderr)
+    bar = tqdm(total=total, desc="llmrl: servers connected", unit="rank", leave=False, file=sys.stderr,
+               disable=None)  # None: shown on a terminal, silent in logs
 
     def update_to(done: int, _total: int) -> None:
         if done != bar.n:

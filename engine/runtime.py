@@ -186,6 +186,12 @@ class LLMRuntime:
         self._seed(self.config.seed + 1)
         heads = {key: registry.build("head", spec, llm=self.info).to(self.device)
                  for key, spec in self.head_specs.items()}
+        for key, head in heads.items():
+            scalars = [name for name, p in head.named_parameters() if p.dim() == 0]
+            if scalars:
+                raise _plugin_error(f"head {key!r} ({self.head_specs[key].plugin}) has 0-dimensional parameter(s) "
+                                    f"{scalars}; DeepSpeed cannot broadcast those: give them shape (1,)",
+                                    self.head_specs[key].plugin)
         updater_spec = script_plugins.get("updater") or self.llm.updater
         if isinstance(updater_spec, str):
             updater_spec = PluginSpec(updater_spec)

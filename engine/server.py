@@ -41,6 +41,23 @@ def exit_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def quiet_libraries(config: Config, device_type: str) -> None:
+    """Keep DeepSpeed's and transformers' chatter (progress bars, INFO lines) out of the run's output."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "unable to detect a GPU" warning at import
+    verbose = config.log_level == "debug"
+    import logging
+
+    import transformers
+
+    if not verbose:
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
 def threads_for_server(config: Config, node_rank: int) -> int:
     if config.threads_per_rank:
         return config.threads_per_rank
@@ -133,6 +150,7 @@ class Server:
         # DeepSpeed reads these; in this process they describe the LLM's world, not the launcher's.
         os.environ.update(RANK=str(role.group_rank), WORLD_SIZE=str(role.group_size), MASTER_ADDR=host,
                           MASTER_PORT=str(port), LOCAL_RANK=str(self.device.index or 0))
+        quiet_libraries(self.config, self.device.type)
         dist.init_process_group(backend=backend, store=group_store, rank=role.group_rank, world_size=role.group_size,
                                 timeout=datetime.timedelta(seconds=self.config.timeouts.collective))
         self.control_group = dist.new_group(backend="gloo") if role.group_size > 1 else None

@@ -28,6 +28,7 @@ class RunOptions:
     master_port: int | None = None
     no_ssh: bool = False
     node_rank: int | None = None
+    launcher_log_level: str = "warning"  # DeepSpeed's launcher chatter (per-process INFO lines) stays out of the way
     extra_launcher_args: list[str] = field(default_factory=list)
 
 
@@ -65,6 +66,7 @@ def deepspeed_command(options: RunOptions, world_size: int, executable: str = "d
         cmd += ["--master_addr", options.master_addr]
     if options.master_port:
         cmd += ["--master_port", str(options.master_port)]
+    cmd += ["--log_level", options.launcher_log_level]
     cmd += list(options.extra_launcher_args)
     cmd += ["--module", "llmrl.launch", "--config", options.config, *options.overrides]
     cmd += ["-m", options.module] if options.module else [options.script]

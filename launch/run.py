@@ -83,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:
         exit_file = os.path.join(tmp, "exit-code")
         env = {**os.environ, "LLMRL_EXIT_CODE_FILE": exit_file}
+        if all(llm.devices == "cpu" for llm in config.llms.values()):
+            env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
         process = subprocess.Popen(cmd, env=env)
         while True:
             try:

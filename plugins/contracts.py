@@ -85,7 +85,8 @@ class Head(torch.nn.Module):
 
     Subclass it, set the class attributes, and implement ``__init__`` and ``forward``. The engine
     seeds the random generator identically on every replica before building heads, so heads start
-    equal everywhere; they are trained with the model when an updater uses them.
+    equal everywhere; they are trained with the model when an updater uses them. Parameters need at
+    least one dimension (DeepSpeed cannot broadcast 0-dimensional ones): use shape ``(1,)`` for a scalar.
 
     Class attributes:
         level: ``"context"`` (one output per context, e.g. a state value) or ``"candidate"``

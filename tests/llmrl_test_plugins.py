@@ -52,7 +52,7 @@ class ConstantHead(Head):
     def __init__(self, llm, value: float = 1.5):
         super().__init__(llm)
         self.value = value
-        self.scale = torch.nn.Parameter(torch.zeros(()))
+        self.scale = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, outputs):
         return torch.full((outputs.num_contexts,), self.value) + 0 * self.scale
