@@ -158,6 +158,9 @@ class Updater:
     ``batch.minibatches(...)``, which yields the same number of (possibly empty) minibatches on every
     replica, and reduce losses with ``batch.mean(...)``, which is exact across replicas.
 
+    An updater with state of its own (a random generator, running statistics) may define
+    ``state_dict()`` and ``load_state_dict(state)``; checkpoints then save and restore it.
+
     Class attributes:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
     """

@@ -138,6 +138,13 @@ class PPOUpdater(Updater):
         stats["samples"] = len(batch)
         return stats
 
+    def state_dict(self) -> dict:
+        """Saved in checkpoints, so a resumed run shuffles its minibatches as an uninterrupted one would."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def _loss(self, mb: UpdateBatch, out, trainer: Trainer):
         """Per-sample total loss of one minibatch, with its PPO terms and KL to the base model."""
         logits, mask = out.scores_by_context()

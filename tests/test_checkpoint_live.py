@@ -1,0 +1,111 @@
+"""Checkpoints: save, then resume into a new run, and the next update equals an uninterrupted run's; the
+export loads with plain transformers / peft and scores the same; heads are exported too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from llmrl.engine.checkpoint import MANIFEST
+from llmrl.engine.testing import LiveRun
+
+pytestmark = pytest.mark.slow
+CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "open the door", "x x"]
+CANDIDATES = [[" turn left", " go forward"], [" pick up", " drop", " toggle"], [" slowly", " fast"], [" a", " b"]]
+FIRST = {"actions": [1, 0, 1, 0], "weights": [1.0, -0.5, 1.0, 0.3], "targets": [0.5, 1.0, -1.0, 0.0]}
+SECOND = {"actions": [0, 2, 0, 1], "weights": [0.7, 1.0, -0.4, 1.0], "targets": [1.0, 0.0, 0.5, -0.5]}
+
+
+def config(tiny, checkpoint=None):
+    training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 2}
+    updater = {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}}
+    heads = {"value": {"plugin": "value", "args": {"hidden": 8}}}
+    llms = {
+        "adapter": {"model": tiny["llama"], "replicas": 2, "heads": heads, "updater": updater,
+                    "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}],
+                    "training": {**training, "zero_stage": 2}},
+        "full": {"model": tiny["llama"], "replicas": 2, "heads": heads, "updater": updater,
+                 "training": {**training, "zero_stage": 3}},
+    }
+    if checkpoint:
+        for llm in llms.values():
+            llm["checkpoint"] = checkpoint
+    return {"llms": llms, "threads_per_rank": 1}
+
+
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    """An uninterrupted run: update, save, update again; what it held at the save and at the end."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "checkpoint")
+    out = {"path": path}
+    with LiveRun(config(tiny)) as run:
+        for name in ("adapter", "full"):
+            run.update(CONTEXTS, CANDIDATES, llm=name, **FIRST)
+        run.save(path)
+        run.save(path)  # saving again over a checkpoint replaces it
+        for name in ("adapter", "full"):
+            out[name, "scores"] = run.score(CONTEXTS, CANDIDATES, llm=name)
+            out[name, "values"] = run.custom_module_fns(["value"], CONTEXTS, llm=name)
+            run.update(CONTEXTS, CANDIDATES, llm=name, **SECOND)
+            out[name, "final"] = run.state_dict(llm=name)
+    return out
+
+
+def test_the_checkpoint_is_complete_and_alone(saved):
+    path = saved["path"]
+    assert os.path.isfile(os.path.join(path, MANIFEST))
+    assert sorted(os.listdir(os.path.dirname(path))) == ["checkpoint"]  # no staging or backup left behind
+    for name in ("adapter", "full"):
+        assert os.path.isdir(os.path.join(path, name, "deepspeed"))
+        assert os.path.isfile(os.path.join(path, name, "export", "heads.safetensors"))
+
+
+def test_resume_continues_exactly(saved, tiny):
+    with LiveRun(config(tiny, checkpoint=saved["path"])) as run:
+        for name in ("adapter", "full"):
+            for got, want in zip(run.score(CONTEXTS, CANDIDATES, llm=name), saved[name, "scores"]):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+            run.update(CONTEXTS, CANDIDATES, llm=name, **SECOND)  # Adam: needs the optimizer state restored
+            resumed, uninterrupted = run.state_dict(llm=name), saved[name, "final"]
+            assert resumed.keys() == uninterrupted.keys()
+            for key in resumed:
+                torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=0,
+                                           msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+
+
+def _plain_scores(model, tok):
+    from llmrl.engine.testing import reference_scores
+
+    return reference_scores(model, tok, CONTEXTS, CANDIDATES)
+
+
+def test_exports_load_with_plain_transformers_and_peft(saved, tiny):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmrl.plugins.contracts import LLMInfo
+    from llmrl.plugins.value_head import ValueHead
+
+    export = os.path.join(saved["path"], "adapter", "export")
+    tok = AutoTokenizer.from_pretrained(os.path.join(export, "tokenizer"))
+    base = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    peft_model = PeftModel.from_pretrained(base, os.path.join(export, "adapters", "default")).eval()
+    for got, want in zip(_plain_scores(peft_model, tok), saved["adapter", "scores"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+    export = os.path.join(saved["path"], "full", "export")
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(export, "model")).eval()
+    for got, want in zip(_plain_scores(model, tok), saved["full", "scores"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+    head = ValueHead(LLMInfo("x", "causal", model.config.hidden_size, model.config.vocab_size, torch.float32,
+                             torch.device("cpu")), hidden=8)
+    head.load_state_dict({k[len("value."):]: v for k, v in load_file(os.path.join(export, "heads.safetensors")).items()})
+    with torch.no_grad():
+        for context, want in zip(CONTEXTS, saved["full", "values"]):
+            hidden = model(**tok(context, return_tensors="pt"), output_hidden_states=True).hidden_states[-1][:, -1]
+            value = head.mlp(hidden).squeeze()
+            assert float(value) == pytest.approx(float(want["value"]), abs=1e-4)
