@@ -109,7 +109,7 @@ def assert_params(after: dict, expected: dict, before: dict, atol=1e-5):
 def test_heads_start_identical_on_every_replica(zero_run):
     """Runs before any update (tests run in file order on the module's run)."""
     reference = zero_run.state_dict(llm="z0r1", prefix="heads.")
-    assert reference and all(v.abs().sum() > 0 for v in reference.values())
+    assert reference and any(v.abs().sum() > 0 for v in reference.values())
     for name in ("z0r2", "z1r2", "z2r2"):
         for replica in (0, 1):
             heads = zero_run.state_dict(llm=name, prefix="heads.", replica=replica)
