@@ -1,0 +1,308 @@
+"""Benchmark llmrl against plain Hugging Face on RL-shaped workloads; print ratios, write JSON.
+
+    python benchmarks/run.py                      # SmolLM2-135M, the headline figures (about 15 minutes on 2 cores)
+    python benchmarks/run.py --model tiny --quick  # a tiny random Llama: a smoke test in under a minute
+    python benchmarks/run.py --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
+
+In one run on one machine it measures, each as a ratio to its baseline:
+  - ``score`` through llmrl (one server) vs the plain Hugging Face code a user would write (concatenate
+    context and candidate, pad, batched forward, gather log-probs), on 16 contexts of ~200 tokens with 6
+    candidates of 2-5 tokens, and with 64 candidates (the naive baseline may run a subset of the contexts
+    and be scaled; the table says so);
+  - ``score`` through llmrl vs the same computation done in this process by llmrl's own model code
+    (the engine's overhead: dispatch, serialisation, process hops);
+  - ``generate`` through llmrl vs plain batched Hugging Face ``generate`` with the same settings;
+  - the round trip of a minimal request;
+  - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
+It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
+once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it.
+The server and this process never compute at the same time, and use the same number of threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ACTIONS = ["go forward", "turn left", "turn right", "pick up", "drop", "toggle", "open the door", "go to the red ball",
+           "pick up the blue key", "go to the green box", "open the yellow door", "put the key next to the ball",
+           "look around", "wait", "go back", "close the door"]
+COLORS = ["red", "green", "blue", "purple", "yellow", "grey"]
+OBJECTS = ["ball", "box", "key", "door", "wall"]
+
+
+def make_workload(tokenizer, contexts: int, context_tokens: int, candidates: int, seed: int = 0) -> list[dict]:
+    """Text-game observations of about ``context_tokens`` tokens, with action candidates of 2-5 tokens."""
+    rng = random.Random(seed)
+    work = []
+    for i in range(contexts):
+        text = f"Episode {i}. Your goal: go to the {rng.choice(COLORS)} {rng.choice(OBJECTS)}."
+        while len(tokenizer(text)["input_ids"]) < context_tokens:
+            text += (f" You see a {rng.choice(COLORS)} {rng.choice(OBJECTS)} {rng.randint(1, 6)} steps "
+                     f"{rng.choice(['forward', 'left', 'right'])}.")
+        text += " Next action:"
+        pool = set()
+        while len(pool) < candidates:
+            action = rng.choice(ACTIONS)
+            if len(pool) >= len(ACTIONS) or action in pool:
+                action = f"{rng.choice(['go to', 'pick up', 'open'])} the {rng.choice(COLORS)} {rng.choice(OBJECTS)}"
+            pool.add(action)
+        work.append({"context": text, "candidates": [" " + a for a in sorted(pool)]})
+    return work
+
+
+def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
+    """FLOP/s of a square float32 matrix multiply with ``threads`` threads (best of a few)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def unique_tokens(tokenizer, workload: list[dict]) -> int:
+    total = 0
+    for item in workload:
+        ctx = len(tokenizer(item["context"])["input_ids"])
+        total += ctx + sum(max(0, len(tokenizer(item["context"] + c)["input_ids"]) - ctx) for c in item["candidates"])
+    return total
+
+
+def naive_scores(model, tokenizer, workload: list[dict], rows_per_forward: int = 16) -> list[torch.Tensor]:
+    """What a user writes with plain Hugging Face: concatenated texts, padded batches, gathered log-probs."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = []
+    for i, item in enumerate(workload):
+        ctx_len = len(tokenizer(item["context"])["input_ids"])
+        for c in item["candidates"]:
+            rows.append((i, tokenizer(item["context"] + c)["input_ids"], ctx_len))
+    out = [[] for _ in workload]
+    with torch.no_grad():
+        for start in range(0, len(rows), rows_per_forward):
+            chunk = rows[start:start + rows_per_forward]
+            width = max(len(ids) for _, ids, _ in chunk)
+            ids = torch.full((len(chunk), width), pad)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (_, seq, _) in enumerate(chunk):
+                ids[r, : len(seq)] = torch.tensor(seq)
+                mask[r, : len(seq)] = 1
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+            for r, (i, seq, ctx_len) in enumerate(chunk):
+                out[i].append(sum(logp[r, t - 1, seq[t]].item() for t in range(ctx_len, len(seq))))
+    return [torch.tensor(s) for s in out]
+
+
+def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: int) -> list[torch.Tensor]:
+    """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it."""
+    from llmrl.engine.scoring import Needs, accepts_logits_to_keep, plan_batches, run_batch
+    from llmrl.engine.tokenization import tokenize
+
+    plan = tokenize(tokenizer, "causal", [w["context"] for w in workload], [w["candidates"] for w in workload],
+                    max_length=None)
+    out = [None] * len(workload)
+    keep = accepts_logits_to_keep(model)
+    with torch.no_grad():
+        for batch in plan_batches(plan, token_budget, minibatch, Needs()):
+            res = run_batch(model, plan, batch, Needs(), tokenizer.pad_token_id, "cpu", keep)
+            offset = 0
+            for i in batch.contexts:
+                k = len(plan.contexts[i].candidates)
+                out[i] = res.scores[offset:offset + k]
+                offset += k
+    return out
+
+
+def interleaved(first, second, repeats: int):
+    """Median times of two functions run alternately after one warm-up each (drift hits both alike)."""
+    first()
+    second()
+    times = ([], [])
+    results = [None, None]
+    for _ in range(repeats):
+        for k, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            results[k] = fn()
+            times[k].append(time.perf_counter() - start)
+    return (statistics.median(times[0]), results[0]), (statistics.median(times[1]), results[1])
+
+
+def timed(fn, repeats: int = 1):
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def max_error(a, b) -> float:
+    return max(float((x - y).abs().max()) if len(x) else 0.0 for x, y in zip(a, b))
+
+
+def model_path(name: str) -> str:
+    if name == "tiny":
+        from llmrl.engine.testing import tiny_model
+
+        return tiny_model("llama")
+    if name == "smollm2":
+        from llmrl.engine.builtin_models import builtin_model_path
+
+        return str(builtin_model_path("smollm2-135m-instruct"))
+    return name
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a local model folder")
+    parser.add_argument("--workload", help="a JSON list of {context, candidates} to measure instead of the built-in ones")
+    parser.add_argument("--quick", action="store_true", help="small workloads, one repeat (a smoke test)")
+    parser.add_argument("--naive-budget", type=float, default=150.0,
+                        help="seconds the naive baseline may take per workload; beyond that it runs a subset and scales")
+    parser.add_argument("--token-budget", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--skip-memory", action="store_true", help="skip the float32/bfloat16/4-bit loading runs")
+    parser.add_argument("--out", default="benchmark-results.json")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmrl.engine.testing import LiveRun
+
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads)
+    path = model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in model.parameters())
+    rate = measure_matmul_rate(threads)
+    per_token = 2 * params / rate
+    repeats = 1 if args.quick else args.repeats
+    if args.workload:
+        with open(args.workload) as f:
+            workloads = {os.path.basename(args.workload): json.load(f)}
+    else:
+        n, length = (4, 60) if args.quick else (16, 200)
+        workloads = {"6 candidates": make_workload(tokenizer, n, length, 6),
+                     "64 candidates": make_workload(tokenizer, n, length, 8 if args.quick else 64, seed=1)}
+    rows: list[dict] = []
+    config = {"llms": {"main": {"model": path, "token_budget": args.token_budget}}}
+    print(f"model {args.model}: {params / 1e6:.1f}M parameters; matmul {rate / 1e9:.1f} GFLOP/s on {threads} threads; "
+          f"compute limit {per_token * 1e3:.2f} ms per token", file=sys.stderr)
+    with LiveRun(config) as run:
+        for name, work in workloads.items():
+            contexts = [w["context"] for w in work]
+            candidates = [w["candidates"] for w in work]
+            tokens = unique_tokens(tokenizer, work)
+            limit = tokens * per_token
+            served_fn = lambda c=contexts, k=candidates: run.score(c, k)  # noqa: E731
+            inproc_fn = lambda w=work: inprocess_scores(model, tokenizer, w, args.token_budget, 64)  # noqa: E731
+            (served_time, served), (inproc_time, inproc) = interleaved(served_fn, inproc_fn, repeats)
+            rows_total = sum(len(w["candidates"]) for w in work)
+            est = naive_estimate(model, tokenizer, work)
+            subset = len(work) if est <= args.naive_budget else max(1, int(len(work) * args.naive_budget / est))
+            naive_time, naive = timed(lambda w=work[:subset]: naive_scores(model, tokenizer, w))
+            naive_scaled = naive_time * len(work) / subset
+            rows.append({"workload": name, "contexts": len(work), "candidate rows": rows_total,
+                         "unique tokens": tokens, "compute limit s": limit,
+                         "llmrl score s": served_time, "in-process s": inproc_time,
+                         "naive HF s": naive_scaled, "naive subset": f"{subset}/{len(work)}",
+                         "speedup vs naive": naive_scaled / served_time,
+                         "engine efficiency (in-process / llmrl)": inproc_time / served_time,
+                         "llmrl / limit": served_time / limit,
+                         "max |llmrl - naive|": max_error(served[:subset], naive),
+                         "max |llmrl - in-process|": max_error(served, inproc)})
+            print_row(rows[-1])
+        gen_contexts = [w["context"] for w in next(iter(workloads.values()))]
+        new_tokens = 8 if args.quick else 16
+        (gen_time, generated), (plain_time, plain) = interleaved(
+            lambda: run.generate(gen_contexts, max_new_tokens=new_tokens, do_sample=False),
+            lambda: plain_generate(model, tokenizer, gen_contexts, new_tokens), repeats)
+        same = sum(g[0]["tokens"].tolist() == p for g, p in zip(generated, plain))
+        rows.append({"workload": f"generate {len(gen_contexts)} x {new_tokens} tokens (greedy)",
+                     "llmrl generate s": gen_time, "plain HF generate s": plain_time,
+                     "generate speed ratio (plain / llmrl)": plain_time / gen_time,
+                     "identical outputs": f"{same}/{len(gen_contexts)}"})
+        print_row(rows[-1])
+        run.ping()
+        trips = sorted(run.ping() for _ in range(200))
+        rows.append({"workload": "minimal request round trip", "median ms": 1e3 * trips[100],
+                     "p95 ms": 1e3 * trips[190]})
+        print_row(rows[-1])
+    if not args.skip_memory:
+        rows.append(memory_row(path, args.quick))
+        print_row(rows[-1])
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "parameters": params, "threads": threads, "matmul GFLOP/s": rate / 1e9,
+                   "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def naive_estimate(model, tokenizer, work) -> float:
+    """Seconds the naive baseline would take, from one small forward (to decide on a subset)."""
+    ids = torch.tensor([tokenizer(work[0]["context"] + work[0]["candidates"][0])["input_ids"]] * 4)
+    with torch.no_grad():
+        model(input_ids=ids)
+        start = time.perf_counter()
+        model(input_ids=ids)
+    per_token = (time.perf_counter() - start) / ids.numel()
+    tokens = sum(len(tokenizer(w["context"] + c)["input_ids"]) for w in work for c in w["candidates"])
+    return per_token * tokens
+
+
+def plain_generate(model, tokenizer, prompts, new_tokens) -> list[list[int]]:
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    result = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        result.append(row[:end])
+    return result
+
+
+def memory_row(path: str, quick: bool) -> dict:
+    """Weights' memory and peak resident memory of one server per loading mode."""
+    from llmrl.engine.testing import LiveRun
+
+    llms = {"float32": {"model": path}, "bfloat16": {"model": path, "dtype": "bfloat16"},
+            "int4": {"model": path, "quantization": {"bits": 4, "quant_type": "nf4"}}}
+    with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+        memory = run.server_memory()
+        servers = run.servers()
+    by_llm = {servers[r]["llm"]: m for r, m in memory.items()}
+    fp32 = by_llm["float32"]["parameter_bytes"]
+    row = {"workload": "memory per server (MB)"}
+    for name, m in by_llm.items():
+        row[f"{name} weights"] = m["parameter_bytes"] / 2**20
+        row[f"{name} peak RSS"] = m["peak_rss"] / 2**20
+        row[f"{name} weights / float32"] = m["parameter_bytes"] / fp32
+    return row
+
+
+def print_row(row: dict) -> None:
+    print(f"\n== {row['workload']}")
+    for key, value in row.items():
+        if key == "workload":
+            continue
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"   {key:<42} {text}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The benchmark runs end to end on tiny inputs and writes its table (no timing is asserted here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_runs_on_a_tiny_model(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--model", "tiny", "--quick",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["workload"]: row for row in json.loads(out.read_text())["rows"]}
+    assert {"6 candidates", "64 candidates", "minimal request round trip", "memory per server (MB)"} <= set(rows)
+    for name in ("6 candidates", "64 candidates"):
+        assert rows[name]["max |llmrl - naive|"] < 1e-3 and rows[name]["max |llmrl - in-process|"] < 1e-3
+    assert "speedup vs naive" in result.stdout and "compute limit" in result.stderr
