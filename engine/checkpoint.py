@@ -136,6 +136,9 @@ def save_shard(runtime, staging: str):
     """This rank's part of a save (collective over the LLM's ranks)."""
     llm_dir = Path(staging) / runtime.llm.name
     runtime.engine.save_checkpoint(str(llm_dir / "deepspeed"), tag=TAG)
+    delay = float(os.environ.get("LLMRL_TEST_SAVE_DELAY", "0"))  # fault injection: tests crash a run mid-save
+    if delay:
+        time.sleep(delay)
     state_dir = llm_dir / "state"
     state_dir.mkdir(parents=True, exist_ok=True)
     updater_state = runtime.updater.state_dict() if hasattr(runtime.updater, "state_dict") else None

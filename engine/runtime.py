@@ -32,10 +32,12 @@ from llmrl.engine.topology import RankRole
 class ModelWithHeads(torch.nn.Module):
     """The served model and its heads; ``forward`` scores a planned request and runs the named heads."""
 
-    def __init__(self, model, heads: dict, kind: str, pad_id: int, start_id: int | None, prefix_reuse: bool):
+    def __init__(self, model, heads: dict, kind: str, pad_id: int, start_id: int | None, prefix_reuse: bool,
+                 head_plugins: dict[str, str] | None = None):
         super().__init__()
         self.model = model
         self.heads = torch.nn.ModuleDict(heads)
+        self.head_plugins = dict(head_plugins or {})
         self.kind = kind
         self.pad_id = pad_id
         self.start_id = start_id
@@ -70,7 +72,11 @@ class ModelWithHeads(torch.nn.Module):
             outputs.candidate_scores = scores + 0.0 * self._throwaway_calls(extra_calls)
         out = {"scores": outputs.candidate_scores, "counts": counts, "context_of": context_of}
         for key in head_keys:
-            out[f"head:{key}"] = self.heads[key](outputs)
+            try:
+                out[f"head:{key}"] = self.heads[key](outputs)
+            except Exception as err:
+                plugin = self.head_plugins.get(key, type(self.heads[key]).__name__)
+                raise _plugin_error(f"head {key!r} ({plugin}) failed: {type(err).__name__}: {err}", plugin) from err
         return out
 
     def _throwaway_calls(self, n: int) -> torch.Tensor:
@@ -196,10 +202,11 @@ class LLMRuntime:
         if isinstance(updater_spec, str):
             updater_spec = PluginSpec(updater_spec)
         self.updater = registry.build("updater", updater_spec) if updater_spec else None
+        self.updater_name = updater_spec.plugin if updater_spec else None
         start_id = getattr(self.model.config, "decoder_start_token_id", None)
         prefix_reuse = self.llm.prefix_reuse and not (self.lockstep and self.llm.type == "seq2seq")
         self.module = ModelWithHeads(self.model, heads, self.llm.type, self.tokenizer.pad_token_id, start_id,
-                                     prefix_reuse)
+                                     prefix_reuse, {key: spec.plugin for key, spec in self.head_specs.items()})
         if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
             raise PluginError(f"LLM {self.llm.name!r} has an updater but no trainable parameter "
                               "(did an initializer freeze everything?)")

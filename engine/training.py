@@ -126,7 +126,7 @@ def run_update(runtime, payload: dict):
         num_replicas=runtime.llm.replicas, replica_sizes=payload["replica_sizes"],
     )
     trainer = EngineTrainer(runtime)
-    name = type(runtime.updater).__name__
+    name = runtime.updater_name or type(runtime.updater).__name__
     try:
         stats = runtime.updater.update(batch, trainer)
         trainer.finish()
@@ -137,7 +137,7 @@ def run_update(runtime, payload: dict):
         if not trainer.failed_vote_cast:
             trainer._check_peers(False, "")
         trainer.discard_partial_accumulation()
-        error = PluginError(f"updater {name} failed after {trainer.optimizer_steps} optimizer step(s) "
+        error = PluginError(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                             f"(applied on every replica alike): {type(err).__name__}: {err}")
         error.plugin = name
         raise error from err

@@ -51,8 +51,10 @@ def _name(obj) -> str:
     return f"{obj.color} {obj.type}"
 
 
-def describe(env) -> str:
-    """What the agent sees, in words (``env`` is a minigrid environment, unwrapped or not)."""
+def describe(env, walls: bool = True) -> str:
+    """What the agent sees, in words (``env`` is a minigrid environment, unwrapped or not).
+
+    ``walls=False`` leaves walls out (shorter prompts, for levels where they do not matter)."""
     base = env.unwrapped
     grid, visible = base.gen_obs_grid()
     size = grid.width
@@ -71,7 +73,7 @@ def describe(env) -> str:
                 where.append(_steps(forward, "forward"))
             things.append((forward + abs(lateral), f"a {_name(obj)} {' and '.join(where)}"))
     things.sort(key=lambda t: t[0])
-    walls = []
+    wall_texts = []
     for label, cells in (("forward", [(ax, ay - k) for k in range(1, size)]),
                          ("left", [(ax - k, ay) for k in range(1, ax + 1)]),
                          ("right", [(ax + k, ay) for k in range(1, size - ax)])):
@@ -80,9 +82,9 @@ def describe(env) -> str:
             if not visible[i, j]:
                 break
             if obj is not None and obj.type == "wall":
-                walls.append(f"a wall {_steps(k, label)}")
+                wall_texts.append(f"a wall {_steps(k, label)}")
                 break
-    seen = [text for _, text in things] + walls
+    seen = [text for _, text in things] + (wall_texts if walls else [])
     sentence = f"You see {', '.join(seen)}." if seen else "You see nothing."
     if base.carrying is not None:
         sentence += f" You carry a {_name(base.carrying)}."
@@ -96,8 +98,8 @@ class TextObservation:
     actions: list[str]
 
 
-def observe(env, actions: list[str]) -> TextObservation:
-    return TextObservation(goal=env.unwrapped.mission, description=describe(env), actions=list(actions))
+def observe(env, actions: list[str], walls: bool = True) -> TextObservation:
+    return TextObservation(goal=env.unwrapped.mission, description=describe(env, walls), actions=list(actions))
 
 
 @dataclass
@@ -120,6 +122,7 @@ class TextVecEnv:
         seeds: where each environment's seed sequence starts (env k uses seeds[k], seeds[k] + stride, ...).
         max_steps: steps before an episode times out (None: the level's own limit).
         seed_stride: distance between successive seeds of one environment.
+        walls: describe the nearest walls (True) or only objects (False: shorter prompts).
     """
 
     level: str
@@ -127,6 +130,7 @@ class TextVecEnv:
     seeds: list[int]
     max_steps: int | None = None
     seed_stride: int = 1
+    walls: bool = True
     envs: list = field(init=False)
     actions: list[str] = field(init=False)
 
@@ -147,7 +151,7 @@ class TextVecEnv:
         self._current_seed[k] = seed
         self._returns[k], self._lengths[k] = 0.0, 0
         self.envs[k].reset(seed=seed)
-        return observe(self.envs[k], self.actions)
+        return observe(self.envs[k], self.actions, self.walls)
 
     def reset(self) -> list[TextObservation]:
         return [self._reset_one(k) for k in range(self.num_envs)]
@@ -169,7 +173,7 @@ class TextVecEnv:
                                              length=self._lengths[k], seed=self._current_seed[k])
                 observations.append(self._reset_one(k))
             else:
-                observations.append(observe(env, self.actions))
+                observations.append(observe(env, self.actions, self.walls))
             rewards.append(float(reward))
             dones.append(done)
             infos.append(info)

@@ -17,6 +17,8 @@ _ADAPTER_SCHEMA = {
         "alpha": {"type": "number", "exclusiveMinimum": 0},
         "dropout": {"type": "number", "minimum": 0, "maximum": 1},
         "target_modules": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "layers": {"type": "array", "items": {"type": "integer"}},
+        "last_layers": {"type": "integer", "minimum": 1},
         "path": {"type": "string"},
     },
 }
@@ -24,7 +26,9 @@ _ADAPTER_SCHEMA = {
 
 class LoraInitializer(Initializer):
     """Args (config ``args``):
-        adapters: ``{name: {r, alpha, dropout, target_modules, path}}`` (default: one adapter ``default``, r=8).
+        adapters: ``{name: {r, alpha, dropout, target_modules, layers, last_layers, path}}`` (default: one
+            adapter ``default``, r=8, on every linear layer). ``last_layers: k`` adapts only the top k
+            transformer layers: backward passes then stop there, which makes updates much cheaper.
     """
 
     args_schema = {
@@ -50,9 +54,14 @@ class LoraInitializer(Initializer):
                 else:
                     peft_model.load_adapter(path, adapter_name=name, is_trainable=True)
                 continue
+            layers = spec.get("layers")
+            if spec.get("last_layers"):
+                count = model.config.get_text_config().num_hidden_layers
+                layers = list(range(max(0, count - spec["last_layers"]), count))
+            targets = spec.get("target_modules") or ("all-linear" if layers is None else _layer_linear_names(model))
             config = LoraConfig(task_type=task, r=spec.get("r", 8), lora_alpha=spec.get("alpha", 2 * spec.get("r", 8)),
-                                lora_dropout=spec.get("dropout", 0.0),
-                                target_modules=spec.get("target_modules", "all-linear"))
+                                lora_dropout=spec.get("dropout", 0.0), target_modules=targets,
+                                layers_to_transform=layers)
             if peft_model is None:
                 peft_model = get_peft_model(model, config, adapter_name=name)
             else:
@@ -64,3 +73,18 @@ class LoraInitializer(Initializer):
             if any(f".{adapter}." in name or name.endswith(f".{adapter}") for adapter in self.adapters) and "lora_" in name:
                 param.requires_grad_(True)
         return peft_model
+
+
+def _layer_linear_names(model) -> list[str]:
+    """Names of the linear modules inside the transformer layers (what "all-linear" means, made explicit,
+    since PEFT needs explicit names to restrict adapters to some layers)."""
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt")
+        if is_linear and ".layers." in f".{name}." or is_linear and ".h." in f".{name}.":
+            names.add(name.rsplit(".", 1)[-1])
+    if not names:
+        raise ValueError("found no linear module inside the model's layers; give target_modules explicitly")
+    return sorted(names)

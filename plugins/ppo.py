@@ -26,6 +26,30 @@ import torch
 from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
 
 
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over ``T`` steps of ``N`` environments (client-side helper).
+
+    Args:
+        rewards, values, dones: ``[T, N]``; ``dones[t]`` is 1 when the episode ended at step t (the value after
+            it is not used).
+        last_values: ``[N]`` value of the observation after the last step.
+
+    Returns:
+        ``(advantages, returns)``, both ``[T, N]``; returns = advantages + values.
+    """
+    steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    running = torch.zeros_like(last_values, dtype=torch.float32)
+    for t in reversed(range(steps)):
+        next_values = last_values if t == steps - 1 else values[t + 1]
+        alive = 1.0 - dones[t].float()
+        delta = rewards[t] + gamma * next_values * alive - values[t]
+        running = delta + gamma * lam * alive * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
 @dataclass
 class PPOTerms:
     policy_loss: torch.Tensor  # per sample
@@ -83,6 +107,8 @@ class PPOUpdater(Updater):
         value_coef / entropy_coef / kl_coef: loss weights (defaults 0.5, 0.01, 0.0).
         value_head: the head key giving V(context) (default "value"; null for a policy-only update).
         peft_adapter: the LoRA adapter to train (default: the active one).
+        temperature: the policy is softmax(scores / temperature) (default 1; above 1 explores more). Sample
+            with the same temperature in your script.
         seed: seed of the minibatch shuffling.
     """
 
@@ -98,16 +124,19 @@ class PPOUpdater(Updater):
             "kl_coef": {"type": "number", "minimum": 0},
             "value_head": {"type": ["string", "null"]},
             "peft_adapter": {"type": ["string", "null"]},
+            "temperature": {"type": "number", "exclusiveMinimum": 0},
             "seed": {"type": "integer"},
         },
     }
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.01, kl_coef: float = 0.0,
-                 value_head: str | None = "value", peft_adapter: str | None = None, seed: int = 0):
+                 value_head: str | None = "value", peft_adapter: str | None = None, temperature: float = 1.0,
+                 seed: int = 0):
         self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
         self.value_coef, self.entropy_coef, self.kl_coef = value_coef, entropy_coef, kl_coef
         self.value_head, self.peft_adapter = value_head, peft_adapter
+        self.temperature = temperature
         self.generator = torch.Generator().manual_seed(seed)
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
@@ -148,6 +177,7 @@ class PPOUpdater(Updater):
     def _loss(self, mb: UpdateBatch, out, trainer: Trainer):
         """Per-sample total loss of one minibatch, with its PPO terms and KL to the base model."""
         logits, mask = out.scores_by_context()
+        logits = logits / self.temperature
         device = logits.device
 
         def column(key: str, dtype=torch.float32) -> torch.Tensor:
@@ -162,6 +192,6 @@ class PPOUpdater(Updater):
         if self.kl_coef > 0:
             with torch.no_grad(), trainer.adapters_disabled():
                 base, _ = trainer.forward(mb.contexts, mb.candidates).scores_by_context()
-            kl = kl_to_base(logits.float(), base.float(), mask)
+            kl = kl_to_base(logits.float(), base.float() / self.temperature, mask)
             per_sample = per_sample + self.kl_coef * kl
         return per_sample, terms, kl

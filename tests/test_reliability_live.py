@@ -1,0 +1,242 @@
+"""Reliability: bad requests and plugin failures are reported with the server's message and rank while the
+servers keep serving; a failing updater leaves replicas identical; timeouts; dead servers make the client
+raise and every process exit; a failing or interrupted script stops the servers with its exit code; a crash
+during save keeps the previous checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from llmrl.engine.errors import RequestError, RequestTimeoutError, ServerDiedError
+from llmrl.engine.testing import LiveRun
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "open the door", "x x"]
+CANDIDATES = [[" turn left", " go forward"], [" pick up", " drop", " toggle"], [" slowly", " fast"], [" a", " b"]]
+
+
+def trainable(tiny, **extra):
+    config = {"model": tiny["llama"], "replicas": 2,
+              "updater": "llmrl_test_plugins:ChosenScoreUpdater",
+              "training": {"zero_stage": 2, "optimizer": {"type": "sgd", "lr": 0.1}, "micro_batch_size": 2,
+                           "gradient_accumulation_steps": 2}}
+    config.update(extra)
+    return config
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    config = {"llms": {
+        "main": {"model": tiny["llama"], "replicas": 2,
+                 "heads": {"value": "value", "broken": "llmrl_test_plugins:BrokenHead",
+                           "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 4}}},
+                 "initializers": [{"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}]},
+        "trainable": trainable(tiny),
+        "sharded": {"model": tiny["llama"], "replicas": 2, "training": {"zero_stage": 3}},
+    }, "threads_per_rank": 1, "timeouts": {"request": 2.5, "collective": 6}}
+    live = LiveRun(config)
+    yield live
+    live.close()
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_requests_are_refused_and_the_servers_keep_serving(run):
+    reference = run.score(CONTEXTS, CANDIDATES)
+    bad = [
+        (lambda: run.score(CONTEXTS, CANDIDATES[:2]), ValueError, "got 4 contexts but 2 candidate lists"),
+        (lambda: run.score("one string", [[" a"]]), TypeError, "contexts must be a list of strings"),
+        (lambda: run.score([1, 2], [[], []]), TypeError, "contexts\\[0\\] must be a string"),
+        (lambda: run.score(CONTEXTS, CANDIDATES, llm="mian"), ValueError, "unknown llm 'mian'"),
+        (lambda: run.custom_module_fns(["valeu"], CONTEXTS), RequestError, "unknown head\\(s\\) \\['valeu'\\]"),
+        (lambda: run.score(CONTEXTS, CANDIDATES, peft_adapter="c"), RequestError, "unknown peft_adapter 'c'"),
+        (lambda: run.score(["x " * 600], [[" a"]]), RequestError, "accepts at most 512"),
+        (lambda: run.generate(["a"], max_new_tokens=2, no_such_argument=1), RequestError, "no_such_argument"),
+        (lambda: run.generate(["a"], output_logits=False), RequestError, "set by llmrl itself"),
+    ]
+    for call, kind, words in bad:
+        with pytest.raises(kind, match=words) as err:
+            call()
+        if kind is RequestError:
+            assert err.value.rank in (1, 2) and err.value.remote_traceback
+        assert same(run.score(CONTEXTS, CANDIDATES), reference)
+
+
+def test_a_failing_head_is_named(run):
+    reference = run.custom_module_fns(["value"], CONTEXTS)
+    with pytest.raises(RequestError, match="head 'broken' \\(llmrl_test_plugins:BrokenHead\\) failed: "
+                                           "RuntimeError: BrokenHead always fails") as err:
+        run.custom_module_fns(["value", "broken"], CONTEXTS)
+    assert err.value.plugin == "llmrl_test_plugins:BrokenHead"
+    again = run.custom_module_fns(["value"], CONTEXTS)
+    assert all(torch.equal(a["value"], b["value"]) for a, b in zip(again, reference))
+
+
+def test_a_failing_updater_leaves_replicas_identical(run):
+    batch = {"actions": [1, 0, 1, 0] * 4, "weights": [1.0] * 16}
+    contexts, candidates = CONTEXTS * 4, CANDIDATES * 4
+    before = run.state_dict(llm="trainable")
+    with pytest.raises(RequestError, match="after 0 optimizer step\\(s\\).*deliberate failure on replica 1"):
+        run.update(contexts, candidates, llm="trainable", fail_on_replica=1, **batch)
+    after = run.state_dict(llm="trainable")
+    assert all(torch.equal(before[k], after[k]) for k in before), "no replica may apply a step"
+    # 8 samples per replica, micro-batch 2 x accumulation 2: replica 1 fails after the first optimizer step.
+    with pytest.raises(RequestError, match="after 1 optimizer step\\(s\\)") as err:
+        run.update(contexts, candidates, llm="trainable", fail_on_replica=1, fail_after_steps=2, **batch)
+    assert err.value.plugin == "llmrl_test_plugins:ChosenScoreUpdater"
+    first, second = (run.state_dict(llm="trainable", replica=r) for r in (0, 1))
+    assert all(torch.equal(first[k], second[k]) for k in first), "replicas must hold the same weights"
+    assert any(not torch.equal(first[k], before[k]) for k in first), "the first step was applied by both"
+    stats = run.update(contexts, candidates, llm="trainable", **batch)  # and training goes on
+    assert [s["optimizer_steps"] for s in stats] == [2, 2]
+    first, second = (run.state_dict(llm="trainable", replica=r) for r in (0, 1))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_slow_request_times_out_and_the_next_one_succeeds(run):
+    reference = run.score(CONTEXTS, CANDIDATES)
+    start = time.monotonic()
+    with pytest.raises(RequestTimeoutError, match="longer than 2.5 s"):
+        run.custom_module_fns(["slow"], CONTEXTS)
+    assert time.monotonic() - start < 10
+    assert same(run.score(CONTEXTS, CANDIDATES), reference)  # queued behind the slow one, then served
+
+
+def test_idle_servers_outlive_the_collective_timeout(run, reference_models):
+    from llmrl.engine.testing import reference_scores
+
+    time.sleep(8)  # longer than timeouts.collective: idle servers wait on their sockets, not in a collective
+    model, tok = reference_models["llama"]
+    for got, want in zip(run.score(CONTEXTS, CANDIDATES, llm="sharded"), reference_scores(model, tok, CONTEXTS,
+                                                                                          CANDIDATES)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def _dies_cleanly(live: LiveRun, rank: int, start: float, limit: float = 60.0):
+    code = live.wait(limit)
+    assert code != 0
+    assert time.monotonic() - start < limit
+    assert f"llmrl: server rank {rank}" in live.log and "is gone" in live.log
+    deadline = time.monotonic() + 10
+    while live.leftover_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live.leftover_processes() == []
+
+
+@pytest.mark.parametrize("when", ["idle", "during a request"])
+def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, when):
+    live = LiveRun({"llms": {"main": {"model": tiny["llama"], "replicas": 2, "heads": {
+        "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 20}}}}}, "threads_per_rank": 1})
+    try:
+        victim = 2
+        pid = live.servers()[victim]["pid"]
+        outcome = []
+        if when == "during a request":
+            def call():
+                try:
+                    live.custom_module_fns(["slow"], CONTEXTS, timeout=120)
+                except BaseException as err:  # noqa: BLE001
+                    outcome.append(err)
+            thread = threading.Thread(target=call)
+            thread.start()
+            time.sleep(2)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        if when == "idle":
+            time.sleep(0.5)
+            # ServerDiedError, or RuntimeError when the launcher ended the run before the client could answer.
+            with pytest.raises((ServerDiedError, RuntimeError)):
+                live.score(CONTEXTS, CANDIDATES, timeout=60)
+        else:
+            thread.join(60)
+            assert outcome, "the waiting call must raise"
+        _dies_cleanly(live, victim, start)
+    finally:
+        live.kill()
+
+
+def test_an_exception_in_the_script_stops_the_servers_with_its_exit_code(tiny):
+    live = LiveRun({"llms": {"main": {"model": tiny["llama"], "replicas": 2}}, "threads_per_rank": 1})
+    pids = [s["pid"] for s in live.servers().values()]
+    live.raise_in_script("the RL loop crashed")
+    assert live.wait(60) == 1
+    assert "RuntimeError: the RL loop crashed" in live.log
+    time.sleep(1)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert live.leftover_processes() == []
+
+
+@pytest.mark.parametrize("target", ["client", "process group"])
+def test_ctrl_c_stops_everything(tmp_path, tiny, target):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"llms": {"main": {"model": tiny["llama"], "replicas": 2}},
+                                      "threads_per_rank": 1}))
+    pid_file = tmp_path / "pid"
+    process = subprocess.Popen([sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(config),
+                                os.path.join(HERE, "scripts", "wait_forever.py"), str(pid_file)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(6)  # the servers are up and the loop is scoring
+        if target == "client":
+            os.kill(int(pid_file.read_text()), signal.SIGINT)
+        else:
+            os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        output, _ = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, output[-2000:]
+    time.sleep(1)
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(config) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
+
+
+def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
+    from llmrl.engine.checkpoint import MANIFEST, resolve_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    batch = {"actions": [1, 0, 1, 0], "weights": [1.0, 1.0, 1.0, 1.0]}
+    config = {"llms": {"trainable": trainable(tiny)}, "threads_per_rank": 1}
+    with LiveRun(config) as first:
+        first.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
+        first.save(path)
+        saved_scores = first.score(CONTEXTS, CANDIDATES, llm="trainable")
+    slow = LiveRun(config, env={"LLMRL_TEST_SAVE_DELAY": "60"})
+    try:
+        slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
+        slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
+        thread = threading.Thread(target=lambda: _ignore(slow.save, path), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".ckpt.staging-*/trainable/deepspeed")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(tmp_path.glob(".ckpt.staging-*")), "the save must have started"
+    finally:
+        slow.kill()  # SIGKILL every process of the run in the middle of the save
+    assert resolve_checkpoint(path) == tmp_path / "ckpt" and (tmp_path / "ckpt" / MANIFEST).is_file()
+    config["llms"]["trainable"]["checkpoint"] = path
+    with LiveRun(config) as resumed:
+        assert same(resumed.score(CONTEXTS, CANDIDATES, llm="trainable"), saved_scores)
+
+
+def _ignore(fn, *args):
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - the run is killed under it
+        pass
