@@ -24,7 +24,14 @@ import torch
 
 from llmrl.engine.config import Config, LLMConfig
 from llmrl.engine.errors import PluginError
-from llmrl.engine.scoring import BatchSpec, Needs, accepts_logits_to_keep, plan_batches, run_batch
+from llmrl.engine.scoring import (
+    BatchSpec,
+    Needs,
+    accepts_logits_to_keep,
+    causal_calls,
+    plan_batches,
+    run_batch,
+)
 from llmrl.engine.tokenization import TokenPlan, tokenize
 from llmrl.engine.topology import RankRole
 
@@ -123,12 +130,10 @@ def _cat(parts, empty_shape, device, dtype=None) -> torch.Tensor:
 
 
 def count_model_calls(plan: TokenPlan, batches: list[BatchSpec], kind: str) -> int:
-    calls = 0
-    for b in batches:
-        if kind == "causal" and max((plan.contexts[i].shared for i in b.contexts), default=0) > 0:
-            calls += 1
-        calls += len(b.chunks)
-    return calls
+    """Model calls a request makes (seq2seq in lockstep re-encodes per chunk: one call per chunk)."""
+    if kind == "causal":
+        return sum(causal_calls(plan, b) for b in batches)
+    return sum(len(b.chunks) for b in batches)
 
 
 class LLMRuntime:

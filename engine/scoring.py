@@ -41,6 +41,9 @@ class Needs:
 class BatchSpec:
     contexts: list[int]  # indices into the plan's contexts
     chunks: list[list[tuple[int, int]]] = field(default_factory=list)  # rows: (position in contexts, candidate or COMPLETION)
+    # Causal models: candidate (a, j) reads its logits from the row of candidate (a, cover[a, j]), whose inputs
+    # start with its own (" turn left" and " turn right" both need only " turn": one row serves both).
+    cover: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +95,21 @@ def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs
     return batches
 
 
+def _cover_rows(plan: TokenPlan, i: int, a: int, wanted: list[int], needs: Needs, cover: dict) -> list[int]:
+    """Candidates whose rows are computed; fills ``cover`` for every wanted candidate. A candidate whose
+    inputs are a prefix of another's reads that row: causal attention makes the shared positions identical."""
+    inputs = {j: _row_inputs(plan, i, j, needs) for j in wanted}
+    kept: list[int] = []
+    for j in sorted(wanted, key=lambda j: -len(inputs[j])):
+        mine = inputs[j]
+        host = next((k for k in kept if inputs[k][: len(mine)] == mine), None)
+        if host is None:
+            kept.append(j)
+            host = j
+        cover[a, j] = host
+    return sorted(kept)
+
+
 def _prefix_len(plan: TokenPlan, i: int) -> int:
     ctx = plan.contexts[i]
     return len(ctx.ids) if plan.kind == "seq2seq" else ctx.shared
@@ -101,9 +119,11 @@ def _chunk_rows(plan: TokenPlan, batch: BatchSpec, budget: int, max_rows: int, n
     rows = []
     for a, i in enumerate(batch.contexts):
         ctx = plan.contexts[i]
-        for j in range(len(ctx.candidates)):
-            if _needs_row(plan, i, j, needs):
-                rows.append((a, j))
+        wanted = [j for j in range(len(ctx.candidates)) if _needs_row(plan, i, j, needs)]
+        if plan.kind == "causal":
+            rows += [(a, k) for k in _cover_rows(plan, i, a, wanted, needs, batch.cover)]
+        else:
+            rows += [(a, j) for j in wanted]
         if needs.context_hidden and (plan.kind == "seq2seq" or ctx.shared < len(ctx.ids)):
             rows.append((a, COMPLETION))
     prefix = max((_prefix_len(plan, i) for i in batch.contexts), default=0)
@@ -190,66 +210,108 @@ def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
     return offsets + [total]
 
 
+def common_prefix_of(seqs: list[list[int]]) -> int:
+    """Length of the prefix shared by every sequence (0 for fewer than two)."""
+    if len(seqs) < 2:
+        return 0
+    first, n = seqs[0], min(len(q) for q in seqs)
+    i = 0
+    while i < n and all(q[i] == first[i] for q in seqs):
+        i += 1
+    return i
+
+
+def causal_calls(plan: TokenPlan, batch: BatchSpec) -> int:
+    """How many model calls :func:`run_batch` makes for a causal batch (ranks in lockstep must agree)."""
+    prefixes = [plan.contexts[i].prefix for i in batch.contexts]
+    common = common_prefix_of(prefixes)
+    return int(common > 0) + int(max((len(p) - common for p in prefixes), default=0) > 0) + len(batch.chunks)
+
+
 def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> BatchResult:
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
     want_hidden = needs.context_hidden or needs.candidate_hidden
+    keep_last = {"logits_to_keep": 1} if keep_logits else {}
     token_lp: list[torch.Tensor] = []
     token_cand: list[torch.Tensor] = []
     counts = torch.zeros(n_cand, dtype=torch.long)
-    widest = max(c.shared for c in ctxs)
-    cache = prefix_mask = prefix_last_hidden = None
     shared = torch.tensor([c.shared for c in ctxs], device=device)
+    last_logits: list = [None] * len(ctxs)  # logits after each context's shared prefix
+    last_hidden: list = [None] * len(ctxs)
+    cache = prefix_mask = None
 
-    if widest > 0:
-        ids, prefix_mask = _pad([c.prefix for c in ctxs], pad_id, left=True, device=device)
-        position = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
-        extra = {"logits_to_keep": 1} if keep_logits else {}
-        out = model(input_ids=ids, attention_mask=prefix_mask, position_ids=position, use_cache=True,
-                    output_hidden_states=want_hidden, **extra)
-        prefix_last_logits = out.logits[:, -1]
-        cache = out.past_key_values
-        if want_hidden:
-            prefix_last_hidden = out.hidden_states[-1][:, -1]
-        # Candidates whose first scored token directly follows the shared prefix.
-        firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
-                  if cand.first_scored == 0 and cand.rest]
-        if firsts:
-            rows = torch.tensor([a for a, _ in firsts], device=device)
-            targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
-            token_lp.append(_token_logprobs(prefix_last_logits[rows], targets))
-            token_cand.append(torch.tensor([offsets[a] + j for a, j in firsts]))
-            for a, j in firsts:
-                counts[offsets[a] + j] += 1
+    # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
+    common = common_prefix_of([c.prefix for c in ctxs])
+    if common > 0:
+        out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
+        prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
+        for a, c in enumerate(ctxs):
+            if c.shared == common:
+                last_logits[a] = out.logits[0, -1]
+                last_hidden[a] = out.hidden_states[-1][0, -1] if want_hidden else None
+    # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
+    remainders = [c.prefix[common:] for c in ctxs]
+    if max(len(r) for r in remainders) > 0:
+        ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
+        position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        cache, prefix_mask = out.past_key_values, mask
+        for a, rest in enumerate(remainders):
+            if rest:
+                last_logits[a] = out.logits[a, -1]
+                last_hidden[a] = out.hidden_states[-1][a, -1] if want_hidden else None
 
-    context_hidden = [None] * len(ctxs)
-    candidate_hidden = [None] * n_cand
+    # Candidates whose first scored token directly follows the shared prefix.
+    firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
+              if cand.first_scored == 0 and cand.rest]
+    if firsts:
+        logits = torch.stack([last_logits[a] for a, _ in firsts])
+        targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
+        token_lp.append(_token_logprobs(logits, targets))
+        token_cand.append(torch.tensor([offsets[a] + j for a, j in firsts]))
+        for a, j in firsts:
+            counts[offsets[a] + j] += 1
+
+    context_hidden: list = [None] * len(ctxs)
+    candidate_hidden: list = [None] * n_cand
     if want_hidden:
         for a, c in enumerate(ctxs):
             if c.shared == len(c.ids) and c.shared > 0:
-                context_hidden[a] = prefix_last_hidden[a]
+                context_hidden[a] = last_hidden[a]
             for j, cand in enumerate(c.candidates):
                 if not cand.rest and c.shared > 0:
-                    candidate_hidden[offsets[a] + j] = prefix_last_hidden[a]
+                    candidate_hidden[offsets[a] + j] = last_hidden[a]
 
-    for chunk in batch.chunks:
-        inputs = [_row_inputs(plan, batch.contexts[a], j, needs) for a, j in chunk]
+    row_of = {(a, k): (n, r) for n, chunk in enumerate(batch.chunks) for r, (a, k) in enumerate(chunk)}
+    users: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, context position, candidate)
+    for (a, j), k in batch.cover.items():
+        n, r = row_of[a, k]
+        users.setdefault(n, []).append((r, a, j))
+    for n, chunk in enumerate(batch.chunks):
+        inputs = [_row_inputs(plan, batch.contexts[a], k, needs) for a, k in chunk]
         ids, rest_mask = _pad(inputs, pad_id, left=False, device=device)
         row_ctx = torch.tensor([a for a, _ in chunk], device=device)
         width = ids.shape[1]
         position = shared[row_ctx][:, None] + torch.arange(width, device=device)[None, :]
-        keep = torch.zeros((len(chunk), width), dtype=torch.bool)
-        targets, cand_of_token = [], []
-        for r, (a, j) in enumerate(chunk):
-            if j == COMPLETION:
-                continue
+        # Positions whose logits some candidate scores, and (position, target) pairs per candidate.
+        needed: dict[tuple[int, int], int] = {}
+        wanted: list[tuple[tuple[int, int], int, int]] = []
+        for r, a, j in users.get(n, []):
             cand = ctxs[a].candidates[j]
             for t in range(max(cand.first_scored - 1, 0), len(cand.rest) - 1):
-                keep[r, t] = True
-                targets.append(cand.rest[t + 1])
-                cand_of_token.append(offsets[a] + j)
+                needed.setdefault((r, t), 0)
+                wanted.append(((r, t), cand.rest[t + 1], offsets[a] + j))
             counts[offsets[a] + j] += len(cand.rest) - max(cand.first_scored, 1)
+        keep = torch.zeros((len(chunk), width), dtype=torch.bool)
+        for r, t in needed:
+            keep[r, t] = True
+        flat = {rt: i for i, rt in enumerate(sorted(needed))}  # boolean selection is row-major
         keep = keep.to(device)
         kwargs = {"input_ids": ids, "position_ids": position, "output_hidden_states": want_hidden}
         if cache is not None:
@@ -262,25 +324,28 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         if keep_logits:
             kwargs["logits_to_keep"] = keep
         out = model(**kwargs)
-        if targets:
-            logits = out.logits if keep_logits else out.logits[keep]
-            token_lp.append(_token_logprobs(logits, torch.tensor(targets, device=device)))
-            token_cand.append(torch.tensor(cand_of_token))
+        if wanted:
+            logits = (out.logits if keep_logits else out.logits[keep]).float()
+            norm = torch.logsumexp(logits, dim=-1)
+            index = torch.tensor([flat[rt] for rt, _, _ in wanted], device=device)
+            targets = torch.tensor([target for _, target, _ in wanted], device=device)
+            token_lp.append(logits[index, targets] - norm[index])
+            token_cand.append(torch.tensor([c for _, _, c in wanted]))
         if want_hidden:
             hidden = out.hidden_states[-1]
-            for r, (a, j) in enumerate(chunk):
-                last = len(inputs[r]) - 1
-                if j == COMPLETION:
-                    context_hidden[a] = hidden[r, last]
-                elif needs.candidate_hidden:
-                    candidate_hidden[offsets[a] + j] = hidden[r, last]
+            for r, (a, k) in enumerate(chunk):
+                if k == COMPLETION:
+                    context_hidden[a] = hidden[r, len(inputs[r]) - 1]
+            if needs.candidate_hidden:
+                for r, a, j in users.get(n, []):
+                    candidate_hidden[offsets[a] + j] = hidden[r, len(_row_inputs(plan, batch.contexts[a], j, needs)) - 1]
 
     scores = _sum_by_candidate(token_lp, token_cand, n_cand, device)
     return BatchResult(
         scores=scores,
         counts=counts,
         context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
-        candidate_hidden=_stack_or_empty(candidate_hidden, prefix_last_hidden) if needs.candidate_hidden else None,
+        candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
     )
 
 
@@ -292,11 +357,12 @@ def _sum_by_candidate(token_lp, token_cand, n_cand, device) -> torch.Tensor:
     return torch.zeros(n_cand, device=values.device, dtype=values.dtype).index_add(0, index, values)
 
 
-def _stack_or_empty(items, like) -> torch.Tensor:
-    if items:
-        return torch.stack(items)
-    width = like.shape[-1] if like is not None else 0
-    return torch.zeros((0, width))
+def _stack_or_empty(items, width: int) -> torch.Tensor:
+    return torch.stack(items) if items else torch.zeros((0, width))
+
+
+def _hidden_size(model) -> int:
+    return model.config.get_text_config().hidden_size
 
 
 def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id, prefix_reuse) -> BatchResult:
@@ -350,5 +416,5 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id, prefix_reu
         scores=scores,
         counts=counts,
         context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
-        candidate_hidden=_stack_or_empty(candidate_hidden, None) if needs.candidate_hidden else None,
+        candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
     )

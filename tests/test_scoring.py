@@ -117,3 +117,40 @@ def test_gradients_flow_through_the_cache(reference_models):
             total = total + sum(lp[t - 1, full[t]] for t in range(p, len(full)))
     (expected,) = torch.autograd.grad(total, weight)
     torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)
+
+
+SHARED_CONTEXTS = ["Goal: go to the red ball.\nYou see a red ball 1 step left.\nAction:",
+                   "Goal: go to the red ball.\nYou see a wall 2 steps forward.\nAction:",
+                   "Goal: go to the red ball.\nYou see nothing.\nAction:",
+                   "Goal: go to the red ball.\nYou see"]
+SHARED_CANDIDATES = [[" turn left", " turn right", " turn", " go forward", " go to the red ball", " go to the red box"],
+                     [" turn left", " turn right", " go forward"],
+                     [" turn left", " turn left", ""],
+                     [" a red ball", " a red box", " a"]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind):
+    """Contexts sharing a long prefix (encoded once) and candidates sharing rows give plain HF's scores."""
+    from llmrl.engine.scoring import causal_calls
+
+    model, tok = reference_models[kind]
+    plan = tokenize(tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES, max_length=512)
+    (batch,) = plan_batches(plan, 8192, 64, Needs())
+    rows = sum(len(c) for c in batch.chunks)
+    assert rows < sum(len(c) for c in SHARED_CANDIDATES) - 6, "rows whose inputs coincide must be shared"
+    assert causal_calls(plan, batch) == 2 + len(batch.chunks)  # common prefix, own prefixes, candidates
+    expected = reference_scores(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES)
+    got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES,
+                                            Needs(context_hidden=True, candidate_hidden=True))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        for i, (context, cands) in enumerate(zip(SHARED_CONTEXTS, SHARED_CANDIDATES)):
+            ids = torch.tensor([tok(context)["input_ids"]])
+            expected_hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+            torch.testing.assert_close(ctx_hidden[i], expected_hidden, atol=1e-4, rtol=0)
+            for j, cand in enumerate(cands):
+                full = torch.tensor([tok(context + cand)["input_ids"]])
+                expected_hidden = model(input_ids=full, output_hidden_states=True).hidden_states[-1][0, -1]
+                torch.testing.assert_close(cand_hidden[i, j], expected_hidden, atol=1e-4, rtol=0)
