@@ -204,13 +204,13 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
     left.set_xlabel("environment steps")
     left.set_ylim(0, 1)
     left.set_title(title)
-    left.legend(loc="upper left")
+    left.legend(loc="lower right")
     rates = [before["success_rate"], after["success_rate"]]
     errors = [[r - e["ci95"][0] for r, e in zip(rates, (before, after))],
               [e["ci95"][1] - r for r, e in zip(rates, (before, after))]]
     right.bar(["before", "after"], rates, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
     right.set_ylim(0, 1)
-    right.set_title(f"greedy policy, {before['episodes']} held-out episodes")
+    right.set_title(f"greedy policy on {before['episodes']}\nheld-out episodes (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,32 @@
+"""Load: 10,000 small requests in a row and 200 concurrent async requests complete with correct results,
+and the servers' memory does not grow across them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_ten_thousand_requests_and_two_hundred_concurrent(tmp_path, tiny):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"llms": {"main": {"model": tiny["llama"], "replicas": 2}},
+                                      "threads_per_rank": 1}))
+    out = tmp_path / "load.json"
+    result = subprocess.run([sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(config),
+                             os.path.join(HERE, "scripts", "load.py"), str(out), "10000"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["wrong"] == 0 and report["concurrent_wrong"] == 0 and report["concurrent"] == 200
+    start, middle, end = report["rss_mb"]
+    for rank in start:
+        growth = end[rank] - start[rank]
+        print(f"rank {rank}: RSS {start[rank]:.1f} MB -> {middle[rank]:.1f} MB -> {end[rank]:.1f} MB")
+        assert growth < 32, f"rank {rank} grew by {growth:.1f} MB over 10,000 requests"
+        assert end[rank] - middle[rank] < 16, "memory must not keep growing"
