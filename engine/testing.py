@@ -230,10 +230,30 @@ class LiveRun:
                 raise RuntimeError(f"the run exited with code {self.process.returncode}; log:\n{self.log}")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"no answer from the run within {timeout} s; log:\n{self.log}")
-        return self._conn.recv()
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionError) as err:
+            raise self._ended(err) from err
+
+    def _ended(self, err: BaseException) -> RuntimeError:
+        """The error for a client that went away (the launcher ends every rank when one dies)."""
+        import subprocess
+
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        return RuntimeError(f"the run's client closed the connection ({type(err).__name__}; run exit code "
+                            f"{self.process.poll()}); log:\n{self.log}")
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except (EOFError, ConnectionError) as err:
+            raise self._ended(err) from err
 
     def call(self, method: str, *args, timeout: float | None = 600.0, **kwargs):
-        self._conn.send(("call", method, args, kwargs))
+        self._send(("call", method, args, kwargs))
         status, value = self._recv(timeout)
         if status != "ok":
             raise value
@@ -241,7 +261,7 @@ class LiveRun:
 
     def many(self, method: str, calls: list[tuple[tuple, dict]], timeout: float | None = 600.0):
         """Start ``method_async`` once per ``(args, kwargs)`` at the same time; their results in order."""
-        self._conn.send(("many", method, calls))
+        self._send(("many", method, calls))
         status, value = self._recv(timeout)
         if status != "ok":
             raise value
@@ -254,11 +274,11 @@ class LiveRun:
 
     def exit_script(self, code: int) -> None:
         """Make the client script exit with ``code`` (without closing the Caller)."""
-        self._conn.send(("exit", code))
+        self._send(("exit", code))
         self._recv(60)
 
     def raise_in_script(self, message: str) -> None:
-        self._conn.send(("raise", message))
+        self._send(("raise", message))
         self._recv(60)
 
     def wait(self, timeout: float = 120.0) -> int:

@@ -51,6 +51,10 @@ def _name(obj) -> str:
     return f"{obj.color} {obj.type}"
 
 
+def _a(name: str) -> str:
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def describe(env, walls: bool = True) -> str:
     """What the agent sees, in words (``env`` is a minigrid environment, unwrapped or not).
 
@@ -71,7 +75,7 @@ def describe(env, walls: bool = True) -> str:
                 where.append(_steps(abs(lateral), "left" if lateral < 0 else "right"))
             if forward:
                 where.append(_steps(forward, "forward"))
-            things.append((forward + abs(lateral), f"a {_name(obj)} {' and '.join(where)}"))
+            things.append((forward + abs(lateral), f"{_a(_name(obj))} {' and '.join(where)}"))
     things.sort(key=lambda t: t[0])
     wall_texts = []
     for label, cells in (("forward", [(ax, ay - k) for k in range(1, size)]),
@@ -87,7 +91,7 @@ def describe(env, walls: bool = True) -> str:
     seen = [text for _, text in things] + (wall_texts if walls else [])
     sentence = f"You see {', '.join(seen)}." if seen else "You see nothing."
     if base.carrying is not None:
-        sentence += f" You carry a {_name(base.carrying)}."
+        sentence += f" You carry {_a(_name(base.carrying))}."
     return sentence
 
 

@@ -178,8 +178,9 @@ def train(caller: Caller, args: Args, writer) -> list[dict]:
                "running_success_rate": sum(e.success for e in recent) / max(1, len(recent)),
                "mean_return": sum(e.episode_return for e in episodes) / max(1, len(episodes)),
                "collect_seconds": collect_time, "update_seconds": time.time() - start - collect_time}
+        row["samples"] = sum(s["samples"] for s in stats)  # trained on, over all replicas
         for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"):
-            row[key] = sum(s[key] for s in stats) / len(stats)
+            row[key] = sum(s[key] * s["samples"] for s in stats) / max(1, row["samples"])
         history.append(row)
         bar.set_postfix(success=f"{row['running_success_rate']:.0%}", reward=f"{row['mean_return']:.2f}",
                         entropy=f"{row['entropy']:.2f}")

@@ -86,15 +86,37 @@ def main(args: argparse.Namespace) -> int:
         if all(llm.devices == "cpu" for llm in config.llms.values()):
             env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
         process = subprocess.Popen(cmd, env=env)
-        while True:
-            try:
-                code = process.wait()
-                break
-            except KeyboardInterrupt:  # the launcher got it too; wait for it to stop the ranks
-                process.send_signal(signal.SIGINT)
+        code, interrupted = wait_forwarding_ctrl_c(process)
+        script_code = None
         if os.path.exists(exit_file):
             with open(exit_file) as f:
                 text = f.read().strip()
             if text.lstrip("-").isdigit():
-                return int(text)
+                script_code = int(text)
+        if interrupted and script_code in (None, 128 + signal.SIGTERM):
+            # Ctrl-C reached the launcher too, which terminates every rank at once: the script may
+            # have been stopped by that SIGTERM before it could report its KeyboardInterrupt.
+            return 130
+        if script_code is not None:
+            return script_code
         return code if code >= 0 else 128 - code
+
+
+def wait_forwarding_ctrl_c(process: subprocess.Popen, grace: float = 3.0) -> tuple[int, bool]:
+    """Wait for the launcher; on Ctrl-C give it ``grace`` seconds to stop the ranks itself.
+
+    A terminal's Ctrl-C reaches the whole process group (this command, the launcher, every rank);
+    forwarding it at once would interrupt the launcher's own cleanup. A SIGINT sent to this command
+    alone is forwarded after the grace period. Returns (the launcher's exit code, interrupted).
+    """
+    interrupted = False
+    while True:
+        try:
+            if interrupted:
+                try:
+                    return process.wait(grace), True
+                except subprocess.TimeoutExpired:
+                    process.send_signal(signal.SIGINT)
+            return process.wait(), interrupted
+        except KeyboardInterrupt:
+            interrupted = True

@@ -1,0 +1,34 @@
+"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 and 2 replicas."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("minigrid")
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_ppo_demo_quick(tmp_path, replicas):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "ppo-babyai-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
+         os.path.join(ROOT, "examples", "ppo_babyai.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["episodes"] == 8 and summary["after"]["episodes"] == 8
+    for evaluation in (summary["before"], summary["after"]):
+        low, high = evaluation["ci95"]
+        assert low <= evaluation["success_rate"] <= high
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2  # --quick: two PPO updates
+    assert all(float(row["samples"]) == 16 for row in rows), rows  # 4 environments x 4 steps per update
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
