@@ -261,12 +261,25 @@ class Server:
             self.link.close()
 
 
+def quiet_library_notices() -> None:
+    """Hide notices about the libraries' own internals that a user cannot act on (printed once per rank):
+    deprecations inside DeepSpeed's calls to torch and transformers, and bitsandbytes' note that an optional
+    CPU kernel package is missing (its fallback is used). Warnings raised by user code are untouched."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> int:
     """Entry point of every rank > 0. Returns the process exit code."""
     from llmrl.engine.topology import role_of
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
     exit_with_parent()
+    quiet_library_notices()
     import torch
 
     torch.set_num_threads(threads_for_server(config, node_rank))
