@@ -26,8 +26,9 @@ def host_run_store(master_addr: str, master_port: int, timeout: float):
     """The run's store, hosted by rank 0 (it listens on the launcher's master port)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout))
+    fd, port = _bound_listener(master_addr, master_port)
+    return TCPStore(master_addr, port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd)
 
 
 def join_run_store(master_addr: str, master_port: int, timeout: float):
@@ -40,7 +41,9 @@ def host_group_store(host: str, timeout: float):
     """A store for one LLM group, on a port the OS picks (no collisions between groups)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    fd, port = _bound_listener(host, 0)
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout),
+                    master_listen_fd=fd)
 
 
 def join_group_store(address: str, timeout: float):
@@ -66,6 +69,22 @@ def reachable_address(master_addr: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         probe.close()
+
+
+def _bound_listener(host: str, port: int) -> tuple[int, int]:
+    """A listening socket for a store, bound to ``host``'s address only (torch's own store server would
+    listen on every interface). Returns (file descriptor, port); the store takes the descriptor over."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((socket.gethostbyname(host), port))
+        sock.listen(1024)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {host}:{port} ({err.strerror}); is {host} an address of "
+                                 "this node and the port free?") from err
+    bound_port = sock.getsockname()[1]
+    return sock.detach(), bound_port
 
 
 def listen(host: str) -> socket.socket:

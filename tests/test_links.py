@@ -61,7 +61,7 @@ def test_a_closed_connection_fails_waiting_calls_naming_the_rank():
     with pytest.raises(ServerDiedError) as err:
         future.result(10)
     assert err.value.rank == 1 and "connection closed" in str(err.value)
-    assert time.monotonic() - start_time < 3
+    assert time.monotonic() - start_time < 8  # noticed at once, not at the 10 s heartbeat deadline
     with pytest.raises(ServerDiedError, match="rank 1"):
         links.submit("score", [([2], {})], lambda values: values)
     stops[2].set()

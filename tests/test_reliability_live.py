@@ -158,11 +158,16 @@ def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, whe
         if when == "idle":
             time.sleep(0.5)
             # ServerDiedError, or RuntimeError when the launcher ended the run before the client could answer.
-            with pytest.raises((ServerDiedError, RuntimeError)):
+            with pytest.raises((ServerDiedError, RuntimeError)) as err:
                 live.score(CONTEXTS, CANDIDATES, timeout=60)
+            outcome.append(err.value)
         else:
             thread.join(60)
             assert outcome, "the waiting call must raise"
+        if isinstance(outcome[0], ServerDiedError):
+            assert outcome[0].rank == victim and f"rank {victim}" in str(outcome[0])
+        else:  # the launcher ended the client first; the run then exits non-zero (checked below)
+            assert isinstance(outcome[0], RuntimeError), repr(outcome[0])
         _dies_cleanly(live, victim, start)
     finally:
         live.kill()

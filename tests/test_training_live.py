@@ -128,6 +128,8 @@ def test_update_equals_a_plain_sgd_step(zero_run, tiny, name):
     assert_params(zero_run.state_dict(llm=name), plain_sgd_step(tiny, before, LR), before)
 
 
+# Not z3r2: under ZeRO-3 the two replicas hold one partitioned copy of the weights (a shard each), so
+# there are no two copies to compare; its parity with a single-process step is checked above.
 @pytest.mark.parametrize("name", ["z0r2", "z1r2", "z2r2"])
 def test_replicas_hold_identical_weights(zero_run, name):
     first, second = zero_run.state_dict(llm=name, replica=0), zero_run.state_dict(llm=name, replica=1)
