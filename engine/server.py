@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import traceback
+from typing import NoReturn
 
 from llmrl.engine import protocol, rendezvous, wire
 from llmrl.engine.config import Config
@@ -249,14 +250,10 @@ class Server:
         return info if self.role.is_replica_leader else None
 
     def close(self) -> None:
+        """Hang up on the client. The process groups are left to the exit: tearing them down rank by rank
+        races with the peers' own exits (a rank whose peer is already gone can abort inside gloo), and
+        nothing is left to synchronise once the client has said stop."""
         self.stopping = True
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
         if self.link is not None:
             self.link.close()
 
@@ -273,8 +270,8 @@ def quiet_library_notices() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> int:
-    """Entry point of every rank > 0. Returns the process exit code."""
+def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> NoReturn:
+    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0)."""
     from llmrl.engine.topology import role_of
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
@@ -290,4 +287,8 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> in
     server.load()
     code = server.serve()
     server.close()
-    return code
+    # Leave without running C++ destructors (process groups, store clients, DeepSpeed's threads): they
+    # may join threads that wait on peers that have already exited. The OS closes every socket.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
