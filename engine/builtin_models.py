@@ -85,13 +85,7 @@ def _convert(name: str, target: Path) -> None:
         from llmrl.engine.testing import build_tiny
 
         model, tokenizer = build_tiny(spec.tiny_kind)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            os.replace(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        _save_atomically(model, tokenizer, name, target)
         return
     _convert_gguf(name, target)
 
@@ -110,9 +104,14 @@ def _convert_gguf(name: str, target: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
+    _save_atomically(plain, tokenizer, name, target)
+
+
+def _save_atomically(model, tokenizer, name: str, target: Path) -> None:
+    """Save into a staging folder next to ``target``, then rename: readers never see a half-written model."""
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        plain.save_pretrained(staging)
+        model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, target)
     finally:

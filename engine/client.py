@@ -99,15 +99,6 @@ def _check_candidates(candidates, n: int) -> list[list[str]]:
     return out
 
 
-def _is_per_sample(value, n: int) -> bool:
-    if isinstance(value, (str, bytes, dict)):
-        return False
-    try:
-        return len(value) == n
-    except TypeError:
-        return False
-
-
 def _slice(value, start: int, stop: int):
     return value[start:stop]
 
@@ -389,7 +380,7 @@ class Caller:
         sizes = [stop - start for start, stop in bounds]
 
         def payload(start, stop):
-            sliced = {k: (_slice(v, start, stop) if _is_per_sample(v, n) else v) for k, v in kwargs.items()}
+            sliced = {k: (_slice(v, start, stop) if protocol.is_per_sample(v, n) else v) for k, v in kwargs.items()}
             return {"contexts": contexts[start:stop], "candidates": None if candidates is None else candidates[start:stop],
                     "kwargs": sliced, "indices": list(range(start, stop)), "global_size": n, "replica_sizes": sizes}
 

@@ -71,3 +71,14 @@ class Reply:
     rank: int
     value: Any = None
     error: ErrorInfo | None = None
+
+
+def is_per_sample(value, n: int) -> bool:
+    """Whether a keyword argument of ``update`` holds one entry per sample (and is sliced with the batch):
+    any sized value of length ``n`` except strings, bytes and mappings."""
+    if isinstance(value, (str, bytes, dict)):
+        return False
+    try:
+        return len(value) == n
+    except TypeError:
+        return False

@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from llmrl.engine.protocol import is_per_sample
+
 
 @dataclass(frozen=True)
 class LLMInfo:
@@ -256,7 +258,7 @@ class UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}
         for key, value in self.kwargs.items():
-            kwargs[key] = _take(value, positions) if _is_per_sample(value, len(self)) else value
+            kwargs[key] = _take(value, positions) if is_per_sample(value, len(self)) else value
         return replace(
             self,
             contexts=[self.contexts[p] for p in positions],
@@ -282,15 +284,6 @@ class UpdateBatch:
         for k in range(count):
             positions = order[k * size: k * size + per_replica[self.replica][k]]
             yield self.select(positions, [sizes[k] for sizes in per_replica])
-
-
-def _is_per_sample(value, n: int) -> bool:
-    if isinstance(value, (str, bytes, dict)):
-        return False
-    try:
-        return len(value) == n
-    except TypeError:
-        return False
 
 
 def _take(value, positions: list[int]):

@@ -54,14 +54,14 @@ def test_replies_are_routed_and_assembled():
 
 
 def test_a_closed_connection_fails_waiting_calls_naming_the_rank():
-    links, stops = start({1: {"heartbeats": True, "answer": False}, 2: {"heartbeats": True, "answer": True}})
+    # The heartbeat deadline is far beyond the wait below: only noticing the closed socket can fail the call.
+    links, stops = start({1: {"heartbeats": True, "answer": False}, 2: {"heartbeats": True, "answer": True}},
+                         dead_after=600.0)
     future = links.submit("score", [([1, 2], {})], lambda values: values)
-    start_time = time.monotonic()
     stops[1].set()  # rank 1 hangs up without answering
     with pytest.raises(ServerDiedError) as err:
         future.result(10)
     assert err.value.rank == 1 and "connection closed" in str(err.value)
-    assert time.monotonic() - start_time < 8  # noticed at once, not at the 10 s heartbeat deadline
     with pytest.raises(ServerDiedError, match="rank 1"):
         links.submit("score", [([2], {})], lambda values: values)
     stops[2].set()

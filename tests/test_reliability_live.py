@@ -108,10 +108,9 @@ def test_a_failing_updater_leaves_replicas_identical(run):
 
 def test_a_slow_request_times_out_and_the_next_one_succeeds(run):
     reference = run.score(CONTEXTS, CANDIDATES)
-    start = time.monotonic()
+    # The slow head takes 4 s: without the 2.5 s request timeout this call would simply succeed.
     with pytest.raises(RequestTimeoutError, match="longer than 2.5 s"):
         run.custom_module_fns(["slow"], CONTEXTS)
-    assert time.monotonic() - start < 10
     assert same(run.score(CONTEXTS, CANDIDATES), reference)  # queued behind the slow one, then served
 
 
@@ -125,10 +124,9 @@ def test_idle_servers_outlive_the_collective_timeout(run, reference_models):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-def _dies_cleanly(live: LiveRun, rank: int, start: float, limit: float = 60.0):
-    code = live.wait(limit)
+def _dies_cleanly(live: LiveRun, rank: int, limit: float = 60.0):
+    code = live.wait(limit)  # raises (and kills the run) if it is still running after `limit` seconds
     assert code != 0
-    assert time.monotonic() - start < limit
     assert f"llmrl: server rank {rank}" in live.log and "is gone" in live.log
     deadline = time.monotonic() + 10
     while live.leftover_processes() and time.monotonic() < deadline:
@@ -153,7 +151,6 @@ def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, whe
             thread = threading.Thread(target=call)
             thread.start()
             time.sleep(2)
-        start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         if when == "idle":
             time.sleep(0.5)
@@ -168,7 +165,7 @@ def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, whe
             assert outcome[0].rank == victim and f"rank {victim}" in str(outcome[0])
         else:  # the launcher ended the client first; the run then exits non-zero (checked below)
             assert isinstance(outcome[0], RuntimeError), repr(outcome[0])
-        _dies_cleanly(live, victim, start)
+        _dies_cleanly(live, victim)
     finally:
         live.kill()
 

@@ -77,15 +77,20 @@ def test_causal_hidden_states_are_taken_at_the_right_tokens(reference_models, ki
     contexts, candidates = CONTEXTS[:2], CANDIDATES[:2]
     _, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", contexts, candidates,
                                           Needs(context_hidden=True, candidate_hidden=True))
+    assert_hidden_at_last_tokens(model, tok, contexts, candidates, ctx_hidden, cand_hidden)
+
+
+def assert_hidden_at_last_tokens(model, tok, contexts, candidates, ctx_hidden, cand_hidden):
+    """Hidden states equal plain HF's last-layer state at the last token of the context, and of context + candidate."""
+    def last_hidden(text):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        return model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+
     with torch.no_grad():
         for i, (context, cands) in enumerate(zip(contexts, candidates)):
-            ids = torch.tensor([tok(context)["input_ids"]])
-            expected = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
-            torch.testing.assert_close(ctx_hidden[i], expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(ctx_hidden[i], last_hidden(context), atol=1e-4, rtol=0)
             for j, cand in enumerate(cands):
-                full = torch.tensor([tok(context + cand)["input_ids"]])
-                expected = model(input_ids=full, output_hidden_states=True).hidden_states[-1][0, -1]
-                torch.testing.assert_close(cand_hidden[i, j], expected, atol=1e-4, rtol=0)
+                torch.testing.assert_close(cand_hidden[i, j], last_hidden(context + cand), atol=1e-4, rtol=0)
 
 
 def test_seq2seq_context_hidden_is_the_decoder_start_position(reference_models):
@@ -145,12 +150,4 @@ def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind):
                                             Needs(context_hidden=True, candidate_hidden=True))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
-    with torch.no_grad():
-        for i, (context, cands) in enumerate(zip(SHARED_CONTEXTS, SHARED_CANDIDATES)):
-            ids = torch.tensor([tok(context)["input_ids"]])
-            expected_hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
-            torch.testing.assert_close(ctx_hidden[i], expected_hidden, atol=1e-4, rtol=0)
-            for j, cand in enumerate(cands):
-                full = torch.tensor([tok(context + cand)["input_ids"]])
-                expected_hidden = model(input_ids=full, output_hidden_states=True).hidden_states[-1][0, -1]
-                torch.testing.assert_close(cand_hidden[i, j], expected_hidden, atol=1e-4, rtol=0)
+    assert_hidden_at_last_tokens(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES, ctx_hidden, cand_hidden)
