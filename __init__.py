@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Caller": "llmrl.engine.client",
+    "Caller": "llmrl.engine.client.caller",
     "LLMRLError": "llmrl.engine.errors",
     "ConfigError": "llmrl.engine.errors",
     "PluginError": "llmrl.engine.errors",

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the test kit
+
 ACTIONS = ["go forward", "turn left", "turn right", "pick up", "drop", "toggle", "open the door", "go to the red ball",
            "pick up the blue key", "go to the green box", "open the yellow door", "put the key next to the ball",
            "look around", "wait", "go back", "close the door"]
@@ -105,8 +107,9 @@ def naive_scores(model, tokenizer, workload: list[dict], rows_per_forward: int =
 
 def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: int) -> list[torch.Tensor]:
     """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it."""
-    from llmrl.engine.scoring import Needs, accepts_logits_to_keep, plan_batches, run_batch
-    from llmrl.engine.tokenization import tokenize
+    from llmrl.engine.model.batching import Needs, plan_batches
+    from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
+    from llmrl.engine.model.tokenization import tokenize
 
     plan = tokenize(tokenizer, "causal", [w["context"] for w in workload], [w["candidates"] for w in workload],
                     max_length=None)
@@ -152,11 +155,11 @@ def max_error(a, b) -> float:
 
 def model_path(name: str) -> str:
     if name == "tiny":
-        from llmrl.engine.testing import tiny_model
+        from testkit import tiny_model
 
         return tiny_model("llama")
     if name == "smollm2":
-        from llmrl.engine.builtin_models import builtin_model_path
+        from llmrl.engine.model.builtin_models import builtin_model_path
 
         return str(builtin_model_path("smollm2-135m-instruct"))
     return name
@@ -177,7 +180,7 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(threads)
@@ -277,7 +280,7 @@ def plain_generate(model, tokenizer, prompts, new_tokens) -> list[list[int]]:
 
 def memory_row(path: str, quick: bool) -> dict:
     """Weights' memory and peak resident memory of one server per loading mode."""
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     llms = {"float32": {"model": path}, "bfloat16": {"model": path, "dtype": "bfloat16"},
             "int4": {"model": path, "quantization": {"bits": 4, "quant_type": "nf4"}}}

@@ -1,10 +1,13 @@
-"""Exceptions raised by llmrl, on the client and in the launcher.
+"""Exceptions raised by llmrl, on the client, on the servers and in the launcher, and the one helper that
+words "did you mean ...?" hints.
 
-Every error a user can cause carries what went wrong, where (a config path, a request
-argument, a rank) and a hint. This module holds only the classes; it imports nothing heavy.
+Every error a user can cause carries what went wrong, where (a config path, a request argument, a rank)
+and a hint. This module imports nothing heavy.
 """
 
 from __future__ import annotations
+
+import difflib
 
 
 class LLMRLError(Exception):
@@ -28,7 +31,17 @@ class ConfigError(LLMRLError):
 
 
 class PluginError(LLMRLError):
-    """A plugin could not be found, imported, built or run. The message names the plugin."""
+    """A plugin could not be found, imported, built or run. The message names the plugin; ``plugin``
+    holds its name when the error comes from running it."""
+
+    plugin: str | None = None
+
+
+def plugin_error(message: str, plugin: str) -> PluginError:
+    """A :class:`PluginError` that names ``plugin`` (the client reports it as ``RequestError.plugin``)."""
+    error = PluginError(message)
+    error.plugin = plugin
+    return error
 
 
 class RequestError(LLMRLError):
@@ -72,7 +85,18 @@ class RequestTimeoutError(LLMRLError, TimeoutError):
     """A request took longer than the request timeout (config key ``timeouts.request``)."""
 
 
+class PeerAborted(LLMRLError):
+    """Raised on a server rank that stopped because another rank of its LLM failed first; the client
+    reports the rank that failed first-hand instead."""
+
+
 def _rebuild_request_error(message, rank, remote_type, remote_traceback, plugin) -> RequestError:
     err = RequestError(message, rank=rank, remote_type=remote_type, remote_traceback=remote_traceback)
     err.plugin = plugin
     return err
+
+
+def did_you_mean(word, choices, cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""

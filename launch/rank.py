@@ -79,7 +79,7 @@ def parse_rank_args(argv: list[str]) -> RankArgs:
 
 def run_script(args: RankArgs) -> int:
     """Run the user's script as __main__ with its own argv; return its exit code."""
-    from llmrl.engine.client import describe_exit
+    from llmrl.engine.processes import exit_code
 
     if args.module:
         sys.argv = [args.module, *args.script_args]
@@ -94,7 +94,7 @@ def run_script(args: RankArgs) -> int:
             runpy.run_path(args.script, run_name="__main__")
         return 0
     except SystemExit as stop:
-        return describe_exit(stop.code)
+        return exit_code(stop.code)
     except KeyboardInterrupt:
         print("llmrl: interrupted (Ctrl-C); stopping the servers", file=sys.stderr, flush=True)
         return 130
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(problem, loud)
         return 2
     if rank == 0:
-        from llmrl.engine.client import run_client
+        from llmrl.engine.client.hosting import run_client
 
         code = run_client(config, lambda: run_script(args))
         exit_file = os.environ.get("LLMRL_EXIT_CODE_FILE")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(exit_file, "w") as f:
                 f.write(str(code))
         return code
-    from llmrl.engine.server import run_server
+    from llmrl.engine.server.serve import run_server
     from llmrl.plugins import registry
 
     registry.set_script(path=args.script, module=args.module)

@@ -52,7 +52,7 @@ def options_from(args: argparse.Namespace) -> RunOptions:
 def main(args: argparse.Namespace) -> int:
     from llmrl.engine.config import load_config
     from llmrl.engine.errors import ConfigError
-    from llmrl.engine.rendezvous import free_port
+    from llmrl.engine.transport.rendezvous import free_port
 
     options = options_from(args)
     try:

@@ -19,8 +19,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from llmrl.engine.protocol import is_per_sample
-
 
 @dataclass(frozen=True)
 class LLMInfo:
@@ -55,6 +53,8 @@ class ForwardOutputs:
             encoded context). Present when a head asks for it (``Head.needs_context_hidden``).
         candidate_hidden: ``[n_candidates, H]`` last-layer hidden state at the last token of context+candidate.
             Present when a head asks for it (``Head.needs_candidate_hidden``).
+        heads: the outputs of the heads run in this pass, by key (what an updater reads after ``trainer.forward``).
+        head_levels: each head's level ("context" or "candidate"), by key.
     """
 
     kind: str
@@ -65,6 +65,7 @@ class ForwardOutputs:
     context_hidden: torch.Tensor | None = None
     candidate_hidden: torch.Tensor | None = None
     heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_levels: dict[str, str] = field(default_factory=dict)  # "context" or "candidate", per head key
 
     def scores_by_context(self, fill: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores, mask)``, both ``[n_contexts, max_candidates]``: padded per-context candidate scores."""
@@ -217,9 +218,15 @@ class Trainer:
         raise NotImplementedError
 
 
-def _even_split(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
+def is_per_sample(value, n: int) -> bool:
+    """Whether a keyword argument of ``update`` holds one entry per sample (and is sliced with the batch):
+    any sized value of length ``n`` except strings, bytes and mappings."""
+    if isinstance(value, (str, bytes, dict)):
+        return False
+    try:
+        return len(value) == n
+    except TypeError:
+        return False
 
 
 @dataclass

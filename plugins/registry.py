@@ -13,7 +13,6 @@ code runs but its ``if __name__ == "__main__":`` block does not.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -21,7 +20,8 @@ import inspect
 import sys
 from pathlib import Path
 
-from llmrl.engine.errors import PluginError
+from llmrl.engine.config.types import PluginSpec
+from llmrl.engine.errors import PluginError, did_you_mean
 
 GROUPS = {"head": "llmrl.heads", "initializer": "llmrl.initializers", "updater": "llmrl.updaters"}
 SCRIPT_MODULE_NAME = "__llmrl_script__"
@@ -110,14 +110,14 @@ def resolve(kind: str, name: str):
             if not hasattr(obj, part):
                 public = [n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_")]
                 raise PluginError(f"{kind} plugin {name!r}: {module_name!r} has no attribute {attr!r}"
-                                  f"{_did_you_mean(attr, public)}")
+                                  f"{did_you_mean(attr, public, cutoff=0.5)}")
             obj = getattr(obj, part)
         cls = obj
     else:
         eps = entry_points(kind)
         if name not in eps:
             available = sorted(eps)
-            raise PluginError(f"unknown {kind} plugin {name!r}{_did_you_mean(name, available)}; installed {kind}s: "
+            raise PluginError(f"unknown {kind} plugin {name!r}{did_you_mean(name, available, cutoff=0.5)}; installed {kind}s: "
                               f"{', '.join(available) or 'none'} (entry-point group {GROUPS[kind]}); "
                               "local classes can be named module:Class or __main__:Class")
         try:
@@ -129,11 +129,6 @@ def resolve(kind: str, name: str):
     if problem:
         raise PluginError(problem)
     return cls
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def args_problem(cls, args: dict, name: str) -> str | None:
@@ -154,7 +149,7 @@ def args_problem(cls, args: dict, name: str) -> str | None:
     accepted = [n for n in params if n not in ("self", "llm")]
     unknown = [k for k in args if k not in accepted]
     if unknown:
-        return f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}{_did_you_mean(unknown[0], accepted)}"
+        return f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}{did_you_mean(unknown[0], accepted, cutoff=0.5)}"
     return None
 
 
@@ -180,8 +175,8 @@ def plugin_problems(data: dict) -> list[tuple[str, str]]:
         if llm.get("updater"):
             refs.append((f"{at}.updater", "updater", llm["updater"]))
         for path, kind, ref in refs:
-            name = ref if isinstance(ref, str) else ref["plugin"]
-            args = {} if isinstance(ref, str) else (ref.get("args") or {})
+            spec = PluginSpec.coerce(ref)
+            name, args = spec.plugin, spec.args
             if name.startswith("__main__:"):
                 continue
             try:

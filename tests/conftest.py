@@ -18,7 +18,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYT
 @pytest.fixture(scope="session")
 def tiny():
     """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"]."""
-    from llmrl.engine.testing import tiny_model
+    from testkit import tiny_model
 
     return {kind: tiny_model(kind) for kind in ("llama", "gpt2", "t5")}
 
@@ -28,7 +28,7 @@ def reference_models():
     """In-process (model, tokenizer) pairs identical to the saved tiny models."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from llmrl.engine.testing import tiny_model
+    from testkit import tiny_model
 
     out = {}
     for kind in ("llama", "gpt2", "t5"):
@@ -42,7 +42,7 @@ def reference_models():
 @pytest.fixture
 def live_run():
     """Factory of LiveRun objects that are all stopped (and their processes killed) after the test."""
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     runs = []
 

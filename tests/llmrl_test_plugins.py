@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from llmrl.plugins.contracts import Head, Updater
+from llmrl.plugins.contracts import Head, Initializer, Updater
 
 
 class ChosenScoreUpdater(Updater):
@@ -93,3 +93,24 @@ class NoForwardHead(torch.nn.Module):
 
     def __init__(self, llm):
         super().__init__()
+
+
+class SlowSaves(Initializer):
+    """Test hook, applied by monkeypatching on the server: every checkpoint save sleeps ``seconds`` after writing
+    DeepSpeed's part (so that a test can kill the run in the middle of a save). Leaves the model untouched."""
+
+    def __init__(self, seconds: float = 60.0):
+        self.seconds = seconds
+
+    def initialize(self, model, llm):
+        from llmrl.engine.model import checkpoint
+
+        original = checkpoint.save_rank_state
+        seconds = self.seconds
+
+        def slow_save_rank_state(*args, **kwargs):
+            time.sleep(seconds)
+            return original(*args, **kwargs)
+
+        checkpoint.save_rank_state = slow_save_rank_state
+        return model

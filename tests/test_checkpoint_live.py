@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from llmrl.engine.checkpoint import MANIFEST
-from llmrl.engine.testing import LiveRun
+from llmrl.engine.checkpoint_layout import MANIFEST
+from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
 CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "open the door", "x x"]
@@ -76,7 +76,7 @@ def test_resume_continues_exactly(saved, tiny):
 
 
 def _plain_scores(model, tok):
-    from llmrl.engine.testing import reference_scores
+    from testkit import reference_scores
 
     return reference_scores(model, tok, CONTEXTS, CANDIDATES)
 

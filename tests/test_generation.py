@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.generation import check_generate_kwargs, generate
+from llmrl.engine.model.generation import check_generate_kwargs, generate
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
 

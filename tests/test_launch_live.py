@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from llmrl.engine.rendezvous import free_port
-from llmrl.engine.testing import reference_scores
+from llmrl.engine.transport.rendezvous import free_port
+from testkit import reference_scores
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +115,7 @@ def test_broken_config_fails_before_anything_starts(tmp_path, tiny):
     config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"], "replica": 2, "dtype": "fp32"}}})
     result = run(llmrl("run", "--config", config, SCRIPT, str(tmp_path / "never.json")))
     assert result.returncode == 2
-    assert "llms.main.replica: unknown key 'replica'; did you mean 'replicas'?" in result.stderr
+    assert "llms.main.replica: unknown key 'replica' (did you mean 'replicas'?)" in result.stderr
     assert "llms.main.dtype" in result.stderr and "llmrl: running" not in result.stderr
     raw = run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "llmrl.launch",
                "--config", config, SCRIPT, str(tmp_path / "never.json")])

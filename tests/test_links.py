@@ -8,24 +8,24 @@ import time
 
 import pytest
 
-from llmrl.engine import protocol, rendezvous, wire
+from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.errors import RequestError, ServerDiedError
-from llmrl.engine.links import ServerLinks
+from llmrl.engine.transport import frames, messages, rendezvous
 
 TOKEN = b"t" * 32
 
 
 def fake_server(address, rank, *, heartbeats: bool, answer: bool, stop: threading.Event):
-    link = wire.connect(address, TOKEN, rank, timeout=5)
-    link.send(protocol.Hello(rank=rank, llm="main", replica=0, tp_rank=0, host="here", pid=0))
+    link = frames.connect(address, TOKEN, rank, timeout=5)
+    link.send(messages.Hello(rank=rank, llm="main", replica=0, tp_rank=0, host="here", pid=0))
     while not stop.is_set():
         if heartbeats:
-            link.send(protocol.Heartbeat())
+            link.send(messages.Heartbeat())
         if answer:
             link.sock.settimeout(0.05)
             try:
                 request = link.recv()
-                link.send(protocol.Reply(request.id, rank, value={"echo": request.payload}))
+                link.send(messages.Reply(request.id, rank, value={"echo": request.payload}))
             except (TimeoutError, OSError):
                 pass
         time.sleep(0.05)
@@ -82,11 +82,11 @@ def test_server_errors_become_request_errors_with_the_rank():
     links = ServerLinks(listener, TOKEN, [3], heartbeat=0.05, dead_after=10)
 
     def erring_server():
-        link = wire.connect(listener.getsockname(), TOKEN, 3, timeout=5)
-        link.send(protocol.Hello(rank=3, llm="main", replica=0, tp_rank=0, host="here", pid=0))
+        link = frames.connect(listener.getsockname(), TOKEN, 3, timeout=5)
+        link.send(messages.Hello(rank=3, llm="main", replica=0, tp_rank=0, host="here", pid=0))
         request = link.recv()
-        error = protocol.ErrorInfo("ValueError", "context 0 is too long", "Traceback ...", plugin=None)
-        link.send(protocol.Reply(request.id, 3, error=error))
+        error = messages.ErrorInfo("ValueError", "context 0 is too long", "Traceback ...", plugin=None)
+        link.send(messages.Reply(request.id, 3, error=error))
         time.sleep(0.5)
         link.close()
 

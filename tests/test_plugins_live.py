@@ -15,7 +15,7 @@ import yaml
 from test_plugins import make_fake_distribution
 
 from llmrl.engine.errors import RequestError
-from llmrl.engine.testing import reference_scores
+from testkit import reference_scores
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +37,7 @@ def plugin_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tiny, plugin_path):
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     sgd = {"optimizer": {"type": "sgd", "lr": 0.5}, "micro_batch_size": 4}
     updater = "llmrl_test_plugins:ChosenScoreUpdater"

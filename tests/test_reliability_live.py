@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from llmrl.engine.errors import RequestError, RequestTimeoutError, ServerDiedError
-from llmrl.engine.testing import LiveRun
+from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +115,7 @@ def test_a_slow_request_times_out_and_the_next_one_succeeds(run):
 
 
 def test_idle_servers_outlive_the_collective_timeout(run, reference_models):
-    from llmrl.engine.testing import reference_scores
+    from testkit import reference_scores
 
     time.sleep(8)  # longer than timeouts.collective: idle servers wait on their sockets, not in a collective
     model, tok = reference_models["llama"]
@@ -210,7 +210,7 @@ def test_ctrl_c_stops_everything(tmp_path, tiny, target):
 
 
 def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
-    from llmrl.engine.checkpoint import MANIFEST, resolve_checkpoint
+    from llmrl.engine.checkpoint_layout import MANIFEST, resolve_checkpoint
 
     path = str(tmp_path / "ckpt")
     batch = {"actions": [1, 0, 1, 0], "weights": [1.0, 1.0, 1.0, 1.0]}
@@ -219,7 +219,9 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
         first.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
         first.save(path)
         saved_scores = first.score(CONTEXTS, CANDIDATES, llm="trainable")
-    slow = LiveRun(config, env={"LLMRL_TEST_SAVE_DELAY": "60"})
+    slow_config = {"llms": {"trainable": trainable(
+        tiny, initializers=[{"plugin": "llmrl_test_plugins:SlowSaves", "args": {"seconds": 60}}])}, "threads_per_rank": 1}
+    slow = LiveRun(slow_config)
     try:
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)

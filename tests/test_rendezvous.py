@@ -3,7 +3,7 @@
 import psutil
 import pytest
 
-from llmrl.engine import rendezvous
+from llmrl.engine.transport import rendezvous
 
 
 def listening_ips(port: int) -> set[str]:

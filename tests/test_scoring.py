@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.scoring import Needs, accepts_logits_to_keep, plan_batches, run_batch
-from llmrl.engine.testing import reference_scores
-from llmrl.engine.tokenization import tokenize
+from llmrl.engine.model.batching import Needs, plan_batches
+from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.tokenization import tokenize
+from testkit import reference_scores
 
 CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "café ", "東京 is", "x x x", ""]
 CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂"],
@@ -26,10 +27,10 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
     ctx_hidden = [None] * len(contexts)
     cand_hidden = {}
     with torch.no_grad():
-        for batch in plan_batches(plan, budget, rows, needs):
+        for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                             kind == "causal" and accepts_logits_to_keep(model),
-                            getattr(model.config, "decoder_start_token_id", None), reuse)
+                            getattr(model.config, "decoder_start_token_id", None))
             offset = 0
             for a, i in enumerate(batch.contexts):
                 k = len(plan.contexts[i].candidates)
@@ -137,14 +138,12 @@ SHARED_CANDIDATES = [[" turn left", " turn right", " turn", " go forward", " go 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind):
     """Contexts sharing a long prefix (encoded once) and candidates sharing rows give plain HF's scores."""
-    from llmrl.engine.scoring import causal_calls
-
     model, tok = reference_models[kind]
     plan = tokenize(tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES, max_length=512)
     (batch,) = plan_batches(plan, 8192, 64, Needs())
     rows = sum(len(c) for c in batch.chunks)
     assert rows < sum(len(c) for c in SHARED_CANDIDATES) - 6, "rows whose inputs coincide must be shared"
-    assert causal_calls(plan, batch) == 2 + len(batch.chunks)  # common prefix, own prefixes, candidates
+    assert batch.model_calls == 2 + len(batch.chunks)  # common prefix, own prefixes, candidates
     expected = reference_scores(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES)
     got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES,
                                             Needs(context_hidden=True, candidate_hidden=True))

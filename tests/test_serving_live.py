@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.testing import reference_scores
+from testkit import reference_scores
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def check_generation(run, llm, model, tok, seq2seq):
 @pytest.fixture(scope="module")
 def llama_layouts(tiny):
     """One run: the tiny Llama with 2 replicas, and again with tensor-parallel 2 (two isolated worlds)."""
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     config = {"llms": {"replicated": {"model": tiny["llama"], "replicas": 2},
                        "sharded": {"model": tiny["llama"], "tensor_parallel": 2}},
@@ -67,7 +67,7 @@ def llama_layouts(tiny):
 @pytest.fixture(scope="module")
 def mixed_llms(tiny):
     """One run: Llama (1 replica), GPT-2 (2 replicas) and T5 (1 replica)."""
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     config = {"llms": {"llama": {"model": tiny["llama"]}, "gpt2": {"model": tiny["gpt2"], "replicas": 2},
                        "t5": {"model": tiny["t5"], "type": "seq2seq"}},

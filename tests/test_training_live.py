@@ -35,7 +35,7 @@ def llm(tiny, zero=0, replicas=1, micro=4, accumulation=2, **extra):
 
 @pytest.fixture(scope="module")
 def zero_run(tiny):
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     llms = {f"z{z}r1": llm(tiny, z) for z in range(4)}
     llms.update({f"z{z}r2": llm(tiny, z, replicas=2, micro=2) for z in range(4)})
@@ -46,7 +46,7 @@ def zero_run(tiny):
 
 @pytest.fixture(scope="module")
 def misc_run(tiny):
-    from llmrl.engine.testing import LiveRun
+    from testkit import LiveRun
 
     llms = {
         "tp2": llm(tiny, 1, tensor_parallel=2),

@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import torch
 
-from llmrl.engine import wire
+from llmrl.engine.transport import frames
 
 
 def _roundtrip(obj):
     a, b = socket.socketpair()
-    left, right = wire.Connection(a), wire.Connection(b)
+    left, right = frames.Connection(a), frames.Connection(b)
     box = []
     reader = threading.Thread(target=lambda: box.append(right.recv()))
     reader.start()
@@ -36,8 +36,8 @@ def test_tensors_and_arrays_roundtrip():
 
 
 def test_tensor_bytes_travel_out_of_band():
-    frames = wire.encode({"x": torch.zeros(1000, 1000)})
-    header, payload, *buffers = frames
+    encoded = frames.encode({"x": torch.zeros(1000, 1000)})
+    header, payload, *buffers = encoded
     assert memoryview(payload).nbytes < 1000 and sum(memoryview(b).nbytes for b in buffers) == 4_000_000
 
 
@@ -46,9 +46,9 @@ def test_connection_with_a_wrong_token_is_refused():
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     box = []
-    thread = threading.Thread(target=lambda: box.append(wire.accept(listener, b"a" * 32)))
+    thread = threading.Thread(target=lambda: box.append(frames.accept(listener, b"a" * 32)))
     thread.start()
-    conn = wire.connect(listener.getsockname(), b"b" * 32, 3, timeout=5)
+    conn = frames.connect(listener.getsockname(), b"b" * 32, 3, timeout=5)
     thread.join(10)
     assert box == [None]
     conn.close()

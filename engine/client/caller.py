@@ -1,0 +1,292 @@
+"""The client API: :class:`Caller`, which your RL script uses to reach the LLM servers of its run.
+
+``Caller()`` finds the run rank 0 hosts (:mod:`llmrl.engine.client.hosting`), waits for every server rank,
+sends them the plugins given by the script, and then serves ``score``, ``generate``, ``custom_module_fns``,
+``update`` and ``save``. Each method checks its arguments and hands them to its request kind
+(:mod:`llmrl.engine.requests`), which splits them across the replicas of the target LLM and assembles the
+replies: results come back in order as CPU tensors and plain Python. Every call has an ``_async`` twin
+returning a future, so the script can step its environments while the servers compute. Calls to
+different LLMs run concurrently.
+
+This module computes nothing and splits nothing itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from llmrl.engine.client.hosting import current_run
+from llmrl.engine.config import PluginSpec
+from llmrl.engine.errors import RequestTimeoutError, did_you_mean
+from llmrl.engine.requests import admin, generate, score, state_dict, update
+from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys
+
+
+class Caller:
+    """Your script's handle on the LLM servers of this run.
+
+    Create it once, inside a script started by ``llmrl run`` (or ``deepspeed --module llmrl.launch``).
+
+    Args:
+        heads: extra heads for the default LLM (or ``llm``): ``{"key": HeadClass}`` or ``{"key": (HeadClass, args)}``.
+            Classes defined in your script work: servers import the script as a module (keep your RL
+            loop under ``if __name__ == "__main__":``).
+        initializers: extra initializers (classes or ``(class, args)`` pairs), applied after the config's.
+        updater: the updater (class or ``(class, args)``), replacing the config's.
+        llm: which LLM ``heads``/``initializers``/``updater`` are for (default: the first in the config).
+        timeout: seconds a call may take before :class:`RequestTimeoutError` (default ``timeouts.request``).
+        progress: show a progress bar while the servers start.
+
+    Example::
+
+        with Caller() as caller:
+            logp = caller.score(["You see a door. You"], [[" open it", " leave"]])
+    """
+
+    def __init__(self, *, heads: dict | None = None, initializers: list | None = None, updater=None,
+                 llm: str | None = None, timeout: float | None = None, progress: bool = True):
+        from llmrl.plugins import registry
+
+        if registry.importing_script:
+            raise RuntimeError("Caller() was created while a server imported your script to find its plugins: "
+                               "put your RL loop under `if __name__ == '__main__':` so it runs only on the client")
+        run = current_run()
+        if run is None:
+            raise RuntimeError("Caller() runs inside an llmrl launch: start your script with "
+                               "`llmrl run --config CONFIG script.py` (or deepspeed --module llmrl.launch ...)")
+        if run.caller is not None:
+            raise RuntimeError("this run already has a Caller; create it once and pass it around")
+        self._run = run
+        self.config = run.config
+        self._timeout = self.config.timeouts.request if timeout is None else timeout
+        self._closed = False
+        self._rng = random.Random(self.config.seed)
+        target = self._llm(llm)
+        plugins: dict[str, dict[str, Any]] = {}
+        if heads or initializers or updater:
+            plugins[target] = {
+                "heads": {k: PluginSpec.coerce(v, "head") for k, v in (heads or {}).items()},
+                "initializers": [PluginSpec.coerce(v, "initializer") for v in (initializers or [])],
+                "updater": PluginSpec.coerce(updater, "updater") if updater else None,
+            }
+        bar = _startup_bar(progress, len(run.roles))
+        try:
+            run.links.wait_connected(self.config.timeouts.startup, bar.update_to if bar else None)
+            if bar:
+                bar.set_description("llmrl: building engines")
+            self.info: dict[str, dict] = self._wait(admin.send_setup(run, plugins, run.roles),
+                                                    self.config.timeouts.startup)
+        finally:
+            if bar:
+                bar.close()
+        run.caller = self
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def llms(self) -> list[str]:
+        """Names of the LLMs of this run, in config order (the first is the default)."""
+        return list(self.config.llms)
+
+    def _llm(self, llm: str | None) -> str:
+        name = llm or self.config.default_llm
+        if name not in self.config.llms:
+            raise ValueError(f"unknown llm {name!r}{did_you_mean(name, self.config.llms)}; this run serves "
+                             f"{', '.join(self.config.llms)}")
+        return name
+
+    def _open(self, llm: str | None = None) -> str:
+        """Check that the Caller is open and return the target LLM's name."""
+        if self._closed:
+            raise RuntimeError("this Caller is closed")
+        return self._llm(llm)
+
+    def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
+        timeout = self._timeout if timeout is None else timeout
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            busy = self._run.links.busy_ranks(future)
+            self._run.links.forget(future)
+            raise RequestTimeoutError(f"the request took longer than {timeout:g} s (timeouts.request); ranks still "
+                                      f"working on it: {busy}") from None
+
+    # ------------------------------------------------------------------ score & heads
+
+    def score_async(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum",
+                    normalize: bool = False, probabilities: bool = False, minibatch_size: int | None = None,
+                    additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None
+                    ) -> concurrent.futures.Future:
+        """Like :meth:`score`, returning a future."""
+        name = self._open(llm)
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        contexts = check_contexts(contexts)
+        request = score.ScoreRequest(contexts, check_candidates(candidates, len(contexts)),
+                                     check_keys(additional_module_function_keys), peft_adapter, minibatch_size)
+        return score.send(self._run, name, request, score.Finish(reduction, normalize, probabilities))
+
+    def score(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum", normalize: bool = False,
+              probabilities: bool = False, minibatch_size: int | None = None,
+              additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None):
+        """Log-probability of each candidate given its context.
+
+        Args:
+            contexts: N prompts.
+            candidates: N lists of candidate continuations (a list may be empty).
+            llm: which LLM (default: the first of the config).
+            reduction: ``"sum"`` of the candidate tokens' log-probs (log p(candidate | context)), or ``"mean"``.
+            normalize: log-softmax over each context's candidates (the log-policy over the offered actions).
+            probabilities: return exp of the result.
+            minibatch_size: most rows per forward pass (default: the LLM's ``minibatch_size``).
+            additional_module_function_keys: heads to run in the same forward pass.
+            peft_adapter: the LoRA adapter to use.
+
+        Returns:
+            One 1-D float tensor per context (empty for an empty candidate list); with
+            ``additional_module_function_keys``, one dict per context with ``"score"`` and each head's output.
+        """
+        return self._wait(self.score_async(
+            contexts, candidates, llm=llm, reduction=reduction, normalize=normalize, probabilities=probabilities,
+            minibatch_size=minibatch_size, additional_module_function_keys=additional_module_function_keys,
+            peft_adapter=peft_adapter))
+
+    def custom_module_fns_async(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
+                                peft_adapter: str | None = None, minibatch_size: int | None = None
+                                ) -> concurrent.futures.Future:
+        """Like :meth:`custom_module_fns`, returning a future."""
+        name = self._open(llm)
+        keys = check_keys(keys)
+        if not keys:
+            raise ValueError("custom_module_fns needs at least one head key")
+        contexts = check_contexts(contexts)
+        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
+        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size)
+        return score.send(self._run, name, request, score.Finish(scores=False))
+
+    def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
+                          peft_adapter: str | None = None, minibatch_size: int | None = None) -> list[dict]:
+        """Run heads on contexts (and candidates). Returns one ``{key: tensor}`` dict per context
+        (context-level heads give one output per context, candidate-level heads one row per candidate)."""
+        return self._wait(self.custom_module_fns_async(keys, contexts, candidates, llm=llm,
+                                                       peft_adapter=peft_adapter, minibatch_size=minibatch_size))
+
+    # ------------------------------------------------------------------ generate
+
+    def generate_async(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None,
+                       seed: int | None = None, minibatch_size: int | None = None, **generate_kwargs
+                       ) -> concurrent.futures.Future:
+        """Like :meth:`generate`, returning a future."""
+        name = self._open(llm)
+        seed = self._rng.randrange(2**31) if seed is None else int(seed)
+        request = generate.GenerateRequest(check_contexts(contexts), generate_kwargs, peft_adapter, seed,
+                                           minibatch_size)
+        return generate.send(self._run, name, request)
+
+    def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,
+                 minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
+        """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments).
+
+        Returns:
+            Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
+            including EOS), ``logprobs`` (each token's log-prob under the raw model distribution, so they agree
+            with ``score``) and ``logprob`` (their sum).
+        """
+        return self._wait(self.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
+                                              minibatch_size=minibatch_size, **generate_kwargs))
+
+    # ------------------------------------------------------------------ update
+
+    def update_async(self, contexts, candidates=None, *, llm: str | None = None, **kwargs
+                     ) -> concurrent.futures.Future:
+        """Like :meth:`update`, returning a future."""
+        name = self._open(llm)
+        contexts = check_contexts(contexts)
+        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
+        return update.send(self._run, name, contexts, candidates, kwargs)
+
+    def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
+        """Run the LLM's updater on every replica, each on its share of the batch.
+
+        Keyword arguments whose length equals the number of contexts (lists, tensors, arrays) are
+        per-sample and sliced like the contexts; the others reach every replica whole.
+
+        Returns:
+            The updater's statistics, one dict per replica.
+        """
+        return self._wait(self.update_async(contexts, candidates, llm=llm, **kwargs))
+
+    # ------------------------------------------------------------------ checkpoints & misc
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`)."""
+        from llmrl.engine.client.saving import save_run
+
+        self._open()
+        return save_run(self._run, self._wait, os.fspath(path))
+
+    def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:
+        """The LLM's full weights (model, adapters and heads; ZeRO-3 and tensor-parallel shards gathered) as CPU
+        tensors, keyed like ``model.<hf name>`` and ``heads.<key>.<name>``; ``prefix`` selects a subset.
+        ``replica=k`` returns replica k's own copy instead (ZeRO 0-2 without tensor parallelism)."""
+        return self._wait(state_dict.send(self._run, self._open(llm), prefix, replica))
+
+    def ping(self, rank: int | None = None) -> float:
+        """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
+        self._open()
+        start = time.perf_counter()
+        self._wait(admin.send_ping(self._run, rank or min(self._run.roles)))
+        return time.perf_counter() - start
+
+    def servers(self) -> dict[int, dict]:
+        """Every server rank: its LLM, replica, tensor-parallel rank, host and pid."""
+        return {rank: {"llm": h.llm, "replica": h.replica, "tp_rank": h.tp_rank, "host": h.host, "pid": h.pid}
+                for rank, h in sorted(self._run.links.hellos.items())}
+
+    def server_memory(self) -> dict[int, dict]:
+        """Memory use of every server rank (resident set size, peak, CUDA allocations, parameter bytes)."""
+        self._open()
+        return self._wait(admin.send_stats(self._run))
+
+    def close(self) -> None:
+        """Stop every server cleanly (they exit 0). Further calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        self._run.shutdown(abort=False, reason="Caller.close()")
+
+    def __enter__(self) -> Caller:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._closed = True
+            self._run.shutdown(abort=True, reason=f"the script raised {exc_type.__name__}")
+
+
+def _startup_bar(progress: bool, total: int):
+    """A progress bar of servers connecting (None when progress is off or tqdm is missing)."""
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(total=total, desc="llmrl: servers connected", unit="rank", leave=False, file=sys.stderr,
+               disable=None)  # None: shown on a terminal, silent in logs
+
+    def update_to(done: int, _total: int) -> None:
+        if done != bar.n:
+            bar.n = done
+            bar.refresh()
+
+    bar.update_to = update_to
+    return bar

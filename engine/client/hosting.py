@@ -1,0 +1,94 @@
+"""Rank 0's side of a run: host the run's store and listener, run the user's script, stop the servers.
+
+Before the script starts, :class:`ClientRun` hosts the run's store (where the servers find the run's token
+and the client's address) and the listener the servers connect to while they load their models; the
+script's ``Caller()`` then finds this run through :func:`current_run`. :func:`run_client` is rank 0's entry
+point: it runs the script and ends the run with the script's exit code.
+
+This module neither splits requests nor assembles results; the request kinds do.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from llmrl.engine.client.links import ServerLinks
+from llmrl.engine.config import Config
+from llmrl.engine.config.topology import replica_ranks, server_roles
+from llmrl.engine.log import configure
+from llmrl.engine.processes import exit_with_parent
+from llmrl.engine.requests.base import Part
+from llmrl.engine.transport import rendezvous
+
+_current_run: ClientRun | None = None
+
+
+class ClientRun:
+    """The store, the listener, the links to every server rank, and the layout of the run."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        master_port = int(os.environ.get("MASTER_PORT", "29500"))
+        timeout = config.timeouts.startup
+        self.store = rendezvous.host_run_store(master_addr, master_port, timeout)
+        self.listener = rendezvous.listen(master_addr)
+        host, port = self.listener.getsockname()[:2]
+        token = secrets.token_bytes(32)
+        self.store.set(rendezvous.TOKEN_KEY, token)
+        self.store.set(rendezvous.CLIENT_ADDRESS_KEY, rendezvous.format_address(host, port))
+        self.roles = {r.global_rank: r for r in server_roles(config)}
+        self._replicas = {name: replica_ranks(config, name) for name in config.llms}
+        self.links = ServerLinks(self.listener, token, sorted(self.roles), config.timeouts.heartbeat,
+                                 config.timeouts.dead_after, self.describe_rank)
+        self.caller = None
+
+    def replicas(self, llm: str) -> list[list[int]]:
+        return self._replicas[llm]
+
+    def submit(self, kind: str, parts: list[Part], assemble: Callable[[dict[int, Any]], Any]) -> Future:
+        return self.links.submit(kind, parts, assemble)
+
+    def describe_rank(self, rank: int) -> str:
+        role = self.roles.get(rank)
+        if role is None:
+            return f"rank {rank}"
+        hello = self.links.hellos.get(rank)
+        where = f" on {hello.host}, pid {hello.pid}" if hello else ""
+        return f"rank {rank} (LLM {role.llm!r}, replica {role.replica}, tensor-parallel rank {role.tp_rank}{where})"
+
+    def shutdown(self, abort: bool, reason: str) -> None:
+        self.links.shutdown(abort=abort, reason=reason)
+
+
+def current_run() -> ClientRun | None:
+    return _current_run
+
+
+def run_client(config: Config, run_script: Callable[[], int]) -> int:
+    """Entry point of rank 0: host the run, run the script, stop the servers. Returns the exit code."""
+    global _current_run
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    exit_with_parent(signal.SIGTERM)
+    configure(config.log_level)
+    run = ClientRun(config)
+    _current_run = run
+    try:
+        code = run_script()
+    finally:
+        _current_run = None
+    failed = code != 0 or bool(run.links.dead)
+    reason = "the script finished" if not failed else f"the script exited with code {code}"
+    run.shutdown(abort=failed, reason=reason)
+    if run.links.dead and code == 0:
+        code = 1
+    return code

@@ -1,0 +1,132 @@
+"""Checks of a config that the JSON Schema cannot express: across keys, and against this machine.
+
+:func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the
+machine (model folders, GPUs, bitsandbytes, tensor-parallel divisibility) and may read a model's config.
+Both return ``(dotted path, message)`` problems; neither raises. :func:`world_size_problem` words a launch
+whose rank count does not match the config.
+
+This module loads no model weights and starts nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from llmrl.engine.config.types import Config
+from llmrl.engine.errors import did_you_mean
+
+BUILTIN_MODEL_PREFIX = "builtin:"
+
+Problem = tuple[str, str]
+
+
+def semantic_problems(data: dict) -> list[Problem]:
+    """Checks across keys that the schema cannot express; pure (no environment)."""
+    problems: list[Problem] = []
+    for name, llm in data["llms"].items():
+        at = f"llms.{name}"
+        replicas, tp = llm.get("replicas", 1), llm.get("tensor_parallel", 1)
+        devices = llm.get("devices", "cpu")
+        if isinstance(devices, list):
+            if len(devices) != replicas * tp:
+                problems.append((f"{at}.devices", f"lists {len(devices)} GPU id(s) but the LLM has replicas x "
+                                 f"tensor_parallel = {replicas} x {tp} = {replicas * tp} ranks; give one id per rank"))
+        dtype = llm.get("dtype", "float32")
+        if dtype == "float16" and devices == "cpu":
+            problems.append((f"{at}.dtype", "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))
+        quant = llm.get("quantization")
+        if quant:
+            if tp > 1:
+                problems.append((f"{at}.quantization", "quantized models cannot be tensor-parallel; set tensor_parallel: 1"))
+            if llm.get("training", {}).get("zero_stage", 0) == 3:
+                problems.append((f"{at}.quantization", "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
+            if not llm.get("from_pretrained", True):
+                problems.append((f"{at}.quantization", "quantization needs from_pretrained: true (weights to quantize)"))
+        if llm.get("checkpoint") and not Path(os.path.expanduser(llm["checkpoint"])).exists():
+            problems.append((f"{at}.checkpoint", f"checkpoint {llm['checkpoint']!r} does not exist; "
+                             "give a folder written by Caller.save(path)"))
+    return problems
+
+
+def looks_like_local_path(model: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else that names a folder is a local path."""
+    return model.startswith(("/", ".", "~")) or model.rstrip("/").count("/") > 1
+
+
+def environment_problems(data: dict) -> list[Problem]:
+    """Checks that look at this machine: model folders, GPUs, bitsandbytes, tensor-parallel divisibility."""
+    problems: list[Problem] = []
+    cuda_available: bool | None = None
+    for name, llm in data["llms"].items():
+        at = f"llms.{name}"
+        model = llm["model"]
+        if model.startswith(BUILTIN_MODEL_PREFIX):
+            from llmrl.engine.model.builtin_models import BUILTIN_MODELS
+
+            builtin = model[len(BUILTIN_MODEL_PREFIX):]
+            if builtin not in BUILTIN_MODELS:
+                problems.append((f"{at}.model", f"unknown builtin model {builtin!r}{did_you_mean(builtin, BUILTIN_MODELS)}; "
+                                 f"available: {', '.join(sorted(BUILTIN_MODELS))}"))
+        else:
+            local = Path(os.path.expanduser(model))
+            if not local.exists() and looks_like_local_path(model):
+                problems.append((f"{at}.model", f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
+        if llm.get("devices", "cpu") != "cpu":
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                problems.append((f"{at}.devices", f"{llm['devices']!r} asks for GPUs but CUDA is not available on this "
+                                 "machine; use devices: cpu"))
+        if llm.get("quantization") and importlib.util.find_spec("bitsandbytes") is None:
+            problems.append((f"{at}.quantization", "needs the bitsandbytes package: pip install bitsandbytes"))
+        tp = llm.get("tensor_parallel", 1)
+        if tp > 1:
+            problems += _tensor_parallel_problems(at, llm, tp)
+    return problems
+
+
+def _tensor_parallel_problems(at: str, llm: dict, tp: int) -> list[Problem]:
+    model = llm["model"]
+    if model.startswith(BUILTIN_MODEL_PREFIX):
+        from llmrl.engine.model.builtin_models import builtin_model_config
+
+        hf_config = builtin_model_config(model[len(BUILTIN_MODEL_PREFIX):])
+    elif Path(os.path.expanduser(model)).is_dir():
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(os.path.expanduser(model),
+                                                   trust_remote_code=llm.get("trust_remote_code", False))
+        except Exception as err:  # noqa: BLE001 - reported as a config problem
+            return [(f"{at}.model", f"cannot read the model config: {err}")]
+    else:
+        return []  # a hub id: checked when the model loads
+    if hf_config is None:
+        return []
+    problems = []
+    model_type = getattr(hf_config, "model_type", "?")
+    if model_type in ("gpt2", "gpt_bigcode"):
+        problems.append((f"{at}.tensor_parallel", f"DeepSpeed AutoTP does not support {model_type} models; "
+                         "use tensor_parallel: 1 (replicas work) or a Llama/Qwen/Mistral/OPT/T5-family model"))
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text_config, "num_attention_heads", None) or getattr(text_config, "num_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    for label, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count is not None and count % tp != 0:
+            problems.append((f"{at}.tensor_parallel", f"{tp} does not divide the model's {count} {label}; "
+                             f"choose a divisor of {count}"))
+    return problems
+
+
+def world_size_problem(config: Config, world_size: int) -> str | None:
+    """The message for a launch whose rank count does not match the config, or None."""
+    if world_size == config.world_size:
+        return None
+    parts = " + ".join(f"{llm.replicas} x {llm.tensor_parallel} ({name})" for name, llm in config.llms.items())
+    return (f"the launcher started {world_size} rank(s) but the config needs {config.world_size}: 1 client + {parts} "
+            f"server ranks. Launch with `deepspeed --num_gpus {config.world_size} ...` (or a hostfile with "
+            f"{config.world_size} slots in all), or use `llmrl run`, which counts them for you.")

@@ -1,0 +1,209 @@
+"""Load an llmrl config: YAML file -> command-line overrides -> JSON Schema -> checks -> frozen objects.
+
+Every problem is collected and reported at once (:class:`~llmrl.engine.errors.ConfigError`), each
+with its dotted path and a hint. The checks that look across keys or at the machine live in
+:mod:`llmrl.engine.config.checks`; the typed objects and their defaults in :mod:`llmrl.engine.config.types`.
+
+This module does not start processes, build DeepSpeed configs or load models.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llmrl.engine.config.checks import environment_problems, semantic_problems
+from llmrl.engine.config.types import (
+    Config,
+    LLMConfig,
+    OptimizerConfig,
+    PluginSpec,
+    QuantizationConfig,
+    Timeouts,
+    TrainingConfig,
+)
+from llmrl.engine.errors import ConfigError, did_you_mean
+
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+
+Problem = tuple[str, str]
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True) -> Config:
+    """Load and validate a config; raise :class:`ConfigError` listing every problem.
+
+    Args:
+        path: the YAML file (or pass ``raw``, an already-parsed mapping).
+        overrides: ``dotted.key=value`` strings; values are parsed as YAML (``replicas=2`` is an int).
+        check_environment: also check the machine (model paths, GPUs, bitsandbytes, head divisibility).
+        check_plugins: also resolve the named plugins and check their arguments against their schemas.
+    """
+    source = str(path) if path is not None else None
+    data = load_yaml(path) if raw is None else copy.deepcopy(raw)
+    problems: list[Problem] = []
+    data = apply_overrides(data, list(overrides), problems)
+    problems += schema_problems(data)
+    if not problems:
+        problems += semantic_problems(data)
+    if not problems and check_environment:
+        problems += environment_problems(data)
+    if not problems and check_plugins:
+        from llmrl.plugins.registry import plugin_problems
+
+        problems += plugin_problems(data)
+    if problems:
+        raise ConfigError(problems, source)
+    return build_config(data, source)
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([("", f"config file {str(p)!r} does not exist")], str(p))
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError([("", f"not valid YAML: {err}")], str(p)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"the top level must be a mapping, got {type(data).__name__}")], str(p))
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -> dict:
+    """Apply ``a.b.c=value`` overrides to a copy of ``data``; malformed ones are added to ``problems``."""
+    import yaml
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        key, sep, value_text = text.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append((key or text, f"override {text!r} is not of the form dotted.key=value"))
+            continue
+        try:
+            value = yaml.safe_load(value_text) if value_text != "" else ""
+        except yaml.YAMLError as err:
+            problems.append((key, f"override value {value_text!r} is not valid YAML: {err}"))
+            continue
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append((".".join(parts[: i + 1]), f"cannot set {key}: this key holds a {type(child).__name__}"))
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return data
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def load_schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def _dotted(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+            "gpu": "auto", "cuda": "auto", "decoder": "causal", "encoder-decoder": "seq2seq", "adam_w": "adamw"}
+
+
+def schema_problems(data: dict) -> list[Problem]:
+    """Validate against the JSON Schema; one readable problem per schema error."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(load_schema())
+    problems: list[Problem] = []
+    for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
+        problems.extend(_explain(error))
+    return problems
+
+
+def _explain(error) -> list[Problem]:
+    path = _dotted(error.absolute_path)
+    kind = error.validator
+    schema = error.schema
+    if kind == "additionalProperties":
+        allowed = sorted(schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        out = []
+        for key in extra:
+            hint = did_you_mean(key, allowed) or (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+            out.append((_dotted([*error.absolute_path, key]), f"unknown key {key!r}{hint}"))
+        return out or [(path, error.message)]
+    if kind == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return [(path, f"missing required key {missing!r}")]
+    if kind == "type":
+        expected = schema.get("type")
+        expected = " or ".join(expected) if isinstance(expected, list) else expected
+        return [(path, f"expected {expected}, got {_describe(error.instance)}")]
+    if kind == "enum":
+        options = ", ".join(json.dumps(o) for o in schema["enum"])
+        alias = _ALIASES.get(str(error.instance).lower())
+        hint = f" (did you mean {alias!r}?)" if alias in schema["enum"] else did_you_mean(error.instance, schema["enum"])
+        return [(path, f"{json.dumps(error.instance)} is not one of {options}{hint}")]
+    if kind in ("anyOf", "oneOf"):
+        hint = schema.get("x-hint", "see the schema's description")
+        return [(path, f"{_describe(error.instance)} is not accepted here: {hint}")]
+    if kind == "pattern" and "propertyNames" in error.schema_path:
+        return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a "
+                       "letter or '_'")]
+    if kind == "propertyNames":
+        return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a letter")]
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        return [(path, f"must be {sign} {error.validator_value}, got {error.instance}")]
+    if kind == "minProperties":
+        return [(path, "must name at least one entry")]
+    return [(path, error.message)]
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_config(data: dict, source: str | None = None) -> Config:
+    """Turn a validated mapping into frozen, typed objects. Only the keys present are passed on: every default
+    comes from :mod:`llmrl.engine.config.types`."""
+    llms = {name: _llm_config(name, raw) for name, raw in data["llms"].items()}
+    top = {key: data[key] for key in ("seed", "threads_per_rank", "log_level") if key in data}
+    return Config(llms=llms, timeouts=Timeouts(**(data.get("timeouts") or {})), source=source, **top)
+
+
+def _llm_config(name: str, raw: dict) -> LLMConfig:
+    fields = dict(raw)
+    training = dict(fields.pop("training", None) or {})
+    optimizer = dict(training.pop("optimizer", None) or {})
+    if "betas" in optimizer:
+        optimizer["betas"] = tuple(optimizer["betas"])
+    fields["training"] = TrainingConfig(optimizer=OptimizerConfig(**optimizer), **training)
+    quantization = fields.pop("quantization", None)
+    if quantization:
+        fields["quantization"] = QuantizationConfig(**quantization)
+    if isinstance(fields.get("devices"), list):
+        fields["devices"] = tuple(fields["devices"])
+    fields["initializers"] = tuple(PluginSpec.coerce(p) for p in fields.get("initializers") or ())
+    fields["heads"] = {key: PluginSpec.coerce(p) for key, p in (fields.get("heads") or {}).items()}
+    fields["updater"] = PluginSpec.coerce(fields["updater"]) if fields.get("updater") else None
+    return LLMConfig(name=name, **fields)

@@ -1,0 +1,139 @@
+"""The typed, frozen shape of a validated config. Every default is written here, once.
+
+``load_config`` (in :mod:`llmrl.engine.config.loading`) builds these objects from a mapping that has
+passed the JSON Schema; it passes only the keys a user wrote, so the defaults below are the only ones.
+
+This module holds data classes only: no loading, no checks, no heavy imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A plugin: an entry-point name, ``module:attr`` or ``__main__:Name``, and its constructor's arguments."""
+
+    plugin: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def coerce(cls, value, what: str = "plugin") -> PluginSpec:
+        """A spec from what a config or a script may give: a name, ``{plugin, args}``, a class, or
+        ``(class or name, args)``. A class becomes ``module:QualifiedName``."""
+        if isinstance(value, PluginSpec):
+            return value
+        args: dict = {}
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+            value, args = value
+        if isinstance(value, dict) and "plugin" in value:
+            return cls(str(value["plugin"]), dict(value.get("args") or {}))
+        if isinstance(value, str):
+            return cls(value, dict(args))
+        if isinstance(value, type):
+            return cls(f"{value.__module__}:{value.__qualname__}", dict(args))
+        raise TypeError(f"{what} must be a plugin name, a class, a (class, args) pair or {{plugin, args}}, "
+                        f"got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    bits: int = 4
+    quant_type: str = "nf4"
+    compute_dtype: str = "float32"
+    double_quant: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "adam"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    zero_stage: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    name: str
+    model: str
+    tokenizer: str | None = None
+    type: str = "causal"
+    backend: str = "hf"
+    from_pretrained: bool = True
+    dtype: str = "float32"
+    replicas: int = 1
+    tensor_parallel: int = 1
+    devices: str | tuple[int, ...] = "cpu"
+    minibatch_size: int = 64
+    token_budget: int = 8192
+    max_length: int | None = None
+    prefix_reuse: bool = True
+    trust_remote_code: bool = False
+    revision: str | None = None
+    quantization: QuantizationConfig | None = None
+    initializers: tuple[PluginSpec, ...] = ()
+    heads: dict[str, PluginSpec] = field(default_factory=dict)
+    updater: PluginSpec | None = None
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: str | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicas * self.tensor_parallel
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.devices != "cpu"
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every replica must take part in every request. With ZeRO-3 the replicas hold one partitioned
+        copy of the weights, so every forward gathers from all of them: each replica makes the same number of
+        model calls (padding with throw-away calls), even one with nothing to do."""
+        return self.training.zero_stage == 3 and self.replicas > 1
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    startup: float = 600.0
+    request: float | None = 3600.0
+    heartbeat: float = 1.0
+    dead_after: float = 20.0
+    collective: float = 1800.0
+
+
+@dataclass(frozen=True)
+class Config:
+    llms: dict[str, LLMConfig]
+    seed: int = 0
+    threads_per_rank: int | None = None
+    log_level: str = "info"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    source: str | None = None
+
+    @property
+    def default_llm(self) -> str:
+        return next(iter(self.llms))
+
+    @property
+    def num_server_ranks(self) -> int:
+        return sum(llm.num_ranks for llm in self.llms.values())
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the launcher must start: the client (rank 0) plus every server rank."""
+        return 1 + self.num_server_ranks

@@ -1,0 +1,162 @@
+"""Plan the forward passes of a scoring request: which contexts share a batch, which candidate rows share a
+chunk, which rows are shared between candidates, and how many model calls the plan makes.
+
+Batches are formed by a token budget (padded tokens, cache included) and a row cap, not a fixed row
+count, so memory stays bounded with long contexts; :func:`pack` is the one greedy packer behind every
+such decision (generation uses it too). A candidate row feeds only the tokens that predict a scored
+token, and a candidate whose inputs are a prefix of another's reads that row (causal attention makes
+the shared positions identical). The number of model calls of each batch is decided here, once:
+:mod:`llmrl.engine.model.scoring` makes exactly those calls, and ranks in lockstep pad to the maximum.
+
+This module is pure planning over token ids: it runs no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from llmrl.engine.model.tokenization import TokenPlan
+
+COMPLETION = -1  # row index of a context's completion row (the hidden state of its last token)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the heads of a request need besides scores."""
+
+    context_hidden: bool = False  # hidden state at each context's last token
+    candidate_hidden: bool = False  # hidden state at each candidate's last token
+
+
+@dataclass
+class BatchSpec:
+    """One batch: its contexts, the chunks of candidate rows of its candidate passes, and its model calls."""
+
+    contexts: list[int]  # indices into the plan's contexts
+    chunks: list[list[tuple[int, int]]] = field(default_factory=list)  # rows: (position in contexts, candidate or COMPLETION)
+    # Causal models: candidate (a, j) reads its logits from the row of candidate (a, cover[a, j]), whose inputs
+    # start with its own (" turn left" and " turn right" both need only " turn": one row serves both).
+    cover: dict[tuple[int, int], int] = field(default_factory=dict)
+    common: int = 0  # causal: tokens every context of the batch shares, encoded once (0: no such pass)
+    own_prefixes: bool = False  # causal: a pass over each context's own part of its shared prefix
+    encoder_pass: bool = False  # seq2seq: the encoder runs once and its output is reused by every chunk
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    @property
+    def model_calls(self) -> int:
+        """Model calls :func:`llmrl.engine.model.scoring.run_batch` makes for this batch."""
+        return int(self.common > 0) + int(self.own_prefixes) + int(self.encoder_pass) + len(self.chunks)
+
+
+def pack(widths: Sequence[int], budget: int, max_rows: int, *, rows_each: int = 1, extra_width: int = 0
+         ) -> list[list[int]]:
+    """Group items, in order, greedily: a group of n items costs ``n x rows_each`` rows of
+    ``widest + extra_width`` tokens, and must stay within ``budget`` tokens and ``max_rows`` rows (an item
+    alone always forms a group). Returns the items' indices, group by group."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    widest = 0
+    for i, width in enumerate(widths):
+        width = max(width, 1)
+        wider = max(widest, width)
+        rows = (len(current) + 1) * rows_each
+        if current and (rows * (wider + extra_width) > budget or rows > max_rows):
+            groups.append(current)
+            current, wider = [], width
+        current.append(i)
+        widest = wider
+    if current:
+        groups.append(current)
+    return groups
+
+
+def row_inputs(plan: TokenPlan, ctx_index: int, cand: int, needs: Needs) -> list[int]:
+    """Tokens a row feeds to the model after the shared prefix (causal) or after the start token (seq2seq)."""
+    ctx = plan.contexts[ctx_index]
+    if cand == COMPLETION:
+        return [] if plan.kind == "seq2seq" else ctx.ids[ctx.shared:]
+    rest = ctx.candidates[cand].rest
+    return rest if needs.candidate_hidden else rest[:-1]
+
+
+def _needs_row(plan: TokenPlan, ctx_index: int, cand: int, needs: Needs) -> bool:
+    """Whether a candidate needs a row in a candidate pass (completion rows are decided by the caller)."""
+    ctx = plan.contexts[ctx_index]
+    candidate = ctx.candidates[cand]
+    if plan.kind == "seq2seq":
+        return len(candidate.rest) > 0 or needs.candidate_hidden
+    scored_in_row = len(candidate.rest) - max(candidate.first_scored, 1) > 0
+    hidden_in_row = needs.candidate_hidden and (len(candidate.rest) > 0 or ctx.shared == 0)
+    return (scored_in_row or hidden_in_row) and len(row_inputs(plan, ctx_index, cand, needs)) > 0
+
+
+def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs, encoder_reuse: bool = True
+                 ) -> list[BatchSpec]:
+    """Group contexts into batches and their candidate rows into chunks within the budget.
+
+    ``encoder_reuse`` (seq2seq): encode each batch's contexts once and reuse the output for every chunk.
+    """
+    order = sorted(range(len(plan.contexts)), key=lambda i: -_prefix_len(plan, i))
+    groups = pack([_prefix_len(plan, i) for i in order], token_budget, max_rows)
+    batches = [BatchSpec([order[k] for k in group]) for group in groups]
+    for batch in batches:
+        if plan.kind == "causal":
+            prefixes = [plan.contexts[i].prefix for i in batch.contexts]
+            batch.common = common_prefix_of(prefixes)
+            batch.own_prefixes = max((len(p) - batch.common for p in prefixes), default=0) > 0
+        else:
+            batch.encoder_pass = encoder_reuse
+        batch.chunks = _chunk_rows(plan, batch, token_budget, max_rows, needs)
+    return batches
+
+
+def common_prefix_of(seqs: list[list[int]]) -> int:
+    """Length of the prefix shared by every sequence (0 for fewer than two)."""
+    if len(seqs) < 2:
+        return 0
+    first, n = seqs[0], min(len(q) for q in seqs)
+    i = 0
+    while i < n and all(q[i] == first[i] for q in seqs):
+        i += 1
+    return i
+
+
+def _cover_rows(plan: TokenPlan, i: int, a: int, wanted: list[int], needs: Needs, cover: dict) -> list[int]:
+    """Candidates whose rows are computed; fills ``cover`` for every wanted candidate. A candidate whose
+    inputs are a prefix of another's reads that row: causal attention makes the shared positions identical."""
+    inputs = {j: row_inputs(plan, i, j, needs) for j in wanted}
+    kept: list[int] = []
+    for j in sorted(wanted, key=lambda j: -len(inputs[j])):
+        mine = inputs[j]
+        host = next((k for k in kept if inputs[k][: len(mine)] == mine), None)
+        if host is None:
+            kept.append(j)
+            host = j
+        cover[a, j] = host
+    return sorted(kept)
+
+
+def _prefix_len(plan: TokenPlan, i: int) -> int:
+    ctx = plan.contexts[i]
+    return len(ctx.ids) if plan.kind == "seq2seq" else ctx.shared
+
+
+def _chunk_rows(plan: TokenPlan, batch: BatchSpec, budget: int, max_rows: int, needs: Needs):
+    rows = []
+    for a, i in enumerate(batch.contexts):
+        ctx = plan.contexts[i]
+        wanted = [j for j in range(len(ctx.candidates)) if _needs_row(plan, i, j, needs)]
+        if plan.kind == "causal":
+            rows += [(a, k) for k in _cover_rows(plan, i, a, wanted, needs, batch.cover)]
+        else:
+            rows += [(a, j) for j in wanted]
+        if needs.context_hidden and (plan.kind == "seq2seq" or ctx.shared < len(ctx.ids)):
+            rows.append((a, COMPLETION))
+    prefix = max((_prefix_len(plan, i) for i in batch.contexts), default=0)
+    start = 1 if plan.kind == "seq2seq" else 0  # the decoder start token
+    widths = [len(row_inputs(plan, batch.contexts[a], j, needs)) + start for a, j in rows]
+    return [[rows[k] for k in group] for group in pack(widths, budget, max_rows, extra_width=prefix)]

@@ -1,0 +1,127 @@
+"""Checkpoints on a server rank: this rank's part of a save, a resume, full state dicts, plain-HF exports.
+
+``save_shard`` writes, into the staging folder the client chose, ``<llm>/deepspeed`` (DeepSpeed's
+checkpoint: weights, heads, adapters, optimizer and engine state, ZeRO partitions), ``<llm>/state`` (random
+generators and updater state of every rank, for an exact resume) and ``<llm>/export`` (written by the group
+leader: the model as a Hugging Face folder, or each LoRA adapter as a PEFT folder, the tokenizer, and the
+heads' weights). The client swaps the staging folder into place (:mod:`llmrl.engine.client.saving`).
+``load_checkpoint`` restores all of it when ``llms.<name>.checkpoint`` names a checkpoint (same LLM layout).
+
+This module works on a :class:`~llmrl.engine.model.served.ServedModel`; it does not choose paths.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from llmrl.engine.checkpoint_layout import TAG, resolve_checkpoint, write_json
+from llmrl.engine.model.served import ServedModel
+
+
+def full_state_dict(served: ServedModel) -> dict[str, torch.Tensor] | None:
+    """The whole module's state dict (heads and adapters included) on the group leader, None elsewhere.
+
+    Collective: every rank of the LLM must call it (ZeRO-3 partitions and tensor-parallel shards are gathered).
+    """
+    engine = served.engine
+    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+        state = engine._consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict() if served.role.group_rank == 0 else None
+    if state is None:
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def own_state_dict(served: ServedModel) -> dict[str, torch.Tensor]:
+    """This replica's own copy of the weights (replicated layouts only: ZeRO 0-2 without tensor parallelism)."""
+    if served.engine.zero_optimization_partition_weights() or served.llm.tensor_parallel > 1:
+        raise ValueError("replica= reads one replica's own weights; with ZeRO-3 or tensor parallelism no replica "
+                         "holds whole weights: call state_dict without replica=")
+    state = served.engine.module.state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def save_shard(served: ServedModel, staging: str) -> None:
+    """This rank's part of a save (collective over the LLM's ranks)."""
+    llm_dir = Path(staging) / served.llm.name
+    served.engine.save_checkpoint(str(llm_dir / "deepspeed"), tag=TAG)
+    save_rank_state(served, llm_dir / "state")
+    state = full_state_dict(served)
+    if state is not None:
+        _export(served, state, llm_dir / "export")
+
+
+def save_rank_state(served: ServedModel, state_dir: Path) -> None:
+    """The random generators and the updater's state of this rank (what an exact resume needs beyond DeepSpeed's)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    updater_state = served.updater.state_dict() if hasattr(served.updater, "state_dict") else None
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "updater": updater_state,
+                "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
+               state_dir / f"rank-{served.role.group_rank}.pt")
+
+
+def _strip(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _export(served: ServedModel, state: dict, folder: Path) -> None:
+    """A folder plain transformers / peft can load: the model (or adapters), tokenizer and heads."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_state = _strip(state, "model.")
+    model = served.model
+    served.tokenizer.save_pretrained(folder / "tokenizer")
+    if hasattr(model, "peft_config"):
+        for adapter in served.adapters:
+            # PEFT names adapter weights with the adapter's name; a saved adapter drops it.
+            marker = f".{adapter}."
+            weights = {k.replace(marker, "."): v.clone().contiguous() for k, v in model_state.items()
+                       if "lora_" in k and marker in k}
+            out = folder / "adapters" / adapter
+            out.mkdir(parents=True, exist_ok=True)
+            model.peft_config[adapter].save_pretrained(out)
+            save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    else:
+        out = folder / "model"
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+        save_file({k: v.clone().contiguous() for k, v in model_state.items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
+    heads = _strip(state, "heads.")
+    if heads:
+        save_file({k: v.clone().contiguous() for k, v in heads.items()}, folder / "heads.safetensors",
+                  metadata={"format": "pt"})
+        write_json(folder / "heads.json", {k: {"plugin": s.plugin, "args": s.args}
+                                           for k, s in served.head_specs.items()})
+
+
+def load_checkpoint(served: ServedModel, path: str) -> None:
+    """Restore this rank's engine, optimizer, generators and updater from a checkpoint (collective)."""
+    root = resolve_checkpoint(path)
+    llm_dir = root / served.llm.name
+    if not llm_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint {root} has no LLM named {served.llm.name!r}; it holds "
+                                f"{sorted(p.name for p in root.iterdir() if p.is_dir())}")
+    load_optimizer = served.engine.optimizer is not None
+    loaded, _ = served.engine.load_checkpoint(str(llm_dir / "deepspeed"), tag=TAG,
+                                               load_optimizer_states=load_optimizer,
+                                               load_lr_scheduler_states=load_optimizer,
+                                               load_module_only=not load_optimizer)
+    if loaded is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
+    state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
+    if state_file.is_file():
+        state = torch.load(state_file, weights_only=False)
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if state.get("cuda") is not None and served.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], served.device)
+        if state.get("updater") is not None and hasattr(served.updater, "load_state_dict"):
+            served.updater.load_state_dict(state["updater"])

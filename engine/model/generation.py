@@ -1,0 +1,109 @@
+"""Batched text generation that also returns each generated token's log-prob under the raw model.
+
+Runs Hugging Face ``generate`` on left-padded batches formed by a token budget. Log-probs come from
+the raw logits (``output_logits``), before any temperature, top-k or top-p processing, so they agree
+with ``score`` on the same continuation. A sequence ends at its first EOS: the EOS is kept (it was
+generated, its log-prob counts) and nothing after it is returned or counted.
+
+This module does not route requests; it runs on one server rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.engine.model.batching import pack
+
+RESERVED_KWARGS = ("input_ids", "attention_mask", "return_dict_in_generate", "output_logits", "output_scores",
+                   "synced_gpus", "inputs", "decoder_input_ids")
+
+
+def check_generate_kwargs(kwargs: dict) -> None:
+    bad = [k for k in kwargs if k in RESERVED_KWARGS]
+    if bad:
+        raise ValueError(f"generate argument(s) {bad} are set by llmrl itself; remove them")
+
+
+def _eos_ids(model, tokenizer, kwargs) -> set[int]:
+    eos = kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_budget: int, max_rows: int
+                    ) -> list[list[int]]:
+    """Group prompt indices so that rows x (prompt + new tokens) stays within the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups = pack([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return, extra_width=new_tokens)
+    return [[order[k] for k in group] for group in groups]
+
+
+def generate(model, tokenizer, kind: str, contexts: list[str], kwargs: dict, device, token_budget: int,
+             max_rows: int, max_length: int | None, synced: bool = False, seed: int | None = None,
+             extra_batches: int = 0) -> list[list[dict]]:
+    """Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
+
+    ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
+    group must call generate the same number of times).
+    """
+    check_generate_kwargs(kwargs)
+    kwargs = dict(kwargs)
+    num_return = int(kwargs.get("num_return_sequences", 1))
+    new_tokens = int(kwargs.get("max_new_tokens", getattr(model.generation_config, "max_new_tokens", None) or 20))
+    kwargs.setdefault("max_new_tokens", new_tokens)
+    kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    prompts = tokenizer(contexts, add_special_tokens=True)["input_ids"] if contexts else []
+    for i, ids in enumerate(prompts):
+        if max_length is not None and kind == "causal" and len(ids) + new_tokens > max_length:
+            raise ValueError(f"context {i} ({len(ids)} tokens) plus max_new_tokens={new_tokens} exceeds the model's "
+                             f"maximum length {max_length}")
+        if max_length is not None and len(ids) > max_length:
+            raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
+    eos = _eos_ids(model, tokenizer, kwargs)
+    results: list[list[dict]] = [[] for _ in contexts]
+    batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows)
+    if seed is not None:
+        torch.manual_seed(seed)
+    for batch in batches:
+        _generate_batch(model, tokenizer, kind, [prompts[i] for i in batch], kwargs, device, synced, eos, num_return,
+                        [results[i] for i in batch])
+    for _ in range(extra_batches):
+        dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
+        _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
+                        [[]])
+    return results
+
+
+def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks) -> None:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        if kind == "causal":  # left padding: every prompt ends where generation starts
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        else:
+            ids[r, : len(p)] = torch.tensor(p)
+            mask[r, : len(p)] = 1
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), return_dict_in_generate=True,
+                         output_logits=True, synced_gpus=synced, **kwargs)
+    sequences = out.sequences[:, width:] if kind == "causal" else out.sequences[:, 1:]
+    steps = min(len(out.logits), sequences.shape[1])
+    sequences = sequences[:, :steps]
+    if steps:
+        logits = torch.stack(out.logits[:steps], dim=1).float()
+        logprobs = (logits.gather(-1, sequences[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu()
+    else:
+        logprobs = torch.zeros(sequences.shape)
+    sequences = sequences.cpu()
+    for row in range(sequences.shape[0]):
+        tokens = sequences[row].tolist()
+        end = next((t + 1 for t, tok in enumerate(tokens) if tok in eos), len(tokens))
+        sinks[row // num_return].append({
+            "text": tokenizer.decode(tokens[:end], skip_special_tokens=True),
+            "tokens": torch.tensor(tokens[:end], dtype=torch.long),
+            "logprobs": logprobs[row, :end].clone(),
+        })

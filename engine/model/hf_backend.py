@@ -1,0 +1,205 @@
+"""The Hugging Face + DeepSpeed backend: a transformers model and its heads inside a DeepSpeed engine.
+
+Start-up: :meth:`HFBackend.load` reads the tokenizer and weights (ZeRO-3 partitions them while they load,
+bitsandbytes quantises them); :meth:`prepare` applies the initializers (LoRA, freeze, ...) and builds the
+heads and the updater with the same seed on every replica, so that they start identical; :meth:`build`
+wraps the model and heads (:class:`~llmrl.engine.model.module.ModelWithHeads`) in a DeepSpeed engine, with
+an optimizer only when the LLM has an updater, and restores a checkpoint if the config names one.
+
+Requests run on the engine: forward passes through :mod:`llmrl.engine.model.forward`, generation through
+:mod:`llmrl.engine.model.generation` (on the engine's own module, so weights are always current), updates
+through :mod:`llmrl.engine.model.training`, checkpoints through :mod:`llmrl.engine.model.checkpoint`.
+
+This module does not talk to the client or decide what a request returns; the request kinds do.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from llmrl.engine.errors import PluginError, plugin_error
+from llmrl.engine.model.backend import ModelBackend
+from llmrl.engine.model.forward import plan_forward, prepare, run_forward
+from llmrl.engine.model.served import ServedModel
+
+
+class HFBackend(ModelBackend):
+    """Hugging Face transformers (plus PEFT and bitsandbytes) inside a DeepSpeed engine."""
+
+    tokenizer = None
+    model = None
+    served: ServedModel | None = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def load(self) -> None:
+        from llmrl.engine.model.deepspeed_config import build_deepspeed_config
+        from llmrl.engine.model.loading import load_model, load_tokenizer, max_input_length
+
+        self.tokenizer = load_tokenizer(self.llm)
+        self.ds_config = build_deepspeed_config(self.llm)
+        self.model, self._keepalive = load_model(self.llm, self.device, self.ds_config)
+        self.max_length = max_input_length(self.model, self.tokenizer, self.llm)
+
+    def prepare(self, script_plugins: dict) -> None:
+        from llmrl.engine.config import PluginSpec
+        from llmrl.engine.model.module import ModelWithHeads
+        from llmrl.plugins import registry
+        from llmrl.plugins.contracts import LLMInfo
+
+        text_config = self.model.config.get_text_config()
+        self.info = LLMInfo(name=self.llm.name, kind=self.llm.type, hidden_size=text_config.hidden_size,
+                            vocab_size=text_config.vocab_size, dtype=getattr(torch, self.llm.dtype),
+                            device=self.device, hf_config=self.model.config, tokenizer=self.tokenizer)
+        _seed(self.config.seed)  # identical adapters and heads on every replica
+        model = self.model
+        for spec in [*self.llm.initializers, *script_plugins.get("initializers", [])]:
+            initializer = registry.build("initializer", spec)
+            try:
+                model = initializer.initialize(model, self.info)
+            except Exception as err:
+                raise plugin_error(f"initializer {spec.plugin!r} failed: {type(err).__name__}: {err}",
+                                   spec.plugin) from err
+            if model is None:
+                raise plugin_error(f"initializer {spec.plugin!r} returned None; initialize() must return the model",
+                                   spec.plugin)
+        self.model = model
+        self.adapters = sorted(getattr(model, "peft_config", {}) or {})
+        self.head_specs = {**self.llm.heads, **script_plugins.get("heads", {})}
+        _seed(self.config.seed + 1)
+        heads = {key: registry.build("head", spec, llm=self.info).to(self.device)
+                 for key, spec in self.head_specs.items()}
+        for key, head in heads.items():
+            scalars = [name for name, p in head.named_parameters() if p.dim() == 0]
+            if scalars:
+                raise plugin_error(f"head {key!r} ({self.head_specs[key].plugin}) has 0-dimensional parameter(s) "
+                                   f"{scalars}; DeepSpeed cannot broadcast those: give them shape (1,)",
+                                   self.head_specs[key].plugin)
+        updater_spec = script_plugins.get("updater") or self.llm.updater
+        updater_spec = PluginSpec.coerce(updater_spec) if updater_spec else None
+        self.updater = registry.build("updater", updater_spec) if updater_spec else None
+        self.updater_name = updater_spec.plugin if updater_spec else None
+        start_id = getattr(self.model.config, "decoder_start_token_id", None)
+        self.module = ModelWithHeads(self.model, heads, self.llm.type, self.tokenizer.pad_token_id, start_id,
+                                     {key: spec.plugin for key, spec in self.head_specs.items()})
+        if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
+            raise PluginError(f"LLM {self.llm.name!r} has an updater but no trainable parameter "
+                              "(did an initializer freeze everything?)")
+
+    def build(self) -> dict:
+        import deepspeed
+
+        optimizer = None
+        if self.updater is not None:
+            optimizer = make_optimizer([p for p in self.module.parameters() if p.requires_grad],
+                                       self.llm.training.optimizer)
+        else:
+            self.module.requires_grad_(False)
+        ds_config = dict(self.ds_config)
+        if optimizer is None and self.llm.training.zero_stage in (1, 2):
+            ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": 0}
+        engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config,
+                                          dist_init_required=False)
+        engine.eval()
+        self.served = ServedModel(
+            llm=self.llm, role=self.role, device=self.device, group=self.group, info=self.info,
+            tokenizer=self.tokenizer, engine=engine, max_length=self.max_length, adapters=self.adapters,
+            head_specs=self.head_specs, updater=self.updater, updater_name=self.updater_name)
+        if self.llm.checkpoint:
+            from llmrl.engine.model.checkpoint import load_checkpoint
+
+            load_checkpoint(self.served, self.llm.checkpoint)
+            self.weights_changed()
+        return self.describe()
+
+    def describe(self) -> dict:
+        params = list(self.module.parameters())
+        return {
+            "llm": self.llm.name,
+            "kind": self.llm.type,
+            "backend": self.llm.backend,
+            "heads": {k: type(h).level for k, h in self.module.heads.items()},
+            "adapters": self.adapters,
+            "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+            "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "max_length": self.max_length,
+            "device": str(self.device),
+            "dtype": self.llm.dtype,
+            "updater": type(self.updater).__name__ if self.updater else None,
+        }
+
+    # ------------------------------------------------------------------ requests
+
+    def score(self, contexts, candidates, heads, adapter, minibatch_size):
+        plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
+                              must_agree=self.llm.lockstep)
+        with torch.no_grad():
+            return run_forward(self.served, plan, extra)
+
+    def tokenize(self, contexts, candidates):
+        return plan_forward(self.served, contexts, candidates).plan
+
+    def generate(self, contexts, kwargs, adapter, seed, minibatch_size):
+        from llmrl.engine.model.generation import generate, plan_generation
+
+        served, llm = self.served, self.llm
+        kwargs = dict(kwargs or {})
+        rows = minibatch_size or llm.minibatch_size
+        extra = 0
+        served.check_adapter(adapter)
+        with torch.no_grad(), served.adapter(adapter):
+            if llm.lockstep:
+                lengths = [len(ids) for ids in self.tokenizer(contexts)["input_ids"]] if contexts else []
+                count = len(plan_generation(lengths, int(kwargs.get("max_new_tokens", 20)),
+                                            int(kwargs.get("num_return_sequences", 1)), llm.token_budget, rows))
+                extra = self.group.max_int(count) - count
+            return generate(served.model, self.tokenizer, llm.type, contexts, kwargs, self.device, llm.token_budget,
+                            rows, self.max_length, synced=llm.lockstep, seed=seed, extra_batches=extra)
+
+    def update(self, batch):
+        from llmrl.engine.model.training import run_update
+
+        try:
+            return run_update(self.served, batch)
+        finally:
+            self.weights_changed()
+
+    def save(self, folder):
+        from llmrl.engine.model.checkpoint import save_shard
+
+        save_shard(self.served, folder)
+
+    def state_dict(self, prefix, own_replica):
+        from llmrl.engine.model.checkpoint import full_state_dict, own_state_dict
+
+        state = own_state_dict(self.served) if own_replica else full_state_dict(self.served)
+        return None if state is None else {k: v for k, v in state.items() if k.startswith(prefix)}
+
+    def memory(self):
+        import resource
+
+        import psutil
+
+        info = psutil.Process().memory_info()
+        out = {"rss": info.rss, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.device.type == "cuda":
+            out["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+            out["cuda_peak"] = torch.cuda.max_memory_allocated(self.device)
+        params = self.served.module.parameters() if self.served else self.model.parameters() if self.model else []
+        out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in params)
+        return out
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(params, spec):
+    if spec.type == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    if spec.type == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)

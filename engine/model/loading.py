@@ -1,0 +1,93 @@
+"""Load an LLM's tokenizer and Hugging Face model as its config says.
+
+Handles: local folders, hub ids and ``builtin:`` models; ``from_pretrained: false`` (same
+architecture, random weights); dtype; 4/8-bit quantisation with bitsandbytes; ZeRO-3 (weights are
+partitioned while they load, through transformers' ``HfDeepSpeedConfig``). The model is returned on
+its device and in evaluation mode (dropout off: scores and updates see the same function).
+
+It does not build the DeepSpeed engine or attach heads; :mod:`llmrl.engine.model.hf_backend` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmrl.engine.config import BUILTIN_MODEL_PREFIX, LLMConfig
+
+
+def resolve_model_path(location: str) -> str:
+    if location.startswith(BUILTIN_MODEL_PREFIX):
+        from llmrl.engine.model.builtin_models import builtin_model_path
+
+        return str(builtin_model_path(location[len(BUILTIN_MODEL_PREFIX):]))
+    expanded = os.path.expanduser(location)
+    return expanded if os.path.exists(expanded) else location
+
+
+def load_tokenizer(llm: LLMConfig):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(llm.tokenizer or llm.model)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=llm.trust_remote_code, revision=llm.revision)
+    if tokenizer.pad_token_id is None:
+        # Padding positions are always masked out, so any id works; EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def model_class(llm: LLMConfig):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if llm.type == "seq2seq" else AutoModelForCausalLM
+
+
+def load_model(llm: LLMConfig, device: torch.device, deepspeed_config: dict | None = None):
+    """The model on ``device`` in eval mode. Pass the DeepSpeed config when it uses ZeRO-3.
+
+    Returns ``(model, keepalive)``: keep ``keepalive`` referenced while the engine lives (ZeRO-3 needs
+    the ``HfDeepSpeedConfig`` object alive).
+    """
+    path = resolve_model_path(llm.model)
+    dtype = getattr(torch, llm.dtype)
+    cls = model_class(llm)
+    keepalive = None
+    if deepspeed_config and deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keepalive = HfDeepSpeedConfig(deepspeed_config)
+    common = {"trust_remote_code": llm.trust_remote_code, "revision": llm.revision}
+    if not llm.from_pretrained:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **common)
+        model = cls.from_config(config, dtype=dtype, trust_remote_code=llm.trust_remote_code)
+    elif llm.quantization is not None:
+        from transformers import BitsAndBytesConfig
+
+        q = llm.quantization
+        quant = BitsAndBytesConfig(
+            load_in_4bit=q.bits == 4, load_in_8bit=q.bits == 8, bnb_4bit_quant_type=q.quant_type,
+            bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_use_double_quant=q.double_quant,
+        )
+        model = cls.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": str(device)}, **common)
+    else:
+        model = cls.from_pretrained(path, dtype=dtype, **common)
+    if keepalive is None and llm.quantization is None:
+        model.to(device)
+    model.eval()
+    return model, keepalive
+
+
+def max_input_length(model, tokenizer, llm: LLMConfig) -> int | None:
+    """The longest input the model accepts: the config's ``max_length``, else the model's own limit."""
+    if llm.max_length is not None:
+        return llm.max_length
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and limit < 10**8 else None

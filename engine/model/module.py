@@ -1,0 +1,112 @@
+"""The module DeepSpeed wraps: the Hugging Face model and its heads, whose forward runs one planned request.
+
+:class:`ModelWithHeads` takes a token plan and its planned batches, runs them
+(:func:`llmrl.engine.model.scoring.run_batch`), puts candidates and contexts back in request order and
+runs the requested heads on the result. It returns one typed result, the
+:class:`~llmrl.plugins.contracts.ForwardOutputs` that heads and updaters read. One engine call covers
+one request batch or one training micro-batch, so DeepSpeed's hooks (ZeRO-3 gathering, gradient
+reduction) see a single forward.
+
+This module does not plan, tokenise or talk to anyone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.engine.errors import plugin_error
+from llmrl.engine.model.batching import BatchSpec, Needs
+from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.tokenization import TokenPlan
+from llmrl.plugins.contracts import ForwardOutputs
+
+
+class ModelWithHeads(torch.nn.Module):
+    """The served model and its heads; ``forward`` scores a planned request and runs the named heads."""
+
+    def __init__(self, model, heads: dict, kind: str, pad_id: int, start_id: int | None,
+                 head_plugins: dict[str, str] | None = None):
+        super().__init__()
+        self.model = model
+        self.heads = torch.nn.ModuleDict(heads)
+        self.head_plugins = dict(head_plugins or {})
+        self.kind = kind
+        self.pad_id = pad_id
+        self.start_id = start_id
+        self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
+
+    def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
+                extra_calls: int = 0) -> ForwardOutputs:
+        device = self.device
+        results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id)
+                   for b in batches]
+        # Put candidates (and contexts) back in request order.
+        ctx_order = [i for b in batches for i in b.contexts]
+        starts = _candidate_starts(plan)
+        cand_order = [starts[i] + j for i in ctx_order for j in range(len(plan.contexts[i].candidates))]
+        n_cand, n_ctx = starts[-1], len(plan.contexts)
+        cand_perm = _inverse(cand_order, n_cand, device)
+        ctx_perm = _inverse(ctx_order, n_ctx, device)
+        scores = _cat([r.scores for r in results], (0,), device)[cand_perm] if n_cand else torch.zeros(0, device=device)
+        counts = _cat([r.counts for r in results], (0,), "cpu", torch.long)[cand_perm.cpu()]
+        context_of = torch.tensor([i for i, c in enumerate(plan.contexts) for _ in c.candidates], dtype=torch.long)
+        if extra_calls:
+            scores = scores + 0.0 * self._throwaway_calls(extra_calls)
+        outputs = ForwardOutputs(kind=self.kind, num_contexts=n_ctx, candidate_scores=scores,
+                                 candidate_token_counts=counts, candidate_context=context_of.to(device))
+        if needs.context_hidden:
+            outputs.context_hidden = _cat([r.context_hidden for r in results], (0, self.hidden_size), device)[ctx_perm]
+        if needs.candidate_hidden:
+            outputs.candidate_hidden = _cat([r.candidate_hidden for r in results], (0, self.hidden_size),
+                                            device)[cand_perm]
+        for key in head_keys:
+            head = self.heads[key]
+            try:
+                outputs.heads[key] = head(outputs)
+            except Exception as err:
+                plugin = self.head_plugins.get(key, type(head).__name__)
+                raise plugin_error(f"head {key!r} ({plugin}) failed: {type(err).__name__}: {err}", plugin) from err
+            outputs.head_levels[key] = type(head).level
+        return outputs
+
+    def _throwaway_calls(self, n: int) -> torch.Tensor:
+        """Model calls whose results count for nothing (lockstep padding); returns a 0-weighted sum."""
+        total = torch.zeros((), device=self.device)
+        token = torch.tensor([[self.pad_id]], device=self.device)
+        for _ in range(n):
+            if self.kind == "seq2seq":
+                start = torch.tensor([[self.start_id]], device=self.device)
+                logits = self.model(input_ids=token, decoder_input_ids=start).logits
+            else:
+                logits = self.model(input_ids=token).logits
+            total = total + logits.float().sum()
+        return total
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.get_text_config().hidden_size
+
+
+def _candidate_starts(plan: TokenPlan) -> list[int]:
+    starts, total = [], 0
+    for c in plan.contexts:
+        starts.append(total)
+        total += len(c.candidates)
+    return starts + [total]
+
+
+def _inverse(order: list[int], n: int, device) -> torch.Tensor:
+    inverse = torch.empty(n, dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return inverse.to(device)
+
+
+def _cat(parts, empty_shape, device, dtype=None) -> torch.Tensor:
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return torch.zeros(empty_shape, device=device, dtype=dtype or torch.float32)
+    return torch.cat([p.to(device) for p in parts])

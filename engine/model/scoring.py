@@ -1,0 +1,282 @@
+"""Run planned batches of a scoring request through the model: log-probs of candidates, hidden states for heads.
+
+For a causal model a batch runs one pass over the prefix all its contexts share (if any), one over each
+context's own part of its shared prefix (left padded, explicit position ids), both keeping their key/value
+cache, then *candidate passes* over chunks of candidate rows that attend to that cache, so each context is
+encoded once whatever the number of its candidates. A one-token candidate needs no candidate pass at all:
+the prefix pass's last logits score it. Logits are computed only at the positions that are scored
+(``logits_to_keep``), in float32, and reduced to log-probs without materialising a full log-softmax.
+
+For a seq2seq model the encoder runs once per batch (when the plan says so) and its output is reused by the
+decoder rows of every candidate.
+
+The calls made are exactly those :mod:`llmrl.engine.model.batching` planned. The same code serves ``score``
+(no grad) and the updater's forward (with grad). It knows nothing about processes or requests.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from llmrl.engine.model.batching import COMPLETION, BatchSpec, Needs, row_inputs
+from llmrl.engine.model.tokenization import TokenPlan
+
+# ----------------------------------------------------------------------------- running batches
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the model can compute logits at chosen positions only (PEFT wrappers forward it on)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _select_cache_rows(cache, rows: torch.Tensor):
+    """A copy of ``cache`` holding the given batch rows; the original is left untouched."""
+    selected = copy.copy(cache)
+    selected.layers = [copy.copy(layer) for layer in cache.layers]
+    selected.batch_select_indices(rows)
+    return selected
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if not s:
+            continue
+        if left:
+            ids[r, width - len(s):] = torch.tensor(s)
+            mask[r, width - len(s):] = 1
+        else:
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@dataclass
+class BatchResult:
+    """Per-candidate scores of one batch (candidates in context order) and optional hidden states."""
+
+    scores: torch.Tensor  # [n_candidates] sum of token log-probs
+    counts: torch.Tensor  # [n_candidates] number of scored tokens
+    context_hidden: torch.Tensor | None  # [n_contexts, H]
+    candidate_hidden: torch.Tensor | None  # [n_candidates, H]
+
+
+def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: int, device,
+              keep_logits: bool, decoder_start_id: int | None = None) -> BatchResult:
+    """Run one planned batch (exactly ``batch.model_calls`` model calls)."""
+    if plan.kind == "seq2seq":
+        return _run_seq2seq(model, plan, batch, needs, pad_id, device, decoder_start_id)
+    return _run_causal(model, plan, batch, needs, pad_id, device, keep_logits)
+
+
+def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
+    offsets, total = [], 0
+    for i in batch.contexts:
+        offsets.append(total)
+        total += len(plan.contexts[i].candidates)
+    return offsets + [total]
+
+
+def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> BatchResult:
+    ctxs = [plan.contexts[i] for i in batch.contexts]
+    offsets = _offsets(plan, batch)
+    n_cand = offsets[-1]
+    want_hidden = needs.context_hidden or needs.candidate_hidden
+    keep_last = {"logits_to_keep": 1} if keep_logits else {}
+    token_lp: list[torch.Tensor] = []
+    token_cand: list[torch.Tensor] = []
+    counts = torch.zeros(n_cand, dtype=torch.long)
+    shared = torch.tensor([c.shared for c in ctxs], device=device)
+    last_logits: list = [None] * len(ctxs)  # logits after each context's shared prefix
+    last_hidden: list = [None] * len(ctxs)
+    cache = prefix_mask = None
+
+    # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
+    common = batch.common
+    if common > 0:
+        out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
+        prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
+        for a, c in enumerate(ctxs):
+            if c.shared == common:
+                last_logits[a] = out.logits[0, -1]
+                last_hidden[a] = out.hidden_states[-1][0, -1] if want_hidden else None
+    # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
+    remainders = [c.prefix[common:] for c in ctxs]
+    if batch.own_prefixes:
+        ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
+        position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        cache, prefix_mask = out.past_key_values, mask
+        for a, rest in enumerate(remainders):
+            if rest:
+                last_logits[a] = out.logits[a, -1]
+                last_hidden[a] = out.hidden_states[-1][a, -1] if want_hidden else None
+
+    # Candidates whose first scored token directly follows the shared prefix.
+    firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
+              if cand.first_scored == 0 and cand.rest]
+    if firsts:
+        logits = torch.stack([last_logits[a] for a, _ in firsts])
+        targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
+        token_lp.append(_token_logprobs(logits, targets))
+        token_cand.append(torch.tensor([offsets[a] + j for a, j in firsts]))
+        for a, j in firsts:
+            counts[offsets[a] + j] += 1
+
+    context_hidden: list = [None] * len(ctxs)
+    candidate_hidden: list = [None] * n_cand
+    if want_hidden:
+        for a, c in enumerate(ctxs):
+            if c.shared == len(c.ids) and c.shared > 0:
+                context_hidden[a] = last_hidden[a]
+            for j, cand in enumerate(c.candidates):
+                if not cand.rest and c.shared > 0:
+                    candidate_hidden[offsets[a] + j] = last_hidden[a]
+
+    row_of = {(a, k): (n, r) for n, chunk in enumerate(batch.chunks) for r, (a, k) in enumerate(chunk)}
+    users: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, context position, candidate)
+    for (a, j), k in batch.cover.items():
+        n, r = row_of[a, k]
+        users.setdefault(n, []).append((r, a, j))
+    for n, chunk in enumerate(batch.chunks):
+        inputs = [row_inputs(plan, batch.contexts[a], k, needs) for a, k in chunk]
+        ids, rest_mask = _pad(inputs, pad_id, left=False, device=device)
+        row_ctx = torch.tensor([a for a, _ in chunk], device=device)
+        width = ids.shape[1]
+        position = shared[row_ctx][:, None] + torch.arange(width, device=device)[None, :]
+        # Positions whose logits some candidate scores, and (position, target) pairs per candidate.
+        needed: dict[tuple[int, int], int] = {}
+        wanted: list[tuple[tuple[int, int], int, int]] = []
+        for r, a, j in users.get(n, []):
+            cand = ctxs[a].candidates[j]
+            for t in range(max(cand.first_scored - 1, 0), len(cand.rest) - 1):
+                needed.setdefault((r, t), 0)
+                wanted.append(((r, t), cand.rest[t + 1], offsets[a] + j))
+            counts[offsets[a] + j] += len(cand.rest) - max(cand.first_scored, 1)
+        keep = torch.zeros((len(chunk), width), dtype=torch.bool)
+        for r, t in needed:
+            keep[r, t] = True
+        flat = {rt: i for i, rt in enumerate(sorted(needed))}  # boolean selection is row-major
+        keep = keep.to(device)
+        kwargs = {"input_ids": ids, "position_ids": position, "output_hidden_states": want_hidden}
+        if cache is not None:
+            kwargs["past_key_values"] = _select_cache_rows(cache, row_ctx)
+            kwargs["attention_mask"] = torch.cat([prefix_mask[row_ctx], rest_mask], dim=1)
+            kwargs["use_cache"] = True
+        else:
+            kwargs["attention_mask"] = rest_mask
+            kwargs["use_cache"] = False
+        if keep_logits:
+            kwargs["logits_to_keep"] = keep
+        out = model(**kwargs)
+        if wanted:
+            logits = (out.logits if keep_logits else out.logits[keep]).float()
+            norm = torch.logsumexp(logits, dim=-1)
+            index = torch.tensor([flat[rt] for rt, _, _ in wanted], device=device)
+            targets = torch.tensor([target for _, target, _ in wanted], device=device)
+            token_lp.append(logits[index, targets] - norm[index])
+            token_cand.append(torch.tensor([c for _, _, c in wanted]))
+        if want_hidden:
+            hidden = out.hidden_states[-1]
+            for r, (a, k) in enumerate(chunk):
+                if k == COMPLETION:
+                    context_hidden[a] = hidden[r, len(inputs[r]) - 1]
+            if needs.candidate_hidden:
+                for r, a, j in users.get(n, []):
+                    candidate_hidden[offsets[a] + j] = hidden[r, len(row_inputs(plan, batch.contexts[a], j, needs)) - 1]
+
+    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device)
+
+
+def _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device) -> BatchResult:
+    return BatchResult(
+        scores=_sum_by_candidate(token_lp, token_cand, len(counts), device),
+        counts=counts,
+        context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
+        candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
+    )
+
+
+def _sum_by_candidate(token_lp, token_cand, n_cand, device) -> torch.Tensor:
+    if not token_lp:
+        return torch.zeros(n_cand, device=device)
+    values = torch.cat(token_lp)
+    index = torch.cat(token_cand).to(values.device)
+    return torch.zeros(n_cand, device=values.device, dtype=values.dtype).index_add(0, index, values)
+
+
+def _stack_or_empty(items, width: int) -> torch.Tensor:
+    return torch.stack(items) if items else torch.zeros((0, width))
+
+
+def _hidden_size(model) -> int:
+    return model.config.get_text_config().hidden_size
+
+
+def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchResult:
+    from transformers.modeling_outputs import BaseModelOutput
+
+    ctxs = [plan.contexts[i] for i in batch.contexts]
+    offsets = _offsets(plan, batch)
+    n_cand = offsets[-1]
+    want_hidden = needs.context_hidden or needs.candidate_hidden
+    enc_ids, enc_mask = _pad([c.ids for c in ctxs], pad_id, left=False, device=device)
+    encoded = model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True) if batch.encoder_pass else None
+    token_lp, token_cand = [], []
+    counts = torch.zeros(n_cand, dtype=torch.long)
+    context_hidden = [None] * len(ctxs)
+    candidate_hidden = [None] * n_cand
+    for chunk in batch.chunks:
+        inputs = [[start_id] + row_inputs(plan, batch.contexts[a], j, needs) for a, j in chunk]
+        dec_ids, dec_mask = _pad(inputs, pad_id, left=False, device=device)
+        row_ctx = torch.tensor([a for a, _ in chunk], device=device)
+        kwargs = {"attention_mask": enc_mask[row_ctx], "decoder_input_ids": dec_ids,
+                  "decoder_attention_mask": dec_mask, "output_hidden_states": want_hidden, "use_cache": False}
+        if encoded is not None:
+            kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=encoded.last_hidden_state[row_ctx])
+        else:
+            kwargs["input_ids"] = enc_ids[row_ctx]
+        out = model(**kwargs)
+        rows, positions, targets, cand_of_token = [], [], [], []
+        for r, (a, j) in enumerate(chunk):
+            if j == COMPLETION:
+                continue
+            rest = ctxs[a].candidates[j].rest
+            for t in range(len(rest)):
+                rows.append(r)
+                positions.append(t)
+                targets.append(rest[t])
+                cand_of_token.append(offsets[a] + j)
+            counts[offsets[a] + j] += len(rest)
+        if targets:
+            logits = out.logits[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+            token_lp.append(_token_logprobs(logits, torch.tensor(targets, device=device)))
+            token_cand.append(torch.tensor(cand_of_token))
+        if want_hidden:
+            hidden = out.decoder_hidden_states[-1]
+            for r, (a, j) in enumerate(chunk):
+                if context_hidden[a] is None:
+                    context_hidden[a] = hidden[r, 0]  # the decoder start position has read the whole context
+                if j != COMPLETION and needs.candidate_hidden:
+                    candidate_hidden[offsets[a] + j] = hidden[r, len(inputs[r]) - 1]
+    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device)

@@ -1,0 +1,90 @@
+"""The narrow, typed handle on one rank's served model that training and checkpoints use.
+
+:class:`ServedModel` is built by the Hugging Face backend once the DeepSpeed engine exists. It says what
+the rank serves (the LLM's config, its place in the run, the engine around the model and heads, the
+tokenizer, the adapters, heads and updater) and offers the few rules every user of it shares: which
+LoRA adapter is active, which heads exist, what the requested heads need from a forward pass.
+
+This module holds no request logic and runs no model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmrl.engine.config import LLMConfig, PluginSpec
+from llmrl.engine.config.topology import RankRole
+from llmrl.engine.model.batching import Needs
+
+if TYPE_CHECKING:
+    from llmrl.engine.server.group import GroupChannel
+    from llmrl.plugins.contracts import LLMInfo, Updater
+
+
+@dataclass
+class ServedModel:
+    llm: LLMConfig
+    role: RankRole
+    device: torch.device
+    group: GroupChannel
+    info: LLMInfo
+    tokenizer: Any
+    engine: Any  # the DeepSpeed engine around a ModelWithHeads
+    max_length: int | None
+    adapters: list[str] = field(default_factory=list)
+    head_specs: dict[str, PluginSpec] = field(default_factory=dict)
+    updater: Updater | None = None
+    updater_name: str | None = None
+
+    @property
+    def module(self):
+        """The :class:`~llmrl.engine.model.module.ModelWithHeads` inside the engine."""
+        return self.engine.module
+
+    @property
+    def model(self):
+        """The Hugging Face model (a PeftModel when adapters were added)."""
+        return self.engine.module.model
+
+    def check_heads(self, keys) -> tuple[str, ...]:
+        keys = tuple(keys or ())
+        unknown = [k for k in keys if k not in self.module.heads]
+        if unknown:
+            available = ", ".join(sorted(self.module.heads)) or "none configured"
+            raise ValueError(f"unknown head(s) {unknown} for LLM {self.llm.name!r}; available: {available} "
+                             f"(llms.{self.llm.name}.heads)")
+        return keys
+
+    def needs_for(self, keys) -> Needs:
+        heads = [self.module.heads[k] for k in keys]
+        return Needs(context_hidden=any(h.needs_context_hidden for h in heads),
+                     candidate_hidden=any(h.needs_candidate_hidden for h in heads))
+
+    def check_adapter(self, name: str | None) -> None:
+        if name is not None and name not in self.adapters:
+            raise ValueError(f"unknown peft_adapter {name!r} for LLM {self.llm.name!r}; adapters: "
+                             f"{', '.join(self.adapters) or 'none (configure the lora initializer)'}")
+
+    @contextlib.contextmanager
+    def adapter(self, name: str | None):
+        """Run with the named LoRA adapter active (requires_grad flags are left as they were)."""
+        if name is None:
+            yield
+            return
+        self.check_adapter(name)
+        peft_model = self.model
+        previous = peft_model.active_adapter
+        flags = [(p, p.requires_grad) for p in peft_model.parameters()]
+        peft_model.set_adapter(name)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        try:
+            yield
+        finally:
+            peft_model.set_adapter(previous)
+            for p, flag in flags:
+                p.requires_grad_(flag)

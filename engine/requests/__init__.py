@@ -1,0 +1,20 @@
+"""The request kinds, one module each: what a rank receives, how the client splits and assembles it, how a
+server rank handles it. :data:`KINDS` is the server's dispatch table.
+
+Adding a kind: a module here (payload dataclass, ``send``, ``handle``, ``KIND``), a line in :data:`KINDS`, and a
+Caller method that calls its ``send``.
+"""
+
+from __future__ import annotations
+
+from llmrl.engine.requests import admin, generate, save, score, state_dict, update
+from llmrl.engine.requests.base import Kind
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
+    *admin.KINDS,
+    score.KIND,
+    generate.KIND,
+    update.KIND,
+    save.KIND,
+    state_dict.KIND,
+)}

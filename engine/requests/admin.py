@@ -1,0 +1,60 @@
+"""Small request kinds that need no model: ``setup`` (build every rank's engine with the script's plugins),
+``ping`` (a minimal round trip) and ``stats`` (memory per rank).
+
+``setup`` is sent once, by the Caller's constructor, to every server rank; each LLM's first rank answers with
+the LLM's description. ``ping`` and ``stats`` are served even before setup.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from llmrl.engine.requests.base import Kind, Run, every_rank
+
+SETUP, PING, STATS = "setup", "ping", "stats"
+
+
+@dataclass(frozen=True)
+class SetupRequest:
+    plugins: dict = field(default_factory=dict)  # {llm: {"heads": {...}, "initializers": [...], "updater": spec}}
+
+
+@dataclass(frozen=True)
+class PingRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    pass
+
+
+def send_setup(run: Run, plugins: dict, roles: dict) -> Future:
+    return run.submit(SETUP, [(every_rank(run), SetupRequest(plugins))],
+                      lambda values: {roles[r].llm: v for r, v in sorted(values.items()) if v is not None})
+
+
+def send_ping(run: Run, rank: int) -> Future:
+    return run.submit(PING, [([rank], PingRequest())], lambda values: values[rank])
+
+
+def send_stats(run: Run) -> Future:
+    return run.submit(STATS, [(every_rank(run), StatsRequest())], lambda values: dict(sorted(values.items())))
+
+
+def handle_setup(replica, request: SetupRequest):
+    return replica.setup(request.plugins.get(replica.llm.name, {}))
+
+
+def handle_ping(replica, request: PingRequest):
+    return {"rank": replica.role.global_rank}
+
+
+def handle_stats(replica, request: StatsRequest):
+    return replica.backend.memory()
+
+
+KINDS = (Kind(SETUP, SetupRequest, handle_setup, needs_setup=False),
+         Kind(PING, PingRequest, handle_ping, needs_setup=False),
+         Kind(STATS, StatsRequest, handle_stats, needs_setup=False))

@@ -1,0 +1,89 @@
+"""What every request kind shares: its declaration, how a call is cut into per-rank parts, and what the
+client side of a kind may use of the run.
+
+A request kind is declared once, in its own module of this package: a payload dataclass (what one rank
+receives), a client half (``send``: check, split across replicas, assemble the replies into what the
+Caller returns) and a server half (``handle``: run it on a rank's :class:`~llmrl.engine.server.replica.Replica`).
+:class:`Kind` ties the name, the payload type and the handler together for the server's dispatch.
+
+This module holds the shared shapes and splitting rules; it sends nothing and computes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmrl.engine.config import Config
+
+Part = tuple[list[int], Any]  # the ranks that receive one payload, and that payload
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A request kind as the server sees it."""
+
+    name: str
+    payload: type  # the dataclass every rank of the kind receives
+    handle: Callable[[Any, Any], Any]  # handle(replica, payload) -> value (None on ranks that do not answer)
+    needs_setup: bool = True  # refused until the client's Caller has set the servers up
+
+
+class Run(Protocol):
+    """What a kind's client half uses of the run (rank 0's :class:`~llmrl.engine.client.hosting.ClientRun`)."""
+
+    config: Config
+
+    def replicas(self, llm: str) -> list[list[int]]:
+        """Global ranks of each replica of ``llm``; the first rank of each is its leader."""
+
+    def submit(self, kind: str, parts: list[Part], assemble: Callable[[dict[int, Any]], Any]) -> Future:
+        """Send the parts; a future of ``assemble({rank: value})``."""
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges over ``n`` items whose sizes differ by at most one (larger ones first)."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for r in range(parts):
+        size = base + (1 if r < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def split_by_cost(costs: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous ranges with roughly equal total cost (each item stays whole)."""
+    total = sum(costs)
+    bounds, start, acc = [], 0, 0
+    for r in range(parts - 1):
+        target = total * (r + 1) / parts
+        stop = start
+        while stop < len(costs) and acc + costs[stop] / 2 <= target:
+            acc += costs[stop]
+            stop += 1
+        bounds.append((start, stop))
+        start = stop
+    bounds.append((start, len(costs)))
+    return bounds
+
+
+def replica_parts(run: Run, llm: str, bounds: list[tuple[int, int]], make_payload: Callable[[int, int], Any],
+                  keep_empty: bool) -> tuple[list[Part], list[int]]:
+    """One part per replica (every rank of a replica gets the same payload) for the items in its bounds.
+    Replicas with nothing to do are left out unless ``keep_empty`` (lockstep: every replica takes part).
+    Returns the parts and the leader rank of each, in item order."""
+    parts, leaders = [], []
+    for ranks, (start, stop) in zip(run.replicas(llm), bounds):
+        if stop > start or keep_empty:
+            parts.append((ranks, make_payload(start, stop)))
+            leaders.append(ranks[0])
+    return parts, leaders
+
+
+def every_rank(run: Run, llms=None) -> list[int]:
+    """Every server rank of the given LLMs (default: all), in rank order."""
+    names = run.config.llms if llms is None else llms
+    return [r for name in names for replica in run.replicas(name) for r in replica]

@@ -1,0 +1,87 @@
+"""An LLM's own world: forming it at start-up, and the tiny votes its ranks take to stay in step.
+
+Each LLM's ranks form their own torch.distributed world (DeepSpeed's ZeRO-3, checkpoints and AutoTP
+assume global rank 0 belongs to them), found through a store that the LLM's group leader hosts on its own
+address and advertises in rank 0's run store. Besides the world's default group (gloo on CPU, NCCL on
+GPUs) the ranks share a gloo *control group*, on which :class:`GroupChannel` takes votes: "is every rank
+healthy?" before a collective training step, and "did every rank plan its share, and how many model calls
+does the busiest need?" before a lockstep forward. With one rank the votes return at once.
+
+This module does not load models or serve requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from llmrl.engine.config import Config
+from llmrl.engine.config.topology import RankRole
+from llmrl.engine.transport import rendezvous
+
+
+class GroupChannel:
+    """Votes over an LLM group's control channel (a gloo group, CPU tensors)."""
+
+    def __init__(self, group=None, store=None):
+        self.group = group
+        self.store = store  # the world's store: kept referenced for the life of the process
+
+    @property
+    def size(self) -> int:
+        import torch.distributed as dist
+
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def agree(self, ok: bool, value: int = 0) -> tuple[bool, int]:
+        """One vote: whether every rank is ``ok``, and the largest ``value``. Every vote of the group has this one
+        shape (two integers, reduced with MAX), so that ranks at different points of a request (one voting
+        "failed" after an error, another voting before its next forward) still meet in the same collective."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return ok, value
+        t = torch.tensor([0 if ok else 1, value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        failed, most = t.tolist()
+        return failed == 0, most
+
+    def all_ok(self, ok: bool) -> bool:
+        """True when every rank of the group passed ``ok=True``."""
+        return self.agree(ok)[0]
+
+    def max_int(self, value: int) -> int:
+        return self.agree(True, value)[1]
+
+
+def join_group(config: Config, role: RankRole, run_store, device: torch.device) -> GroupChannel:
+    """Form this LLM's own torch.distributed world (plus its gloo control group); returns the control channel."""
+    import torch.distributed as dist
+
+    timeout = config.timeouts.startup
+    key = rendezvous.group_key(role.llm)
+    if role.is_group_leader:
+        host = rendezvous.reachable_address(os.environ["MASTER_ADDR"])
+        group_store = rendezvous.host_group_store(host, timeout)
+        run_store.set(key, rendezvous.format_address(host, group_store.port))
+    else:
+        run_store.wait([key], datetime.timedelta(seconds=timeout))
+        group_store = rendezvous.join_group_store(run_store.get(key).decode(), timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    host, port = rendezvous.split_address(run_store.get(key).decode())
+    # DeepSpeed reads these; in this process they describe the LLM's world, not the launcher's.
+    os.environ.update(RANK=str(role.group_rank), WORLD_SIZE=str(role.group_size), MASTER_ADDR=host,
+                      MASTER_PORT=str(port), LOCAL_RANK=str(device.index or 0))
+    collective = datetime.timedelta(seconds=config.timeouts.collective)
+    dist.init_process_group(backend=backend, store=group_store, rank=role.group_rank, world_size=role.group_size,
+                            timeout=collective)
+    control = dist.new_group(backend="gloo", timeout=collective) if role.group_size > 1 else None
+    import deepspeed
+
+    # DeepSpeed's shared-memory all-reduce ignores sub-groups (wrong tensor-parallel results) and
+    # JIT-compiles for a minute on CPU; plain gloo is right and fast enough here.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=collective)
+    return GroupChannel(control, group_store)

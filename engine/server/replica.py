@@ -1,0 +1,68 @@
+"""This rank's part of its LLM: its place in the run, its model backend and its start-up sequence.
+
+Start-up has three phases. ``load`` reads the model while the user's script starts (errors are kept, not
+raised: they are reported when the client sets up). ``setup`` (the client's first request) applies the
+initializers and builds heads and updater, then builds the engine; each phase that precedes a collective is
+preceded by a vote of every rank of the LLM, so that one rank's failure (a missing model, a broken plugin)
+is reported by all of them instead of leaving the others waiting inside DeepSpeed.
+
+Request kinds reach the model through :attr:`Replica.backend`; :attr:`Replica.answers` says whether this rank
+sends the replica's result (tensor-parallel ranks of a replica compute the same result; its first rank answers).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from llmrl.engine.config import Config
+from llmrl.engine.config.topology import RankRole
+from llmrl.engine.errors import PeerAborted
+from llmrl.engine.model.backend import create_backend
+from llmrl.engine.server.group import GroupChannel
+
+
+class Replica:
+    def __init__(self, config: Config, role: RankRole, device: torch.device, group: GroupChannel):
+        self.config = config
+        self.llm = config.llms[role.llm]
+        self.role = role
+        self.group = group
+        self.backend = create_backend(config, role, device, group)
+        self.load_error: BaseException | None = None
+        self.load_traceback = ""
+        self.ready = False
+
+    @property
+    def answers(self) -> bool:
+        return self.role.is_replica_leader
+
+    def load(self) -> None:
+        try:
+            self.backend.load()
+        except Exception as err:  # reported to the client when it sets up
+            self.load_error = err
+            self.load_traceback = traceback.format_exc()
+
+    def setup(self, plugins: dict) -> dict | None:
+        """Build this rank's engine with the script's plugins; the LLM's first rank returns its description."""
+        if self.ready:
+            raise RuntimeError("this run already has a Caller; create only one")
+        if not self.group.all_ok(self.load_error is None):
+            if self.load_error is not None:
+                raise RuntimeError(f"loading LLM {self.llm.name!r} failed: {type(self.load_error).__name__}: "
+                                   f"{self.load_error}") from self.load_error
+            raise PeerAborted(f"another rank of LLM {self.llm.name!r} failed to load")
+        error = None
+        try:
+            self.backend.prepare(plugins)
+        except Exception as err:  # noqa: BLE001 - voted on, then re-raised
+            error = err
+        if not self.group.all_ok(error is None):
+            if error is not None:
+                raise error
+            raise PeerAborted(f"another rank of LLM {self.llm.name!r} failed to set up")
+        info = self.backend.build()
+        self.ready = True
+        return info if self.role.is_group_leader else None

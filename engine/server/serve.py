@@ -1,0 +1,214 @@
+"""The life of a server rank: connect to the client, join its LLM's world, load, serve, stop.
+
+Start-up: read the run's token and the client's address from rank 0's store, connect to the client
+(heartbeats start at once, so loading is watched too), form the LLM's own torch.distributed world
+(:mod:`llmrl.engine.server.group`) and load the model while the user's script starts.
+Serving: requests are served one at a time in arrival order (the same order on every rank, so the
+collectives of replicas and tensor-parallel ranks line up). Each request is dispatched by its kind to the
+handler its module declares (:data:`llmrl.engine.requests.KINDS`). An error in a request is sent back to
+the client and the server goes on serving.
+
+Stopping: a graceful ``Shutdown`` ends the loop and the process exits 0. The process exits at once
+and non-zero when the client's connection drops or the client aborts the run, so no rank outlives
+its run, even one stuck in a collective with a dead peer.
+
+This module computes nothing itself; the request kinds and the model backend do.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from typing import NoReturn
+
+from llmrl.engine.config import Config
+from llmrl.engine.config.topology import RankRole, device_for
+from llmrl.engine.errors import PeerAborted
+from llmrl.engine.log import configure, logger
+from llmrl.engine.processes import exit_with_parent, leave
+from llmrl.engine.requests import KINDS
+from llmrl.engine.transport import frames, messages, rendezvous
+
+
+def quiet_libraries(config: Config) -> None:
+    """Keep DeepSpeed's and transformers' chatter (progress bars, INFO lines) out of the run's output, and hide
+    notices about the libraries' own internals that a user cannot act on (deprecations inside DeepSpeed's calls
+    to torch and transformers; bitsandbytes' note that an optional CPU kernel package is missing). Warnings
+    raised by user code are untouched."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    verbose = config.log_level == "debug"
+    import transformers
+
+    if not verbose:
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def threads_for_server(config: Config, node_rank: int) -> int:
+    if config.threads_per_rank:
+        return config.threads_per_rank
+    local_size = int(os.environ.get("LOCAL_SIZE", "1"))
+    servers_here = max(1, local_size - (1 if node_rank == 0 else 0))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // servers_here)
+
+
+class Server:
+    def __init__(self, config: Config, role: RankRole):
+        self.config = config
+        self.role = role
+        self.inbox: queue.Queue = queue.Queue()
+        self.link: frames.Connection | None = None
+        self.busy_with: int | None = None
+        self.stopping = False
+        self.replica = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def connect(self) -> None:
+        timeout = self.config.timeouts.startup
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = rendezvous.join_run_store(addr, port, timeout)
+        token = self.store.get(rendezvous.TOKEN_KEY)
+        client = rendezvous.split_address(self.store.get(rendezvous.CLIENT_ADDRESS_KEY).decode())
+        self.link = frames.connect(client, token, self.role.global_rank, timeout)
+        self.link.send(messages.Hello(rank=self.role.global_rank, llm=self.role.llm, replica=self.role.replica,
+                                      tp_rank=self.role.tp_rank, host=socket.gethostname(), pid=os.getpid()))
+        threading.Thread(target=self._read_loop, name="llmrl-read", daemon=True).start()
+        threading.Thread(target=self._heartbeat_loop, name="llmrl-heartbeat", daemon=True).start()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self.link.recv()
+            except (EOFError, OSError):
+                if not self.stopping:
+                    self._die("the client (rank 0) disconnected")
+                return
+            if isinstance(message, messages.Shutdown):
+                if message.abort:
+                    self._die(f"the client aborted the run ({message.reason})")
+                self.stopping = True
+            self.inbox.put(message)
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.timeouts.heartbeat
+        while not self.stopping:
+            try:
+                self.link.send(messages.Heartbeat(busy_with=self.busy_with))
+            except OSError:
+                return
+            threading.Event().wait(interval)
+
+    def _die(self, why: str) -> NoReturn:
+        logger.error(f"{why}; exiting")
+        leave(1)
+
+    def start(self, local_rank: int, node_rank: int) -> None:
+        """Join the LLM's world and load the model (errors while loading are reported at set-up)."""
+        import torch
+
+        from llmrl.engine.server.group import join_group
+        from llmrl.engine.server.replica import Replica
+
+        llm = self.config.llms[self.role.llm]
+        device = torch.device(device_for(llm, self.role, local_rank, node_rank))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "unable to detect a GPU" warning at import
+        group = join_group(self.config, self.role, self.store, device)
+        quiet_libraries(self.config)
+        self.replica = Replica(self.config, self.role, device, group)
+        self.replica.load()
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self) -> int:
+        while True:
+            message = self.inbox.get()
+            if isinstance(message, messages.Shutdown):
+                return 0
+            self.busy_with = message.id
+            started = time.perf_counter()
+            reply = self._handle(message)
+            self.busy_with = None
+            logger.debug(f"{message.kind} #{message.id} {_sizes(message.payload)} in "
+                         f"{1000 * (time.perf_counter() - started):.1f} ms{' (failed)' if reply.error else ''}")
+            try:
+                self.link.send(reply)
+            except OSError:
+                self._die("cannot reach the client")
+
+    def _handle(self, request: messages.Request) -> messages.Reply:
+        rank = self.role.global_rank
+        try:
+            return messages.Reply(request.id, rank, value=self._dispatch(request))
+        except PeerAborted as err:
+            info = messages.ErrorInfo("PeerAborted", str(err), "", aborted_by_peer=True)
+        except Exception as err:  # noqa: BLE001 - every error goes back to the client
+            info = messages.ErrorInfo(type(err).__name__, str(err), traceback.format_exc(),
+                                      plugin=getattr(err, "plugin", None))
+        return messages.Reply(request.id, rank, error=info)
+
+    def _dispatch(self, request: messages.Request):
+        kind = KINDS.get(request.kind)
+        if kind is None:
+            raise ValueError(f"unknown request kind {request.kind!r}; this server knows {sorted(KINDS)}")
+        if not isinstance(request.payload, kind.payload):
+            raise TypeError(f"a {request.kind!r} request carries a {kind.payload.__name__}, "
+                            f"got {type(request.payload).__name__}")
+        if kind.needs_setup and not self.replica.ready:
+            raise RuntimeError("the server is not set up: create the Caller first")
+        return kind.handle(self.replica, request.payload)
+
+    def close(self) -> None:
+        """Hang up on the client. The process groups are left to the exit: tearing them down rank by rank
+        races with the peers' own exits (a rank whose peer is already gone can abort inside gloo), and
+        nothing is left to synchronise once the client has said stop."""
+        self.stopping = True
+        if self.link is not None:
+            self.link.close()
+
+
+def _sizes(payload) -> str:
+    contexts = getattr(payload, "contexts", None)
+    if contexts is None:
+        return ""
+    candidates = getattr(payload, "candidates", None)
+    extra = f", {sum(len(c) for c in candidates)} candidates" if candidates else ""
+    return f"({len(contexts)} contexts{extra})"
+
+
+def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> NoReturn:
+    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0)."""
+    from llmrl.engine.config.topology import role_of
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
+    exit_with_parent()
+    configure(config.log_level, rank)
+    import torch
+
+    torch.set_num_threads(threads_for_server(config, node_rank))
+    server = Server(config, role_of(config, rank))
+    server.connect()
+    server.start(local_rank, node_rank)
+    code = server.serve()
+    server.close()
+    leave(code)

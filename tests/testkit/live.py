@@ -1,0 +1,217 @@
+"""Live runs for tests: :class:`LiveRun` starts a real run through the DeepSpeed launcher (every rank a process)
+whose client script (:mod:`testkit.proxy`) obeys the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+class LiveRun:
+    """A real run (DeepSpeed launcher, every rank a process) whose client obeys this process.
+
+    ``config`` is a mapping (written to a temporary YAML file) or a path. Methods of the run's
+    :class:`~llmrl.Caller` are called as ``run.score(...)``; exceptions raised there are raised here.
+
+    Example::
+
+        with LiveRun({"llms": {"main": {"model": tiny_model("llama")}}}) as run:
+            print(run.score(["a"], [[" b"]]))
+    """
+
+    def __init__(self, config, *, caller_kwargs: dict | None = None, overrides=(), env: dict | None = None,
+                 startup_timeout: float = 300.0, workdir: str | None = None, check: bool = True):
+        import secrets
+        import subprocess
+        from multiprocessing.connection import Listener
+
+        import yaml
+
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llmrl-live-"))
+        if isinstance(config, (str, os.PathLike)):
+            self.config_path = str(config)
+            with open(config) as f:
+                raw = yaml.safe_load(f)
+        else:
+            raw = config
+            self.config_path = str(self.workdir / "config.yaml")
+            with open(self.config_path, "w") as f:
+                yaml.safe_dump(config, f, sort_keys=False)
+        from llmrl.engine.config import load_config
+
+        self.config = load_config(raw=raw, overrides=list(overrides), check_environment=False, check_plugins=False)
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = self._listener.address
+        from llmrl.engine.transport.rendezvous import free_port
+        from llmrl.launch.command import RunOptions, deepspeed_command, deepspeed_executable
+
+        options = RunOptions(config=self.config_path, module="testkit.proxy",
+                             script_args=[f"{host}:{port}", key.hex()], overrides=list(overrides),
+                             master_port=free_port())
+        self.command = deepspeed_command(options, self.config.world_size, deepspeed_executable())
+        self.log_path = self.workdir / "run.log"
+        self._log = open(self.log_path, "w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        kit_parent = str(Path(__file__).resolve().parent.parent)  # every rank imports testkit (and test plugins)
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                        start_new_session=True, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+        self._conn = self._accept(startup_timeout)
+        self._conn.send(caller_kwargs or {})
+        status, value = self._recv(startup_timeout)
+        if status != "ok":
+            self.kill()
+            raise value
+        self.info = value
+
+    def _accept(self, timeout: float):
+        import threading
+        import time
+
+        box: list = []
+        thread = threading.Thread(target=lambda: box.append(self._listener.accept()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while thread.is_alive() and time.monotonic() < deadline and self.process.poll() is None:
+            thread.join(0.2)
+        if not box:
+            self.kill()
+            raise RuntimeError(f"the run did not start (exit code {self.process.poll()}); log:\n{self.log}")
+        from testkit.proxy import _Channel
+
+        return _Channel(box[0])
+
+    def _recv(self, timeout: float | None = None):
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if self.process.poll() is not None and not self._conn.poll(0.5):
+                raise RuntimeError(f"the run exited with code {self.process.returncode}; log:\n{self.log}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from the run within {timeout} s; log:\n{self.log}")
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionError) as err:
+            raise self._ended(err) from err
+
+    def _ended(self, err: BaseException) -> RuntimeError:
+        """The error for a client that went away (the launcher ends every rank when one dies)."""
+        import subprocess
+
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        return RuntimeError(f"the run's client closed the connection ({type(err).__name__}; run exit code "
+                            f"{self.process.poll()}); log:\n{self.log}")
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except (EOFError, ConnectionError) as err:
+            raise self._ended(err) from err
+
+    def call(self, method: str, *args, timeout: float | None = 600.0, **kwargs):
+        self._send(("call", method, args, kwargs))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
+    def many(self, method: str, calls: list[tuple[tuple, dict]], timeout: float | None = 600.0):
+        """Start ``method_async`` once per ``(args, kwargs)`` at the same time; their results in order."""
+        self._send(("many", method, calls))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+
+    def exit_script(self, code: int) -> None:
+        """Make the client script exit with ``code`` (without closing the Caller)."""
+        self._send(("exit", code))
+        self._recv(60)
+
+    def raise_in_script(self, message: str) -> None:
+        self._send(("raise", message))
+        self._recv(60)
+
+    def wait(self, timeout: float = 120.0) -> int:
+        import subprocess
+
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def close(self, timeout: float = 120.0) -> int:
+        """Close the Caller (servers stop cleanly) and wait for every process; the launcher's exit code."""
+        if self.process.poll() is None:
+            try:
+                self.call("close", timeout=timeout)
+            except (RuntimeError, EOFError, OSError):
+                pass
+        code = self.wait(timeout)
+        self._cleanup()
+        return code
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(30)
+        except Exception:  # noqa: BLE001
+            pass
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for closer in (getattr(self, "_conn", None), self._listener, self._log):
+            try:
+                if closer is not None:
+                    closer.close()
+            except OSError:
+                pass
+
+    def leftover_processes(self) -> list[int]:
+        """PIDs of processes of this run still alive (there should be none after it ends)."""
+        import psutil
+
+        alive = []
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                if self.config_path in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+                    alive.append(proc.info["pid"])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return alive
+
+    @property
+    def log(self) -> str:
+        try:
+            self._log.flush()
+        except (OSError, ValueError):
+            pass
+        return self.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> LiveRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            try:
+                self.close(timeout=60)
+            except Exception:  # noqa: BLE001
+                self.kill()

@@ -1,0 +1,70 @@
+"""Tiny model folders and plain Hugging Face references for tests.
+
+``tiny_model("llama" | "gpt2" | "t5")`` saves a tiny random model (:mod:`llmrl.engine.model.tiny_models`) as a
+normal Hugging Face folder and returns its path; folders are cached per (kind, seed) under
+``$LLMRL_TEST_MODELS``. ``reference_scores`` computes what ``score`` must return the plain way: one full
+forward per (context, candidate) pair, no padding, no cache.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def tiny_model(kind: str, seed: int = 0, root: str | os.PathLike | None = None) -> str:
+    """Path of a saved tiny model folder (built once per kind and seed)."""
+    root = Path(root or os.environ.get("LLMRL_TEST_MODELS", Path(tempfile.gettempdir()) / "llmrl-tiny-models"))
+    path = root / f"{kind}-seed{seed}"
+    if (path / "config.json").is_file():
+        return str(path)
+    root.mkdir(parents=True, exist_ok=True)
+    from llmrl.engine.model.tiny_models import build_tiny
+
+    model, tokenizer = build_tiny(kind, seed)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.replace(staging, path)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(path)
+
+
+def reference_scores(model, tokenizer, contexts: list[str], candidates: list[list[str]], seq2seq: bool = False):
+    """Plain Hugging Face scores: one unpadded forward per pair, sum of the candidate's token log-probs."""
+    import torch
+
+    results = []
+    with torch.no_grad():
+        for context, cands in zip(contexts, candidates):
+            row = []
+            for cand in cands:
+                if seq2seq:
+                    enc = tokenizer(context, return_tensors="pt")
+                    target = tokenizer(cand)["input_ids"]
+                    if not target:
+                        row.append(0.0)
+                        continue
+                    dec = [model.config.decoder_start_token_id] + target[:-1]
+                    logits = model(**enc, decoder_input_ids=torch.tensor([dec])).logits[0]
+                    lp = torch.log_softmax(logits.float(), -1)
+                    row.append(sum(lp[t, tok].item() for t, tok in enumerate(target)))
+                    continue
+                ctx_ids = tokenizer(context)["input_ids"]
+                full = tokenizer(context + cand)["input_ids"]
+                p = 0
+                while p < min(len(ctx_ids), len(full)) and ctx_ids[p] == full[p]:
+                    p += 1
+                if p == len(full):
+                    row.append(0.0)
+                    continue
+                logits = model(input_ids=torch.tensor([full])).logits[0]
+                lp = torch.log_softmax(logits.float(), -1)
+                row.append(sum(lp[t - 1, full[t]].item() for t in range(p, len(full))))
+            results.append(torch.tensor(row, dtype=torch.float32))
+    return results

@@ -1,0 +1,81 @@
+"""A client script that obeys another process: tests drive a live run through it.
+
+Run as the run's script (``... --module llmrl.launch --config C -m testkit.proxy ADDRESS KEY``),
+it connects back to the test process, creates a :class:`~llmrl.Caller` with the keyword arguments it
+receives, and then executes ``(method, args, kwargs)`` messages on it, sending back results or
+exceptions. ``("many", method, calls)`` starts the calls with ``method_async`` all at once and
+returns their results in order; ``("exit", code)`` ends the script with that code.
+
+Used only by tests (see :class:`testkit.live.LiveRun`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from multiprocessing.connection import Client
+
+
+class _Channel:
+    """Plain pickles over a multiprocessing connection (torch's shared-memory tensor passing does not work
+    between unrelated processes)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def send(self, obj) -> None:
+        self.conn.send_bytes(pickle.dumps(obj))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def main() -> int:
+    address, key = sys.argv[1], bytes.fromhex(sys.argv[2])
+    host, _, port = address.rpartition(":")
+    conn = _Channel(Client((host, int(port)), authkey=key))
+    from llmrl import Caller
+
+    try:
+        caller = Caller(**conn.recv())
+    except BaseException as err:  # noqa: BLE001 - sent to the test
+        conn.send(("err", err))
+        raise
+    conn.send(("ok", caller.info))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return 0
+        if message[0] == "exit":
+            conn.send(("ok", None))
+            return int(message[1])
+        if message[0] == "raise":
+            conn.send(("ok", None))
+            raise RuntimeError(message[1])
+        try:
+            if message[0] == "many":
+                _, method, calls = message
+                futures = [getattr(caller, f"{method}_async")(*a, **k) for a, k in calls]
+                result = [f.result() for f in futures]
+            else:
+                _, method, args, kwargs = message
+                result = getattr(caller, method)(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as err:  # noqa: BLE001 - sent to the test
+            try:
+                conn.send(("err", err))
+            except Exception:  # noqa: BLE001 - an unpicklable error
+                conn.send(("err", RuntimeError(f"{type(err).__name__}: {err}")))
+        if message[0] == "call" and message[1] == "close":
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
