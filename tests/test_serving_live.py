@@ -144,3 +144,19 @@ def test_async_requests_to_several_llms_run_together(mixed_llms, reference_model
 def test_unknown_llm_is_refused_on_the_client(mixed_llms):
     with pytest.raises(ValueError, match="unknown llm 'gtp2' \\(did you mean 'gpt2'\\?\\)"):
         mixed_llms.score(["a"], [["b"]], llm="gtp2")
+
+
+@pytest.mark.parametrize("llm", ["llama", "t5"])
+def test_tokenize_shows_what_score_sums_over(mixed_llms, reference_models, llm):
+    _, tok = reference_models[llm]
+    plans = mixed_llms.tokenize(CONTEXTS, CANDIDATES, llm=llm)
+    for context, cands, plan in zip(CONTEXTS, CANDIDATES, plans):
+        ctx_ids = tok(context)["input_ids"]
+        assert plan["ids"] == ctx_ids and plan["tokens"] == tok.convert_ids_to_tokens(ctx_ids)
+        for cand, got in zip(cands, plan["candidates"]):
+            if llm == "t5":  # the decoder target is the candidate tokenised alone
+                assert got["ids"] == tok(cand)["input_ids"] and got["merged_context_tokens"] == 0
+                continue
+            full = tok(context + cand)["input_ids"]
+            p = next((k for k, (a, b) in enumerate(zip(ctx_ids, full)) if a != b), min(len(ctx_ids), len(full)))
+            assert got["ids"] == full[p:] and got["merged_context_tokens"] == len(ctx_ids) - p

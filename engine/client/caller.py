@@ -24,7 +24,7 @@ from typing import Any
 from llmrl.engine.client.hosting import current_run
 from llmrl.engine.config import PluginSpec
 from llmrl.engine.errors import RequestTimeoutError, did_you_mean
-from llmrl.engine.requests import admin, generate, score, state_dict, update
+from llmrl.engine.requests import admin, generate, score, state_dict, tokenize, update
 from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys
 
 
@@ -236,6 +236,15 @@ class Caller:
         tensors, keyed like ``model.<hf name>`` and ``heads.<key>.<name>``; ``prefix`` selects a subset.
         ``replica=k`` returns replica k's own copy instead (ZeRO 0-2 without tensor parallelism)."""
         return self._wait(state_dict.send(self._run, self._open(llm), prefix, replica))
+
+    def tokenize(self, contexts, candidates=None, *, llm: str | None = None) -> list[dict]:
+        """How ``score`` tokenises these inputs: per context ``ids`` and ``tokens``, and per candidate the ``ids`` /
+        ``tokens`` whose log-probs are summed and ``merged_context_tokens`` (how many of the context's last tokens
+        merged with the candidate's first characters, as tokenising the concatenation does)."""
+        name = self._open(llm)
+        contexts = check_contexts(contexts)
+        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
+        return self._wait(tokenize.send(self._run, name, tokenize.TokenizeRequest(contexts, candidates)))
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""

@@ -7,7 +7,7 @@ Caller method that calls its ``send``.
 
 from __future__ import annotations
 
-from llmrl.engine.requests import admin, generate, save, score, state_dict, update
+from llmrl.engine.requests import admin, generate, save, score, state_dict, tokenize, update
 from llmrl.engine.requests.base import Kind
 
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (
@@ -17,4 +17,5 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     update.KIND,
     save.KIND,
     state_dict.KIND,
+    tokenize.KIND,
 )}
