@@ -1,4 +1,4 @@
-"""Process helpers every rank needs: die with the launcher, turn a script's exit into a code, leave at once.
+"""Process helpers every rank needs: die with the launchers, turn a script's exit into a code, leave at once.
 
 This module knows nothing about requests or models.
 """
@@ -9,6 +9,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -38,3 +41,42 @@ def leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+RUN_PID_ENV = "LLMRL_RUN_PID"  # set by `llmrl run`: the process the user started
+
+
+def watch_launchers(on_gone: Callable[[str], None], interval: float = 0.5) -> None:
+    """Call ``on_gone(why)`` (once, from a daemon thread) when a process that launched this rank ends: DeepSpeed's
+    per-node launcher (the parent), the runner that started it (the grandparent) and ``llmrl run`` itself
+    (``LLMRL_RUN_PID``). Killing any of them, even with SIGKILL, then ends every rank of the run."""
+    import psutil
+
+    watched = []
+    try:
+        parent = psutil.Process().parent()
+        if parent is not None:
+            watched.append(parent)
+            grandparent = parent.parent()
+            if grandparent is not None and grandparent.pid > 1:
+                watched.append(grandparent)
+        run_pid = os.environ.get(RUN_PID_ENV)
+        if run_pid and run_pid.isdigit() and all(p.pid != int(run_pid) for p in watched):
+            watched.append(psutil.Process(int(run_pid)))
+    except psutil.Error:
+        pass
+
+    def loop() -> None:
+        while True:
+            for process in watched:
+                try:
+                    gone = not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    gone = True
+                if gone:
+                    on_gone(f"its launcher process {process.pid} ended")
+                    return
+            time.sleep(interval)
+
+    if watched:
+        threading.Thread(target=loop, name="llmrl-watch-launchers", daemon=True).start()

@@ -109,6 +109,24 @@ def _say(message: str, loud: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Become client or server. Rank 0 writes its exit code where ``llmrl run`` reads it back, whatever ended it
+    (a Ctrl-C at any moment gives 130)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _main(argv)
+    code = 130
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt:
+        print("llmrl: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    finally:
+        exit_file = os.environ.get("LLMRL_EXIT_CODE_FILE")
+        if exit_file:
+            with open(exit_file, "w") as f:
+                f.write(str(code))
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         from llmrl.engine.client.hosting import run_client
 
-        code = run_client(config, lambda: run_script(args))
-        exit_file = os.environ.get("LLMRL_EXIT_CODE_FILE")
-        if exit_file:
-            with open(exit_file, "w") as f:
-                f.write(str(code))
-        return code
+        return run_client(config, lambda: run_script(args))
     from llmrl.engine.server.serve import run_server
     from llmrl.plugins import registry
 

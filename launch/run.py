@@ -1,7 +1,9 @@
 """``llmrl run``: validate the config, count the ranks, print the exact ``deepspeed`` command, run it.
 
 The run's exit code is the script's: rank 0 writes it to a file the command reads back, so that it
-survives the DeepSpeed launcher (which answers Ctrl-C with its own code 1).
+survives the DeepSpeed launcher (which answers Ctrl-C with its own code 1). Ctrl-C gives 130, SIGTERM 143. The
+launcher runs supervised (:mod:`llmrl.launch.supervisor`): however this command ends, no rank outlives it. The
+run's secret is drawn here and handed to every rank (:mod:`llmrl.engine.transport.secret`).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import argparse
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 
+from llmrl.engine.processes import RUN_PID_ENV
+from llmrl.engine.transport.secret import ENV as SECRET_ENV
+from llmrl.engine.transport.secret import new_secret
 from llmrl.launch.command import RunOptions, deepspeed_command, deepspeed_executable, hostfile_slots
 from llmrl.launch.rank import is_override
+from llmrl.launch.supervisor import supervise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,41 +87,51 @@ def main(args: argparse.Namespace) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:
         exit_file = os.path.join(tmp, "exit-code")
-        env = {**os.environ, "LLMRL_EXIT_CODE_FILE": exit_file}
+        env = {**os.environ, "LLMRL_EXIT_CODE_FILE": exit_file, RUN_PID_ENV: str(os.getpid())}
+        problem = _give_secret(env, options, tmp)
+        if problem:
+            print(f"llmrl: {problem}", file=sys.stderr)
+            return 2
         if all(llm.devices == "cpu" for llm in config.llms.values()):
             env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
-        process = subprocess.Popen(cmd, env=env)
-        code, interrupted = wait_forwarding_ctrl_c(process)
+        code, stopped_by = supervise(cmd, env)
         script_code = None
         if os.path.exists(exit_file):
             with open(exit_file) as f:
                 text = f.read().strip()
             if text.lstrip("-").isdigit():
                 script_code = int(text)
-        if interrupted and script_code in (None, 128 + signal.SIGTERM):
-            # Ctrl-C reached the launcher too, which terminates every rank at once: the script may
-            # have been stopped by that SIGTERM before it could report its KeyboardInterrupt.
+        if stopped_by == signal.SIGINT and script_code in (None, 128 + signal.SIGTERM):
+            # The launcher answers SIGINT by terminating every rank: the script may have been stopped by that
+            # SIGTERM before it could report its KeyboardInterrupt.
             return 130
+        if stopped_by is not None and stopped_by != signal.SIGINT:
+            return 128 + stopped_by
         if script_code is not None:
             return script_code
         return code if code >= 0 else 128 - code
 
 
-def wait_forwarding_ctrl_c(process: subprocess.Popen, grace: float = 3.0) -> tuple[int, bool]:
-    """Wait for the launcher; on Ctrl-C give it ``grace`` seconds to stop the ranks itself.
+def _give_secret(env: dict, options: RunOptions, tmp: str) -> str | None:
+    """Put the run's secret where every rank finds it: this node's ranks inherit the environment; nodes started
+    over ssh get it through DeepSpeed's environment file; nodes started one by one need the user's own."""
+    if env.get(SECRET_ENV):
+        return None
+    several_nodes = bool(options.hostfile) and _hostfile_nodes(options.hostfile) > 1
+    if several_nodes and options.no_ssh:
+        return (f"a run whose nodes are started one by one (--no_ssh) needs the same {SECRET_ENV} on every node: "
+                f"export {SECRET_ENV}=$(python -c \"import secrets; print(secrets.token_hex(32))\") once and pass "
+                "the same value to every node's command")
+    env[SECRET_ENV] = new_secret()
+    if several_nodes:
+        env_file = os.path.join(tmp, "deepspeed_env")
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{SECRET_ENV}={env[SECRET_ENV]}\n")
+        env["DS_ENV_FILE"] = env_file  # DeepSpeed's runner exports what it lists to every node
+    return None
 
-    A terminal's Ctrl-C reaches the whole process group (this command, the launcher, every rank);
-    forwarding it at once would interrupt the launcher's own cleanup. A SIGINT sent to this command
-    alone is forwarded after the grace period. Returns (the launcher's exit code, interrupted).
-    """
-    interrupted = False
-    while True:
-        try:
-            if interrupted:
-                try:
-                    return process.wait(grace), True
-                except subprocess.TimeoutExpired:
-                    process.send_signal(signal.SIGINT)
-            return process.wait(), interrupted
-        except KeyboardInterrupt:
-            interrupted = True
+
+def _hostfile_nodes(path: str) -> int:
+    with open(path) as f:
+        return len(hostfile_slots(f.read()))

@@ -1,8 +1,13 @@
-"""Dead-rank detection on the client: a closed connection or a silent server fails waiting calls at once,
-naming the rank, and every later call fails immediately."""
+"""The client's links to the servers (fake servers in threads): replies are routed, a closed connection or a
+silent server fails waiting calls at once naming the rank, and the reader threads survive whatever they read
+(an undecodable result fails its own call; a corrupt frame ends that link loudly). A server that is busy
+sending, or a client that was stalled, is not declared dead; a send stuck on a frozen server is released."""
 
 from __future__ import annotations
 
+import socket
+import struct
+import sys
 import threading
 import time
 
@@ -12,29 +17,33 @@ from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.errors import RequestError, ServerDiedError
 from llmrl.engine.transport import frames, messages, rendezvous
 
-TOKEN = b"t" * 32
+SECRET = b"s" * 32
+
+
+def hello(link, rank):
+    messages.send(link, messages.Hello(rank=rank, llm="main", replica=0, tp_rank=0, host="here", pid=0))
 
 
 def fake_server(address, rank, *, heartbeats: bool, answer: bool, stop: threading.Event):
-    link = frames.connect(address, TOKEN, rank, timeout=5)
-    link.send(messages.Hello(rank=rank, llm="main", replica=0, tp_rank=0, host="here", pid=0))
+    link = frames.connect(address, SECRET, rank, timeout=5)
+    hello(link, rank)
     while not stop.is_set():
         if heartbeats:
-            link.send(messages.Heartbeat())
+            messages.send(link, messages.Heartbeat())
         if answer:
             link.sock.settimeout(0.05)
             try:
-                request = link.recv()
-                link.send(messages.Reply(request.id, rank, value={"echo": request.payload}))
+                request = messages.receive(link)
+                messages.send(link, messages.Reply(request.id, rank, value={"echo": request.payload}))
             except (TimeoutError, OSError):
                 pass
         time.sleep(0.05)
     link.close()
 
 
-def start(rank_behaviours, dead_after=10.0):
+def start(rank_behaviours, dead_after=10.0, heartbeat=0.05):
     listener = rendezvous.listen("127.0.0.1")
-    links = ServerLinks(listener, TOKEN, sorted(rank_behaviours), heartbeat=0.05, dead_after=dead_after)
+    links = ServerLinks(listener, SECRET, sorted(rank_behaviours), heartbeat=heartbeat, dead_after=dead_after)
     stops = {}
     for rank, behaviour in rank_behaviours.items():
         stops[rank] = threading.Event()
@@ -42,6 +51,21 @@ def start(rank_behaviours, dead_after=10.0):
                          "stop": stops[rank]}, daemon=True).start()
     links.wait_connected(10)
     return links, stops
+
+
+def scripted_server(script, rank=3, dead_after=10.0):
+    """Links to one fake server that runs ``script(link)`` after its hello."""
+    listener = rendezvous.listen("127.0.0.1")
+    links = ServerLinks(listener, SECRET, [rank], heartbeat=0.05, dead_after=dead_after)
+
+    def run():
+        link = frames.connect(listener.getsockname(), SECRET, rank, timeout=5)
+        hello(link, rank)
+        script(link)
+
+    threading.Thread(target=run, daemon=True).start()
+    links.wait_connected(10)
+    return links
 
 
 def test_replies_are_routed_and_assembled():
@@ -78,21 +102,140 @@ def test_a_silent_server_is_declared_dead():
 
 
 def test_server_errors_become_request_errors_with_the_rank():
-    listener = rendezvous.listen("127.0.0.1")
-    links = ServerLinks(listener, TOKEN, [3], heartbeat=0.05, dead_after=10)
-
-    def erring_server():
-        link = frames.connect(listener.getsockname(), TOKEN, 3, timeout=5)
-        link.send(messages.Hello(rank=3, llm="main", replica=0, tp_rank=0, host="here", pid=0))
-        request = link.recv()
+    def script(link):
+        request = messages.receive(link)
         error = messages.ErrorInfo("ValueError", "context 0 is too long", "Traceback ...", plugin=None)
-        link.send(messages.Reply(request.id, 3, error=error))
+        messages.send(link, messages.Reply(request.id, 3, error=error))
         time.sleep(0.5)
         link.close()
 
-    threading.Thread(target=erring_server, daemon=True).start()
-    links.wait_connected(10)
+    links = scripted_server(script)
     with pytest.raises(RequestError) as err:
         links.submit("score", [([3], {})], lambda values: values).result(5)
     assert err.value.rank == 3 and str(err.value) == "[rank 3] ValueError: context 0 is too long"
     links.shutdown(abort=False, reason="test", wait=2)
+
+
+def explode():
+    raise RuntimeError("this value cannot be rebuilt here")
+
+
+class Unloadable:
+    """Pickles fine; unpickling calls ``explode`` (as a class the client cannot import would fail)."""
+
+    def __reduce__(self):
+        return explode, ()
+
+
+def test_an_undecodable_result_fails_its_own_call_and_the_link_goes_on():
+    def script(link):
+        while True:
+            try:
+                request = messages.receive(link)
+            except (EOFError, OSError):
+                return
+            if not isinstance(request, messages.Request):
+                return
+            value = Unloadable() if request.payload == "bad" else request.payload
+            messages.send(link, messages.Reply(request.id, 3, value=value))
+            messages.send(link, messages.Heartbeat())
+
+    links = scripted_server(script)
+    with pytest.raises(RequestError, match="cannot decode rank 3's result.*cannot be rebuilt here"):
+        links.submit("state_dict", [([3], "bad")], lambda values: values[3]).result(5)
+    assert links.submit("ping", [([3], "good")], lambda values: values[3]).result(5) == "good"
+    assert not links.dead
+    links.shutdown(abort=False, reason="test", wait=2)
+
+
+@pytest.mark.parametrize("garbage", ["huge", "not json"])
+def test_a_corrupt_frame_ends_the_link_loudly_and_promptly(garbage):
+    def script(link):
+        messages.receive(link)
+        if garbage == "huge":  # a header announcing far more than max_message_bytes
+            link.sock.sendall(frames.PREFIX.pack(10, 1 << 60, 0))
+        else:
+            link.sock.sendall(frames.PREFIX.pack(4, 0, 0) + b"\xff\x00{[")
+        time.sleep(30)
+
+    links = scripted_server(script, dead_after=600.0)
+    future = links.submit("score", [([3], {})], lambda values: values)
+    with pytest.raises(ServerDiedError, match="cannot be read"):
+        future.result(10)
+    links.shutdown(abort=True, reason="test", wait=2)
+
+
+def test_a_request_over_the_size_limit_is_refused_before_sending():
+    links = scripted_server(lambda link: time.sleep(30))
+    links._max_bytes = 1 << 20
+    with pytest.raises(ValueError, match="over max_message_bytes"):
+        links.submit("score", [([3], b"x" * (2 << 20))], lambda values: values)
+    links.shutdown(abort=True, reason="test", wait=2)
+
+
+def test_a_server_sending_a_long_reply_is_alive():
+    """Bytes that keep arriving count as life, even before the frame is whole."""
+    def script(link):
+        request = messages.receive(link)
+        data = frames.encode(*messages.to_frame(messages.Reply(request.id, 3, value=b"x" * 3_000_000)))
+        blob = b"".join(bytes(memoryview(part)) for part in data)
+        for i in range(0, len(blob), 100_000):  # 3 MB in 30 pieces over ~3 s, no heartbeat in between
+            link.sock.sendall(blob[i:i + 100_000])
+            time.sleep(0.1)
+        messages.send(link, messages.Heartbeat())
+        time.sleep(30)
+
+    links = scripted_server(script, dead_after=1.0)
+    assert len(links.submit("state_dict", [([3], None)], lambda values: values[3]).result(30)) == 3_000_000
+    assert not links.dead
+    links.shutdown(abort=True, reason="test", wait=2)
+
+
+def test_a_stalled_client_does_not_declare_healthy_servers_dead():
+    links, stops = start({1: {"heartbeats": True, "answer": True}}, dead_after=1.0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # this thread keeps the interpreter: no other thread of the client runs
+    try:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    time.sleep(0.5)  # the watchdog and the readers run again (the heartbeats waited in the socket)
+    assert not links.dead
+    assert links.submit("ping", [([1], 7)], lambda values: values[1]).result(5) == {"echo": 7}
+    stops[1].set()
+    links.shutdown(abort=False, reason="test", wait=2)
+
+
+def test_a_send_to_a_frozen_server_is_released_when_it_is_declared_dead():
+    """A frozen server (SIGSTOP) neither reads nor beats: a request larger than the socket buffers blocks its
+    sender until the watchdog declares the rank dead and shuts the socket."""
+    frozen = threading.Event()
+
+    def script(link):
+        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        frozen.set()
+        time.sleep(60)
+
+    links = scripted_server(script, dead_after=1.0)
+    frozen.wait(5)
+    with pytest.raises((ServerDiedError, RequestError)):
+        links.submit("score", [([3], b"x" * (64 << 20))], lambda values: values).result(30)
+    assert 3 in links.dead
+    links.shutdown(abort=True, reason="test", wait=2)
+
+
+def test_a_peer_without_the_secret_is_refused_before_anything_is_decoded():
+    listener = rendezvous.listen("127.0.0.1")
+    links = ServerLinks(listener, SECRET, [1], heartbeat=0.05, dead_after=10)
+    with pytest.raises(frames.AuthenticationError):
+        frames.connect(listener.getsockname(), b"w" * 32, 1, timeout=5)
+    # A raw peer that claims rank 1 with a made-up proof is dropped too.
+    sock = socket.create_connection(listener.getsockname(), timeout=5)
+    sock.recv(frames.NONCE)
+    sock.sendall(struct.pack("!I", 1) + b"n" * 32 + b"m" * 32)
+    assert sock.recv(1) == b""  # closed without an answer
+    sock.close()
+    assert not links.hellos
+    links.shutdown(abort=True, reason="test", wait=2)

@@ -11,7 +11,6 @@ This module neither splits requests nor assembles results; the request kinds do.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,10 +19,11 @@ from typing import Any
 from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import replica_ranks, server_roles
-from llmrl.engine.log import configure
-from llmrl.engine.processes import exit_with_parent
+from llmrl.engine.log import configure, logger
+from llmrl.engine.processes import exit_with_parent, watch_launchers
 from llmrl.engine.requests.base import Part
 from llmrl.engine.transport import rendezvous
+from llmrl.engine.transport.secret import client_secret
 
 _current_run: ClientRun | None = None
 
@@ -36,16 +36,15 @@ class ClientRun:
         master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         master_port = int(os.environ.get("MASTER_PORT", "29500"))
         timeout = config.timeouts.startup
+        secret, self.secret_file = client_secret()
         self.store = rendezvous.host_run_store(master_addr, master_port, timeout)
         self.listener = rendezvous.listen(master_addr)
         host, port = self.listener.getsockname()[:2]
-        token = secrets.token_bytes(32)
-        self.store.set(rendezvous.TOKEN_KEY, token)
         self.store.set(rendezvous.CLIENT_ADDRESS_KEY, rendezvous.format_address(host, port))
         self.roles = {r.global_rank: r for r in server_roles(config)}
         self._replicas = {name: replica_ranks(config, name) for name in config.llms}
-        self.links = ServerLinks(self.listener, token, sorted(self.roles), config.timeouts.heartbeat,
-                                 config.timeouts.dead_after, self.describe_rank)
+        self.links = ServerLinks(self.listener, secret, sorted(self.roles), config.timeouts.heartbeat,
+                                 config.timeouts.dead_after, self.describe_rank, config.max_message_bytes)
         self.caller = None
 
     def replicas(self, llm: str) -> list[list[int]]:
@@ -64,6 +63,8 @@ class ClientRun:
 
     def shutdown(self, abort: bool, reason: str) -> None:
         self.links.shutdown(abort=abort, reason=reason)
+        if self.secret_file is not None:
+            self.secret_file.unlink(missing_ok=True)
 
 
 def current_run() -> ClientRun | None:
@@ -77,15 +78,28 @@ def run_client(config: Config, run_script: Callable[[], int]) -> int:
     def on_sigterm(signum, frame):
         raise SystemExit(128 + signum)
 
+    def on_launcher_gone(why: str) -> None:
+        logger.error(f"{why}; stopping the run")
+        os.kill(os.getpid(), signal.SIGTERM)
+
     signal.signal(signal.SIGTERM, on_sigterm)
     exit_with_parent(signal.SIGTERM)
     configure(config.log_level)
-    run = ClientRun(config)
-    _current_run = run
+    watch_launchers(on_launcher_gone)
+    run = None
     try:
+        run = ClientRun(config)
+        _current_run = run
         code = run_script()
+    except KeyboardInterrupt:  # Ctrl-C before the script ran (while the run was being hosted)
+        logger.error("interrupted (Ctrl-C); stopping the servers")
+        code = 130
+    except SystemExit as stop:  # SIGTERM before the script ran
+        code = stop.code if isinstance(stop.code, int) else 1
     finally:
         _current_run = None
+    if run is None:
+        return code
     failed = code != 0 or bool(run.links.dead)
     reason = "the script finished" if not failed else f"the script exited with code {code}"
     run.shutdown(abort=failed, reason=reason)

@@ -1,10 +1,18 @@
 """Rank 0's links to every server rank: accepting them, watching them, routing replies to calls.
 
-Each server rank connects to rank 0's listener at start-up and then sends a heartbeat every
-``timeouts.heartbeat`` seconds. A reader thread per link turns incoming replies into completed
-futures. A rank whose connection closes, or that stays silent for ``timeouts.dead_after`` seconds,
-is declared dead at once: every call waiting on it fails with :class:`ServerDiedError` naming it,
-and every later call fails immediately (a run with a dead rank cannot continue).
+Each server rank connects to rank 0's listener at start-up (both sides prove they hold the run's secret
+before anything is decoded) and then sends a heartbeat every ``timeouts.heartbeat`` seconds. A reader
+thread per link turns incoming replies into completed futures; it survives anything it reads: a reply
+whose value cannot be decoded fails its own call, a corrupt or oversized frame ends that link loudly.
+A rank whose connection closes, or that stays silent for ``timeouts.dead_after`` seconds, is declared
+dead at once: its socket is shut (unblocking any send stuck on it), every call waiting on it fails with
+:class:`ServerDiedError` naming it, and every later call fails immediately. Silence is measured on bytes
+received, so a server busy sending a long reply is alive, and time when the client itself was stalled
+(a long environment step holding the interpreter) does not count against the servers.
+
+Calls are sent under one lock, so every rank receives requests in the same order whichever thread sent
+them: the ranks of one LLM (tensor-parallel shards, replicas in lockstep) always serve the same request
+together.
 
 This module does not know what a request means; the request kinds (:mod:`llmrl.engine.requests`) build and
 assemble them.
@@ -13,8 +21,10 @@ assemble them.
 from __future__ import annotations
 
 import itertools
+import select
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,19 +48,20 @@ class _Call:
 class ServerLinks:
     """Connections from the client (rank 0) to the server ranks ``expected_ranks``."""
 
-    def __init__(self, listener, token: bytes, expected_ranks: list[int], heartbeat: float, dead_after: float,
-                 describe_rank: Callable[[int], str] = str):
+    def __init__(self, listener, secret: bytes, expected_ranks: list[int], heartbeat: float, dead_after: float,
+                 describe_rank: Callable[[int], str] = str, max_bytes: int = frames.DEFAULT_MAX_BYTES):
         self._listener = listener
-        self._token = token
+        self._secret = secret
         self.expected_ranks = list(expected_ranks)
         self._heartbeat = heartbeat
         self._dead_after = dead_after
         self._describe = describe_rank
+        self._max_bytes = max_bytes
         self._lock = threading.Condition()
+        self._send_order = threading.Lock()
         self._links: dict[int, frames.Connection] = {}
         self.hellos: dict[int, messages.Hello] = {}
-        self._last_seen: dict[int, float] = {}
-        self._busy_with: dict[int, int | None] = {}
+        self._grace_until = 0.0  # silence before this time does not count (the client itself was stalled)
         self.dead: dict[int, str] = {}
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
@@ -61,31 +72,42 @@ class ServerLinks:
 
     # ------------------------------------------------------------------ connection management
 
+    def _rank_wanted(self, rank: int) -> bool:
+        with self._lock:
+            return rank in self.expected_ranks and rank not in self._links and not self._closing
+
     def _accept_loop(self) -> None:
         while True:
             try:
-                accepted = frames.accept(self._listener, self._token)
+                sock, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
-            if accepted is None:
-                continue
-            link, rank = accepted
-            try:
-                hello = link.recv()
-            except (EOFError, OSError):
+            threading.Thread(target=self._admit, args=(sock,), name="llmrl-admit", daemon=True).start()
+
+    def _admit(self, sock) -> None:
+        """Authenticate one connection, read its Hello and start its reader (a peer that fails is dropped)."""
+        accepted = frames.authenticate(sock, self._secret, self._rank_wanted, self._max_bytes)
+        if accepted is None:
+            logger.warning("refused a connection that does not know this run's secret (or named a rank "
+                           "that is not expected)")
+            return
+        link, rank = accepted
+        try:
+            hello = messages.receive(link)
+            if not isinstance(hello, messages.Hello) or hello.rank != rank:
+                raise ValueError(f"expected a Hello from rank {rank}, got {hello!r}")
+        except Exception as err:  # noqa: BLE001 - a bad peer is dropped, whatever it sent
+            logger.warning(f"dropped rank {rank}'s connection: {type(err).__name__}: {err}")
+            link.close()
+            return
+        with self._lock:
+            if rank in self._links or self._closing:
                 link.close()
-                continue
-            with self._lock:
-                if rank not in self.expected_ranks or rank in self._links or self._closing:
-                    link.close()
-                    continue
-                self._links[rank] = link
-                self.hellos[rank] = hello
-                self._last_seen[rank] = time.monotonic()
-                self._lock.notify_all()
-            threading.Thread(target=self._read_loop, args=(rank, link), name=f"llmrl-read-{rank}", daemon=True).start()
-            if len(self._links) == len(self.expected_ranks):
                 return
+            self._links[rank] = link
+            self.hellos[rank] = hello
+            self._lock.notify_all()
+        threading.Thread(target=self._read_loop, args=(rank, link), name=f"llmrl-read-{rank}", daemon=True).start()
 
     def wait_connected(self, timeout: float, on_progress: Callable[[int, int], None] | None = None) -> None:
         """Block until every server rank has connected; raise if one died or the time ran out."""
@@ -103,31 +125,44 @@ class ServerLinks:
                 self._lock.wait(min(left, 0.5))
             if on_progress:
                 on_progress(len(self._links), len(self.expected_ranks))
+        logger.debug(f"all {len(self.expected_ranks)} server ranks connected")
 
     def _read_loop(self, rank: int, link: frames.Connection) -> None:
-        while True:
-            try:
-                message = link.recv()
-            except (EOFError, OSError) as err:
-                with self._lock:
-                    self._gone.add(rank)
-                    self._lock.notify_all()
-                    if self._closing:
-                        return
-                self._mark_dead(rank, "its connection closed (the process exited or was killed)", str(err))
-                return
-            now = time.monotonic()
-            if isinstance(message, messages.Heartbeat):
-                with self._lock:
-                    self._last_seen[rank] = now
-                    self._busy_with[rank] = message.busy_with
-                continue
-            if isinstance(message, messages.Reply):
-                self._on_reply(rank, message, now)
+        try:
+            while True:
+                try:
+                    message = messages.receive(link)
+                except frames.UndecodableBody as bad:
+                    self._on_undecodable(rank, bad)
+                    continue
+                if isinstance(message, messages.Reply):
+                    self._on_reply(rank, message)
+                elif isinstance(message, messages.Heartbeat):
+                    continue
+                else:
+                    raise ValueError(f"unexpected {type(message).__name__} from a server")
+        except (EOFError, OSError) as err:
+            with self._lock:
+                self._gone.add(rank)
+                self._lock.notify_all()
+                if self._closing:
+                    return
+            self._mark_dead(rank, "its connection closed (the process exited or was killed)", str(err))
+        except Exception as err:  # noqa: BLE001 - never a silent dead reader: the rank is declared gone, loudly
+            logger.error(f"reading from rank {rank} failed:\n{traceback.format_exc()}")
+            self._mark_dead(rank, f"it sent something that cannot be read ({type(err).__name__}: {err})")
 
-    def _on_reply(self, rank: int, reply: messages.Reply, now: float) -> None:
+    def _on_undecodable(self, rank: int, bad: frames.UndecodableBody) -> None:
+        header = bad.header
+        if header.get("type") != "reply" or not isinstance(header.get("id"), int):
+            raise ValueError(f"an undecodable {header.get('type')!r} message: {bad}")
+        info = messages.ErrorInfo("UnpicklingError", f"the client cannot decode rank {rank}'s result: {bad} (a "
+                                  "result must be built from types the client can import: plain Python, tensors, "
+                                  "or classes from installed modules)", "")
+        self._on_reply(rank, messages.Reply(header["id"], rank, error=info))
+
+    def _on_reply(self, rank: int, reply: messages.Reply) -> None:
         with self._lock:
-            self._last_seen[rank] = now
             call = self._calls.get(reply.id)
             if call is None:
                 return  # the caller gave up on it (timeout)
@@ -156,16 +191,24 @@ class ServerLinks:
         call.future.set_result(result)
 
     def _watchdog_loop(self) -> None:
+        interval = min(self._heartbeat, 1.0)
+        last_tick = time.monotonic()
         while True:
-            time.sleep(min(self._heartbeat, 1.0))
+            time.sleep(interval)
             now = time.monotonic()
+            if now - last_tick > interval + max(1.0, self._heartbeat):
+                # This process was stalled (the script held the interpreter, the machine swapped): the servers'
+                # heartbeats may be waiting unread in the sockets. Their silence is measured from now on.
+                self._grace_until = now
+            last_tick = now
             with self._lock:
                 if self._closing:
                     return
-                silent = [r for r, t in self._last_seen.items()
-                          if r not in self.dead and r not in self._gone and now - t > self._dead_after]
-            for rank in silent:
-                self._mark_dead(rank, f"no heartbeat for {self._dead_after:.0f} s (timeouts.dead_after)")
+                links = {r: link for r, link in self._links.items() if r not in self.dead and r not in self._gone}
+            for rank, link in links.items():
+                silent_since = max(link.last_activity, self._grace_until)
+                if now - silent_since > self._dead_after and not _has_unread_bytes(link):
+                    self._mark_dead(rank, f"no heartbeat for {self._dead_after:.0f} s (timeouts.dead_after)")
 
     def _mark_dead(self, rank: int, reason: str, detail: str = "") -> None:
         with self._lock:
@@ -175,7 +218,10 @@ class ServerLinks:
             failed = [c for c in self._calls.values() if rank in c.expected]
             for call in failed:
                 del self._calls[call.id]
+            link = self._links.get(rank)
             self._lock.notify_all()
+        if link is not None:
+            link.close()  # a send blocked on this socket (a frozen peer, full buffers) fails at once
         logger.error(f"server {self._describe(rank)} is gone: {reason}")
         for call in failed:
             call.future.set_exception(ServerDiedError(rank, reason, f"during the {call.kind!r} request"))
@@ -187,32 +233,40 @@ class ServerLinks:
 
     # ------------------------------------------------------------------ calls
 
-    def submit(self, kind: str, parts: list[tuple[list[int], dict]], assemble: Callable[[dict[int, object]], object]
-               ) -> Future:
+    def submit(self, kind: str, parts: list[tuple[list[int], object]],
+               assemble: Callable[[dict[int, object]], object]) -> Future:
         """Send one request: ``parts`` gives each group of ranks its payload (encoded once per group).
 
-        Returns a future of ``assemble({rank: value})``, or of the first error.
+        Returns a future of ``assemble({rank: value})``, or of the first error. A payload that cannot be encoded
+        or is over ``max_message_bytes`` raises here, before anything is sent.
         """
         future: Future = Future()
-        with self._lock:
-            self._raise_if_dead()
-            if self._closing:
-                raise RuntimeError("the Caller is closed")
-            call_id = next(self._ids)
-            expected = frozenset(r for ranks, _ in parts for r in ranks)
-            if not expected:
-                future.set_result(assemble({}))
-                return future
-            call = _Call(call_id, kind, expected, assemble, future)
-            self._calls[call_id] = call
-        try:
+        expected = frozenset(r for ranks, _ in parts for r in ranks)
+        if not expected:
+            future.set_result(assemble({}))
+            return future
+        with self._send_order:
+            with self._lock:
+                self._raise_if_dead()
+                if self._closing:
+                    raise RuntimeError("the Caller is closed")
+                call_id = next(self._ids)
+            encoded = []
             for ranks, payload in parts:
-                encoded = frames.encode(messages.Request(call_id, kind, payload))
+                frame = frames.encode(*messages.to_frame(messages.Request(call_id, kind, payload)))
+                size = frames.frame_size(frame)
+                if size > self._max_bytes:
+                    raise ValueError(f"the {kind!r} request is {size} bytes, over max_message_bytes "
+                                     f"({self._max_bytes}); send less per call or raise the limit in the config")
+                encoded.append((ranks, frame))
+            with self._lock:
+                self._calls[call_id] = _Call(call_id, kind, expected, assemble, future)
+            for ranks, frame in encoded:
                 for rank in ranks:
-                    self._links[rank].send_frames(encoded)
-        except OSError as err:
-            rank = next((r for r in expected if r not in self.dead), min(expected))
-            self._mark_dead(rank, "sending to it failed", str(err))
+                    try:
+                        self._links[rank].send_frames(frame)
+                    except OSError as err:
+                        self._mark_dead(rank, "sending to it failed", str(err))
         return future
 
     def forget(self, future: Future) -> None:
@@ -242,7 +296,7 @@ class ServerLinks:
             if rank in self.dead:
                 continue
             try:
-                link.send(messages.Shutdown(reason=reason, abort=abort))
+                messages.send(link, messages.Shutdown(reason=reason, abort=abort))
             except OSError:
                 pass
         deadline = time.monotonic() + wait
@@ -264,3 +318,12 @@ class ServerLinks:
     @property
     def closing(self) -> bool:
         return self._closing
+
+
+def _has_unread_bytes(link: frames.Connection) -> bool:
+    """Whether the peer sent bytes this process has not read yet (then the peer is not silent)."""
+    try:
+        readable, _, _ = select.select([link.sock], [], [], 0)
+        return bool(readable)
+    except (OSError, ValueError):
+        return False

@@ -122,6 +122,7 @@ class Config:
     seed: int = 0
     threads_per_rank: int | None = None
     log_level: str = "info"
+    max_message_bytes: int = 4 << 30
     timeouts: Timeouts = field(default_factory=Timeouts)
     source: str | None = None
 

@@ -30,9 +30,10 @@ from llmrl.engine.config import Config
 from llmrl.engine.config.topology import RankRole, device_for
 from llmrl.engine.errors import PeerAborted
 from llmrl.engine.log import configure, logger
-from llmrl.engine.processes import exit_with_parent, leave
+from llmrl.engine.processes import exit_with_parent, leave, watch_launchers
 from llmrl.engine.requests import KINDS
 from llmrl.engine.transport import frames, messages, rendezvous
+from llmrl.engine.transport.secret import server_secret
 
 
 def quiet_libraries(config: Config) -> None:
@@ -84,34 +85,43 @@ class Server:
     def connect(self) -> None:
         timeout = self.config.timeouts.startup
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        secret = server_secret(timeout)
         self.store = rendezvous.join_run_store(addr, port, timeout)
-        token = self.store.get(rendezvous.TOKEN_KEY)
         client = rendezvous.split_address(self.store.get(rendezvous.CLIENT_ADDRESS_KEY).decode())
-        self.link = frames.connect(client, token, self.role.global_rank, timeout)
-        self.link.send(messages.Hello(rank=self.role.global_rank, llm=self.role.llm, replica=self.role.replica,
-                                      tp_rank=self.role.tp_rank, host=socket.gethostname(), pid=os.getpid()))
+        self.link = frames.connect(client, secret, self.role.global_rank, timeout, self.config.max_message_bytes)
+        self._send(messages.Hello(rank=self.role.global_rank, llm=self.role.llm, replica=self.role.replica,
+                                  tp_rank=self.role.tp_rank, host=socket.gethostname(), pid=os.getpid()))
         threading.Thread(target=self._read_loop, name="llmrl-read", daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, name="llmrl-heartbeat", daemon=True).start()
 
+    def _send(self, message) -> None:
+        messages.send(self.link, message)
+
     def _read_loop(self) -> None:
-        while True:
-            try:
-                message = self.link.recv()
-            except (EOFError, OSError):
-                if not self.stopping:
-                    self._die("the client (rank 0) disconnected")
-                return
-            if isinstance(message, messages.Shutdown):
-                if message.abort:
-                    self._die(f"the client aborted the run ({message.reason})")
-                self.stopping = True
-            self.inbox.put(message)
+        """Queue what the client sends; survive anything it reads (a bad request becomes an error reply)."""
+        try:
+            while True:
+                try:
+                    message = messages.receive(self.link)
+                except frames.UndecodableBody as bad:
+                    self.inbox.put(_Undecodable(bad))
+                    continue
+                if isinstance(message, messages.Shutdown):
+                    if message.abort:
+                        self._die(f"the client aborted the run ({message.reason})")
+                    self.stopping = True
+                self.inbox.put(message)
+        except (EOFError, OSError):
+            if not self.stopping:
+                self._die("the client (rank 0) disconnected")
+        except Exception:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
+            self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.timeouts.heartbeat
         while not self.stopping:
             try:
-                self.link.send(messages.Heartbeat(busy_with=self.busy_with))
+                self._send(messages.Heartbeat(busy_with=self.busy_with))
             except OSError:
                 return
             threading.Event().wait(interval)
@@ -151,14 +161,29 @@ class Server:
             self.busy_with = None
             logger.debug(f"{message.kind} #{message.id} {_sizes(message.payload)} in "
                          f"{1000 * (time.perf_counter() - started):.1f} ms{' (failed)' if reply.error else ''}")
-            try:
-                self.link.send(reply)
-            except OSError:
-                self._die("cannot reach the client")
+            self._reply(reply)
 
-    def _handle(self, request: messages.Request) -> messages.Reply:
+    def _reply(self, reply: messages.Reply) -> None:
+        """Send a reply; a value that cannot be sent (not picklable, over max_message_bytes) becomes an error."""
+        try:
+            frame = frames.encode(*messages.to_frame(reply))
+            self.link.send_frames(frame)
+            return
+        except OSError:
+            self._die("cannot reach the client")
+        except Exception as err:  # noqa: BLE001 - the client gets the reason instead of the value
+            info = messages.ErrorInfo(type(err).__name__, f"the result cannot be sent to the client: {err}",
+                                      traceback.format_exc())
+        try:
+            self._send(messages.Reply(reply.id, reply.rank, error=info))
+        except OSError:
+            self._die("cannot reach the client")
+
+    def _handle(self, request) -> messages.Reply:
         rank = self.role.global_rank
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             return messages.Reply(request.id, rank, value=self._dispatch(request))
         except PeerAborted as err:
             info = messages.ErrorInfo("PeerAborted", str(err), "", aborted_by_peer=True)
@@ -187,6 +212,18 @@ class Server:
             self.link.close()
 
 
+class _Undecodable:
+    """A request that arrived whole but whose payload this rank cannot decode: answered with an error, in order."""
+
+    def __init__(self, bad: frames.UndecodableBody):
+        self.id = bad.header.get("id", -1)
+        self.kind = bad.header.get("kind", "?")
+        self.payload = None
+        self.error = ValueError(f"this server cannot decode the {self.kind!r} request: {bad} (arguments must be "
+                                "plain Python, tensors, or classes the servers can import: installed modules, or "
+                                "top-level classes of your script)")
+
+
 def _sizes(payload) -> str:
     contexts = getattr(payload, "contexts", None)
     if contexts is None:
@@ -203,6 +240,7 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
     exit_with_parent()
     configure(config.log_level, rank)
+    watch_launchers(lambda why: (logger.error(f"{why}; exiting"), leave(1)))
     import torch
 
     torch.set_num_threads(threads_for_server(config, node_rank))

@@ -1,29 +1,59 @@
-"""Messages between the client and the servers: pickle frames over TCP, tensors as raw buffers.
+"""Frames between the client and the servers over TCP: a JSON header, a pickled body, tensors as raw buffers.
 
-A frame is ``[payload length, buffer count, buffer lengths...] payload buffers...``. The payload is
-a protocol-5 pickle; torch tensors and numpy arrays travel out of band as their raw bytes (no copy
-into the pickle, no re-encoding). Received tensors are CPU tensors.
+A frame is ``[header length, body length, buffer count, buffer lengths...] header body buffers...``. The
+header is a small JSON object that names the message (its type, request id, rank): it is decoded without
+running any code, so a body that cannot be decoded (a class the receiver does not have, a corrupt pickle)
+becomes an error attributed to its message (:class:`UndecodableBody`) and the connection goes on. The body
+is a protocol-5 pickle; torch tensors and numpy arrays travel out of band as their raw bytes (no copy into
+the pickle). Received tensors are CPU tensors. A frame larger than the connection's ``max_bytes`` is refused
+before it is sent (:class:`FrameTooLarge`) and, announced by a peer, ends the connection (the stream can no
+longer be trusted).
 
-Only processes of the same run talk this protocol: a connection starts with the run's secret token,
-checked before anything is unpickled. Pickle runs code, so never point it at untrusted peers.
+Only processes of the same run talk this protocol: :func:`connect` and :func:`accept` authenticate both
+sides with an HMAC challenge-response over the run's secret before anything is unpickled, and the server's
+rank is part of what is authenticated. Pickle runs code, so a peer that fails the handshake is dropped.
 
-This module knows nothing about requests or models: it moves Python objects.
+This module knows nothing about requests or models: it moves headers and Python objects.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
+import json
+import os
 import pickle
 import socket
 import struct
 import sys
 import threading
+import time
 
-HEADER = struct.Struct("!QI")
+PREFIX = struct.Struct("!IQI")  # header length, body length, buffer count
 LENGTH = struct.Struct("!Q")
-TOKEN_BYTES = 32
-HELLO = struct.Struct(f"!{TOKEN_BYTES}sI")
+NONCE = 32
+RANK = struct.Struct("!I")
 _SMALL = 1 << 16
+_CHUNK = 1 << 22
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+class FrameTooLarge(Exception):
+    """A frame over the connection's size limit (config key ``max_message_bytes``)."""
+
+
+class UndecodableBody(Exception):
+    """A frame arrived whole but its body could not be decoded; ``header`` says which message it was."""
+
+    def __init__(self, header: dict, error: BaseException):
+        self.header = header
+        self.error = error
+        super().__init__(f"{type(error).__name__}: {error}")
+
+
+class AuthenticationError(ConnectionError):
+    """The peer does not know the run's secret."""
 
 
 def _rebuild_tensor(array, dtype_name: str):
@@ -51,32 +81,45 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def encode(obj) -> list:
-    """Encode ``obj`` into the list of byte buffers of one frame."""
+def encode(header: dict, body=None) -> list:
+    """The byte buffers of one frame: ``header`` (JSON-able) and ``body`` (any picklable object)."""
+    head = json.dumps(header, separators=(",", ":")).encode()
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(body)
     payload = stream.getbuffer()
     raws = [b.raw() for b in buffers]
-    header = HEADER.pack(payload.nbytes, len(raws)) + b"".join(LENGTH.pack(r.nbytes) for r in raws)
-    return [header, payload, *raws]
+    prefix = PREFIX.pack(len(head), payload.nbytes, len(raws)) + b"".join(LENGTH.pack(r.nbytes) for r in raws)
+    return [prefix, head, payload, *raws]
+
+
+def frame_size(frames: list) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
 
 
 class Connection:
-    """One socket carrying frames both ways. ``send`` is thread-safe; ``recv`` has one reader."""
+    """One socket carrying frames both ways. ``send`` is thread-safe; ``recv`` has one reader.
 
-    def __init__(self, sock: socket.socket):
+    ``last_activity`` is the monotonic time bytes last arrived, even in the middle of a large frame (a peer
+    busy sending a long reply is alive)."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int = DEFAULT_MAX_BYTES):
         self.sock = sock
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies must not wait (Nagle)
+        self.max_bytes = max_bytes
         self._send_lock = threading.Lock()
         self.closed = False
+        self.last_activity = time.monotonic()
 
-    def send(self, obj) -> None:
-        self.send_frames(encode(obj))
+    def send(self, header: dict, body=None) -> None:
+        self.send_frames(encode(header, body))
 
     def send_frames(self, frames: list) -> None:
-        total = sum(memoryview(f).nbytes for f in frames)
+        total = frame_size(frames)
+        if total > self.max_bytes:
+            raise FrameTooLarge(f"a message of {total} bytes is over the limit of {self.max_bytes} bytes "
+                                "(max_message_bytes in the config)")
         with self._send_lock:
             if total <= _SMALL:
                 self.sock.sendall(b"".join(frames))
@@ -84,24 +127,51 @@ class Connection:
                 for frame in frames:
                     self.sock.sendall(frame)
 
-    def recv(self):
-        """The next object; raises EOFError when the peer closed the connection."""
-        payload_len, count = HEADER.unpack(self._recv_exact(HEADER.size))
+    def recv(self) -> tuple[dict, object]:
+        """The next ``(header, body)``. Raises EOFError/OSError when the connection is gone, FrameTooLarge for a
+        frame over the limit (the connection is unusable then), UndecodableBody when only the body is bad."""
+        head_len, body_len, count = PREFIX.unpack(self._recv_exact(PREFIX.size))
         lengths = [LENGTH.unpack(self._recv_exact(LENGTH.size))[0] for _ in range(count)]
-        payload = self._recv_exact(payload_len)
-        buffers = [self._recv_exact(n) for n in lengths]
-        return pickle.loads(payload, buffers=buffers)
+        total = PREFIX.size + count * LENGTH.size + head_len + body_len + sum(lengths)
+        if total > self.max_bytes or head_len > _SMALL:
+            raise FrameTooLarge(f"the peer announced a message of {total} bytes, over the limit of {self.max_bytes} "
+                                "bytes (max_message_bytes in the config)")
+        try:
+            header = json.loads(bytes(self._recv_exact(head_len)))
+        except ValueError as err:
+            raise FrameTooLarge(f"the peer sent a header that is not JSON ({err}); the stream is corrupt") from err
+        try:
+            payload = self._recv_exact(body_len)
+            buffers = [self._recv_exact(n) for n in lengths]
+        except MemoryError as err:
+            self._skip(body_len + sum(lengths))
+            raise UndecodableBody(header, err) from err
+        try:
+            return header, pickle.loads(payload, buffers=buffers)
+        except Exception as err:  # noqa: BLE001 - any failure to decode is reported for this message only
+            raise UndecodableBody(header, err) from err
 
     def _recv_exact(self, n: int) -> bytearray:
         data = bytearray(n)
         view = memoryview(data)
         got = 0
         while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
+            k = self.sock.recv_into(view[got:], min(n - got, _CHUNK))
             if k == 0:
                 raise EOFError("connection closed by the peer")
             got += k
+            self.last_activity = time.monotonic()
         return data
+
+    def _skip(self, n: int) -> None:
+        """Read and drop ``n`` bytes (a frame that could not be held in memory), keeping the stream in step."""
+        scratch = bytearray(min(n, _CHUNK) or 1)
+        while n > 0:
+            k = self.sock.recv_into(scratch, min(n, len(scratch)))
+            if k == 0:
+                raise EOFError("connection closed by the peer")
+            n -= k
+            self.last_activity = time.monotonic()
 
     def close(self) -> None:
         self.closed = True
@@ -112,31 +182,69 @@ class Connection:
         self.sock.close()
 
 
-def connect(address: tuple[str, int], token: bytes, rank: int, timeout: float) -> Connection:
-    """Connect to a listener and introduce ourselves (run token + global rank)."""
+# ----------------------------------------------------------------------------- authentication
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(secret, role + nonce + RANK.pack(rank), hashlib.sha256).digest()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def connect(address: tuple[str, int], secret: bytes, rank: int, timeout: float,
+            max_bytes: int = DEFAULT_MAX_BYTES) -> Connection:
+    """Connect to the client's listener as server ``rank``; both sides prove they know ``secret``."""
     sock = socket.create_connection(address, timeout=timeout)
-    sock.settimeout(None)
-    sock.sendall(HELLO.pack(token, rank))
-    return Connection(sock)
-
-
-def accept(listener: socket.socket, token: bytes) -> tuple[Connection, int] | None:
-    """Accept one connection; return it with the peer's rank, or None if its token is wrong."""
-    sock, _ = listener.accept()
-    sock.settimeout(10.0)
     try:
-        hello = bytearray()
-        while len(hello) < HELLO.size:
-            chunk = sock.recv(HELLO.size - len(hello))
-            if not chunk:
-                raise OSError("closed during hello")
-            hello += chunk
-        peer_token, rank = HELLO.unpack(bytes(hello))
+        challenge = _read(sock, NONCE)
+        mine = os.urandom(NONCE)
+        sock.sendall(RANK.pack(rank) + mine + _mac(secret, b"llmrl-server", challenge, rank))
+        try:
+            proof = _read(sock, 32)
+        except ConnectionError:
+            raise AuthenticationError(f"the listener at {address[0]}:{address[1]} refused rank {rank}: it holds "
+                                      "another run's secret, or does not expect this rank") from None
+        if not hmac.compare_digest(proof, _mac(secret, b"llmrl-client", mine, rank)):
+            raise AuthenticationError(f"the listener at {address[0]}:{address[1]} does not know this run's secret")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Connection(sock, max_bytes)
+
+
+def accept(listener: socket.socket, secret: bytes, rank_wanted, max_bytes: int = DEFAULT_MAX_BYTES,
+           timeout: float = 10.0) -> tuple[Connection, int] | None:
+    """Accept one connection and authenticate it. ``rank_wanted(rank)`` says whether that (authenticated) rank
+    may connect. Returns the connection and the peer's rank, or None if the peer failed the handshake."""
+    sock, _ = listener.accept()
+    return authenticate(sock, secret, rank_wanted, max_bytes, timeout)
+
+
+def authenticate(sock: socket.socket, secret: bytes, rank_wanted, max_bytes: int = DEFAULT_MAX_BYTES,
+                 timeout: float = 10.0) -> tuple[Connection, int] | None:
+    """The listener's side of the handshake on an accepted socket (see :func:`accept`)."""
+    sock.settimeout(timeout)
+    try:
+        challenge = os.urandom(NONCE)
+        sock.sendall(challenge)
+        answer = _read(sock, RANK.size + NONCE + 32)
+        (rank,) = RANK.unpack(answer[: RANK.size])
+        nonce, mac = answer[RANK.size: RANK.size + NONCE], answer[RANK.size + NONCE:]
+        if not hmac.compare_digest(mac, _mac(secret, b"llmrl-server", challenge, rank)) or not rank_wanted(rank):
+            sock.close()
+            return None
+        sock.sendall(_mac(secret, b"llmrl-client", nonce, rank))
     except OSError:
         sock.close()
         return None
-    if peer_token != token:
-        sock.close()
-        return None
     sock.settimeout(None)
-    return Connection(sock), rank
+    return Connection(sock, max_bytes), rank

@@ -1,17 +1,21 @@
-"""The messages between the client and the servers, as small picklable classes.
+"""The messages between the client and the servers, and how each one rides in a frame.
 
-Client -> server: :class:`Request` (a numbered call: its kind and this rank's share, a typed payload
-declared by the kind's module in :mod:`llmrl.engine.requests`) and :class:`Shutdown`. Server -> client:
-:class:`Hello` once, :class:`Heartbeat` every ``timeouts.heartbeat`` seconds, and one :class:`Reply` per
-request, in request order.
+Client -> server: :class:`Request` (a numbered call: its kind and this rank's share, a typed payload declared
+by the kind's module in :mod:`llmrl.engine.requests`) and :class:`Shutdown`. Server -> client: :class:`Hello`
+once, :class:`Heartbeat` every ``timeouts.heartbeat`` seconds, and one :class:`Reply` per request, in request
+order. Everything that identifies a message (its type, id, kind, rank, an error's text) travels in the
+frame's JSON header; only a request's payload and a reply's value are pickled. :func:`receive` therefore
+always knows which message a bad body belonged to (:class:`~llmrl.engine.transport.frames.UndecodableBody`).
 
-This module only defines shapes; frames are in :mod:`llmrl.engine.transport.frames`.
+This module only defines shapes and their framing; bytes move in :mod:`llmrl.engine.transport.frames`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from llmrl.engine.transport.frames import Connection, UndecodableBody
 
 
 @dataclass
@@ -59,3 +63,46 @@ class Reply:
     rank: int
     value: Any = None
     error: ErrorInfo | None = None
+
+
+_SMALL_TYPES = {"hello": Hello, "heartbeat": Heartbeat, "shutdown": Shutdown}
+
+
+def to_frame(message) -> tuple[dict, Any]:
+    """The (JSON header, pickled body) of a message."""
+    if isinstance(message, Request):
+        return {"type": "request", "id": message.id, "kind": message.kind}, message.payload
+    if isinstance(message, Reply):
+        error = None if message.error is None else asdict(message.error)
+        return {"type": "reply", "id": message.id, "rank": message.rank, "error": error}, message.value
+    for name, cls in _SMALL_TYPES.items():
+        if isinstance(message, cls):
+            return {"type": name, **asdict(message)}, None
+    raise TypeError(f"not a message: {type(message).__name__}")
+
+
+def from_frame(header: dict, body: Any):
+    kind = header.get("type")
+    if kind == "request":
+        return Request(header["id"], header["kind"], body)
+    if kind == "reply":
+        error = header.get("error")
+        return Reply(header["id"], header["rank"], body, None if error is None else ErrorInfo(**error))
+    if kind in _SMALL_TYPES:
+        return _SMALL_TYPES[kind](**{k: v for k, v in header.items() if k != "type"})
+    raise ValueError(f"unknown message type {kind!r}")
+
+
+def send(connection: Connection, message) -> None:
+    connection.send(*to_frame(message))
+
+
+def receive(connection: Connection):
+    """The next message. A message whose body cannot be decoded raises
+    :class:`~llmrl.engine.transport.frames.UndecodableBody` with its header; the connection goes on."""
+    header, body = connection.recv()
+    return from_frame(header, body)
+
+
+__all__ = ["ErrorInfo", "Heartbeat", "Hello", "Reply", "Request", "Shutdown", "UndecodableBody", "from_frame",
+           "receive", "send", "to_frame"]

@@ -1,8 +1,10 @@
 """Start-up discovery: how every rank finds the client and the other ranks of its LLM group.
 
 Rank 0 hosts a key-value store (torch's TCPStore) at the launcher's MASTER_ADDR:MASTER_PORT. Through
-it, rank 0 publishes the run's secret token and the address of its listener, and the leader of each
-LLM group publishes the address of its group's own store. The group's store listens on a port the
+it, rank 0 publishes the address of its listener, and the leader of each LLM group publishes the address of
+its group's own store. Nothing secret goes through a store: anyone who can reach the port can read and write
+it, so the servers and the client authenticate each other with the run's secret
+(:mod:`llmrl.engine.transport.secret`) before they trust what they found there. The group's store listens on a port the
 operating system picked, on the leader's own node, so groups never collide and need not live on
 rank 0's node.
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import datetime
 import socket
 
-TOKEN_KEY = "llmrl/token"
 CLIENT_ADDRESS_KEY = "llmrl/client"
 
 

@@ -1,0 +1,61 @@
+"""Run the DeepSpeed launcher as a supervised child: its own session, signals forwarded, nothing left behind.
+
+``llmrl run`` starts the launcher in a new session (its own process group), so a terminal's Ctrl-C reaches
+``llmrl run`` alone; it forwards SIGINT or SIGTERM to the launcher's whole group, gives the run ``grace``
+seconds to stop by itself, then kills what is left. The launcher is asked to die with ``llmrl run``
+(``PR_SET_PDEATHSIG``), and every rank watches ``llmrl run`` and its own launchers
+(:func:`llmrl.engine.processes.watch_launchers`), so even a SIGKILL of ``llmrl run`` or of the DeepSpeed runner
+ends the run. When the launcher exits, whatever is left of its group (a rank orphaned by a killed runner)
+is killed.
+
+This module starts and stops processes; it does not build the command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+
+def _die_with_parent() -> None:  # runs in the child, before exec
+    from llmrl.engine.processes import exit_with_parent
+
+    exit_with_parent(signal.SIGTERM)
+
+
+def supervise(cmd: list[str], env: dict, grace: float = 5.0) -> tuple[int, int | None]:
+    """Run ``cmd``; returns (its exit code, the signal that asked the run to stop, or None)."""
+    received: list[int] = []
+    process = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        received.append(signum)
+        _signal_group(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        deadline = None
+        while True:
+            try:
+                code = process.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                _signal_group(process.pid, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _signal_group(process.pid, signal.SIGKILL)  # orphans of a launcher that died before its ranks
+    return code, (received[0] if received else None)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
