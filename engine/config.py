@@ -135,7 +135,8 @@ class Config:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True) -> Config:
+                raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True,
+                check_devices: bool = True) -> Config:
     """Load and validate a config; raise :class:`ConfigError` listing every problem.
 
     Args:
@@ -143,6 +144,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         overrides: ``dotted.key=value`` strings; values are parsed as YAML (``replicas=2`` is an int).
         check_environment: also check the machine (model paths, GPUs, bitsandbytes, head divisibility).
         check_plugins: also resolve the named plugins and check their arguments against their schemas.
+        check_devices: with ``check_environment``, also require the GPUs the config names on this machine
+            (``llmrl validate`` on a login node without GPUs turns it off).
     """
     source = str(path) if path is not None else None
     data = load_yaml(path) if raw is None else copy.deepcopy(raw)
@@ -152,7 +155,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if not problems:
         problems += semantic_problems(data)
     if not problems and check_environment:
-        problems += environment_problems(data)
+        problems += environment_problems(data, check_devices=check_devices)
     if not problems and check_plugins:
         from llmrl.plugins.registry import plugin_problems
 
@@ -324,8 +327,9 @@ def looks_like_local_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.rstrip("/").count("/") > 1
 
 
-def environment_problems(data: dict) -> list[Problem]:
-    """Checks that look at this machine: model folders, GPUs, bitsandbytes, tensor-parallel divisibility."""
+def environment_problems(data: dict, check_devices: bool = True) -> list[Problem]:
+    """Checks that look at this machine: model folders, GPUs (unless ``check_devices`` is false), bitsandbytes,
+    tensor-parallel divisibility."""
     problems: list[Problem] = []
     cuda_available: bool | None = None
     for name, llm in data["llms"].items():
@@ -342,7 +346,7 @@ def environment_problems(data: dict) -> list[Problem]:
             local = Path(os.path.expanduser(model))
             if not local.exists() and looks_like_local_path(model):
                 problems.append((f"{at}.model", f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
-        if llm.get("devices", "cpu") != "cpu":
+        if check_devices and llm.get("devices", "cpu") != "cpu":
             if cuda_available is None:
                 import torch
 

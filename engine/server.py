@@ -270,8 +270,9 @@ def quiet_library_notices() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> NoReturn:
-    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0)."""
+def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_exit=None) -> NoReturn:
+    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0).
+    ``on_exit(code)``, if given, is called just before a clean exit (``llmrl run`` records it)."""
     from llmrl.engine.topology import role_of
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
@@ -289,6 +290,8 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> No
     server.close()
     # Leave without running C++ destructors (process groups, store clients, DeepSpeed's threads): they
     # may join threads that wait on peers that have already exited. The OS closes every socket.
+    if on_exit is not None:
+        on_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

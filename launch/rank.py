@@ -103,6 +103,40 @@ def run_script(args: RankArgs) -> int:
         return 1
 
 
+def pin_gloo_interface(environ=os.environ) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface on this node's route to the master, unless it is set.
+
+    Without it gloo binds to the address the hostname resolves to, which is often loopback (Debian's
+    ``127.0.1.1``, containers, network namespaces): then ranks on other nodes are told to connect to
+    127.0.0.1 and the LLM's process group never forms. The interface on the route to ``MASTER_ADDR`` is
+    the one the run's stores already use, so it is reachable by the other nodes. NCCL picks its own
+    interface (``NCCL_SOCKET_IFNAME``); llmrl leaves that to NCCL. Returns the interface set, or None.
+    """
+    from llmrl.engine.rendezvous import interface_of, reachable_address
+
+    master = environ.get("MASTER_ADDR")
+    if environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return None
+    interface = interface_of(reachable_address(master))
+    if interface:
+        environ["GLOO_SOCKET_IFNAME"] = interface
+    return interface
+
+
+def exit_code_file(base: str, rank: int) -> str:
+    """Where rank ``rank`` reports its exit code to ``llmrl run`` (``base`` is LLMRL_EXIT_CODE_FILE)."""
+    return base if rank == 0 else f"{base}.rank{rank}"
+
+
+def report_exit(rank: int, code: int) -> None:
+    """Tell ``llmrl run`` how this rank ended: the script's exit code on rank 0, 0 for a server that was
+    stopped cleanly. A rank that is killed writes nothing, which ``llmrl run`` reports as a failure."""
+    base = os.environ.get("LLMRL_EXIT_CODE_FILE")
+    if base:
+        with open(exit_code_file(base, rank), "w") as f:
+            f.write(str(code))
+
+
 def _say(message: str, loud: bool) -> None:
     if loud:
         print(f"llmrl: {message}", file=sys.stderr, flush=True)
@@ -115,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node_rank = int(os.environ.get("CROSS_RANK", "0"))
     loud = local_rank == 0
+    from llmrl.launch.lifeline import watch_run_command
+
+    watch_run_command()
     try:
         args = parse_rank_args(argv)
     except ValueError as err:
@@ -136,13 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         from llmrl.engine.client import run_client
 
         code = run_client(config, lambda: run_script(args))
-        exit_file = os.environ.get("LLMRL_EXIT_CODE_FILE")
-        if exit_file:
-            with open(exit_file, "w") as f:
-                f.write(str(code))
+        report_exit(rank, code)
         return code
     from llmrl.engine.server import run_server
     from llmrl.plugins import registry
 
+    pin_gloo_interface()
     registry.set_script(path=args.script, module=args.module)
-    return run_server(config, rank, local_rank, node_rank)
+    return run_server(config, rank, local_rank, node_rank, on_exit=lambda code: report_exit(rank, code))
