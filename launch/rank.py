@@ -137,6 +137,27 @@ def report_exit(rank: int, code: int) -> None:
             f.write(str(code))
 
 
+def loopback_master_warning(environ=os.environ, resolve=None) -> str | None:
+    """A warning for a run across nodes whose MASTER_ADDR is a loopback address on this node: rank 0's store
+    listens there, where the other nodes cannot reach it (a hostname mapped to 127.0.1.1 in /etc/hosts does
+    this). Not an error: several "nodes" on one machine legitimately share 127.0.0.1."""
+    import socket
+
+    master = environ.get("MASTER_ADDR")
+    nodes = int(environ.get("CROSS_SIZE", "1") or 1)
+    if nodes <= 1 or not master:
+        return None
+    try:
+        address = (resolve or socket.gethostbyname)(master)
+    except OSError:
+        return None  # reported when the store cannot listen there
+    if not address.startswith("127."):
+        return None
+    return (f"warning: the run spans {nodes} nodes but MASTER_ADDR {master!r} is the loopback address {address} on "
+            "this node, so rank 0's store listens where other machines cannot reach it; pass --master_addr with "
+            "node 0's address on the network the nodes share")
+
+
 def _say(message: str, loud: bool) -> None:
     if loud:
         print(f"llmrl: {message}", file=sys.stderr, flush=True)
@@ -171,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if rank == 0:
         from llmrl.engine.client import run_client
+
+        warning = loopback_master_warning()
+        if warning:
+            _say(warning, True)
 
         code = run_client(config, lambda: run_script(args))
         report_exit(rank, code)

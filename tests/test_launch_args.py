@@ -263,3 +263,25 @@ def test_local_ranks():
     assert local_ranks(RunOptions(config="c"), 4, None) == [0, 1, 2, 3]
     assert local_ranks(RunOptions(config="c", hostfile="h", no_ssh=True, node_rank=1), 5, slots) == [2, 3, 4]
     assert local_ranks(RunOptions(config="c", hostfile="h"), 5, slots) == []  # over ssh: ranks report remotely
+
+
+def test_a_loopback_master_across_nodes_is_warned_about():
+    from llmrl.launch.rank import loopback_master_warning
+
+    debian = {"node0": "127.0.1.1", "node0.cluster": "10.0.0.5"}.__getitem__
+    message = loopback_master_warning({"MASTER_ADDR": "node0", "CROSS_SIZE": "2"}, resolve=debian)
+    assert "spans 2 nodes but MASTER_ADDR 'node0' is the loopback address 127.0.1.1" in message
+    assert loopback_master_warning({"MASTER_ADDR": "node0.cluster", "CROSS_SIZE": "2"}, resolve=debian) is None
+    assert loopback_master_warning({"MASTER_ADDR": "node0", "CROSS_SIZE": "1"}, resolve=debian) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net"), reason="Linux interface names")
+def test_gloo_is_pinned_to_the_interface_on_the_route_to_the_master():
+    from llmrl.engine.rendezvous import interface_of
+    from llmrl.launch.rank import pin_gloo_interface
+
+    environ = {"MASTER_ADDR": "127.0.0.1"}
+    assert pin_gloo_interface(environ) == "lo" and environ["GLOO_SOCKET_IFNAME"] == "lo"
+    chosen = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth7"}
+    assert pin_gloo_interface(chosen) is None and chosen["GLOO_SOCKET_IFNAME"] == "eth7"  # the user's choice stays
+    assert interface_of("198.51.100.7") is None  # TEST-NET-2: held by no interface here
