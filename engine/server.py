@@ -288,10 +288,10 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_ex
     server.load()
     code = server.serve()
     server.close()
-    # Leave without running C++ destructors (process groups, store clients, DeepSpeed's threads): they
-    # may join threads that wait on peers that have already exited. The OS closes every socket.
     if on_exit is not None:
         on_exit(code)
+    # Leave without running C++ destructors (process groups, store clients, DeepSpeed's threads): they
+    # may join threads that wait on peers that have already exited. The OS closes every socket.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

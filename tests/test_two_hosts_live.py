@@ -225,7 +225,9 @@ def two_node_run(hosts, tmp_path):
 def check_scores(report: dict, reference_models) -> None:
     model, tok = reference_models["llama"]
     expected = reference_scores(model, tok, CONTEXTS, CANDIDATES)
+    assert report["scores"], "the client scored nothing"
     for llm_name, scores in report["scores"].items():
+        assert len(scores) == len(expected)
         for got, want in zip(scores, expected):
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0, msg=lambda m, n=llm_name: f"{n}: {m}")
 
