@@ -46,25 +46,25 @@ def leave(code: int) -> NoReturn:
 RUN_PID_ENV = "LLMRL_RUN_PID"  # set by `llmrl run`: the process the user started
 
 
-def watch_launchers(on_gone: Callable[[str], None], interval: float = 0.5) -> None:
+def watch_launchers(on_gone: Callable[[str], None], environ=os.environ, interval: float = 0.5) -> list[int]:
     """Call ``on_gone(why)`` (once, from a daemon thread) when a process that launched this rank ends: DeepSpeed's
     per-node launcher (the parent), the runner that started it (the grandparent) and ``llmrl run`` itself
-    (``LLMRL_RUN_PID``). Killing any of them, even with SIGKILL, then ends every rank of the run."""
+    (``LLMRL_RUN_PID``, watched only if it is an ancestor: a stale value in a shell's environment is ignored).
+    Killing any of them, even with SIGKILL, then ends every rank of the run. Returns the pids watched."""
     import psutil
 
-    watched = []
+    watched: list = []
     try:
-        parent = psutil.Process().parent()
-        if parent is not None:
-            watched.append(parent)
-            grandparent = parent.parent()
-            if grandparent is not None and grandparent.pid > 1:
-                watched.append(grandparent)
-        run_pid = os.environ.get(RUN_PID_ENV)
-        if run_pid and run_pid.isdigit() and all(p.pid != int(run_pid) for p in watched):
-            watched.append(psutil.Process(int(run_pid)))
+        me = psutil.Process()
+        ancestors = me.parents()
+        watched = [p for p in ancestors[:2] if p.pid > 1]
+        run_pid = environ.get(RUN_PID_ENV, "")
+        if run_pid.isdigit() and all(p.pid != int(run_pid) for p in watched):
+            watched += [p for p in ancestors if p.pid == int(run_pid)]
     except psutil.Error:
         pass
+
+    names = {p.pid: _name(p) for p in watched}
 
     def loop() -> None:
         while True:
@@ -74,9 +74,17 @@ def watch_launchers(on_gone: Callable[[str], None], interval: float = 0.5) -> No
                 except psutil.Error:
                     gone = True
                 if gone:
-                    on_gone(f"its launcher process {process.pid} ended")
+                    on_gone(f"its launcher process {process.pid} ({names[process.pid]}) ended")
                     return
             time.sleep(interval)
 
     if watched:
         threading.Thread(target=loop, name="llmrl-watch-launchers", daemon=True).start()
+    return [p.pid for p in watched]
+
+
+def _name(process) -> str:
+    try:
+        return " ".join(process.cmdline()[:3]) or process.name()
+    except Exception:  # noqa: BLE001 - a process that is gone has no name left
+        return "?"

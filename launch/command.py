@@ -2,7 +2,9 @@
 
 ``llmrl run`` calls :func:`deepspeed_command` and only then runs the result. On one machine the
 command asks for ``--num_gpus N`` with N = 1 client + every server rank (it also works on CPU); with
-a hostfile the slots must add up to N, checked before anything starts.
+a hostfile the slots must add up to N, checked before anything starts. :func:`node_commands` gives
+the command of every node of a hostfile run started without ssh (one per node, each with its
+``--node_rank``), which ``llmrl run --dry-run`` prints and a SLURM job runs through ``srun``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's default, used when a hostfile run names no --master_port
 
 
 @dataclass
@@ -71,3 +74,41 @@ def deepspeed_command(options: RunOptions, world_size: int, executable: str = "d
     cmd += ["--module", "llmrl.launch", "--config", options.config, *options.overrides]
     cmd += ["-m", options.module] if options.module else [options.script]
     return cmd + list(options.script_args)
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What one node of a hostfile run executes when started without ssh."""
+
+    host: str
+    node_rank: int
+    ranks: range  # the global ranks this node starts (rank 0, the client, is on node 0)
+    argv: list[str]
+
+
+def node_ranks(slots: dict[str, int], node_rank: int) -> range:
+    """The global ranks started on node ``node_rank``: DeepSpeed numbers them host by host, in hostfile order."""
+    counts = list(slots.values())
+    if not 0 <= node_rank < len(counts):
+        raise ValueError(f"node_rank {node_rank} is out of range: the hostfile names {len(counts)} node(s), "
+                         f"so node ranks go from 0 to {len(counts) - 1}")
+    first = sum(counts[:node_rank])
+    return range(first, first + counts[node_rank])
+
+
+def node_commands(options: RunOptions, slots: dict[str, int], executable: str = "deepspeed") -> list[NodeCommand]:
+    """The ``deepspeed ...`` command of every node of a hostfile run, each started without ssh.
+
+    ``llmrl run --no_ssh --node_rank R`` on node R runs exactly ``node_commands(...)[R].argv``. The master
+    is ``options.master_addr`` or, as DeepSpeed assumes, the first host of the hostfile; the port is
+    ``options.master_port`` or DeepSpeed's default 29500.
+    """
+    if not options.hostfile:
+        raise ValueError("per-node commands need a hostfile")
+    master_addr = options.master_addr or next(iter(slots))
+    master_port = options.master_port or DEFAULT_MASTER_PORT
+    world_size = sum(slots.values())
+    return [NodeCommand(host=host, node_rank=rank, ranks=node_ranks(slots, rank),
+                        argv=deepspeed_command(replace(options, no_ssh=True, node_rank=rank, master_addr=master_addr,
+                                                       master_port=master_port), world_size, executable))
+            for rank, host in enumerate(slots)]

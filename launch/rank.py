@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -103,6 +104,71 @@ def run_script(args: RankArgs) -> int:
         return 1
 
 
+def pin_gloo_interface(environ=os.environ) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface on this node's route to the master, unless it is set.
+
+    Without it gloo binds to the address the hostname resolves to, which is often loopback (Debian's
+    ``127.0.1.1``, containers, network namespaces): then ranks on other nodes are told to connect to
+    127.0.0.1 and the LLM's process group never forms. The interface on the route to ``MASTER_ADDR`` is
+    the one the run's stores already use, so it is reachable by the other nodes. NCCL picks its own
+    interface (``NCCL_SOCKET_IFNAME``); llmrl leaves that to NCCL. Returns the interface set, or None.
+    """
+    from llmrl.engine.transport.rendezvous import interface_of, reachable_address
+
+    master = environ.get("MASTER_ADDR")
+    if environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return None
+    interface = interface_of(reachable_address(master))
+    if interface:
+        environ["GLOO_SOCKET_IFNAME"] = interface
+    return interface
+
+
+def exit_code_file(base: str, rank: int) -> str:
+    """Where rank ``rank`` reports its exit code to ``llmrl run`` (``base`` is LLMRL_EXIT_CODE_FILE)."""
+    return base if rank == 0 else f"{base}.rank{rank}"
+
+
+def report_exit(rank: int, code: int) -> None:
+    """Tell ``llmrl run`` how this rank ended: the script's exit code on rank 0, 0 for a server that was
+    stopped cleanly. A rank that is killed writes nothing, which ``llmrl run`` reports as a failure."""
+    base = os.environ.get("LLMRL_EXIT_CODE_FILE")
+    if base:
+        with open(exit_code_file(base, rank), "w") as f:
+            f.write(str(code))
+
+
+def loopback_master_warning(environ=os.environ, resolve=None) -> str | None:
+    """A warning for a run across nodes whose MASTER_ADDR is a loopback address on this node: rank 0's store
+    listens there, where the other nodes cannot reach it (a hostname mapped to 127.0.1.1 in /etc/hosts does
+    this). Not an error: several "nodes" on one machine legitimately share 127.0.0.1."""
+    import socket
+
+    master = environ.get("MASTER_ADDR")
+    nodes = int(environ.get("CROSS_SIZE", "1") or 1)
+    if nodes <= 1 or not master:
+        return None
+    try:
+        address = (resolve or socket.gethostbyname)(master)
+    except OSError:
+        return None  # reported when the store cannot listen there
+    if not address.startswith("127."):
+        return None
+    return (f"warning: the run spans {nodes} nodes but MASTER_ADDR {master!r} is the loopback address {address} on "
+            "this node, so rank 0's store listens where other machines cannot reach it; pass --master_addr with "
+            "node 0's address on the network the nodes share")
+
+
+def _client_launcher_gone(why: str) -> None:
+    print(f"llmrl: {why}; stopping the run", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the client stops its servers and exits 143
+
+
+def _server_launcher_gone(why: str) -> None:
+    print(f"llmrl: {why}; this rank (pid {os.getpid()}) exits", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def _say(message: str, loud: bool) -> None:
     if loud:
         print(f"llmrl: {message}", file=sys.stderr, flush=True)
@@ -119,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llmrl: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
     finally:
-        exit_file = os.environ.get("LLMRL_EXIT_CODE_FILE")
-        if exit_file:
-            with open(exit_file, "w") as f:
-                f.write(str(code))
+        report_exit(0, code)
     return code
 
 
@@ -133,6 +196,9 @@ def _main(argv: list[str] | None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node_rank = int(os.environ.get("CROSS_RANK", "0"))
     loud = local_rank == 0
+    from llmrl.engine.processes import watch_launchers
+
+    watch_launchers(_client_launcher_gone if rank == 0 else _server_launcher_gone)
     try:
         args = parse_rank_args(argv)
     except ValueError as err:
@@ -153,9 +219,13 @@ def _main(argv: list[str] | None) -> int:
     if rank == 0:
         from llmrl.engine.client.hosting import run_client
 
+        warning = loopback_master_warning()
+        if warning:
+            _say(warning, True)
         return run_client(config, lambda: run_script(args))
     from llmrl.engine.server.serve import run_server
     from llmrl.plugins import registry
 
+    pin_gloo_interface()
     registry.set_script(path=args.script, module=args.module)
-    return run_server(config, rank, local_rank, node_rank)
+    return run_server(config, rank, local_rank, node_rank, on_exit=lambda code: report_exit(rank, code))

@@ -1,4 +1,9 @@
-"""``llmrl validate CONFIG [key=value ...]``: check a config without starting anything."""
+"""``llmrl validate CONFIG [key=value ...] [--strict-devices]``: check a config without starting anything.
+
+Everything is checked as ``llmrl run`` would, except that GPUs the config names but this machine lacks
+are a note, not an error (configs are often checked on a login node without GPUs);
+``--strict-devices`` makes them an error. ``llmrl run`` always refuses a config whose GPUs are missing.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,15 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="the YAML config to check")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    parser.add_argument("--strict-devices", "--strict_devices", dest="strict_devices", action="store_true",
+                        help="fail if this machine lacks the GPUs the config names (default: a note)")
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """Options and overrides in any order (plain argparse stops taking overrides after an option)."""
+    parser = argparse.ArgumentParser(prog="llmrl validate", description="check a config without starting anything")
+    add_arguments(parser)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -16,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from llmrl.engine.errors import ConfigError
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, check_devices=args.strict_devices)
     except ConfigError as err:
         print(f"llmrl: {err}", file=sys.stderr)
         return 2
@@ -27,4 +41,25 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {name}: {llm.type} model {llm.model}, {llm.replicas} replica(s) x {llm.tensor_parallel} "
               f"tensor-parallel rank(s) on {llm.devices if isinstance(llm.devices, str) else list(llm.devices)}, "
               f"{llm.dtype}, heads {sorted(llm.heads) or 'none'}, {training}")
+    for note in device_notes(config) if not args.strict_devices else []:
+        print(f"  note: {note}")
     return 0
+
+
+def device_notes(config) -> list[str]:
+    """What ``llmrl run`` would refuse on this machine because GPUs are missing (a note for ``validate``)."""
+    on_gpu = [name for name, llm in config.llms.items() if llm.on_gpu]
+    if not on_gpu:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [f"llms.{name}.devices: {_devices(config.llms[name].devices)} asks for GPUs, but CUDA is not available "
+            "on this machine: the devices were not checked (run on the GPU nodes, or pass --strict-devices to make "
+            "this an error)" for name in on_gpu]
+
+
+def _devices(devices) -> str:
+    return devices if isinstance(devices, str) else str(list(devices))
+

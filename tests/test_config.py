@@ -31,6 +31,7 @@ def test_shipped_config_is_valid(path):
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert [p for p, _ in err.value.problems] == ["llms.policy.devices"]
+        load_config(path, check_devices=False)  # everything but the GPUs' presence is checked, and passes
     else:
         load_config(path)  # environment checks pass too
 
@@ -109,6 +110,15 @@ def test_cuda_devices_on_a_cpu_only_machine(base):
         load_config(raw=base)
     assert err.value.problems == [("llms.main.devices", err.value.problems[0][1])]
     assert "CUDA is not available" in err.value.problems[0][1]
+
+
+def test_skipping_the_device_check_still_checks_the_rest(base):
+    """`llmrl validate` on a login node: the GPUs' presence is not checked, everything else is."""
+    base["llms"]["main"]["devices"] = "auto"
+    base["llms"]["main"]["model"] = "/no/such/model"
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base, check_devices=False)
+    assert [p for p, _ in err.value.problems] == ["llms.main.model"]
 
 
 def test_4bit_without_bitsandbytes(base, monkeypatch):

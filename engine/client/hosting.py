@@ -20,7 +20,7 @@ from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import replica_ranks, server_roles
 from llmrl.engine.log import configure, logger
-from llmrl.engine.processes import exit_with_parent, watch_launchers
+from llmrl.engine.processes import exit_with_parent
 from llmrl.engine.requests.base import Part
 from llmrl.engine.transport import rendezvous
 from llmrl.engine.transport.secret import client_secret
@@ -78,14 +78,9 @@ def run_client(config: Config, run_script: Callable[[], int]) -> int:
     def on_sigterm(signum, frame):
         raise SystemExit(128 + signum)
 
-    def on_launcher_gone(why: str) -> None:
-        logger.error(f"{why}; stopping the run")
-        os.kill(os.getpid(), signal.SIGTERM)
-
     signal.signal(signal.SIGTERM, on_sigterm)
     exit_with_parent(signal.SIGTERM)
     configure(config.log_level)
-    watch_launchers(on_launcher_gone)
     run = None
     try:
         run = ClientRun(config)

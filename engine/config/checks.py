@@ -55,8 +55,9 @@ def looks_like_local_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.rstrip("/").count("/") > 1
 
 
-def environment_problems(data: dict) -> list[Problem]:
-    """Checks that look at this machine: model folders, GPUs, bitsandbytes, tensor-parallel divisibility."""
+def environment_problems(data: dict, check_devices: bool = True) -> list[Problem]:
+    """Checks that look at this machine: model folders, GPUs (unless ``check_devices`` is false), bitsandbytes,
+    tensor-parallel divisibility."""
     problems: list[Problem] = []
     cuda_available: bool | None = None
     for name, llm in data["llms"].items():
@@ -73,7 +74,7 @@ def environment_problems(data: dict) -> list[Problem]:
             local = Path(os.path.expanduser(model))
             if not local.exists() and looks_like_local_path(model):
                 problems.append((f"{at}.model", f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
-        if llm.get("devices", "cpu") != "cpu":
+        if check_devices and llm.get("devices", "cpu") != "cpu":
             if cuda_available is None:
                 import torch
 

@@ -33,7 +33,8 @@ Problem = tuple[str, str]
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True) -> Config:
+                raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True,
+                check_devices: bool = True) -> Config:
     """Load and validate a config; raise :class:`ConfigError` listing every problem.
 
     Args:
@@ -41,6 +42,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         overrides: ``dotted.key=value`` strings; values are parsed as YAML (``replicas=2`` is an int).
         check_environment: also check the machine (model paths, GPUs, bitsandbytes, head divisibility).
         check_plugins: also resolve the named plugins and check their arguments against their schemas.
+        check_devices: with ``check_environment``, also require the GPUs the config names on this machine
+            (``llmrl validate`` on a login node without GPUs turns it off).
     """
     source = str(path) if path is not None else None
     data = load_yaml(path) if raw is None else copy.deepcopy(raw)
@@ -50,7 +53,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if not problems:
         problems += semantic_problems(data)
     if not problems and check_environment:
-        problems += environment_problems(data)
+        problems += environment_problems(data, check_devices=check_devices)
     if not problems and check_plugins:
         from llmrl.plugins.registry import plugin_problems
 

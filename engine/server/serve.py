@@ -30,7 +30,7 @@ from llmrl.engine.config import Config
 from llmrl.engine.config.topology import RankRole, device_for
 from llmrl.engine.errors import PeerAborted
 from llmrl.engine.log import configure, logger
-from llmrl.engine.processes import exit_with_parent, leave, watch_launchers
+from llmrl.engine.processes import exit_with_parent, leave
 from llmrl.engine.requests import KINDS
 from llmrl.engine.transport import frames, messages, rendezvous
 from llmrl.engine.transport.secret import server_secret
@@ -233,14 +233,14 @@ def _sizes(payload) -> str:
     return f"({len(contexts)} contexts{extra})"
 
 
-def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> NoReturn:
-    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0)."""
+def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_exit=None) -> NoReturn:
+    """Entry point of every rank > 0: serve until the client says stop, then exit the process (0).
+    ``on_exit(code)``, if given, is called just before a clean exit (``llmrl run`` records it)."""
     from llmrl.engine.config.topology import role_of
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle; it stops us cleanly
     exit_with_parent()
     configure(config.log_level, rank)
-    watch_launchers(lambda why: (logger.error(f"{why}; exiting"), leave(1)))
     import torch
 
     torch.set_num_threads(threads_for_server(config, node_rank))
@@ -249,4 +249,6 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int) -> No
     server.start(local_rank, node_rank)
     code = server.serve()
     server.close()
+    if on_exit is not None:
+        on_exit(code)
     leave(code)

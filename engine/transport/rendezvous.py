@@ -72,6 +72,20 @@ def reachable_address(master_addr: str) -> str:
         probe.close()
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this node's network interface that holds the IPv4 ``address`` (``lo`` for loopback), or
+    None when no interface holds it (a NAT'd or mistyped address). Reads this process's own network
+    namespace (getifaddrs), not /proc/net."""
+    import psutil
+
+    if address.startswith("127."):
+        address = "127.0.0.1"
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    return None
+
+
 def _bound_listener(host: str, port: int) -> tuple[int, int]:
     """A listening socket for a store, bound to ``host``'s address only (torch's own store server would
     listen on every interface). Returns (file descriptor, port); the store takes the descriptor over."""
