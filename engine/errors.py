@@ -45,9 +45,9 @@ def plugin_error(message: str, plugin: str) -> PluginError:
 
 
 class RequestError(LLMRLError):
-    """A request failed on a server. ``rank`` is the global rank that reported it and
-    ``remote_type`` / ``remote_traceback`` describe the original exception there.
-    The servers keep serving after such an error."""
+    """A request was refused or failed. From a server: ``rank`` is the global rank that reported it and
+    ``remote_type`` / ``remote_traceback`` describe the original exception there. Refused on the client before
+    anything was sent: ``rank`` is None (see :class:`InvalidArgument`). The servers keep serving either way."""
 
     def __init__(self, message: str, rank: int | None = None, remote_type: str | None = None,
                  remote_traceback: str | None = None):
@@ -63,6 +63,26 @@ class RequestError(LLMRLError):
     def __reduce__(self):
         return _rebuild_request_error, (self.raw_message, self.rank, self.remote_type, self.remote_traceback,
                                         self.plugin)
+
+
+class InvalidArgument(RequestError, ValueError):
+    """A call's argument was refused on the client, before anything was sent (also a ValueError)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (self.raw_message,)
+
+
+class InvalidArgumentType(RequestError, TypeError):
+    """A call's argument has the wrong type; refused on the client, before anything was sent (also a TypeError)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (self.raw_message,)
 
 
 class ServerDiedError(LLMRLError):

@@ -88,6 +88,10 @@ BROKEN = [
     ("llms.my llm", {"model": "x"}, "llms", "not allowed"),
     ("llms.main.checkpoint", "/nonexistent/ckpt", "llms.main.checkpoint", "does not exist"),
     ("seed", -1, "seed", "must be >= 0"),
+    ("llms.main.replicas", 2.0, "llms.main.replicas", "expected integer"),
+    ("llms.main.training.micro_batch_size", 8.0, "llms.main.training.micro_batch_size", "expected integer"),
+    ("timeouts.dead_after", 1.5, "timeouts.dead_after", "must exceed twice timeouts.heartbeat"),
+    ("max_message_bytes", 10, "max_message_bytes", "must be >= 1048576"),
 ]
 
 

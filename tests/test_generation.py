@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.model.generation import check_generate_kwargs, generate
+from llmrl.engine.model.generation import check_generate_kwargs
+from llmrl.engine.model.generation import generate as run_generation
+from llmrl.engine.model.generation import plan_generate
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
+
+
+def generate(model, tok, kind, prompts, kwargs, device, budget, rows, max_length, seed=None):
+    plan = plan_generate(model, tok, kind, prompts, kwargs, budget, rows, max_length)
+    return run_generation(model, tok, kind, plan, device, seed=seed)
 
 
 def _reference_logprobs(model, tok, prompt, tokens, seq2seq):

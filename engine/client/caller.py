@@ -23,7 +23,7 @@ from typing import Any
 
 from llmrl.engine.client.hosting import current_run
 from llmrl.engine.config import PluginSpec
-from llmrl.engine.errors import RequestTimeoutError, did_you_mean
+from llmrl.engine.errors import InvalidArgument, RequestTimeoutError, did_you_mean
 from llmrl.engine.requests import admin, generate, score, state_dict, tokenize, update
 from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys
 
@@ -97,7 +97,7 @@ class Caller:
     def _llm(self, llm: str | None) -> str:
         name = llm or self.config.default_llm
         if name not in self.config.llms:
-            raise ValueError(f"unknown llm {name!r}{did_you_mean(name, self.config.llms)}; this run serves "
+            raise InvalidArgument(f"unknown llm {name!r}{did_you_mean(name, self.config.llms)}; this run serves "
                              f"{', '.join(self.config.llms)}")
         return name
 
@@ -126,7 +126,7 @@ class Caller:
         """Like :meth:`score`, returning a future."""
         name = self._open(llm)
         if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+            raise InvalidArgument(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         contexts = check_contexts(contexts)
         request = score.ScoreRequest(contexts, check_candidates(candidates, len(contexts)),
                                      check_keys(additional_module_function_keys), peft_adapter, minibatch_size)
@@ -164,7 +164,7 @@ class Caller:
         name = self._open(llm)
         keys = check_keys(keys)
         if not keys:
-            raise ValueError("custom_module_fns needs at least one head key")
+            raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts = check_contexts(contexts)
         candidates = None if candidates is None else check_candidates(candidates, len(contexts))
         request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size)

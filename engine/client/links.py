@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from llmrl.engine.errors import RequestError, ServerDiedError
+from llmrl.engine.errors import InvalidArgument, RequestError, ServerDiedError
 from llmrl.engine.log import logger
 from llmrl.engine.transport import frames, messages
 
@@ -253,11 +253,15 @@ class ServerLinks:
                 call_id = next(self._ids)
             encoded = []
             for ranks, payload in parts:
-                frame = frames.encode(*messages.to_frame(messages.Request(call_id, kind, payload)))
+                try:
+                    frame = frames.encode(*messages.to_frame(messages.Request(call_id, kind, payload)))
+                except Exception as err:  # noqa: BLE001 - e.g. a lambda among the arguments
+                    raise InvalidArgument(f"the {kind!r} request cannot be sent: {type(err).__name__}: {err} "
+                                          "(arguments must be picklable)") from err
                 size = frames.frame_size(frame)
                 if size > self._max_bytes:
-                    raise ValueError(f"the {kind!r} request is {size} bytes, over max_message_bytes "
-                                     f"({self._max_bytes}); send less per call or raise the limit in the config")
+                    raise InvalidArgument(f"the {kind!r} request is {size} bytes, over max_message_bytes "
+                                          f"({self._max_bytes}); send less per call or raise the limit in the config")
                 encoded.append((ranks, frame))
             with self._lock:
                 self._calls[call_id] = _Call(call_id, kind, expected, assemble, future)

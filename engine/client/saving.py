@@ -1,10 +1,13 @@
-"""``Caller.save``: write a checkpoint of every LLM atomically.
+"""``Caller.save``: write a checkpoint of every LLM atomically, never replacing anything that is not one.
 
-The servers write into a staging folder next to the target (the ``save`` request kind); only when every
-rank has finished does the client write the manifest and swap the staging folder into place with renames.
-An interrupted save never leaves a half checkpoint where a good one was: until the new one is complete,
-the target (or, for the instant between the two renames, its backup) holds the previous one. On
-multi-node runs the target must be on a filesystem every node sees.
+The servers write into a staging folder next to the target (the ``save`` request kind) and flush what they
+wrote to disk; only then does the client write the manifest (which lists every entry of the checkpoint) and
+swap the staging folder into place with two renames. An interrupted save never leaves a half checkpoint where
+a good one was: until the new one is complete the target holds the previous one, and a crash between the two
+renames leaves the previous one as a ``.<name>.old-*`` sibling, which a run can resume from
+(:func:`~llmrl.engine.checkpoint_layout.resolve_checkpoint`) and the next save removes. A target that holds
+anything else (a folder of your files, a checkpoint next to which you put a file) is refused. On multi-node runs
+the target must be on a filesystem every node sees.
 
 This module handles folders; what goes in them is :mod:`llmrl.engine.model.checkpoint`'s.
 """
@@ -17,37 +20,76 @@ import time
 import uuid
 from pathlib import Path
 
-from llmrl.engine.checkpoint_layout import MANIFEST, fsync_dir, write_json
+from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, fsync_dir, read_manifest, write_json
+from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests import save
+
+FORMAT = 2
 
 
 def save_run(run, wait, path: str) -> str:
     """Write a checkpoint of every LLM of ``run`` to ``path`` atomically; ``wait(future)`` waits for the servers.
     Returns the absolute path."""
     target = Path(path).expanduser().resolve()
+    check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{target.name}.staging-*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by a save that was interrupted
-    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    save_id = uuid.uuid4().hex[:12]
+    staging = target.parent / f".{target.name}.staging-{save_id}"
     staging.mkdir()
     try:
         wait(save.send(run, str(staging)))
         config = run.config
-        manifest = {"llms": list(config.llms), "time": time.time(), "format": 1,
+        entries = sorted([*os.listdir(staging), MANIFEST])
+        manifest = {"format": FORMAT, "id": save_id, "time": time.time(), "llms": list(config.llms),
+                    "entries": entries,
                     "layout": {name: {"replicas": llm.replicas, "tensor_parallel": llm.tensor_parallel,
                                       "zero_stage": llm.training.zero_stage}
                                for name, llm in config.llms.items()}}
         write_json(staging / MANIFEST, manifest)
         fsync_dir(staging)
-        backup = None
-        if target.exists():
-            backup = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(target, backup)
-        os.rename(staging, target)
-        fsync_dir(target.parent)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
+        swap_into_place(staging, target, save_id)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return str(target)
+
+
+def swap_into_place(staging: Path, target: Path, save_id: str) -> None:
+    """Rename ``staging`` to ``target``; a checkpoint already there is moved aside first and removed after."""
+    backup = None
+    if target.exists():
+        backup = target.parent / f".{target.name}.old-{save_id}"
+        os.rename(target, backup)
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+    for old in [*([backup] if backup else []), *backups_of(target)]:
+        shutil.rmtree(old, ignore_errors=True)  # ours: named by a save and vouched for by a manifest
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse a target that a save would destroy: anything but nothing, an empty folder, or an llmrl checkpoint
+    holding exactly what its manifest lists."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise InvalidArgument(f"cannot save a checkpoint to {target}: it is a file, not a folder; pick another path")
+    contents = sorted(os.listdir(target))
+    if not contents:
+        return
+    manifest = read_manifest(target)
+    if manifest is None:
+        raise InvalidArgument(f"refusing to save a checkpoint to {target}: it is not empty and not an llmrl "
+                              f"checkpoint (it holds {_some(contents)}); a save replaces its target whole, so pick a "
+                              "new folder, e.g. a subfolder such as runs/exp/checkpoint")
+    listed = set(manifest.get("entries") or [*manifest.get("llms", []), MANIFEST])
+    foreign = [name for name in contents if name not in listed]
+    if foreign:
+        raise InvalidArgument(f"refusing to replace the checkpoint {target}: it also holds {_some(foreign)}, which "
+                              "the checkpoint did not write and a save would delete; move them out first")
+
+
+def _some(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -25,6 +25,11 @@ Problem = tuple[str, str]
 def semantic_problems(data: dict) -> list[Problem]:
     """Checks across keys that the schema cannot express; pure (no environment)."""
     problems: list[Problem] = []
+    timeouts = data.get("timeouts") or {}
+    heartbeat, dead_after = timeouts.get("heartbeat", 1.0), timeouts.get("dead_after", 20.0)
+    if dead_after <= 2 * heartbeat:
+        problems.append(("timeouts.dead_after", f"{dead_after} s must exceed twice timeouts.heartbeat ({heartbeat} s): a "
+                         "healthy server would be declared dead between two heartbeats"))
     for name, llm in data["llms"].items():
         at = f"llms.{name}"
         replicas, tp = llm.get("replicas", 1), llm.get("tensor_parallel", 1)
@@ -44,9 +49,14 @@ def semantic_problems(data: dict) -> list[Problem]:
                 problems.append((f"{at}.quantization", "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
             if not llm.get("from_pretrained", True):
                 problems.append((f"{at}.quantization", "quantization needs from_pretrained: true (weights to quantize)"))
-        if llm.get("checkpoint") and not Path(os.path.expanduser(llm["checkpoint"])).exists():
-            problems.append((f"{at}.checkpoint", f"checkpoint {llm['checkpoint']!r} does not exist; "
-                             "give a folder written by Caller.save(path)"))
+        if llm.get("checkpoint"):
+            from llmrl.engine.checkpoint_layout import resolve_checkpoint
+
+            try:
+                resolve_checkpoint(llm["checkpoint"])
+            except FileNotFoundError:
+                problems.append((f"{at}.checkpoint", f"checkpoint {llm['checkpoint']!r} does not exist or is not "
+                                 "complete; give a folder written by Caller.save(path)"))
     return problems
 
 

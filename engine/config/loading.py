@@ -136,7 +136,10 @@ def schema_problems(data: dict) -> list[Problem]:
     """Validate against the JSON Schema; one readable problem per schema error."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(load_schema())
+    # JSON Schema counts 2.0 as an integer; a config means 2 or it is a mistake (replicas: 2.0 breaks later).
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
+    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(load_schema())
     problems: list[Problem] = []
     for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.extend(_explain(error))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmrl.engine.checkpoint_layout import TAG, resolve_checkpoint, write_json
+from llmrl.engine.checkpoint_layout import TAG, fsync_tree, resolve_checkpoint, write_json
 from llmrl.engine.model.served import ServedModel
 
 
@@ -53,6 +53,7 @@ def save_shard(served: ServedModel, staging: str) -> None:
     state = full_state_dict(served)
     if state is not None:
         _export(served, state, llm_dir / "export")
+    fsync_tree(llm_dir)  # on disk before the client's manifest vouches for it
 
 
 def save_rank_state(served: ServedModel, state_dir: Path) -> None:
@@ -118,7 +119,7 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
     state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
     if state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
+        state = torch.load(state_file, weights_only=True)  # tensors, ints and tuples only: nothing runs
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         if state.get("cuda") is not None and served.device.type == "cuda":

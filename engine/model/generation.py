@@ -10,6 +10,8 @@ This module does not route requests; it runs on one server rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmrl.engine.model.batching import pack
@@ -41,14 +43,20 @@ def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_
     return [[order[k] for k in group] for group in groups]
 
 
-def generate(model, tokenizer, kind: str, contexts: list[str], kwargs: dict, device, token_budget: int,
-             max_rows: int, max_length: int | None, synced: bool = False, seed: int | None = None,
-             extra_batches: int = 0) -> list[list[dict]]:
-    """Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
+@dataclass
+class GenerationPlan:
+    """A checked generation request: its prompts' token ids, their batches and the generate arguments."""
 
-    ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
-    group must call generate the same number of times).
-    """
+    prompts: list[list[int]]
+    batches: list[list[int]]
+    kwargs: dict
+    num_return: int
+
+
+def plan_generate(model, tokenizer, kind: str, contexts: list[str], kwargs: dict, token_budget: int, max_rows: int,
+                  max_length: int | None) -> GenerationPlan:
+    """Tokenise and batch a request; raises ValueError on bad input (reserved arguments, inputs too long)
+    before anything runs."""
     check_generate_kwargs(kwargs)
     kwargs = dict(kwargs)
     num_return = int(kwargs.get("num_return_sequences", 1))
@@ -62,14 +70,25 @@ def generate(model, tokenizer, kind: str, contexts: list[str], kwargs: dict, dev
                              f"maximum length {max_length}")
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
-    eos = _eos_ids(model, tokenizer, kwargs)
-    results: list[list[dict]] = [[] for _ in contexts]
     batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows)
+    return GenerationPlan(prompts, batches, kwargs, num_return)
+
+
+def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
+             extra_batches: int = 0) -> list[list[dict]]:
+    """Per prompt, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
+
+    ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
+    group must call generate the same number of times).
+    """
+    kwargs = plan.kwargs
+    eos = _eos_ids(model, tokenizer, kwargs)
+    results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)
-    for batch in batches:
-        _generate_batch(model, tokenizer, kind, [prompts[i] for i in batch], kwargs, device, synced, eos, num_return,
-                        [results[i] for i in batch])
+    for batch in plan.batches:
+        _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
+                        plan.num_return, [results[i] for i in batch])
     for _ in range(extra_batches):
         dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,

@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from llmrl.engine.errors import PluginError, plugin_error
+from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
 from llmrl.engine.model.forward import plan_forward, prepare, run_forward
 from llmrl.engine.model.served import ServedModel
@@ -142,21 +142,27 @@ class HFBackend(ModelBackend):
         return plan_forward(self.served, contexts, candidates).plan
 
     def generate(self, contexts, kwargs, adapter, seed, minibatch_size):
-        from llmrl.engine.model.generation import generate, plan_generation
+        from llmrl.engine.model.generation import generate, plan_generate
 
         served, llm = self.served, self.llm
-        kwargs = dict(kwargs or {})
-        rows = minibatch_size or llm.minibatch_size
+        try:
+            served.check_adapter(adapter)
+            plan, error = plan_generate(served.model, self.tokenizer, llm.type, contexts, kwargs or {},
+                                        llm.token_budget, minibatch_size or llm.minibatch_size, self.max_length), None
+        except Exception as err:  # noqa: BLE001 - under lockstep, voted on first
+            plan, error = None, err
         extra = 0
-        served.check_adapter(adapter)
+        if llm.lockstep:  # every replica calls generate as often as the busiest, or none does
+            count = len(plan.batches) if plan is not None else 0
+            everyone_ok, most = self.group.agree(error is None, count)
+            if error is None and not everyone_ok:
+                raise PeerAborted(f"another rank of LLM {llm.name!r} refused its share of the request")
+            extra = most - count
+        if error is not None:
+            raise error
         with torch.no_grad(), served.adapter(adapter):
-            if llm.lockstep:
-                lengths = [len(ids) for ids in self.tokenizer(contexts)["input_ids"]] if contexts else []
-                count = len(plan_generation(lengths, int(kwargs.get("max_new_tokens", 20)),
-                                            int(kwargs.get("num_return_sequences", 1)), llm.token_budget, rows))
-                extra = self.group.max_int(count) - count
-            return generate(served.model, self.tokenizer, llm.type, contexts, kwargs, self.device, llm.token_budget,
-                            rows, self.max_length, synced=llm.lockstep, seed=seed, extra_batches=extra)
+            return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
+                            seed=seed, extra_batches=extra)
 
     def update(self, batch):
         from llmrl.engine.model.training import run_update

@@ -72,6 +72,8 @@ def load_model(llm: LLMConfig, device: torch.device, deepspeed_config: dict | No
             bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_use_double_quant=q.double_quant,
         )
         model = cls.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": str(device)}, **common)
+        if device.type == "cpu":
+            keep_4bit_exact_on_cpu(model)
     else:
         model = cls.from_pretrained(path, dtype=dtype, **common)
     if keepalive is None and llm.quantization is None:
@@ -91,3 +93,17 @@ def max_input_length(model, tokenizer, llm: LLMConfig) -> int | None:
             return value
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and limit < 10**8 else None
+
+
+def keep_4bit_exact_on_cpu(model) -> None:
+    """Keep bitsandbytes' 4-bit layers on their exact, differentiable CPU path.
+
+    On CPUs with AVX512-BF16, a ``Linear4bit`` repacks its weight for a fused bf16 kernel the first time it runs in
+    evaluation mode without gradients (every ``score`` call does): from then on that layer computes in bf16 whatever
+    ``compute_dtype`` says, passes no gradient to its input (the kernel has no autograd formula, so LoRA adapters
+    below it silently stop learning), and its ``state_dict`` keeps the repacked statistics. The
+    dequantise-then-matmul path is exact and differentiable; it is what other CPUs use anyway.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, every_rank
 
 NAME = "state_dict"
@@ -27,7 +28,7 @@ def send(run: Run, llm: str, prefix: str, replica: int | None) -> Future:
     else:
         replicas = run.replicas(llm)
         if not 0 <= replica < len(replicas):
-            raise ValueError(f"replica must be in 0..{len(replicas) - 1} for LLM {llm!r}, got {replica}")
+            raise InvalidArgument(f"replica must be in 0..{len(replicas) - 1} for LLM {llm!r}, got {replica}")
         ranks = replicas[replica]
     request = StateDictRequest(prefix, own_replica=replica is not None)
     return run.submit(NAME, [(ranks, request)], lambda values: values[ranks[0]])

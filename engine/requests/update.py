@@ -12,6 +12,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
+from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
 from llmrl.plugins.contracts import UpdateBatch, is_per_sample
 
@@ -30,7 +33,29 @@ class UpdateRequest:
     replica_sizes: list[int] = field(default_factory=list)
 
 
+def check_finite(kwargs: dict) -> None:
+    """Refuse NaN or infinite numbers among the keyword arguments (advantages, returns, old log-probs...): one would
+    turn every weight into NaN at the first step. Strings, objects and ragged lists are left alone."""
+    for key, value in kwargs.items():
+        if isinstance(value, (str, bytes, dict)) or value is None or isinstance(value, bool):
+            continue
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        bad = ~torch.isfinite(tensor)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0]) if tensor.dim() else ()
+            at = f"[{', '.join(map(str, where))}]" if where else ""
+            raise InvalidArgument(f"update argument {key!r} holds {tensor[where].item() if where else tensor.item()} "
+                                  f"at {key}{at} ({int(bad.sum())} non-finite value(s)); nothing was sent, no "
+                                  "weight changed")
+
+
 def send(run: Run, llm: str, contexts: list[str], candidates: list[list[str]] | None, kwargs: dict) -> Future:
+    check_finite(kwargs)
     n = len(contexts)
     bounds = split_evenly(n, len(run.replicas(llm)))
     sizes = [stop - start for start, stop in bounds]

@@ -1,0 +1,127 @@
+"""Checkpoint swaps (client side, with a stand-in for the servers): a save never replaces anything that is not an
+llmrl checkpoint, a crash between the two renames of the swap leaves a checkpoint a run can resume from (and the
+next save cleans up), and the newest backup is chosen by the time its manifest records."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from llmrl.engine.checkpoint_layout import MANIFEST, resolve_checkpoint
+from llmrl.engine.client import saving
+from llmrl.engine.config import load_config
+from llmrl.engine.errors import ConfigError, InvalidArgument
+
+
+class FakeRun:
+    """Stands for the run: its 'servers' write one file per LLM into the staging folder they are given."""
+
+    def __init__(self, tiny):
+        self.config = load_config(raw={"llms": {"main": {"model": tiny["llama"]}}}, check_plugins=False)
+        self.saves = 0
+
+    def replicas(self, llm):
+        return [[1]]
+
+    def submit(self, kind, parts, assemble):
+        ((ranks, request),) = parts
+        self.saves += 1
+        folder = Path(request.folder) / "main" / "export"
+        folder.mkdir(parents=True)
+        (folder / "weights.txt").write_text(f"save {self.saves}")
+        future = Future()
+        future.set_result(None)
+        return future
+
+
+def save(run, path):
+    return saving.save_run(run, lambda future: future.result(), str(path))
+
+
+def weights(path) -> str:
+    return (Path(path) / "main" / "export" / "weights.txt").read_text()
+
+
+def test_a_save_writes_a_manifest_of_its_entries_and_replaces_only_its_own_kind(tiny, tmp_path):
+    run = FakeRun(tiny)
+    target = tmp_path / "ckpt"
+    save(run, target)
+    manifest = json.loads((target / MANIFEST).read_text())
+    assert manifest["entries"] == sorted(["main", MANIFEST]) and manifest["llms"] == ["main"]
+    save(run, target)
+    assert weights(target) == "save 2"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging folder or backup left
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(tiny, tmp_path):
+    run = FakeRun(tiny)
+    experiment = tmp_path / "runs" / "exp"
+    experiment.mkdir(parents=True)
+    (experiment / "metrics.csv").write_text("update,reward\n1,0.5\n")
+    with pytest.raises(InvalidArgument, match="not empty and not an llmrl checkpoint.*metrics.csv"):
+        save(run, experiment)
+    assert (experiment / "metrics.csv").read_text() == "update,reward\n1,0.5\n"
+    cwd = os.getcwd()
+    os.chdir(experiment)
+    try:  # save(".") would have replaced the working folder
+        with pytest.raises(InvalidArgument, match="not an llmrl checkpoint"):
+            save(run, ".")
+    finally:
+        os.chdir(cwd)
+    assert sorted(os.listdir(experiment)) == ["metrics.csv"] and run.saves == 0
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(InvalidArgument, match="it is a file"):
+        save(run, tmp_path / "a-file")
+
+
+def test_a_checkpoint_holding_a_file_of_yours_is_not_replaced(tiny, tmp_path):
+    run = FakeRun(tiny)
+    target = tmp_path / "ckpt"
+    save(run, target)
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgument, match="also holds 'notes.txt'"):
+        save(run, target)
+    assert (target / "notes.txt").read_text() == "mine" and weights(target) == "save 1"
+
+
+def test_a_crash_between_the_two_renames_leaves_a_resumable_checkpoint(tiny, tmp_path, monkeypatch):
+    run = FakeRun(tiny)
+    target = tmp_path / "ckpt"
+    save(run, target)
+    real_rename = os.rename
+    calls = []
+
+    def crash_on_second_rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError("power cut")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(saving.os, "rename", crash_on_second_rename)
+    with pytest.raises(OSError, match="power cut"):
+        save(run, target)
+    monkeypatch.setattr(saving.os, "rename", real_rename)
+    assert not target.exists()
+    backup = resolve_checkpoint(target)
+    assert backup.name.startswith(".ckpt.old-") and weights(backup) == "save 1"
+    config = {"llms": {"main": {"model": tiny["llama"], "checkpoint": str(target)}}}
+    assert load_config(raw=config, check_plugins=False).llms["main"].checkpoint == str(target)  # resumable
+    save(run, target)
+    assert weights(target) == "save 3" and sorted(os.listdir(tmp_path)) == ["ckpt"]  # the stale backup is gone
+
+
+def test_the_newest_backup_is_chosen_by_its_manifest_not_its_folder_time(tmp_path):
+    for name, when in (("old-a", 100.0), ("old-b", 200.0)):
+        folder = tmp_path / f".ckpt.{name}"
+        folder.mkdir()
+        (folder / MANIFEST).write_text(json.dumps({"time": when, "llms": []}))
+    os.utime(tmp_path / ".ckpt.old-a", (10**9 + 50, 10**9 + 50))  # the older save has the newer folder time
+    os.utime(tmp_path / ".ckpt.old-b", (10**9, 10**9))
+    assert resolve_checkpoint(tmp_path / "ckpt").name == ".ckpt.old-b"
+    with pytest.raises(ConfigError, match="does not exist or is not complete"):
+        load_config(raw={"llms": {"main": {"model": "org/name", "checkpoint": str(tmp_path / "other")}}},
+                    check_environment=False, check_plugins=False)
