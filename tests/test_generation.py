@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.model.generation import check_generate_kwargs
+from llmrl.engine.model.generation import check_generate_kwargs, plan_generate
 from llmrl.engine.model.generation import generate as run_generation
-from llmrl.engine.model.generation import plan_generate
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
 

@@ -70,7 +70,7 @@ def test_a_rank_ends_when_its_runner_or_its_launcher_is_killed(tmp_path):
         try:
             assert watched == [launcher_pid, runner.pid]
             os.kill(runner.pid if victim == "runner" else launcher_pid, signal.SIGKILL)
-            wait_until(lambda: ended(rank_pid))
+            wait_until(lambda pid=rank_pid: ended(pid))
             log = (folder / "launcher.log").read_text()
             assert f"its launcher process {runner.pid if victim == 'runner' else launcher_pid}" in log
         finally:
