@@ -18,6 +18,8 @@ __all__ = [
     "ConfigError",
     "PluginError",
     "RequestError",
+    "InvalidArgument",
+    "InvalidArgumentType",
     "ServerDiedError",
     "RequestTimeoutError",
     "__version__",
@@ -29,6 +31,8 @@ _LAZY = {
     "ConfigError": "llmrl.engine.errors",
     "PluginError": "llmrl.engine.errors",
     "RequestError": "llmrl.engine.errors",
+    "InvalidArgument": "llmrl.engine.errors",
+    "InvalidArgumentType": "llmrl.engine.errors",
     "ServerDiedError": "llmrl.engine.errors",
     "RequestTimeoutError": "llmrl.engine.errors",
 }

@@ -41,7 +41,21 @@ class ChosenScoreUpdater(Updater):
             trainer.step()
             total += float(loss)
             steps += 1
-        return {"loss": total, "micro_steps": steps, "replica": batch.replica, "indices": batch.indices}
+        stats = {"loss": total, "micro_steps": steps, "replica": batch.replica, "indices": batch.indices}
+        if batch.kwargs.get("undecodable_stat"):
+            stats["odd"] = ServerOnly()
+        return stats
+
+
+def _refuse_to_rebuild():
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+class ServerOnly:
+    """Pickles fine and cannot be unpickled (stands for a class the client cannot import)."""
+
+    def __reduce__(self):
+        return _refuse_to_rebuild, ()
 
 
 class ConstantHead(Head):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from llmrl.engine.client.links import ServerLinks
-from llmrl.engine.errors import RequestError, ServerDiedError
+from llmrl.engine.errors import InvalidArgument, RequestError, ServerDiedError
 from llmrl.engine.transport import frames, messages, rendezvous
 
 SECRET = b"s" * 32
@@ -165,11 +165,14 @@ def test_a_corrupt_frame_ends_the_link_loudly_and_promptly(garbage):
     links.shutdown(abort=True, reason="test", wait=2)
 
 
-def test_a_request_over_the_size_limit_is_refused_before_sending():
+def test_a_request_over_the_size_limit_or_not_picklable_is_refused_before_sending():
     links = scripted_server(lambda link: time.sleep(30))
     links._max_bytes = 1 << 20
-    with pytest.raises(ValueError, match="over max_message_bytes"):
+    with pytest.raises(InvalidArgument, match="over max_message_bytes"):
         links.submit("score", [([3], b"x" * (2 << 20))], lambda values: values)
+    with pytest.raises(InvalidArgument, match="cannot be sent.*picklable"):
+        links.submit("generate", [([3], {"logits_processor": [lambda ids, scores: scores]})], lambda values: values)
+    assert not links.dead
     links.shutdown(abort=True, reason="test", wait=2)
 
 

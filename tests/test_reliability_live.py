@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import psutil
 import pytest
 import torch
-import yaml
 
 from llmrl.engine.errors import RequestError, RequestTimeoutError, ServerDiedError
 from testkit import LiveRun
@@ -179,34 +176,6 @@ def test_an_exception_in_the_script_stops_the_servers_with_its_exit_code(tiny):
     time.sleep(1)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert live.leftover_processes() == []
-
-
-@pytest.mark.parametrize("target", ["client", "process group"])
-def test_ctrl_c_stops_everything(tmp_path, tiny, target):
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"llms": {"main": {"model": tiny["llama"], "replicas": 2}},
-                                      "threads_per_rank": 1}))
-    pid_file = tmp_path / "pid"
-    process = subprocess.Popen([sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(config),
-                                os.path.join(HERE, "scripts", "wait_forever.py"), str(pid_file)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(6)  # the servers are up and the loop is scoring
-        if target == "client":
-            os.kill(int(pid_file.read_text()), signal.SIGINT)
-        else:
-            os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        output, _ = process.communicate(timeout=90)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 130, output[-2000:]
-    time.sleep(1)
-    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(config) in " ".join(p.info["cmdline"] or [])]
-    assert leftovers == []
 
 
 def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):

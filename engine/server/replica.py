@@ -12,6 +12,7 @@ sends the replica's result (tensor-parallel ranks of a replica compute the same 
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import RankRole
 from llmrl.engine.errors import PeerAborted
+from llmrl.engine.log import logger
 from llmrl.engine.model.backend import create_backend
 from llmrl.engine.server.group import GroupChannel
 
@@ -39,16 +41,20 @@ class Replica:
         return self.role.is_replica_leader
 
     def load(self) -> None:
+        logger.debug(f"loading LLM {self.llm.name!r} ({self.llm.model})")
+        started = time.perf_counter()
         try:
             self.backend.load()
         except Exception as err:  # reported to the client when it sets up
             self.load_error = err
             self.load_traceback = traceback.format_exc()
+        logger.debug(f"loaded in {time.perf_counter() - started:.1f} s{' (failed)' if self.load_error else ''}")
 
     def setup(self, plugins: dict) -> dict | None:
         """Build this rank's engine with the script's plugins; the LLM's first rank returns its description."""
         if self.ready:
             raise RuntimeError("this run already has a Caller; create only one")
+        logger.debug(f"setting up LLM {self.llm.name!r}")
         if not self.group.all_ok(self.load_error is None):
             if self.load_error is not None:
                 raise RuntimeError(f"loading LLM {self.llm.name!r} failed: {type(self.load_error).__name__}: "

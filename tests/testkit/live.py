@@ -130,6 +130,23 @@ class LiveRun:
             raise value
         return value
 
+    def threads(self, method: str, threads: int, rounds: int, calls: list, timeout: float | None = 600.0):
+        """``threads`` client threads each make ``rounds`` calls (thread t's round r is ``calls[(t + r) % n]``);
+        their results, ``[thread][round]``."""
+        self._send(("threads", method, threads, rounds, calls))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
+    def with_client_only(self, method: str, key: str, *args, timeout: float | None = 600.0, **kwargs):
+        """Call ``method`` with ``key=[an object only the client can decode]``."""
+        self._send(("with_client_only", method, args, kwargs, key))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)

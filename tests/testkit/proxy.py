@@ -4,7 +4,9 @@ Run as the run's script (``... --module llmrl.launch --config C -m testkit.proxy
 it connects back to the test process, creates a :class:`~llmrl.Caller` with the keyword arguments it
 receives, and then executes ``(method, args, kwargs)`` messages on it, sending back results or
 exceptions. ``("many", method, calls)`` starts the calls with ``method_async`` all at once and
-returns their results in order; ``("exit", code)`` ends the script with that code.
+returns their results in order; ``("threads", method, n, rounds, calls)`` makes the calls from n threads at
+once; ``("with_client_only", method, args, kwargs, key)`` passes an object servers cannot decode as ``key``;
+``("exit", code)`` ends the script with that code.
 
 Used only by tests (see :class:`testkit.live.LiveRun`).
 """
@@ -36,6 +38,35 @@ class _Channel:
         self.conn.close()
 
 
+class ClientOnly:
+    """A class that exists only in the client's ``__main__`` (this script): servers cannot unpickle it."""
+
+
+def _threads(caller, method: str, threads: int, rounds: int, calls: list) -> list[list]:
+    """``threads`` threads each make ``rounds`` calls, thread t's round r being ``calls[(t + r) % len(calls)]``."""
+    import threading
+
+    results = [[None] * rounds for _ in range(threads)]
+    errors = []
+
+    def work(t):
+        try:
+            for r in range(rounds):
+                args, kwargs = calls[(t + r) % len(calls)]
+                results[t][r] = getattr(caller, method)(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            errors.append(err)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def main() -> int:
     address, key = sys.argv[1], bytes.fromhex(sys.argv[2])
     host, _, port = address.rpartition(":")
@@ -64,6 +95,11 @@ def main() -> int:
                 _, method, calls = message
                 futures = [getattr(caller, f"{method}_async")(*a, **k) for a, k in calls]
                 result = [f.result() for f in futures]
+            elif message[0] == "threads":
+                result = _threads(caller, *message[1:])
+            elif message[0] == "with_client_only":  # one keyword argument holds [ClientOnly()]
+                _, method, args, kwargs, key = message
+                result = getattr(caller, method)(*args, **{**kwargs, key: [ClientOnly()]})
             else:
                 _, method, args, kwargs = message
                 result = getattr(caller, method)(*args, **kwargs)

@@ -1,0 +1,153 @@
+"""Ctrl-C or SIGTERM at any phase of a run (servers loading, setting up, a call in flight, idle) ends the whole
+run within seconds with 130 (143 for SIGTERM) and no process left; so does killing `llmrl run` itself, the
+DeepSpeed runner or DeepSpeed's per-node launcher, even with SIGKILL. Every test waits for an observable event
+(a line in the run's output, a file the script writes) before it strikes, never for a fixed time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "phases.py")
+EVENTS = {  # what shows that the run is in the phase
+    "loading": ("log", "loading LLM 'main'"),
+    "set-up": ("log", "setting up LLM 'main'"),
+    "mid-call": ("mark", "calling"),
+    "idle": ("mark", "idle"),
+}
+
+
+class Run:
+    def __init__(self, tmp_path: Path, tiny, phase: str):
+        self.config = tmp_path / "config.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "llms": {"main": {"model": tiny["llama"], "replicas": 2, "heads": {
+                "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 120}}}}},
+            "threads_per_rank": 1, "log_level": "debug"}))
+        self.marks = str(tmp_path / "mark")
+        self.log_path = tmp_path / "run.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(self.config), SCRIPT, self.marks,
+                 phase], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, event: tuple[str, str], timeout: float = 180.0) -> None:
+        kind, what = event
+        deadline = time.monotonic() + timeout
+        while not (what in self.log if kind == "log" else os.path.exists(f"{self.marks}.{what}")):
+            assert self.process.poll() is None, f"the run ended early ({self.process.returncode}):\n{self.log}"
+            assert time.monotonic() < deadline, f"no {what!r} within {timeout} s:\n{self.log}"
+            time.sleep(0.05)
+
+    def client_pid(self) -> int:
+        self.wait_for(("mark", "started"))
+        return int(Path(f"{self.marks}.started").read_text())
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the run (they all carry the config's path on their command line)."""
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if str(self.config) in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    def finish(self, timeout: float = 60.0) -> int:
+        """The run's exit code; asserts it ended within ``timeout`` and left nothing behind."""
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the run did not end within {timeout} s:\n{self.log}") from None
+        deadline = time.monotonic() + 20
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self.processes()
+        self.kill()
+        assert not left, f"processes left behind: {[p.cmdline()[:4] for p in left]}\n{self.log}"
+        return code
+
+    def kill(self) -> None:
+        for proc in [*self.processes(), psutil.Process(self.process.pid)] if self.process.poll() is None \
+                else self.processes():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def run(tmp_path, tiny):
+    runs = []
+
+    def start(phase):
+        runs.append(Run(tmp_path, tiny, phase))
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        r.kill()
+
+
+@pytest.mark.parametrize("phase", list(EVENTS))
+@pytest.mark.parametrize("target", ["terminal", "client"])
+def test_ctrl_c_at_any_phase_ends_the_run_with_130(run, phase, target):
+    live = run(phase)
+    client = live.client_pid()
+    live.wait_for(EVENTS[phase])
+    if target == "terminal":  # a terminal's Ctrl-C reaches the foreground process group: `llmrl run`
+        os.killpg(live.process.pid, signal.SIGINT)
+    else:  # only the client script's process
+        os.kill(client, signal.SIGINT)
+    assert live.finish() == 130, live.log
+
+
+@pytest.mark.parametrize("phase", ["set-up", "idle"])
+def test_sigterm_ends_the_run_with_143(run, phase):
+    live = run(phase)
+    live.wait_for(EVENTS[phase])
+    live.process.terminate()
+    assert live.finish() == 143, live.log
+
+
+def _launcher_chain(live: Run):
+    """(`llmrl run`, DeepSpeed's runner, DeepSpeed's per-node launcher) of a run."""
+    command = psutil.Process(live.process.pid)
+    (runner,) = command.children()
+    (launcher,) = runner.children()
+    assert "deepspeed.launcher.launch" in " ".join(launcher.cmdline())
+    return command, runner, launcher
+
+
+@pytest.mark.parametrize("victim", ["llmrl run", "runner", "per-node launcher"])
+def test_killing_any_launcher_process_ends_every_rank(run, victim):
+    live = run("idle")
+    live.wait_for(EVENTS["idle"])
+    command, runner, launcher = _launcher_chain(live)
+    ranks = launcher.children()
+    assert len(ranks) == 3
+    {"llmrl run": command, "runner": runner, "per-node launcher": launcher}[victim].kill()  # SIGKILL
+    code = live.finish()
+    if victim != "llmrl run":  # `llmrl run` itself survives to report the failure
+        assert code != 0, live.log
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
