@@ -33,7 +33,7 @@ import torch
 import yaml
 from test_training_live import BATCH, CANDIDATES, CONTEXTS, LR, assert_params, llm, plain_sgd_step
 
-from llmrl.engine.testing import reference_scores
+from testkit import reference_scores
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
