@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -206,11 +206,13 @@ class Trainer:
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (DeepSpeed scales it for gradient accumulation)."""
+        """Backpropagate one micro-step's ``loss`` (a scalar; reduce per-sample losses with ``batch.mean``, which
+        weights every sample of the optimizer step equally)."""
         raise NotImplementedError
 
     def step(self) -> None:
-        """Advance one micro-step; the optimizer steps (and clips) at accumulation boundaries."""
+        """End one micro-step. Every ``gradient_accumulation_steps`` micro-steps, at the end of each pass over
+        ``batch.minibatches()`` and at the end of the update, the optimizer steps (and clips)."""
         raise NotImplementedError
 
     def adapters_disabled(self):
@@ -231,15 +233,25 @@ def is_per_sample(value, n: int) -> bool:
 
 @dataclass
 class UpdateBatch:
-    """This replica's share of an ``update`` call.
+    """This replica's share of an ``update`` call, or of one of its minibatches.
+
+    How samples are weighted: samples are processed in micro-steps (one ``trainer.backward`` each, usually one
+    minibatch); every ``accumulation_steps`` micro-steps, and at the end of each pass over
+    :meth:`minibatches` (or of the update), the optimizer takes one step. Within a step every sample weighs the
+    same, whatever replica and micro-step it fell in: reduce per-sample losses with :meth:`mean`, whose
+    divisor is the number of samples in the step (``step_size``) over all replicas. A step's gradient is then
+    exactly the mean of the per-sample gradients of its samples, as in single-process training.
 
     Attributes:
         contexts / candidates: this replica's samples (``candidates`` may be None).
         kwargs: keyword arguments of the call; per-sample ones (length = number of contexts) are sliced.
         indices: positions of these samples in the whole call.
-        global_size: number of samples in the whole call, over all replicas.
+        global_size: number of samples in this (mini)batch, over all replicas.
         replica / num_replicas: this replica's index and the number of replicas.
-        replica_sizes: the number of samples of every replica (equal up to one).
+        replica_sizes: the number of samples of every replica (equal up to one; a replica may have none).
+        accumulation_steps: micro-steps per optimizer step (``training.gradient_accumulation_steps``).
+        step_size: samples, over all replicas, in the optimizer step this minibatch belongs to (None: the
+            whole batch is one step).
     """
 
     contexts: list[str]
@@ -250,18 +262,23 @@ class UpdateBatch:
     replica: int
     num_replicas: int
     replica_sizes: list[int]
+    accumulation_steps: int = 1
+    step_size: int | None = None
+    end_of_pass: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.contexts)
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean of per-sample ``values`` over the whole call, as DeepSpeed will see it once it has
-        averaged gradients across replicas (exact for unequal shares; empty shares contribute zero)."""
-        if self.global_size == 0:
+        """The mean of per-sample ``values`` as the optimizer step sees it once DeepSpeed has averaged the
+        gradients across replicas: each sample weighs 1 / (samples in the step), exactly, whatever the shares
+        (a replica with no sample contributes zero)."""
+        total = self.step_size if self.step_size is not None else self.global_size
+        if total == 0:
             return values.sum() * 0.0
-        return values.sum() * (self.num_replicas / self.global_size)
+        return values.sum() * (self.num_replicas / total)
 
-    def select(self, positions: list[int], sizes: list[int]) -> UpdateBatch:
+    def select(self, positions: list[int], sizes: list[int], step_size: int | None = None) -> UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}
         for key, value in self.kwargs.items():
@@ -274,6 +291,7 @@ class UpdateBatch:
             indices=[self.indices[p] for p in positions],
             global_size=sum(sizes),
             replica_sizes=list(sizes),
+            step_size=step_size,
         )
 
     def minibatches(self, size: int, shuffle: bool = False, generator: torch.Generator | None = None
@@ -281,16 +299,24 @@ class UpdateBatch:
         """Split into minibatches of at most ``size`` samples per replica.
 
         Every replica yields the same number of minibatches (the last ones may be empty on replicas
-        with fewer samples), so collective steps stay aligned.
+        with fewer samples), so collective steps stay aligned. Consecutive groups of ``accumulation_steps``
+        minibatches form one optimizer step each (the last group may be shorter); when the pass ends, a step
+        that is still open is taken, so no gradient is carried into the next pass or the next update.
         """
         count = max(1, math.ceil(max(self.replica_sizes) / size)) if self.replica_sizes else 1
         order = list(range(len(self)))
         if shuffle:
             order = torch.randperm(len(self), generator=generator).tolist()
         per_replica = [[min(size, max(0, n - k * size)) for k in range(count)] for n in self.replica_sizes]
+        totals = [sum(sizes[k] for sizes in per_replica) for k in range(count)]
+        group = max(1, self.accumulation_steps)
         for k in range(count):
+            first = k - k % group
+            step_size = sum(totals[first:first + group])
             positions = order[k * size: k * size + per_replica[self.replica][k]]
-            yield self.select(positions, [sizes[k] for sizes in per_replica])
+            yield self.select(positions, [sizes[k] for sizes in per_replica], step_size)
+        if self.end_of_pass is not None:
+            self.end_of_pass()
 
 
 def _take(value, positions: list[int]):

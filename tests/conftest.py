@@ -17,10 +17,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYT
 
 @pytest.fixture(scope="session")
 def tiny():
-    """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"]."""
+    """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"], and the variants tiny["llama-eos"] (its
+    tokenizer appends EOS) and tiny["t5-genstart"] (decoder start token only in the generation config)."""
     from testkit import tiny_model
 
-    return {kind: tiny_model(kind) for kind in ("llama", "gpt2", "t5")}
+    return {kind: tiny_model(kind) for kind in ("llama", "gpt2", "t5", "llama-eos", "t5-genstart")}
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +32,9 @@ def reference_models():
     from testkit import tiny_model
 
     out = {}
-    for kind in ("llama", "gpt2", "t5"):
+    for kind in ("llama", "gpt2", "t5", "llama-eos", "t5-genstart"):
         path = tiny_model(kind)
-        cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
+        cls = AutoModelForSeq2SeqLM if kind.startswith("t5") else AutoModelForCausalLM
         model = cls.from_pretrained(path).eval()
         out[kind] = (model, AutoTokenizer.from_pretrained(path))
     return out

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("minigrid")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import gymnasium as gym  # noqa: E402

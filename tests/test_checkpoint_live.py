@@ -1,5 +1,6 @@
-"""Checkpoints: save, then resume into a new run, and the next update equals an uninterrupted run's; the
-export loads with plain transformers / peft and scores the same; heads are exported too."""
+"""Checkpoints: save mid-run with the built-in (stateful) PPO updater, resume into a new run, and the next three
+updates equal an uninterrupted run's exactly (Adam state, the updater's minibatch shuffling generator, heads,
+LoRA); the export loads with plain transformers / peft and scores the same; heads are exported too."""
 
 from __future__ import annotations
 
@@ -14,13 +15,23 @@ from testkit import LiveRun
 pytestmark = pytest.mark.slow
 CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "open the door", "x x"]
 CANDIDATES = [[" turn left", " go forward"], [" pick up", " drop", " toggle"], [" slowly", " fast"], [" a", " b"]]
-FIRST = {"actions": [1, 0, 1, 0], "weights": [1.0, -0.5, 1.0, 0.3], "targets": [0.5, 1.0, -1.0, 0.0]}
-SECOND = {"actions": [0, 2, 0, 1], "weights": [0.7, 1.0, -0.4, 1.0], "targets": [1.0, 0.0, 0.5, -0.5]}
+
+
+def ppo_batch(k: int) -> dict:
+    """PPO's per-sample arguments for update number k (different every time)."""
+    g = torch.Generator().manual_seed(k)
+    return {"actions": [int(torch.randint(len(c), (1,), generator=g)) for c in CANDIDATES],
+            "old_logprobs": (-torch.rand(4, generator=g) - 0.5).tolist(),
+            "advantages": torch.randn(4, generator=g).tolist(), "returns": torch.randn(4, generator=g).tolist()}
+
+
+FIRST = ppo_batch(0)
+AFTER = [ppo_batch(k) for k in (1, 2, 3)]
 
 
 def config(tiny, checkpoint=None):
-    training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 2}
-    updater = {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}}
+    training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 1, "gradient_accumulation_steps": 2}
+    updater = {"plugin": "ppo", "args": {"epochs": 2, "seed": 7}}  # shuffles its minibatches: state to resume
     heads = {"value": {"plugin": "value", "args": {"hidden": 8}}}
     llms = {
         "adapter": {"model": tiny["llama"], "replicas": 2, "heads": heads, "updater": updater,
@@ -48,7 +59,8 @@ def saved(tiny, tmp_path_factory):
         for name in ("adapter", "full"):
             out[name, "scores"] = run.score(CONTEXTS, CANDIDATES, llm=name)
             out[name, "values"] = run.custom_module_fns(["value"], CONTEXTS, llm=name)
-            run.update(CONTEXTS, CANDIDATES, llm=name, **SECOND)
+            for batch in AFTER:
+                out[name, "stats"] = run.update(CONTEXTS, CANDIDATES, llm=name, **batch)
             out[name, "final"] = run.state_dict(llm=name)
     return out
 
@@ -67,12 +79,13 @@ def test_resume_continues_exactly(saved, tiny):
         for name in ("adapter", "full"):
             for got, want in zip(run.score(CONTEXTS, CANDIDATES, llm=name), saved[name, "scores"]):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-            run.update(CONTEXTS, CANDIDATES, llm=name, **SECOND)  # Adam: needs the optimizer state restored
+            for batch in AFTER:  # Adam's state and PPO's shuffling generator must both be restored
+                stats = run.update(CONTEXTS, CANDIDATES, llm=name, **batch)
+            assert stats == saved[name, "stats"]
             resumed, uninterrupted = run.state_dict(llm=name), saved[name, "final"]
             assert resumed.keys() == uninterrupted.keys()
             for key in resumed:
-                torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=0,
-                                           msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+                assert torch.equal(resumed[key], uninterrupted[key]), f"{name} {key}"
 
 
 def _plain_scores(model, tok):

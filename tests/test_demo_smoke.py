@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("minigrid")
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

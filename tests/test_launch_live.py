@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import subprocess
 import sys
 
@@ -87,12 +88,13 @@ def test_two_nodes_on_one_machine(tmp_path, tiny, reference_models):
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     out = str(tmp_path / "report.json")
     port = str(free_port())
+    env = {**os.environ, "LLMRL_RUN_SECRET": secrets.token_hex(32)}  # the nodes share the run's secret
     node0 = subprocess.Popen(llmrl("run", "--config", config, "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
                                    "0", "--master_addr", "127.0.0.1", "--master_port", port, SCRIPT, out),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     node1 = subprocess.Popen([DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1", "--master_addr",
                               "127.0.0.1", "--master_port", port, "--module", "llmrl.launch", "--config", config,
-                              SCRIPT, out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              SCRIPT, out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log0, _ = node0.communicate(timeout=300)
     log1, _ = node1.communicate(timeout=300)
     assert node0.returncode == 0, log0[-3000:]

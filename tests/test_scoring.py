@@ -7,17 +7,23 @@ import pytest
 import torch
 
 from llmrl.engine.model.batching import Needs, plan_batches
+from llmrl.engine.model.hf_backend import decoder_start_id
 from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.tokenization import tokenize
 from testkit import reference_scores
 
-CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "café ", "東京 is", "x x x", ""]
+# Boundary merges: "café " + "naïve", "You see a wa" + "ll ...", "actions: tu" + "rn right" tokenise into fewer
+# context tokens than the context alone; "" is an empty context (BOS models condition on the BOS token).
+CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "café ", "東京 is", "x x x", "",
+            "You see a wa", "Possible actions: tu"]
 CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂"],
               ["pick up", " pick up", "  drop"],
               [],
               ["naïve", " über"],
               [f" c{i}" for i in range(20)],
-              []]
+              [" a", "x"],
+              ["ll 2 steps forward", "lk", " red ball"],
+              ["rn right", "rn left", "n"]]
 
 
 def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True):
@@ -29,8 +35,7 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
     with torch.no_grad():
         for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
-                            kind == "causal" and accepts_logits_to_keep(model),
-                            getattr(model.config, "decoder_start_token_id", None))
+                            kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model))
             offset = 0
             for a, i in enumerate(batch.contexts):
                 k = len(plan.contexts[i].candidates)
@@ -44,16 +49,18 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
     return scores, ctx_hidden, cand_hidden
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "llama-eos", "t5-genstart"])
 @pytest.mark.parametrize("reuse", [True, False], ids=["prefix-reuse", "no-reuse"])
 @pytest.mark.parametrize("budget,rows", [(8192, 64), (48, 3)], ids=["one-batch", "tight-budget"])
 def test_scores_equal_plain_hf(reference_models, kind, reuse, budget, rows):
     model, tok = reference_models[kind]
     contexts, candidates = CONTEXTS, CANDIDATES
-    if kind != "llama":  # GPT-2 and T5 add no BOS: an empty context has nothing to condition on
-        contexts, candidates = CONTEXTS[:-1], CANDIDATES[:-1]
-    expected = reference_scores(model, tok, contexts, candidates, seq2seq=(kind == "t5"))
-    got, _, _ = run_plan(model, tok, "seq2seq" if kind == "t5" else "causal", contexts, candidates,
+    if kind == "gpt2":  # GPT-2 adds no BOS: an empty context has nothing to condition on
+        keep = [i for i, c in enumerate(CONTEXTS) if c]
+        contexts, candidates = [CONTEXTS[i] for i in keep], [CANDIDATES[i] for i in keep]
+    seq2seq = kind.startswith("t5")
+    expected = reference_scores(model, tok, contexts, candidates, seq2seq=seq2seq)
+    got, _, _ = run_plan(model, tok, "seq2seq" if seq2seq else "causal", contexts, candidates,
                          budget=budget, rows=rows, reuse=reuse)
     for g, e in zip(got, expected):
         assert g.shape == e.shape

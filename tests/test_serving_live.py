@@ -1,23 +1,36 @@
-"""Live runs through the DeepSpeed launcher: score and generate through the servers equal plain Hugging
-Face, with 1 replica, 2 replicas and tensor-parallel 2 (Llama), and with several LLMs in one run."""
+"""Live runs through the DeepSpeed launcher: score, heads and generate through the servers equal plain Hugging
+Face and plain PyTorch, with 1 replica (with and without prefix reuse), 2 replicas, tensor-parallel 2 and ZeRO-3
+(Llama), and for several model families in one run (Llama, GPT-2, T5, a tokenizer that appends EOS, a seq2seq
+model whose decoder start token is only in its generation config). The inputs include boundary merges
+(contexts ending in a space or mid-word whose candidates' first characters merge with the context's last
+tokens) and an empty context on a BOS model."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from testkit import reference_scores
+from testkit import LiveRun, reference_scores
 
 pytestmark = pytest.mark.slow
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE_PLUGINS = os.path.join(os.path.dirname(HERE), "examples", "plugin_package")
 CONTEXTS = ["You see a wall 2 steps forward.", "Goal: go to the red ball", "café ", "東京 is", "x x x",
-            "In the kitchen you see a fridge."]
+            "In the kitchen you see a fridge.", "You see a wa", "Possible actions: tu", ""]
 CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂"],
               ["pick up", " pick up", "  drop"],
               [],
               ["naïve", " über"],
               [f" c{i}" for i in range(20)],
-              [" open fridge", " go north"]]
+              [" open fridge", " go north"],
+              ["ll 2 steps forward", "lk", " red ball"],
+              ["rn right", "rn left", "n"],
+              [" a", "x"]]
+HEADS = {"value": {"plugin": "value", "args": {"hidden": 16}},
+         "q": {"plugin": "llmrl_example_plugins:ActionValueHead", "args": {"hidden": 8}}}
+LAYOUTS = ["single", "noreuse", "replicated", "sharded", "zero3"]
 
 
 def assert_scores(got, expected):
@@ -27,9 +40,32 @@ def assert_scores(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
 
 
+def without_empty(contexts, candidates):
+    """Drop the empty context (a model without BOS has nothing to condition its candidates on)."""
+    keep = [i for i, c in enumerate(contexts) if c]
+    return [contexts[i] for i in keep], [candidates[i] for i in keep]
+
+
+def reference_logprobs(model, tok, prompt, tokens, seq2seq):
+    from testkit.models import decoder_start
+
+    with torch.no_grad():
+        if seq2seq:
+            dec = [decoder_start(model)] + tokens[:-1]
+            logits = model(**tok(prompt, return_tensors="pt"), decoder_input_ids=torch.tensor([dec])).logits[0]
+            return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), tokens]
+        ids = tok(prompt)["input_ids"]
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        return torch.stack([logp[len(ids) + t - 1, token] for t, token in enumerate(tokens)])
+
+
 def check_generation(run, llm, model, tok, seq2seq):
+    """Greedy samples equal plain HF generate; every sample's log-probs equal a plain forward's; where decoding and
+    re-encoding gives the same tokens, score() agrees too (and that check must run at least once)."""
     prompts = CONTEXTS[:4]
     results = run.generate(prompts, llm=llm, max_new_tokens=5, do_sample=False)
+    compared = 0
     for prompt, samples in zip(prompts, results):
         (sample,) = samples
         with torch.no_grad():
@@ -39,51 +75,94 @@ def check_generation(run, llm, model, tok, seq2seq):
         eos = model.generation_config.eos_token_id
         plain = plain[: plain.index(eos) + 1] if eos in plain else plain
         assert sample["tokens"].tolist() == plain
+        torch.testing.assert_close(sample["logprobs"], reference_logprobs(model, tok, prompt, plain, seq2seq),
+                                   atol=1e-4, rtol=0)
         assert sample["logprob"] == pytest.approx(float(sample["logprobs"].sum()), abs=1e-5)
-        if seq2seq:
-            continue
-        # The generated log-probs agree with score() of the same continuation when it re-tokenises the same way.
-        full = tok(prompt + sample["text"])["input_ids"]
-        if full[len(enc["input_ids"][0]):] == plain:
+        if not seq2seq and tok(prompt + sample["text"])["input_ids"][len(enc["input_ids"][0]):] == plain:
             (score,) = run.score([prompt], [[sample["text"]]], llm=llm)
             assert float(score[0]) == pytest.approx(float(sample["logprobs"].sum()), abs=1e-4)
-    sampled = run.generate(prompts[:2], llm=llm, max_new_tokens=4, do_sample=True, num_return_sequences=3, seed=3)
-    assert [len(s) for s in sampled] == [3, 3]
+            compared += 1
+    assert seq2seq or compared > 0, "no sample re-tokenised the same way: the score check did not run"
+    first = run.generate(prompts[:2], llm=llm, max_new_tokens=4, do_sample=True, num_return_sequences=3, seed=3)
+    again = run.generate(prompts[:2], llm=llm, max_new_tokens=4, do_sample=True, num_return_sequences=3, seed=3)
+    assert [len(s) for s in first] == [3, 3]
+    assert [[s["tokens"].tolist() for s in c] for c in first] == [[s["tokens"].tolist() for s in c] for c in again]
+    for prompt, samples in zip(prompts[:2], first):
+        for s in samples:
+            torch.testing.assert_close(s["logprobs"], reference_logprobs(model, tok, prompt, s["tokens"].tolist(),
+                                                                         seq2seq), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
 def llama_layouts(tiny):
-    """One run: the tiny Llama with 2 replicas, and again with tensor-parallel 2 (two isolated worlds)."""
-    from testkit import LiveRun
+    """One run: the tiny Llama with value and action-value heads in five layouts (each its own world)."""
+    def layout(**extra):
+        return {"model": tiny["llama"], "heads": HEADS, **extra}
 
-    config = {"llms": {"replicated": {"model": tiny["llama"], "replicas": 2},
-                       "sharded": {"model": tiny["llama"], "tensor_parallel": 2}},
+    config = {"llms": {"single": layout(), "noreuse": layout(prefix_reuse=False), "replicated": layout(replicas=2),
+                       "sharded": layout(tensor_parallel=2),
+                       "zero3": layout(replicas=2, training={"zero_stage": 3})},
               "threads_per_rank": 1}
-    run = LiveRun(config)
+    run = LiveRun(config, env={"PYTHONPATH": os.pathsep.join([EXAMPLE_PLUGINS, os.environ.get("PYTHONPATH", "")])})
     yield run
-    run.close()
+    assert run.close() == 0
 
 
 @pytest.fixture(scope="module")
 def mixed_llms(tiny):
-    """One run: Llama (1 replica), GPT-2 (2 replicas) and T5 (1 replica)."""
-    from testkit import LiveRun
-
+    """One run: Llama (1 replica), GPT-2 (2 replicas), T5, and the two variants."""
     config = {"llms": {"llama": {"model": tiny["llama"]}, "gpt2": {"model": tiny["gpt2"], "replicas": 2},
-                       "t5": {"model": tiny["t5"], "type": "seq2seq"}},
+                       "t5": {"model": tiny["t5"], "type": "seq2seq"}, "llama-eos": {"model": tiny["llama-eos"]},
+                       "t5-genstart": {"model": tiny["t5-genstart"], "type": "seq2seq"}},
               "threads_per_rank": 1}
     run = LiveRun(config)
     yield run
-    run.close()
+    assert run.close() == 0
 
 
-@pytest.mark.parametrize("llm", ["replicated", "sharded"])
+@pytest.mark.parametrize("llm", LAYOUTS)
 def test_llama_layouts_score_like_plain_hf(llama_layouts, reference_models, llm):
     model, tok = reference_models["llama"]
     assert_scores(llama_layouts.score(CONTEXTS, CANDIDATES, llm=llm), reference_scores(model, tok, CONTEXTS, CANDIDATES))
 
 
-@pytest.mark.parametrize("llm", ["replicated", "sharded"])
+@pytest.mark.parametrize("llm", LAYOUTS)
+def test_heads_equal_plain_pytorch_on_hf_hidden_states(llama_layouts, reference_models, llm):
+    """The value head reads the hidden state at the context's last token (the context tokenised alone, even when a
+    candidate merges with it), the action-value head at each candidate's last token."""
+    import sys
+
+    sys.path.insert(0, EXAMPLE_PLUGINS)
+    from llmrl_example_plugins import ActionValueHead
+
+    from llmrl.plugins.contracts import LLMInfo
+    from llmrl.plugins.value_head import ValueHead
+
+    model, tok = reference_models["llama"]
+    weights = llama_layouts.state_dict(llm=llm, prefix="heads.")
+    info = LLMInfo("ref", "causal", model.config.hidden_size, model.config.vocab_size, torch.float32,
+                   torch.device("cpu"))
+    value, q = ValueHead(info, hidden=16), ActionValueHead(info, hidden=8)
+    value.load_state_dict({k[len("heads.value."):]: v for k, v in weights.items() if k.startswith("heads.value.")})
+    q.load_state_dict({k[len("heads.q."):]: v for k, v in weights.items() if k.startswith("heads.q.")})
+
+    def last_hidden(text):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        return model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+
+    heads_only = llama_layouts.custom_module_fns(["value", "q"], CONTEXTS, CANDIDATES, llm=llm)
+    with_scores = llama_layouts.score(CONTEXTS, CANDIDATES, llm=llm, additional_module_function_keys=["q", "value"])
+    with torch.no_grad():
+        for i, (context, cands) in enumerate(zip(CONTEXTS, CANDIDATES)):
+            want_value = value.mlp(last_hidden(context)).squeeze()
+            want_q = torch.stack([q.mlp(last_hidden(context + c)).squeeze() for c in cands]) if cands \
+                else torch.zeros(0)
+            for got in (heads_only[i], with_scores[i]):
+                torch.testing.assert_close(got["value"], want_value, atol=1e-4, rtol=0)
+                torch.testing.assert_close(got["q"], want_q, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("llm", LAYOUTS)
 def test_llama_layouts_generate_like_plain_hf(llama_layouts, reference_models, llm):
     model, tok = reference_models["llama"]
     check_generation(llama_layouts, llm, model, tok, seq2seq=False)
@@ -98,13 +177,14 @@ def test_tensor_parallel_shards_the_weights(llama_layouts):
     assert memory[sharded[0]]["parameter_bytes"] < memory[replicated[0]]["parameter_bytes"]
 
 
-@pytest.mark.parametrize("llm", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("llm", ["llama", "gpt2", "t5", "llama-eos", "t5-genstart"])
 def test_each_llm_answers_its_own_requests(mixed_llms, reference_models, llm):
     model, tok = reference_models[llm]
-    contexts, candidates = CONTEXTS, CANDIDATES
+    seq2seq = llm.startswith("t5")
+    contexts, candidates = (CONTEXTS, CANDIDATES) if llm.startswith("llama") else without_empty(CONTEXTS, CANDIDATES)
     got = mixed_llms.score(contexts, candidates, llm=llm)
-    assert_scores(got, reference_scores(model, tok, contexts, candidates, seq2seq=(llm == "t5")))
-    check_generation(mixed_llms, llm, model, tok, seq2seq=(llm == "t5"))
+    assert_scores(got, reference_scores(model, tok, contexts, candidates, seq2seq=seq2seq))
+    check_generation(mixed_llms, llm, model, tok, seq2seq=seq2seq)
 
 
 def test_default_llm_is_the_first(mixed_llms, reference_models):
@@ -134,11 +214,23 @@ def test_empty_requests(mixed_llms):
 
 
 def test_async_requests_to_several_llms_run_together(mixed_llms, reference_models):
-    calls = [((CONTEXTS, CANDIDATES), {"llm": llm}) for llm in ("llama", "gpt2", "t5", "gpt2", "llama")]
+    contexts, candidates = without_empty(CONTEXTS, CANDIDATES)
+    calls = [((contexts, candidates), {"llm": llm}) for llm in ("llama", "gpt2", "t5", "gpt2", "llama")]
     results = mixed_llms.many("score", calls)
     for (_args, kwargs), got in zip(calls, results):
         model, tok = reference_models[kwargs["llm"]]
-        assert_scores(got, reference_scores(model, tok, CONTEXTS, CANDIDATES, seq2seq=kwargs["llm"] == "t5"))
+        assert_scores(got, reference_scores(model, tok, contexts, candidates, seq2seq=kwargs["llm"] == "t5"))
+    generated = mixed_llms.many("generate", [((CONTEXTS[:2],), {"llm": llm, "max_new_tokens": 3, "do_sample": False})
+                                             for llm in ("llama", "t5")])
+    for llm, got in zip(("llama", "t5"), generated):
+        assert got == mixed_llms.generate(CONTEXTS[:2], llm=llm, max_new_tokens=3, do_sample=False)
+
+
+def test_async_heads(llama_layouts):
+    calls = [((["value"], CONTEXTS), {"llm": llm}) for llm in ("single", "sharded")]
+    for (args, kwargs), got in zip(calls, llama_layouts.many("custom_module_fns", calls)):
+        want = llama_layouts.custom_module_fns(*args, **kwargs)
+        assert all(torch.equal(g["value"], w["value"]) for g, w in zip(got, want))
 
 
 def test_unknown_llm_is_refused_on_the_client(mixed_llms):
@@ -150,6 +242,7 @@ def test_unknown_llm_is_refused_on_the_client(mixed_llms):
 def test_tokenize_shows_what_score_sums_over(mixed_llms, reference_models, llm):
     _, tok = reference_models[llm]
     plans = mixed_llms.tokenize(CONTEXTS, CANDIDATES, llm=llm)
+    merged = 0
     for context, cands, plan in zip(CONTEXTS, CANDIDATES, plans):
         ctx_ids = tok(context)["input_ids"]
         assert plan["ids"] == ctx_ids and plan["tokens"] == tok.convert_ids_to_tokens(ctx_ids)
@@ -160,3 +253,5 @@ def test_tokenize_shows_what_score_sums_over(mixed_llms, reference_models, llm):
             full = tok(context + cand)["input_ids"]
             p = next((k for k, (a, b) in enumerate(zip(ctx_ids, full)) if a != b), min(len(ctx_ids), len(full)))
             assert got["ids"] == full[p:] and got["merged_context_tokens"] == len(ctx_ids) - p
+            merged += got["merged_context_tokens"] > 0
+    assert llm == "t5" or merged >= 3, "the inputs must include boundary merges"

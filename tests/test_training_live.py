@@ -1,6 +1,11 @@
-"""update(): one call on a fixed batch gives the parameters of a plain single-process PyTorch SGD step on
-the whole batch (ZeRO 0-3, 1 and 2 replicas, tensor-parallel 2), accumulation is exact, frozen weights
-stay put, gradient clipping clips, and replicas hold identical heads."""
+"""update() against plain single-process PyTorch on the whole batch: three consecutive Adam and AdamW steps (non-
+default betas, eps, weight decay) under ZeRO 0-3 with 1 and 2 replicas, and tensor-parallel 2 with 2 replicas;
+SGD with accumulation, uneven shares, a replica with no sample and a short last accumulation group (every
+sample of a step weighs the same, nothing leaks into the next update); LoRA against a plain PEFT model, two
+adapters of which only the selected one moves; frozen weights stay put, clipping clips, replicas stay equal.
+
+Tolerances: 2e-5 absolute on parameters after Adam/AdamW steps, 1e-5 after SGD steps; every test also checks
+that most parameters moved by far more (1e-3 and more)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import math
 
 import pytest
 import torch
+
+from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
 
@@ -21,48 +28,87 @@ WEIGHTS = [1.0, -0.5, 2.0, 0.3, -1.0, 0.7, 1.5, -0.2]
 TARGETS = [0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25, 3.0]
 BATCH = {"actions": ACTIONS, "weights": WEIGHTS, "targets": TARGETS}
 UPDATER = {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}}
+ADAM = {"type": "adam", "lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.01}
+ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.85, 0.9], "eps": 1e-7, "weight_decay": 0.1}
 
 
-def llm(tiny, zero=0, replicas=1, micro=4, accumulation=2, **extra):
+def llm(tiny, zero=0, replicas=1, micro=4, accumulation=2, optimizer=None, **extra):
     config = {"model": tiny["llama"], "replicas": replicas, "heads": {"value": {"plugin": "value",
                                                                                 "args": {"hidden": 16}}},
               "updater": UPDATER,
-              "training": {"zero_stage": zero, "optimizer": {"type": "sgd", "lr": LR}, "micro_batch_size": micro,
-                           "gradient_accumulation_steps": accumulation}}
+              "training": {"zero_stage": zero, "optimizer": optimizer or {"type": "sgd", "lr": LR},
+                           "micro_batch_size": micro, "gradient_accumulation_steps": accumulation}}
     config.update(extra)
     return config
 
 
 @pytest.fixture(scope="module")
 def zero_run(tiny):
-    from testkit import LiveRun
-
-    llms = {f"z{z}r1": llm(tiny, z) for z in range(4)}
-    llms.update({f"z{z}r2": llm(tiny, z, replicas=2, micro=2) for z in range(4)})
+    """Adam and AdamW, ZeRO 0-3, 1 and 2 replicas (accumulation 2 in every layout)."""
+    llms = {}
+    for name, optimizer in (("adam", ADAM), ("adamw", ADAMW)):
+        for z in range(4):
+            llms[f"{name}-z{z}r1"] = llm(tiny, z, optimizer=optimizer)
+            llms[f"{name}-z{z}r2"] = llm(tiny, z, replicas=2, micro=2, optimizer=optimizer)
     run = LiveRun({"llms": llms, "threads_per_rank": 1})
     yield run
-    run.close()
+    assert run.close() == 0
 
 
 @pytest.fixture(scope="module")
 def misc_run(tiny):
-    from testkit import LiveRun
-
     llms = {
-        "tp2": llm(tiny, 1, tensor_parallel=2),
+        "tp2r2": llm(tiny, 1, replicas=2, micro=2, tensor_parallel=2, optimizer=ADAM),
         "acc2x2": llm(tiny, 0, micro=2, accumulation=2),
         "acc4x1": llm(tiny, 0, micro=4, accumulation=1),
+        "uneven": llm(tiny, 2, replicas=2, micro=2, accumulation=2),
+        "short": llm(tiny, 0, micro=2, accumulation=2),
         "frozen": llm(tiny, 2, initializers=[{"plugin": "freeze", "args": {"unfreeze": ["model.layers.1.*"]}}]),
         "clipped": llm(tiny, 0, micro=8, accumulation=1),
     }
     llms["clipped"]["training"].update({"gradient_clipping": 1e-3, "optimizer": {"type": "sgd", "lr": 1.0}})
     run = LiveRun({"llms": llms, "threads_per_rank": 1})
     yield run
-    run.close()
+    assert run.close() == 0
 
 
-def plain_sgd_step(tiny, state: dict, lr: float, n: int = len(CONTEXTS)) -> dict:
-    """The reference: plain transformers + PyTorch, full forward per pair, one SGD step on the mean loss."""
+@pytest.fixture(scope="module")
+def lora_run(tiny):
+    adapters = {"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}
+    lora = {"optimizer": {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-6}, "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2}
+    llms = {f"lora-z{z}": {"model": tiny["llama"], "replicas": 2, "initializers": [adapters],
+                           "updater": "llmrl_test_plugins:ChosenScoreUpdater",
+                           "training": {"zero_stage": z, **lora}} for z in (2, 3)}
+    run = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield run
+    assert run.close() == 0
+
+
+# ----------------------------------------------------------------------------- the plain reference
+
+
+class _Outputs:
+    def __init__(self, hidden):
+        self.context_hidden = hidden
+
+
+def _score(model, tok, context, candidate, hidden=False):
+    ctx_ids, full = tok(context)["input_ids"], tok(context + candidate)["input_ids"]
+    p = next((k for k, (a, b) in enumerate(zip(ctx_ids, full)) if a != b), min(len(ctx_ids), len(full)))
+    assert 0 < p < len(full), "the reference needs a conditioned candidate"
+    logp = torch.log_softmax(model(input_ids=torch.tensor([full])).logits[0], -1)
+    score = sum(logp[t - 1, full[t]] for t in range(p, len(full)))
+    if not hidden:
+        return score, None
+    out = model(input_ids=torch.tensor([ctx_ids]), output_hidden_states=True)
+    return score, out.hidden_states[-1][0, -1]
+
+
+def reference_training(tiny, state: dict, steps: list[list[int]], optimizer: dict | None = None,
+                       batch: dict = BATCH, head: bool = True) -> dict:
+    """Plain transformers + PyTorch: for each group of sample indices, one optimizer step on the mean loss of its
+    samples (loss_i = -w_i log p(a_i | c_i) + (V(c_i) - t_i)^2). Returns the parameters after the last step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmrl.plugins.contracts import LLMInfo
@@ -71,77 +117,92 @@ def plain_sgd_step(tiny, state: dict, lr: float, n: int = len(CONTEXTS)) -> dict
     model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
-    info = LLMInfo("ref", "causal", model.config.hidden_size, model.config.vocab_size, torch.float32,
-                   torch.device("cpu"))
-    head = ValueHead(info, hidden=16)
-    head.load_state_dict({k[len("heads.value."):]: v for k, v in state.items() if k.startswith("heads.value.")})
-    losses = []
-    for i in range(n):
-        context, candidate = CONTEXTS[i], CANDIDATES[i][ACTIONS[i]]
-        ctx_ids, full = tok(context)["input_ids"], tok(context + candidate)["input_ids"]
-        p = next((k for k, (a, b) in enumerate(zip(ctx_ids, full)) if a != b), min(len(ctx_ids), len(full)))
-        out = model(input_ids=torch.tensor([full]), output_hidden_states=True)
-        logp = torch.log_softmax(out.logits[0], -1)
-        score = sum(logp[t - 1, full[t]] for t in range(p, len(full)))
-        hidden = model(input_ids=torch.tensor([ctx_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
-        losses.append(-WEIGHTS[i] * score + (head(_Outputs(hidden[None]))[0] - TARGETS[i]) ** 2)
-    loss = torch.stack(losses).mean()
     named = {f"model.{k}": p for k, p in model.named_parameters()}
-    named.update({f"heads.value.{k}": p for k, p in head.named_parameters()})
-    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-    return {k: (p - lr * g if g is not None else p).detach() for (k, p), g in zip(named.items(), grads)}
+    value_head = None
+    if head:
+        info = LLMInfo("ref", "causal", model.config.hidden_size, model.config.vocab_size, torch.float32,
+                       torch.device("cpu"))
+        value_head = ValueHead(info, hidden=16)
+        value_head.load_state_dict({k[len("heads.value."):]: v for k, v in state.items()
+                                    if k.startswith("heads.value.")})
+        named.update({f"heads.value.{k}": p for k, p in value_head.named_parameters()})
+    opt = make_optimizer(list(named.values()), optimizer or {"type": "sgd", "lr": LR})
+    for group in steps:
+        opt.zero_grad()
+        losses = []
+        for i in group:
+            score, hidden = _score(model, tok, CONTEXTS[i], CANDIDATES[i][batch["actions"][i]], hidden=head)
+            loss = -batch["weights"][i] * score
+            if head:
+                loss = loss + (value_head(_Outputs(hidden[None]))[0] - batch["targets"][i]) ** 2
+            losses.append(loss)
+        torch.stack(losses).mean().backward()
+        opt.step()
+    return {k: p.detach().clone() for k, p in named.items()}
 
 
-class _Outputs:
-    def __init__(self, hidden):
-        self.context_hidden = hidden
+def make_optimizer(params, spec: dict):
+    kind = spec["type"]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=spec["lr"])
+    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+    return cls(params, lr=spec["lr"], betas=tuple(spec.get("betas", (0.9, 0.999))), eps=spec.get("eps", 1e-8),
+               weight_decay=spec.get("weight_decay", 0.0))
 
 
-def assert_params(after: dict, expected: dict, before: dict, atol=1e-5):
+def plain_sgd_step(tiny, state: dict, lr: float, n: int = len(CONTEXTS)) -> dict:
+    """One plain SGD step on the mean loss of the first ``n`` samples."""
+    return reference_training(tiny, state, [list(range(n))], {"type": "sgd", "lr": lr})
+
+
+def assert_params(after: dict, expected: dict, before: dict, atol=1e-5, moved_by=1e-4):
     changed = 0
     for key, value in expected.items():
         got = after[key]
         torch.testing.assert_close(got, value, atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-        changed += int((value - before[key]).abs().max() > 1e-4)
-    assert changed > len(expected) // 2, "the step should move most parameters"
+        changed += int((value - before[key]).abs().max() > moved_by)
+    assert changed > len(expected) // 2, "the step should move most parameters by far more than the tolerance"
 
 
-def test_heads_start_identical_on_every_replica(zero_run):
-    """Runs before any update (tests run in file order on the module's run)."""
-    reference = zero_run.state_dict(llm="z0r1", prefix="heads.")
-    assert reference and any(v.abs().sum() > 0 for v in reference.values())
-    for name in ("z0r2", "z1r2", "z2r2"):
+# ----------------------------------------------------------------------------- tests
+
+
+def test_heads_start_identical_on_every_replica(tiny):
+    """Heads are built from the same seed on every replica (each run builds them anew)."""
+    run = LiveRun({"llms": {"r1": llm(tiny), "r2": llm(tiny, 2, replicas=2)}, "threads_per_rank": 1})
+    try:
+        reference = run.state_dict(llm="r1", prefix="heads.")
+        assert reference and any(v.abs().sum() > 0 for v in reference.values())
         for replica in (0, 1):
-            heads = zero_run.state_dict(llm=name, prefix="heads.", replica=replica)
+            heads = run.state_dict(llm="r2", prefix="heads.", replica=replica)
             assert heads.keys() == reference.keys()
-            assert all(torch.equal(heads[k], reference[k]) for k in reference), (name, replica)
+            assert all(torch.equal(heads[k], reference[k]) for k in reference), replica
+    finally:
+        assert run.close() == 0
 
 
-@pytest.mark.parametrize("name", [f"z{z}r{r}" for r in (1, 2) for z in range(4)])
-def test_update_equals_a_plain_sgd_step(zero_run, tiny, name):
+@pytest.mark.parametrize("name", [f"{o}-z{z}r{r}" for o in ("adam", "adamw") for r in (1, 2) for z in range(4)])
+def test_three_updates_equal_three_plain_optimizer_steps(zero_run, tiny, name):
     before = zero_run.state_dict(llm=name)
-    stats = zero_run.update(CONTEXTS, CANDIDATES, llm=name, **BATCH)
+    for _ in range(3):
+        stats = zero_run.update(CONTEXTS, CANDIDATES, llm=name, **BATCH)
+        assert all(s["optimizer_steps"] == 1 for s in stats)
     replicas = int(name[-1])
     assert [s["replica"] for s in stats] == list(range(replicas))
     assert sorted(i for s in stats for i in s["indices"]) == list(range(len(CONTEXTS)))
-    assert all(s["optimizer_steps"] == 1 for s in stats)
-    assert_params(zero_run.state_dict(llm=name), plain_sgd_step(tiny, before, LR), before)
+    expected = reference_training(tiny, before, [list(range(8))] * 3, ADAM if name.startswith("adam-") else ADAMW)
+    assert_params(zero_run.state_dict(llm=name), expected, before, atol=2e-5, moved_by=1e-3)
+    if replicas == 2 and not name.endswith("z3r2"):  # ZeRO-3's replicas hold one partitioned copy
+        first, second = (zero_run.state_dict(llm=name, replica=r) for r in (0, 1))
+        assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-# Not z3r2: under ZeRO-3 the two replicas hold one partitioned copy of the weights (a shard each), so
-# there are no two copies to compare; its parity with a single-process step is checked above.
-@pytest.mark.parametrize("name", ["z0r2", "z1r2", "z2r2"])
-def test_replicas_hold_identical_weights(zero_run, name):
-    first, second = zero_run.state_dict(llm=name, replica=0), zero_run.state_dict(llm=name, replica=1)
-    assert first.keys() == second.keys() and any(k.startswith("heads.value.") for k in first)
-    for key in first:
-        assert torch.equal(first[key], second[key]), key
-
-
-def test_tensor_parallel_update_equals_a_plain_sgd_step(misc_run, tiny):
-    before = misc_run.state_dict(llm="tp2")
-    misc_run.update(CONTEXTS, CANDIDATES, llm="tp2", **BATCH)
-    assert_params(misc_run.state_dict(llm="tp2"), plain_sgd_step(tiny, before, LR), before)
+def test_tensor_parallel_with_two_replicas_equals_plain_adam(misc_run, tiny):
+    before = misc_run.state_dict(llm="tp2r2")
+    for _ in range(3):
+        misc_run.update(CONTEXTS, CANDIDATES, llm="tp2r2", **BATCH)
+    expected = reference_training(tiny, before, [list(range(8))] * 3, ADAM)
+    assert_params(misc_run.state_dict(llm="tp2r2"), expected, before, atol=2e-5, moved_by=1e-3)
 
 
 def test_micro_batch_2_x_accumulation_2_equals_4_x_1(misc_run):
@@ -151,6 +212,31 @@ def test_micro_batch_2_x_accumulation_2_equals_4_x_1(misc_run):
     first, second = misc_run.state_dict(llm="acc2x2"), misc_run.state_dict(llm="acc4x1")
     for key in first:
         torch.testing.assert_close(first[key], second[key], atol=1e-6, rtol=0)
+
+
+def test_uneven_shares_weigh_every_sample_equally(misc_run, tiny):
+    """7 samples over 2 replicas (shares 4 and 3, a short last micro-batch), then 1 sample (a replica with none):
+    each update is one step on the mean loss of its samples, and nothing carries into the next update."""
+    batch7 = {k: v[:7] for k, v in BATCH.items()}
+    before = misc_run.state_dict(llm="uneven")
+    stats = misc_run.update(CONTEXTS[:7], CANDIDATES[:7], llm="uneven", **batch7)
+    assert [len(s["indices"]) for s in stats] == [4, 3] and [s["optimizer_steps"] for s in stats] == [1, 1]
+    stats = misc_run.update(CONTEXTS[7:], CANDIDATES[7:], llm="uneven", **{k: v[7:] for k, v in BATCH.items()})
+    assert [len(s["indices"]) for s in stats] == [1, 0] and [s["optimizer_steps"] for s in stats] == [1, 1]
+    expected = reference_training(tiny, before, [list(range(7)), [7]])
+    assert_params(misc_run.state_dict(llm="uneven"), expected, before)
+
+
+def test_a_short_last_accumulation_group_is_stepped_and_nothing_leaks(misc_run, tiny):
+    """5 samples, micro-batch 2, accumulation 2: micro-steps [2, 2] then [1] are two optimizer steps; the next
+    update starts clean."""
+    batch5 = {k: v[:5] for k, v in BATCH.items()}
+    before = misc_run.state_dict(llm="short")
+    (stats,) = misc_run.update(CONTEXTS[:5], CANDIDATES[:5], llm="short", **batch5)
+    assert stats["micro_steps"] == 3 and stats["optimizer_steps"] == 2
+    misc_run.update(CONTEXTS[5:], CANDIDATES[5:], llm="short", **{k: v[5:] for k, v in BATCH.items()})
+    expected = reference_training(tiny, before, [[0, 1, 2, 3], [4], [5, 6, 7]])
+    assert_params(misc_run.state_dict(llm="short"), expected, before)
 
 
 def test_frozen_parameters_do_not_move(misc_run):
@@ -172,3 +258,49 @@ def test_gradient_clipping_really_clips(misc_run, tiny):
     full = math.sqrt(sum(float(((unclipped[k] - before[k]) ** 2).sum()) for k in unclipped))
     assert full > 0.1, "the unclipped step must be far larger than the clip"
     assert step == pytest.approx(1e-3, rel=0.02)  # lr 1 x the clip norm
+
+
+def reference_lora(tiny, before: dict, steps: int, spec: dict) -> dict:
+    """A plain PEFT model with adapters a and b (r=4, alpha=8, every linear layer) holding the server's initial
+    weights; ``steps`` Adam steps of ChosenScoreUpdater's loss (no head) with adapter a active."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    config = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+    peft = get_peft_model(model, LoraConfig(**config), adapter_name="a")
+    peft.add_adapter("b", LoraConfig(**config))
+    peft.set_adapter("a")
+    named = {f"model.{k}": p for k, p in peft.named_parameters()}
+    with torch.no_grad():
+        for key, p in named.items():
+            p.copy_(before[key])
+    trainable = [p for k, p in named.items() if ".lora_" in k and ".a." in k]
+    opt = make_optimizer(trainable, spec)
+    for _ in range(steps):
+        opt.zero_grad()
+        losses = [-BATCH["weights"][i] * _score(peft, tok, CONTEXTS[i], CANDIDATES[i][ACTIONS[i]])[0]
+                  for i in range(len(CONTEXTS))]
+        torch.stack(losses).mean().backward()
+        opt.step()
+    return {k: p.detach().clone() for k, p in named.items() if ".lora_" in k}
+
+
+@pytest.mark.parametrize("name", ["lora-z2", "lora-z3"])
+def test_lora_updates_equal_a_plain_peft_step_and_only_the_selected_adapter_moves(lora_run, tiny, name):
+    before = lora_run.state_dict(llm=name)
+    for _ in range(3):
+        lora_run.update(CONTEXTS, CANDIDATES, llm=name, adapter="a", **BATCH)
+    after = lora_run.state_dict(llm=name)
+    spec = {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-6}
+    expected = reference_lora(tiny, before, 3, spec)
+    moved = 0
+    for key, want in expected.items():
+        torch.testing.assert_close(after[key], want, atol=2e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        if ".b." in key:
+            assert torch.equal(after[key], before[key]), f"adapter b must not move: {key}"
+        moved += int((want - before[key]).abs().max() > 1e-3)
+    assert moved >= sum(".a." in k for k in expected) // 2, "adapter a must move by far more than the tolerance"
+    base = [k for k in before if ".lora_" not in k]
+    assert all(torch.equal(before[k], after[k]) for k in base), "the base model is frozen"

@@ -27,6 +27,9 @@ def build_deepspeed_config(llm: LLMConfig) -> dict[str, Any]:
         "gradient_clipping": float(training.gradient_clipping),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        # The trainer owns the accumulation boundary: it steps after every `gradient_accumulation_steps`
+        # micro-steps and also closes a shorter last group, so no gradient is carried into the next update.
+        "managed_gradient_accumulation": False,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "bf16": {"enabled": llm.dtype == "bfloat16"},

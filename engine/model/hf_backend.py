@@ -81,7 +81,7 @@ class HFBackend(ModelBackend):
         updater_spec = PluginSpec.coerce(updater_spec) if updater_spec else None
         self.updater = registry.build("updater", updater_spec) if updater_spec else None
         self.updater_name = updater_spec.plugin if updater_spec else None
-        start_id = getattr(self.model.config, "decoder_start_token_id", None)
+        start_id = decoder_start_id(self.model)
         self.module = ModelWithHeads(self.model, heads, self.llm.type, self.tokenizer.pad_token_id, start_id,
                                      {key: spec.plugin for key, spec in self.head_specs.items()})
         if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
@@ -196,6 +196,15 @@ class HFBackend(ModelBackend):
         params = self.served.module.parameters() if self.served else self.model.parameters() if self.model else []
         out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in params)
         return out
+
+
+def decoder_start_id(model) -> int | None:
+    """The token a seq2seq decoder starts from: the model config's, else its generation config's (some models,
+    BART's descendants among them, keep it only there)."""
+    start = getattr(model.config, "decoder_start_token_id", None)
+    if start is None and getattr(model, "generation_config", None) is not None:
+        start = model.generation_config.decoder_start_token_id
+    return start
 
 
 def _seed(seed: int) -> None:

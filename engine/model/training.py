@@ -34,6 +34,7 @@ class EngineTrainer(Trainer):
         self.failed_vote_cast = False
         self.optimizer_steps = 0
         self.backward_calls = 0
+        self.pending_micro_steps = 0  # micro-steps since the last optimizer step
 
     def _check_peers(self, ok: bool, where: str) -> None:
         if not self.served.group.all_ok(ok):
@@ -65,14 +66,22 @@ class EngineTrainer(Trainer):
         if not ok:
             raise ValueError("trainer.backward needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        self.engine.backward(loss)
+        self.engine.backward(loss, scale_wrt_gas=False)  # batch.mean already weights the samples of the step
         self.backward_calls += 1
 
     def step(self) -> None:
+        self.pending_micro_steps += 1
+        if self.pending_micro_steps >= self.gradient_accumulation_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Take the optimizer step if micro-steps are pending (the end of a pass, or of the update)."""
+        if self.pending_micro_steps == 0:
+            return
         self._check_peers(True, "step")
-        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
-        self.optimizer_steps += int(boundary)
+        self.pending_micro_steps = 0
+        self.optimizer_steps += 1
 
     def adapters_disabled(self):
         model = self.served.model
@@ -81,6 +90,7 @@ class EngineTrainer(Trainer):
         return contextlib.nullcontext()
 
     def finish(self) -> None:
+        self.flush()
         self._check_peers(True, "the end of the update")
 
     def discard_partial_accumulation(self) -> None:
@@ -94,8 +104,7 @@ class EngineTrainer(Trainer):
                 optimizer.zero_grad()
         for p in engine.module.parameters():
             p.grad = None
-        gas = engine.gradient_accumulation_steps()
-        engine.micro_steps -= engine.micro_steps % gas
+        self.pending_micro_steps = 0
 
 
 def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
@@ -112,6 +121,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     if served.updater is None:
         raise ValueError(f"LLM {served.llm.name!r} has no updater; set llms.{served.llm.name}.updater in the config")
     trainer = EngineTrainer(served)
+    batch = replace(batch, accumulation_steps=trainer.gradient_accumulation_steps, end_of_pass=trainer.flush)
     name = served.updater_name or type(served.updater).__name__
     try:
         stats = served.updater.update(batch, trainer)

@@ -226,9 +226,9 @@ class LiveRun:
     def __enter__(self) -> LiveRun:
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            try:
-                self.close(timeout=60)
-            except Exception:  # noqa: BLE001
-                self.kill()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.kill()
+            return
+        code = self.close(timeout=60)
+        assert code == 0, f"the run exited with {code} when its Caller closed (a crash at shutdown); log:\n{self.log}"

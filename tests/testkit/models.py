@@ -20,9 +20,7 @@ def tiny_model(kind: str, seed: int = 0, root: str | os.PathLike | None = None) 
     if (path / "config.json").is_file():
         return str(path)
     root.mkdir(parents=True, exist_ok=True)
-    from llmrl.engine.model.tiny_models import build_tiny
-
-    model, tokenizer = build_tiny(kind, seed)
+    model, tokenizer = _build(kind, seed)
     staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -33,6 +31,28 @@ def tiny_model(kind: str, seed: int = 0, root: str | os.PathLike | None = None) 
 
         shutil.rmtree(staging, ignore_errors=True)
     return str(path)
+
+
+def _build(kind: str, seed: int):
+    """The product's tiny models, and two variants that exercise rare tokenizer and config shapes:
+    ``llama-eos`` (a causal tokenizer that appends EOS) and ``t5-genstart`` (a seq2seq model whose decoder
+    start token is only in its generation config)."""
+    from llmrl.engine.model.tiny_models import build_tiny, tiny_tokenizer
+
+    if kind == "llama-eos":
+        model, _ = build_tiny("llama", seed)
+        return model, tiny_tokenizer(add_bos=True, add_eos=True)
+    if kind == "t5-genstart":
+        model, tokenizer = build_tiny("t5", seed)
+        model.generation_config.decoder_start_token_id = model.config.decoder_start_token_id
+        model.config.decoder_start_token_id = None
+        return model, tokenizer
+    return build_tiny(kind, seed)
+
+
+def decoder_start(model) -> int:
+    start = model.config.decoder_start_token_id
+    return model.generation_config.decoder_start_token_id if start is None else start
 
 
 def reference_scores(model, tokenizer, contexts: list[str], candidates: list[list[str]], seq2seq: bool = False):
@@ -50,7 +70,7 @@ def reference_scores(model, tokenizer, contexts: list[str], candidates: list[lis
                     if not target:
                         row.append(0.0)
                         continue
-                    dec = [model.config.decoder_start_token_id] + target[:-1]
+                    dec = [decoder_start(model)] + target[:-1]
                     logits = model(**enc, decoder_input_ids=torch.tensor([dec])).logits[0]
                     lp = torch.log_softmax(logits.float(), -1)
                     row.append(sum(lp[t, tok].item() for t, tok in enumerate(target)))
@@ -63,6 +83,8 @@ def reference_scores(model, tokenizer, contexts: list[str], candidates: list[lis
                 if p == len(full):
                     row.append(0.0)
                     continue
+                if p == 0:
+                    raise ValueError(f"candidate {cand!r} of context {context!r} has no token to be conditioned on")
                 logits = model(input_ids=torch.tensor([full])).logits[0]
                 lp = torch.log_softmax(logits.float(), -1)
                 row.append(sum(lp[t - 1, full[t]].item() for t in range(p, len(full))))
