@@ -4,7 +4,9 @@ The DeepSpeed launcher runs ``python -m llmrl.launch [--local_rank=N] --config C
 SCRIPT [script args]`` (or ``-m MODULE`` instead of SCRIPT) on every rank. Rank 0 runs the script as
 ``__main__`` with only its own arguments; every other rank becomes an LLM server and never runs it.
 A bad config or a wrong rank count makes every rank exit at once with code 2 and one message per
-node (printed by local rank 0).
+node (printed by local rank 0). Before any rank becomes client or server (so before any process
+group exists), local rank 0 of each node prepares the config's ``builtin:`` models while the node's
+other ranks wait for them.
 
 This module only decides who does what; the client and server live in :mod:`llmrl.engine`.
 """
@@ -103,6 +105,31 @@ def run_script(args: RankArgs) -> int:
         return 1
 
 
+def prepare_builtin_models(config, rank: int, local_rank: int) -> str | None:
+    """Make the config's ``builtin:`` models ready on this node before any process group exists.
+
+    Local rank 0 prepares them (converts, verifies, installs; see :mod:`llmrl.engine.builtin_models`)
+    while the node's other ranks wait for the entries to appear, for at most ``timeouts.startup``.
+    Returns an error message, or None. If local rank 0 fails it exits non-zero and the DeepSpeed
+    launcher stops the waiting ranks; the deadline covers launchers that do not.
+    """
+    from llmrl.engine import builtin_models
+
+    names = builtin_models.builtin_names(config)
+    if not names:
+        return None
+    try:
+        if local_rank == 0:
+            for name in names:
+                builtin_models.prepare_builtin(name)
+        else:
+            builtin_models.wait_until_ready(names, config.timeouts.startup)
+    except Exception as err:  # noqa: BLE001 - reported in one line; the launcher then stops the run
+        detail = str(err) if isinstance(err, (builtin_models.CacheError, TimeoutError)) else f"{type(err).__name__}: {err}"
+        return f"rank {rank}: preparing builtin:{' builtin:'.join(names)} failed: {detail}"
+    return None
+
+
 def _say(message: str, loud: bool) -> None:
     if loud:
         print(f"llmrl: {message}", file=sys.stderr, flush=True)
@@ -123,14 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     from llmrl.engine.config import load_config, world_size_problem
     from llmrl.engine.errors import ConfigError
 
-    try:
-        config = load_config(args.config, args.overrides)
+    try:  # the file's own checks first: a broken config or rank count stops every rank at once
+        config = load_config(args.config, args.overrides, check_environment=False, check_plugins=False)
     except ConfigError as err:
         _say(str(err), loud)
         return 2
     problem = world_size_problem(config, world_size)
     if problem:
         _say(problem, loud)
+        return 2
+    problem = prepare_builtin_models(config, rank, local_rank)
+    if problem:
+        _say(problem, True)
+        return 1
+    try:  # then the machine's (model folders, GPUs, plugins), now that builtin models are in place
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        _say(str(err), loud)
         return 2
     if rank == 0:
         from llmrl.engine.client import run_client

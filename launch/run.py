@@ -1,4 +1,5 @@
-"""``llmrl run``: validate the config, count the ranks, print the exact ``deepspeed`` command, run it.
+"""``llmrl run``: validate the config, count the ranks, prepare the config's ``builtin:`` models, print the
+exact ``deepspeed`` command, run it.
 
 The run's exit code is the script's: rank 0 writes it to a file the command reads back, so that it
 survives the DeepSpeed launcher (which answers Ctrl-C with its own code 1).
@@ -77,9 +78,14 @@ def main(args: argparse.Namespace) -> int:
         print("llmrl: --no_ssh with a hostfile needs --master_addr (the address of node 0)", file=sys.stderr)
         return 2
     cmd = deepspeed_command(options, config.world_size, deepspeed_executable())
-    print("llmrl: running " + shlex.join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
+        print("llmrl: running " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
+    problem = prepare_builtin_models(config)
+    if problem:
+        print(f"llmrl: {problem}", file=sys.stderr)
+        return 1
+    print("llmrl: running " + shlex.join(cmd), file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:
         exit_file = os.path.join(tmp, "exit-code")
         env = {**os.environ, "LLMRL_EXIT_CODE_FILE": exit_file}
@@ -100,6 +106,21 @@ def main(args: argparse.Namespace) -> int:
         if script_code is not None:
             return script_code
         return code if code >= 0 else 128 - code
+
+
+def prepare_builtin_models(config) -> str | None:
+    """Convert, verify and install the config's ``builtin:`` models in this process, before the launcher
+    starts (so before any process group exists); an error message, or None."""
+    from llmrl.engine import builtin_models
+
+    names = builtin_models.builtin_names(config)
+    try:
+        for name in names:
+            builtin_models.prepare_builtin(name)
+    except Exception as err:  # noqa: BLE001 - one clear line, nothing launched
+        detail = str(err) if isinstance(err, builtin_models.CacheError) else f"{type(err).__name__}: {err}"
+        return f"preparing builtin:{name} failed: {detail}"
+    return None
 
 
 def wait_forwarding_ctrl_c(process: subprocess.Popen, grace: float = 3.0) -> tuple[int, bool]:
