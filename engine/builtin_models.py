@@ -343,6 +343,8 @@ def build_into(name: str, staging: Path) -> None:
     if spec.tiny_kind is not None:
         from llmrl.engine.testing import build_tiny
 
+        print(f"llmrl: building builtin:{name} (a tiny random {spec.tiny_kind}) in {staging.parent / name}",
+              file=sys.stderr, flush=True)
         model, tokenizer = build_tiny(spec.tiny_kind)
         source = f"tiny random {spec.tiny_kind}"
     else:
