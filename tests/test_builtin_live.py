@@ -81,6 +81,20 @@ def test_a_foreign_folder_at_the_entry_stops_the_run_with_a_clear_message(tmp_pa
         LiveRun(config("2 replicas"), env={"LLMRL_CACHE": str(tmp_path / "cache")}, workdir=str(tmp_path))
     assert "not made by llmrl" in str(failed.value) and "LLMRL_CACHE" in str(failed.value)
     assert os.listdir(folder) == ["data.bin"]
+    assert leftovers(str(tmp_path / "config.yaml")) == []
+
+
+def leftovers(marker: str) -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if marker in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+                found.append(proc.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
 
 
 def test_on_rank_1_of_a_process_group_the_builtin_conversion_still_writes_the_model(tmp_path):
