@@ -13,9 +13,9 @@ The cache is ``$LLMRL_CACHE/models/NAME`` (default ``~/.cache/llmrl``). How an e
   rename. If another process (another node sharing the home folder) installed a good entry first, the
   rename fails, that entry is used and ours is discarded. No file locks: they are unreliable on
   network file systems, and nothing here needs one to be correct.
-- A conversion that wrote no weights is an error that says so, never an entry. transformers 5's
-  ``save_pretrained`` silently writes no model on a process that is not rank 0 of an initialised
-  ``torch.distributed`` group, so when a process group exists the model is built in a child process.
+- A conversion that wrote no weights is an error that says so, never an entry. Models are built in a
+  child process, where no ``torch.distributed`` group exists: transformers 5's ``save_pretrained``
+  silently writes no model on a process that is not rank 0 of an initialised group.
 - An entry that is unusable (files missing or truncated) is renamed to a ``NAME.broken-TIME-XXXX``
   sibling (never deleted) and rebuilt, with one line on stderr. Only our own folders are moved: those
   with the marker, or, for entries written by older llmrl versions, a folder at ``models/NAME`` that
@@ -304,36 +304,30 @@ def _move_aside(target: Path, name: str, reason: str) -> None:
 
 
 def _build(name: str) -> Path:
-    """A verified, marked staging folder of ``name`` next to its entry (not yet installed)."""
+    """A verified, marked staging folder of ``name`` next to its entry (not yet installed), built by a child."""
     parent = models_dir()
     parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_staging(parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.staging-{os.getpid()}@{socket.gethostname()}-", dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the entry from a shared cache's other users
     try:
-        if _process_group_active():
-            # save_pretrained would silently skip the weights here: build where no process group exists.
-            code = subprocess.call([sys.executable, "-m", "llmrl.engine.builtin_models", "build", name, str(staging)])
-            if code != 0:
-                raise CacheError(f"building builtin:{name} in a child process failed (exit code {code}; its error "
-                                 "is above)")
-        else:
-            build_into(name, staging)
+        # A child process: no process group exists there (where one does, save_pretrained silently skips the
+        # weights on every rank but 0), and the ~1 GB a conversion touches is not kept by a client or `llmrl run`.
+        code = subprocess.call([sys.executable, "-m", "llmrl.engine.builtin_models", "build", name, str(staging)])
+        if code != 0:
+            raise CacheError(f"building builtin:{name} failed (exit code {code} of the process that built it; its "
+                             "error is above); nothing was installed")
         problem = None if (staging / MARKER).is_file() else f"no {MARKER}"
         problem = problem or folder_problem(staging, json.loads((staging / MARKER).read_text())["files"])
         if problem:
             raise CacheError(f"building builtin:{name} left an incomplete folder ({problem}); nothing was installed")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in (staging, *staging.iterdir()):  # mkdtemp's 0700 (and savers' 0600) would ignore the umask
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
-
-
-def _process_group_active() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def build_into(name: str, staging: Path) -> None:
@@ -390,7 +384,7 @@ def _from_gguf(name: str, staging: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_location(BUILTIN_MODELS[name])
-    print(f"llmrl: converting {gguf.name} to a Hugging Face folder in {staging.parent / name} (once, ~1 minute)",
+    print(f"llmrl: converting {gguf.name} to a Hugging Face folder in {staging.parent / name} (once, under a minute)",
           file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -535,4 +529,7 @@ def clear_cache(name: str | None = None) -> tuple[list[CacheItem], list[CacheIte
 if __name__ == "__main__":  # python -m llmrl.engine.builtin_models build NAME FOLDER (used by _build)
     if len(sys.argv) != 4 or sys.argv[1] != "build":
         sys.exit("usage: python -m llmrl.engine.builtin_models build NAME EMPTY_FOLDER")
-    build_into(sys.argv[2], Path(sys.argv[3]))
+    try:
+        build_into(sys.argv[2], Path(sys.argv[3]))
+    except (CacheError, FileNotFoundError, KeyError) as err:  # expected failures: one line, no traceback
+        sys.exit(f"llmrl: {err.args[0] if isinstance(err, KeyError) else err}")

