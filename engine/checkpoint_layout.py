@@ -7,7 +7,7 @@ folder (so that nothing else is ever replaced by a save) and the time of the sav
 renames of its swap leaves the previous checkpoint as a ``.<name>.old-*`` sibling: :func:`resolve_checkpoint`
 finds the newest complete one by the time its manifest records, so a run can resume from it.
 
-This module names things, reads manifests and writes small files durably; it imports nothing heavy.
+This module names things and reads manifests; it writes nothing and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -44,42 +44,3 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if backups:
         return backups[0]
     raise FileNotFoundError(f"no complete llmrl checkpoint at {path} (a folder written by Caller.save has {MANIFEST})")
-
-
-def write_json(path: Path, data) -> None:
-    """Write ``data`` as JSON and flush it to disk before returning."""
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (new names, renames) to disk, where the filesystem allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """Flush every file and folder under ``root`` to disk (what a manifest vouches for must be there first)."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        fsync_dir(Path(folder))

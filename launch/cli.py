@@ -1,17 +1,18 @@
-"""The ``llmrl`` command: one verb per module (run, validate, env, plugins)."""
+"""The ``llmrl`` command: one verb per module (run, validate, env, plugins, cache)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from llmrl.launch import env, plugins_list, run, validate
+from llmrl.launch import cache, env, plugins_list, run, validate
 
 VERBS = {
     "run": (run, "launch a run: rank 0 runs SCRIPT, the other ranks serve the config's LLMs"),
     "validate": (validate, "check a config without starting anything"),
     "env": (env, "print the versions and accelerator for a bug report"),
     "plugins": (plugins_list, "list the installed plugins"),
+    "cache": (cache, "list the model cache (size, state); `llmrl cache clear [NAME]` removes llmrl's own entries"),
 }
 
 

@@ -4,7 +4,9 @@ The DeepSpeed launcher runs ``python -m llmrl.launch [--local_rank=N] --config C
 SCRIPT [script args]`` (or ``-m MODULE`` instead of SCRIPT) on every rank. Rank 0 runs the script as
 ``__main__`` with only its own arguments; every other rank becomes an LLM server and never runs it.
 A bad config or a wrong rank count makes every rank exit at once with code 2 and one message per
-node (printed by local rank 0).
+node (printed by local rank 0). Before any rank becomes client or server (so before any process
+group exists), local rank 0 of each node prepares the config's ``builtin:`` models while the node's
+other ranks wait for them.
 
 This module only decides who does what; the client and server live in :mod:`llmrl.engine`.
 """
@@ -206,15 +208,25 @@ def _main(argv: list[str] | None) -> int:
         return 2
     from llmrl.engine.config import load_config, world_size_problem
     from llmrl.engine.errors import ConfigError
+    from llmrl.launch.prepare import prepare_builtin_models
 
-    try:
-        config = load_config(args.config, args.overrides)
+    try:  # the file's own checks first: a broken config or rank count stops every rank at once
+        config = load_config(args.config, args.overrides, check_environment=False, check_plugins=False)
     except ConfigError as err:
         _say(str(err), loud)
         return 2
     problem = world_size_problem(config, world_size)
     if problem:
         _say(problem, loud)
+        return 2
+    problem = prepare_builtin_models(config, rank=rank, local_rank=local_rank)
+    if problem:
+        _say(problem, True)
+        return 1
+    try:  # then the machine's (model folders, GPUs, plugins), now that builtin models are in place
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        _say(str(err), loud)
         return 2
     if rank == 0:
         from llmrl.engine.client.hosting import run_client

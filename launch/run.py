@@ -4,7 +4,8 @@ command, run it.
 The command line is ``llmrl run [launcher options and key=value overrides, in any order] (SCRIPT | -m
 MODULE) [script args]``. It is read in full (:func:`parse_argv`, a pure function) before anything
 starts: an unknown option before the script is an error, and everything after the script is the
-script's own.
+script's own. The config's ``builtin:`` models are prepared here, before the launcher starts
+(:mod:`llmrl.launch.prepare`).
 
 The run's exit code is the script's: rank 0 writes it to a file the command reads back, so that it
 survives the DeepSpeed launcher (which answers Ctrl-C with its own code 1); Ctrl-C gives 130, SIGTERM 143.
@@ -39,6 +40,7 @@ from llmrl.launch.command import (
     node_commands,
     node_ranks,
 )
+from llmrl.launch.prepare import prepare_builtin_models
 from llmrl.launch.rank import exit_code_file, is_override
 from llmrl.launch.supervisor import supervise
 
@@ -202,6 +204,10 @@ def main(request: RunRequest) -> int:
     if request.dry_run:
         print_dry_run(options, config.world_size, slots, cmd, executable)
         return 0
+    problem = prepare_builtin_models(config)
+    if problem:
+        print(f"llmrl: {problem}", file=sys.stderr)
+        return 1
     print("llmrl: running " + shlex.join(cmd), file=sys.stderr, flush=True)
     local = local_ranks(options, config.world_size, slots)
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:

@@ -1,4 +1,5 @@
-"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 and 2 replicas."""
+"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 and 2 replicas, each
+on an empty model cache (as on a fresh machine)."""
 
 import csv
 import json
@@ -19,8 +20,12 @@ def test_ppo_demo_quick(tmp_path, replicas):
         [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
          "ppo-babyai-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
          os.path.join(ROOT, "examples", "ppo_babyai.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "LLMRL_CACHE": str(tmp_path / "cache")})  # empty: `llmrl run` prepares the model
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert os.listdir(tmp_path / "cache" / "models") == ["tiny-random-llama"]
+    built, launched = result.stderr.find("llmrl: building builtin:tiny-random-llama"), result.stderr.find("llmrl: running")
+    assert 0 <= built < launched, result.stderr[-3000:]  # prepared by `llmrl run`, before the launcher started
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["episodes"] == 8 and summary["after"]["episodes"] == 8
     for evaluation in (summary["before"], summary["after"]):

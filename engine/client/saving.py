@@ -20,8 +20,9 @@ import time
 import uuid
 from pathlib import Path
 
-from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, fsync_dir, read_manifest, write_json
+from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, read_manifest
 from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.files import fsync_dir, write_json
 from llmrl.engine.requests import save
 
 FORMAT = 2

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from llmrl.engine.checkpoint_layout import TAG, fsync_tree, resolve_checkpoint, write_json
+from llmrl.engine.checkpoint_layout import TAG, resolve_checkpoint
+from llmrl.engine.files import fsync_tree, write_json
 from llmrl.engine.model.served import ServedModel
 
 
