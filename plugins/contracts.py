@@ -15,7 +15,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -34,13 +34,13 @@ class LLMInfo:
     tokenizer: Any = None
 
 
-@dataclass
-class ForwardOutputs:
+class ForwardOutputs(NamedTuple):
     """The outputs of one forward pass over contexts and their candidates, with explicit boundaries.
 
     Candidates are flattened in context order; ``candidate_context[k]`` is the index of the context
     of candidate ``k``. Heads never have to guess token positions: the hidden states they need are
-    taken at the right token by the engine.
+    taken at the right token by the engine. (A named tuple: DeepSpeed's ZeRO-3 hooks find the tensors
+    inside it, as they must for backward passes to gather partitioned weights.)
 
     Attributes:
         kind: "causal" or "seq2seq".
@@ -64,8 +64,8 @@ class ForwardOutputs:
     candidate_context: torch.Tensor
     context_hidden: torch.Tensor | None = None
     candidate_hidden: torch.Tensor | None = None
-    heads: dict[str, torch.Tensor] = field(default_factory=dict)
-    head_levels: dict[str, str] = field(default_factory=dict)  # "context" or "candidate", per head key
+    heads: dict[str, torch.Tensor] | None = None  # the engine always fills both dicts
+    head_levels: dict[str, str] | None = None  # "context" or "candidate", per head key
 
     def scores_by_context(self, fill: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores, mask)``, both ``[n_contexts, max_candidates]``: padded per-context candidate scores."""
@@ -80,6 +80,8 @@ class ForwardOutputs:
             ctx, col = ctx.to(scores.device), col.to(scores.device)
             scores = scores.index_put((ctx, col), self.candidate_scores)
             mask[ctx, col] = True
+        else:  # still part of the graph: a replica with no sample must reach the same weights as the others
+            scores = scores + 0.0 * self.candidate_scores.sum()
         return scores, mask
 
 

@@ -4,8 +4,10 @@ SGD with accumulation, uneven shares, a replica with no sample and a short last 
 sample of a step weighs the same, nothing leaks into the next update); LoRA against a plain PEFT model, two
 adapters of which only the selected one moves; frozen weights stay put, clipping clips, replicas stay equal.
 
-Tolerances: 2e-5 absolute on parameters after Adam/AdamW steps, 1e-5 after SGD steps; every test also checks
-that most parameters moved by far more (1e-3 and more)."""
+Tolerances: 2e-5 absolute on parameters after Adam/AdamW steps at lr 1e-3, 1e-4 after LoRA's Adam steps at
+lr 1e-2 (Adam's step size is the learning rate whatever the gradient's scale, so rounding in a near-zero
+gradient moves a weight by up to a fraction of it), 1e-5 after SGD steps; every test also checks that most
+parameters moved by far more (1e-3 and more)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ TARGETS = [0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25, 3.0]
 BATCH = {"actions": ACTIONS, "weights": WEIGHTS, "targets": TARGETS}
 UPDATER = {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}}
 ADAM = {"type": "adam", "lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.01}
-ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.85, 0.9], "eps": 1e-7, "weight_decay": 0.1}
+# eps is kept away from the gradients' scale: with eps far below a gradient that is nearly zero, Adam's update of
+# that weight is m / sqrt(v) and swings with rounding in the gradient (a test of the engine, not of float noise).
+ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.85, 0.9], "eps": 1e-5, "weight_decay": 0.1}
 
 
 def llm(tiny, zero=0, replicas=1, micro=4, accumulation=2, optimizer=None, **extra):
@@ -61,7 +65,8 @@ def misc_run(tiny):
         "tp2r2": llm(tiny, 1, replicas=2, micro=2, tensor_parallel=2, optimizer=ADAM),
         "acc2x2": llm(tiny, 0, micro=2, accumulation=2),
         "acc4x1": llm(tiny, 0, micro=4, accumulation=1),
-        "uneven": llm(tiny, 2, replicas=2, micro=2, accumulation=2),
+        "uneven-z2": llm(tiny, 2, replicas=2, micro=2, accumulation=2),
+        "uneven-z3": llm(tiny, 3, replicas=2, micro=2, accumulation=2),
         "short": llm(tiny, 0, micro=2, accumulation=2),
         "frozen": llm(tiny, 2, initializers=[{"plugin": "freeze", "args": {"unfreeze": ["model.layers.1.*"]}}]),
         "clipped": llm(tiny, 0, micro=8, accumulation=1),
@@ -75,7 +80,7 @@ def misc_run(tiny):
 @pytest.fixture(scope="module")
 def lora_run(tiny):
     adapters = {"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}
-    lora = {"optimizer": {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-6}, "micro_batch_size": 2,
+    lora = {"optimizer": {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-4}, "micro_batch_size": 2,
             "gradient_accumulation_steps": 2}
     llms = {f"lora-z{z}": {"model": tiny["llama"], "replicas": 2, "initializers": [adapters],
                            "updater": "llmrl_test_plugins:ChosenScoreUpdater",
@@ -214,17 +219,19 @@ def test_micro_batch_2_x_accumulation_2_equals_4_x_1(misc_run):
         torch.testing.assert_close(first[key], second[key], atol=1e-6, rtol=0)
 
 
-def test_uneven_shares_weigh_every_sample_equally(misc_run, tiny):
+@pytest.mark.parametrize("name", ["uneven-z2", "uneven-z3"])
+def test_uneven_shares_weigh_every_sample_equally(misc_run, tiny, name):
     """7 samples over 2 replicas (shares 4 and 3, a short last micro-batch), then 1 sample (a replica with none):
-    each update is one step on the mean loss of its samples, and nothing carries into the next update."""
+    each update is one step on the mean loss of its samples, and nothing carries into the next update. (The
+    replicas' forward passes differ in shape: ZeRO-2's and ZeRO-3's gradient reductions must not care.)"""
     batch7 = {k: v[:7] for k, v in BATCH.items()}
-    before = misc_run.state_dict(llm="uneven")
-    stats = misc_run.update(CONTEXTS[:7], CANDIDATES[:7], llm="uneven", **batch7)
+    before = misc_run.state_dict(llm=name)
+    stats = misc_run.update(CONTEXTS[:7], CANDIDATES[:7], llm=name, **batch7)
     assert [len(s["indices"]) for s in stats] == [4, 3] and [s["optimizer_steps"] for s in stats] == [1, 1]
-    stats = misc_run.update(CONTEXTS[7:], CANDIDATES[7:], llm="uneven", **{k: v[7:] for k, v in BATCH.items()})
+    stats = misc_run.update(CONTEXTS[7:], CANDIDATES[7:], llm=name, **{k: v[7:] for k, v in BATCH.items()})
     assert [len(s["indices"]) for s in stats] == [1, 0] and [s["optimizer_steps"] for s in stats] == [1, 1]
     expected = reference_training(tiny, before, [list(range(7)), [7]])
-    assert_params(misc_run.state_dict(llm="uneven"), expected, before)
+    assert_params(misc_run.state_dict(llm=name), expected, before)
 
 
 def test_a_short_last_accumulation_group_is_stepped_and_nothing_leaks(misc_run, tiny):
@@ -260,22 +267,31 @@ def test_gradient_clipping_really_clips(misc_run, tiny):
     assert step == pytest.approx(1e-3, rel=0.02)  # lr 1 x the clip norm
 
 
-def reference_lora(tiny, before: dict, steps: int, spec: dict) -> dict:
-    """A plain PEFT model with adapters a and b (r=4, alpha=8, every linear layer) holding the server's initial
-    weights; ``steps`` Adam steps of ChosenScoreUpdater's loss (no head) with adapter a active."""
+def _peft_with(tiny, state: dict):
+    """A plain PEFT model with adapters a and b (r=4, alpha=8, every linear layer, as the lora initializer makes
+    them) holding the server's weights ``state``, adapter a active."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
-    tok = AutoTokenizer.from_pretrained(tiny["llama"])
     config = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
     peft = get_peft_model(model, LoraConfig(**config), adapter_name="a")
     peft.add_adapter("b", LoraConfig(**config))
     peft.set_adapter("a")
-    named = {f"model.{k}": p for k, p in peft.named_parameters()}
     with torch.no_grad():
-        for key, p in named.items():
-            p.copy_(before[key])
+        for key, p in peft.named_parameters():
+            p.copy_(state[f"model.{key}"])
+    return peft.eval()
+
+
+def reference_lora(tiny, before: dict, steps: int, spec: dict) -> dict:
+    """``steps`` Adam steps of ChosenScoreUpdater's loss (no head) on a plain PEFT model holding the server's
+    initial weights, adapter a active."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    peft = _peft_with(tiny, before)
+    named = {f"model.{k}": p for k, p in peft.named_parameters()}
     trainable = [p for k, p in named.items() if ".lora_" in k and ".a." in k]
     opt = make_optimizer(trainable, spec)
     for _ in range(steps):
@@ -293,14 +309,23 @@ def test_lora_updates_equal_a_plain_peft_step_and_only_the_selected_adapter_move
     for _ in range(3):
         lora_run.update(CONTEXTS, CANDIDATES, llm=name, adapter="a", **BATCH)
     after = lora_run.state_dict(llm=name)
-    spec = {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-6}
+    spec = {"type": "adam", "lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-4}
     expected = reference_lora(tiny, before, 3, spec)
     moved = 0
     for key, want in expected.items():
-        torch.testing.assert_close(after[key], want, atol=2e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(after[key], want, atol=1e-4, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
         if ".b." in key:
             assert torch.equal(after[key], before[key]), f"adapter b must not move: {key}"
         moved += int((want - before[key]).abs().max() > 1e-3)
     assert moved >= sum(".a." in k for k in expected) // 2, "adapter a must move by far more than the tolerance"
     base = [k for k in before if ".lora_" not in k]
     assert all(torch.equal(before[k], after[k]) for k in base), "the base model is frozen"
+    from transformers import AutoTokenizer
+
+    from testkit import reference_scores
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    peft = _peft_with(tiny, after)
+    for got, want in zip(lora_run.score(CONTEXTS, CANDIDATES, llm=name, peft_adapter="a"),
+                         reference_scores(peft, tok, CONTEXTS, CANDIDATES)):  # scoring after updates (ZeRO-3 too)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

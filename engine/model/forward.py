@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from llmrl.engine.errors import PeerAborted
 from llmrl.engine.model.batching import BatchSpec, Needs, plan_batches
 from llmrl.engine.model.served import ServedModel
@@ -79,5 +81,41 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
 def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0) -> ForwardOutputs:
     """Run a planned forward pass through the engine (gradients follow the caller's grad mode)."""
     with served.adapter(plan.adapter):
+        anchor = gradient_anchor(served) if torch.is_grad_enabled() else None
+        if served.llm.lockstep:
+            forget_zero3_trace(served.engine)
         return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                             extra_calls=extra_calls)
+                             extra_calls=extra_calls, anchor=anchor)
+
+
+def forget_zero3_trace(engine) -> None:
+    """Drop ZeRO-3's recorded order of submodules before a forward pass, on every replica alike.
+
+    ZeRO-3 records the order in which submodules run and prefetches weights along it; when a pass deviates, the
+    rank drops its record, and the next pass starts with a collective check that only the ranks without a record
+    take. Our passes change shape with every request and differ between replicas, so records would be dropped
+    on one replica and not another, and the replicas would wait on each other forever. Dropped before every
+    pass on every replica, the record is always empty and the check always matches."""
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    coordinator = offload.get_param_coordinator() if hasattr(offload, "get_param_coordinator") else None
+    if coordinator is not None and not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+
+
+def gradient_anchor(served: ServedModel) -> torch.Tensor | None:
+    """A zero that depends on every trainable weight, made before the forward pass and added to its outputs.
+
+    Under ZeRO-2 each replica hands its gradients to DeepSpeed as they become ready and DeepSpeed packs them
+    into reduction buckets in that order, so replicas whose forward passes differ in shape (a replica with
+    two contexts sharing a prefix, another with one) would sum different weights' gradients together. Made
+    first, the anchor's backward runs last: every weight's gradient becomes ready at the very end of backward,
+    in the same order on every replica, whatever the shape of the pass. (ZeRO-3 partitions the weights
+    themselves and reduces per module; the anchor is not needed, nor possible, there.)
+    """
+    if served.engine.zero_optimization_partition_weights():
+        return None
+    weights = [p for p in served.module.parameters() if p.requires_grad]
+    if not weights:
+        return None
+    return torch.stack([p.reshape(-1)[:1].sum() for p in weights]).sum() * 0.0

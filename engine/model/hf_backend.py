@@ -21,7 +21,7 @@ import torch
 
 from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
-from llmrl.engine.model.forward import plan_forward, prepare, run_forward
+from llmrl.engine.model.forward import forget_zero3_trace, plan_forward, prepare, run_forward
 from llmrl.engine.model.served import ServedModel
 
 
@@ -161,6 +161,8 @@ class HFBackend(ModelBackend):
         if error is not None:
             raise error
         with torch.no_grad(), served.adapter(adapter):
+            if llm.lockstep:
+                forget_zero3_trace(served.engine)
             return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
                             seed=seed, extra_batches=extra)
 

@@ -36,7 +36,10 @@ class ModelWithHeads(torch.nn.Module):
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
-                extra_calls: int = 0) -> ForwardOutputs:
+                extra_calls: int = 0, anchor: torch.Tensor | None = None) -> ForwardOutputs:
+        """Run the batches, put results in request order, run the heads. ``anchor`` (a zero that depends on
+        every trainable weight, see :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every
+        output, so any loss reaches every weight."""
         device = self.device
         results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id)
                    for b in batches]
@@ -52,13 +55,18 @@ class ModelWithHeads(torch.nn.Module):
         context_of = torch.tensor([i for i, c in enumerate(plan.contexts) for _ in c.candidates], dtype=torch.long)
         if extra_calls:
             scores = scores + 0.0 * self._throwaway_calls(extra_calls)
-        outputs = ForwardOutputs(kind=self.kind, num_contexts=n_ctx, candidate_scores=scores,
-                                 candidate_token_counts=counts, candidate_context=context_of.to(device))
-        if needs.context_hidden:
-            outputs.context_hidden = _cat([r.context_hidden for r in results], (0, self.hidden_size), device)[ctx_perm]
-        if needs.candidate_hidden:
-            outputs.candidate_hidden = _cat([r.candidate_hidden for r in results], (0, self.hidden_size),
-                                            device)[cand_perm]
+        context_hidden = (_cat([r.context_hidden for r in results], (0, self.hidden_size), device)[ctx_perm]
+                          if needs.context_hidden else None)
+        candidate_hidden = (_cat([r.candidate_hidden for r in results], (0, self.hidden_size), device)[cand_perm]
+                            if needs.candidate_hidden else None)
+        if anchor is not None:
+            scores = scores + anchor
+            context_hidden = None if context_hidden is None else context_hidden + anchor
+            candidate_hidden = None if candidate_hidden is None else candidate_hidden + anchor
+        outputs = ForwardOutputs(
+            kind=self.kind, num_contexts=n_ctx, candidate_scores=scores, candidate_token_counts=counts,
+            candidate_context=context_of.to(device), context_hidden=context_hidden, candidate_hidden=candidate_hidden,
+            heads={}, head_levels={})
         for key in head_keys:
             head = self.heads[key]
             try:

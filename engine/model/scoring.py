@@ -108,10 +108,12 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     cache = prefix_mask = None
 
     # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
+    touched: list[torch.Tensor] = []  # every model call's output (see _batch_result)
     common = batch.common
     if common > 0:
         out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
                     output_hidden_states=want_hidden, **keep_last)
+        touched.append(out.logits)
         cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
         prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
         for a, c in enumerate(ctxs):
@@ -126,6 +128,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
                     output_hidden_states=want_hidden, **keep_last)
+        touched.append(out.logits)
         cache, prefix_mask = out.past_key_values, mask
         for a, rest in enumerate(remainders):
             if rest:
@@ -189,6 +192,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         if keep_logits:
             kwargs["logits_to_keep"] = keep
         out = model(**kwargs)
+        touched.append(out.logits)
         if wanted:
             logits = (out.logits if keep_logits else out.logits[keep]).float()
             norm = torch.logsumexp(logits, dim=-1)
@@ -205,12 +209,19 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
                 for r, a, j in users.get(n, []):
                     candidate_hidden[offsets[a] + j] = hidden[r, len(row_inputs(plan, batch.contexts[a], j, needs)) - 1]
 
-    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device)
+    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
+                         touched)
 
 
-def _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device) -> BatchResult:
+def _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
+                  touched: list[torch.Tensor]) -> BatchResult:
+    scores = _sum_by_candidate(token_lp, token_cand, len(counts), device)
+    if torch.is_grad_enabled() and touched:
+        # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
+        # whatever the loss reads: under ZeRO-3 each replica gathers the same weights in the same order.
+        scores = scores + 0.0 * sum(t.float().sum() for t in touched)
     return BatchResult(
-        scores=_sum_by_candidate(token_lp, token_cand, len(counts), device),
+        scores=scores,
         counts=counts,
         context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
         candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
@@ -242,6 +253,7 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
     want_hidden = needs.context_hidden or needs.candidate_hidden
     enc_ids, enc_mask = _pad([c.ids for c in ctxs], pad_id, left=False, device=device)
     encoded = model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True) if batch.encoder_pass else None
+    touched = [] if encoded is None else [encoded.last_hidden_state]
     token_lp, token_cand = [], []
     counts = torch.zeros(n_cand, dtype=torch.long)
     context_hidden = [None] * len(ctxs)
@@ -257,6 +269,7 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
         else:
             kwargs["input_ids"] = enc_ids[row_ctx]
         out = model(**kwargs)
+        touched.append(out.logits)
         rows, positions, targets, cand_of_token = [], [], [], []
         for r, (a, j) in enumerate(chunk):
             if j == COMPLETION:
@@ -279,4 +292,5 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
                     context_hidden[a] = hidden[r, 0]  # the decoder start position has read the whole context
                 if j != COMPLETION and needs.candidate_hidden:
                     candidate_hidden[offsets[a] + j] = hidden[r, len(inputs[r]) - 1]
-    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device)
+    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
+                         touched)

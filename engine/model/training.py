@@ -109,7 +109,7 @@ class EngineTrainer(Trainer):
 
 def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
     """The outputs of a throw-away pass, with every row removed (gradients still connect to the model)."""
-    return replace(out, num_contexts=0, candidate_scores=out.candidate_scores[:0],
+    return out._replace(num_contexts=0, candidate_scores=out.candidate_scores[:0],
                    candidate_token_counts=out.candidate_token_counts[:0], candidate_context=out.candidate_context[:0],
                    context_hidden=None if out.context_hidden is None else out.context_hidden[:0],
                    candidate_hidden=None if out.candidate_hidden is None else out.candidate_hidden[:0],
