@@ -57,7 +57,7 @@ def run(tiny, plugin_path):
     pythonpath = os.pathsep.join([plugin_path, HERE, os.environ.get("PYTHONPATH", "")])
     live = LiveRun(config, env={"PYTHONPATH": pythonpath})
     yield live
-    live.close()
+    assert live.close() == 0
 
 
 def test_heads_from_every_source_in_one_forward_pass(run, reference_models):

@@ -44,7 +44,7 @@ def run(tiny):
     }, "threads_per_rank": 1, "timeouts": {"request": 2.5, "collective": 6}}
     live = LiveRun(config)
     yield live
-    live.close()
+    assert live.close() == 0
 
 
 def same(a, b):
