@@ -55,6 +55,14 @@ class ForwardOutputs(NamedTuple):
             Present when a head asks for it (``Head.needs_candidate_hidden``).
         heads: the outputs of the heads run in this pass, by key (what an updater reads after ``trainer.forward``).
         head_levels: each head's level ("context" or "candidate"), by key.
+        token_logprobs: ``[n_tokens]`` the log-prob of every scored token (differentiable in updates), flat: the
+            tokens of candidate 0 in order, then those of candidate 1, ...; each candidate's sum is its
+            ``candidate_scores`` entry. Present with ``per_token=True`` (:meth:`Trainer.forward`).
+        token_candidate: ``[n_tokens]`` the candidate (index into ``candidate_scores``) of each token.
+        token_ids: ``[n_tokens]`` the id of each scored token.
+        token_entropy: ``[n_tokens]`` entropy, in nats, of the model's distribution at the position that predicts
+            each scored token (differentiable in updates). Present with ``entropy=True``.
+        Use :meth:`tokens_by_candidate` for padded ``[n_candidates, max_tokens]`` views of the per-token tensors.
     """
 
     kind: str
@@ -66,6 +74,40 @@ class ForwardOutputs(NamedTuple):
     candidate_hidden: torch.Tensor | None = None
     heads: dict[str, torch.Tensor] | None = None  # the engine always fills both dicts
     head_levels: dict[str, str] | None = None  # "context" or "candidate", per head key
+    token_logprobs: torch.Tensor | None = None
+    token_candidate: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    token_entropy: torch.Tensor | None = None
+
+    def tokens_by_candidate(self, values: torch.Tensor | None = None, fill: float = 0.0
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(padded, mask)``, both ``[n_candidates, max_tokens]``: a per-token tensor (default
+        ``token_logprobs``; or ``token_entropy``, ``token_ids``, or any ``[n_tokens]`` tensor of yours) laid out
+        one row per candidate, its tokens in order, ``fill`` after them; ``mask`` is True on real tokens.
+
+        Example (a token-level policy-gradient loss)::
+
+            out = trainer.forward(contexts, candidates, per_token=True)
+            logp, mask = out.tokens_by_candidate()
+            loss = batch.mean(-(advantages * (logp * mask).sum(1)))
+        """
+        if self.token_candidate is None:
+            raise ValueError("these outputs have no per-token values: call trainer.forward(..., per_token=True)")
+        values = self.token_logprobs if values is None else values
+        n_cand = len(self.candidate_scores)
+        index = self.token_candidate.cpu()
+        counts = torch.bincount(index, minlength=n_cand)
+        width = int(counts.max()) if counts.numel() else 0
+        padded = values.new_full((n_cand, width), fill)
+        mask = torch.zeros((n_cand, width), dtype=torch.bool, device=values.device)
+        if len(index):
+            col = torch.arange(len(index)) - (torch.cumsum(counts, 0) - counts)[index]
+            row, col = index.to(values.device), col.to(values.device)
+            padded = padded.index_put((row, col), values)
+            mask[row, col] = True
+        elif values.is_floating_point():  # still part of the graph (a replica with no token reaches every weight)
+            padded = padded + 0.0 * values.sum()
+        return padded, mask
 
     def scores_by_context(self, fill: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores, mask)``, both ``[n_contexts, max_candidates]``: padded per-context candidate scores."""
@@ -202,9 +244,27 @@ class Trainer:
     micro_batch_size: int
     gradient_accumulation_steps: int
 
-    def forward(self, contexts: list[str], candidates: list[list[str]] | None = None, heads=(),
-                peft_adapter: str | None = None) -> ForwardOutputs:
-        """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none)."""
+    def forward(self, contexts: list, candidates: list[list] | None = None, heads=(),
+                peft_adapter: str | None = None, *, per_token: bool = False, entropy: bool = False,
+                add_eos: bool = False) -> ForwardOutputs:
+        """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none).
+
+        Args:
+            contexts: strings, or lists of token ids used exactly as given (as in ``Caller.score``).
+            candidates: per context, strings or lists of token ids (ids when the context is ids), or None.
+            heads: the head keys to run in the same pass.
+            peft_adapter: the LoRA adapter to use (None: the active one).
+            per_token: also keep every scored token's log-prob apart (``token_logprobs``, ``token_candidate``,
+                ``token_ids``), for token-level losses: a per-token PPO ratio
+                ``exp(out.token_logprobs - old_token_logprobs)``, a per-token KL to the base model (a second
+                forward inside ``trainer.adapters_disabled()``), GRPO's per-token objective. Costs nothing
+                when False.
+            entropy: also compute ``token_entropy`` (needs ``per_token``), for an entropy bonus.
+            add_eos: candidates end with the EOS token (as ``Caller.score(..., add_eos=True)``).
+
+        Returns:
+            The pass's :class:`ForwardOutputs`; per-token tensors in candidate order, with gradients.
+        """
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -245,7 +305,8 @@ class UpdateBatch:
     exactly the mean of the per-sample gradients of its samples, as in single-process training.
 
     Attributes:
-        contexts / candidates: this replica's samples (``candidates`` may be None).
+        contexts / candidates: this replica's samples (``candidates`` may be None): strings, or token ids (lists
+            of ints) as the client gave them; pass them on to ``trainer.forward`` as they are.
         kwargs: keyword arguments of the call; per-sample ones (length = number of contexts) are sliced.
         indices: positions of these samples in the whole call.
         global_size: number of samples in this (mini)batch, over all replicas.
@@ -256,8 +317,8 @@ class UpdateBatch:
             whole batch is one step).
     """
 
-    contexts: list[str]
-    candidates: list[list[str]] | None
+    contexts: list[str | list[int]]  # text, or token ids used as given
+    candidates: list[list[str | list[int]]] | None
     kwargs: dict[str, Any]
     indices: list[int]
     global_size: int

@@ -121,25 +121,34 @@ class Caller:
 
     def score_async(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum",
                     normalize: bool = False, probabilities: bool = False, minibatch_size: int | None = None,
-                    additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None
+                    additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None,
+                    per_token: bool = False, entropy: bool = False, add_eos: bool = False
                     ) -> concurrent.futures.Future:
         """Like :meth:`score`, returning a future."""
         name = self._open(llm)
         if reduction not in ("sum", "mean"):
             raise InvalidArgument(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        if entropy and not per_token:
+            raise InvalidArgument("entropy=True needs per_token=True (entropies are given per token)")
         contexts = check_contexts(contexts)
-        request = score.ScoreRequest(contexts, check_candidates(candidates, len(contexts)),
-                                     check_keys(additional_module_function_keys), peft_adapter, minibatch_size)
-        return score.send(self._run, name, request, score.Finish(reduction, normalize, probabilities))
+        request = score.ScoreRequest(contexts, check_candidates(candidates, contexts),
+                                     check_keys(additional_module_function_keys), peft_adapter, minibatch_size,
+                                     bool(per_token), bool(entropy), bool(add_eos))
+        return score.send(self._run, name, request,
+                          score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)))
 
     def score(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum", normalize: bool = False,
               probabilities: bool = False, minibatch_size: int | None = None,
-              additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None):
+              additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None,
+              per_token: bool = False, entropy: bool = False, add_eos: bool = False):
         """Log-probability of each candidate given its context.
 
         Args:
-            contexts: N prompts.
-            candidates: N lists of candidate continuations (a list may be empty).
+            contexts: N prompts: strings, or lists of token ids (a list of ints, or a 1-D integer tensor such as a
+                ``generate`` sample's ``tokens``) used exactly as given: no BOS added, no re-tokenisation.
+            candidates: N lists of candidate continuations (a list may be empty): strings, or lists of token ids,
+                which are exactly the tokens scored, after the whole context (no boundary merge). A context given
+                as ids takes candidates given as ids.
             llm: which LLM (default: the first of the config).
             reduction: ``"sum"`` of the candidate tokens' log-probs (log p(candidate | context)), or ``"mean"``.
             normalize: log-softmax over each context's candidates (the log-policy over the offered actions).
@@ -147,35 +156,51 @@ class Caller:
             minibatch_size: most rows per forward pass (default: the LLM's ``minibatch_size``).
             additional_module_function_keys: heads to run in the same forward pass.
             peft_adapter: the LoRA adapter to use.
+            per_token: also return each candidate's scored tokens and their log-probs.
+            entropy: with ``per_token``, also the entropy (nats) of the model's distribution at each scored position.
+            add_eos: every candidate's tokens end with the tokenizer's EOS token (appended unless the tokenizer
+                already ends them with it), scored as well (Lamorel's ``add_eos_on_candidates``).
 
         Returns:
             One 1-D float tensor per context (empty for an empty candidate list); with
             ``additional_module_function_keys``, one dict per context with ``"score"`` and each head's output.
+            With ``per_token``, one dict per context: ``"score"`` (as without), ``"tokens"`` (per candidate, a
+            LongTensor of its scored token ids), ``"logprobs"`` (per candidate, each token's raw log-prob; they sum
+            to the ``"sum"`` score, before ``normalize``), ``"entropy"`` with ``entropy=True`` (per candidate), and
+            each head's output.
+
+        Example::
+
+            sample = caller.generate([prompt], do_sample=True)[0][0]
+            (out,) = caller.score([prompt], [[sample["tokens"]]], per_token=True)
+            out["logprobs"][0]        # equals sample["logprobs"] (the same tokens, never re-tokenised)
         """
         return self._wait(self.score_async(
             contexts, candidates, llm=llm, reduction=reduction, normalize=normalize, probabilities=probabilities,
             minibatch_size=minibatch_size, additional_module_function_keys=additional_module_function_keys,
-            peft_adapter=peft_adapter))
+            peft_adapter=peft_adapter, per_token=per_token, entropy=entropy, add_eos=add_eos))
 
     def custom_module_fns_async(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
-                                peft_adapter: str | None = None, minibatch_size: int | None = None
-                                ) -> concurrent.futures.Future:
+                                peft_adapter: str | None = None, minibatch_size: int | None = None,
+                                add_eos: bool = False) -> concurrent.futures.Future:
         """Like :meth:`custom_module_fns`, returning a future."""
         name = self._open(llm)
         keys = check_keys(keys)
         if not keys:
             raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
-        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size)
+        candidates = None if candidates is None else check_candidates(candidates, contexts)
+        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos))
         return score.send(self._run, name, request, score.Finish(scores=False))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
-                          peft_adapter: str | None = None, minibatch_size: int | None = None) -> list[dict]:
-        """Run heads on contexts (and candidates). Returns one ``{key: tensor}`` dict per context
-        (context-level heads give one output per context, candidate-level heads one row per candidate)."""
-        return self._wait(self.custom_module_fns_async(keys, contexts, candidates, llm=llm,
-                                                       peft_adapter=peft_adapter, minibatch_size=minibatch_size))
+                          peft_adapter: str | None = None, minibatch_size: int | None = None,
+                          add_eos: bool = False) -> list[dict]:
+        """Run heads on contexts (and candidates), strings or token ids as in :meth:`score`. Returns one
+        ``{key: tensor}`` dict per context (context-level heads give one output per context, candidate-level heads
+        one row per candidate)."""
+        return self._wait(self.custom_module_fns_async(keys, contexts, candidates, llm=llm, peft_adapter=peft_adapter,
+                                                       minibatch_size=minibatch_size, add_eos=add_eos))
 
     # ------------------------------------------------------------------ generate
 
@@ -191,7 +216,8 @@ class Caller:
 
     def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,
                  minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
-        """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments).
+        """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments). Contexts are strings
+        (tokenised with special tokens, as :meth:`score` tokenises contexts) or lists of token ids used as given.
 
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
@@ -208,11 +234,13 @@ class Caller:
         """Like :meth:`update`, returning a future."""
         name = self._open(llm)
         contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
+        candidates = None if candidates is None else check_candidates(candidates, contexts)
         return update.send(self._run, name, contexts, candidates, kwargs)
 
     def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
-        """Run the LLM's updater on every replica, each on its share of the batch.
+        """Run the LLM's updater on every replica, each on its share of the batch. Contexts and candidates are
+        strings or token ids as in :meth:`score`; the updater receives them as given (token ids as lists of ints)
+        and may pass them to ``trainer.forward``.
 
         Keyword arguments whose length equals the number of contexts (lists, tensors, arrays) are
         per-sample and sliced like the contexts; the others reach every replica whole.
@@ -243,7 +271,7 @@ class Caller:
         merged with the candidate's first characters, as tokenising the concatenation does)."""
         name = self._open(llm)
         contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, len(contexts))
+        candidates = None if candidates is None else check_candidates(candidates, contexts)
         return self._wait(tokenize.send(self._run, name, tokenize.TokenizeRequest(contexts, candidates)))
 
     def ping(self, rank: int | None = None) -> float:

@@ -61,8 +61,11 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def score(self, contexts: list, candidates: list | None, heads: tuple[str, ...], adapter: str | None,
-              minibatch_size: int | None) -> ForwardOutputs:
-        """Score candidates and run heads without gradients (collective under lockstep)."""
+              minibatch_size: int | None, *, per_token: bool = False, entropy: bool = False,
+              add_eos: bool = False) -> ForwardOutputs:
+        """Score candidates and run heads without gradients (collective under lockstep). Contexts and candidates
+        are strings or token id lists; ``per_token`` / ``entropy`` fill the outputs' per-token tensors;
+        ``add_eos`` ends every candidate with the EOS token."""
 
     @abstractmethod
     def tokenize(self, contexts: list, candidates: list | None) -> TokenPlan:
@@ -71,7 +74,8 @@ class ModelBackend(ABC):
     @abstractmethod
     def generate(self, contexts: list, kwargs: dict, adapter: str | None, seed: int | None,
                  minibatch_size: int | None) -> list[list[dict]]:
-        """Per context, ``num_return_sequences`` samples: ``text``, ``tokens``, raw-model ``logprobs``."""
+        """Per context (a string or token ids), ``num_return_sequences`` samples: ``text``, ``tokens``, raw-model
+        ``logprobs``."""
 
     @abstractmethod
     def update(self, batch: UpdateBatch) -> dict:

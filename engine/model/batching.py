@@ -23,10 +23,12 @@ COMPLETION = -1  # row index of a context's completion row (the hidden state of 
 
 @dataclass(frozen=True)
 class Needs:
-    """What the heads of a request need besides scores."""
+    """What a request needs besides summed scores (none of it changes the model calls a plan makes)."""
 
     context_hidden: bool = False  # hidden state at each context's last token
     candidate_hidden: bool = False  # hidden state at each candidate's last token
+    per_token: bool = False  # each scored token's log-prob and id, kept apart (not only summed)
+    entropy: bool = False  # the entropy of the model's distribution at each scored position (with per_token)
 
 
 @dataclass

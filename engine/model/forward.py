@@ -15,7 +15,7 @@ The same path serves ``score`` / ``custom_module_fns`` (without gradients) and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,29 +40,35 @@ class ForwardPlan:
 
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
-                 minibatch_size: int | None = None) -> ForwardPlan:
-    """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet)."""
+                 minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
+                 add_eos: bool = False) -> ForwardPlan:
+    """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
+    ``entropy`` keep per-token log-probs / entropies (they change no model call); ``add_eos`` ends candidates
+    with the EOS token."""
     keys = served.check_heads(heads)
     served.check_adapter(adapter)
-    needs = served.needs_for(keys)
+    if entropy and not per_token:
+        raise ValueError("entropy=True needs per_token=True (entropies are given per token)")
+    needs = replace(served.needs_for(keys), per_token=per_token, entropy=entropy)
     llm = served.llm
     # Under lockstep a seq2seq model re-encodes per chunk: every call must be a whole-model call.
     reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
-                    prefix_reuse=reuse)
+                    prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
     batches = plan_batches(plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs, encoder_reuse=reuse)
     return ForwardPlan(plan, batches, needs, keys, adapter)
 
 
 def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
-            minibatch_size: int | None = None, *, must_agree: bool) -> tuple[ForwardPlan, int]:
+            minibatch_size: int | None = None, *, must_agree: bool, **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.
 
+    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``).
     Returns the plan and the number of throw-away calls to add. Raises this rank's own planning error, or
     :class:`PeerAborted` when another rank's plan failed: every rank raises, none is left in a collective.
     """
     try:
-        plan, error = plan_forward(served, contexts, candidates, heads, adapter, minibatch_size), None
+        plan, error = plan_forward(served, contexts, candidates, heads, adapter, minibatch_size, **options), None
     except Exception as err:  # noqa: BLE001 - voted on, then re-raised
         plan, error = None, err
     if not must_agree:

@@ -3,7 +3,10 @@
 Runs Hugging Face ``generate`` on left-padded batches formed by a token budget. Log-probs come from
 the raw logits (``output_logits``), before any temperature, top-k or top-p processing, so they agree
 with ``score`` on the same continuation. A sequence ends at its first EOS: the EOS is kept (it was
-generated, its log-prob counts) and nothing after it is returned or counted.
+generated, its log-prob counts) and nothing after it is returned or counted. A prompt given as token ids is used
+exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenised with special tokens, as
+``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of the same prompt, give its
+``logprobs`` back.
 
 This module does not route requests; it runs on one server rank.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.engine.model.batching import pack
+from llmrl.engine.model.tokenization import encode_inputs
 
 RESERVED_KWARGS = ("input_ids", "attention_mask", "return_dict_in_generate", "output_logits", "output_scores",
                    "synced_gpus", "inputs", "decoder_input_ids")
@@ -53,17 +57,17 @@ class GenerationPlan:
     num_return: int
 
 
-def plan_generate(model, tokenizer, kind: str, contexts: list[str], kwargs: dict, token_budget: int, max_rows: int,
-                  max_length: int | None) -> GenerationPlan:
-    """Tokenise and batch a request; raises ValueError on bad input (reserved arguments, inputs too long)
-    before anything runs."""
+def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, token_budget: int, max_rows: int,
+                  max_length: int | None, vocab_size: int | None = None) -> GenerationPlan:
+    """Tokenise and batch a request (contexts are strings or token id lists); raises ValueError on bad input
+    (reserved arguments, inputs too long, ids outside ``[0, vocab_size)``) before anything runs."""
     check_generate_kwargs(kwargs)
     kwargs = dict(kwargs)
     num_return = int(kwargs.get("num_return_sequences", 1))
     new_tokens = int(kwargs.get("max_new_tokens", getattr(model.generation_config, "max_new_tokens", None) or 20))
     kwargs.setdefault("max_new_tokens", new_tokens)
     kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-    prompts = tokenizer(contexts, add_special_tokens=True)["input_ids"] if contexts else []
+    prompts = encode_inputs(tokenizer, contexts, vocab_size)
     for i, ids in enumerate(prompts):
         if max_length is not None and kind == "causal" and len(ids) + new_tokens > max_length:
             raise ValueError(f"context {i} ({len(ids)} tokens) plus max_new_tokens={new_tokens} exceeds the model's "

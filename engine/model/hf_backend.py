@@ -132,9 +132,9 @@ class HFBackend(ModelBackend):
 
     # ------------------------------------------------------------------ requests
 
-    def score(self, contexts, candidates, heads, adapter, minibatch_size):
+    def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
         plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                              must_agree=self.llm.lockstep)
+                              must_agree=self.llm.lockstep, **options)
         with torch.no_grad():
             return run_forward(self.served, plan, extra)
 
@@ -148,7 +148,8 @@ class HFBackend(ModelBackend):
         try:
             served.check_adapter(adapter)
             plan, error = plan_generate(served.model, self.tokenizer, llm.type, contexts, kwargs or {},
-                                        llm.token_budget, minibatch_size or llm.minibatch_size, self.max_length), None
+                                        llm.token_budget, minibatch_size or llm.minibatch_size, self.max_length,
+                                        vocab_size=self.info.vocab_size), None
         except Exception as err:  # noqa: BLE001 - under lockstep, voted on first
             plan, error = None, err
         extra = 0

@@ -53,20 +53,26 @@ class ModelWithHeads(torch.nn.Module):
         scores = _cat([r.scores for r in results], (0,), device)[cand_perm] if n_cand else torch.zeros(0, device=device)
         counts = _cat([r.counts for r in results], (0,), "cpu", torch.long)[cand_perm.cpu()]
         context_of = torch.tensor([i for i, c in enumerate(plan.contexts) for _ in c.candidates], dtype=torch.long)
-        if extra_calls:
-            scores = scores + 0.0 * self._throwaway_calls(extra_calls)
+        tokens = _tokens_in_request_order(results, cand_order, device) if needs.per_token else {}
+        # Zeros that tie every output to the lockstep padding calls and to every trainable weight (see forward.py).
+        tie = 0.0 * self._throwaway_calls(extra_calls) if extra_calls else None
+        if anchor is not None:
+            tie = anchor if tie is None else tie + anchor
+        if tie is not None:
+            scores = scores + tie
+            tokens = {k: v + tie if k in ("token_logprobs", "token_entropy") and v is not None else v
+                      for k, v in tokens.items()}
         context_hidden = (_cat([r.context_hidden for r in results], (0, self.hidden_size), device)[ctx_perm]
                           if needs.context_hidden else None)
         candidate_hidden = (_cat([r.candidate_hidden for r in results], (0, self.hidden_size), device)[cand_perm]
                             if needs.candidate_hidden else None)
         if anchor is not None:
-            scores = scores + anchor
             context_hidden = None if context_hidden is None else context_hidden + anchor
             candidate_hidden = None if candidate_hidden is None else candidate_hidden + anchor
         outputs = ForwardOutputs(
             kind=self.kind, num_contexts=n_ctx, candidate_scores=scores, candidate_token_counts=counts,
             candidate_context=context_of.to(device), context_hidden=context_hidden, candidate_hidden=candidate_hidden,
-            heads={}, head_levels={})
+            heads={}, head_levels={}, **tokens)
         for key in head_keys:
             head = self.heads[key]
             try:
@@ -105,6 +111,27 @@ def _candidate_starts(plan: TokenPlan) -> list[int]:
         starts.append(total)
         total += len(c.candidates)
     return starts + [total]
+
+
+def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
+    """The batches' per-token outputs as flat tensors sorted by (candidate in request order, position)."""
+    parts = [r.tokens for r in results]
+    bases, total = [], 0
+    for r in results:
+        bases.append(total)
+        total += len(r.counts)
+    concat = torch.cat([p.candidate + base for p, base in zip(parts, bases)]) if parts else torch.zeros(0, dtype=torch.long)
+    candidate = torch.tensor(cand_order, dtype=torch.long)[concat] if len(concat) else concat
+    position = _cat([p.position for p in parts], (0,), "cpu", torch.long)
+    order = torch.argsort(candidate * (int(position.max()) + 1 if len(position) else 1) + position)
+    dev_order = order.to(device)
+    logprobs = _cat([p.logprobs for p in parts], (0,), device)[dev_order]
+    entropy = None
+    if parts and parts[0].entropy is not None:
+        entropy = _cat([p.entropy for p in parts], (0,), device)[dev_order]
+    return {"token_logprobs": logprobs, "token_candidate": candidate[order].to(device),
+            "token_ids": _cat([p.ids for p in parts], (0,), "cpu", torch.long)[order].to(device),
+            "token_entropy": entropy}
 
 
 def _inverse(order: list[int], n: int, device) -> torch.Tensor:

@@ -10,6 +10,11 @@ the prefix pass's last logits score it. Logits are computed only at the position
 For a seq2seq model the encoder runs once per batch (when the plan says so) and its output is reused by the
 decoder rows of every candidate.
 
+Each scored token's log-prob is computed once; candidates' scores are their sums. When the request asks for them
+(``Needs.per_token``), the per-token log-probs are also kept apart, with each token's id, candidate and position
+within the candidate's scored tokens, and (``Needs.entropy``) the entropy of the distribution the token was drawn
+from, computed from the same kept logits; otherwise none of that is built.
+
 The calls made are exactly those :mod:`llmrl.engine.model.batching` planned. The same code serves ``score``
 (no grad) and the updater's forward (with grad). It knows nothing about processes or requests.
 """
@@ -67,14 +72,62 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _entropy(logits: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy (nats) of each row's softmax, in float32; 0 log 0 counts 0 (and has a zero gradient)."""
+    logits = logits.float()
+    logp = logits - (torch.logsumexp(logits, dim=-1) if norm is None else norm)[:, None]
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+@dataclass
+class Tokens:
+    """Per-token outputs of one batch, in no particular order: candidate (batch-local index) and position within
+    its scored tokens say where each belongs."""
+
+    logprobs: torch.Tensor  # [n_tokens] (on the model's device; differentiable)
+    candidate: torch.Tensor  # [n_tokens] long, CPU
+    position: torch.Tensor  # [n_tokens] long, CPU
+    ids: torch.Tensor  # [n_tokens] long, CPU: the scored token ids
+    entropy: torch.Tensor | None  # [n_tokens] when asked
+
+
+class _TokenSink:
+    """Collects scored tokens as a batch runs: log-probs and candidates always (for the sums), the rest only when
+    the request asks for per-token outputs."""
+
+    def __init__(self, needs: Needs):
+        self.needs = needs
+        self.lp: list[torch.Tensor] = []
+        self.cand: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.ent: list[torch.Tensor] = []
+
+    def add(self, logprobs, candidates: list[int], positions: list[int] | None, targets: torch.Tensor, logits=None,
+            norm=None, index=None) -> None:
+        """``positions`` (a list, or None when per-token outputs are not kept) are the tokens' places in their
+        candidates; entropies come from ``logits`` (rows selected by ``index``, if given)."""
+        self.lp.append(logprobs)
+        self.cand.append(torch.tensor(candidates))
+        if not self.needs.per_token:
+            return
+        self.pos.append(torch.tensor(positions, dtype=torch.long))
+        self.ids.append(targets.cpu())
+        if self.needs.entropy:
+            entropy = _entropy(logits, norm)
+            self.ent.append(entropy if index is None else entropy[index])
+
+
 @dataclass
 class BatchResult:
-    """Per-candidate scores of one batch (candidates in context order) and optional hidden states."""
+    """Per-candidate scores of one batch (candidates in context order) and optional hidden states and tokens."""
 
     scores: torch.Tensor  # [n_candidates] sum of token log-probs
     counts: torch.Tensor  # [n_candidates] number of scored tokens
     context_hidden: torch.Tensor | None  # [n_contexts, H]
     candidate_hidden: torch.Tensor | None  # [n_candidates, H]
+    tokens: Tokens | None = None  # with Needs.per_token
 
 
 def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: int, device,
@@ -99,8 +152,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     n_cand = offsets[-1]
     want_hidden = needs.context_hidden or needs.candidate_hidden
     keep_last = {"logits_to_keep": 1} if keep_logits else {}
-    token_lp: list[torch.Tensor] = []
-    token_cand: list[torch.Tensor] = []
+    sink = _TokenSink(needs)
     counts = torch.zeros(n_cand, dtype=torch.long)
     shared = torch.tensor([c.shared for c in ctxs], device=device)
     last_logits: list = [None] * len(ctxs)  # logits after each context's shared prefix
@@ -141,8 +193,8 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     if firsts:
         logits = torch.stack([last_logits[a] for a, _ in firsts])
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
-        token_lp.append(_token_logprobs(logits, targets))
-        token_cand.append(torch.tensor([offsets[a] + j for a, j in firsts]))
+        sink.add(_token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
+                 logits)
         for a, j in firsts:
             counts[offsets[a] + j] += 1
 
@@ -168,13 +220,14 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         width = ids.shape[1]
         position = shared[row_ctx][:, None] + torch.arange(width, device=device)[None, :]
         # Positions whose logits some candidate scores, and (position, target) pairs per candidate.
+        # (Position t predicts rest[t + 1], token number t + 1 - first_scored of the candidate's scored tokens.)
         needed: dict[tuple[int, int], int] = {}
-        wanted: list[tuple[tuple[int, int], int, int]] = []
+        wanted: list[tuple[tuple[int, int], int, int, int]] = []
         for r, a, j in users.get(n, []):
             cand = ctxs[a].candidates[j]
             for t in range(max(cand.first_scored - 1, 0), len(cand.rest) - 1):
                 needed.setdefault((r, t), 0)
-                wanted.append(((r, t), cand.rest[t + 1], offsets[a] + j))
+                wanted.append(((r, t), cand.rest[t + 1], offsets[a] + j, t + 1 - cand.first_scored))
             counts[offsets[a] + j] += len(cand.rest) - max(cand.first_scored, 1)
         keep = torch.zeros((len(chunk), width), dtype=torch.bool)
         for r, t in needed:
@@ -196,10 +249,10 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         if wanted:
             logits = (out.logits if keep_logits else out.logits[keep]).float()
             norm = torch.logsumexp(logits, dim=-1)
-            index = torch.tensor([flat[rt] for rt, _, _ in wanted], device=device)
-            targets = torch.tensor([target for _, target, _ in wanted], device=device)
-            token_lp.append(logits[index, targets] - norm[index])
-            token_cand.append(torch.tensor([c for _, _, c in wanted]))
+            index = torch.tensor([flat[w[0]] for w in wanted], device=device)
+            targets = torch.tensor([w[1] for w in wanted], device=device)
+            sink.add(logits[index, targets] - norm[index], [w[2] for w in wanted],
+                     [w[3] for w in wanted] if needs.per_token else None, targets, logits, norm, index)
         if want_hidden:
             hidden = out.hidden_states[-1]
             for r, (a, k) in enumerate(chunk):
@@ -209,31 +262,38 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
                 for r, a, j in users.get(n, []):
                     candidate_hidden[offsets[a] + j] = hidden[r, len(row_inputs(plan, batch.contexts[a], j, needs)) - 1]
 
-    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
-                         touched)
+    return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
 
 
-def _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
+def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candidate_hidden, device,
                   touched: list[torch.Tensor]) -> BatchResult:
-    scores = _sum_by_candidate(token_lp, token_cand, len(counts), device)
+    values = torch.cat(sink.lp) if sink.lp else torch.zeros(0, device=device)
+    index = torch.cat(sink.cand) if sink.cand else torch.zeros(0, dtype=torch.long)
+    scores = torch.zeros(len(counts), device=values.device, dtype=values.dtype).index_add(0, index.to(values.device),
+                                                                                          values)
+    tokens = None
+    if needs.per_token:
+        tokens = Tokens(values, index, _cat_long(sink.pos), _cat_long(sink.ids),
+                        (torch.cat(sink.ent) if sink.ent else torch.zeros(0, device=device)) if needs.entropy else None)
     if torch.is_grad_enabled() and touched:
         # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
         # whatever the loss reads: under ZeRO-3 each replica gathers the same weights in the same order.
-        scores = scores + 0.0 * sum(t.float().sum() for t in touched)
+        zero = 0.0 * sum(t.float().sum() for t in touched)
+        scores = scores + zero
+        if tokens is not None:
+            tokens.logprobs = tokens.logprobs + zero
+            tokens.entropy = None if tokens.entropy is None else tokens.entropy + zero
     return BatchResult(
         scores=scores,
         counts=counts,
         context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
         candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
+        tokens=tokens,
     )
 
 
-def _sum_by_candidate(token_lp, token_cand, n_cand, device) -> torch.Tensor:
-    if not token_lp:
-        return torch.zeros(n_cand, device=device)
-    values = torch.cat(token_lp)
-    index = torch.cat(token_cand).to(values.device)
-    return torch.zeros(n_cand, device=values.device, dtype=values.dtype).index_add(0, index, values)
+def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def _stack_or_empty(items, width: int) -> torch.Tensor:
@@ -254,7 +314,7 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
     enc_ids, enc_mask = _pad([c.ids for c in ctxs], pad_id, left=False, device=device)
     encoded = model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True) if batch.encoder_pass else None
     touched = [] if encoded is None else [encoded.last_hidden_state]
-    token_lp, token_cand = [], []
+    sink = _TokenSink(needs)
     counts = torch.zeros(n_cand, dtype=torch.long)
     context_hidden = [None] * len(ctxs)
     candidate_hidden = [None] * n_cand
@@ -283,8 +343,8 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
             counts[offsets[a] + j] += len(rest)
         if targets:
             logits = out.logits[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
-            token_lp.append(_token_logprobs(logits, torch.tensor(targets, device=device)))
-            token_cand.append(torch.tensor(cand_of_token))
+            targets = torch.tensor(targets, device=device)
+            sink.add(_token_logprobs(logits, targets), cand_of_token, positions, targets, logits)
         if want_hidden:
             hidden = out.decoder_hidden_states[-1]
             for r, (a, j) in enumerate(chunk):
@@ -292,5 +352,4 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
                     context_hidden[a] = hidden[r, 0]  # the decoder start position has read the whole context
                 if j != COMPLETION and needs.candidate_hidden:
                     candidate_hidden[offsets[a] + j] = hidden[r, len(inputs[r]) - 1]
-    return _batch_result(model, needs, token_lp, token_cand, counts, context_hidden, candidate_hidden, device,
-                         touched)
+    return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)

@@ -43,7 +43,8 @@ class EngineTrainer(Trainer):
                 return
             raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before {where}")
 
-    def forward(self, contexts, candidates=None, heads=(), peft_adapter=None) -> ForwardOutputs:
+    def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
+                add_eos=False) -> ForwardOutputs:
         served = self.served
         empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
@@ -51,7 +52,8 @@ class EngineTrainer(Trainer):
             contexts = [tokenizer.decode([tokenizer.pad_token_id]) or "a"]
             candidates = None if candidates is None else [[" a"]]
         try:
-            plan, extra = prepare(served, contexts, candidates, heads, peft_adapter, must_agree=True)
+            plan, extra = prepare(served, contexts, candidates, heads, peft_adapter, must_agree=True,
+                                  per_token=per_token, entropy=entropy, add_eos=add_eos)
         except PeerAborted:
             raise
         except Exception:
@@ -113,7 +115,8 @@ def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
                    candidate_token_counts=out.candidate_token_counts[:0], candidate_context=out.candidate_context[:0],
                    context_hidden=None if out.context_hidden is None else out.context_hidden[:0],
                    candidate_hidden=None if out.candidate_hidden is None else out.candidate_hidden[:0],
-                   heads={k: v[:0] for k, v in out.heads.items()})
+                   heads={k: v[:0] for k, v in out.heads.items()},
+                   **{k: None if v is None else v[:0] for k, v in out._asdict().items() if k.startswith("token_")})
 
 
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:

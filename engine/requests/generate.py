@@ -18,7 +18,7 @@ NAME = "generate"
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    contexts: list[str]
+    contexts: list[str | list[int]]  # text, or token ids used as given
     kwargs: dict = field(default_factory=dict)  # Hugging Face generate arguments
     peft_adapter: str | None = None
     seed: int | None = None

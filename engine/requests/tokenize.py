@@ -19,8 +19,8 @@ NAME = "tokenize"
 
 @dataclass(frozen=True)
 class TokenizeRequest:
-    contexts: list[str]
-    candidates: list[list[str]] | None = None
+    contexts: list[str | list[int]]  # text, or token ids used as given
+    candidates: list[list[str | list[int]]] | None = None
 
 
 def send(run: Run, llm: str, request: TokenizeRequest) -> Future:

@@ -25,8 +25,8 @@ NAME = "update"
 class UpdateRequest:
     """One replica's share of an update call."""
 
-    contexts: list[str]
-    candidates: list[list[str]] | None
+    contexts: list[str | list[int]]  # text, or token ids used as given
+    candidates: list[list[str | list[int]]] | None
     kwargs: dict = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)  # positions of these samples in the whole call
     global_size: int = 0
@@ -54,7 +54,7 @@ def check_finite(kwargs: dict) -> None:
                                   "weight changed")
 
 
-def send(run: Run, llm: str, contexts: list[str], candidates: list[list[str]] | None, kwargs: dict) -> Future:
+def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwargs: dict) -> Future:
     check_finite(kwargs)
     n = len(contexts)
     bounds = split_evenly(n, len(run.replicas(llm)))
