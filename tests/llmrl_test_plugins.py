@@ -15,6 +15,10 @@ class ChosenScoreUpdater(Updater):
     Deterministic and simple, so that a plain PyTorch step can reproduce it exactly.
     Keyword arguments of ``update``: actions, weights, targets (per sample); adapter, fail_on_replica and
     fail_after_steps (whole: make one replica raise after that many micro-steps).
+
+    Token level instead, when ``token_weights`` is given (per sample, one weight per token of the chosen
+    candidate): loss_i = -sum_t token_weights_i[t] * log p(token t) - entropy_coef * sum_t H_t, read from
+    ``trainer.forward(..., per_token=True, entropy=True)`` (the head is not used).
     """
 
     def __init__(self, head: str | None = None):
@@ -27,6 +31,13 @@ class ChosenScoreUpdater(Updater):
         for mb in batch.minibatches(trainer.micro_batch_size):
             if fail_on == batch.replica and steps >= batch.kwargs.get("fail_after_steps", 0):
                 raise ValueError(f"deliberate failure on replica {batch.replica}")
+            if "token_weights" in mb.kwargs:
+                loss = mb.mean(self.token_level(trainer, mb))
+                trainer.backward(loss)
+                trainer.step()
+                total += float(loss)
+                steps += 1
+                continue
             out = trainer.forward(mb.contexts, mb.candidates, heads=[self.head] if self.head else [],
                                   peft_adapter=adapter)
             scores, _ = out.scores_by_context(fill=0.0)
@@ -45,6 +56,21 @@ class ChosenScoreUpdater(Updater):
         if batch.kwargs.get("undecodable_stat"):
             stats["odd"] = ServerOnly()
         return stats
+
+    @staticmethod
+    def token_level(trainer, mb) -> torch.Tensor:
+        out = trainer.forward(mb.contexts, mb.candidates, per_token=True, entropy=True)
+        logp, mask = out.tokens_by_candidate()
+        entropy, _ = out.tokens_by_candidate(out.token_entropy)
+        per_context = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts)
+        first = torch.cumsum(per_context, 0) - per_context
+        rows = (first + torch.as_tensor(mb.kwargs["actions"], dtype=torch.long)).to(logp.device)
+        weights = torch.zeros(len(rows), logp.shape[1], device=logp.device)
+        for i, w in enumerate(mb.kwargs["token_weights"]):
+            assert len(w) == int(mask[rows[i]].sum()), "one weight per scored token of the chosen candidate"
+            weights[i, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
+        coef = float(mb.kwargs.get("entropy_coef", 0.0))
+        return -(weights * logp[rows]).sum(1) - coef * (entropy[rows] * mask[rows]).sum(1)
 
 
 def _refuse_to_rebuild():

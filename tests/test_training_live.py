@@ -2,7 +2,9 @@
 default betas, eps, weight decay) under ZeRO 0-3 with 1 and 2 replicas, and tensor-parallel 2 with 2 replicas;
 SGD with accumulation, uneven shares, a replica with no sample and a short last accumulation group (every
 sample of a step weighs the same, nothing leaks into the next update); LoRA against a plain PEFT model, two
-adapters of which only the selected one moves; frozen weights stay put, clipping clips, replicas stay equal.
+adapters of which only the selected one moves; frozen weights stay put, clipping clips, replicas stay equal; a
+token-level loss (per-token log-probs and entropies from ``trainer.forward(per_token=True)``, candidates given
+as token ids and as text) under ZeRO-2 and ZeRO-3 with 2 replicas equals a plain SGD step.
 
 Tolerances: 2e-5 absolute on parameters after Adam/AdamW steps at lr 1e-3, 1e-4 after LoRA's Adam steps at
 lr 1e-2 (Adam's step size is the learning rate whatever the gradient's scale, so rounding in a near-zero
@@ -244,6 +246,49 @@ def test_a_short_last_accumulation_group_is_stepped_and_nothing_leaks(misc_run, 
     misc_run.update(CONTEXTS[5:], CANDIDATES[5:], llm="short", **{k: v[5:] for k, v in BATCH.items()})
     expected = reference_training(tiny, before, [[0, 1, 2, 3], [4], [5, 6, 7]])
     assert_params(misc_run.state_dict(llm="short"), expected, before)
+
+
+# Candidates of the token-level test: token ids (a generated continuation) or text with boundary merges.
+TOKEN_CONTEXTS = CONTEXTS[:4] + ["You see a wa", "Possible actions: tu", "x x x", "open the door"]
+TOKEN_CANDIDATES = [[[17, 230, 41], [5]], [[64, 64, 12, 9], [200]], [[33], [34, 35]], [[120, 121], [122, 123, 124]],
+                    ["ll 2 steps", "lk"], ["rn right", "rn left"], [" c1", [7, 8, 9]], [" now", " slowly"]]
+TOKEN_ACTIONS = [0, 0, 1, 1, 0, 1, 1, 0]
+
+
+def scored(tok, context: str, candidate) -> tuple[list[int], int]:
+    """Plain HF's sequence and where the candidate's scored tokens start in it (text: the tokens of
+    tokenize(context + candidate) after its common prefix with tokenize(context); ids: after the whole context)."""
+    ctx = tok(context)["input_ids"]
+    if not isinstance(candidate, str):
+        return ctx + candidate, len(ctx)
+    full = tok(context + candidate)["input_ids"]
+    return full, next((k for k, (a, b) in enumerate(zip(ctx, full)) if a != b), min(len(ctx), len(full)))
+
+
+@pytest.mark.parametrize("name", ["uneven-z2", "uneven-z3"])
+def test_a_token_level_loss_equals_a_plain_sgd_step(misc_run, tiny, name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    sequences = [scored(tok, TOKEN_CONTEXTS[i], TOKEN_CANDIDATES[i][a]) for i, a in enumerate(TOKEN_ACTIONS)]
+    assert sum(p < len(tok(c)["input_ids"]) for (_, p), c in zip(sequences, TOKEN_CONTEXTS)) >= 2, "boundary merges"
+    token_weights = [[0.5 * (i + 1) * (-1) ** t for t in range(len(full) - p)] for i, (full, p) in enumerate(sequences)]
+    before = misc_run.state_dict(llm=name)
+    stats = misc_run.update(TOKEN_CONTEXTS, TOKEN_CANDIDATES, llm=name, actions=TOKEN_ACTIONS,
+                            token_weights=token_weights, entropy_coef=0.1)
+    assert [s["optimizer_steps"] for s in stats] == [1, 1]
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    model.load_state_dict({k[len("model."):]: v for k, v in before.items() if k.startswith("model.")})
+    losses = []
+    for (full, p), w in zip(sequences, token_weights):
+        logp = torch.log_softmax(model(input_ids=torch.tensor([full])).logits[0, p - 1:-1], -1)
+        chosen = logp[torch.arange(len(full) - p), full[p:]]
+        losses.append(-(torch.tensor(w) * chosen).sum() + 0.1 * (logp.exp() * logp).sum())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.stack(losses).mean().backward()
+    opt.step()
+    expected = {f"model.{k}": p.detach() for k, p in model.named_parameters()}
+    assert_params(misc_run.state_dict(llm=name), expected, before)
 
 
 def test_frozen_parameters_do_not_move(misc_run):
