@@ -11,6 +11,8 @@ In one run on one machine it measures, each as a ratio to its baseline:
     and be scaled; the table says so);
   - ``score`` through llmrl vs the same computation done in this process by llmrl's own model code
     (the engine's overhead: dispatch, serialisation, process hops);
+  - ``score(..., per_token=True)`` (each candidate's tokens and per-token log-probs) vs the summed ``score`` on
+    the same workloads, measured in turn with it (the cost of per-token outputs);
   - ``generate`` through llmrl vs plain batched Hugging Face ``generate`` with the same settings;
   - the round trip of a minimal request;
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
@@ -126,18 +128,18 @@ def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: i
     return out
 
 
-def interleaved(first, second, repeats: int):
-    """Median times of two functions run alternately after one warm-up each (drift hits both alike)."""
-    first()
-    second()
-    times = ([], [])
-    results = [None, None]
+def interleaved(*fns, repeats: int):
+    """(median time, result) of each function, run in turn after one warm-up each (drift hits all alike)."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    results = [None for _ in fns]
     for _ in range(repeats):
-        for k, fn in enumerate((first, second)):
+        for k, fn in enumerate(fns):
             start = time.perf_counter()
             results[k] = fn()
             times[k].append(time.perf_counter() - start)
-    return (statistics.median(times[0]), results[0]), (statistics.median(times[1]), results[1])
+    return [(statistics.median(t), r) for t, r in zip(times, results)]
 
 
 def timed(fn, repeats: int = 1):
@@ -175,6 +177,9 @@ def main() -> int:
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the float32/bfloat16/4-bit loading runs")
+    parser.add_argument("--score-only", action="store_true",
+                        help="only the score rows (llmrl, per-token, in-process): no naive baseline, generate, round "
+                             "trip or memory")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
 
@@ -209,40 +214,33 @@ def main() -> int:
             tokens = unique_tokens(tokenizer, work)
             limit = tokens * per_token
             served_fn = lambda c=contexts, k=candidates: run.score(c, k)  # noqa: E731
+            per_token_fn = lambda c=contexts, k=candidates: run.score(c, k, per_token=True)  # noqa: E731
             inproc_fn = lambda w=work: inprocess_scores(model, tokenizer, w, args.token_budget, 64)  # noqa: E731
-            (served_time, served), (inproc_time, inproc) = interleaved(served_fn, inproc_fn, repeats)
-            rows_total = sum(len(w["candidates"]) for w in work)
-            est = naive_estimate(model, tokenizer, work)
-            subset = len(work) if est <= args.naive_budget else max(1, int(len(work) * args.naive_budget / est))
-            naive_time, naive = timed(lambda w=work[:subset]: naive_scores(model, tokenizer, w))
-            naive_scaled = naive_time * len(work) / subset
-            rows.append({"workload": name, "contexts": len(work), "candidate rows": rows_total,
-                         "unique tokens": tokens, "compute limit s": limit,
-                         "llmrl score s": served_time, "in-process s": inproc_time,
-                         "naive HF s": naive_scaled, "naive subset": f"{subset}/{len(work)}",
-                         "speedup vs naive": naive_scaled / served_time,
-                         "engine efficiency (in-process / llmrl)": inproc_time / served_time,
-                         "llmrl / limit": served_time / limit,
-                         "max |llmrl - naive|": max_error(served[:subset], naive),
-                         "max |llmrl - in-process|": max_error(served, inproc)})
+            (served_time, served), (per_token_time, tokenwise), (inproc_time, inproc) = interleaved(
+                served_fn, per_token_fn, inproc_fn, repeats=repeats)
+            sums = [torch.tensor([float(lp.sum()) for lp in p["logprobs"]]) for p in tokenwise]
+            row = {"workload": name, "contexts": len(work), "candidate rows": sum(len(w["candidates"]) for w in work),
+                   "unique tokens": tokens, "compute limit s": limit,
+                   "llmrl score s": served_time, "llmrl score per_token s": per_token_time,
+                   "per-token / summed": per_token_time / served_time, "in-process s": inproc_time,
+                   "engine efficiency (in-process / llmrl)": inproc_time / served_time,
+                   "llmrl / limit": served_time / limit,
+                   "max |llmrl - in-process|": max_error(served, inproc),
+                   "max |per-token sums - llmrl|": max_error(sums, served)}
+            if not args.score_only:
+                est = naive_estimate(model, tokenizer, work)
+                subset = len(work) if est <= args.naive_budget else max(1, int(len(work) * args.naive_budget / est))
+                naive_time, naive = timed(lambda w=work[:subset]: naive_scores(model, tokenizer, w))
+                naive_scaled = naive_time * len(work) / subset
+                row.update({"naive HF s": naive_scaled, "naive subset": f"{subset}/{len(work)}",
+                            "speedup vs naive": naive_scaled / served_time,
+                            "max |llmrl - naive|": max_error(served[:subset], naive)})
+            rows.append(row)
             print_row(rows[-1])
-        gen_contexts = [w["context"] for w in next(iter(workloads.values()))]
-        new_tokens = 8 if args.quick else 16
-        (gen_time, generated), (plain_time, plain) = interleaved(
-            lambda: run.generate(gen_contexts, max_new_tokens=new_tokens, do_sample=False),
-            lambda: plain_generate(model, tokenizer, gen_contexts, new_tokens), repeats)
-        same = sum(g[0]["tokens"].tolist() == p for g, p in zip(generated, plain))
-        rows.append({"workload": f"generate {len(gen_contexts)} x {new_tokens} tokens (greedy)",
-                     "llmrl generate s": gen_time, "plain HF generate s": plain_time,
-                     "generate speed ratio (plain / llmrl)": plain_time / gen_time,
-                     "identical outputs": f"{same}/{len(gen_contexts)}"})
-        print_row(rows[-1])
-        run.ping()
-        trips = sorted(run.ping() for _ in range(200))
-        rows.append({"workload": "minimal request round trip", "median ms": 1e3 * trips[100],
-                     "p95 ms": 1e3 * trips[190]})
-        print_row(rows[-1])
-    if not args.skip_memory:
+        if not args.score_only:
+            rows += generate_rows(run, model, tokenizer, [w["context"] for w in next(iter(workloads.values()))],
+                                  args.quick, repeats)
+    if not args.skip_memory and not args.score_only:
         rows.append(memory_row(path, args.quick))
         print_row(rows[-1])
     with open(args.out, "w") as f:
@@ -250,6 +248,26 @@ def main() -> int:
                    "rows": rows}, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def generate_rows(run, model, tokenizer, gen_contexts: list[str], quick: bool, repeats: int) -> list[dict]:
+    """Greedy generate through llmrl vs plain batched Hugging Face generate, and the minimal request round trip."""
+    rows = []
+    new_tokens = 8 if quick else 16
+    (gen_time, generated), (plain_time, plain) = interleaved(
+        lambda: run.generate(gen_contexts, max_new_tokens=new_tokens, do_sample=False),
+        lambda: plain_generate(model, tokenizer, gen_contexts, new_tokens), repeats=repeats)
+    same = sum(g[0]["tokens"].tolist() == p for g, p in zip(generated, plain))
+    rows.append({"workload": f"generate {len(gen_contexts)} x {new_tokens} tokens (greedy)",
+                 "llmrl generate s": gen_time, "plain HF generate s": plain_time,
+                 "generate speed ratio (plain / llmrl)": plain_time / gen_time,
+                 "identical outputs": f"{same}/{len(gen_contexts)}"})
+    print_row(rows[-1])
+    run.ping()
+    trips = sorted(run.ping() for _ in range(200))
+    rows.append({"workload": "minimal request round trip", "median ms": 1e3 * trips[100], "p95 ms": 1e3 * trips[190]})
+    print_row(rows[-1])
+    return rows
 
 
 def naive_estimate(model, tokenizer, work) -> float:

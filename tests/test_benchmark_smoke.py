@@ -20,4 +20,5 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
     assert {"6 candidates", "64 candidates", "minimal request round trip", "memory per server (MB)"} <= set(rows)
     for name in ("6 candidates", "64 candidates"):
         assert rows[name]["max |llmrl - naive|"] < 1e-3 and rows[name]["max |llmrl - in-process|"] < 1e-3
+        assert rows[name]["max |per-token sums - llmrl|"] < 1e-3 and rows[name]["per-token / summed"] > 0
     assert "speedup vs naive" in result.stdout and "compute limit" in result.stderr

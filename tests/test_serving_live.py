@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from llmrl.engine.errors import RequestError
+from llmrl.engine.errors import InvalidArgument
 from testkit import LiveRun, reference_scores
 
 pytestmark = pytest.mark.slow
@@ -206,13 +206,19 @@ def test_64_sampled_continuations_score_back_exactly_as_token_ids(llama_layouts,
 
 @pytest.mark.parametrize("llm", ["zero3", "sharded"])
 def test_bad_token_ids_are_refused_and_the_servers_go_on(llama_layouts, reference_models, llm):
+    """Ids beyond the vocabulary are refused before anything is sent, named by their place in the whole call (not in
+    a replica's share); the next request is right."""
     model, tok = reference_models["llama"]
     vocab = model.config.vocab_size
     contexts = [tok(c)["input_ids"] for c in CONTEXTS[:3]]
-    with pytest.raises(RequestError, match=rf"contexts\[1\]\[0\] is {vocab}, not a token id of this model"):
-        llama_layouts.score([contexts[0], [vocab]], [[[5]], [[6]]], llm=llm)
-    with pytest.raises(RequestError, match=r"candidates\[2\]\[0\]\[1\] is 100000"):
+    with pytest.raises(InvalidArgument, match=rf"contexts\[2\]\[0\] is {vocab}, not a token id of LLM '{llm}'"):
+        llama_layouts.score([contexts[0], contexts[1], [vocab]], [[[5]], [[6]], [[6]]], llm=llm)
+    with pytest.raises(InvalidArgument, match=r"candidates\[2\]\[0\]\[1\] is 100000"):
         llama_layouts.score(contexts, [[[5]], [[6]], [[7, 100000]]], llm=llm)
+    with pytest.raises(InvalidArgument, match=r"contexts\[0\]\[1\] is 400"):
+        llama_layouts.generate([[1, 400]], llm=llm, max_new_tokens=2)
+    with pytest.raises(InvalidArgument, match=r"candidates\[0\]\[0\] is a string but contexts\[0\] is a list"):
+        llama_layouts.score([[1, 2]], [[" a"]], llm=llm)
     got = llama_layouts.score(contexts, [[[5, 6]], [[7]], [[8, 9, 10]]], llm=llm)
     with torch.no_grad():
         for context, cand, g in zip(contexts, [[5, 6], [7], [8, 9, 10]], got):

@@ -25,7 +25,7 @@ from llmrl.engine.client.hosting import current_run
 from llmrl.engine.config import PluginSpec
 from llmrl.engine.errors import InvalidArgument, RequestTimeoutError, did_you_mean
 from llmrl.engine.requests import admin, generate, score, state_dict, tokenize, update
-from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys
+from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys, check_vocabulary
 
 
 class Caller:
@@ -107,6 +107,14 @@ class Caller:
             raise RuntimeError("this Caller is closed")
         return self._llm(llm)
 
+    def _inputs(self, llm: str, contexts, candidates=None, *, candidates_needed: bool = False):
+        """Checked contexts and candidates (token ids within the LLM's vocabulary)."""
+        contexts = check_contexts(contexts)
+        if candidates is not None or candidates_needed:
+            candidates = check_candidates(candidates, contexts)
+        check_vocabulary(contexts, candidates, self.info.get(llm, {}).get("vocab_size"), llm)
+        return contexts, candidates
+
     def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         timeout = self._timeout if timeout is None else timeout
         try:
@@ -130,9 +138,9 @@ class Caller:
             raise InvalidArgument(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if entropy and not per_token:
             raise InvalidArgument("entropy=True needs per_token=True (entropies are given per token)")
-        contexts = check_contexts(contexts)
-        request = score.ScoreRequest(contexts, check_candidates(candidates, contexts),
-                                     check_keys(additional_module_function_keys), peft_adapter, minibatch_size,
+        contexts, candidates = self._inputs(name, contexts, candidates, candidates_needed=True)
+        request = score.ScoreRequest(contexts, candidates, check_keys(additional_module_function_keys), peft_adapter,
+                                     minibatch_size,
                                      bool(per_token), bool(entropy), bool(add_eos))
         return score.send(self._run, name, request,
                           score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)))
@@ -188,8 +196,7 @@ class Caller:
         keys = check_keys(keys)
         if not keys:
             raise InvalidArgument("custom_module_fns needs at least one head key")
-        contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, contexts)
+        contexts, candidates = self._inputs(name, contexts, candidates)
         request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos))
         return score.send(self._run, name, request, score.Finish(scores=False))
 
@@ -210,7 +217,7 @@ class Caller:
         """Like :meth:`generate`, returning a future."""
         name = self._open(llm)
         seed = self._rng.randrange(2**31) if seed is None else int(seed)
-        request = generate.GenerateRequest(check_contexts(contexts), generate_kwargs, peft_adapter, seed,
+        request = generate.GenerateRequest(self._inputs(name, contexts)[0], generate_kwargs, peft_adapter, seed,
                                            minibatch_size)
         return generate.send(self._run, name, request)
 
@@ -233,8 +240,7 @@ class Caller:
                      ) -> concurrent.futures.Future:
         """Like :meth:`update`, returning a future."""
         name = self._open(llm)
-        contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, contexts)
+        contexts, candidates = self._inputs(name, contexts, candidates)
         return update.send(self._run, name, contexts, candidates, kwargs)
 
     def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
@@ -270,8 +276,7 @@ class Caller:
         ``tokens`` whose log-probs are summed and ``merged_context_tokens`` (how many of the context's last tokens
         merged with the candidate's first characters, as tokenising the concatenation does)."""
         name = self._open(llm)
-        contexts = check_contexts(contexts)
-        candidates = None if candidates is None else check_candidates(candidates, contexts)
+        contexts, candidates = self._inputs(name, contexts, candidates)
         return self._wait(tokenize.send(self._run, name, tokenize.TokenizeRequest(contexts, candidates)))
 
     def ping(self, rank: int | None = None) -> float:

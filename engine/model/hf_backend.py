@@ -125,6 +125,7 @@ class HFBackend(ModelBackend):
             "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
             "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
             "max_length": self.max_length,
+            "vocab_size": self.info.vocab_size,
             "device": str(self.device),
             "dtype": self.llm.dtype,
             "updater": type(self.updater).__name__ if self.updater else None,

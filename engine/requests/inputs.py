@@ -4,8 +4,8 @@ A context, and a candidate, is either a string or a sequence of token ids (a lis
 integer tensor or array, such as the ``tokens`` of a ``generate`` sample); ids are returned as plain lists of
 ints, to be used exactly as given. Each check names the argument and what was expected, and raises
 :class:`~llmrl.engine.errors.InvalidArgument` (a ValueError) or :class:`~llmrl.engine.errors.InvalidArgumentType`
-(a TypeError), both RequestErrors. Ids beyond the model's vocabulary are refused by the servers, which know its
-size. This module knows nothing about ranks or models.
+(a TypeError), both RequestErrors. Ids beyond the model's vocabulary are refused with :func:`check_vocabulary`,
+given its size (the servers check again). This module knows nothing about ranks or models.
 """
 
 from __future__ import annotations
@@ -93,6 +93,19 @@ def check_candidates(candidates, contexts: list) -> list[list[str | list[int]]]:
             row.append(ids)
         out.append(row)
     return out
+
+
+def check_vocabulary(contexts: list, candidates: list | None, vocab_size: int | None, llm: str) -> None:
+    """Refuse token ids at or beyond ``vocab_size`` (checked inputs), naming the first one's place in the call."""
+    if vocab_size is None:
+        return
+    items = [(f"contexts[{i}]", c) for i, c in enumerate(contexts)]
+    items += [(f"candidates[{i}][{j}]", c) for i, cands in enumerate(candidates or []) for j, c in enumerate(cands)]
+    for where, ids in items:
+        if isinstance(ids, str) or not ids or max(ids) < vocab_size:
+            continue
+        k = next(k for k, token in enumerate(ids) if token >= vocab_size)
+        raise InvalidArgument(f"{where}[{k}] is {ids[k]}, not a token id of LLM {llm!r} (0 <= id < {vocab_size})")
 
 
 def check_keys(keys) -> tuple[str, ...]:
