@@ -17,7 +17,7 @@ from llmrl.engine.model.generation import generate, plan_generate
 from llmrl.engine.model.hf_backend import decoder_start_id
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.tokenization import tokenize
-from llmrl.engine.requests.inputs import check_candidates, check_contexts
+from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_vocabulary
 
 # Text with boundary merges ("You see a wa" + "ll ...", "actions: tu" + "rn right"), a candidate sharing its first
 # tokens with another (rows are shared), an empty candidate, a one-token candidate.
@@ -222,7 +222,12 @@ def test_bad_ids_are_refused_on_the_client():
                                                                          r"list of token ids, got int \(one candidate"),
         (lambda: check_candidates([[[3, None]]], ["a"]), InvalidArgumentType, r"candidates\[0\]\[0\]\[1\] must be a "
                                                                               "token id"),
+        (lambda: check_vocabulary(["a", [1, 320]], None, 320, "main"), InvalidArgument,
+         r"contexts\[1\]\[1\] is 320, not a token id of LLM 'main' \(0 <= id < 320\)"),
+        (lambda: check_vocabulary(["a", [1]], [[" b"], [[2], [3, 4, 999]]], 320, "main"), InvalidArgument,
+         r"candidates\[1\]\[1\]\[2\] is 999"),
     ]
+    check_vocabulary(["a", [319]], [[" b"], [[0], []]], 320, "main")
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
