@@ -183,27 +183,24 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
 
     path = str(tmp_path / "ckpt")
     batch = {"actions": [1, 0, 1, 0], "weights": [1.0, 1.0, 1.0, 1.0]}
-    config = {"llms": {"trainable": trainable(tiny)}, "threads_per_rank": 1}
-    with LiveRun(config) as first:
-        first.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
-        first.save(path)
-        saved_scores = first.score(CONTEXTS, CANDIDATES, llm="trainable")
-    slow_config = {"llms": {"trainable": trainable(
-        tiny, initializers=[{"plugin": "llmrl_test_plugins:SlowSaves", "args": {"seconds": 60}}])}, "threads_per_rank": 1}
+    slow_config = {"llms": {"trainable": trainable(tiny, initializers=[
+        {"plugin": "llmrl_test_plugins:SlowSaves", "args": {"seconds": 60, "fast_saves": 1}}])}, "threads_per_rank": 1}
     slow = LiveRun(slow_config)
     try:
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
+        slow.save(path)  # the first save completes
+        saved_scores = slow.score(CONTEXTS, CANDIDATES, llm="trainable")
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
         thread = threading.Thread(target=lambda: _ignore(slow.save, path), daemon=True)
         thread.start()
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".ckpt.staging-*/trainable/deepspeed")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(tmp_path.glob(".ckpt.staging-*")), "the save must have started"
+        assert list(tmp_path.glob(".ckpt.staging-*")), "the second save must have started"
     finally:
-        slow.kill()  # SIGKILL every process of the run in the middle of the save
+        slow.kill()  # SIGKILL every process of the run in the middle of the second save
     assert resolve_checkpoint(path) == tmp_path / "ckpt" and (tmp_path / "ckpt" / MANIFEST).is_file()
-    config["llms"]["trainable"]["checkpoint"] = path
+    config = {"llms": {"trainable": {**trainable(tiny), "checkpoint": path}}, "threads_per_rank": 1}
     with LiveRun(config) as resumed:
         assert same(resumed.score(CONTEXTS, CANDIDATES, llm="trainable"), saved_scores)
 
