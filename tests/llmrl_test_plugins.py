@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -84,13 +85,17 @@ class CandidateLengthHead(Head):
 
 
 class SlowHead(Head):
-    """Sleeps ``seconds`` in its forward: a request that takes too long."""
+    """Sleeps ``seconds`` in its forward: a request that takes too long. With ``mark``, first creates the file
+    ``<mark>.<pid>`` (so a test can see that the request is in flight)."""
 
-    def __init__(self, llm, seconds: float = 5.0):
+    def __init__(self, llm, seconds: float = 5.0, mark: str | None = None):
         super().__init__(llm)
         self.seconds = seconds
+        self.mark = mark
 
     def forward(self, outputs):
+        if self.mark:
+            open(f"{self.mark}.{os.getpid()}", "w").close()
         time.sleep(self.seconds)
         return torch.zeros(outputs.num_contexts)
 
