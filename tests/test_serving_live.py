@@ -1,4 +1,4 @@
-"""Live runs through the DeepSpeed launcher: score, heads and generate through the servers equal plain Hugging
+"""Live runs (every rank a process): score, heads and generate through the servers equal plain Hugging
 Face and plain PyTorch, with 1 replica (with and without prefix reuse), 2 replicas, tensor-parallel 2 and ZeRO-3
 (Llama), and for several model families in one run (Llama, GPT-2, T5, a tokenizer that appends EOS, a seq2seq
 model whose decoder start token is only in its generation config). The inputs include boundary merges
