@@ -207,7 +207,8 @@ class Caller:
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
             including EOS), ``logprobs`` (each token's log-prob under the raw model distribution, so they agree
-            with ``score``) and ``logprob`` (their sum).
+            with ``score``) and ``logprob`` (their sum). With ``num_beams > 1`` each dict also has ``beam_score``:
+            Hugging Face's length-normalised beam score (``sequences_scores``) of that sequence.
         """
         return self._wait(self.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                               minibatch_size=minibatch_size, **generate_kwargs))
