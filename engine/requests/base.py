@@ -35,6 +35,7 @@ class Run(Protocol):
     """What a kind's client half uses of the run (rank 0's :class:`~llmrl.engine.client.hosting.ClientRun`)."""
 
     config: Config
+    closed_llms: set[str]  # LLMs stopped by Caller.close_llm
 
     def replicas(self, llm: str) -> list[list[int]]:
         """Global ranks of each replica of ``llm``; the first rank of each is its leader."""
@@ -84,6 +85,6 @@ def replica_parts(run: Run, llm: str, bounds: list[tuple[int, int]], make_payloa
 
 
 def every_rank(run: Run, llms=None) -> list[int]:
-    """Every server rank of the given LLMs (default: all), in rank order."""
-    names = run.config.llms if llms is None else llms
+    """Every server rank of the given LLMs (default: all that still serve), in rank order."""
+    names = [name for name in run.config.llms if name not in run.closed_llms] if llms is None else llms
     return [r for name in names for replica in run.replicas(name) for r in replica]
