@@ -60,7 +60,7 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_by_cost(costs: list[int], parts: int) -> list[tuple[int, int]]:
+def split_by_cost(costs: list[float], parts: int) -> list[tuple[int, int]]:
     """Contiguous ranges with roughly equal total cost (each item stays whole)."""
     total = sum(costs)
     bounds, start, acc = [], 0, 0
