@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from llmrl.engine.errors import RequestError
 from testkit import LiveRun, reference_scores
 
 pytestmark = pytest.mark.slow
@@ -274,6 +275,93 @@ def test_tokenize_shows_what_score_sums_over(mixed_llms, reference_models, llm):
             assert got["ids"] == full[p:] and got["merged_context_tokens"] == len(ctx_ids) - p
             merged += got["merged_context_tokens"] > 0
     assert llm == "t5" or merged >= 3, "the inputs must include boundary merges"
+
+
+# One context over several replicas (issue 12.4): a context with many candidates, or with several sampled return
+# sequences, is cut across the replicas; results equal one replica's and plain Hugging Face's.
+BIG = ["You see a door. You", "Goal: go to the red ball"]
+BIG_CANDIDATES = [[f" {verb} {thing}" for verb in ("open", "take", "push", "look at", "go to", "drop", "kick", "eat")
+                   for thing in ("the door", "a key", "the red ball", "a box", "it", "the wall", "north", "café",
+                                 "them", "up", "down", "left", "right", "me", "a", "x", "y", "z", "w", "v", "u", "t",
+                                 "s", "r", "q", "p", "o", "n", "m", "l", "k", "j")],
+                  [" pick up", " go forward", " turn left"]]
+
+
+def requests_served(run, llm: str, kind: str) -> list[int]:
+    """How many requests of ``kind`` each replica leader of ``llm`` received so far."""
+    servers, stats = run.servers(), run.server_memory()
+    return [stats[r]["requests"].get(kind, 0) for r, s in servers.items() if s["llm"] == llm and s["tp_rank"] == 0]
+
+
+@pytest.fixture(scope="module")
+def big_on_one_replica(llama_layouts, reference_models):
+    """Plain Hugging Face scores of BIG, and what one replica returns with normalize and both heads."""
+    model, tok = reference_models["llama"]
+    one = llama_layouts.score(BIG, BIG_CANDIDATES, llm="single", normalize=True,
+                              additional_module_function_keys=["value", "q"])
+    return reference_scores(model, tok, BIG, BIG_CANDIDATES), one
+
+
+@pytest.mark.parametrize("llm", ["replicated", "zero3"])
+def test_one_context_with_many_candidates_uses_every_replica(llama_layouts, big_on_one_replica, llm):
+    assert [len(c) for c in BIG_CANDIDATES] == [256, 3]
+    plain, one = big_on_one_replica
+    keys = ["value", "q"]
+    served = requests_served(llama_layouts, llm, "score")
+    got = llama_layouts.score(BIG, BIG_CANDIDATES, llm=llm, normalize=True, additional_module_function_keys=keys)
+    if llm == "replicated":  # (under lockstep every replica receives every request anyway)
+        assert [b - a for a, b in zip(served, requests_served(llama_layouts, llm, "score"))] == [1, 1]
+    # Against one replica: float32's default tolerance (1e-5 absolute plus 1.3e-6 relative: batches of other shapes
+    # round differently). Every LLM builds its heads with the same seed, so their weights are equal.
+    for g, o, p in zip(got, one, plain):
+        torch.testing.assert_close(g["score"], o["score"], atol=1e-5, rtol=1.3e-6)  # log-softmax over all candidates
+        torch.testing.assert_close(g["score"], p.log_softmax(0), atol=1e-4, rtol=0)
+        assert g["q"].shape == (len(p),) and g["value"].shape == ()
+        torch.testing.assert_close(g["q"], o["q"], atol=1e-5, rtol=1.3e-6)
+        torch.testing.assert_close(g["value"], o["value"], atol=1e-5, rtol=1.3e-6)
+    assert_scores(llama_layouts.score(BIG[:1], BIG_CANDIDATES[:1], llm=llm), plain[:1])
+    heads = llama_layouts.custom_module_fns(keys, BIG, BIG_CANDIDATES, llm=llm)
+    for h, o in zip(heads, one):
+        torch.testing.assert_close(h["q"], o["q"], atol=1e-5, rtol=1.3e-6)
+        torch.testing.assert_close(h["value"], o["value"], atol=1e-5, rtol=1.3e-6)
+
+
+@pytest.mark.parametrize("llm", ["replicated", "zero3"])
+def test_one_prompt_with_eight_samples_uses_every_replica(llama_layouts, reference_models, llm):
+    """Sampled return sequences are spread over the replicas: seeded samples come back the same, each sample's
+    log-probs are a plain forward's, and sampling that can only pick the best token (top_k=1) equals plain Hugging
+    Face greedy decoding on every sample."""
+    model, tok = reference_models["llama"]
+    prompt = CONTEXTS[0]
+    args = {"llm": llm, "max_new_tokens": 4, "do_sample": True, "num_return_sequences": 8}
+    served = requests_served(llama_layouts, llm, "generate")
+    (first,) = llama_layouts.generate([prompt], seed=11, **args)
+    if llm == "replicated":  # (under lockstep every replica receives every request anyway)
+        assert [b - a for a, b in zip(served, requests_served(llama_layouts, llm, "generate"))] == [1, 1]
+    (again,) = llama_layouts.generate([prompt], seed=11, **args)
+    tokens = [s["tokens"].tolist() for s in first]
+    assert len(first) == 8 and tokens == [s["tokens"].tolist() for s in again]
+    assert tokens[:4] != tokens[4:], "the replicas drew the same samples: their seeds must differ"
+    for s in first:
+        torch.testing.assert_close(s["logprobs"], reference_logprobs(model, tok, prompt, s["tokens"].tolist(), False),
+                                   atol=1e-4, rtol=0)
+    with torch.no_grad():
+        enc = tok(prompt, return_tensors="pt")
+        greedy = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)[0]
+    greedy = greedy[enc["input_ids"].shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    greedy = greedy[: greedy.index(eos) + 1] if eos in greedy else greedy
+    for layout in (llm, "single"):
+        (best,) = llama_layouts.generate([prompt], seed=3, top_k=1, **{**args, "llm": layout})
+        assert [s["tokens"].tolist() for s in best] == [greedy] * 8
+
+
+def test_greedy_decoding_with_several_sequences_is_refused_on_every_layout(llama_layouts):
+    """Hugging Face refuses greedy decoding with num_return_sequences > 1; a split layout must not turn it into
+    eight copies of the greedy sequence (such a call is not cut, so every layout answers alike)."""
+    for llm in ("single", "replicated"):
+        with pytest.raises(RequestError, match="num_return_sequences"):
+            llama_layouts.generate([CONTEXTS[0]], llm=llm, max_new_tokens=2, num_return_sequences=8)
 
 
 def test_model_kwargs_and_pad_token_id_are_used(mixed_llms, tiny):

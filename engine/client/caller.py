@@ -118,6 +118,10 @@ class Caller:
             raise RuntimeError("this Caller is closed")
         return self._llm(llm)
 
+    def _head_levels(self, llm: str) -> dict[str, str]:
+        """Each head's level ("context" or "candidate") on ``llm``, as its servers described them at setup."""
+        return self.info[llm]["heads"]
+
     def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         timeout = self._timeout if timeout is None else timeout
         try:
@@ -141,7 +145,8 @@ class Caller:
         contexts = check_contexts(contexts)
         request = score.ScoreRequest(contexts, check_candidates(candidates, len(contexts)),
                                      check_keys(additional_module_function_keys), peft_adapter, minibatch_size)
-        return score.send(self._run, name, request, score.Finish(reduction, normalize, probabilities))
+        return score.send(self._run, name, request, score.Finish(reduction, normalize, probabilities),
+                          self._head_levels(name))
 
     def score(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum", normalize: bool = False,
               probabilities: bool = False, minibatch_size: int | None = None,
@@ -179,7 +184,7 @@ class Caller:
         contexts = check_contexts(contexts)
         candidates = None if candidates is None else check_candidates(candidates, len(contexts))
         request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size)
-        return score.send(self._run, name, request, score.Finish(scores=False))
+        return score.send(self._run, name, request, score.Finish(scores=False), self._head_levels(name))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
                           peft_adapter: str | None = None, minibatch_size: int | None = None) -> list[dict]:
@@ -283,7 +288,8 @@ class Caller:
 
     def server_memory(self) -> dict[int, dict]:
         """Memory use of every server rank still serving (resident set size, peak, CUDA allocations, parameter
-        bytes)."""
+        bytes), and under ``"requests"`` how many requests of each kind (``"score"``, ``"generate"``, ...) the rank
+        received."""
         self._open()
         return self._wait(admin.send_stats(self._run))
 

@@ -203,6 +203,7 @@ class Server:
         if not isinstance(request.payload, kind.payload):
             raise TypeError(f"a {request.kind!r} request carries a {kind.payload.__name__}, "
                             f"got {type(request.payload).__name__}")
+        self.replica.handled[request.kind] += 1
         if kind.needs_setup and not self.replica.ready:
             raise RuntimeError("the server is not set up: create the Caller first")
         return kind.handle(self.replica, request.payload)

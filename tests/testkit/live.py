@@ -54,6 +54,7 @@ class LiveRun:
         options = RunOptions(config=self.config_path, module="testkit.proxy",
                              script_args=[f"{host}:{port}", key.hex()], overrides=list(overrides),
                              master_port=free_port())
+        self.master_port = options.master_port  # the run's TCP store (rank 0 hosts it)
         if launcher == "deepspeed":
             self.command = deepspeed_command(options, self.config.world_size, deepspeed_executable())
         elif launcher == "direct":
