@@ -22,6 +22,7 @@ __all__ = [
     "InvalidArgumentType",
     "ServerDiedError",
     "RequestTimeoutError",
+    "LLMClosedError",
     "__version__",
 ]
 
@@ -35,6 +36,7 @@ _LAZY = {
     "InvalidArgumentType": "llmrl.engine.errors",
     "ServerDiedError": "llmrl.engine.errors",
     "RequestTimeoutError": "llmrl.engine.errors",
+    "LLMClosedError": "llmrl.engine.errors",
 }
 
 

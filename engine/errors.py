@@ -101,6 +101,10 @@ class ServerDiedError(LLMRLError):
         return type(self), (self.rank, self.reason, self.detail)
 
 
+class LLMClosedError(LLMRLError, RuntimeError):
+    """A call named an LLM whose servers were stopped with ``Caller.close_llm``; the run's other LLMs still serve."""
+
+
 class RequestTimeoutError(LLMRLError, TimeoutError):
     """A request took longer than the request timeout (config key ``timeouts.request``)."""
 

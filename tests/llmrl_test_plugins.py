@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -110,13 +111,17 @@ class CandidateLengthHead(Head):
 
 
 class SlowHead(Head):
-    """Sleeps ``seconds`` in its forward: a request that takes too long."""
+    """Sleeps ``seconds`` in its forward: a request that takes too long. With ``mark``, first creates the file
+    ``<mark>.<pid>`` (so a test can see that the request is in flight)."""
 
-    def __init__(self, llm, seconds: float = 5.0):
+    def __init__(self, llm, seconds: float = 5.0, mark: str | None = None):
         super().__init__(llm)
         self.seconds = seconds
+        self.mark = mark
 
     def forward(self, outputs):
+        if self.mark:
+            open(f"{self.mark}.{os.getpid()}", "w").close()
         time.sleep(self.seconds)
         return torch.zeros(outputs.num_contexts)
 
@@ -136,20 +141,24 @@ class NoForwardHead(torch.nn.Module):
 
 
 class SlowSaves(Initializer):
-    """Test hook, applied by monkeypatching on the server: every checkpoint save sleeps ``seconds`` after writing
-    DeepSpeed's part (so that a test can kill the run in the middle of a save). Leaves the model untouched."""
+    """Test hook, applied by monkeypatching on the server: every checkpoint save after the first ``fast_saves``
+    sleeps ``seconds`` after writing DeepSpeed's part (so that a test can kill the run in the middle of a save).
+    Leaves the model untouched."""
 
-    def __init__(self, seconds: float = 60.0):
+    def __init__(self, seconds: float = 60.0, fast_saves: int = 0):
         self.seconds = seconds
+        self.fast_saves = fast_saves
 
     def initialize(self, model, llm):
         from llmrl.engine.model import checkpoint
 
         original = checkpoint.save_rank_state
-        seconds = self.seconds
+        seconds, saves = self.seconds, [0]
 
         def slow_save_rank_state(*args, **kwargs):
-            time.sleep(seconds)
+            saves[0] += 1
+            if saves[0] > self.fast_saves:
+                time.sleep(seconds)
             return original(*args, **kwargs)
 
         checkpoint.save_rank_state = slow_save_rank_state

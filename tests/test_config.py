@@ -92,6 +92,19 @@ BROKEN = [
     ("llms.main.training.micro_batch_size", 8.0, "llms.main.training.micro_batch_size", "expected integer"),
     ("timeouts.dead_after", 1.5, "timeouts.dead_after", "must exceed twice timeouts.heartbeat"),
     ("max_message_bytes", 10, "max_message_bytes", "must be >= 1048576"),
+    ("llms.main.model_kwargs", ["attn_implementation"], "llms.main.model_kwargs", "expected object, got list"),
+    ("llms.main.model_kwargs", "eager", "llms.main.model_kwargs", "such as {attn_implementation: eager}"),
+    ("llms.main.model_kwargs", {"torch_dtype": "bfloat16"}, "llms.main.model_kwargs.torch_dtype",
+     "cannot be set in llms.main.model_kwargs: llmrl sets it from llms.main.dtype"),
+    ("llms.main.model_kwargs", {"dtype": "bfloat16"}, "llms.main.model_kwargs.dtype", "from llms.main.dtype"),
+    ("llms.main.model_kwargs", {"device_map": "auto"}, "llms.main.model_kwargs.device_map", "from llms.main.devices"),
+    ("llms.main.model_kwargs", {"quantization_config": {}}, "llms.main.model_kwargs.quantization_config",
+     "from llms.main.quantization"),
+    ("llms.main.model_kwargs", {"trust_remote_code": True}, "llms.main.model_kwargs.trust_remote_code",
+     "from llms.main.trust_remote_code"),
+    ("llms.main.pad_token_id", -1, "llms.main.pad_token_id", "must be >= 0"),
+    ("llms.main.pad_token_id", "eos", "llms.main.pad_token_id", "expected integer or null"),
+    ("llms.main.pad_token_id", 3.0, "llms.main.pad_token_id", "expected integer or null"),
 ]
 
 
@@ -168,6 +181,15 @@ def test_defaults_are_filled(base):
     llm = load_config(raw=base).llms["main"]
     assert (llm.type, llm.dtype, llm.replicas, llm.tensor_parallel, llm.devices) == ("causal", "float32", 1, 1, "cpu")
     assert llm.training.zero_stage == 0 and llm.updater is None and llm.prefix_reuse
+    assert llm.model_kwargs == {} and llm.pad_token_id is None
+
+
+def test_model_kwargs_and_pad_token_id_are_kept(base):
+    base["llms"]["main"].update({"model_kwargs": {"attn_implementation": "eager", "rope_theta": 1000.0},
+                                 "pad_token_id": 5})
+    llm = load_config(raw=base, overrides=["llms.main.model_kwargs.low_cpu_mem_usage=true"]).llms["main"]
+    assert llm.model_kwargs == {"attn_implementation": "eager", "rope_theta": 1000.0, "low_cpu_mem_usage": True}
+    assert llm.pad_token_id == 5
 
 
 def test_world_size_counts_every_rank(base):

@@ -71,3 +71,43 @@ def test_sampled_logprobs_are_raw_and_stop_at_eos(reference_models):
 def test_reserved_generate_arguments_are_refused():
     with pytest.raises(ValueError, match="output_logits"):
         check_generate_kwargs({"output_logits": False})
+
+
+def _plain_beams(model, tok, prompt, seq2seq, **kwargs):
+    """Plain HF beam search on one unpadded prompt: its sequences (cut after EOS) and sequences_scores."""
+    with torch.no_grad():
+        enc = tok(prompt, return_tensors="pt")
+        out = model.generate(**enc, output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+                             **kwargs)
+    sequences = out.sequences[:, 1:] if seq2seq else out.sequences[:, enc["input_ids"].shape[1]:]
+    eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
+    cut = [s[: s.index(eos) + 1] if eos in s else s for s in sequences.tolist()]
+    return cut, out.sequences_scores
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+def test_beam_search_matches_plain_hf(reference_models, kind):
+    """Beam search in left-padded batches returns plain HF's sequences and their beam scores (sequences_scores),
+    and each token's log-prob under the raw model, read from the beam that produced it. The second case makes a
+    frequent token the EOS, so beams end at different lengths."""
+    model, tok = reference_models[kind]
+    seq2seq = kind == "t5"
+    k = "seq2seq" if seq2seq else "causal"
+    beams = {"num_beams": 4, "num_return_sequences": 3, "max_new_tokens": 6, "do_sample": False}
+    first = generate(model, tok, k, PROMPTS, beams, "cpu", 8192, 64, 512)
+    counts = torch.cat([s["tokens"] for samples in first for s in samples]).bincount()
+    common = int(counts.argmax())  # the most frequent generated token becomes the EOS of the second case
+    for kwargs in (beams, {**beams, "eos_token_id": common}):
+        results = generate(model, tok, k, PROMPTS, kwargs, "cpu", 8192, 64, 512)
+        ended_early = 0
+        for prompt, samples in zip(PROMPTS, results):
+            plain, scores = _plain_beams(model, tok, prompt, seq2seq, **kwargs)
+            assert [s["tokens"].tolist() for s in samples] == plain
+            for sample, score in zip(samples, scores):
+                assert sample["beam_score"] == pytest.approx(float(score), abs=1e-4)
+                expected = _reference_logprobs(model, tok, prompt, sample["tokens"].tolist(), seq2seq)
+                torch.testing.assert_close(sample["logprobs"], expected, atol=1e-4, rtol=0)
+                ended_early += len(sample["tokens"]) < 6
+        assert kwargs is beams or ended_early > 0, "no beam ended at the forced EOS: the case did not test it"
+    greedy = generate(model, tok, k, PROMPTS[:1], {"max_new_tokens": 3}, "cpu", 8192, 64, 512)[0][0]
+    assert "beam_score" not in greedy

@@ -31,7 +31,7 @@ class Run:
     def __init__(self, tmp_path: Path, tiny, phase: str):
         self.config = tmp_path / "config.yaml"
         self.config.write_text(yaml.safe_dump({
-            "llms": {"main": {"model": tiny["llama"], "replicas": 2, "heads": {
+            "llms": {"main": {"model": tiny["llama"], "heads": {
                 "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 120}}}}},
             "threads_per_rank": 1, "log_level": "debug"}))
         self.marks = str(tmp_path / "mark")
@@ -109,8 +109,10 @@ def run(tmp_path, tiny):
         r.kill()
 
 
-@pytest.mark.parametrize("phase", list(EVENTS))
-@pytest.mark.parametrize("target", ["terminal", "client"])
+# A terminal's Ctrl-C at every phase; the client's own SIGINT where it once hung (servers still loading) and
+# mid-call. (Each case is a whole run: the matrix is kept to the cases that exercise different code paths.)
+@pytest.mark.parametrize("target, phase", [("terminal", p) for p in EVENTS] + [("client", "loading"),
+                                                                              ("client", "mid-call")])
 def test_ctrl_c_at_any_phase_ends_the_run_with_130(run, phase, target):
     live = run(phase)
     client = live.client_pid()
@@ -122,7 +124,7 @@ def test_ctrl_c_at_any_phase_ends_the_run_with_130(run, phase, target):
     assert live.finish() == 130, live.log
 
 
-@pytest.mark.parametrize("phase", ["set-up", "idle"])
+@pytest.mark.parametrize("phase", ["set-up"])
 def test_sigterm_ends_the_run_with_143(run, phase):
     live = run(phase)
     live.wait_for(EVENTS[phase])
@@ -139,13 +141,13 @@ def _launcher_chain(live: Run):
     return command, runner, launcher
 
 
-@pytest.mark.parametrize("victim", ["llmrl run", "runner", "per-node launcher"])
+@pytest.mark.parametrize("victim", ["llmrl run", "runner"])
 def test_killing_any_launcher_process_ends_every_rank(run, victim):
     live = run("idle")
     live.wait_for(EVENTS["idle"])
     command, runner, launcher = _launcher_chain(live)
     ranks = launcher.children()
-    assert len(ranks) == 3
+    assert len(ranks) == 2
     {"llmrl run": command, "runner": runner, "per-node launcher": launcher}[victim].kill()  # SIGKILL
     code = live.finish()
     if victim != "llmrl run":  # `llmrl run` itself survives to report the failure

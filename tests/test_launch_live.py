@@ -55,19 +55,25 @@ def check_report(out, reference_models, replicas):
     model, tok = reference_models["llama"]
     (expected,) = reference_scores(model, tok, ["You see a wall"], [[" turn left", " go forward"]])
     torch.testing.assert_close(torch.tensor(report["scores"][0]), expected, atol=1e-4, rtol=0)
-    assert sorted(s["replica"] for s in report["servers"].values()) == list(range(replicas))
+    assert sorted(s["replica"] for s in report["servers"].values() if s["llm"] == "main") == list(range(replicas))
     assert len(glob.glob(f"{out}.ran.*")) == 1, "the script must run on rank 0 only"
     return report
 
 
 def test_llmrl_run(tmp_path, tiny, reference_models):
-    config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"], "replicas": 2}}, "threads_per_rank": 1})
+    """Also: the script closes a second LLM first (Caller.close_llm); its rank's early, clean exit is not a
+    failure of the run, and a call to it says it was closed."""
+    config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"], "replicas": 2},
+                                              "spare": {"model": tiny["gpt2"]}}, "threads_per_rank": 1})
     out = str(tmp_path / "report.json")
     result = run(llmrl("run", "--config", config, SCRIPT, out, "--flag"))
     assert result.returncode == 0, result.stderr
-    assert "llmrl: running " in result.stderr and "--num_gpus 3" in result.stderr
+    assert "llmrl: running " in result.stderr and "--num_gpus 4" in result.stderr
     report = check_report(out, reference_models, replicas=2)
     assert report["argv"] == [SCRIPT, out, "--flag"]  # no --local_rank, no launcher arguments
+    assert report["closed"]["spare"].startswith("LLMClosedError: LLM 'spare' was closed with close_llm()")
+    assert [s["closed"] for s in report["servers"].values()] == [False, False, True]
+    assert "without a clean stop" not in result.stderr
     assert leftovers(config) == []
 
 

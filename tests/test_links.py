@@ -242,3 +242,38 @@ def test_a_peer_without_the_secret_is_refused_before_anything_is_decoded():
     sock.close()
     assert not links.hellos
     links.shutdown(abort=True, reason="test", wait=2)
+
+
+def stopping_server(answer_requests: bool):
+    """A scripted server that answers requests (or not) and hangs up when told to stop, as a closed LLM's rank."""
+    def script(link):
+        while True:
+            message = messages.receive(link)
+            if isinstance(message, messages.Shutdown):
+                link.close()
+                return
+            if answer_requests:
+                messages.send(link, messages.Reply(message.id, 3, value="done"))
+    return script
+
+
+def test_a_retired_rank_hangs_up_without_being_dead():
+    """Caller.close_llm: the rank answers what was sent before the stop, hangs up, and that is no death; calls to it
+    are refused; the link of a rank that is still serving is untouched."""
+    links = scripted_server(stopping_server(answer_requests=True), dead_after=600.0)
+    pending = links.submit("score", [([3], {})], lambda values: values[3])
+    links.retire([3], "test", timeout=10)
+    assert pending.result(5) == "done" and links.dead == {} and links.retired == {3}
+    with pytest.raises(RuntimeError, match="stopped by close_llm"):
+        links.submit("score", [([3], {})], lambda values: values)
+    links.shutdown(abort=False, reason="test", wait=2)
+
+
+def test_a_retired_rank_that_leaves_a_call_unanswered_is_dead():
+    links = scripted_server(stopping_server(answer_requests=False), dead_after=600.0)
+    pending = links.submit("score", [([3], {})], lambda values: values)
+    with pytest.raises(ServerDiedError, match="rank 3 is gone.*while it was being closed"):
+        links.retire([3], "test", timeout=10)
+    with pytest.raises(ServerDiedError):
+        pending.result(5)
+    links.shutdown(abort=True, reason="test", wait=2)

@@ -132,9 +132,12 @@ def _dies_cleanly(live: LiveRun, rank: int, limit: float = 60.0):
 
 
 @pytest.mark.parametrize("when", ["idle", "during a request"])
-def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, when):
+def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, when, tmp_path):
+    mark = str(tmp_path / "in-flight")
     live = LiveRun({"llms": {"main": {"model": tiny["llama"], "replicas": 2, "heads": {
-        "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 20}}}}}, "threads_per_rank": 1})
+        "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 20, "mark": mark}}}}},
+                    "threads_per_rank": 1},
+        launcher="deepspeed")  # the subject: DeepSpeed's launcher, our watchers and the client, when a rank dies
     try:
         victim = 2
         pid = live.servers()[victim]["pid"]
@@ -147,10 +150,17 @@ def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, whe
                     outcome.append(err)
             thread = threading.Thread(target=call)
             thread.start()
-            time.sleep(2)
+            deadline = time.monotonic() + 120
+            while not list(tmp_path.glob("in-flight.*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert list(tmp_path.glob("in-flight.*")), "the slow request never reached a server"
+        victim_process = psutil.Process(pid)
         os.kill(pid, signal.SIGKILL)
         if when == "idle":
-            time.sleep(0.5)
+            try:
+                victim_process.wait(30)  # the server is dead before the call is made
+            except psutil.TimeoutExpired:
+                pass
             # ServerDiedError, or RuntimeError when the launcher ended the run before the client could answer.
             with pytest.raises((ServerDiedError, RuntimeError)) as err:
                 live.score(CONTEXTS, CANDIDATES, timeout=60)
@@ -168,12 +178,16 @@ def test_a_killed_server_makes_the_client_raise_and_every_process_exit(tiny, whe
 
 
 def test_an_exception_in_the_script_stops_the_servers_with_its_exit_code(tiny):
-    live = LiveRun({"llms": {"main": {"model": tiny["llama"], "replicas": 2}}, "threads_per_rank": 1})
+    live = LiveRun({"llms": {"main": {"model": tiny["llama"], "replicas": 2}}, "threads_per_rank": 1},
+                   launcher="deepspeed")
     pids = [s["pid"] for s in live.servers().values()]
     live.raise_in_script("the RL loop crashed")
     assert live.wait(60) == 1
     assert "RuntimeError: the RL loop crashed" in live.log
-    time.sleep(1)
+    deadline = time.monotonic() + 10
+    while [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert live.leftover_processes() == []
 
@@ -183,27 +197,24 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tiny, tmp_path):
 
     path = str(tmp_path / "ckpt")
     batch = {"actions": [1, 0, 1, 0], "weights": [1.0, 1.0, 1.0, 1.0]}
-    config = {"llms": {"trainable": trainable(tiny)}, "threads_per_rank": 1}
-    with LiveRun(config) as first:
-        first.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
-        first.save(path)
-        saved_scores = first.score(CONTEXTS, CANDIDATES, llm="trainable")
-    slow_config = {"llms": {"trainable": trainable(
-        tiny, initializers=[{"plugin": "llmrl_test_plugins:SlowSaves", "args": {"seconds": 60}}])}, "threads_per_rank": 1}
+    slow_config = {"llms": {"trainable": trainable(tiny, initializers=[
+        {"plugin": "llmrl_test_plugins:SlowSaves", "args": {"seconds": 60, "fast_saves": 1}}])}, "threads_per_rank": 1}
     slow = LiveRun(slow_config)
     try:
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
+        slow.save(path)  # the first save completes
+        saved_scores = slow.score(CONTEXTS, CANDIDATES, llm="trainable")
         slow.update(CONTEXTS, CANDIDATES, llm="trainable", **batch)
         thread = threading.Thread(target=lambda: _ignore(slow.save, path), daemon=True)
         thread.start()
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".ckpt.staging-*/trainable/deepspeed")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(tmp_path.glob(".ckpt.staging-*")), "the save must have started"
+        assert list(tmp_path.glob(".ckpt.staging-*")), "the second save must have started"
     finally:
-        slow.kill()  # SIGKILL every process of the run in the middle of the save
+        slow.kill()  # SIGKILL every process of the run in the middle of the second save
     assert resolve_checkpoint(path) == tmp_path / "ckpt" and (tmp_path / "ckpt" / MANIFEST).is_file()
-    config["llms"]["trainable"]["checkpoint"] = path
+    config = {"llms": {"trainable": {**trainable(tiny), "checkpoint": path}}, "threads_per_rank": 1}
     with LiveRun(config) as resumed:
         assert same(resumed.score(CONTEXTS, CANDIDATES, llm="trainable"), saved_scores)
 

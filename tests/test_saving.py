@@ -23,6 +23,7 @@ class FakeRun:
     def __init__(self, tiny):
         self.config = load_config(raw={"llms": {"main": {"model": tiny["llama"]}}}, check_plugins=False)
         self.saves = 0
+        self.closed_llms = set()
 
     def replicas(self, llm):
         return [[1]]

@@ -1,4 +1,4 @@
-"""Live runs through the DeepSpeed launcher: score, heads and generate through the servers equal plain Hugging
+"""Live runs (every rank a process): score, heads and generate through the servers equal plain Hugging
 Face and plain PyTorch, with 1 replica (with and without prefix reuse), 2 replicas, tensor-parallel 2 and ZeRO-3
 (Llama), and for several model families in one run (Llama, GPT-2, T5, a tokenizer that appends EOS, a seq2seq
 model whose decoder start token is only in its generation config). The inputs include boundary merges
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.errors import InvalidArgument, RequestError
 from testkit import LiveRun, reference_scores
 
 pytestmark = pytest.mark.slow
@@ -117,16 +117,30 @@ def llama_layouts(tiny):
     assert run.close() == 0
 
 
+def ordinary_pad_id(tiny) -> int:
+    """The id of an ordinary token that occurs in the inputs ("x"): padding with it must change nothing."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    chosen = tok("x", add_special_tokens=False)["input_ids"][-1]
+    assert chosen not in tok.all_special_ids
+    return chosen
+
+
 @pytest.fixture(scope="module")
 def mixed_llms(tiny):
-    """One run: Llama (1 replica), GPT-2 (2 replicas), T5, and the two variants."""
-    config = {"llms": {"llama": {"model": tiny["llama"]}, "gpt2": {"model": tiny["gpt2"], "replicas": 2},
+    """One run: Llama (1 replica; eager attention through model_kwargs and an ordinary token as its pad token),
+    GPT-2 (2 replicas), T5, and the two variants. The last test closes t5-genstart while the others go on."""
+    config = {"llms": {"llama": {"model": tiny["llama"], "model_kwargs": {"attn_implementation": "eager"},
+                                 "pad_token_id": ordinary_pad_id(tiny)},
+                       "gpt2": {"model": tiny["gpt2"], "replicas": 2},
                        "t5": {"model": tiny["t5"], "type": "seq2seq"}, "llama-eos": {"model": tiny["llama-eos"]},
                        "t5-genstart": {"model": tiny["t5-genstart"], "type": "seq2seq"}},
               "threads_per_rank": 1}
     run = LiveRun(config)
     yield run
-    assert run.close() == 0
+    assert run.close() == 0, run.log
+    assert run.leftover_processes() == []
 
 
 @pytest.mark.parametrize("llm", LAYOUTS)
@@ -316,3 +330,164 @@ def test_tokenize_shows_what_score_sums_over(mixed_llms, reference_models, llm):
             assert got["ids"] == full[p:] and got["merged_context_tokens"] == len(ctx_ids) - p
             merged += got["merged_context_tokens"] > 0
     assert llm == "t5" or merged >= 3, "the inputs must include boundary merges"
+
+
+# One context over several replicas (issue 12.4): a context with many candidates, or with several sampled return
+# sequences, is cut across the replicas; results equal one replica's and plain Hugging Face's.
+BIG = ["You see a door. You", "Goal: go to the red ball"]
+BIG_CANDIDATES = [[f" {verb} {thing}" for verb in ("open", "take", "push", "look at", "go to", "drop", "kick", "eat")
+                   for thing in ("the door", "a key", "the red ball", "a box", "it", "the wall", "north", "café",
+                                 "them", "up", "down", "left", "right", "me", "a", "x", "y", "z", "w", "v", "u", "t",
+                                 "s", "r", "q", "p", "o", "n", "m", "l", "k", "j")],
+                  [" pick up", " go forward", " turn left"]]
+
+
+def requests_served(run, llm: str, kind: str) -> list[int]:
+    """How many requests of ``kind`` each replica leader of ``llm`` received so far."""
+    servers, stats = run.servers(), run.server_memory()
+    return [stats[r]["requests"].get(kind, 0) for r, s in servers.items() if s["llm"] == llm and s["tp_rank"] == 0]
+
+
+@pytest.fixture(scope="module")
+def big_on_one_replica(llama_layouts, reference_models):
+    """Plain Hugging Face scores of BIG, and what one replica returns with normalize and both heads."""
+    model, tok = reference_models["llama"]
+    one = llama_layouts.score(BIG, BIG_CANDIDATES, llm="single", normalize=True,
+                              additional_module_function_keys=["value", "q"])
+    return reference_scores(model, tok, BIG, BIG_CANDIDATES), one
+
+
+@pytest.mark.parametrize("llm", ["replicated", "zero3"])
+def test_one_context_with_many_candidates_uses_every_replica(llama_layouts, big_on_one_replica, llm):
+    assert [len(c) for c in BIG_CANDIDATES] == [256, 3]
+    plain, one = big_on_one_replica
+    keys = ["value", "q"]
+    served = requests_served(llama_layouts, llm, "score")
+    got = llama_layouts.score(BIG, BIG_CANDIDATES, llm=llm, normalize=True, additional_module_function_keys=keys)
+    if llm == "replicated":  # (under lockstep every replica receives every request anyway)
+        assert [b - a for a, b in zip(served, requests_served(llama_layouts, llm, "score"))] == [1, 1]
+    # Against one replica: float32's default tolerance (1e-5 absolute plus 1.3e-6 relative: batches of other shapes
+    # round differently). Every LLM builds its heads with the same seed, so their weights are equal.
+    for g, o, p in zip(got, one, plain):
+        torch.testing.assert_close(g["score"], o["score"], atol=1e-5, rtol=1.3e-6)  # log-softmax over all candidates
+        torch.testing.assert_close(g["score"], p.log_softmax(0), atol=1e-4, rtol=0)
+        assert g["q"].shape == (len(p),) and g["value"].shape == ()
+        torch.testing.assert_close(g["q"], o["q"], atol=1e-5, rtol=1.3e-6)
+        torch.testing.assert_close(g["value"], o["value"], atol=1e-5, rtol=1.3e-6)
+    assert_scores(llama_layouts.score(BIG[:1], BIG_CANDIDATES[:1], llm=llm), plain[:1])
+    heads = llama_layouts.custom_module_fns(keys, BIG, BIG_CANDIDATES, llm=llm)
+    for h, o in zip(heads, one):
+        torch.testing.assert_close(h["q"], o["q"], atol=1e-5, rtol=1.3e-6)
+        torch.testing.assert_close(h["value"], o["value"], atol=1e-5, rtol=1.3e-6)
+
+
+@pytest.mark.parametrize("llm", ["replicated", "zero3"])
+def test_one_prompt_with_eight_samples_uses_every_replica(llama_layouts, reference_models, llm):
+    """Sampled return sequences are spread over the replicas: seeded samples come back the same, each sample's
+    log-probs are a plain forward's, and sampling that can only pick the best token (top_k=1) equals plain Hugging
+    Face greedy decoding on every sample."""
+    model, tok = reference_models["llama"]
+    prompt = CONTEXTS[0]
+    args = {"llm": llm, "max_new_tokens": 4, "do_sample": True, "num_return_sequences": 8}
+    served = requests_served(llama_layouts, llm, "generate")
+    (first,) = llama_layouts.generate([prompt], seed=11, **args)
+    if llm == "replicated":  # (under lockstep every replica receives every request anyway)
+        assert [b - a for a, b in zip(served, requests_served(llama_layouts, llm, "generate"))] == [1, 1]
+    (again,) = llama_layouts.generate([prompt], seed=11, **args)
+    tokens = [s["tokens"].tolist() for s in first]
+    assert len(first) == 8 and tokens == [s["tokens"].tolist() for s in again]
+    assert tokens[:4] != tokens[4:], "the replicas drew the same samples: their seeds must differ"
+    for s in first:
+        torch.testing.assert_close(s["logprobs"], reference_logprobs(model, tok, prompt, s["tokens"].tolist(), False),
+                                   atol=1e-4, rtol=0)
+    with torch.no_grad():
+        enc = tok(prompt, return_tensors="pt")
+        greedy = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)[0]
+    greedy = greedy[enc["input_ids"].shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    greedy = greedy[: greedy.index(eos) + 1] if eos in greedy else greedy
+    for layout in (llm, "single"):
+        (best,) = llama_layouts.generate([prompt], seed=3, top_k=1, **{**args, "llm": layout})
+        assert [s["tokens"].tolist() for s in best] == [greedy] * 8
+
+
+def test_greedy_decoding_with_several_sequences_is_refused_on_every_layout(llama_layouts):
+    """Hugging Face refuses greedy decoding with num_return_sequences > 1; a split layout must not turn it into
+    eight copies of the greedy sequence (such a call is not cut, so every layout answers alike)."""
+    for llm in ("single", "replicated"):
+        with pytest.raises(RequestError, match="num_return_sequences"):
+            llama_layouts.generate([CONTEXTS[0]], llm=llm, max_new_tokens=2, num_return_sequences=8)
+
+
+def test_model_kwargs_and_pad_token_id_are_used(mixed_llms, tiny):
+    """The served Llama uses the attention implementation given in model_kwargs and pads with the chosen ordinary
+    token; its scores equal plain HF loaded with the same keyword (every other test of this run compares it with
+    plain HF too: padding with an ordinary token changes nothing)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = mixed_llms.info
+    assert info["llama"]["attn_implementation"] == "eager" and info["gpt2"]["attn_implementation"] != "eager"
+    assert info["llama"]["pad_token_id"] == ordinary_pad_id(tiny)
+    eager = AutoModelForCausalLM.from_pretrained(tiny["llama"], attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    assert_scores(mixed_llms.score(CONTEXTS, CANDIDATES, llm="llama"), reference_scores(eager, tok, CONTEXTS,
+                                                                                        CANDIDATES))
+
+
+@pytest.mark.parametrize("llm", ["llama", "gpt2", "t5"])
+def test_beam_search_returns_plain_hf_beams_and_scores(mixed_llms, reference_models, llm):
+    """num_beams > 1 through the servers (Llama pads with an ordinary token, GPT-2 splits the prompts over 2
+    replicas): plain HF's beams, each with its sequences_scores as beam_score and raw-model log-probs."""
+    model, tok = reference_models[llm]
+    seq2seq = llm == "t5"
+    prompts = [c for c in CONTEXTS[:5] if c]
+    beams = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5, "do_sample": False}
+    results = mixed_llms.generate(prompts, llm=llm, **beams)
+    for prompt, samples in zip(prompts, results):
+        with torch.no_grad():
+            enc = tok(prompt, return_tensors="pt")
+            out = model.generate(**enc, output_scores=True, return_dict_in_generate=True,
+                                 pad_token_id=tok.pad_token_id, **beams)
+        plain = out.sequences[:, 1:] if seq2seq else out.sequences[:, enc["input_ids"].shape[1]:]
+        eos = model.generation_config.eos_token_id
+        plain = [p[: p.index(eos) + 1] if eos in p else p for p in plain.tolist()]
+        assert [s["tokens"].tolist() for s in samples] == plain
+        for sample, score in zip(samples, out.sequences_scores):
+            assert sample["beam_score"] == pytest.approx(float(score), abs=1e-4)
+            torch.testing.assert_close(sample["logprobs"], reference_logprobs(model, tok, prompt, sample["tokens"]
+                                                                              .tolist(), seq2seq), atol=1e-4, rtol=0)
+
+
+def test_close_one_llm_while_the_others_serve(mixed_llms, reference_models, tmp_path):
+    """Runs last in this module: close_llm stops t5-genstart's rank (it exits, and the run still ends with code 0,
+    see the fixture), calls naming it raise LLMClosedError, and the other LLMs go on answering like plain HF."""
+    import time
+
+    import psutil
+
+    from llmrl import LLMClosedError
+
+    (closed_rank,) = [r for r, s in mixed_llms.servers().items() if s["llm"] == "t5-genstart"]
+    pid = mixed_llms.servers()[closed_rank]["pid"]
+    assert mixed_llms.close_llm("t5-genstart") is None
+    assert mixed_llms.close_llm("t5-genstart") is None  # closing twice does nothing
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(pid):  # exited, and reaped by the launcher (no zombie)
+        assert time.monotonic() < deadline, f"the closed rank (pid {pid}) did not exit"
+        time.sleep(0.1)
+    for call, args in (("score", (CONTEXTS[:1], CANDIDATES[:1])), ("generate", (CONTEXTS[:1],)),
+                       ("custom_module_fns", (["value"], CONTEXTS[:1]))):
+        with pytest.raises(LLMClosedError, match=r"LLM 't5-genstart' was closed with close_llm\(\)"):
+            mixed_llms.call(call, *args, llm="t5-genstart")
+    with pytest.raises(LLMClosedError, match="cannot save"):
+        mixed_llms.save(str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+    assert mixed_llms.servers()[closed_rank]["closed"]
+    assert closed_rank not in mixed_llms.server_memory()
+    contexts, candidates = without_empty(CONTEXTS, CANDIDATES)
+    for llm in ("llama", "gpt2", "t5"):
+        model, tok = reference_models[llm]
+        assert_scores(mixed_llms.score(contexts, candidates, llm=llm),
+                      reference_scores(model, tok, contexts, candidates, seq2seq=llm == "t5"))
+    model, tok = reference_models["gpt2"]
+    check_generation(mixed_llms, "gpt2", model, tok, seq2seq=False)

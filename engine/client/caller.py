@@ -23,7 +23,13 @@ from typing import Any
 
 from llmrl.engine.client.hosting import current_run
 from llmrl.engine.config import PluginSpec
-from llmrl.engine.errors import InvalidArgument, RequestTimeoutError, did_you_mean
+from llmrl.engine.errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    LLMClosedError,
+    RequestTimeoutError,
+    did_you_mean,
+)
 from llmrl.engine.requests import admin, generate, score, state_dict, tokenize, update
 from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys, check_vocabulary
 
@@ -99,6 +105,11 @@ class Caller:
         if name not in self.config.llms:
             raise InvalidArgument(f"unknown llm {name!r}{did_you_mean(name, self.config.llms)}; this run serves "
                              f"{', '.join(self.config.llms)}")
+        if name in self._run.closed_llms:
+            serving = [n for n in self.config.llms if n not in self._run.closed_llms]
+            raise LLMClosedError(f"LLM {name!r} was closed with close_llm(); its servers have stopped"
+                                 f"{' (a call without llm= goes to the first LLM of the config)' if llm is None else ''}"
+                                 f"; this run still serves: {', '.join(serving) or 'none'}")
         return name
 
     def _open(self, llm: str | None = None) -> str:
@@ -114,6 +125,10 @@ class Caller:
             candidates = check_candidates(candidates, contexts)
         check_vocabulary(contexts, candidates, self.info.get(llm, {}).get("vocab_size"), llm)
         return contexts, candidates
+
+    def _head_levels(self, llm: str) -> dict[str, str]:
+        """Each head's level ("context" or "candidate") on ``llm``, as its servers described them at setup."""
+        return self.info[llm]["heads"]
 
     def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         timeout = self._timeout if timeout is None else timeout
@@ -143,7 +158,8 @@ class Caller:
                                      minibatch_size,
                                      bool(per_token), bool(entropy), bool(add_eos))
         return score.send(self._run, name, request,
-                          score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)))
+                          score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)),
+                          self._head_levels(name))
 
     def score(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum", normalize: bool = False,
               probabilities: bool = False, minibatch_size: int | None = None,
@@ -198,7 +214,7 @@ class Caller:
             raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts, candidates = self._inputs(name, contexts, candidates)
         request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos))
-        return score.send(self._run, name, request, score.Finish(scores=False))
+        return score.send(self._run, name, request, score.Finish(scores=False), self._head_levels(name))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
                           peft_adapter: str | None = None, minibatch_size: int | None = None,
@@ -229,7 +245,8 @@ class Caller:
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
             including EOS), ``logprobs`` (each token's log-prob under the raw model distribution, so they agree
-            with ``score``) and ``logprob`` (their sum).
+            with ``score``) and ``logprob`` (their sum). With ``num_beams > 1`` each dict also has ``beam_score``:
+            Hugging Face's length-normalised beam score (``sequences_scores``) of that sequence.
         """
         return self._wait(self.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                               minibatch_size=minibatch_size, **generate_kwargs))
@@ -263,6 +280,9 @@ class Caller:
         from llmrl.engine.client.saving import save_run
 
         self._open()
+        if self._run.closed_llms:
+            raise LLMClosedError(f"cannot save: LLM(s) {sorted(self._run.closed_llms)} were closed with close_llm(), "
+                                 "and a checkpoint holds every LLM of the run; save before closing an LLM")
         return save_run(self._run, self._wait, os.fspath(path))
 
     def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:
@@ -282,19 +302,55 @@ class Caller:
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
         self._open()
+        if rank is None:
+            serving = [r for r, role in self._run.roles.items() if role.llm not in self._run.closed_llms]
+            if not serving:
+                raise LLMClosedError("every LLM of this run was closed with close_llm(); no server is left to ping")
+            rank = min(serving)
+        elif rank in self._run.roles and self._run.roles[rank].llm in self._run.closed_llms:
+            raise LLMClosedError(f"rank {rank} served LLM {self._run.roles[rank].llm!r}, closed with close_llm()")
         start = time.perf_counter()
-        self._wait(admin.send_ping(self._run, rank or min(self._run.roles)))
+        self._wait(admin.send_ping(self._run, rank))
         return time.perf_counter() - start
 
     def servers(self) -> dict[int, dict]:
-        """Every server rank: its LLM, replica, tensor-parallel rank, host and pid."""
-        return {rank: {"llm": h.llm, "replica": h.replica, "tp_rank": h.tp_rank, "host": h.host, "pid": h.pid}
+        """Every server rank: its LLM, replica, tensor-parallel rank, host, pid, and whether its LLM was closed."""
+        return {rank: {"llm": h.llm, "replica": h.replica, "tp_rank": h.tp_rank, "host": h.host, "pid": h.pid,
+                       "closed": h.llm in self._run.closed_llms}
                 for rank, h in sorted(self._run.links.hellos.items())}
 
     def server_memory(self) -> dict[int, dict]:
-        """Memory use of every server rank (resident set size, peak, CUDA allocations, parameter bytes)."""
+        """Memory use of every server rank still serving (resident set size, peak, CUDA allocations, parameter
+        bytes), and under ``"requests"`` how many requests of each kind (``"score"``, ``"generate"``, ...) the rank
+        received."""
         self._open()
         return self._wait(admin.send_stats(self._run))
+
+    def close_llm(self, llm: str) -> None:
+        """Stop one LLM's servers cleanly while the run's other LLMs go on serving (free its memory once it is no
+        longer needed: a reward model after scoring, a reference policy).
+
+        Calls already sent to it are answered first; this returns when its ranks have exited (code 0: the run
+        still ends cleanly). Later calls naming it raise :class:`~llmrl.engine.errors.LLMClosedError`, and so does
+        ``save`` (a checkpoint holds every LLM). Closing an LLM twice does nothing.
+
+        Raises:
+            InvalidArgument: ``llm`` is not an LLM of this run.
+            ServerDiedError: one of its ranks died instead of stopping.
+        """
+        if self._closed:
+            raise RuntimeError("this Caller is closed")
+        if not isinstance(llm, str):
+            raise InvalidArgumentType(f"close_llm needs the name of an LLM (one of {', '.join(self.config.llms)}), "
+                                      f"got {type(llm).__name__}")
+        if llm in self._run.closed_llms:
+            return
+        name = self._llm(llm)
+        try:
+            self._run.close_llm(name, self._timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"LLM {name!r} did not stop within {self._timeout:g} s (timeouts.request)"
+                                      ) from None
 
     def close(self) -> None:
         """Stop every server cleanly (they exit 0). Further calls raise."""

@@ -46,6 +46,7 @@ class ClientRun:
         self.links = ServerLinks(self.listener, secret, sorted(self.roles), config.timeouts.heartbeat,
                                  config.timeouts.dead_after, self.describe_rank, config.max_message_bytes)
         self.caller = None
+        self.closed_llms: set[str] = set()
 
     def replicas(self, llm: str) -> list[list[int]]:
         return self._replicas[llm]
@@ -60,6 +61,13 @@ class ClientRun:
         hello = self.links.hellos.get(rank)
         where = f" on {hello.host}, pid {hello.pid}" if hello else ""
         return f"rank {rank} (LLM {role.llm!r}, replica {role.replica}, tensor-parallel rank {role.tp_rank}{where})"
+
+    def close_llm(self, llm: str, timeout: float | None) -> None:
+        """Stop ``llm``'s server ranks cleanly (they exit 0 once they have answered what was sent to them) while
+        the other LLMs go on serving."""
+        self.closed_llms.add(llm)
+        ranks = [r for replica in self._replicas[llm] for r in replica]
+        self.links.retire(ranks, f"Caller.close_llm({llm!r})", timeout)
 
     def shutdown(self, abort: bool, reason: str) -> None:
         self.links.shutdown(abort=abort, reason=reason)

@@ -14,6 +14,9 @@ Calls are sent under one lock, so every rank receives requests in the same order
 them: the ranks of one LLM (tensor-parallel shards, replicas in lockstep) always serve the same request
 together.
 
+Ranks can also be retired while the others go on (``Caller.close_llm``): they are told to stop after the work
+already sent to them, and their hanging up is then an expected end, not a death.
+
 This module does not know what a request means; the request kinds (:mod:`llmrl.engine.requests`) build and
 assemble them.
 """
@@ -67,6 +70,7 @@ class ServerLinks:
         self._ids = itertools.count(1)
         self._closing = False
         self._gone: set[int] = set()
+        self.retired: set[int] = set()  # stopped on purpose (Caller.close_llm): hanging up is not dying
         threading.Thread(target=self._accept_loop, name="llmrl-accept", daemon=True).start()
         threading.Thread(target=self._watchdog_loop, name="llmrl-watchdog", daemon=True).start()
 
@@ -146,6 +150,9 @@ class ServerLinks:
                 self._gone.add(rank)
                 self._lock.notify_all()
                 if self._closing:
+                    return
+                if rank in self.retired and not any(rank in call.expected for call in self._calls.values()):
+                    link.close()  # a retired rank that answered everything sent to it: a clean stop
                     return
             self._mark_dead(rank, "its connection closed (the process exited or was killed)", str(err))
         except Exception as err:  # noqa: BLE001 - never a silent dead reader: the rank is declared gone, loudly
@@ -250,6 +257,8 @@ class ServerLinks:
                 self._raise_if_dead()
                 if self._closing:
                     raise RuntimeError("the Caller is closed")
+                if expected & self.retired:
+                    raise RuntimeError(f"ranks {sorted(expected & self.retired)} were stopped by close_llm()")
                 call_id = next(self._ids)
             encoded = []
             for ranks, payload in parts:
@@ -289,6 +298,38 @@ class ServerLinks:
 
     # ------------------------------------------------------------------ shutdown
 
+    def retire(self, ranks: list[int], reason: str, timeout: float | None) -> None:
+        """Stop ``ranks`` cleanly while the other ranks go on serving, and wait until they have hung up.
+
+        The stop is sent in call order, so the requests already sent to them are answered first. Until they hang
+        up they are watched as before (a retiring rank that goes silent or dies is dead); afterwards their end is
+        expected. Raises ``ServerDiedError`` if one of them dies instead, ``TimeoutError`` after ``timeout``.
+        """
+        with self._send_order:
+            with self._lock:
+                self._raise_if_dead()
+                if self._closing:
+                    raise RuntimeError("the Caller is closed")
+                self.retired.update(ranks)
+            for rank in ranks:
+                try:
+                    messages.send(self._links[rank], messages.Shutdown(reason=reason, abort=False))
+                except OSError as err:
+                    self._mark_dead(rank, "sending to it failed", str(err))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                dead = sorted(r for r in ranks if r in self.dead)
+                if dead:
+                    raise ServerDiedError(dead[0], self.dead[dead[0]], "while it was being closed")
+                if set(ranks) <= self._gone:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"ranks {sorted(set(ranks) - self._gone)} did not stop within {timeout:g} s")
+                self._lock.wait(0.5 if left is None else min(left, 0.5))
+        logger.debug(f"ranks {sorted(ranks)} stopped ({reason})")
+
     def shutdown(self, abort: bool, reason: str, wait: float = 30.0) -> None:
         """Tell every live server to stop, then wait up to ``wait`` seconds for them to hang up."""
         with self._lock:
@@ -297,7 +338,7 @@ class ServerLinks:
             self._closing = True
             links = dict(self._links)
         for rank, link in links.items():
-            if rank in self.dead:
+            if rank in self.dead or rank in self._gone:
                 continue
             try:
                 messages.send(link, messages.Shutdown(reason=reason, abort=abort))

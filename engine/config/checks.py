@@ -21,6 +21,16 @@ BUILTIN_MODEL_PREFIX = "builtin:"
 
 Problem = tuple[str, str]
 
+# from_pretrained arguments that llmrl sets from its own keys: llms.<name>.model_kwargs may not set them.
+RESERVED_MODEL_KWARGS = {
+    "dtype": "dtype", "torch_dtype": "dtype",
+    "device_map": "devices", "device": "devices",
+    "quantization_config": "quantization", "load_in_4bit": "quantization", "load_in_8bit": "quantization",
+    "trust_remote_code": "trust_remote_code", "revision": "revision",
+    "tp_plan": "tensor_parallel", "tp_size": "tensor_parallel",
+    "pretrained_model_name_or_path": "model", "config": "model",
+}
+
 
 def semantic_problems(data: dict) -> list[Problem]:
     """Checks across keys that the schema cannot express; pure (no environment)."""
@@ -49,6 +59,10 @@ def semantic_problems(data: dict) -> list[Problem]:
                 problems.append((f"{at}.quantization", "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
             if not llm.get("from_pretrained", True):
                 problems.append((f"{at}.quantization", "quantization needs from_pretrained: true (weights to quantize)"))
+        for key in llm.get("model_kwargs") or {}:
+            if key in RESERVED_MODEL_KWARGS:
+                problems.append((f"{at}.model_kwargs.{key}", f"{key!r} cannot be set in {at}.model_kwargs: llmrl "
+                                 f"sets it from {at}.{RESERVED_MODEL_KWARGS[key]}; set that key instead"))
         if llm.get("checkpoint"):
             from llmrl.engine.checkpoint_layout import resolve_checkpoint
 

@@ -164,7 +164,8 @@ def _explain(error) -> list[Problem]:
     if kind == "type":
         expected = schema.get("type")
         expected = " or ".join(expected) if isinstance(expected, list) else expected
-        return [(path, f"expected {expected}, got {_describe(error.instance)}")]
+        hint = f"; write {schema['x-hint']}" if "x-hint" in schema else ""
+        return [(path, f"expected {expected}, got {_describe(error.instance)}{hint}")]
     if kind == "enum":
         options = ", ".join(json.dumps(o) for o in schema["enum"])
         alias = _ALIASES.get(str(error.instance).lower())
@@ -212,4 +213,5 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     fields["initializers"] = tuple(PluginSpec.coerce(p) for p in fields.get("initializers") or ())
     fields["heads"] = {key: PluginSpec.coerce(p) for key, p in (fields.get("heads") or {}).items()}
     fields["updater"] = PluginSpec.coerce(fields["updater"]) if fields.get("updater") else None
+    fields["model_kwargs"] = dict(fields.get("model_kwargs") or {})
     return LLMConfig(name=name, **fields)

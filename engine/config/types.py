@@ -84,6 +84,8 @@ class LLMConfig:
     prefix_reuse: bool = True
     trust_remote_code: bool = False
     revision: str | None = None
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    pad_token_id: int | None = None
     quantization: QuantizationConfig | None = None
     initializers: tuple[PluginSpec, ...] = ()
     heads: dict[str, PluginSpec] = field(default_factory=dict)

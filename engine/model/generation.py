@@ -6,7 +6,9 @@ with ``score`` on the same continuation. A sequence ends at its first EOS: the E
 generated, its log-prob counts) and nothing after it is returned or counted. A prompt given as token ids is used
 exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenised with special tokens, as
 ``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of the same prompt, give its
-``logprobs`` back.
+``logprobs`` back. With beam search (``num_beams > 1``) each token's log-prob is read from the beam that
+produced it (``beam_indices``), and each returned sequence also carries Hugging Face's length-normalised beam
+score (``sequences_scores``) as ``beam_score``.
 
 This module does not route requests; it runs on one server rank.
 """
@@ -67,6 +69,8 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     new_tokens = int(kwargs.get("max_new_tokens", getattr(model.generation_config, "max_new_tokens", None) or 20))
     kwargs.setdefault("max_new_tokens", new_tokens)
     kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1)) > 1:
+        kwargs["output_scores"] = True  # Hugging Face returns sequences_scores (the beam score) only with it
     prompts = encode_inputs(tokenizer, contexts, vocab_size)
     for i, ids in enumerate(prompts):
         if max_length is not None and kind == "causal" and len(ids) + new_tokens > max_length:
@@ -116,17 +120,25 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
     sequences = out.sequences[:, width:] if kind == "causal" else out.sequences[:, 1:]
     steps = min(len(out.logits), sequences.shape[1])
     sequences = sequences[:, :steps]
+    beam_indices = getattr(out, "beam_indices", None)
     if steps:
-        logits = torch.stack(out.logits[:steps], dim=1).float()
+        logits = torch.stack(out.logits[:steps], dim=1).float()  # (running rows, steps, vocab)
+        if beam_indices is not None:  # row r's token t came from running beam beam_indices[r, t] (-1: after its end)
+            rows = beam_indices[:, :steps].long().clamp(min=0)
+            logits = logits[rows, torch.arange(steps, device=rows.device)]
         logprobs = (logits.gather(-1, sequences[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu()
     else:
         logprobs = torch.zeros(sequences.shape)
     sequences = sequences.cpu()
+    beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
     for row in range(sequences.shape[0]):
         tokens = sequences[row].tolist()
         end = next((t + 1 for t, tok in enumerate(tokens) if tok in eos), len(tokens))
-        sinks[row // num_return].append({
+        sample = {
             "text": tokenizer.decode(tokens[:end], skip_special_tokens=True),
             "tokens": torch.tensor(tokens[:end], dtype=torch.long),
             "logprobs": logprobs[row, :end].clone(),
-        })
+        }
+        if beam_scores is not None:
+            sample["beam_score"] = float(beam_scores[row])
+        sinks[row // num_return].append(sample)

@@ -36,11 +36,13 @@ class HFBackend(ModelBackend):
 
     def load(self) -> None:
         from llmrl.engine.model.deepspeed_config import build_deepspeed_config
-        from llmrl.engine.model.loading import load_model, load_tokenizer, max_input_length
+        from llmrl.engine.model.loading import load_model, load_tokenizer, max_input_length, set_pad_token
 
         self.tokenizer = load_tokenizer(self.llm)
         self.ds_config = build_deepspeed_config(self.llm)
         self.model, self._keepalive = load_model(self.llm, self.device, self.ds_config)
+        if self.llm.pad_token_id is not None:  # checked against the model's vocabulary too
+            set_pad_token(self.tokenizer, self.llm, self.model.config.get_text_config().vocab_size)
         self.max_length = max_input_length(self.model, self.tokenizer, self.llm)
 
     def prepare(self, script_plugins: dict) -> None:
@@ -126,6 +128,8 @@ class HFBackend(ModelBackend):
             "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
             "max_length": self.max_length,
             "vocab_size": self.info.vocab_size,
+            "pad_token_id": self.module.pad_id,
+            "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "device": str(self.device),
             "dtype": self.llm.dtype,
             "updater": type(self.updater).__name__ if self.updater else None,

@@ -2,7 +2,9 @@
 
 Handles: local folders, hub ids and ``builtin:`` models; ``from_pretrained: false`` (same
 architecture, random weights); dtype; 4/8-bit quantisation with bitsandbytes; ZeRO-3 (weights are
-partitioned while they load, through transformers' ``HfDeepSpeedConfig``). The model is returned on
+partitioned while they load, through transformers' ``HfDeepSpeedConfig``); the config's ``model_kwargs``
+(passed to ``from_pretrained``, or split between the model config and ``from_config``, as ``from_pretrained``
+does) and ``pad_token_id`` (checked against the tokenizer and the model's vocabulary). The model is returned on
 its device and in evaluation mode (dropout off: scores and updates see the same function).
 
 It does not build the DeepSpeed engine or attach heads; :mod:`llmrl.engine.model.hf_backend` does.
@@ -31,10 +33,27 @@ def load_tokenizer(llm: LLMConfig):
 
     path = resolve_model_path(llm.tokenizer or llm.model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=llm.trust_remote_code, revision=llm.revision)
-    if tokenizer.pad_token_id is None:
+    if llm.pad_token_id is not None:
+        set_pad_token(tokenizer, llm)
+    elif tokenizer.pad_token_id is None:
         # Padding positions are always masked out, so any id works; EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
+
+
+def set_pad_token(tokenizer, llm: LLMConfig, vocab_size: int | None = None) -> None:
+    """Make ``llms.<name>.pad_token_id`` the tokenizer's pad token; raise ValueError naming the key when the id is
+    not a token of the tokenizer or (given ``vocab_size``, the model's input embedding rows) of the model."""
+    pad = llm.pad_token_id
+    at = f"llms.{llm.name}.pad_token_id"
+    if not 0 <= pad < len(tokenizer):
+        raise ValueError(f"{at} is {pad} but the tokenizer has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1}); "
+                         "choose one of its ids, such as its EOS or UNK token's")
+    if vocab_size is not None and pad >= vocab_size:
+        raise ValueError(f"{at} is {pad} but the model's vocabulary has {vocab_size} entries (ids 0..{vocab_size - 1})")
+    tokenizer.pad_token_id = pad
+    if tokenizer.pad_token_id != pad:
+        raise ValueError(f"{at}: the tokenizer refused {pad} as its pad token")
 
 
 def model_class(llm: LLMConfig):
@@ -58,12 +77,29 @@ def load_model(llm: LLMConfig, device: torch.device, deepspeed_config: dict | No
 
         keepalive = HfDeepSpeedConfig(deepspeed_config)
     common = {"trust_remote_code": llm.trust_remote_code, "revision": llm.revision}
+    try:
+        model = _construct(cls, path, llm, dtype, device, common)
+    except TypeError as err:
+        if not llm.model_kwargs or "unexpected keyword" not in str(err):
+            raise
+        raise TypeError(f"{err} (llms.{llm.name}.model_kwargs passes {sorted(llm.model_kwargs)} to the model's "
+                        "from_pretrained; remove the keys it does not accept)") from err
+    if keepalive is None and llm.quantization is None:
+        model.to(device)
+    model.eval()
+    return model, keepalive
+
+
+def _construct(cls, path: str, llm: LLMConfig, dtype, device: torch.device, common: dict):
+    """``from_pretrained`` (or ``from_config``) with the config's dtype, quantisation and ``model_kwargs``."""
+    extra = dict(llm.model_kwargs)
     if not llm.from_pretrained:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path, **common)
-        model = cls.from_config(config, dtype=dtype, trust_remote_code=llm.trust_remote_code)
-    elif llm.quantization is not None:
+        # As from_pretrained does: keys the model config knows update it, the others go to the constructor.
+        config, unused = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **common, **extra)
+        return cls.from_config(config, dtype=dtype, trust_remote_code=llm.trust_remote_code, **unused)
+    if llm.quantization is not None:
         from transformers import BitsAndBytesConfig
 
         q = llm.quantization
@@ -71,15 +107,12 @@ def load_model(llm: LLMConfig, device: torch.device, deepspeed_config: dict | No
             load_in_4bit=q.bits == 4, load_in_8bit=q.bits == 8, bnb_4bit_quant_type=q.quant_type,
             bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_use_double_quant=q.double_quant,
         )
-        model = cls.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": str(device)}, **common)
+        model = cls.from_pretrained(path, dtype=dtype, quantization_config=quant, device_map={"": str(device)},
+                                    **common, **extra)
         if device.type == "cpu":
             keep_4bit_exact_on_cpu(model)
-    else:
-        model = cls.from_pretrained(path, dtype=dtype, **common)
-    if keepalive is None and llm.quantization is None:
-        model.to(device)
-    model.eval()
-    return model, keepalive
+        return model
+    return cls.from_pretrained(path, dtype=dtype, **common, **extra)
 
 
 def max_input_length(model, tokenizer, llm: LLMConfig) -> int | None:

@@ -1,5 +1,5 @@
 """Small request kinds that need no model: ``setup`` (build every rank's engine with the script's plugins),
-``ping`` (a minimal round trip) and ``stats`` (memory per rank).
+``ping`` (a minimal round trip) and ``stats`` (memory per rank, and how many requests of each kind it received).
 
 ``setup`` is sent once, by the Caller's constructor, to every server rank; each LLM's first rank answers with
 the LLM's description. ``ping`` and ``stats`` are served even before setup.
@@ -52,7 +52,7 @@ def handle_ping(replica, request: PingRequest):
 
 
 def handle_stats(replica, request: StatsRequest):
-    return replica.backend.memory()
+    return {**replica.backend.memory(), "requests": dict(replica.handled)}
 
 
 KINDS = (Kind(SETUP, SetupRequest, handle_setup, needs_setup=False),

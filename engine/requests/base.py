@@ -6,6 +6,12 @@ receives), a client half (``send``: check, split across replicas, assemble the r
 Caller returns) and a server half (``handle``: run it on a rank's :class:`~llmrl.engine.server.replica.Replica`).
 :class:`Kind` ties the name, the payload type and the handler together for the server's dispatch.
 
+Splitting comes in two grains. Whole inputs: :func:`split_evenly` / :func:`split_by_cost` give each replica a
+contiguous range of inputs (:func:`replica_parts`). Pieces of inputs: one input (a context) may be cut into
+contiguous :class:`Piece` s of its items (candidates, return sequences) spread over replicas
+(:func:`group_pieces`, :func:`piece_parts`), and :func:`gather_pieces` brings each input's pieces back together
+in order, for the kind to merge.
+
 This module holds the shared shapes and splitting rules; it sends nothing and computes nothing.
 """
 
@@ -35,6 +41,7 @@ class Run(Protocol):
     """What a kind's client half uses of the run (rank 0's :class:`~llmrl.engine.client.hosting.ClientRun`)."""
 
     config: Config
+    closed_llms: set[str]  # LLMs stopped by Caller.close_llm
 
     def replicas(self, llm: str) -> list[list[int]]:
         """Global ranks of each replica of ``llm``; the first rank of each is its leader."""
@@ -54,7 +61,7 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_by_cost(costs: list[int], parts: int) -> list[tuple[int, int]]:
+def split_by_cost(costs: list[float], parts: int) -> list[tuple[int, int]]:
     """Contiguous ranges with roughly equal total cost (each item stays whole)."""
     total = sum(costs)
     bounds, start, acc = [], 0, 0
@@ -83,7 +90,61 @@ def replica_parts(run: Run, llm: str, bounds: list[tuple[int, int]], make_payloa
     return parts, leaders
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Items ``[start, stop)`` (candidates, return sequences) of input ``input`` (a context) of a call."""
+
+    input: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def group_pieces(atoms: list[Piece], bounds: list[tuple[int, int]]) -> list[list[Piece]]:
+    """Each replica's pieces: the atoms in its bounds (in order), adjacent atoms of the same input merged into one
+    piece (so a replica receives each context once)."""
+    shares = []
+    for start, stop in bounds:
+        share: list[Piece] = []
+        for atom in atoms[start:stop]:
+            last = share[-1] if share else None
+            if last is not None and last.input == atom.input and last.stop == atom.start:
+                share[-1] = Piece(atom.input, last.start, atom.stop)
+            else:
+                share.append(atom)
+        shares.append(share)
+    return shares
+
+
+def piece_parts(run: Run, llm: str, shares: list[list[Piece]], make_payload: Callable[[list[Piece]], Any],
+                keep_empty: bool) -> tuple[list[Part], list[tuple[int, list[Piece]]]]:
+    """One part per replica for its pieces (every rank of a replica gets the same payload); replicas without a
+    piece are left out unless ``keep_empty`` (lockstep). Returns the parts and, per part, its leader rank and
+    its pieces."""
+    parts, answering = [], []
+    for ranks, pieces in zip(run.replicas(llm), shares):
+        if pieces or keep_empty:
+            parts.append((ranks, make_payload(pieces)))
+            answering.append((ranks[0], pieces))
+    return parts, answering
+
+
+def gather_pieces(values: dict[int, list], answering: list[tuple[int, list[Piece]]], n: int) -> list[list]:
+    """Per input, its pieces' values in item order: ``values[leader]`` holds one value per piece of that leader."""
+    per_input: list[list] = [[] for _ in range(n)]
+    for leader, pieces in answering:
+        got = values[leader]
+        if len(got) != len(pieces):
+            raise RuntimeError(f"rank {leader} answered {len(got)} values for {len(pieces)} pieces")
+        for piece, value in zip(pieces, got):
+            per_input[piece.input].append(value)
+    return per_input
+
+
 def every_rank(run: Run, llms=None) -> list[int]:
-    """Every server rank of the given LLMs (default: all), in rank order."""
-    names = run.config.llms if llms is None else llms
+    """Every server rank of the given LLMs (default: all that still serve), in rank order."""
+    names = [name for name in run.config.llms if name not in run.closed_llms] if llms is None else llms
     return [r for name in names for replica in run.replicas(name) for r in replica]

@@ -1,17 +1,43 @@
 """The ``generate`` request kind, behind ``Caller.generate``: sampled or greedy continuations with raw-model
 log-probs.
 
-Client half: contexts are split evenly across the LLM's replicas; each replica seeds its sampling with the
-call's seed plus the index of its first context, so a seeded call gives the same samples whatever the
-number of replicas' boundaries. Server half: the backend generates; the replica's leader answers.
+Client half (:func:`plan_shares`): the call's samples (``num_return_sequences`` per context) are split evenly
+across the LLM's replicas in contiguous ranges. When sampling (``do_sample=True``, ``num_beams`` 1) with several
+return sequences, a context's sequences may be cut between replicas (one prompt with 8 sequences over 2
+replicas: 4 each); otherwise each context stays whole (beam search returns the best beams of one search, and
+Hugging Face refuses greedy decoding with several return sequences on any layout). A replica whose pieces all
+have the same number of sequences receives each prompt once with that ``num_return_sequences``; a replica whose
+pieces differ receives each prompt once per sequence with ``num_return_sequences=1`` (Hugging Face expands a
+prompt into one row per return sequence anyway, so the work is the same). Each replica seeds its sampling with
+the call's seed plus the position of its first sample in the call's samples (context index x
+``num_return_sequences`` + index of the piece's first sequence). The pieces of a context are joined back in
+order.
+
+What is identical across layouts: greedy and beam-search results (any number of replicas); log-probs are the
+raw model's, so every sample's log-probs equal a plain forward's on any layout. What is reproducible: a seeded
+call gives the same samples again for the same seed, config (replicas, token budget, minibatch size) and
+inputs; with another number of replicas the samples differ (each replica draws from its own seeded stream and
+batches differ).
+
+Server half: the backend generates; the replica's leader answers.
 """
 
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
+from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.requests.base import (
+    Kind,
+    Piece,
+    Run,
+    gather_pieces,
+    group_pieces,
+    piece_parts,
+    split_evenly,
+)
 
 NAME = "generate"
 
@@ -25,15 +51,71 @@ class GenerateRequest:
     minibatch_size: int | None = None
 
 
+def num_return_sequences(kwargs: dict) -> int:
+    value = kwargs.get("num_return_sequences", 1)
+    try:
+        k = operator.index(value)
+    except TypeError:
+        k = 0
+    if isinstance(value, bool) or k < 1:
+        raise InvalidArgument(f"num_return_sequences must be a positive integer, got {value!r}")
+    return k
+
+
+def splits_sequences(kwargs: dict) -> bool:
+    """Whether a context's return sequences are independent samples that replicas may share."""
+    return bool(kwargs.get("do_sample", False)) and kwargs.get("num_beams", 1) == 1
+
+
+def plan_shares(n: int, k: int, replicas: int, split_sequences: bool) -> list[list[Piece]]:
+    """Each replica's pieces of ``n`` contexts with ``k`` return sequences each: the ``n x k`` samples in even
+    contiguous ranges (sizes differ by at most one), or, unless ``split_sequences``, the ``n`` contexts whole."""
+    if split_sequences:
+        atoms = [Piece(i, j, j + 1) for i in range(n) for j in range(k)]
+    else:
+        atoms = [Piece(i, 0, k) for i in range(n)]
+    return group_pieces(atoms, split_evenly(len(atoms), replicas))
+
+
+def one_prompt_per_sample(pieces: list[Piece]) -> bool:
+    """A replica whose pieces have different numbers of sequences gets one prompt per sequence."""
+    return len({p.size for p in pieces}) > 1
+
+
 def send(run: Run, llm: str, request: GenerateRequest) -> Future:
-    bounds = split_evenly(len(request.contexts), len(run.replicas(llm)))
+    contexts, kwargs = request.contexts, request.kwargs
+    k = num_return_sequences(kwargs)
+    shares = plan_shares(len(contexts), k, len(run.replicas(llm)), splits_sequences(kwargs))
 
-    def share(start: int, stop: int) -> GenerateRequest:
-        seed = None if request.seed is None else request.seed + start
-        return replace(request, contexts=request.contexts[start:stop], seed=seed)
+    def share(pieces: list[Piece]) -> GenerateRequest:
+        if not pieces:
+            return replace(request, contexts=[])
+        seed = None if request.seed is None else request.seed + pieces[0].input * k + pieces[0].start
+        if one_prompt_per_sample(pieces):
+            return replace(request, contexts=[contexts[p.input] for p in pieces for _ in range(p.size)],
+                           kwargs={**kwargs, "num_return_sequences": 1}, seed=seed)
+        size = pieces[0].size
+        return replace(request, contexts=[contexts[p.input] for p in pieces], seed=seed,
+                       kwargs=kwargs if size == k else {**kwargs, "num_return_sequences": size})
 
-    parts, leaders = replica_parts(run, llm, bounds, share, keep_empty=run.config.llms[llm].lockstep)
-    return run.submit(NAME, parts, lambda values: [_with_total(g) for leader in leaders for g in values[leader]])
+    parts, answering = piece_parts(run, llm, shares, share, keep_empty=run.config.llms[llm].lockstep)
+
+    def per_piece(values: dict) -> dict:
+        """Each leader's answer as one list of samples per piece."""
+        out = {}
+        for leader, pieces in answering:
+            if not one_prompt_per_sample(pieces):
+                out[leader] = values[leader]
+                continue
+            flat = iter([s for samples in values[leader] for s in samples])
+            out[leader] = [[next(flat) for _ in range(p.size)] for p in pieces]
+        return out
+
+    def assemble(values: dict) -> list[list[dict]]:
+        pieces = gather_pieces(per_piece(values), answering, len(contexts))
+        return [_with_total([s for piece in context for s in piece]) for context in pieces]
+
+    return run.submit(NAME, parts, assemble)
 
 
 def _with_total(samples: list[dict]) -> list[dict]:

@@ -1,12 +1,19 @@
 """The ``score`` request kind, behind ``Caller.score`` and ``Caller.custom_module_fns``: candidates' log-probs and
 heads' outputs from one forward pass.
 
-Client half: contexts are split across the LLM's replicas in contiguous ranges of roughly equal cost (each
-context stays whole); every rank of a replica receives the replica's share. The replicas' leaders answer,
-and :class:`Finish` turns their per-context entries into what the call returns (sum or mean, the log-policy
-over the candidates, probabilities, head outputs, and with ``per_token`` each candidate's tokens, their log-probs
-and entropies). Server half: the backend runs the forward pass and the replica's leader cuts the outputs per
-context as CPU tensors (per-token values as one flat tensor per context, cut per candidate on the client).
+Client half (:func:`plan_shares`): contexts are split across the LLM's replicas in contiguous ranges of roughly
+equal cost. A context whose cost alone is above a replica's fair share (the total over the number of replicas:
+one context with 256 candidates, fewer contexts than replicas) is cut into contiguous pieces of its candidates
+spread over the replicas; a replica receives such a context once, with its piece of the candidates, and so
+encodes it once. Small contexts stay whole. Every rank of a replica receives the replica's share; under
+lockstep every replica takes part, even with nothing to do. The replicas' leaders answer one entry per piece;
+:func:`merge_entries` joins the pieces of a context back into one entry (candidate-level values concatenated in
+order, context-level head outputs from the first piece), and :class:`Finish` turns the entries into what the
+call returns (sum or mean, the log-policy over the candidates, probabilities, head outputs, and with
+``per_token`` each candidate's tokens, their log-probs and entropies), so ``normalize`` and ``reduction`` always
+see a context's whole candidate list. Server half: the backend runs the forward pass and the replica's leader
+cuts the outputs per context as CPU tensors (per-token values as one flat tensor per context, cut per candidate
+on the client).
 """
 
 from __future__ import annotations
@@ -16,7 +23,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmrl.engine.requests.base import Kind, Run, replica_parts, split_by_cost
+from llmrl.engine.requests.base import (
+    Kind,
+    Piece,
+    Run,
+    gather_pieces,
+    group_pieces,
+    piece_parts,
+    split_by_cost,
+)
 
 NAME = "score"
 
@@ -70,18 +85,75 @@ class Finish:
         return out
 
 
-def send(run: Run, llm: str, request: ScoreRequest, finish: Finish) -> Future:
+def plan_shares(contexts: list[str], candidates: list[list[str]] | None, replicas: int) -> list[list[Piece]]:
+    """Each replica's pieces of the call. The cost of a context is its length plus, per candidate, the
+    candidate's length and an eighth of the context's (characters stand in for tokens). A context whose cost is
+    above ``total / replicas`` and that has two candidates or more is cut between candidates; everything else
+    stays whole; the pieces then go to replicas in contiguous ranges of roughly equal cost. (Token ids count four
+    characters each.)"""
+    def cost(i: int) -> float:
+        return _size(contexts[i]) + (sum(_size(x) + _size(contexts[i]) // 8 for x in candidates[i])
+                                     if candidates else 0)
+
+    totals = [cost(i) for i in range(len(contexts))]
+    fair = sum(totals) / replicas
+    atoms, costs = [], []
+    for i, context in enumerate(contexts):
+        cands = candidates[i] if candidates is not None else []
+        if totals[i] > fair and len(cands) > 1:  # every piece encodes the context: spread its cost
+            atoms += [Piece(i, j, j + 1) for j in range(len(cands))]
+            costs += [_size(x) + _size(context) // 8 + _size(context) / len(cands) for x in cands]
+        else:
+            atoms.append(Piece(i, 0, len(cands)))
+            costs.append(totals[i])
+    return group_pieces(atoms, split_by_cost(costs, replicas))
+
+
+def merge_entries(entries: list[dict], head_levels: dict[str, str]) -> dict:
+    """One context's entry from the entries of its pieces, in candidate order. Candidate-level values (scores,
+    counts, candidate-level heads' outputs, any per-candidate list) are concatenated: tensors along their first
+    dimension, lists end to end, dicts key by key; a context-level head's output (``head_levels[key] ==
+    "context"``) is the same for every piece and is taken from the first."""
+    if len(entries) == 1:
+        return entries[0]
+    first = entries[0]
+    merged = {key: _concat([e[key] for e in entries]) for key in first if key != "heads"}
+    if "heads" in first:
+        merged["heads"] = {key: value if head_levels[key] == "context"
+                           else _concat([e["heads"][key] for e in entries])
+                           for key, value in first["heads"].items()}
+    return merged
+
+
+def _concat(values: list):
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    if isinstance(first, list):
+        return [x for v in values for x in v]
+    if isinstance(first, dict):
+        return {key: _concat([v[key] for v in values]) for key in first}
+    raise TypeError(f"cannot join per-candidate values of type {type(first).__name__} across pieces")
+
+
+def send(run: Run, llm: str, request: ScoreRequest, finish: Finish, head_levels: dict[str, str]) -> Future:
+    """Split ``request`` over ``llm``'s replicas; a future of ``finish(entries)``, one entry per context.
+    ``head_levels`` gives each head key's level (``"context"`` or ``"candidate"``), for merging pieces."""
     contexts, candidates = request.contexts, request.candidates
-    costs = [_size(c) + (sum(_size(x) + _size(c) // 8 for x in candidates[i]) if candidates else 0)
-             for i, c in enumerate(contexts)]
-    bounds = split_by_cost(costs, len(run.replicas(llm)))
+    shares = plan_shares(contexts, candidates, len(run.replicas(llm)))
 
-    def share(start: int, stop: int) -> ScoreRequest:
-        return replace(request, contexts=contexts[start:stop],
-                       candidates=None if candidates is None else candidates[start:stop])
+    def share(pieces: list[Piece]) -> ScoreRequest:
+        return replace(request, contexts=[contexts[p.input] for p in pieces],
+                       candidates=None if candidates is None else [candidates[p.input][p.start:p.stop]
+                                                                   for p in pieces])
 
-    parts, leaders = replica_parts(run, llm, bounds, share, keep_empty=run.config.llms[llm].lockstep)
-    return run.submit(NAME, parts, lambda values: finish([e for leader in leaders for e in values[leader]]))
+    parts, answering = piece_parts(run, llm, shares, share, keep_empty=run.config.llms[llm].lockstep)
+
+    def assemble(values: dict) -> list:
+        return finish([merge_entries(pieces, head_levels)
+                       for pieces in gather_pieces(values, answering, len(contexts))])
+
+    return run.submit(NAME, parts, assemble)
 
 
 def _size(item) -> int:

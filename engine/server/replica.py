@@ -8,12 +8,14 @@ is reported by all of them instead of leaving the others waiting inside DeepSpee
 
 Request kinds reach the model through :attr:`Replica.backend`; :attr:`Replica.answers` says whether this rank
 sends the replica's result (tensor-parallel ranks of a replica compute the same result; its first rank answers).
+:attr:`Replica.handled` counts the requests this rank received, by kind (reported by the ``stats`` request).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from collections import Counter
 
 import torch
 
@@ -35,6 +37,7 @@ class Replica:
         self.load_error: BaseException | None = None
         self.load_traceback = ""
         self.ready = False
+        self.handled: Counter[str] = Counter()  # requests received, by kind
 
     @property
     def answers(self) -> bool:

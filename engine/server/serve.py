@@ -8,9 +8,10 @@ collectives of replicas and tensor-parallel ranks line up). Each request is disp
 handler its module declares (:data:`llmrl.engine.requests.KINDS`). An error in a request is sent back to
 the client and the server goes on serving.
 
-Stopping: a graceful ``Shutdown`` ends the loop and the process exits 0. The process exits at once
-and non-zero when the client's connection drops or the client aborts the run, so no rank outlives
-its run, even one stuck in a collective with a dead peer.
+Stopping: a graceful ``Shutdown`` (sent to every rank by ``Caller.close``, or to one LLM's ranks by
+``Caller.close_llm``) ends the loop after the requests queued before it, and the process exits 0. The
+process exits at once and non-zero when the client's connection drops or the client aborts the run, so
+no rank outlives its run, even one stuck in a collective with a dead peer.
 
 This module computes nothing itself; the request kinds and the model backend do.
 """
@@ -77,7 +78,8 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         self.link: frames.Connection | None = None
         self.busy_with: int | None = None
-        self.stopping = False
+        self.stopping = False  # the client said stop: the link closing is then expected
+        self.closed = False  # this rank hung up
         self.replica = None
 
     # ------------------------------------------------------------------ start-up
@@ -118,8 +120,10 @@ class Server:
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
     def _heartbeat_loop(self) -> None:
+        # Beats go on until this rank hangs up, also after a stop was received: requests queued before it are
+        # still served (Caller.close_llm stops one LLM while the client keeps watching it until it hangs up).
         interval = self.config.timeouts.heartbeat
-        while not self.stopping:
+        while not self.closed:
             try:
                 self._send(messages.Heartbeat(busy_with=self.busy_with))
             except OSError:
@@ -199,6 +203,7 @@ class Server:
         if not isinstance(request.payload, kind.payload):
             raise TypeError(f"a {request.kind!r} request carries a {kind.payload.__name__}, "
                             f"got {type(request.payload).__name__}")
+        self.replica.handled[request.kind] += 1
         if kind.needs_setup and not self.replica.ready:
             raise RuntimeError("the server is not set up: create the Caller first")
         return kind.handle(self.replica, request.payload)
@@ -208,6 +213,7 @@ class Server:
         races with the peers' own exits (a rank whose peer is already gone can abort inside gloo), and
         nothing is left to synchronise once the client has said stop."""
         self.stopping = True
+        self.closed = True
         if self.link is not None:
             self.link.close()
 

@@ -1,4 +1,5 @@
-"""A client script for launch tests: scores one request and reports what it saw as JSON."""
+"""A client script for launch tests: scores one request and reports what it saw as JSON. With several LLMs, it
+first closes every LLM but the first (``Caller.close_llm``) and reports what a call to a closed one raised."""
 
 import json
 import os
@@ -11,8 +12,15 @@ if __name__ == "__main__":
     with open(f"{out}.ran.{os.getpid()}", "w"):
         pass
     with Caller() as caller:
+        closed = {}
+        for name in caller.llms[1:]:
+            caller.close_llm(name)
+            try:
+                caller.score(["a"], [["b"]], llm=name)
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                closed[name] = f"{type(err).__name__}: {err}"
         scores = caller.score(["You see a wall"], [[" turn left", " go forward"]])
-        report = {"argv": sys.argv, "scores": [s.tolist() for s in scores],
+        report = {"argv": sys.argv, "scores": [s.tolist() for s in scores], "closed": closed,
                   "servers": {str(k): v for k, v in caller.servers().items()}}
     with open(out, "w") as f:
         json.dump(report, f)

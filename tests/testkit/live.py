@@ -1,5 +1,7 @@
-"""Live runs for tests: :class:`LiveRun` starts a real run through the DeepSpeed launcher (every rank a process)
-whose client script (:mod:`testkit.proxy`) obeys the test process.
+"""Live runs for tests: :class:`LiveRun` starts a real run (every rank a process) whose client script
+(:mod:`testkit.proxy`) obeys the test process. Ranks are started by :mod:`testkit.ranks` (the environment
+DeepSpeed's launcher gives them, without importing DeepSpeed twice first) or, with ``launcher="deepspeed"``, by
+the DeepSpeed launcher itself, for tests whose subject is what the launcher does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class LiveRun:
     """
 
     def __init__(self, config, *, caller_kwargs: dict | None = None, overrides=(), env: dict | None = None,
-                 startup_timeout: float = 300.0, workdir: str | None = None, check: bool = True):
+                 startup_timeout: float = 300.0, workdir: str | None = None, check: bool = True,
+                 launcher: str = "direct"):
         import secrets
         import subprocess
         from multiprocessing.connection import Listener
@@ -51,7 +54,17 @@ class LiveRun:
         options = RunOptions(config=self.config_path, module="testkit.proxy",
                              script_args=[f"{host}:{port}", key.hex()], overrides=list(overrides),
                              master_port=free_port())
-        self.command = deepspeed_command(options, self.config.world_size, deepspeed_executable())
+        self.master_port = options.master_port  # the run's TCP store (rank 0 hosts it)
+        if launcher == "deepspeed":
+            self.command = deepspeed_command(options, self.config.world_size, deepspeed_executable())
+        elif launcher == "direct":
+            import sys
+
+            self.command = [sys.executable, "-m", "testkit.ranks", str(self.config.world_size),
+                            str(options.master_port), "--", "-m", "llmrl.launch", "--config", self.config_path,
+                            *options.overrides, "-m", options.module, *options.script_args]
+        else:
+            raise ValueError(f"launcher must be 'direct' or 'deepspeed', not {launcher!r}")
         self.log_path = self.workdir / "run.log"
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
