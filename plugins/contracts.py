@@ -53,8 +53,9 @@ class ForwardOutputs(NamedTuple):
             encoded context). Present when a head asks for it (``Head.needs_context_hidden``).
         candidate_hidden: ``[n_candidates, H]`` last-layer hidden state at the last token of context+candidate.
             Present when a head asks for it (``Head.needs_candidate_hidden``).
-        heads: the outputs of the heads run in this pass, by key (what an updater reads after ``trainer.forward``).
-        head_levels: each head's level ("context" or "candidate"), by key.
+        heads: the outputs of the heads run in this pass, by key (what an updater reads after ``trainer.forward``):
+            a tensor, or a dict of tensors, per head.
+        head_levels: each head's level ("context", "candidate" or "token"), by key.
         token_logprobs: ``[n_tokens]`` the log-prob of every scored token (differentiable in updates), flat: the
             tokens of candidate 0 in order, then those of candidate 1, ...; each candidate's sum is its
             ``candidate_scores`` entry. Present with ``per_token=True`` (:meth:`Trainer.forward`).
@@ -62,6 +63,19 @@ class ForwardOutputs(NamedTuple):
         token_ids: ``[n_tokens]`` the id of each scored token.
         token_entropy: ``[n_tokens]`` entropy, in nats, of the model's distribution at the position that predicts
             each scored token (differentiable in updates). Present with ``entropy=True``.
+        context_hidden_layers / candidate_hidden_layers: ``{layer: [n, H]}``, the hidden states of the layers the
+            pass's heads declare (``Head.hidden_layers``, indices into Hugging Face's ``hidden_states`` as
+            declared, e.g. ``-1`` or ``0`` for the embeddings), at the same positions as ``context_hidden`` /
+            ``candidate_hidden`` (which are the ``-1`` entries). Seq2seq: the decoder's hidden states.
+        token_hidden: ``[n_tokens, H]`` last-layer hidden state at the position that *predicts* each scored token, in
+            ``token_logprobs`` order: causal, the position of the token just before it (the context's last token
+            for a candidate's first token, then the candidate's own tokens); seq2seq, decoder position ``t`` (which
+            reads the start token and the candidate's first ``t`` tokens) for the candidate's token ``t``. Its
+            logits give the token's log-prob. Present when a head asks (``Head.needs_token_hidden``).
+        token_hidden_layers: ``{layer: [n_tokens, H]}``, the same for every declared layer.
+        token_logits: ``[n_tokens, vocab]`` float32 logits at those same positions (``log_softmax`` of a row,
+            taken at the token's id, is its ``token_logprobs`` entry). Present when a head asks
+            (``Head.needs_logits``); costs ``n_tokens x vocab`` floats.
         Use :meth:`tokens_by_candidate` for padded ``[n_candidates, max_tokens]`` views of the per-token tensors.
     """
 
@@ -72,12 +86,17 @@ class ForwardOutputs(NamedTuple):
     candidate_context: torch.Tensor
     context_hidden: torch.Tensor | None = None
     candidate_hidden: torch.Tensor | None = None
-    heads: dict[str, torch.Tensor] | None = None  # the engine always fills both dicts
-    head_levels: dict[str, str] | None = None  # "context" or "candidate", per head key
+    heads: dict[str, torch.Tensor | dict[str, torch.Tensor]] | None = None  # the engine always fills both dicts
+    head_levels: dict[str, str] | None = None  # "context", "candidate" or "token", per head key
     token_logprobs: torch.Tensor | None = None
     token_candidate: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     token_entropy: torch.Tensor | None = None
+    context_hidden_layers: dict[int, torch.Tensor] | None = None
+    candidate_hidden_layers: dict[int, torch.Tensor] | None = None
+    token_hidden: torch.Tensor | None = None
+    token_hidden_layers: dict[int, torch.Tensor] | None = None
+    token_logits: torch.Tensor | None = None
 
     def tokens_by_candidate(self, values: torch.Tensor | None = None, fill: float = 0.0
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,16 +154,45 @@ class Head(torch.nn.Module):
     equal everywhere; they are trained with the model when an updater uses them. Parameters need at
     least one dimension (DeepSpeed cannot broadcast 0-dimensional ones): use shape ``(1,)`` for a scalar.
 
+    A head declares what its ``forward`` reads, and only that is computed and kept (nothing more than the
+    summed scores when no requested head asks): Lamorel's module functions see the same things.
+
     Class attributes:
-        level: ``"context"`` (one output per context, e.g. a state value) or ``"candidate"``
-            (one output per candidate, e.g. an action value).
-        needs_context_hidden / needs_candidate_hidden: which hidden states ``forward`` reads.
+        level: ``"context"`` (one output per context, e.g. a state value), ``"candidate"`` (one output per
+            candidate, e.g. an action value) or ``"token"`` (one output per scored token, flat in
+            ``token_logprobs`` order, e.g. a per-token value head; the client returns it cut per candidate, as
+            per-token log-probs).
+        needs_context_hidden / needs_candidate_hidden: the hidden states at each context's / candidate's last
+            token (``outputs.context_hidden``, ``outputs.candidate_hidden``).
+        needs_token_hidden: the hidden states at the position predicting each scored token
+            (``outputs.token_hidden``, see :class:`ForwardOutputs` for the exact position).
+        hidden_layers: which layers those hidden states are kept for: indices into Hugging Face's
+            ``hidden_states`` tuple (``0``: the embeddings, ``-1``: the last layer, negative from the end; seq2seq:
+            the decoder's), read as ``outputs.context_hidden_layers[i]``, ``candidate_hidden_layers[i]``,
+            ``token_hidden_layers[i]``, keyed as declared. An index beyond the model's layers is refused at load.
+        needs_logits: ``outputs.token_logits`` (``[n_tokens, vocab]`` float32, the logits at the positions that
+            predict the scored tokens).
         args_schema: optional JSON Schema of the constructor's keyword arguments.
+
+    Per-call keyword arguments: ``score(..., head_kwargs={...})``, ``custom_module_fns(..., head_kwargs=...)`` and
+    ``trainer.forward(..., head_kwargs=...)`` pass a dict to the heads of the call; ``forward(self, outputs,
+    **kwargs)`` receives all of it, a ``forward`` with named keyword parameters only those it names. On the client,
+    a value with one entry per context (a list, tuple, tensor or array whose length is the number of contexts; not
+    a string or dict) is sliced with the contexts, so each replica's heads see the entries of their own contexts
+    in order (a context cut over several replicas gives its entry to each); other values reach every replica
+    whole (as ``update`` slices its keyword arguments). ``trainer.forward`` passes them as given.
+
+    Outputs: a tensor, or a dict of tensors, each with the level's first dimension; the client returns a dict
+    under the head's key. A wrong first dimension is refused with a :class:`~llmrl.engine.errors.PluginError`
+    naming the head (the servers keep serving).
     """
 
     level: ClassVar[str] = "context"
     needs_context_hidden: ClassVar[bool] = True
     needs_candidate_hidden: ClassVar[bool] = False
+    needs_token_hidden: ClassVar[bool] = False
+    needs_logits: ClassVar[bool] = False
+    hidden_layers: ClassVar[tuple[int, ...]] = (-1,)
     args_schema: ClassVar[dict | None] = None
 
     def __init__(self, llm: LLMInfo, **args):
@@ -156,15 +204,17 @@ class Head(torch.nn.Module):
         """
         super().__init__()
 
-    def forward(self, outputs: ForwardOutputs) -> torch.Tensor:
+    def forward(self, outputs: ForwardOutputs) -> torch.Tensor | dict[str, torch.Tensor]:
         """Compute the head's output.
 
         Args:
-            outputs: the pass's outputs; read ``outputs.context_hidden`` or ``outputs.candidate_hidden``.
+            outputs: the pass's outputs; read ``outputs.context_hidden``, ``outputs.candidate_hidden``,
+                ``outputs.token_hidden``, the ``*_hidden_layers`` dicts, ``outputs.token_logits``.
+            **kwargs: (when declared) the call's ``head_kwargs``.
 
         Returns:
-            A tensor whose first dimension is ``outputs.num_contexts`` (level "context") or the number
-            of candidates (level "candidate").
+            A tensor, or a dict of tensors, whose first dimension is ``outputs.num_contexts`` (level
+            "context"), the number of candidates (level "candidate") or of scored tokens (level "token").
         """
         raise NotImplementedError
 
@@ -246,7 +296,7 @@ class Trainer:
 
     def forward(self, contexts: list, candidates: list[list] | None = None, heads=(),
                 peft_adapter: str | None = None, *, per_token: bool = False, entropy: bool = False,
-                add_eos: bool = False) -> ForwardOutputs:
+                add_eos: bool = False, head_kwargs: dict | None = None) -> ForwardOutputs:
         """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none).
 
         Args:
@@ -261,6 +311,7 @@ class Trainer:
                 when False.
             entropy: also compute ``token_entropy`` (needs ``per_token``), for an entropy bonus.
             add_eos: candidates end with the EOS token (as ``Caller.score(..., add_eos=True)``).
+            head_kwargs: keyword arguments for the heads' ``forward`` (see :class:`Head`), passed as given.
 
         Returns:
             The pass's :class:`ForwardOutputs`; per-token tensors in candidate order, with gradients.
@@ -411,6 +462,10 @@ def check_contract(kind: str, cls, name: str) -> str | None:
         return f"plugin {name!r} must be a class, got {type(cls).__name__}"
     if kind == "head" and not issubclass(cls, torch.nn.Module):
         return f"head {name!r} ({cls.__qualname__}) must subclass llmrl.plugins.Head (a torch.nn.Module)"
+    if kind == "head":
+        problem = check_head_attributes(cls, name)
+        if problem:
+            return problem
     hook, expected = _HOOKS[kind]
     method = getattr(cls, hook, None)
     if method is None or method is getattr(_BASES[kind], hook):
@@ -423,4 +478,35 @@ def check_contract(kind: str, cls, name: str) -> str | None:
         got = ", ".join(p.name for p in params)
         return (f"{kind} {name!r} ({cls.__qualname__}): {hook}({got}) does not match the contract "
                 f"{hook}({', '.join(expected)})")
+    return None
+
+
+HEAD_LEVELS = ("context", "candidate", "token")
+
+
+def check_head_attributes(cls, name: str) -> str | None:
+    """Why a head class's declarations (``level``, ``needs_*``, ``hidden_layers``) are invalid, or None."""
+    where = f"head {name!r} ({cls.__qualname__})"
+    level = getattr(cls, "level", None)
+    if level not in HEAD_LEVELS:
+        return f"{where}: level = {level!r}; the level attribute must be one of {', '.join(HEAD_LEVELS)}"
+    for attr in ("needs_context_hidden", "needs_candidate_hidden", "needs_token_hidden", "needs_logits"):
+        if not isinstance(getattr(cls, attr, False), bool):
+            return f"{where}: {attr} = {getattr(cls, attr)!r}; it must be True or False"
+    layers = getattr(cls, "hidden_layers", (-1,))
+    if (not isinstance(layers, (tuple, list)) or not layers
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        return (f"{where}: hidden_layers = {layers!r}; it must be a non-empty tuple of ints (indices into Hugging "
+                "Face's hidden_states, e.g. (-1,) for the last layer, (0,) for the embeddings)")
+    return None
+
+
+def check_head_layers(cls, name: str, num_hidden_states: int) -> str | None:
+    """Why a head's ``hidden_layers`` do not fit a model whose ``hidden_states`` has ``num_hidden_states`` entries
+    (the embeddings and one per layer), or None."""
+    bad = [i for i in cls.hidden_layers if not -num_hidden_states <= i < num_hidden_states]
+    if bad:
+        return (f"head {name!r} ({cls.__qualname__}): hidden_layers {tuple(bad)} out of range; this model's "
+                f"hidden_states has {num_hidden_states} entries (the embeddings and {num_hidden_states - 1} layers): "
+                f"use indices from {-num_hidden_states} to {num_hidden_states - 1}")
     return None

@@ -41,10 +41,10 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
                 k = len(plan.contexts[i].candidates)
                 scores[i] = res.scores[offset:offset + k]
                 if needs.context_hidden:
-                    ctx_hidden[i] = res.context_hidden[a]
+                    ctx_hidden[i] = res.context_hidden[-1][a]
                 if needs.candidate_hidden:
                     for j in range(k):
-                        cand_hidden[i, j] = res.candidate_hidden[offset + j]
+                        cand_hidden[i, j] = res.candidate_hidden[-1][offset + j]
                 offset += k
     return scores, ctx_hidden, cand_hidden
 

@@ -145,8 +145,8 @@ class Caller:
     def score_async(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum",
                     normalize: bool = False, probabilities: bool = False, minibatch_size: int | None = None,
                     additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None,
-                    per_token: bool = False, entropy: bool = False, add_eos: bool = False
-                    ) -> concurrent.futures.Future:
+                    per_token: bool = False, entropy: bool = False, add_eos: bool = False,
+                    head_kwargs: dict | None = None) -> concurrent.futures.Future:
         """Like :meth:`score`, returning a future."""
         name = self._open(llm)
         if reduction not in ("sum", "mean"):
@@ -156,7 +156,7 @@ class Caller:
         contexts, candidates = self._inputs(name, contexts, candidates, candidates_needed=True)
         request = score.ScoreRequest(contexts, candidates, check_keys(additional_module_function_keys), peft_adapter,
                                      minibatch_size,
-                                     bool(per_token), bool(entropy), bool(add_eos))
+                                     bool(per_token), bool(entropy), bool(add_eos), _head_kwargs(head_kwargs))
         return score.send(self._run, name, request,
                           score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)),
                           self._head_levels(name))
@@ -164,7 +164,7 @@ class Caller:
     def score(self, contexts, candidates, *, llm: str | None = None, reduction: str = "sum", normalize: bool = False,
               probabilities: bool = False, minibatch_size: int | None = None,
               additional_module_function_keys: Sequence[str] = (), peft_adapter: str | None = None,
-              per_token: bool = False, entropy: bool = False, add_eos: bool = False):
+              per_token: bool = False, entropy: bool = False, add_eos: bool = False, head_kwargs: dict | None = None):
         """Log-probability of each candidate given its context.
 
         Args:
@@ -179,6 +179,8 @@ class Caller:
             probabilities: return exp of the result.
             minibatch_size: most rows per forward pass (default: the LLM's ``minibatch_size``).
             additional_module_function_keys: heads to run in the same forward pass.
+            head_kwargs: keyword arguments for those heads' ``forward`` (Lamorel's module-function kwargs): values
+                with one entry per context are sliced with the contexts, others reach every replica whole.
             peft_adapter: the LoRA adapter to use.
             per_token: also return each candidate's scored tokens and their log-probs.
             entropy: with ``per_token``, also the entropy (nats) of the model's distribution at each scored position.
@@ -187,7 +189,8 @@ class Caller:
 
         Returns:
             One 1-D float tensor per context (empty for an empty candidate list); with
-            ``additional_module_function_keys``, one dict per context with ``"score"`` and each head's output.
+            ``additional_module_function_keys``, one dict per context with ``"score"`` and each head's output (a
+            tensor, or a dict of tensors; a token-level head's output is cut per candidate: a list of tensors).
             With ``per_token``, one dict per context: ``"score"`` (as without), ``"tokens"`` (per candidate, a
             LongTensor of its scored token ids), ``"logprobs"`` (per candidate, each token's raw log-prob; they sum
             to the ``"sum"`` score, before ``normalize``), ``"entropy"`` with ``entropy=True`` (per candidate), and
@@ -202,28 +205,31 @@ class Caller:
         return self._wait(self.score_async(
             contexts, candidates, llm=llm, reduction=reduction, normalize=normalize, probabilities=probabilities,
             minibatch_size=minibatch_size, additional_module_function_keys=additional_module_function_keys,
-            peft_adapter=peft_adapter, per_token=per_token, entropy=entropy, add_eos=add_eos))
+            peft_adapter=peft_adapter, per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs))
 
     def custom_module_fns_async(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
                                 peft_adapter: str | None = None, minibatch_size: int | None = None,
-                                add_eos: bool = False) -> concurrent.futures.Future:
+                                add_eos: bool = False, head_kwargs: dict | None = None) -> concurrent.futures.Future:
         """Like :meth:`custom_module_fns`, returning a future."""
         name = self._open(llm)
         keys = check_keys(keys)
         if not keys:
             raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts, candidates = self._inputs(name, contexts, candidates)
-        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos))
+        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos),
+                                     head_kwargs=_head_kwargs(head_kwargs))
         return score.send(self._run, name, request, score.Finish(scores=False), self._head_levels(name))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
                           peft_adapter: str | None = None, minibatch_size: int | None = None,
-                          add_eos: bool = False) -> list[dict]:
+                          add_eos: bool = False, head_kwargs: dict | None = None) -> list[dict]:
         """Run heads on contexts (and candidates), strings or token ids as in :meth:`score`. Returns one
-        ``{key: tensor}`` dict per context (context-level heads give one output per context, candidate-level heads
-        one row per candidate)."""
+        ``{key: output}`` dict per context (context-level heads give one output per context, candidate-level heads
+        one row per candidate, token-level heads a list with one tensor per candidate; a head returning a dict
+        gives a dict of those). ``head_kwargs`` go to the heads' ``forward``, as in :meth:`score`."""
         return self._wait(self.custom_module_fns_async(keys, contexts, candidates, llm=llm, peft_adapter=peft_adapter,
-                                                       minibatch_size=minibatch_size, add_eos=add_eos))
+                                                       minibatch_size=minibatch_size, add_eos=add_eos,
+                                                       head_kwargs=head_kwargs))
 
     # ------------------------------------------------------------------ generate
 
@@ -388,3 +394,16 @@ def _startup_bar(progress: bool, total: int):
 
     bar.update_to = update_to
     return bar
+
+
+def _head_kwargs(value) -> dict | None:
+    """``head_kwargs`` checked: None or a dict with string keys."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgumentType(f"head_kwargs must be a dict of keyword arguments for the heads, got "
+                                  f"{type(value).__name__}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise InvalidArgumentType(f"head_kwargs keys must be strings (argument names), got {bad[0]!r}")
+    return dict(value) or None

@@ -29,6 +29,14 @@ class Needs:
     candidate_hidden: bool = False  # hidden state at each candidate's last token
     per_token: bool = False  # each scored token's log-prob and id, kept apart (not only summed)
     entropy: bool = False  # the entropy of the model's distribution at each scored position (with per_token)
+    token_hidden: bool = False  # hidden states at the position predicting each scored token (with per_token)
+    token_logits: bool = False  # float32 logits at the position predicting each scored token (with per_token)
+    layers: tuple[int, ...] = (-1,)  # indices into Hugging Face's hidden_states kept wherever hidden states are
+
+    @property
+    def hidden(self) -> bool:
+        """Whether any hidden state is kept (the model calls then return ``hidden_states``)."""
+        return self.context_hidden or self.candidate_hidden or self.token_hidden
 
 
 @dataclass

@@ -33,6 +33,7 @@ class ForwardPlan:
     needs: Needs
     heads: tuple[str, ...]
     adapter: str | None
+    head_kwargs: dict | None = None  # the call's keyword arguments for the heads
 
     @property
     def model_calls(self) -> int:
@@ -41,29 +42,32 @@ class ForwardPlan:
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
                  minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
-                 add_eos: bool = False) -> ForwardPlan:
+                 add_eos: bool = False, head_kwargs: dict | None = None) -> ForwardPlan:
     """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
     ``entropy`` keep per-token log-probs / entropies (they change no model call); ``add_eos`` ends candidates
-    with the EOS token."""
+    with the EOS token; ``head_kwargs`` go to the heads."""
     keys = served.check_heads(heads)
+    if head_kwargs is not None and not (isinstance(head_kwargs, dict) and all(isinstance(k, str) for k in head_kwargs)):
+        raise ValueError(f"head_kwargs must be a dict with string keys, got {type(head_kwargs).__name__}")
     served.check_adapter(adapter)
     if entropy and not per_token:
         raise ValueError("entropy=True needs per_token=True (entropies are given per token)")
-    needs = replace(served.needs_for(keys), per_token=per_token, entropy=entropy)
+    needs = served.needs_for(keys)
+    needs = replace(needs, per_token=per_token or needs.per_token, entropy=entropy)
     llm = served.llm
     # Under lockstep a seq2seq model re-encodes per chunk: every call must be a whole-model call.
     reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
                     prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
     batches = plan_batches(plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs, encoder_reuse=reuse)
-    return ForwardPlan(plan, batches, needs, keys, adapter)
+    return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None)
 
 
 def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
             minibatch_size: int | None = None, *, must_agree: bool, **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.
 
-    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``).
+    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``).
     Returns the plan and the number of throw-away calls to add. Raises this rank's own planning error, or
     :class:`PeerAborted` when another rank's plan failed: every rank raises, none is left in a collective.
     """
@@ -91,7 +95,7 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0) ->
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
         return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                             extra_calls=extra_calls, anchor=anchor)
+                             extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
 
 
 def forget_zero3_trace(engine) -> None:

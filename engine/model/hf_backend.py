@@ -49,7 +49,7 @@ class HFBackend(ModelBackend):
         from llmrl.engine.config import PluginSpec
         from llmrl.engine.model.module import ModelWithHeads
         from llmrl.plugins import registry
-        from llmrl.plugins.contracts import LLMInfo
+        from llmrl.plugins.contracts import LLMInfo, check_head_layers
 
         text_config = self.model.config.get_text_config()
         self.info = LLMInfo(name=self.llm.name, kind=self.llm.type, hidden_size=text_config.hidden_size,
@@ -73,7 +73,11 @@ class HFBackend(ModelBackend):
         _seed(self.config.seed + 1)
         heads = {key: registry.build("head", spec, llm=self.info).to(self.device)
                  for key, spec in self.head_specs.items()}
+        depth = num_hidden_states(self.model, self.llm.type)
         for key, head in heads.items():
+            problem = check_head_layers(type(head), self.head_specs[key].plugin, depth)
+            if problem:
+                raise plugin_error(problem, self.head_specs[key].plugin)
             scalars = [name for name, p in head.named_parameters() if p.dim() == 0]
             if scalars:
                 raise plugin_error(f"head {key!r} ({self.head_specs[key].plugin}) has 0-dimensional parameter(s) "
@@ -204,6 +208,17 @@ class HFBackend(ModelBackend):
         params = self.served.module.parameters() if self.served else self.model.parameters() if self.model else []
         out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in params)
         return out
+
+
+def num_hidden_states(model, kind: str) -> int:
+    """Entries of Hugging Face's ``hidden_states`` (seq2seq: ``decoder_hidden_states``): the embeddings and one per
+    (decoder) layer."""
+    config = model.config.get_text_config()
+    if kind == "seq2seq":
+        layers = getattr(config, "num_decoder_layers", None) or getattr(config, "decoder_layers", None)
+        if layers:
+            return layers + 1
+    return config.num_hidden_layers + 1
 
 
 def decoder_start_id(model) -> int | None:

@@ -2,7 +2,8 @@
 
 :class:`ModelWithHeads` takes a token plan and its planned batches, runs them
 (:func:`llmrl.engine.model.scoring.run_batch`), puts candidates and contexts back in request order and
-runs the requested heads on the result. It returns one typed result, the
+runs the requested heads on the result (each with the per-call keyword arguments its ``forward`` accepts), checking
+that each head's output has its level's first dimension. It returns one typed result, the
 :class:`~llmrl.plugins.contracts.ForwardOutputs` that heads and updaters read. One engine call covers
 one request batch or one training micro-batch, so DeepSpeed's hooks (ZeRO-3 gathering, gradient
 reduction) see a single forward.
@@ -11,6 +12,8 @@ This module does not plan, tokenise or talk to anyone.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -36,10 +39,12 @@ class ModelWithHeads(torch.nn.Module):
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
-                extra_calls: int = 0, anchor: torch.Tensor | None = None) -> ForwardOutputs:
-        """Run the batches, put results in request order, run the heads. ``anchor`` (a zero that depends on
-        every trainable weight, see :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every
-        output, so any loss reaches every weight."""
+                extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None
+                ) -> ForwardOutputs:
+        """Run the batches, put results in request order, run the heads (``head_kwargs``: the call's keyword
+        arguments for them). ``anchor`` (a zero that depends on every trainable weight, see
+        :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every output, so any loss reaches every
+        weight."""
         device = self.device
         results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id)
                    for b in batches]
@@ -60,28 +65,38 @@ class ModelWithHeads(torch.nn.Module):
             tie = anchor if tie is None else tie + anchor
         if tie is not None:
             scores = scores + tie
-            tokens = {k: v + tie if k in ("token_logprobs", "token_entropy") and v is not None else v
-                      for k, v in tokens.items()}
-        context_hidden = (_cat([r.context_hidden for r in results], (0, self.hidden_size), device)[ctx_perm]
+            tokens = {k: _add(v, tie) if k not in ("token_candidate", "token_ids") else v for k, v in tokens.items()}
+        context_hidden = (self._layers([r.context_hidden for r in results], needs.layers, ctx_perm)
                           if needs.context_hidden else None)
-        candidate_hidden = (_cat([r.candidate_hidden for r in results], (0, self.hidden_size), device)[cand_perm]
+        candidate_hidden = (self._layers([r.candidate_hidden for r in results], needs.layers, cand_perm)
                             if needs.candidate_hidden else None)
         if anchor is not None:
-            context_hidden = None if context_hidden is None else context_hidden + anchor
-            candidate_hidden = None if candidate_hidden is None else candidate_hidden + anchor
+            context_hidden, candidate_hidden = _add(context_hidden, anchor), _add(candidate_hidden, anchor)
         outputs = ForwardOutputs(
             kind=self.kind, num_contexts=n_ctx, candidate_scores=scores, candidate_token_counts=counts,
-            candidate_context=context_of.to(device), context_hidden=context_hidden, candidate_hidden=candidate_hidden,
-            heads={}, head_levels={}, **tokens)
+            candidate_context=context_of.to(device),
+            context_hidden=None if context_hidden is None else context_hidden[-1],
+            candidate_hidden=None if candidate_hidden is None else candidate_hidden[-1],
+            heads={}, head_levels={}, context_hidden_layers=context_hidden, candidate_hidden_layers=candidate_hidden,
+            **tokens)
         for key in head_keys:
             head = self.heads[key]
+            plugin = self.head_plugins.get(key, type(head).__name__)
             try:
-                outputs.heads[key] = head(outputs)
+                value = head(outputs, **_accepted(head, head_kwargs or {}))
             except Exception as err:
-                plugin = self.head_plugins.get(key, type(head).__name__)
                 raise plugin_error(f"head {key!r} ({plugin}) failed: {type(err).__name__}: {err}", plugin) from err
-            outputs.head_levels[key] = type(head).level
+            level = type(head).level
+            _check_head_output(key, plugin, level, value, _rows_of_level(outputs, level))
+            outputs.heads[key] = value
+            outputs.head_levels[key] = level
         return outputs
+
+    def _layers(self, parts: list[dict | None], layers, perm: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Per layer, the batches' hidden states concatenated and put in request order."""
+        device = perm.device
+        return {layer: _cat([p[layer] for p in parts if p is not None], (0, self.hidden_size), device)[perm]
+                for layer in layers}
 
     def _throwaway_calls(self, n: int) -> torch.Tensor:
         """Model calls whose results count for nothing (lockstep padding); returns a 0-weighted sum."""
@@ -120,6 +135,8 @@ def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
     for r in results:
         bases.append(total)
         total += len(r.counts)
+    hidden = parts[0].hidden if parts else None
+    logits = parts[0].logits if parts else None
     concat = torch.cat([p.candidate + base for p, base in zip(parts, bases)]) if parts else torch.zeros(0, dtype=torch.long)
     candidate = torch.tensor(cand_order, dtype=torch.long)[concat] if len(concat) else concat
     position = _cat([p.position for p in parts], (0,), "cpu", torch.long)
@@ -129,9 +146,58 @@ def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
     entropy = None
     if parts and parts[0].entropy is not None:
         entropy = _cat([p.entropy for p in parts], (0,), device)[dev_order]
+    if hidden is not None:
+        hidden = {layer: torch.cat([p.hidden[layer].to(device) for p in parts])[dev_order] for layer in hidden}
+    if logits is not None:
+        logits = torch.cat([p.logits.to(device) for p in parts])[dev_order]
     return {"token_logprobs": logprobs, "token_candidate": candidate[order].to(device),
             "token_ids": _cat([p.ids for p in parts], (0,), "cpu", torch.long)[order].to(device),
-            "token_entropy": entropy}
+            "token_entropy": entropy, "token_hidden": None if hidden is None else hidden[-1],
+            "token_hidden_layers": hidden, "token_logits": logits}
+
+
+def _add(value, zero):
+    """``value`` (a tensor, a dict of tensors or None) plus ``zero``."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: v + zero for k, v in value.items()}
+    return value + zero
+
+
+def _accepted(head, kwargs: dict) -> dict:
+    """The keyword arguments ``head.forward`` accepts: all of them with ``**kwargs``, else those it names."""
+    if not kwargs:
+        return {}
+    params = inspect.signature(head.forward).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"outputs"}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _rows_of_level(outputs: ForwardOutputs, level: str) -> int:
+    if level == "context":
+        return outputs.num_contexts
+    if level == "candidate":
+        return len(outputs.candidate_scores)
+    return len(outputs.token_logprobs)
+
+
+def _check_head_output(key: str, plugin: str, level: str, value, rows: int) -> None:
+    """Refuse a head output that is not a tensor (or a dict of tensors) whose first dimension is ``rows``."""
+    items = value.items() if isinstance(value, dict) else [(None, value)]
+    if isinstance(value, dict) and not value:
+        raise plugin_error(f"head {key!r} ({plugin}) returned an empty dict; return a tensor or a dict of tensors",
+                           plugin)
+    for name, tensor in items:
+        where = f"head {key!r} ({plugin}) output" + ("" if name is None else f"[{name!r}]")
+        if not isinstance(tensor, torch.Tensor):
+            raise plugin_error(f"{where} is a {type(tensor).__name__}; forward must return a tensor or a dict of "
+                               "tensors", plugin)
+        if tensor.dim() == 0 or tensor.shape[0] != rows:
+            raise plugin_error(f"{where} has shape {tuple(tensor.shape)}; a head of level {level!r} (its `level` "
+                               f"attribute) returns {rows} row(s) here: one per {level} of the pass", plugin)
 
 
 def _inverse(order: list[int], n: int, device) -> torch.Tensor:

@@ -13,7 +13,10 @@ decoder rows of every candidate.
 Each scored token's log-prob is computed once; candidates' scores are their sums. When the request asks for them
 (``Needs.per_token``), the per-token log-probs are also kept apart, with each token's id, candidate and position
 within the candidate's scored tokens, and (``Needs.entropy``) the entropy of the distribution the token was drawn
-from, computed from the same kept logits; otherwise none of that is built.
+from, computed from the same kept logits; otherwise none of that is built. Hidden states are kept only when a head asks for them
+(``Needs``), for the Hugging Face ``hidden_states`` indices it declares (``Needs.layers``; seq2seq: the decoder's),
+at the positions it reads: each context's last token, each candidate's last token, and the position that predicts
+each scored token (``Needs.token_hidden``); so are the float32 logits at those positions (``Needs.token_logits``).
 
 The calls made are exactly those :mod:`llmrl.engine.model.batching` planned. The same code serves ``score``
 (no grad) and the updater's forward (with grad). It knows nothing about processes or requests.
@@ -90,6 +93,8 @@ class Tokens:
     position: torch.Tensor  # [n_tokens] long, CPU
     ids: torch.Tensor  # [n_tokens] long, CPU: the scored token ids
     entropy: torch.Tensor | None  # [n_tokens] when asked
+    hidden: dict[int, torch.Tensor] | None = None  # layer -> [n_tokens, H] with Needs.token_hidden
+    logits: torch.Tensor | None = None  # [n_tokens, vocab] float32 with Needs.token_logits
 
 
 class _TokenSink:
@@ -103,11 +108,14 @@ class _TokenSink:
         self.pos: list[torch.Tensor] = []
         self.ids: list[torch.Tensor] = []
         self.ent: list[torch.Tensor] = []
+        self.hidden: list[dict[int, torch.Tensor]] = []
+        self.logits: list[torch.Tensor] = []
 
     def add(self, logprobs, candidates: list[int], positions: list[int] | None, targets: torch.Tensor, logits=None,
-            norm=None, index=None) -> None:
+            norm=None, index=None, hidden=None) -> None:
         """``positions`` (a list, or None when per-token outputs are not kept) are the tokens' places in their
-        candidates; entropies come from ``logits`` (rows selected by ``index``, if given)."""
+        candidates; entropies and kept logits come from ``logits`` (rows selected by ``index``, if given);
+        ``hidden`` (layer -> ``[n, H]``, with ``Needs.token_hidden``) holds the tokens' hidden states."""
         self.lp.append(logprobs)
         self.cand.append(torch.tensor(candidates))
         if not self.needs.per_token:
@@ -117,6 +125,10 @@ class _TokenSink:
         if self.needs.entropy:
             entropy = _entropy(logits, norm)
             self.ent.append(entropy if index is None else entropy[index])
+        if self.needs.token_logits:
+            self.logits.append((logits if index is None else logits[index]).float())
+        if self.needs.token_hidden:
+            self.hidden.append(hidden)
 
 
 @dataclass
@@ -125,8 +137,8 @@ class BatchResult:
 
     scores: torch.Tensor  # [n_candidates] sum of token log-probs
     counts: torch.Tensor  # [n_candidates] number of scored tokens
-    context_hidden: torch.Tensor | None  # [n_contexts, H]
-    candidate_hidden: torch.Tensor | None  # [n_candidates, H]
+    context_hidden: dict[int, torch.Tensor] | None  # layer -> [n_contexts, H]
+    candidate_hidden: dict[int, torch.Tensor] | None  # layer -> [n_candidates, H]
     tokens: Tokens | None = None  # with Needs.per_token
 
 
@@ -150,7 +162,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
-    want_hidden = needs.context_hidden or needs.candidate_hidden
+    want_hidden, layers = needs.hidden, needs.layers
     keep_last = {"logits_to_keep": 1} if keep_logits else {}
     sink = _TokenSink(needs)
     counts = torch.zeros(n_cand, dtype=torch.long)
@@ -171,7 +183,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         for a, c in enumerate(ctxs):
             if c.shared == common:
                 last_logits[a] = out.logits[0, -1]
-                last_hidden[a] = out.hidden_states[-1][0, -1] if want_hidden else None
+                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
     # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
     remainders = [c.prefix[common:] for c in ctxs]
     if batch.own_prefixes:
@@ -185,7 +197,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
         for a, rest in enumerate(remainders):
             if rest:
                 last_logits[a] = out.logits[a, -1]
-                last_hidden[a] = out.hidden_states[-1][a, -1] if want_hidden else None
+                last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
 
     # Candidates whose first scored token directly follows the shared prefix.
     firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
@@ -193,8 +205,10 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     if firsts:
         logits = torch.stack([last_logits[a] for a, _ in firsts])
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
+        hidden = ({layer: torch.stack([last_hidden[a][layer] for a, _ in firsts]) for layer in layers}
+                  if needs.token_hidden else None)  # the prefix's last position predicts these tokens
         sink.add(_token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
-                 logits)
+                 logits, hidden=hidden)
         for a, j in firsts:
             counts[offsets[a] + j] += 1
 
@@ -251,16 +265,21 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
             norm = torch.logsumexp(logits, dim=-1)
             index = torch.tensor([flat[w[0]] for w in wanted], device=device)
             targets = torch.tensor([w[1] for w in wanted], device=device)
+            hidden = None
+            if needs.token_hidden:  # position t predicts rest[t + 1]
+                rows = torch.tensor([w[0][0] for w in wanted], device=device)
+                cols = torch.tensor([w[0][1] for w in wanted], device=device)
+                hidden = _at(out.hidden_states, layers, rows, cols)
             sink.add(logits[index, targets] - norm[index], [w[2] for w in wanted],
-                     [w[3] for w in wanted] if needs.per_token else None, targets, logits, norm, index)
+                     [w[3] for w in wanted] if needs.per_token else None, targets, logits, norm, index, hidden)
         if want_hidden:
-            hidden = out.hidden_states[-1]
             for r, (a, k) in enumerate(chunk):
                 if k == COMPLETION:
-                    context_hidden[a] = hidden[r, len(inputs[r]) - 1]
+                    context_hidden[a] = _at(out.hidden_states, layers, r, len(inputs[r]) - 1)
             if needs.candidate_hidden:
                 for r, a, j in users.get(n, []):
-                    candidate_hidden[offsets[a] + j] = hidden[r, len(row_inputs(plan, batch.contexts[a], j, needs)) - 1]
+                    last = len(row_inputs(plan, batch.contexts[a], j, needs)) - 1
+                    candidate_hidden[offsets[a] + j] = _at(out.hidden_states, layers, r, last)
 
     return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
 
@@ -273,8 +292,16 @@ def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candid
                                                                                           values)
     tokens = None
     if needs.per_token:
+        width, vocab = _hidden_size(model), model.config.get_text_config().vocab_size
         tokens = Tokens(values, index, _cat_long(sink.pos), _cat_long(sink.ids),
-                        (torch.cat(sink.ent) if sink.ent else torch.zeros(0, device=device)) if needs.entropy else None)
+                        (torch.cat(sink.ent) if sink.ent else torch.zeros(0, device=device)) if needs.entropy else None,
+                        _stack_layers(sink.hidden, needs.layers, width, device, cat=True) if needs.token_hidden else None,
+                        (torch.cat(sink.logits) if sink.logits else torch.zeros((0, vocab), device=device))
+                        if needs.token_logits else None)
+    context_hidden = (_stack_layers(context_hidden, needs.layers, _hidden_size(model), device)
+                      if needs.context_hidden else None)
+    candidate_hidden = (_stack_layers(candidate_hidden, needs.layers, _hidden_size(model), device)
+                        if needs.candidate_hidden else None)
     if torch.is_grad_enabled() and touched:
         # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
         # whatever the loss reads: under ZeRO-3 each replica gathers the same weights in the same order.
@@ -283,21 +310,28 @@ def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candid
         if tokens is not None:
             tokens.logprobs = tokens.logprobs + zero
             tokens.entropy = None if tokens.entropy is None else tokens.entropy + zero
-    return BatchResult(
-        scores=scores,
-        counts=counts,
-        context_hidden=torch.stack(context_hidden) if needs.context_hidden else None,
-        candidate_hidden=_stack_or_empty(candidate_hidden, _hidden_size(model)) if needs.candidate_hidden else None,
-        tokens=tokens,
-    )
+            tokens.logits = None if tokens.logits is None else tokens.logits + zero
+            tokens.hidden = None if tokens.hidden is None else {k: v + zero for k, v in tokens.hidden.items()}
+        context_hidden = None if context_hidden is None else {k: v + zero for k, v in context_hidden.items()}
+        candidate_hidden = None if candidate_hidden is None else {k: v + zero for k, v in candidate_hidden.items()}
+    return BatchResult(scores=scores, counts=counts, context_hidden=context_hidden, candidate_hidden=candidate_hidden,
+                       tokens=tokens)
+
+
+def _at(hidden_states, layers, rows, cols) -> dict[int, torch.Tensor]:
+    """The hidden states of ``layers`` (indices into Hugging Face's ``hidden_states``) at ``[rows, cols]``."""
+    return {layer: hidden_states[layer][rows, cols] for layer in layers}
+
+
+def _stack_layers(items: list[dict], layers, width: int, device, cat: bool = False) -> dict[int, torch.Tensor]:
+    """Per layer, the items' hidden states stacked (``cat``: concatenated) in order; ``[0, width]`` when none."""
+    join = torch.cat if cat else torch.stack
+    return {layer: join([d[layer] for d in items]) if items else torch.zeros((0, width), device=device)
+            for layer in layers}
 
 
 def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
-def _stack_or_empty(items, width: int) -> torch.Tensor:
-    return torch.stack(items) if items else torch.zeros((0, width))
 
 
 def _hidden_size(model) -> int:
@@ -310,7 +344,7 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
-    want_hidden = needs.context_hidden or needs.candidate_hidden
+    want_hidden, layers = needs.hidden, needs.layers
     enc_ids, enc_mask = _pad([c.ids for c in ctxs], pad_id, left=False, device=device)
     encoded = model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True) if batch.encoder_pass else None
     touched = [] if encoded is None else [encoded.last_hidden_state]
@@ -344,12 +378,15 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
         if targets:
             logits = out.logits[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
             targets = torch.tensor(targets, device=device)
-            sink.add(_token_logprobs(logits, targets), cand_of_token, positions, targets, logits)
+            # Decoder position t (reading the start token and rest[:t]) predicts rest[t].
+            hidden = (_at(out.decoder_hidden_states, layers, torch.tensor(rows, device=device),
+                          torch.tensor(positions, device=device)) if needs.token_hidden else None)
+            sink.add(_token_logprobs(logits, targets), cand_of_token, positions, targets, logits, hidden=hidden)
         if want_hidden:
-            hidden = out.decoder_hidden_states[-1]
+            hidden = out.decoder_hidden_states
             for r, (a, j) in enumerate(chunk):
                 if context_hidden[a] is None:
-                    context_hidden[a] = hidden[r, 0]  # the decoder start position has read the whole context
+                    context_hidden[a] = _at(hidden, layers, r, 0)  # the decoder start position has read the context
                 if j != COMPLETION and needs.candidate_hidden:
-                    candidate_hidden[offsets[a] + j] = hidden[r, len(inputs[r]) - 1]
+                    candidate_hidden[offsets[a] + j] = _at(hidden, layers, r, len(inputs[r]) - 1)
     return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)

@@ -25,6 +25,19 @@ if TYPE_CHECKING:
     from llmrl.plugins.contracts import LLMInfo, Updater
 
 
+def needs_of(heads: list) -> Needs:
+    """The union of the head classes' declarations (see :class:`~llmrl.plugins.contracts.Head`)."""
+    context = any(h.needs_context_hidden for h in heads)
+    candidate = any(h.needs_candidate_hidden for h in heads)
+    token_hidden = any(h.needs_token_hidden for h in heads)
+    logits = any(h.needs_logits for h in heads)
+    readers = [h for h in heads if h.needs_context_hidden or h.needs_candidate_hidden or h.needs_token_hidden]
+    layers = tuple(sorted({-1, *(i for h in readers for i in h.hidden_layers)}))
+    per_token = token_hidden or logits or any(h.level == "token" for h in heads)
+    return Needs(context_hidden=context, candidate_hidden=candidate, per_token=per_token, token_hidden=token_hidden,
+                 token_logits=logits, layers=layers)
+
+
 @dataclass
 class ServedModel:
     llm: LLMConfig
@@ -60,9 +73,9 @@ class ServedModel:
         return keys
 
     def needs_for(self, keys) -> Needs:
-        heads = [self.module.heads[k] for k in keys]
-        return Needs(context_hidden=any(h.needs_context_hidden for h in heads),
-                     candidate_hidden=any(h.needs_candidate_hidden for h in heads))
+        """What the heads ``keys`` read (nothing beyond summed scores when they read nothing): the union of their
+        declarations. Per-token outputs are kept when a head is token-level or reads per-token values."""
+        return needs_of([type(self.module.heads[k]) for k in keys])
 
     def check_adapter(self, name: str | None) -> None:
         if name is not None and name not in self.adapters:

@@ -44,7 +44,7 @@ class EngineTrainer(Trainer):
             raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before {where}")
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
-                add_eos=False) -> ForwardOutputs:
+                add_eos=False, head_kwargs=None) -> ForwardOutputs:
         served = self.served
         empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
@@ -53,7 +53,7 @@ class EngineTrainer(Trainer):
             candidates = None if candidates is None else [[" a"]]
         try:
             plan, extra = prepare(served, contexts, candidates, heads, peft_adapter, must_agree=True,
-                                  per_token=per_token, entropy=entropy, add_eos=add_eos)
+                                  per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs)
         except PeerAborted:
             raise
         except Exception:
@@ -111,12 +111,17 @@ class EngineTrainer(Trainer):
 
 def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
     """The outputs of a throw-away pass, with every row removed (gradients still connect to the model)."""
-    return out._replace(num_contexts=0, candidate_scores=out.candidate_scores[:0],
-                   candidate_token_counts=out.candidate_token_counts[:0], candidate_context=out.candidate_context[:0],
-                   context_hidden=None if out.context_hidden is None else out.context_hidden[:0],
-                   candidate_hidden=None if out.candidate_hidden is None else out.candidate_hidden[:0],
-                   heads={k: v[:0] for k, v in out.heads.items()},
-                   **{k: None if v is None else v[:0] for k, v in out._asdict().items() if k.startswith("token_")})
+    return out._replace(num_contexts=0,
+                        heads={k: _none_of(v) for k, v in out.heads.items()},
+                        **{k: _none_of(v) for k, v in out._asdict().items()
+                           if k.startswith(("token_", "candidate_", "context_"))})
+
+
+def _none_of(value):
+    """``value`` (None, a tensor or a dict of tensors) with no row."""
+    if isinstance(value, dict):
+        return {k: v[:0] for k, v in value.items()}
+    return None if value is None else value[:0]
 
 
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:

@@ -8,12 +8,14 @@ spread over the replicas; a replica receives such a context once, with its piece
 encodes it once. Small contexts stay whole. Every rank of a replica receives the replica's share; under
 lockstep every replica takes part, even with nothing to do. The replicas' leaders answer one entry per piece;
 :func:`merge_entries` joins the pieces of a context back into one entry (candidate-level values concatenated in
-order, context-level head outputs from the first piece), and :class:`Finish` turns the entries into what the
+order, context-level head outputs from the first piece), token-level head outputs are cut per candidate
+(:func:`cut_token_heads`), and :class:`Finish` turns the entries into what the
 call returns (sum or mean, the log-policy over the candidates, probabilities, head outputs, and with
 ``per_token`` each candidate's tokens, their log-probs and entropies), so ``normalize`` and ``reduction`` always
 see a context's whole candidate list. Server half: the backend runs the forward pass and the replica's leader
 cuts the outputs per context as CPU tensors (per-token values as one flat tensor per context, cut per candidate
-on the client).
+on the client). ``head_kwargs`` values with one entry per context are sliced like the contexts (each piece takes
+its context's entry); the others reach every replica whole.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from llmrl.engine.requests.base import (
     piece_parts,
     split_by_cost,
 )
+from llmrl.plugins.contracts import _take, is_per_sample
 
 NAME = "score"
 
@@ -48,6 +51,7 @@ class ScoreRequest:
     per_token: bool = False
     entropy: bool = False
     add_eos: bool = False
+    head_kwargs: dict | None = None  # keyword arguments for the heads' forward
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,21 @@ def merge_entries(entries: list[dict], head_levels: dict[str, str]) -> dict:
     return merged
 
 
+def cut_token_heads(entry: dict, head_levels: dict[str, str]) -> dict:
+    """A context's entry with each token-level head's flat output (a tensor, or a dict of tensors) cut into one
+    tensor per candidate, by the candidates' numbers of scored tokens."""
+    token_keys = [key for key in entry.get("heads", {}) if head_levels.get(key) == "token"]
+    if not token_keys:
+        return entry
+    counts = entry["token_counts"].tolist()
+    heads = dict(entry["heads"])
+    for key in token_keys:
+        value = heads[key]
+        heads[key] = ({k: list(v.split(counts)) for k, v in value.items()} if isinstance(value, dict)
+                      else list(value.split(counts)))
+    return {**entry, "heads": heads}
+
+
 def _concat(values: list):
     first = values[0]
     if isinstance(first, torch.Tensor):
@@ -143,14 +162,18 @@ def send(run: Run, llm: str, request: ScoreRequest, finish: Finish, head_levels:
     shares = plan_shares(contexts, candidates, len(run.replicas(llm)))
 
     def share(pieces: list[Piece]) -> ScoreRequest:
+        kwargs = request.head_kwargs
+        if kwargs:
+            inputs = [p.input for p in pieces]
+            kwargs = {k: _take(v, inputs) if is_per_sample(v, len(contexts)) else v for k, v in kwargs.items()}
         return replace(request, contexts=[contexts[p.input] for p in pieces],
                        candidates=None if candidates is None else [candidates[p.input][p.start:p.stop]
-                                                                   for p in pieces])
+                                                                   for p in pieces], head_kwargs=kwargs)
 
     parts, answering = piece_parts(run, llm, shares, share, keep_empty=run.config.llms[llm].lockstep)
 
     def assemble(values: dict) -> list:
-        return finish([merge_entries(pieces, head_levels)
+        return finish([cut_token_heads(merge_entries(pieces, head_levels), head_levels)
                        for pieces in gather_pieces(values, answering, len(contexts))])
 
     return run.submit(NAME, parts, assemble)
@@ -164,33 +187,40 @@ def _size(item) -> int:
 def handle(replica, request: ScoreRequest):
     out = replica.backend.score(request.contexts, request.candidates, request.heads, request.peft_adapter,
                                 request.minibatch_size, per_token=request.per_token, entropy=request.entropy,
-                                add_eos=request.add_eos)
+                                add_eos=request.add_eos, head_kwargs=request.head_kwargs)
     if not replica.answers:
         return None
     scores = out.candidate_scores.detach().float().cpu()
     counts = out.candidate_token_counts.cpu()
-    heads = {k: v.detach().cpu() for k, v in out.heads.items()}
+    heads = {k: _each(v, lambda t: t.detach().cpu()) for k, v in out.heads.items()}
     sizes = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
     per_token = {}
-    if request.per_token:
+    if out.token_candidate is not None:  # asked for, or read by a head
         token_counts = torch.bincount(out.token_candidate.cpu(), minlength=len(scores))
         token_starts = [0, *torch.cumsum(token_counts, 0).tolist()]
+    if request.per_token:
         per_token = {"token_logprobs": out.token_logprobs.detach().float().cpu(), "token_ids": out.token_ids.cpu()}
         if out.token_entropy is not None:
             per_token["token_entropy"] = out.token_entropy.detach().float().cpu()
     entries, start = [], 0
     for i, k in enumerate(sizes):
         entry = {"scores": scores[start:start + k].clone(), "counts": counts[start:start + k].clone(), "heads": {}}
-        for key, value in heads.items():
-            per_context = out.head_levels[key] == "context"
-            entry["heads"][key] = value[i].clone() if per_context else value[start:start + k].clone()
-        if per_token:
+        if out.token_candidate is not None:
             first, last = token_starts[start], token_starts[start + k]
             entry["token_counts"] = token_counts[start:start + k].clone()
             entry.update({key: value[first:last].clone() for key, value in per_token.items()})
+        for key, value in heads.items():
+            level = out.head_levels[key]
+            rows = i if level == "context" else slice(start, start + k) if level == "candidate" else slice(first, last)
+            entry["heads"][key] = _each(value, lambda t, rows=rows: t[rows].clone())
         entries.append(entry)
         start += k
     return entries
+
+
+def _each(value, fn):
+    """``fn`` applied to a head's output: a tensor, or each tensor of a dict."""
+    return {k: fn(v) for k, v in value.items()} if isinstance(value, dict) else fn(value)
 
 
 KIND = Kind(NAME, ScoreRequest, handle)
