@@ -204,3 +204,32 @@ def test_generate_send_keeps_greedy_and_beam_contexts_whole():
 def test_bad_num_return_sequences_is_refused_on_the_client(bad):
     with pytest.raises(InvalidArgument, match="num_return_sequences must be a positive integer"):
         generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {"num_return_sequences": bad}))
+
+
+def test_head_kwargs_per_context_are_sliced_like_the_contexts_and_token_heads_are_cut_per_candidate():
+    """A context cut over replicas gives its per-context kwarg entry to each piece; other kwargs go whole; a
+    token-level dict output and a candidate-level dict output come back joined, cut per candidate."""
+    def answer(request):
+        out = []
+        for context, cands, weight in zip(request.contexts, request.candidates, request.head_kwargs["weight"]):
+            counts = torch.tensor([len(c) for c in cands])
+            flat = torch.cat([torch.arange(float(n)) for n in counts.tolist()])
+            out.append({"scores": torch.zeros(len(cands)), "counts": counts, "token_counts": counts,
+                        "heads": {"tok": {"v": flat * weight, "w": flat[:, None]},
+                                  "cand": {"n": counts.float() + request.head_kwargs["shift"][0]}}})
+        return out
+
+    candidates = [[[1] * (i + 1) for i in range(6)], [[5, 6]]]
+    request = score.ScoreRequest([[9] * 8, [3]], candidates, ("tok", "cand"),
+                                 head_kwargs={"weight": [10.0, 100.0], "shift": [0.5, 0.5, 0.5]})
+    run = FakeRun(3, answer)
+    result = score.send(run, "m", request, score.Finish(scores=False), {"tok": "token", "cand": "candidate"}).result()
+    assert len(run.parts) > 1
+    for _, payload in run.parts:
+        assert payload.head_kwargs["weight"] == [[10.0, 100.0][c[0] == 3] for c in payload.contexts]
+        assert payload.head_kwargs["shift"] == [0.5, 0.5, 0.5]
+    first = result[0]
+    assert [v.tolist() for v in first["tok"]["v"]] == [[10.0 * t for t in range(i + 1)] for i in range(6)]
+    assert [tuple(w.shape) for w in first["tok"]["w"]] == [(i + 1, 1) for i in range(6)]
+    assert first["cand"]["n"].tolist() == [i + 1.5 for i in range(6)]
+    assert [v.tolist() for v in result[1]["tok"]["v"]] == [[0.0, 100.0]]
