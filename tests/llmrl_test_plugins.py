@@ -110,6 +110,55 @@ class CandidateLengthHead(Head):
         return outputs.candidate_token_counts.float() + 0 * outputs.candidate_hidden.sum(-1)
 
 
+class ContextLayersHead(Head):
+    """Context level, layers 0, 1 and the last: returns them untouched in a dict; the per-context keyword argument
+    ``scale`` (one number per context) multiplies layer 1 (checks kwargs are sliced with the contexts)."""
+
+    level = "context"
+    hidden_layers = (0, 1, -1)
+
+    def forward(self, outputs, scale=None):
+        layers = outputs.context_hidden_layers
+        scaled = layers[1] if scale is None else layers[1] * torch.as_tensor(scale, dtype=layers[1].dtype)[:, None]
+        return {"h0": layers[0], "scaled_h1": scaled, "last": outputs.context_hidden}
+
+
+class CandidateLayersHead(Head):
+    """Candidate level, the embeddings' and the second-to-last entries of hidden_states, untouched."""
+
+    level = "candidate"
+    needs_context_hidden = False
+    needs_candidate_hidden = True
+    hidden_layers = (0, -2)
+
+    def forward(self, outputs, **kwargs):
+        return {"h0": outputs.candidate_hidden_layers[0], "h_2": outputs.candidate_hidden_layers[-2]}
+
+
+class TokenProbeHead(Head):
+    """Token level: per scored token, the hidden states (layer 1 and last) at the position predicting it, its
+    logits, and the call's ``offset`` keyword argument added to its log-prob."""
+
+    level = "token"
+    needs_context_hidden = False
+    needs_token_hidden = True
+    needs_logits = True
+    hidden_layers = (1,)
+
+    def forward(self, outputs, **kwargs):
+        return {"h1": outputs.token_hidden_layers[1], "last": outputs.token_hidden, "logits": outputs.token_logits,
+                "logprob": outputs.token_logprobs + kwargs.get("offset", 0.0)}
+
+
+class BadRowsHead(Head):
+    """Returns a dict whose entry 'bad' has one row per context although the head is candidate-level."""
+
+    level = "candidate"
+
+    def forward(self, outputs):
+        return {"bad": outputs.context_hidden[:, :1]}
+
+
 class SlowHead(Head):
     """Sleeps ``seconds`` in its forward: a request that takes too long. With ``mark``, first creates the file
     ``<mark>.<pid>`` (so a test can see that the request is in flight)."""

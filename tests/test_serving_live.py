@@ -30,8 +30,15 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
               ["ll 2 steps forward", "lk", " red ball"],
               ["rn right", "rn left", "n"],
               [" a", "x"]]
+PROBE_HEADS = {"ctx_layers": {"plugin": "llmrl_test_plugins:ContextLayersHead"},
+               "cand_layers": {"plugin": "llmrl_test_plugins:CandidateLayersHead"},
+               "tokens": {"plugin": "llmrl_test_plugins:TokenProbeHead"}}
 HEADS = {"value": {"plugin": "value", "args": {"hidden": 16}},
-         "q": {"plugin": "llmrl_example_plugins:ActionValueHead", "args": {"hidden": 8}}}
+         "q": {"plugin": "llmrl_example_plugins:ActionValueHead", "args": {"hidden": 8}},
+         **PROBE_HEADS, "bad_rows": {"plugin": "llmrl_test_plugins:BadRowsHead"}}
+# Token ids (used as given); the last context's 12 candidates are cut over replicas.
+PROBE_CONTEXTS = [[17, 230, 41, 99, 5], [300, 301], [5, 6, 7, 8]]
+PROBE_CANDIDATES = [[[7, 8, 9, 10], [7, 8], [311], []], [[1, 2, 3]], [[10 + k, 11 + k, 3] for k in range(12)]]
 LAYOUTS = ["single", "noreuse", "replicated", "sharded", "zero3"]
 
 
@@ -132,9 +139,9 @@ def mixed_llms(tiny):
     """One run: Llama (1 replica; eager attention through model_kwargs and an ordinary token as its pad token),
     GPT-2 (2 replicas), T5, and the two variants. The last test closes t5-genstart while the others go on."""
     config = {"llms": {"llama": {"model": tiny["llama"], "model_kwargs": {"attn_implementation": "eager"},
-                                 "pad_token_id": ordinary_pad_id(tiny)},
-                       "gpt2": {"model": tiny["gpt2"], "replicas": 2},
-                       "t5": {"model": tiny["t5"], "type": "seq2seq"}, "llama-eos": {"model": tiny["llama-eos"]},
+                                 "pad_token_id": ordinary_pad_id(tiny), "heads": PROBE_HEADS},
+                       "gpt2": {"model": tiny["gpt2"], "replicas": 2, "heads": PROBE_HEADS},
+                       "t5": {"model": tiny["t5"], "type": "seq2seq", "heads": PROBE_HEADS}, "llama-eos": {"model": tiny["llama-eos"]},
                        "t5-genstart": {"model": tiny["t5-genstart"], "type": "seq2seq"}},
               "threads_per_rank": 1}
     run = LiveRun(config)
@@ -456,6 +463,74 @@ def test_beam_search_returns_plain_hf_beams_and_scores(mixed_llms, reference_mod
             assert sample["beam_score"] == pytest.approx(float(score), abs=1e-4)
             torch.testing.assert_close(sample["logprobs"], reference_logprobs(model, tok, prompt, sample["tokens"]
                                                                               .tolist(), seq2seq), atol=1e-4, rtol=0)
+
+
+def plain_hidden(model, seq2seq: bool, context: list[int], tokens: list[int]):
+    """One unpadded Hugging Face forward with output_hidden_states (seq2seq: the decoder's): per layer (0, 1, -2,
+    -1), the hidden states at the context's last token, at the candidate's last token and at the positions that
+    predict each token; and the logits there."""
+    with torch.no_grad():
+        if seq2seq:
+            dec = [model.config.decoder_start_token_id] + tokens
+            out = model(input_ids=torch.tensor([context]), decoder_input_ids=torch.tensor([dec]),
+                        output_hidden_states=True)
+            hs, ctx, cand, toks = out.decoder_hidden_states, 0, len(tokens), list(range(len(tokens)))
+        else:
+            out = model(input_ids=torch.tensor([context + tokens]), output_hidden_states=True)
+            n = len(context)
+            hs, ctx, cand, toks = out.hidden_states, n - 1, n + len(tokens) - 1, list(range(n - 1, n - 1 + len(tokens)))
+    return {layer: (hs[layer][0, ctx], hs[layer][0, cand], hs[layer][0, toks]) for layer in (0, 1, -2, -1)}, \
+        out.logits[0, toks].float()
+
+
+def check_probe_heads(run, llm: str, model, seq2seq: bool):
+    """Heads reading layers 0, 1, -2 and -1 at contexts, candidates and scored tokens, and the logits, return what
+    plain Hugging Face's output_hidden_states gives; per-context keyword arguments reach their contexts' heads."""
+    close = dict(atol=1e-4, rtol=0)
+    scale = [1.0, 2.0, 3.0]
+    keys = ["ctx_layers", "cand_layers", "tokens"]
+    heads = run.custom_module_fns(keys, PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm,
+                                  head_kwargs={"scale": scale, "offset": 5.0})
+    scored = run.score(PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm, additional_module_function_keys=["tokens"],
+                       per_token=True, head_kwargs={"offset": 5.0})
+    for i, (context, cands) in enumerate(zip(PROBE_CONTEXTS, PROBE_CANDIDATES)):
+        got, tokens = heads[i], heads[i]["tokens"]
+        assert len(tokens["h1"]) == len(cands) and len(scored[i]["tokens"]["logprob"]) == len(cands)
+        for j, cand in enumerate(cands):
+            layers, logits = plain_hidden(model, seq2seq, context, cand)
+            if j == 0:
+                torch.testing.assert_close(got["ctx_layers"]["h0"], layers[0][0], **close)
+                torch.testing.assert_close(got["ctx_layers"]["scaled_h1"], scale[i] * layers[1][0], **close)
+                torch.testing.assert_close(got["ctx_layers"]["last"], layers[-1][0], **close)
+            torch.testing.assert_close(got["cand_layers"]["h0"][j], layers[0][1], **close)
+            torch.testing.assert_close(got["cand_layers"]["h_2"][j], layers[-2][1], **close)
+            torch.testing.assert_close(tokens["h1"][j], layers[1][2], **close)
+            torch.testing.assert_close(tokens["last"][j], layers[-1][2], **close)
+            torch.testing.assert_close(tokens["logits"][j], logits, **close)
+            torch.testing.assert_close(scored[i]["tokens"]["logprob"][j], scored[i]["logprobs"][j] + 5.0, **close)
+            want = torch.log_softmax(logits, -1)[torch.arange(len(cand)), cand]
+            torch.testing.assert_close(scored[i]["logprobs"][j], want, **close)
+
+
+@pytest.mark.parametrize("llm", LAYOUTS)
+def test_heads_read_layers_token_hidden_states_and_logits_like_plain_hf(llama_layouts, reference_models, llm):
+    check_probe_heads(llama_layouts, llm, reference_models["llama"][0], seq2seq=False)
+
+
+@pytest.mark.parametrize("llm", ["llama", "gpt2", "t5"])
+def test_heads_read_layers_on_every_family(mixed_llms, reference_models, llm):
+    check_probe_heads(mixed_llms, llm, reference_models[llm][0], seq2seq=llm == "t5")
+
+
+@pytest.mark.parametrize("llm", LAYOUTS)
+def test_a_head_output_with_wrong_rows_is_refused_and_the_servers_go_on(llama_layouts, reference_models, llm):
+    with pytest.raises(RequestError, match=r"head 'bad_rows' \(llmrl_test_plugins:BadRowsHead\) output\['bad'\] "
+                                           r"has shape \(\d, 1\).*level 'candidate'") as caught:
+        llama_layouts.custom_module_fns(["bad_rows"], PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm)
+    assert caught.value.plugin == "llmrl_test_plugins:BadRowsHead"
+    model, tok = reference_models["llama"]
+    assert_scores(llama_layouts.score(CONTEXTS[:3], CANDIDATES[:3], llm=llm),
+                  reference_scores(model, tok, CONTEXTS[:3], CANDIDATES[:3]))
 
 
 def test_close_one_llm_while_the_others_serve(mixed_llms, reference_models, tmp_path):
