@@ -211,7 +211,7 @@ def test_head_kwargs_per_context_are_sliced_like_the_contexts_and_token_heads_ar
     token-level dict output and a candidate-level dict output come back joined, cut per candidate."""
     def answer(request):
         out = []
-        for context, cands, weight in zip(request.contexts, request.candidates, request.head_kwargs["weight"]):
+        for cands, weight in zip(request.candidates, request.head_kwargs["weight"]):
             counts = torch.tensor([len(c) for c in cands])
             flat = torch.cat([torch.arange(float(n)) for n in counts.tolist()])
             out.append({"scores": torch.zeros(len(cands)), "counts": counts, "token_counts": counts,
