@@ -332,6 +332,18 @@ class Trainer:
         """Context manager: forward passes inside use the base model without LoRA adapters."""
         raise NotImplementedError
 
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the model has LoRA adapters (then ``adapters_disabled()`` gives the frozen base model)."""
+        raise NotImplementedError
+
+    def sum_across_replicas(self, values) -> torch.Tensor:
+        """The sum of ``values`` (a number, list or tensor; the same shape on every replica) over all replicas of the
+        LLM, as a float64 CPU tensor, identical on every replica: for statistics of the whole batch (the mean and
+        variance used to whiten advantages, the mean KL that adapts a KL coefficient). Every replica must call it
+        the same number of times, like ``backward``."""
+        raise NotImplementedError
+
 
 def is_per_sample(value, n: int) -> bool:
     """Whether a keyword argument of ``update`` holds one entry per sample (and is sliced with the batch):

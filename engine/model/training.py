@@ -85,6 +85,15 @@ class EngineTrainer(Trainer):
         self.pending_micro_steps = 0
         self.optimizer_steps += 1
 
+    @property
+    def has_adapters(self) -> bool:
+        return hasattr(self.served.model, "disable_adapter")
+
+    def sum_across_replicas(self, values) -> torch.Tensor:
+        values = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
+        self._check_peers(True, "sum_across_replicas")
+        return self.served.group.sum_over_replicas(values, self.served.llm.tensor_parallel)
+
     def adapters_disabled(self):
         model = self.served.model
         if hasattr(model, "disable_adapter"):

@@ -55,6 +55,18 @@ class GroupChannel:
     def max_int(self, value: int) -> int:
         return self.agree(True, value)[1]
 
+    def sum_over_replicas(self, values: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+        """The sum of ``values`` (a float64 CPU tensor, the same shape on every rank) over the LLM's replicas. The
+        ``tensor_parallel`` ranks of a replica hold the same values, so the sum over all ranks is divided by it.
+        Call it only right after a vote that every rank passed (ranks must meet in the same collective)."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return values.clone()
+        total = values.detach().to(torch.float64).cpu().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total / tensor_parallel
+
 
 def join_group(config: Config, role: RankRole, run_store, device: torch.device) -> GroupChannel:
     """Form this LLM's own torch.distributed world (plus its gloo control group); returns the control channel."""

@@ -1,0 +1,216 @@
+"""RLHF on generated text: a language model learns to continue neutral prompts positively (trlX's sentiment task).
+
+    llmrl run --config configs/rlhf-sentiment.yaml examples/rlhf_sentiment.py        # SmolLM2-135M, ppo_tokens
+    llmrl run --config configs/rlhf-sentiment-grpo.yaml examples/rlhf_sentiment.py   # the same with grpo
+    llmrl run --config configs/rlhf-sentiment-quick.yaml examples/rlhf_sentiment.py --quick   # tiny model, CI
+
+The script is the client of an llmrl run. Each update it samples ``samples_per_prompt`` continuations of
+``prompts_per_update`` training prompts with ``generate`` (which returns each token's log-prob under the policy
+that sampled it), scores them with the reward (VADER's compound sentiment of the continuation, in [-1, 1], minus
+``short_penalty`` for a continuation of fewer than 3 words), and calls ``update`` with the prompts, the
+continuations' token ids, the rewards and the old log-probs. The config's updater does the rest on the servers:
+``ppo_tokens`` (KL penalty to the starting model, a per-token value head, GAE, clipped PPO) or ``grpo``
+(group-relative advantages, no critic); the script does not change. Before and after training it generates greedy
+continuations of the held-out prompts and reports their mean reward with a 95% confidence interval.
+
+Writes, in ``--out``: ``curve.png`` (training reward and KL to the starting model per update, and the held-out
+reward before and after), ``metrics.csv`` (one row per update), ``summary.json`` (evaluations, confidence
+intervals, KL, timings, sample continuations before and after).
+
+The prompts are built here from word lists (no download); prompts made from the held-out subjects are never
+trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+from llmrl import Caller
+
+SUBJECTS = ["movie", "weather", "new phone", "restaurant", "train ride", "book", "meeting", "concert", "hotel",
+            "neighbourhood", "football game", "lecture", "coffee", "museum", "flight", "apartment", "garden",
+            "interview", "party", "bus", "song", "trip", "class", "dinner"]
+HELD_OUT_SUBJECTS = ["play", "beach", "market", "holiday", "office", "road"]
+FRAMES = ["The {s} was", "I think the {s} is", "Yesterday the {s}", "My friend said that the {s}",
+          "Everyone was talking about the {s}, and", "To be honest, the {s}", "When I got to the {s}, it",
+          "This morning the {s}", "Last week we went to the {s}. It", "The {s} we had last night",
+          "My opinion of the {s} is that it", "In my view, the {s}"]
+
+
+def build_prompts() -> tuple[list[str], list[str]]:
+    """Training prompts (the 24 training subjects in 12 frames: 288) and held-out ones (6 other subjects: 72)."""
+    train = [frame.format(s=s) for s in SUBJECTS for frame in FRAMES]
+    held_out = [frame.format(s=s) for s in HELD_OUT_SUBJECTS for frame in FRAMES]
+    return train, held_out
+
+
+@dataclass
+class Args:
+    updates: int = 30  # PPO / GRPO updates
+    prompts_per_update: int = 8  # training prompts per update
+    samples_per_prompt: int = 4  # continuations sampled per prompt (GRPO's group size)
+    max_new_tokens: int = 16  # continuation length
+    short_penalty: float = 0.5  # subtracted from the reward of a continuation with fewer than 3 words
+    eval_prompts: int = 72  # held-out prompts in each evaluation (at most 72)
+    seed: int = 0
+    out: str = "runs/rlhf_sentiment"  # where the curve, metrics and summary go
+    quick: bool = False  # a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, value in asdict(Args()).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = Args(**vars(parser.parse_args()))
+    if args.quick:
+        args.updates, args.prompts_per_update, args.samples_per_prompt, args.eval_prompts = 2, 4, 2, 8
+        args.max_new_tokens = 8
+    return args
+
+
+class Reward:
+    """VADER's compound sentiment score of a continuation (a lexicon scorer that runs offline)."""
+
+    def __init__(self, short_penalty: float):
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        self.analyzer = SentimentIntensityAnalyzer()
+        self.short_penalty = short_penalty
+
+    def __call__(self, text: str) -> float:
+        words = [w for w in text.split() if any(c.isalpha() for c in w)]
+        penalty = self.short_penalty if len(words) < 3 else 0.0
+        return self.analyzer.polarity_scores(text)["compound"] - penalty
+
+
+def mean_ci(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean and its 95% confidence interval (normal approximation)."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(n - 1, 1))
+    half = z * std / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def evaluate(caller: Caller, prompts: list[str], reward: Reward, args: Args, label: str) -> dict:
+    """Greedy continuations of the held-out prompts and their mean reward."""
+    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False)
+    texts = [group[0]["text"] for group in samples]
+    rewards = [reward(t) for t in texts]
+    mean, low, high = mean_ci(rewards)
+    words = [len(t.split()) for t in texts]
+    print(f"{label}: held-out reward {mean:+.3f} (95% CI {low:+.3f} to {high:+.3f}) over {len(prompts)} prompts, "
+          f"{sum(words) / len(words):.1f} words per continuation", flush=True)
+    return {"label": label, "prompts": len(prompts), "mean_reward": mean, "ci95": [low, high],
+            "mean_words": sum(words) / len(words), "continuations": texts, "rewards": rewards}
+
+
+def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> list[dict]:
+    from tqdm import tqdm
+
+    order = random.Random(args.seed)
+    pool: list[str] = []
+    history = []
+    bar = tqdm(range(args.updates), desc="RLHF", unit="update")
+    for update in bar:
+        start = time.time()
+        if len(pool) < args.prompts_per_update:
+            pool += order.sample(prompts, len(prompts))
+        batch, pool = pool[: args.prompts_per_update], pool[args.prompts_per_update:]
+        samples = caller.generate(batch, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
+                                  temperature=1.0, num_return_sequences=args.samples_per_prompt,
+                                  seed=args.seed * 100003 + update)
+        rewards = [[reward(s["text"]) for s in group] for group in samples]
+        generate_seconds = time.time() - start
+        stats = caller.update(batch, [[s["tokens"] for s in group] for group in samples], rewards=rewards,
+                              old_logprobs=[[s["logprobs"] for s in group] for group in samples])
+        flat = [r for group in rewards for r in group]
+        row = {"update": update + 1, "samples": len(flat), "reward": sum(flat) / len(flat),
+               "generate_seconds": generate_seconds, "update_seconds": time.time() - start - generate_seconds,
+               "mean_tokens": sum(len(s["tokens"]) for g in samples for s in g) / len(flat)}
+        n = sum(s["samples"] for s in stats)
+        for key in ("kl", "kl_coef", "policy_loss", "value_loss", "value_error", "entropy", "approx_kl",
+                    "clip_fraction"):
+            if all(key in s for s in stats):
+                row[key] = sum(s[key] * s["samples"] for s in stats) / max(n, 1)
+        history.append(row)
+        bar.set_postfix(reward=f"{row['reward']:+.2f}", kl=f"{row.get('kl', 0.0):.2f}")
+    return history
+
+
+def plot(history: list[dict], before: dict, after: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    x = [row["update"] for row in history]
+    left.plot(x, [row["reward"] for row in history], "o-", label="training reward (sampled)")
+    left.set_xlabel("update")
+    left.set_ylabel("reward (VADER compound)")
+    left.set_title(title)
+    if all("kl" in row for row in history):
+        kl_axis = left.twinx()
+        kl_axis.plot(x, [row["kl"] for row in history], "s--", color="#c44e52", label="KL to the starting model")
+        kl_axis.set_ylabel("KL (nats per continuation)")
+        kl_axis.legend(loc="lower right")
+    left.legend(loc="upper left")
+    means = [before["mean_reward"], after["mean_reward"]]
+    errors = [[m - e["ci95"][0] for m, e in zip(means, (before, after))],
+              [e["ci95"][1] - m for m, e in zip(means, (before, after))]]
+    right.bar(["before", "after"], means, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+    right.set_title(f"greedy, {before['prompts']} held-out\nprompts (95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    train_prompts, held_out = build_prompts()
+    held_out = held_out[: args.eval_prompts]
+    reward = Reward(args.short_penalty)
+    start = time.time()
+    with Caller() as caller:
+        print(f"llmrl: {caller.info}", flush=True)
+        before = evaluate(caller, held_out, reward, args, "before training")
+        history = train(caller, train_prompts, reward, args)
+        after = evaluate(caller, held_out, reward, args, "after training")
+    wall = time.time() - start
+    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(history[0]))
+        writer.writeheader()
+        writer.writerows(history)
+    significant = after["ci95"][0] > before["ci95"][1]
+    kls = [row["kl"] for row in history if "kl" in row]
+    pairs = [{"prompt": p, "before": b, "after": a}
+             for p, b, a in zip(held_out, before["continuations"], after["continuations"])]
+    summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
+               "final_kl": kls[-1] if kls else None, "max_kl": max(kls) if kls else None,
+               "wall_seconds": wall, "pairs": pairs, "history": history}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot(history, before, after, os.path.join(args.out, "curve.png"), "RLHF: positive continuations")
+    kl_text = f"; KL to the starting model {kls[-1]:.2f} at the end (max {max(kls):.2f})" if kls else ""
+    print(f"held-out reward {before['mean_reward']:+.3f} -> {after['mean_reward']:+.3f} "
+          f"({'significant' if significant else 'not significant'} at 95%){kl_text}; {wall / 60:.1f} minutes; "
+          f"results in {args.out}/ (curve.png, metrics.csv, summary.json)", flush=True)
+    for pair in pairs[:: max(1, len(pairs) // 5)][:5]:
+        print(f"  {pair['prompt']!r}\n    before: {pair['before']!r}\n    after:  {pair['after']!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

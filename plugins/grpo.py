@@ -1,0 +1,153 @@
+"""The built-in ``grpo`` updater: Group Relative Policy Optimization (Shao et al., 2024, "DeepSeekMath"), no critic.
+
+A sample is one prompt with the several continuations sampled for it (``generate(...,
+num_return_sequences=k, do_sample=True)``, k >= 2): the group. Each continuation's advantage is its reward
+relative to its group: ``A = (r - mean(group)) / (std(group) + eps)`` (``std`` unbiased, as TRL computes it;
+``scale_rewards: false`` keeps ``r - mean(group)``, as Dr. GRPO does), the same for all its tokens. Per-sample
+keyword arguments of ``caller.update(prompts, continuations, ...)`` are those of ``ppo_tokens`` (see
+:mod:`llmrl.plugins.rollouts`): ``rewards`` (required), ``old_logprobs`` and ``ref_logprobs`` (optional).
+
+Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * KL_t - entropy_coef * H_t``
+with ``ratio = exp(logprob - old_logprob)`` and ``KL_t = exp(ref - logprob) - (ref - logprob) - 1`` (the
+non-negative, unbiased estimator of DeepSeekMath; the reference is the model with its LoRA adapters disabled, or
+``ref_logprobs``). Normalisation (``loss``): ``"sequence"`` (GRPO's: a continuation's token losses are averaged,
+then the group's continuations) or ``"token"`` (every token of the group weighs the same: the sum over the group's
+tokens divided by their number). Prompts are then averaged (:meth:`UpdateBatch.mean`). A group is never split
+between replicas (it is one sample), so advantages need no communication.
+
+Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group standard deviation), ``policy_loss``,
+``kl`` (mean per-token estimator, 0 without a KL term), ``approx_kl`` (old to new policy), ``clip_fraction``,
+``entropy`` (when ``entropy_coef`` is set), ``tokens``, ``samples``. The maths is in :func:`group_advantages`
+and :func:`grpo_token_losses`, tested against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+from llmrl.plugins.rollouts import join_prompts, per_prompt_mean, sequence_mean
+from llmrl.plugins.token_ppo import check_inputs, first_pass
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """``[k]`` the advantages of one group's ``k`` rewards: centred on the group mean, divided by the group's
+    unbiased standard deviation + ``eps`` when ``scale``."""
+    if rewards.numel() < 2:
+        raise ValueError("a GRPO group needs at least 2 continuations per prompt; generate with "
+                         "num_return_sequences >= 2 (and do_sample=True)")
+    centred = rewards - rewards.mean()
+    return centred / (rewards.std() + eps) if scale else centred
+
+
+def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                      advantages: torch.Tensor, clip_eps: float, kl_coef: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token ``[n, T]``: the loss (clipped policy term + ``kl_coef`` x KL estimator), the KL estimator
+    (detached; zeros without a reference) and 1.0 where the ratio was clipped. ``advantages`` is ``[n]``."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    kl = torch.zeros_like(loss)
+    if ref_logprobs is not None and kl_coef != 0:
+        diff = ref_logprobs - logprobs
+        kl = torch.exp(diff) - diff - 1.0
+        loss = loss + kl_coef * kl
+    return loss, kl.detach(), ((ratio - 1.0).abs() > clip_eps).float().detach()
+
+
+class GRPOUpdater(Updater):
+    """Args (config ``args``):
+        epochs: passes over the batch per update (default 1: on-policy, the ratio is 1 at the first step).
+        clip_eps: ratio clip (default 0.2).
+        kl_coef: weight of the KL estimator to the reference (default 0.04, as DeepSeekMath; 0 skips the
+            reference pass).
+        entropy_coef: entropy bonus (default 0).
+        scale_rewards: divide by the group's standard deviation (default true).
+        loss: "sequence" or "token" normalisation (default "sequence").
+        peft_adapter: the LoRA adapter to train (default: the active one).
+        seed: seed of the minibatch shuffling.
+    """
+
+    args_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "epochs": {"type": "integer", "minimum": 1},
+            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
+            "kl_coef": {"type": "number", "minimum": 0},
+            "entropy_coef": {"type": "number"},
+            "scale_rewards": {"type": "boolean"},
+            "loss": {"enum": ["sequence", "token"]},
+            "peft_adapter": {"type": ["string", "null"]},
+            "seed": {"type": "integer"},
+        },
+    }
+
+    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
+                 scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0):
+        self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
+        self.scale_rewards, self.loss, self.peft_adapter = scale_rewards, loss, peft_adapter
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+    def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        check_inputs(batch, trainer, "grpo", need_reference=self.kl_coef > 0)
+        prompts = first_pass(batch, trainer, self.peft_adapter, None, need_reference=self.kl_coef > 0)
+        reward_sum, std_sum = 0.0, 0.0
+        for p in prompts:
+            p.tensors["advantages"] = group_advantages(p.rewards, self.scale_rewards)
+            reward_sum += float(p.rewards.sum())
+            std_sum += float(p.rewards.std())
+        continuations = sum(len(p.rewards) for p in prompts)
+        position = {index: k for k, index in enumerate(batch.indices)}
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        for _ in range(self.epochs):
+            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
+                rows = [prompts[position[i]] for i in mb.indices]
+                out = trainer.forward(mb.contexts, mb.candidates, peft_adapter=self.peft_adapter, per_token=True,
+                                      entropy=self.entropy_coef != 0)
+                logp, mask = out.tokens_by_candidate()
+                width, device = logp.shape[1], logp.device
+                advantages = torch.cat([p.tensors["advantages"] for p in rows]).to(device) if rows else \
+                    torch.zeros(0, device=device)
+                ref = join_prompts(rows, "ref_logprobs", width, device) if self.kl_coef > 0 else None
+                per_token, kl, clipped = grpo_token_losses(logp.float(), join_prompts(rows, "old_logprobs", width,
+                                                                                      device),
+                                                           ref, advantages, self.clip_eps, self.kl_coef)
+                policy = (per_token - self.kl_coef * kl).detach()
+                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
+                if entropy is not None:
+                    per_token = per_token - self.entropy_coef * entropy
+                per_prompt = self._per_prompt(per_token, mask, out)
+                trainer.backward(mb.mean(per_prompt))
+                trainer.step()
+                real = mask.float()
+                tokens += float(real.sum())
+                ratio_kl = (torch.exp(logp.detach().float() - join_prompts(rows, "old_logprobs", width, device)))
+                approx = (ratio_kl - 1.0) - torch.log(ratio_kl)
+                for key, value in (("policy_loss", policy), ("kl", kl),
+                                   ("clip_fraction", clipped), ("approx_kl", approx), ("entropy", entropy)):
+                    if value is not None:
+                        sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
+        stats = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+        stats.update(reward=reward_sum / max(continuations, 1), reward_std=std_sum / max(len(prompts), 1),
+                     tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch))
+        return stats
+
+    def _per_prompt(self, per_token: torch.Tensor, mask: torch.Tensor, out) -> torch.Tensor:
+        if self.loss == "sequence":
+            return per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
+        index = out.candidate_context.to(per_token.device)
+        m = mask.to(per_token.dtype)
+        sums = per_token.new_zeros(out.num_contexts).index_add(0, index, (per_token * m).sum(1))
+        counts = per_token.new_zeros(out.num_contexts).index_add(0, index, m.sum(1))
+        if per_token.numel() == 0:
+            sums = sums + 0.0 * per_token.sum()
+        return sums / counts.clamp(min=1)

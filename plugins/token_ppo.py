@@ -1,0 +1,301 @@
+"""The built-in ``ppo_tokens`` updater: PPO over generated tokens with a KL penalty to a reference policy, as in
+trlX and RL4LMs (Ziegler et al., 2019, "Fine-Tuning Language Models from Human Preferences").
+
+Each generated token is an action; the state is the prompt and the tokens before it. Per-sample keyword arguments
+of ``caller.update(prompts, continuations, ...)`` (one sample = one prompt and the continuations generated for it,
+given as the ``tokens`` of ``generate``'s samples; see :mod:`llmrl.plugins.rollouts` for the shapes):
+
+    rewards: per prompt, one number per continuation (the reward model's or the task's score).
+    old_logprobs: (optional) per continuation, the log-prob of each token under the policy that generated it
+        (``generate``'s ``logprobs``); without it, one gradient-free pass before training computes it.
+    ref_logprobs: (optional) per continuation, each token's log-prob under the reference policy, e.g. another LLM
+        of the run scored with ``caller.score(..., per_token=True, llm="reference")``; without it, the reference
+        is this model with its LoRA adapters disabled (the starting model).
+
+What one update does, on every replica (its share of the prompts):
+
+1. A gradient-free pass computes the value head's V(s_t) per token, the reference log-probs and, when not given,
+   the old log-probs.
+2. Per-token rewards: ``r_t = -beta * (old_logprob_t - ref_logprob_t)``, plus the continuation's reward on its
+   last token. ``beta`` is ``kl_coef``, adapted after each update when ``kl_target`` is set (the proportional
+   controller of Ziegler et al.: ``beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * samples / kl_horizon``,
+   KL being the batch's mean per-continuation sum of ``old_logprob - ref_logprob``).
+3. GAE over each continuation's tokens (``gamma``, ``lam``; the value after the last token is 0); returns are
+   advantages + values. Advantages are whitened (mean 0, standard deviation 1) over every token of the whole
+   batch, all replicas together (``whiten``).
+4. ``epochs`` passes in shuffled minibatches of ``training.micro_batch_size`` prompts per replica. Per token:
+   the clipped policy loss ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with ``ratio =
+   exp(logprob - old_logprob)``, ``value_coef`` x the clipped value loss ``0.5 * max((V - R)^2, (V_clipped -
+   R)^2)`` (``V_clipped`` within ``value_clip`` of the first pass's value; null: unclipped) and ``-entropy_coef``
+   x the entropy. Normalisation: each continuation's token losses are averaged (every continuation weighs the
+   same whatever its length), then a prompt's continuations, then prompts (:meth:`UpdateBatch.mean`).
+
+Statistics returned per replica: ``reward`` (mean), ``kl`` (mean per-continuation KL to the reference at
+collection), ``kl_coef`` (the beta used), ``policy_loss``, ``value_loss``, ``value_error`` (mean squared error
+of the first pass's values against the returns), ``entropy``, ``approx_kl`` (old to new policy), ``clip_fraction``
+(tokens whose ratio was clipped), ``tokens``, ``samples``.
+
+The maths is in pure functions (:func:`kl_penalised_rewards`, :func:`token_gae`, :func:`token_ppo_losses`,
+:class:`AdaptiveKL`), tested against hand-computed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+from llmrl.plugins.rollouts import (
+    PromptRows,
+    join_prompts,
+    mean_and_std,
+    per_prompt_mean,
+    rewards_of,
+    sequence_mean,
+    split_by_prompt,
+    token_rows_of,
+    whiten_stats,
+)
+
+
+def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+                         kl_coef: float) -> torch.Tensor:
+    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus ``scores[i]``
+    on row ``i``'s last real token (zeros after it)."""
+    mask_f = mask.float()
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
+    lengths = mask.sum(1)
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    rewards[rows, lengths[rows] - 1] += scores[rows]
+    return rewards
+
+
+def token_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE along each row's tokens (the value after the last real token is 0). Returns ``(advantages, returns)``,
+    both ``[n, T]``, zero after each row's end; returns = advantages + values."""
+    mask_f = mask.float()
+    values = values * mask_f
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    width = rewards.shape[1]
+    for t in reversed(range(width)):
+        alive = mask_f[:, t + 1] if t + 1 < width else torch.zeros_like(running)
+        next_values = values[:, t + 1] * alive if t + 1 < width else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = (delta + gamma * lam * alive * running) * mask_f[:, t]
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask_f
+
+
+@dataclass
+class TokenLosses:
+    """Per-token terms, ``[n, T]`` (meaningful where the mask is True)."""
+
+    policy: torch.Tensor
+    value: torch.Tensor
+    approx_kl: torch.Tensor  # (ratio - 1) - log ratio, detached
+    clipped: torch.Tensor  # 1.0 where the ratio left [1 - clip_eps, 1 + clip_eps], detached
+
+
+def token_ppo_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     values: torch.Tensor | None, old_values: torch.Tensor | None, returns: torch.Tensor | None,
+                     clip_eps: float, value_clip: float | None) -> TokenLosses:
+    """The clipped policy loss and the (clipped) value loss of every token."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    policy = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    if values is None or returns is None:
+        value = torch.zeros_like(policy)
+    elif value_clip is None or old_values is None:
+        value = 0.5 * (values - returns) ** 2
+    else:
+        clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+        value = 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+    return TokenLosses(policy, value, ((ratio - 1.0) - log_ratio).detach(),
+                       ((ratio - 1.0).abs() > clip_eps).float().detach())
+
+
+@dataclass
+class AdaptiveKL:
+    """The KL coefficient: fixed, or adapted towards ``target`` (Ziegler et al., 2019, section 2.2)."""
+
+    value: float
+    target: float | None = None
+    horizon: float = 10000.0
+
+    def update(self, kl: float, samples: int) -> float:
+        """Adapt to the measured mean KL of ``samples`` continuations; returns the new coefficient."""
+        if self.target is not None:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * samples / self.horizon
+        return self.value
+
+
+class PPOTokensUpdater(Updater):
+    """Args (config ``args``):
+        epochs: passes over the batch per update (default 4).
+        clip_eps: policy ratio clip (default 0.2).
+        value_clip: value clip around the first pass's values (default 0.2; null disables).
+        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0).
+        kl_coef: initial KL penalty coefficient beta (default 0.05; 0 disables the penalty and the reference pass).
+        kl_target: adapt beta towards this mean KL per continuation (default null: beta stays fixed).
+        kl_horizon: the controller's horizon in continuations (default 10000).
+        gamma / lam: GAE discount and lambda over tokens (defaults 1.0 and 0.95).
+        whiten: whiten advantages over the whole batch (default true).
+        value_head: the token-level head giving V(s_t) (default "value"; null: no critic, advantages are the
+            discounted per-token returns).
+        peft_adapter: the LoRA adapter to train (default: the active one).
+        seed: seed of the minibatch shuffling.
+    """
+
+    args_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "epochs": {"type": "integer", "minimum": 1},
+            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
+            "value_clip": {"type": ["number", "null"], "exclusiveMinimum": 0},
+            "value_coef": {"type": "number", "minimum": 0},
+            "entropy_coef": {"type": "number"},
+            "kl_coef": {"type": "number", "minimum": 0},
+            "kl_target": {"type": ["number", "null"], "exclusiveMinimum": 0},
+            "kl_horizon": {"type": "number", "exclusiveMinimum": 0},
+            "gamma": {"type": "number", "minimum": 0, "maximum": 1},
+            "lam": {"type": "number", "minimum": 0, "maximum": 1},
+            "whiten": {"type": "boolean"},
+            "value_head": {"type": ["string", "null"]},
+            "peft_adapter": {"type": ["string", "null"]},
+            "seed": {"type": "integer"},
+        },
+    }
+
+    def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
+                 value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.05,
+                 kl_target: float | None = None, kl_horizon: float = 10000.0, gamma: float = 1.0, lam: float = 0.95,
+                 whiten: bool = True, value_head: str | None = "value", peft_adapter: str | None = None,
+                 seed: int = 0):
+        self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
+        self.value_coef, self.entropy_coef = value_coef, entropy_coef
+        self.kl = AdaptiveKL(kl_coef, kl_target, kl_horizon)
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
+        self.value_head, self.peft_adapter = value_head, peft_adapter
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        """Saved in checkpoints: the shuffling generator and the adapted KL coefficient."""
+        return {"generator": self.generator.get_state(), "kl_coef": self.kl.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.kl.value = float(state["kl_coef"])
+
+    def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0)
+        beta = self.kl.value
+        prompts = first_pass(batch, trainer, self.peft_adapter, self.value_head, need_reference=beta > 0)
+        collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
+        for p in prompts:  # per-token rewards, GAE
+            t = p.tensors
+            ref = t.get("ref_logprobs", t["old_logprobs"])
+            rewards = kl_penalised_rewards(p.rewards, t["old_logprobs"], ref, p.mask, beta)
+            values = t["values"] if "values" in t else torch.zeros_like(rewards)
+            t["advantages"], t["returns"] = token_gae(rewards, values, p.mask, self.gamma, self.lam)
+            collected["kl"] += float(((t["old_logprobs"] - ref) * p.mask).sum())
+            collected["reward"] += float(p.rewards.sum())
+            collected["value_error"] += float((((values - t["returns"]) ** 2) * p.mask).sum())
+            collected["tokens"] += float(p.mask.sum())
+            collected["continuations"] += len(p.rewards)
+        if self.whiten:
+            stats = sum((whiten_stats(p.tensors["advantages"], p.mask) for p in prompts), torch.zeros(3, dtype=torch.float64))
+            mean, std = mean_and_std(trainer.sum_across_replicas(stats))
+            for p in prompts:
+                p.tensors["advantages"] = (p.tensors["advantages"] - mean) / (std + 1e-8) * p.mask
+        totals = trainer.sum_across_replicas([collected["kl"], collected["continuations"]])
+        mean_kl = float(totals[0] / max(float(totals[1]), 1.0))
+
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        heads = [self.value_head] if self.value_head else []
+        position = {index: k for k, index in enumerate(batch.indices)}
+        for _ in range(self.epochs):
+            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
+                rows = [prompts[position[i]] for i in mb.indices]
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
+                                      per_token=True, entropy=self.entropy_coef != 0)
+                logp, mask = out.tokens_by_candidate()
+                width, device = logp.shape[1], logp.device
+
+                def take(key, rows=rows, width=width, device=device):
+                    return join_prompts(rows, key, width, device)
+
+                values = out.tokens_by_candidate(out.heads[self.value_head].float())[0] if self.value_head else None
+                terms = token_ppo_losses(logp.float(), take("old_logprobs"), take("advantages"), values,
+                                         take("values") if self.value_head else None, take("returns"),
+                                         self.clip_eps, self.value_clip)
+                per_token = terms.policy + self.value_coef * terms.value
+                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
+                if entropy is not None:
+                    per_token = per_token - self.entropy_coef * entropy
+                per_prompt = per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
+                trainer.backward(mb.mean(per_prompt))
+                trainer.step()
+                real = mask.float()
+                tokens += float(real.sum())
+                for key, value in (("policy_loss", terms.policy), ("value_loss", terms.value),
+                                   ("approx_kl", terms.approx_kl), ("clip_fraction", terms.clipped),
+                                   ("entropy", entropy)):
+                    if value is not None:
+                        sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
+        n = max(collected["continuations"], 1.0)
+        stats = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+        stats.update(reward=collected["reward"] / n, kl=collected["kl"] / n, kl_coef=beta,
+                     value_error=collected["value_error"] / max(collected["tokens"], 1.0),
+                     tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl)
+        self.kl.update(mean_kl, int(totals[1]))
+        return stats
+
+
+def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> None:
+    """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass)."""
+    if batch.candidates is None:
+        raise ValueError(f"the {name} updater needs the continuations: caller.update(prompts, continuations, "
+                         "rewards=...), continuations[i] a list of the token ids (or texts) generated for prompt i")
+    if "rewards" not in batch.kwargs:
+        raise ValueError(f"the {name} updater needs the per-sample keyword argument 'rewards' in caller.update(...): "
+                         "per prompt, one reward per continuation")
+    if need_reference and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
+        raise ValueError(f"the {name} updater's KL term needs a reference policy: add LoRA adapters (the lora "
+                         "initializer; the reference is then the model with them disabled), pass ref_logprobs in "
+                         "caller.update(...), or set kl_coef to 0")
+
+
+def first_pass(batch: UpdateBatch, trainer: Trainer, adapter: str | None, value_head: str | None,
+               need_reference: bool) -> list[PromptRows]:
+    """A gradient-free pass over this replica's prompts: old log-probs (unless given), values (with a value head)
+    and reference log-probs (unless given, when ``need_reference``), one :class:`PromptRows` per prompt in order."""
+    prompts: list[PromptRows] = []
+    heads = [value_head] if value_head else []
+    for mb in batch.minibatches(trainer.micro_batch_size):
+        with torch.no_grad():
+            out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
+            logp, mask = out.tokens_by_candidate()
+            counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
+            lengths = mask.sum(1).cpu()
+            rows = {"old_logprobs": logp.float().cpu()}
+            if "old_logprobs" in mb.kwargs:
+                rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
+                                                     "old_logprobs")
+            if value_head:
+                rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
+            if "ref_logprobs" in mb.kwargs:
+                rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
+                                                     "ref_logprobs")
+            elif need_reference:
+                with trainer.adapters_disabled():
+                    ref = trainer.forward(mb.contexts, mb.candidates, per_token=True)
+                rows["ref_logprobs"] = ref.tokens_by_candidate()[0].float().cpu()
+            rewards = rewards_of(mb.kwargs["rewards"], counts, mb.indices)
+        prompts += split_by_prompt(rows, mask, rewards, counts)
+    return prompts
