@@ -1,0 +1,303 @@
+"""The RLHF updaters on live servers against plain PyTorch on a plain PEFT model, written out here independently:
+
+- ``ppo_tokens`` (2 replicas, ZeRO-2, LoRA, uneven shares 3/2): one update equals a plain SGD step of the whole
+  batch: the reference pass with the adapters disabled, the per-token value head, KL-penalised rewards, GAE over
+  tokens, advantages whitened over every token of both replicas, clipped policy and value losses, an entropy bonus;
+  the adaptive KL coefficient of the next update is the controller's formula on the batch's KL.
+- ``grpo`` (2 replicas, ZeRO-3, LoRA, 3 continuations per prompt, token normalisation, KL to the base model):
+  one update equals a plain SGD step.
+- ``pairwise_reward`` with the ``reward`` head: one update equals a plain SGD step of the Bradley-Terry loss,
+  and the trained reward model scores responses as the plain model does.
+- A reward model in the same run as a policy: the policy's samples, scored by the reward model with
+  ``custom_module_fns``, train the policy with ``ppo_tokens``.
+
+Tolerance: 1e-5 on parameters after SGD steps; every test checks that most trained parameters moved by more
+than 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+
+LR = 0.05
+PROMPTS = ["Goal: go to the red ball", "You see a wall 2 steps forward.", "In the kitchen you see a fridge.",
+           "pick up the key", "open the door"]
+WORDS = [" go to the red ball", " the key", " open the door", " turn left", " a wall", " pick up", " fridge"]
+LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+PPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "value_clip": 0.05, "value_coef": 0.5, "entropy_coef": 0.01,
+            "kl_coef": 0.1, "kl_target": 0.5, "kl_horizon": 20, "gamma": 0.95, "lam": 0.9}
+GRPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "kl_coef": 0.1, "loss": "token"}
+
+
+def sgd(zero: int, micro: int = 4) -> dict:
+    return {"zero_stage": zero, "optimizer": {"type": "sgd", "lr": LR}, "micro_batch_size": micro}
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    llms = {
+        "ppo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                "heads": {"value": {"plugin": "token_value", "args": {"hidden": 16}}},
+                "updater": {"plugin": "ppo_tokens", "args": PPO_ARGS}, "training": sgd(2)},
+        "grpo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                 "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3)},
+        "rm": {"model": tiny["llama"], "heads": {"reward": "reward"}, "updater": "pairwise_reward",
+               "training": sgd(0, micro=8)},
+    }
+    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield live
+    assert live.close() == 0
+
+
+# ----------------------------------------------------------------------------- plain references
+
+
+def continuations(tok, per_prompt: int, offset: int) -> list[list[list[int]]]:
+    """Token ids of ``per_prompt`` continuations per prompt, of different lengths."""
+    return [[tok.encode(WORDS[(i + j + offset) % len(WORDS)], add_special_tokens=False)[: 2 + (i + j) % 4]
+             for j in range(per_prompt)] for i in range(len(PROMPTS))]
+
+
+def peft_model(tiny, state: dict):
+    """A plain PEFT model (r 4, alpha 8, every linear layer, as the lora initializer makes it) holding ``state``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for key, p in peft.named_parameters():
+            p.copy_(state[f"model.{key}"])
+    return peft
+
+
+def token_pass(model, tok, prompt: str, cont: list[int], hidden: bool = False):
+    """Per-token log-probs and entropies of ``cont`` after ``prompt`` (and the last-layer hidden states at the
+    positions predicting them)."""
+    ctx = tok(prompt)["input_ids"]
+    out = model(input_ids=torch.tensor([ctx + cont]), output_hidden_states=hidden)
+    logp = torch.log_softmax(out.logits[0, len(ctx) - 1:-1].float(), -1)
+    chosen = logp[torch.arange(len(cont)), torch.tensor(cont)]
+    entropy = -(logp.exp() * logp).sum(-1)
+    states = out.hidden_states[-1][0, len(ctx) - 1:-1] if hidden else None
+    return chosen, entropy, states
+
+
+def value_head(state: dict, prefix: str):
+    def head(h):
+        w0, b0 = state[f"{prefix}.mlp.0.weight"], state[f"{prefix}.mlp.0.bias"]
+        w2, b2 = state[f"{prefix}.mlp.2.weight"], state[f"{prefix}.mlp.2.bias"]
+        return (torch.tanh(h @ w0.T + b0) @ w2.T + b2).squeeze(-1)
+    return head
+
+
+def trainable(named: dict) -> dict:
+    return {k: p for k, p in named.items() if ".lora_" in k or k.startswith("heads.")}
+
+
+def check_step(after: dict, expected: dict, before: dict) -> None:
+    moved = 0
+    for key, want in expected.items():
+        torch.testing.assert_close(after[key], want, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        moved += int((want - before[key]).abs().max() > 1e-4)
+    assert moved >= len(expected) // 2, f"only {moved} of {len(expected)} trained tensors moved"
+    frozen = [k for k in before if k not in expected]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen), "the base model is frozen"
+
+
+def perturbed(logp: torch.Tensor, i: int, j: int) -> list[float]:
+    """Old log-probs that differ from the current ones, so that some ratios leave the clip range."""
+    return (logp + torch.tensor([0.1 * (-1) ** (i + j + t) * (1 + 2 * (t % 2)) for t in range(len(logp))])).tolist()
+
+
+def reference_ppo_tokens(tiny, before: dict, conts, rewards, old, beta: float) -> tuple[dict, float]:
+    """One ppo_tokens update (PPO_ARGS) as plain PyTorch: the weights after it, and the batch's mean KL."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    peft = peft_model(tiny, before)
+    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
+    head = value_head(head_state, "heads.value")
+    gamma, lam, a = PPO_ARGS["gamma"], PPO_ARGS["lam"], PPO_ARGS
+    rows = []  # (i, j, old, values, advantages, returns)
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            for j, cont in enumerate(conts[i]):
+                _, _, h = token_pass(peft, tok, prompt, cont, hidden=True)
+                values = head(h)
+                with peft.disable_adapter():
+                    ref, _, _ = token_pass(peft, tok, prompt, cont)
+                o = torch.tensor(old[i][j])
+                r = -beta * (o - ref)
+                r[-1] += rewards[i][j]
+                adv, running = torch.zeros(len(cont)), 0.0
+                for t in reversed(range(len(cont))):
+                    next_v = values[t + 1] if t + 1 < len(cont) else 0.0
+                    running = r[t] + gamma * next_v - values[t] + gamma * lam * running
+                    adv[t] = running
+                rows.append([i, j, o, values, adv, adv + values, float((o - ref).sum())])
+    flat = torch.cat([row[4] for row in rows])
+    mean, std = flat.mean(), flat.std()
+    for row in rows:
+        row[4] = (row[4] - mean) / (std + 1e-8)
+    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
+    params.update(head_state)
+    per_prompt = [[] for _ in PROMPTS]
+    for i, j, o, old_v, adv, ret, _ in rows:
+        logp, entropy, h = token_pass(peft, tok, PROMPTS[i], conts[i][j], hidden=True)
+        ratio = torch.exp(logp - o)
+        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - a["clip_eps"], 1 + a["clip_eps"]) * adv)
+        v = head(h)
+        v_clipped = old_v + torch.clamp(v - old_v, -a["value_clip"], a["value_clip"])
+        vf = 0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2)
+        per_prompt[i].append((pg + a["value_coef"] * vf - a["entropy_coef"] * entropy).mean())
+    loss = torch.stack([torch.stack(x).mean() for x in per_prompt]).mean()
+    opt = torch.optim.SGD(list(params.values()), lr=LR)
+    loss.backward()
+    opt.step()
+    kl = sum(row[6] for row in rows) / len(rows)
+    return {k: p.detach().clone() for k, p in params.items()}, kl
+
+
+def reference_grpo(tiny, before: dict, conts, rewards, old) -> dict:
+    """One grpo update (GRPO_ARGS: token normalisation, KL estimator to the base model) as plain PyTorch."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    peft = peft_model(tiny, before)
+    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
+    eps, beta = GRPO_ARGS["clip_eps"], GRPO_ARGS["kl_coef"]
+    losses = []
+    for i, prompt in enumerate(PROMPTS):
+        r = torch.tensor(rewards[i])
+        adv = (r - r.mean()) / (r.std() + 1e-4)
+        token_losses = []
+        for j, cont in enumerate(conts[i]):
+            with torch.no_grad(), peft.disable_adapter():
+                ref, _, _ = token_pass(peft, tok, prompt, cont)
+            logp, _, _ = token_pass(peft, tok, prompt, cont)
+            ratio = torch.exp(logp - torch.tensor(old[i][j]))
+            pg = -torch.minimum(ratio * adv[j], torch.clamp(ratio, 1 - eps, 1 + eps) * adv[j])
+            k3 = torch.exp(ref - logp) - (ref - logp) - 1
+            token_losses.append(pg + beta * k3)
+        losses.append(torch.cat(token_losses).mean())  # every token of the group weighs the same
+    opt = torch.optim.SGD(list(params.values()), lr=LR)
+    torch.stack(losses).mean().backward()
+    opt.step()
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def old_logprobs(run, llm: str, conts) -> list[list[list[float]]]:
+    scored = run.score(PROMPTS, conts, llm=llm, per_token=True)
+    return [[perturbed(lp, i, j) for j, lp in enumerate(entry["logprobs"])] for i, entry in enumerate(scored)]
+
+
+def test_ppo_tokens_update_equals_a_plain_sgd_step_and_adapts_its_kl_coefficient(run, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    rewards = [[1.0, -0.5], [0.2, 0.8], [-1.0, 0.3], [0.0, 2.0], [0.5, -0.7]]
+    warm = continuations(tok, 2, offset=3)  # a first update moves the adapters away from the base model
+    first = run.update(PROMPTS, warm, llm="ppo", rewards=rewards)
+    assert [s["samples"] for s in first] == [3, 2] and first[0]["kl_coef"] == pytest.approx(0.1)
+    conts = continuations(tok, 2, offset=0)
+    old = old_logprobs(run, "ppo", conts)
+    before = run.state_dict(llm="ppo")
+    stats = run.update(PROMPTS, conts, llm="ppo", rewards=rewards, old_logprobs=old)
+    beta = 0.1 * (1 + min(max(first[0]["batch_kl"] / PPO_ARGS["kl_target"] - 1, -0.2), 0.2) * 10 / 20)
+    assert stats[0]["kl_coef"] == pytest.approx(beta, rel=1e-6)  # the controller, on both replicas' KL
+    assert stats[0]["kl_coef"] == stats[1]["kl_coef"] and stats[0]["batch_kl"] == stats[1]["batch_kl"]
+    expected, kl = reference_ppo_tokens(tiny, before, conts, rewards, old, beta)
+    assert stats[0]["batch_kl"] == pytest.approx(kl, abs=1e-5)
+    assert 0 < stats[0]["clip_fraction"] < 1
+    check_step(run.state_dict(llm="ppo"), expected, before)
+
+
+def test_grpo_update_equals_a_plain_sgd_step(run, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    rewards = [[1.0, 0.0, 0.5], [0.2, 0.8, 0.8], [-1.0, 0.3, 2.0], [0.0, 2.0, 1.0], [0.5, -0.7, 0.1]]
+    run.update(PROMPTS, continuations(tok, 3, offset=2), llm="grpo", rewards=rewards)  # away from the base model
+    conts = continuations(tok, 3, offset=0)
+    old = old_logprobs(run, "grpo", conts)
+    before = run.state_dict(llm="grpo")
+    stats = run.update(PROMPTS, conts, llm="grpo", rewards=rewards, old_logprobs=old)
+    assert [s["samples"] for s in stats] == [3, 2] and all(s["kl"] > 0 for s in stats)
+    check_step(run.state_dict(llm="grpo"), reference_grpo(tiny, before, conts, rewards, old), before)
+
+
+def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):
+    from llmrl.engine.errors import RequestError
+
+    before = run.state_dict(llm="grpo")
+    with pytest.raises(RequestError, match="prompt 0 has 1 continuation.*num_return_sequences >= 2"):
+        run.update(PROMPTS[:2], [[[5, 6]], [[7, 8], [9]]], llm="grpo", rewards=[[1.0], [0.0, 1.0]])
+    after = run.state_dict(llm="grpo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
+    assert len(run.score(PROMPTS[:1], [[" a"]], llm="grpo")) == 1
+
+
+def test_pairwise_reward_update_equals_a_plain_bradley_terry_step_and_scores_like_plain_hf(run, tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    pairs = [[WORDS[i % len(WORDS)], WORDS[(i + 2) % len(WORDS)]] for i in range(len(PROMPTS))]
+    margins = [0.0, 0.1, 0.0, 0.2, 0.0]
+    before = run.state_dict(llm="rm")
+    stats = run.update(PROMPTS, pairs, llm="rm", margins=margins)
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    model.load_state_dict({k[len("model."):]: v for k, v in before.items() if k.startswith("model.")})
+    w = before["heads.reward.mlp.0.weight"].clone().requires_grad_(True)
+    b = before["heads.reward.mlp.0.bias"].clone().requires_grad_(True)
+
+    def reward(prompt, response):
+        out = model(input_ids=torch.tensor([tok(prompt + response)["input_ids"]]), output_hidden_states=True)
+        return (out.hidden_states[-1][0, -1] @ w.T + b).squeeze(-1)
+
+    losses = [-torch.nn.functional.logsigmoid(reward(p, c) - reward(p, r) - m)
+              for p, (c, r), m in zip(PROMPTS, pairs, margins)]
+    assert stats[0]["loss"] == pytest.approx(float(torch.stack(losses).mean().detach()), abs=1e-5)
+    params = {f"model.{k}": p for k, p in model.named_parameters()}
+    opt = torch.optim.SGD([*params.values(), w, b], lr=LR)
+    torch.stack(losses).mean().backward()
+    opt.step()
+    expected = {**{k: p.detach() for k, p in params.items()}, "heads.reward.mlp.0.weight": w.detach(),
+                "heads.reward.mlp.0.bias": b.detach()}
+    after = run.state_dict(llm="rm")
+    for key, want in expected.items():
+        torch.testing.assert_close(after[key], want, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    assert (after["heads.reward.mlp.0.weight"] - before["heads.reward.mlp.0.weight"]).abs().max() > 1e-4
+    got = run.custom_module_fns(["reward"], PROMPTS, [[WORDS[0], WORDS[3]]] * len(PROMPTS), llm="rm")
+    with torch.no_grad():
+        for prompt, entry in zip(PROMPTS, got):
+            want = torch.stack([reward(prompt, WORDS[0]), reward(prompt, WORDS[3])])
+            torch.testing.assert_close(entry["reward"], want, atol=1e-5, rtol=0)
+
+
+def test_a_reward_model_in_the_same_run_scores_the_policys_samples_and_trains_it(run, tiny):
+    samples = run.generate(PROMPTS, llm="ppo", max_new_tokens=4, do_sample=True, num_return_sequences=2, seed=3)
+    texts = [[s["text"] for s in group] for group in samples]
+    scored = run.custom_module_fns(["reward"], PROMPTS, texts, llm="rm")
+    rewards = [entry["reward"].tolist() for entry in scored]
+    plain = run.score(PROMPTS, texts, llm="rm", additional_module_function_keys=["reward"])
+    assert all(torch.equal(a["reward"], b["reward"]) for a, b in zip(scored, plain))
+    before = run.state_dict(llm="ppo")
+    stats = run.update(PROMPTS, [[s["tokens"] for s in group] for group in samples], llm="ppo", rewards=rewards,
+                       old_logprobs=[[s["logprobs"] for s in group] for group in samples])
+    mean = sum(map(sum, rewards)) / sum(map(len, rewards))
+    assert sum(s["reward"] * s["samples"] * 2 for s in stats) / 10 == pytest.approx(mean, abs=1e-5)
+    assert stats[0]["approx_kl"] < 1e-6, "generate's log-probs are the policy's: the first ratios are 1"
+    after = run.state_dict(llm="ppo")
+    assert any(not torch.equal(before[k], after[k]) for k in before if ".lora_" in k)
