@@ -17,8 +17,6 @@ than 1e-4.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -11,7 +11,14 @@ import torch
 
 from llmrl.plugins.grpo import group_advantages, grpo_token_losses
 from llmrl.plugins.reward_model import bradley_terry_loss
-from llmrl.plugins.rollouts import mean_and_std, per_prompt_mean, rewards_of, sequence_mean, token_rows_of, whiten_stats
+from llmrl.plugins.rollouts import (
+    mean_and_std,
+    per_prompt_mean,
+    rewards_of,
+    sequence_mean,
+    token_rows_of,
+    whiten_stats,
+)
 from llmrl.plugins.token_ppo import AdaptiveKL, kl_penalised_rewards, token_gae, token_ppo_losses
 
 
