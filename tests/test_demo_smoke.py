@@ -36,3 +36,26 @@ def test_ppo_demo_quick(tmp_path, replicas):
     assert len(rows) == 2  # --quick: two PPO updates
     assert all(float(row["samples"]) == 16 for row in rows), rows  # 4 environments x 4 steps per update
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("updater,replicas", [("ppo_tokens", 1), ("grpo", 2)])
+def test_rlhf_demo_quick(tmp_path, updater, replicas):
+    """The RLHF demo (generate, VADER reward, update) with each updater, chosen by the config alone."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "rlhf-sentiment-quick.yaml"), f"llms.policy.replicas={replicas}", f"llms.policy.updater.plugin={updater}",
+         "threads_per_rank=1", os.path.join(ROOT, "examples", "rlhf_sentiment.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for evaluation in (summary["before"], summary["after"]):
+        low, high = evaluation["ci95"]
+        assert evaluation["prompts"] == 8 and low <= evaluation["mean_reward"] <= high
+        assert len(evaluation["continuations"]) == 8
+    assert len(summary["pairs"]) == 8
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(int(row["samples"]) == 8 for row in rows), rows  # 4 prompts x 2 continuations
+    assert ("kl_coef" in rows[0]) == (updater == "ppo_tokens")
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
