@@ -65,9 +65,20 @@ def test_built_in_plugins_are_entry_points():
     assert registry.resolve("head", "value") is ValueHead
     assert registry.resolve("initializer", "lora") is LoraInitializer
     assert registry.resolve("updater", "ppo") is PPOUpdater
+    from llmrl.plugins.grpo import GRPOUpdater
+    from llmrl.plugins.reward_model import PairwiseRewardUpdater, RewardHead
+    from llmrl.plugins.token_ppo import PPOTokensUpdater
+    from llmrl.plugins.value_head import TokenValueHead
+
+    assert registry.resolve("head", "token_value") is TokenValueHead
+    assert registry.resolve("head", "reward") is RewardHead
+    assert registry.resolve("updater", "ppo_tokens") is PPOTokensUpdater
+    assert registry.resolve("updater", "grpo") is GRPOUpdater
+    assert registry.resolve("updater", "pairwise_reward") is PairwiseRewardUpdater
     names = {(r["group"], r["name"]) for r in registry.installed_plugins() if r["package"].startswith("llmrl ")}
-    assert {("llmrl.heads", "value"), ("llmrl.initializers", "lora"), ("llmrl.initializers", "freeze"),
-            ("llmrl.updaters", "ppo")} <= names
+    assert {("llmrl.heads", "value"), ("llmrl.heads", "token_value"), ("llmrl.heads", "reward"),
+            ("llmrl.initializers", "lora"), ("llmrl.initializers", "freeze"), ("llmrl.updaters", "ppo"),
+            ("llmrl.updaters", "ppo_tokens"), ("llmrl.updaters", "grpo"), ("llmrl.updaters", "pairwise_reward")} <= names
 
 
 def test_third_party_entry_points_are_listed_without_importing(fake_distribution):
@@ -126,3 +137,19 @@ def test_config_reports_plugin_problems_before_any_model_loads(tiny, fake_distri
     assert "'big' is not of type 'number'" in problems["llms.main.heads.c.args"]
     assert "epoch" in problems["llms.main.updater.args"]
     assert "llms.main.heads.d" not in problems
+
+
+def test_rlhf_plugin_arguments_are_checked_with_the_config(tiny):
+    config = {"llms": {
+        "policy": {"model": tiny["llama"], "heads": {"v": {"plugin": "token_value", "args": {"hidden": 0}}},
+                   "updater": {"plugin": "grpo", "args": {"loss": "tokens"}}},
+        "rm": {"model": tiny["llama"], "heads": {"r": "reward"}, "updater": {"plugin": "ppo_tokens",
+                                                                            "args": {"kl_target": -1}}},
+    }}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=config)
+    problems = dict(err.value.problems)
+    assert "'tokens' is not one of ['sequence', 'token']" in problems["llms.policy.updater.args"]
+    assert "hidden" in problems["llms.policy.heads.v.args"] and "0" in problems["llms.policy.heads.v.args"]
+    assert "-1" in problems["llms.rm.updater.args"]
+    assert "llms.rm.heads.r" not in problems
