@@ -7,7 +7,9 @@
 The script is the client of an llmrl run. Each update it samples ``samples_per_prompt`` continuations of
 ``prompts_per_update`` training prompts with ``generate`` (which returns each token's log-prob under the policy
 that sampled it), scores them with the reward (VADER's compound sentiment of the continuation, in [-1, 1], minus
-``short_penalty`` for a continuation of fewer than 3 words), and calls ``update`` with the prompts, the
+``short_penalty`` for a continuation of fewer than 3 words and ``repeat_penalty`` x the share of its word
+trigrams that repeat an earlier one: "I love it. I love it. I love it." is positive but not what we want), and
+calls ``update`` with the prompts, the
 continuations' token ids, the rewards and the old log-probs. The config's updater does the rest on the servers:
 ``ppo_tokens`` (KL penalty to the starting model, a per-token value head, GAE, clipped PPO) or ``grpo``
 (group-relative advantages, no critic); the script does not change. Before and after training it generates greedy
@@ -58,6 +60,7 @@ class Args:
     samples_per_prompt: int = 4  # continuations sampled per prompt (GRPO's group size)
     max_new_tokens: int = 16  # continuation length
     short_penalty: float = 0.5  # subtracted from the reward of a continuation with fewer than 3 words
+    repeat_penalty: float = 1.0  # times the share of repeated word trigrams, subtracted from the reward
     eval_prompts: int = 72  # held-out prompts in each evaluation (at most 72)
     seed: int = 0
     out: str = "runs/rlhf_sentiment"  # where the curve, metrics and summary go
@@ -79,19 +82,30 @@ def parse_args() -> Args:
     return args
 
 
-class Reward:
-    """VADER's compound sentiment score of a continuation (a lexicon scorer that runs offline)."""
+def repetition(text: str) -> float:
+    """The share of the text's word trigrams that repeat an earlier one (0: none repeats)."""
+    words = ["".join(c for c in w.lower() if c.isalnum()) for w in text.split()]
+    trigrams = [tuple(words[k:k + 3]) for k in range(len(words) - 2)]
+    return 1.0 - len(set(trigrams)) / len(trigrams) if trigrams else 0.0
 
-    def __init__(self, short_penalty: float):
+
+class Reward:
+    """VADER's compound sentiment score of a continuation (a lexicon scorer that runs offline), minus the penalties
+    for a too-short or repetitive continuation."""
+
+    def __init__(self, short_penalty: float, repeat_penalty: float):
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
         self.analyzer = SentimentIntensityAnalyzer()
-        self.short_penalty = short_penalty
+        self.short_penalty, self.repeat_penalty = short_penalty, repeat_penalty
+
+    def sentiment(self, text: str) -> float:
+        return self.analyzer.polarity_scores(text)["compound"]
 
     def __call__(self, text: str) -> float:
         words = [w for w in text.split() if any(c.isalpha() for c in w)]
         penalty = self.short_penalty if len(words) < 3 else 0.0
-        return self.analyzer.polarity_scores(text)["compound"] - penalty
+        return self.sentiment(text) - penalty - self.repeat_penalty * repetition(text)
 
 
 def mean_ci(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
@@ -110,10 +124,14 @@ def evaluate(caller: Caller, prompts: list[str], reward: Reward, args: Args, lab
     rewards = [reward(t) for t in texts]
     mean, low, high = mean_ci(rewards)
     words = [len(t.split()) for t in texts]
-    print(f"{label}: held-out reward {mean:+.3f} (95% CI {low:+.3f} to {high:+.3f}) over {len(prompts)} prompts, "
-          f"{sum(words) / len(words):.1f} words per continuation", flush=True)
+    sentiment = sum(reward.sentiment(t) for t in texts) / len(texts)
+    repeated = sum(repetition(t) for t in texts) / len(texts)
+    print(f"{label}: held-out reward {mean:+.3f} (95% CI {low:+.3f} to {high:+.3f}) over {len(prompts)} prompts; "
+          f"sentiment {sentiment:+.3f}, repeated trigrams {repeated:.1%}, {sum(words) / len(words):.1f} words per "
+          "continuation", flush=True)
     return {"label": label, "prompts": len(prompts), "mean_reward": mean, "ci95": [low, high],
-            "mean_words": sum(words) / len(words), "continuations": texts, "rewards": rewards}
+            "mean_sentiment": sentiment, "repeated_trigrams": repeated, "mean_words": sum(words) / len(words),
+            "continuations": texts, "rewards": rewards}
 
 
 def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> list[dict]:
@@ -182,7 +200,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     train_prompts, held_out = build_prompts()
     held_out = held_out[: args.eval_prompts]
-    reward = Reward(args.short_penalty)
+    reward = Reward(args.short_penalty, args.repeat_penalty)
     start = time.time()
     with Caller() as caller:
         print(f"llmrl: {caller.info}", flush=True)
