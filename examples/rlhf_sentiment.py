@@ -195,6 +195,21 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
     plt.close(fig)
 
 
+def matmul_gflops(threads: int = 2, size: int = 1536) -> float:
+    """This machine's float32 matrix-multiply rate (best of 5), to put the wall time in context."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
 def main() -> None:
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -208,6 +223,7 @@ def main() -> None:
         history = train(caller, train_prompts, reward, args)
         after = evaluate(caller, held_out, reward, args, "after training")
     wall = time.time() - start
+    gflops = matmul_gflops()
     with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(history[0]))
         writer.writeheader()
@@ -218,13 +234,14 @@ def main() -> None:
              for p, b, a in zip(held_out, before["continuations"], after["continuations"])]
     summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
                "final_kl": kls[-1] if kls else None, "max_kl": max(kls) if kls else None,
-               "wall_seconds": wall, "pairs": pairs, "history": history}
+               "wall_seconds": wall, "matmul_gflops_2_threads": gflops, "pairs": pairs, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(history, before, after, os.path.join(args.out, "curve.png"), "RLHF: positive continuations")
     kl_text = f"; KL to the starting model {kls[-1]:.2f} at the end (max {max(kls):.2f})" if kls else ""
     print(f"held-out reward {before['mean_reward']:+.3f} -> {after['mean_reward']:+.3f} "
-          f"({'significant' if significant else 'not significant'} at 95%){kl_text}; {wall / 60:.1f} minutes; "
+          f"({'significant' if significant else 'not significant'} at 95%){kl_text}; {wall / 60:.1f} minutes "
+          f"(matmul {gflops:.0f} GFLOP/s on 2 threads); "
           f"results in {args.out}/ (curve.png, metrics.csv, summary.json)", flush=True)
     for pair in pairs[:: max(1, len(pairs) // 5)][:5]:
         print(f"  {pair['prompt']!r}\n    before: {pair['before']!r}\n    after:  {pair['after']!r}", flush=True)
