@@ -177,7 +177,7 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
     x = [row["update"] for row in history]
     left.plot(x, [row["reward"] for row in history], "o-", label="training reward (sampled)")
     left.set_xlabel("update")
-    left.set_ylabel("reward (VADER compound)")
+    left.set_ylabel("reward (VADER compound - penalties)")
     left.set_title(title)
     if all("kl" in row for row in history):
         kl_axis = left.twinx()

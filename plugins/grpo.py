@@ -16,8 +16,10 @@ tokens divided by their number). Prompts are then averaged (:meth:`UpdateBatch.m
 between replicas (it is one sample), so advantages need no communication.
 
 Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group standard deviation), ``policy_loss``,
-``kl`` (mean per-token estimator, 0 without a KL term), ``approx_kl`` (old to new policy), ``clip_fraction``,
-``entropy`` (when ``entropy_coef`` is set), ``tokens``, ``samples``. The maths is in :func:`group_advantages`
+``kl`` (mean per-continuation sum of ``old_logprob - ref_logprob``, the KL to the reference at collection, as
+``ppo_tokens`` reports it; 0 without a KL term), ``kl_penalty`` (mean per-token estimator during training),
+``approx_kl`` (old to new policy), ``clip_fraction``, ``entropy`` (when ``entropy_coef`` is set), ``tokens``,
+``samples``. The maths is in :func:`group_advantages`
 and :func:`grpo_token_losses`, tested against hand-computed values.
 """
 
@@ -104,11 +106,13 @@ class GRPOUpdater(Updater):
                              "a GRPO group needs at least 2 continuations per prompt; generate with "
                              "num_return_sequences >= 2 (and do_sample=True)")
         prompts = first_pass(batch, trainer, self.peft_adapter, None, need_reference=self.kl_coef > 0)
-        reward_sum, std_sum = 0.0, 0.0
+        reward_sum, std_sum, kl_sum = 0.0, 0.0, 0.0
         for p in prompts:
             p.tensors["advantages"] = group_advantages(p.rewards, self.scale_rewards)
             reward_sum += float(p.rewards.sum())
             std_sum += float(p.rewards.std())
+            if "ref_logprobs" in p.tensors:
+                kl_sum += float(((p.tensors["old_logprobs"] - p.tensors["ref_logprobs"]) * p.mask).sum())
         continuations = sum(len(p.rewards) for p in prompts)
         position = {index: k for k, index in enumerate(batch.indices)}
         sums: dict[str, float] = {}
@@ -137,12 +141,13 @@ class GRPOUpdater(Updater):
                 tokens += float(real.sum())
                 ratio_kl = (torch.exp(logp.detach().float() - join_prompts(rows, "old_logprobs", width, device)))
                 approx = (ratio_kl - 1.0) - torch.log(ratio_kl)
-                for key, value in (("policy_loss", policy), ("kl", kl),
+                for key, value in (("policy_loss", policy), ("kl_penalty", kl),
                                    ("clip_fraction", clipped), ("approx_kl", approx), ("entropy", entropy)):
                     if value is not None:
                         sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
         stats = {key: value / max(tokens, 1.0) for key, value in sums.items()}
         stats.update(reward=reward_sum / max(continuations, 1), reward_std=std_sum / max(len(prompts), 1),
+                     kl=kl_sum / max(continuations, 1),
                      tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch))
         return stats
 

@@ -223,7 +223,7 @@ class PPOTokensUpdater(Updater):
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 rows = [prompts[position[i]] for i in mb.indices]
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
-                                      per_token=True, entropy=self.entropy_coef != 0)
+                                      per_token=True, entropy=True)  # reported even without a bonus
                 logp, mask = out.tokens_by_candidate()
                 width, device = logp.shape[1], logp.device
 
@@ -235,8 +235,8 @@ class PPOTokensUpdater(Updater):
                                          take("values") if self.value_head else None, take("returns"),
                                          self.clip_eps, self.value_clip)
                 per_token = terms.policy + self.value_coef * terms.value
-                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
-                if entropy is not None:
+                entropy = out.tokens_by_candidate(out.token_entropy)[0].float()
+                if self.entropy_coef != 0:
                     per_token = per_token - self.entropy_coef * entropy
                 per_prompt = per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
                 trainer.backward(mb.mean(per_prompt))

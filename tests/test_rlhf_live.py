@@ -232,7 +232,7 @@ def test_grpo_update_equals_a_plain_sgd_step(run, tiny):
     old = old_logprobs(run, "grpo", conts)
     before = run.state_dict(llm="grpo")
     stats = run.update(PROMPTS, conts, llm="grpo", rewards=rewards, old_logprobs=old)
-    assert [s["samples"] for s in stats] == [3, 2] and all(s["kl"] > 0 for s in stats)
+    assert [s["samples"] for s in stats] == [3, 2] and all(s["kl_penalty"] > 0 for s in stats)
     check_step(run.state_dict(llm="grpo"), reference_grpo(tiny, before, conts, rewards, old), before)
 
 
