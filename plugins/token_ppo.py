@@ -288,6 +288,10 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, adapter: str | None, value_
                 rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
                                                      "old_logprobs")
             if value_head:
+                if out.head_levels[value_head] != "token":
+                    raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
+                                     "level PPO needs one value per token: use the token_value head (heads: {value: "
+                                     "token_value}) or set value_head to null")
                 rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
             if "ref_logprobs" in mb.kwargs:
                 rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,

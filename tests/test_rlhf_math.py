@@ -128,3 +128,25 @@ def test_inputs_are_read_per_prompt_and_continuation_and_refused_by_name():
         token_rows_of([[[-1.0, -2.0]]], [2], lengths[:2], [4], "ref_logprobs")
     with pytest.raises(ValueError, match="non-finite"):
         rewards_of([float("nan")], [1], [0])
+
+
+def test_ppo_tokens_refuses_a_value_head_that_is_not_token_level():
+    from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
+    from llmrl.plugins.token_ppo import PPOTokensUpdater
+
+    class OneContextTrainer:  # what the engine returns for one prompt with one 2-token continuation
+        micro_batch_size, has_adapters = 4, True
+
+        def forward(self, contexts, candidates, heads=(), **kwargs):
+            return ForwardOutputs("causal", 1, torch.tensor([-3.0]), torch.tensor([2]), torch.tensor([0]),
+                                  heads={"value": torch.tensor([0.5])}, head_levels={"value": "context"},
+                                  token_logprobs=torch.tensor([-1.0, -2.0]), token_candidate=torch.tensor([0, 0]))
+
+        def adapters_disabled(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    batch = UpdateBatch(["a prompt"], [[[5, 6]]], {"rewards": [1.0]}, [0], 1, 0, 1, [1])
+    with pytest.raises(ValueError, match="'value' is a context-level head.*token_value"):
+        PPOTokensUpdater().update(batch, OneContextTrainer())
