@@ -129,15 +129,17 @@ def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: i
 
 
 def interleaved(*fns, repeats: int):
-    """(median time, result) of each function, run in turn after one warm-up each (drift hits all alike)."""
+    """(median time, result) of each function, run in turn after one warm-up each, the order reversed every other
+    round (drift hits all alike, and none always runs right after the same one)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
     results = [None for _ in fns]
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for k in order:
             start = time.perf_counter()
-            results[k] = fn()
+            results[k] = fns[k]()
             times[k].append(time.perf_counter() - start)
     return [(statistics.median(t), r) for t, r in zip(times, results)]
 

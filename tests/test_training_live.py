@@ -272,7 +272,9 @@ def scored(tok, context: str, candidate) -> tuple[list[int], int]:
 
 
 @pytest.mark.parametrize("name", ["uneven-z2", "uneven-z3"])
-def test_a_token_level_loss_equals_a_plain_sgd_step(misc_run, tiny, name):
+def test_a_token_level_loss_equals_plain_sgd_steps(misc_run, tiny, name):
+    """8 samples (4 per replica), then 1 (a replica with none, whose empty per-token outputs stay in the graph): each
+    update is one SGD step on the mean token-level loss of its samples."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
@@ -280,19 +282,23 @@ def test_a_token_level_loss_equals_a_plain_sgd_step(misc_run, tiny, name):
     assert sum(p < len(tok(c)["input_ids"]) for (_, p), c in zip(sequences, TOKEN_CONTEXTS)) >= 2, "boundary merges"
     token_weights = [[0.5 * (i + 1) * (-1) ** t for t in range(len(full) - p)] for i, (full, p) in enumerate(sequences)]
     before = misc_run.state_dict(llm=name)
-    stats = misc_run.update(TOKEN_CONTEXTS, TOKEN_CANDIDATES, llm=name, actions=TOKEN_ACTIONS,
-                            token_weights=token_weights, entropy_coef=0.1)
-    assert [s["optimizer_steps"] for s in stats] == [1, 1]
+    for group in (slice(0, 8), slice(5, 6)):
+        stats = misc_run.update(TOKEN_CONTEXTS[group], TOKEN_CANDIDATES[group], llm=name,
+                                actions=TOKEN_ACTIONS[group], token_weights=token_weights[group], entropy_coef=0.1)
+        assert [s["optimizer_steps"] for s in stats] == [1, 1]
+    assert [len(s["indices"]) for s in stats] == [1, 0]
     model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
     model.load_state_dict({k[len("model."):]: v for k, v in before.items() if k.startswith("model.")})
-    losses = []
-    for (full, p), w in zip(sequences, token_weights):
-        logp = torch.log_softmax(model(input_ids=torch.tensor([full])).logits[0, p - 1:-1], -1)
-        chosen = logp[torch.arange(len(full) - p), full[p:]]
-        losses.append(-(torch.tensor(w) * chosen).sum() + 0.1 * (logp.exp() * logp).sum())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    torch.stack(losses).mean().backward()
-    opt.step()
+    for group in (slice(0, 8), slice(5, 6)):
+        losses = []
+        for (full, p), w in zip(sequences[group], token_weights[group]):
+            logp = torch.log_softmax(model(input_ids=torch.tensor([full])).logits[0, p - 1:-1], -1)
+            chosen = logp[torch.arange(len(full) - p), full[p:]]
+            losses.append(-(torch.tensor(w) * chosen).sum() + 0.1 * (logp.exp() * logp).sum())
+        opt.zero_grad()
+        torch.stack(losses).mean().backward()
+        opt.step()
     expected = {f"model.{k}": p.detach() for k, p in model.named_parameters()}
     assert_params(misc_run.state_dict(llm=name), expected, before)
 
