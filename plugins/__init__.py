@@ -5,7 +5,7 @@ Re-exports only, resolved lazily so that naming a plugin does not import torch b
 
 from __future__ import annotations
 
-__all__ = ["Head", "Initializer", "Updater", "Trainer", "UpdateBatch", "ForwardOutputs", "LLMInfo"]
+__all__ = ["Head", "Initializer", "Updater", "ShufflingUpdater", "Trainer", "UpdateBatch", "ForwardOutputs", "LLMInfo"]
 
 
 def __getattr__(name: str):

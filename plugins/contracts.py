@@ -280,6 +280,21 @@ class Updater:
         raise NotImplementedError
 
 
+class ShufflingUpdater(Updater):
+    """An updater that shuffles its minibatches with its own seeded generator (``self.generator``), saved in
+    checkpoints so that a resumed run shuffles as an uninterrupted one would. Subclasses call
+    ``super().__init__(seed)`` and may extend ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
 class Trainer:
     """What an updater uses to train (implemented by the engine; documented here for plugin authors).
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rollouts import join_prompts, per_prompt_mean, sequence_mean
 from llmrl.plugins.token_ppo import check_inputs, first_pass
 
@@ -58,7 +58,7 @@ def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_lo
     return loss, kl.detach(), ((ratio - 1.0).abs() > clip_eps).float().detach()
 
 
-class GRPOUpdater(Updater):
+class GRPOUpdater(ShufflingUpdater):
     """Args (config ``args``):
         epochs: passes over the batch per update (default 1: on-policy, the ratio is 1 at the first step).
         clip_eps: ratio clip (default 0.2).
@@ -90,22 +90,16 @@ class GRPOUpdater(Updater):
                  scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0):
         self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
         self.scale_rewards, self.loss, self.peft_adapter = scale_rewards, loss, peft_adapter
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        super().__init__(seed)
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
-        check_inputs(batch, trainer, "grpo", need_reference=self.kl_coef > 0)
+        rewards = check_inputs(batch, trainer, "grpo", need_reference=self.kl_coef > 0)
         lonely = next((i for i, c in zip(batch.indices, batch.candidates) if len(c) < 2), None)
         if lonely is not None:
             raise ValueError(f"prompt {lonely} has {len(batch.candidates[batch.indices.index(lonely)])} continuation(s): "
                              "a GRPO group needs at least 2 continuations per prompt; generate with "
                              "num_return_sequences >= 2 (and do_sample=True)")
-        prompts = first_pass(batch, trainer, self.peft_adapter, None, need_reference=self.kl_coef > 0)
+        prompts = first_pass(batch, trainer, rewards, self.peft_adapter, None, need_reference=self.kl_coef > 0)
         reward_sum, std_sum, kl_sum = 0.0, 0.0, 0.0
         for p in prompts:
             p.tensors["advantages"] = group_advantages(p.rewards, self.scale_rewards)
@@ -127,9 +121,9 @@ class GRPOUpdater(Updater):
                 advantages = torch.cat([p.tensors["advantages"] for p in rows]).to(device) if rows else \
                     torch.zeros(0, device=device)
                 ref = join_prompts(rows, "ref_logprobs", width, device) if self.kl_coef > 0 else None
-                per_token, kl, clipped = grpo_token_losses(logp.float(), join_prompts(rows, "old_logprobs", width,
-                                                                                      device),
-                                                           ref, advantages, self.clip_eps, self.kl_coef)
+                old = join_prompts(rows, "old_logprobs", width, device)
+                per_token, kl, clipped = grpo_token_losses(logp.float(), old, ref, advantages, self.clip_eps,
+                                                           self.kl_coef)
                 policy = (per_token - self.kl_coef * kl).detach()
                 entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
                 if entropy is not None:
@@ -139,8 +133,8 @@ class GRPOUpdater(Updater):
                 trainer.step()
                 real = mask.float()
                 tokens += float(real.sum())
-                ratio_kl = (torch.exp(logp.detach().float() - join_prompts(rows, "old_logprobs", width, device)))
-                approx = (ratio_kl - 1.0) - torch.log(ratio_kl)
+                log_ratio = logp.detach().float() - old
+                approx = torch.exp(log_ratio) - 1.0 - log_ratio
                 for key, value in (("policy_loss", policy), ("kl_penalty", kl),
                                    ("clip_fraction", clipped), ("approx_kl", approx), ("entropy", entropy)):
                     if value is not None:

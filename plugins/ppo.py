@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
@@ -99,7 +99,7 @@ def kl_to_base(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.Tens
     return (logp.exp() * (logp - base).masked_fill(~mask, 0.0)).sum(-1)
 
 
-class PPOUpdater(Updater):
+class PPOUpdater(ShufflingUpdater):
     """Args (config ``args``):
         epochs: passes over the batch per update (default 4).
         clip_eps: policy ratio clip (default 0.2).
@@ -137,7 +137,7 @@ class PPOUpdater(Updater):
         self.value_coef, self.entropy_coef, self.kl_coef = value_coef, entropy_coef, kl_coef
         self.value_head, self.peft_adapter = value_head, peft_adapter
         self.temperature = temperature
-        self.generator = torch.Generator().manual_seed(seed)
+        super().__init__(seed)  # minibatch shuffling, saved in checkpoints
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         if batch.candidates is None:
@@ -166,13 +166,6 @@ class PPOUpdater(Updater):
         stats = {key: value / max(count, 1) for key, value in totals.items()}
         stats["samples"] = len(batch)
         return stats
-
-    def state_dict(self) -> dict:
-        """Saved in checkpoints, so a resumed run shuffles its minibatches as an uninterrupted one would."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
 
     def _loss(self, mb: UpdateBatch, out, trainer: Trainer):
         """Per-sample total loss of one minibatch, with its PPO terms and KL to the base model."""

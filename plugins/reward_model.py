@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.plugins.contracts import ForwardOutputs, Head, LLMInfo, Trainer, UpdateBatch, Updater
+from llmrl.plugins.contracts import ForwardOutputs, Head, LLMInfo, ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.value_head import mlp
 
 
@@ -55,7 +55,7 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: to
     return -torch.nn.functional.logsigmoid(diff)
 
 
-class PairwiseRewardUpdater(Updater):
+class PairwiseRewardUpdater(ShufflingUpdater):
     """Args (config ``args``):
         epochs: passes over the pairs per update (default 1).
         head: the reward head's key (default "reward").
@@ -71,22 +71,15 @@ class PairwiseRewardUpdater(Updater):
 
     def __init__(self, epochs: int = 1, head: str = "reward", seed: int = 0):
         self.epochs, self.head = epochs, head
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        super().__init__(seed)
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         bad = None if batch.candidates is None else next(
-            (i for i, c in zip(batch.indices, batch.candidates) if len(c) != 2), None)
+            ((i, len(c)) for i, c in zip(batch.indices, batch.candidates) if len(c) != 2), None)
         if batch.candidates is None or bad is not None:
             raise ValueError("the pairwise_reward updater needs two candidates per prompt, the preferred one first: "
                              "caller.update(prompts, [[chosen, rejected], ...])"
-                             + (f"; prompt {bad} has {len(batch.candidates[batch.indices.index(bad)])}"
-                                if bad is not None else ""))
+                             + (f"; prompt {bad[0]} has {bad[1]}" if bad is not None else ""))
         sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
         seen = 0
         for _ in range(self.epochs):

@@ -15,6 +15,7 @@ It computes no loss; the maths is in :mod:`llmrl.plugins.token_ppo` and :mod:`ll
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -117,11 +118,10 @@ def join_prompts(prompts: list[PromptRows], key: str, width: int, device) -> tor
 
 
 def _is_number(x) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, (int, float)):
-        return True
-    return isinstance(x, torch.Tensor) and x.dim() == 0 or type(x).__name__ in ("float32", "float64", "int64")
+    """A real number (Python, NumPy or a 0-dimensional tensor), not a bool."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _numbers(entry) -> list[float] | None:

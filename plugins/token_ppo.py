@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.plugins.contracts import Trainer, UpdateBatch, Updater
+from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rollouts import (
     PromptRows,
     join_prompts,
@@ -133,7 +133,7 @@ class AdaptiveKL:
         return self.value
 
 
-class PPOTokensUpdater(Updater):
+class PPOTokensUpdater(ShufflingUpdater):
     """Args (config ``args``):
         epochs: passes over the batch per update (default 4).
         clip_eps: policy ratio clip (default 0.2).
@@ -181,20 +181,20 @@ class PPOTokensUpdater(Updater):
         self.kl = AdaptiveKL(kl_coef, kl_target, kl_horizon)
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_head, self.peft_adapter = value_head, peft_adapter
-        self.generator = torch.Generator().manual_seed(seed)
+        super().__init__(seed)
 
     def state_dict(self) -> dict:
         """Saved in checkpoints: the shuffling generator and the adapted KL coefficient."""
-        return {"generator": self.generator.get_state(), "kl_coef": self.kl.value}
+        return {**super().state_dict(), "kl_coef": self.kl.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        super().load_state_dict(state)
         self.kl.value = float(state["kl_coef"])
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
-        check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0)
+        rewards = check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0)
         beta = self.kl.value
-        prompts = first_pass(batch, trainer, self.peft_adapter, self.value_head, need_reference=beta > 0)
+        prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0)
         collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
         for p in prompts:  # per-token rewards, GAE
             t = p.tensors
@@ -257,8 +257,9 @@ class PPOTokensUpdater(Updater):
         return stats
 
 
-def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> None:
-    """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass)."""
+def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> list[torch.Tensor]:
+    """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass); returns
+    each local prompt's rewards, one per continuation."""
     if batch.candidates is None:
         raise ValueError(f"the {name} updater needs the continuations: caller.update(prompts, continuations, "
                          "rewards=...), continuations[i] a list of the token ids (or texts) generated for prompt i")
@@ -269,37 +270,50 @@ def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference
         raise ValueError(f"the {name} updater's KL term needs a reference policy: add LoRA adapters (the lora "
                          "initializer; the reference is then the model with them disabled), pass ref_logprobs in "
                          "caller.update(...), or set kl_coef to 0")
+    counts = [len(c) for c in batch.candidates]
+    return list(rewards_of(batch.kwargs["rewards"], counts, batch.indices).split(counts))
 
 
-def first_pass(batch: UpdateBatch, trainer: Trainer, adapter: str | None, value_head: str | None,
-               need_reference: bool) -> list[PromptRows]:
-    """A gradient-free pass over this replica's prompts: old log-probs (unless given), values (with a value head)
-    and reference log-probs (unless given, when ``need_reference``), one :class:`PromptRows` per prompt in order."""
+def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
+               value_head: str | None, need_reference: bool) -> list[PromptRows]:
+    """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
+    log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
+    ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
+    would give nothing (old log-probs given, no value head, a reference pass to count the tokens)."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
+    given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
+    run_reference = need_reference and not given_ref
+    run_policy = bool(value_head) or not given_old or not run_reference  # the same on every replica
+    position = {index: k for k, index in enumerate(batch.indices)}
     for mb in batch.minibatches(trainer.micro_batch_size):
+        rows = {}
         with torch.no_grad():
-            out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
-            logp, mask = out.tokens_by_candidate()
-            counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
-            lengths = mask.sum(1).cpu()
-            rows = {"old_logprobs": logp.float().cpu()}
-            if "old_logprobs" in mb.kwargs:
-                rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
-                                                     "old_logprobs")
-            if value_head:
-                if out.head_levels[value_head] != "token":
-                    raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
-                                     "level PPO needs one value per token: use the token_value head (heads: {value: "
-                                     "token_value}) or set value_head to null")
-                rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
-            if "ref_logprobs" in mb.kwargs:
-                rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
-                                                     "ref_logprobs")
-            elif need_reference:
+            if run_policy:
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
+                logp, mask = out.tokens_by_candidate()
+                rows["old_logprobs"] = logp.float().cpu()
+            if run_reference:
                 with trainer.adapters_disabled():
                     ref = trainer.forward(mb.contexts, mb.candidates, per_token=True)
-                rows["ref_logprobs"] = ref.tokens_by_candidate()[0].float().cpu()
-            rewards = rewards_of(mb.kwargs["rewards"], counts, mb.indices)
-        prompts += split_by_prompt(rows, mask, rewards, counts)
+                logp, mask = ref.tokens_by_candidate()
+                rows["ref_logprobs"] = logp.float().cpu()
+                if not run_policy:
+                    out = ref  # counts the tokens
+        counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
+        lengths = mask.sum(1).cpu()
+        if given_old:
+            rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
+                                                 "old_logprobs")
+        if given_ref:
+            rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
+                                                 "ref_logprobs")
+        if value_head:
+            if out.head_levels[value_head] != "token":
+                raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
+                                 "level PPO needs one value per token: use the token_value head (heads: {value: "
+                                 "token_value}) or set value_head to null")
+            rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
+        mb_rewards = [rewards[position[i]] for i in mb.indices]
+        prompts += split_by_prompt(rows, mask, torch.cat(mb_rewards) if mb_rewards else torch.zeros(0), counts)
     return prompts
