@@ -35,9 +35,16 @@ def exit_code(code) -> int:
     return 1
 
 
-def leave(code: int) -> NoReturn:
+def leave(code: int, run_atexit: bool = False) -> NoReturn:
     """Exit now without running C++ destructors (process groups, store clients, DeepSpeed's threads): they may
-    join threads that wait on peers that have already exited. The OS closes every socket."""
+    join threads that wait on peers that have already exited, or destroy a still-joinable thread, which aborts
+    the process ("terminate called without an active exception", exit 134). The OS closes every socket.
+    With ``run_atexit`` the Python ``atexit`` handlers run first (the user's script may have registered some:
+    a logger's flush, an experiment tracker's finish)."""
+    if run_atexit:
+        import atexit
+
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

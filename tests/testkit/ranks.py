@@ -47,6 +47,9 @@ def main(argv: list[str]) -> int:
         bad = [c for c in codes if c not in (None, 0)]
         if bad and not failed:
             failed = bad[0]
+            culprit = codes.index(failed)
+            print(f"testkit.ranks: rank {culprit} exited with code {failed}; stopping the others", file=sys.stderr,
+                  flush=True)
             for process in ranks:
                 if process.poll() is None:
                     process.terminate()
@@ -58,6 +61,9 @@ def main(argv: list[str]) -> int:
                     process.kill()
         time.sleep(0.05)
     codes = [p.wait() for p in ranks]
+    for rank, rank_code in enumerate(codes):
+        if rank_code != 0 and not failed:
+            print(f"testkit.ranks: rank {rank} exited with code {rank_code}", file=sys.stderr, flush=True)
     code = failed or next((c for c in codes if c != 0), 0)
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
