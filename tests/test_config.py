@@ -105,13 +105,16 @@ BROKEN = [
     ("llms.main.pad_token_id", -1, "llms.main.pad_token_id", "must be >= 0"),
     ("llms.main.pad_token_id", "eos", "llms.main.pad_token_id", "expected integer or null"),
     ("llms.main.pad_token_id", 3.0, "llms.main.pad_token_id", "expected integer or null"),
+    ("llms.main.kv_cache_mb", -1, "llms.main.kv_cache_mb", "must be >= 0"),
+    ("llms.main.kv_cache_mb", "1GB", "llms.main.kv_cache_mb", "a size in MB such as 1024"),
+    ("llms.main.initializers", ["lora"], "llms.main.initializers", "not split by DeepSpeed's tensor parallelism"),
 ]
 
 
 @pytest.mark.parametrize("key,value,path,words", BROKEN, ids=[f"{b[0]}={b[1]!r}" for b in BROKEN])
 def test_broken_config_names_the_field(base, key, value, path, words):
     config = _mutate(copy.deepcopy(base), key, value)
-    if key == "llms.main.quantization":
+    if key in ("llms.main.quantization", "llms.main.initializers"):
         config["llms"]["main"]["tensor_parallel"] = 2
     with pytest.raises(ConfigError) as err:
         load_config(raw=config)

@@ -48,6 +48,14 @@ def semantic_problems(data: dict) -> list[Problem]:
             if len(devices) != replicas * tp:
                 problems.append((f"{at}.devices", f"lists {len(devices)} GPU id(s) but the LLM has replicas x "
                                  f"tensor_parallel = {replicas} x {tp} = {replicas * tp} ranks; give one id per rank"))
+        plugins = [spec if isinstance(spec, str) else (spec or {}).get("plugin") for spec in llm.get("initializers") or []]
+        if tp > 1 and any(p in ("lora", "qlora") for p in plugins):
+            problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "
+                             "sharded layers no longer match their adapters' shapes); use replicas instead of "
+                             "tensor_parallel, or train every weight"))
+        if llm.get("kv_cache_mb", 0) and llm.get("type", "causal") != "causal":
+            problems.append((f"{at}.kv_cache_mb", "the cache across calls holds a causal model's context keys and "
+                             "values; a seq2seq model re-encodes its contexts: set kv_cache_mb: 0"))
         dtype = llm.get("dtype", "float32")
         if dtype == "float16" and devices == "cpu":
             problems.append((f"{at}.dtype", "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))

@@ -88,14 +88,24 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
     return plan, most - calls
 
 
-def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0) -> ForwardOutputs:
-    """Run a planned forward pass through the engine (gradients follow the caller's grad mode)."""
+def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv_cache=None) -> ForwardOutputs:
+    """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``kv_cache``, for
+    no-grad scoring only, is the :class:`~llmrl.engine.model.prefix_cache.PrefixKVCache` that lives across calls:
+    its namespace is the adapter the pass runs with."""
+    if kv_cache is not None:
+        from llmrl.engine.model.prefix_cache import CacheUse
+
+        kv_cache = CacheUse(kv_cache, plan.adapter or served.active_adapter())
     with served.adapter(plan.adapter):
         anchor = gradient_anchor(served) if torch.is_grad_enabled() else None
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
-        return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                             extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
+        served.module.kv_cache = kv_cache
+        try:
+            return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
+                                 extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
+        finally:
+            served.module.kv_cache = None
 
 
 def forget_zero3_trace(engine) -> None:

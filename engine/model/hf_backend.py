@@ -31,6 +31,7 @@ class HFBackend(ModelBackend):
     tokenizer = None
     model = None
     served: ServedModel | None = None
+    prefix_cache = None  # a PrefixKVCache when llms.<name>.kv_cache_mb > 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -118,6 +119,8 @@ class HFBackend(ModelBackend):
 
             load_checkpoint(self.served, self.llm.checkpoint)
             self.weights_changed()
+        if self.llm.kv_cache_mb > 0:
+            self.prefix_cache = make_prefix_cache(self.model, self.llm)
         return self.describe()
 
     def describe(self) -> dict:
@@ -137,6 +140,7 @@ class HFBackend(ModelBackend):
             "device": str(self.device),
             "dtype": self.llm.dtype,
             "updater": type(self.updater).__name__ if self.updater else None,
+            "kv_cache_mb": self.llm.kv_cache_mb,
         }
 
     # ------------------------------------------------------------------ requests
@@ -145,7 +149,7 @@ class HFBackend(ModelBackend):
         plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
                               must_agree=self.llm.lockstep, **options)
         with torch.no_grad():
-            return run_forward(self.served, plan, extra)
+            return run_forward(self.served, plan, extra, kv_cache=self.prefix_cache)
 
     def tokenize(self, contexts, candidates):
         return plan_forward(self.served, contexts, candidates).plan
@@ -184,6 +188,13 @@ class HFBackend(ModelBackend):
         finally:
             self.weights_changed()
 
+    def weights_changed(self) -> None:
+        """Every cached key and value was computed with the old weights: forget them all. (Keys of layers below
+        the first trainable one are still exact, but reusing them would mean re-running the layers above over
+        every cached prefix; dropping the lot is simple and always right.)"""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def save(self, folder):
         from llmrl.engine.model.checkpoint import save_shard
 
@@ -207,7 +218,23 @@ class HFBackend(ModelBackend):
             out["cuda_peak"] = torch.cuda.max_memory_allocated(self.device)
         params = self.served.module.parameters() if self.served else self.model.parameters() if self.model else []
         out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in params)
+        if self.prefix_cache is not None:
+            out["kv_cache"] = self.prefix_cache.stats()
         return out
+
+
+def make_prefix_cache(model, llm):
+    """The cache across calls for ``llms.<name>.kv_cache_mb``; refuses models whose attention is not over the
+    whole context (sliding windows, chunked attention): their caches do not keep every key."""
+    from llmrl.engine.errors import ConfigError
+    from llmrl.engine.model.prefix_cache import PrefixKVCache, model_bytes_per_token
+
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(text, "use_sliding_window", False):
+        raise ConfigError([(f"llms.{llm.name}.kv_cache_mb", f"this model's attention is not over the whole context "
+                            f"(layer types {sorted(kinds)}); the cache across calls needs full attention: set it to 0")])
+    return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
 
 
 def num_hidden_states(model, kind: str) -> int:

@@ -37,6 +37,7 @@ class ModelWithHeads(torch.nn.Module):
         self.pad_id = pad_id
         self.start_id = start_id
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
+        self.kv_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
                 extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None
@@ -44,10 +45,12 @@ class ModelWithHeads(torch.nn.Module):
         """Run the batches, put results in request order, run the heads (``head_kwargs``: the call's keyword
         arguments for them). ``anchor`` (a zero that depends on every trainable weight, see
         :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every output, so any loss reaches every
-        weight."""
+        weight. ``self.kv_cache``, set around no-grad scoring calls only, is the cache that lives across calls
+        (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
+        and each tensor-parallel rank holds its own share of the keys)."""
         device = self.device
-        results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id)
-                   for b in batches]
+        results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
+                             kv_cache=self.kv_cache) for b in batches]
         # Put candidates (and contexts) back in request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)

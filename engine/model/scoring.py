@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -143,11 +144,13 @@ class BatchResult:
 
 
 def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: int, device,
-              keep_logits: bool, decoder_start_id: int | None = None) -> BatchResult:
-    """Run one planned batch (exactly ``batch.model_calls`` model calls)."""
+              keep_logits: bool, decoder_start_id: int | None = None, kv_cache=None) -> BatchResult:
+    """Run one planned batch (exactly ``batch.model_calls`` model calls). ``kv_cache`` (causal models, no-grad
+    scoring only) is a :class:`~llmrl.engine.model.prefix_cache.CacheUse`: prefixes are read from and added to
+    that cache across calls."""
     if plan.kind == "seq2seq":
         return _run_seq2seq(model, plan, batch, needs, pad_id, device, decoder_start_id)
-    return _run_causal(model, plan, batch, needs, pad_id, device, keep_logits)
+    return _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache)
 
 
 def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
@@ -158,7 +161,7 @@ def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
     return offsets + [total]
 
 
-def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> BatchResult:
+def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=None) -> BatchResult:
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
@@ -169,35 +172,10 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
     shared = torch.tensor([c.shared for c in ctxs], device=device)
     last_logits: list = [None] * len(ctxs)  # logits after each context's shared prefix
     last_hidden: list = [None] * len(ctxs)
-    cache = prefix_mask = None
-
-    # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
     touched: list[torch.Tensor] = []  # every model call's output (see _batch_result)
-    common = batch.common
-    if common > 0:
-        out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
-                    output_hidden_states=want_hidden, **keep_last)
-        touched.append(out.logits)
-        cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
-        prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
-        for a, c in enumerate(ctxs):
-            if c.shared == common:
-                last_logits[a] = out.logits[0, -1]
-                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
-    # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
-    remainders = [c.prefix[common:] for c in ctxs]
-    if batch.own_prefixes:
-        ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
-        position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
-        mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
-                    output_hidden_states=want_hidden, **keep_last)
-        touched.append(out.logits)
-        cache, prefix_mask = out.past_key_values, mask
-        for a, rest in enumerate(remainders):
-            if rest:
-                last_logits[a] = out.logits[a, -1]
-                last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+    encode = _encode_prefixes if kv_cache is None else partial(_encode_prefixes_with_cache, kv_cache=kv_cache)
+    cache, prefix_mask = encode(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
+                                touched)
 
     # Candidates whose first scored token directly follows the shared prefix.
     firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
@@ -282,6 +260,132 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits) -> Batch
                     candidate_hidden[offsets[a] + j] = _at(out.hidden_states, layers, r, last)
 
     return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
+
+
+
+def _encode_prefixes(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden, touched):
+    """The prefix passes: the prefix all contexts share, then each context's own part. Fills ``last_logits`` /
+    ``last_hidden`` (after each context's prefix) and ``touched``; returns the cache and its attention mask."""
+    want_hidden, layers = needs.hidden, needs.layers
+    cache = prefix_mask = None
+    # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
+    common = batch.common
+    if common > 0:
+        out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        touched.append(out.logits)
+        cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
+        prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
+        for a, c in enumerate(ctxs):
+            if c.shared == common:
+                last_logits[a] = out.logits[0, -1]
+                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
+    # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
+    remainders = [c.prefix[common:] for c in ctxs]
+    if batch.own_prefixes:
+        ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
+        position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        touched.append(out.logits)
+        cache, prefix_mask = out.past_key_values, mask
+        for a, rest in enumerate(remainders):
+            if rest:
+                last_logits[a] = out.logits[a, -1]
+                last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+
+    return cache, prefix_mask
+
+
+def _encode_prefixes_with_cache(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
+                                touched, *, kv_cache):
+    """:func:`_encode_prefixes` through a cache that lives across calls (``kv_cache``: a
+    :class:`~llmrl.engine.model.prefix_cache.CacheUse`): each pass encodes only the tokens after the longest
+    cached prefix (never the last one, so the same calls run with or without hits), then caches what it
+    encoded. Rows whose cached parts differ in length are left padded, with explicit positions."""
+    store, space = kv_cache.cache, kv_cache.namespace
+    want_hidden, layers = needs.hidden, needs.layers
+    n = len(ctxs)
+    common = batch.common
+    common_kv = None
+    if common > 0:
+        head = ctxs[0].prefix[:common]
+        hit, kv = store.match(space, head, limit=common - 1)
+        out = model(input_ids=torch.tensor([head[hit:]], device=device),
+                    position_ids=torch.arange(hit, common, device=device)[None],
+                    past_key_values=_cache_of([kv], [hit], device) if hit else None, use_cache=True,
+                    output_hidden_states=want_hidden, **keep_last)
+        touched.append(out.logits)
+        common_kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        store.insert(space, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
+        for a, c in enumerate(ctxs):
+            if c.shared == common:
+                last_logits[a] = out.logits[0, -1]
+                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
+        if not batch.own_prefixes:
+            cache = _cache_of([common_kv] * n, [common] * n, device)
+            return cache, torch.ones((n, common), dtype=torch.long, device=device)
+    if not batch.own_prefixes:
+        return None, None
+    starts, kvs = [], []
+    for c in ctxs:
+        prefix = c.prefix
+        if len(prefix) <= common:  # nothing of its own after the common part (or no prefix at all)
+            starts.append(len(prefix))
+            kvs.append(common_kv if prefix else None)
+            continue
+        hit, kv = store.match(space, prefix, limit=len(prefix) - 1)
+        if hit < common:  # the common part was just encoded (and may have been evicted since)
+            hit, kv = common, common_kv
+        starts.append(hit)
+        kvs.append(kv)
+    width = max(starts)
+    remainders = [c.prefix[start:] for c, start in zip(ctxs, starts)]
+    ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
+    past_mask = torch.zeros((n, width), dtype=torch.long, device=device)
+    for a, start in enumerate(starts):
+        past_mask[a, width - start:] = 1
+    start_of = torch.tensor(starts, device=device)[:, None]
+    position = start_of + (own_mask.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.cat([past_mask, own_mask], dim=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position,
+                past_key_values=_cache_of(kvs, starts, device) if width else None, use_cache=True,
+                output_hidden_states=want_hidden, **keep_last)
+    touched.append(out.logits)
+    cache = out.past_key_values
+    for a, rest in enumerate(remainders):
+        if rest:
+            last_logits[a] = out.logits[a, -1]
+            last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+    for a, c in enumerate(ctxs):
+        if remainders[a]:
+            columns = mask[a].nonzero().squeeze(-1)  # this row's tokens, in order: its cached part, then its own
+
+            def kv_of(i, j, a=a, columns=columns):
+                return [(layer.keys[a][:, columns[i:j]], layer.values[a][:, columns[i:j]]) for layer in cache.layers]
+
+            store.insert(space, c.prefix, kv_of)
+    return cache, mask
+
+
+def _cache_of(rows: list, lengths: list[int], device):
+    """A Hugging Face cache whose row ``a`` holds ``rows[a]`` (per layer ``[kv_heads, lengths[a], head_dim]``, or
+    None for nothing), left padded to the longest."""
+    from transformers import DynamicCache
+
+    width = max(lengths)
+    sample = next(r for r in rows if r is not None)
+    layers = []
+    for layer, (k0, v0) in enumerate(sample):
+        keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
+        values = v0.new_zeros((len(rows), v0.shape[0], width, v0.shape[2]))
+        for a, (row, length) in enumerate(zip(rows, lengths)):
+            if row is not None and length:
+                keys[a, :, width - length:] = row[layer][0][:, :length]
+                values[a, :, width - length:] = row[layer][1][:, :length]
+        layers.append((keys, values))
+    return DynamicCache(ddp_cache_data=layers)
 
 
 def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candidate_hidden, device,

@@ -77,6 +77,11 @@ class ServedModel:
         declarations. Per-token outputs are kept when a head is token-level or reads per-token values."""
         return needs_of([type(self.module.heads[k]) for k in keys])
 
+    def active_adapter(self) -> str | None:
+        """The LoRA adapter a request that names none runs with (None without adapters)."""
+        active = getattr(self.model, "active_adapter", None) if self.adapters else None
+        return active if isinstance(active, str) or active is None else str(active)
+
     def check_adapter(self, name: str | None) -> None:
         if name is not None and name not in self.adapters:
             raise ValueError(f"unknown peft_adapter {name!r} for LLM {self.llm.name!r}; adapters: "

@@ -1,0 +1,218 @@
+"""A key/value cache that lives across scoring calls: a radix tree over token ids, bounded by a byte cap (LRU).
+
+Consecutive ``score`` calls of an RL episode repeat a static header and, with history-based prompts, the whole
+previous context. :class:`PrefixKVCache` keeps the attention keys and values of every context prefix a causal
+model has encoded, keyed by its token ids, so that the next call encodes only the tokens after the longest
+cached prefix (as SGLang's RadixAttention does for serving). Each tree edge holds a run of tokens and, per
+layer, their keys and values (``[kv_heads, tokens, head_dim]``); a partial match splits an edge. Trees are kept
+per namespace (the LoRA adapter the keys were computed with): keys of one adapter never serve another.
+
+The cap is counted in *model* bytes per token (layers x 2 x key/value heads x head dim x element size, for the
+whole model), not in the bytes this rank holds: tensor-parallel ranks hold different shares of the heads, and
+must nevertheless keep exactly the same entries, or they would encode different numbers of tokens and their
+collectives would not line up. Eviction order comes from a logical clock for the same reason.
+
+Correctness rules the callers keep: only no-grad scoring reads or fills the cache; every change of weights
+clears it (:meth:`clear`); the last token of every prefix is always encoded again (:meth:`match` caps the match),
+so its logits and hidden states come from a real pass and the number of model calls never depends on hits.
+
+This module is a data structure over tensors: it runs no model and knows nothing about requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, tokens, head_dim]
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    kv: KV
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)
+    last_used: int = 0
+
+    def split(self, at: int) -> _Node:
+        """Cut this edge after ``at`` tokens: a new node holds the head and becomes this node's parent."""
+        head = _Node(self.tokens[:at], [(k[:, :at], v[:, :at]) for k, v in self.kv], self.parent,
+                     last_used=self.last_used)
+        self.parent.children[self.tokens[0]] = head
+        self.tokens = self.tokens[at:]
+        self.kv = [(k[:, at:], v[:, at:]) for k, v in self.kv]
+        self.parent = head
+        head.children[self.tokens[0]] = self
+        return head
+
+
+class PrefixKVCache:
+    """Keys and values of token prefixes, per namespace, within ``cap_bytes`` (model bytes, see the module doc)."""
+
+    def __init__(self, cap_bytes: int, bytes_per_token: int):
+        if cap_bytes <= 0 or bytes_per_token <= 0:
+            raise ValueError("a prefix cache needs a positive cap and a positive size per token")
+        self.cap_bytes = int(cap_bytes)
+        self.bytes_per_token = int(bytes_per_token)
+        self.roots: dict[str | None, _Node] = {}
+        self.clock = 0
+        self.tokens = 0  # tokens held, all namespaces
+        self.lookups = 0
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_tokens = 0
+        self.clears = 0
+
+    # ------------------------------------------------------------------ reading
+
+    def match(self, namespace: str | None, tokens: Sequence[int], limit: int | None = None) -> tuple[int, KV | None]:
+        """The longest cached prefix of ``tokens`` (at most ``limit`` tokens) and its keys and values, concatenated
+        per layer (fresh tensors: later evictions do not touch them). ``(0, None)`` when nothing matches."""
+        self.clock += 1
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        self.lookups += 1
+        self.lookup_tokens += limit
+        path, length = self._walk(namespace, tokens, limit)
+        for node in path:
+            node.last_used = self.clock
+        self.hit_tokens += length
+        if length == 0:
+            return 0, None
+        pieces = []
+        taken = 0
+        for node in path:
+            take = min(len(node.tokens), length - taken)
+            pieces.append([(k[:, :take], v[:, :take]) for k, v in node.kv])
+            taken += take
+        joined = [(torch.cat([p[layer][0] for p in pieces], dim=1), torch.cat([p[layer][1] for p in pieces], dim=1))
+                  for layer in range(len(pieces[0]))]
+        return length, joined
+
+    def _walk(self, namespace, tokens: Sequence[int], limit: int) -> tuple[list[_Node], int]:
+        """The nodes along ``tokens[:limit]`` (the last one possibly matched only in part) and the length matched."""
+        node = self.roots.get(namespace)
+        path: list[_Node] = []
+        length = 0
+        while node is not None and length < limit:
+            child = node.children.get(tokens[length])
+            if child is None:
+                break
+            same = 0
+            edge = child.tokens
+            while same < len(edge) and length + same < limit and edge[same] == tokens[length + same]:
+                same += 1
+            path.append(child)
+            length += same
+            if same < len(edge):
+                break
+            node = child
+        return path, length
+
+    # ------------------------------------------------------------------ writing
+
+    def insert(self, namespace: str | None, tokens: Sequence[int], kv_of: Callable[[int, int], KV]) -> None:
+        """Hold the keys and values of ``tokens``; ``kv_of(start, end)`` gives those of ``tokens[start:end]`` (only
+        the part not cached yet is asked for). Least recently used entries are then evicted down to the cap;
+        the entry just inserted is kept whole unless it alone exceeds the cap."""
+        if not tokens:
+            return
+        self.clock += 1
+        root = self.roots.setdefault(namespace, _Node((), [], None))
+        node, length = root, 0
+        while length < len(tokens):
+            child = node.children.get(tokens[length])
+            if child is None:
+                kv = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in kv_of(length, len(tokens))]
+                child = _Node(tuple(tokens[length:]), kv, node, last_used=self.clock)
+                node.children[tokens[length]] = child
+                self.tokens += len(child.tokens)
+                break
+            same = 0
+            while same < len(child.tokens) and length + same < len(tokens) and \
+                    child.tokens[same] == tokens[length + same]:
+                same += 1
+            if same < len(child.tokens):
+                child = child.split(same)
+            child.last_used = self.clock
+            node, length = child, length + same
+        self._evict(keep=self.clock)
+
+    def _evict(self, keep: int) -> None:
+        """Drop least recently used leaves until the cap holds; entries used at clock ``keep`` go last."""
+        while self.tokens * self.bytes_per_token > self.cap_bytes:
+            leaves = [n for root in self.roots.values() for n in _leaves(root) if n.parent is not None]
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: (n.last_used == keep, n.last_used))
+            over = self.tokens - self.cap_bytes // self.bytes_per_token
+            if victim.last_used == keep and len(victim.tokens) > over:
+                keep_tokens = len(victim.tokens) - over  # trim the newest entry's tail rather than drop it
+                victim.tokens = victim.tokens[:keep_tokens]
+                victim.kv = [(k[:, :keep_tokens].clone(), v[:, :keep_tokens].clone()) for k, v in victim.kv]
+                self.tokens -= over
+                self.evicted_tokens += over
+                return
+            del victim.parent.children[victim.tokens[0]]
+            self.tokens -= len(victim.tokens)
+            self.evicted_tokens += len(victim.tokens)
+
+    def clear(self) -> None:
+        """Forget everything (the weights changed); counters are kept."""
+        self.roots.clear()
+        self.tokens = 0
+        self.clears += 1
+
+    # ------------------------------------------------------------------ reporting
+
+    def held_bytes(self) -> int:
+        """Bytes of keys and values this rank actually holds."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for root in self.roots.values() for node in _nodes(root) for k, v in node.kv)
+
+    def stats(self) -> dict:
+        return {
+            "cap_bytes": self.cap_bytes,
+            "bytes": self.tokens * self.bytes_per_token,
+            "rank_bytes": self.held_bytes(),
+            "tokens": self.tokens,
+            "namespaces": len(self.roots),
+            "lookups": self.lookups,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            "evicted_tokens": self.evicted_tokens,
+            "clears": self.clears,
+        }
+
+
+class CacheUse(NamedTuple):
+    """What a scoring pass reads and fills: a cache, and the namespace (adapter) its keys belong to."""
+
+    cache: PrefixKVCache
+    namespace: str | None
+
+
+def _nodes(root: _Node):
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def _leaves(root: _Node):
+    return (n for n in _nodes(root) if not n.children)
+
+
+def model_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in the whole model (all layers, all key/value heads)."""
+    text = config.get_text_config()
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return layers * 2 * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,158 @@
+"""The key/value cache that lives across scoring calls (issue 14).
+
+The radix tree against hand-worked cases (matches, edge splits, namespaces, LRU eviction under the cap), then the
+scoring pipeline with the cache against the same pipeline without it and against plain Hugging Face forward
+passes, over an "episode" of calls whose contexts grow by a few tokens each step, for Llama and GPT-2, with
+several batches per call, hidden states for heads, and a cap so small that entries are evicted mid-call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrl.engine.model.batching import Needs, plan_batches
+from llmrl.engine.model.prefix_cache import CacheUse, PrefixKVCache, model_bytes_per_token
+from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.tokenization import tokenize
+from testkit import reference_scores
+
+
+def kv_for(tokens, layers=2):
+    """Per layer, keys and values whose entries are the token ids (so a slice shows which tokens it holds)."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    return [(t[None, :, None].repeat(1, 1, 2) + 1000 * layer, -t[None, :, None].repeat(1, 1, 2)) for layer in range(layers)]
+
+
+def insert(cache, tokens, namespace=None):
+    full = kv_for(tokens)
+    cache.insert(namespace, tokens, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in full])
+
+
+def held_tokens(kv):
+    return kv[0][0][0, :, 0].long().tolist()
+
+
+def test_a_match_returns_the_longest_cached_prefix_with_its_keys_and_values():
+    cache = PrefixKVCache(cap_bytes=10_000, bytes_per_token=10)
+    insert(cache, [1, 2, 3, 4])
+    insert(cache, [1, 2, 7])  # splits the edge [1, 2, 3, 4] after two tokens
+    length, kv = cache.match(None, [1, 2, 3, 9])
+    assert length == 3 and held_tokens(kv) == [1, 2, 3]
+    assert kv[1][0][0, :, 0].tolist() == [1001.0, 1002.0, 1003.0] and kv[1][1][0, :, 0].tolist() == [-1.0, -2.0, -3.0]
+    length, kv = cache.match(None, [1, 2, 7, 8])
+    assert length == 3 and held_tokens(kv) == [1, 2, 7]
+    assert cache.match(None, [1, 2, 3, 4], limit=2)[0] == 2  # the caller keeps the last token to itself
+    assert cache.match(None, [5]) == (0, None)
+    assert cache.tokens == 5  # 1 2 | 3 4 | 7: shared tokens are held once
+    stats = cache.stats()
+    assert stats["hit_tokens"] == 3 + 3 + 2 and stats["lookup_tokens"] == 4 + 4 + 2 + 1
+    assert stats["hit_rate"] == pytest.approx(8 / 11)
+    assert stats["bytes"] == 50 and stats["rank_bytes"] == 5 * 2 * 2 * 2 * 4  # 5 tokens, 2 layers, k+v, 2 wide, fp32
+
+
+def test_namespaces_never_share_entries():
+    cache = PrefixKVCache(cap_bytes=10_000, bytes_per_token=1)
+    insert(cache, [1, 2, 3], namespace="a")
+    assert cache.match("b", [1, 2, 3]) == (0, None)
+    assert cache.match(None, [1, 2, 3]) == (0, None)
+    assert cache.match("a", [1, 2, 3])[0] == 3
+
+
+def test_the_least_recently_used_entries_go_first_and_the_cap_always_holds():
+    cache = PrefixKVCache(cap_bytes=6, bytes_per_token=1)
+    insert(cache, [1, 2, 3])
+    insert(cache, [4, 5, 6])
+    cache.match(None, [1, 2, 3])  # [1 2 3] is now more recent than [4 5 6]
+    insert(cache, [7, 8])
+    assert cache.tokens * cache.bytes_per_token <= 6
+    assert cache.match(None, [4, 5, 6])[0] == 0
+    assert cache.match(None, [1, 2, 3])[0] == 3 and cache.match(None, [7, 8])[0] == 2
+    insert(cache, [9, 10, 11, 12, 13, 14, 15, 16])  # alone larger than the cap: only its head is kept
+    assert cache.tokens == 6 and cache.match(None, [9, 10, 11, 12, 13, 14, 15, 16])[0] == 6
+    assert cache.stats()["evicted_tokens"] == 3 + 5 + 2
+
+
+def test_clearing_forgets_everything():
+    cache = PrefixKVCache(cap_bytes=100, bytes_per_token=1)
+    insert(cache, [1, 2, 3], namespace="a")
+    cache.clear()
+    assert cache.match("a", [1, 2, 3]) == (0, None) and cache.tokens == 0 and cache.stats()["clears"] == 1
+
+
+def test_bytes_per_token_counts_every_layer_and_key_value_head(reference_models):
+    model, _ = reference_models["llama"]
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    expected = text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 4
+    assert model_bytes_per_token(model.config, torch.float32) == expected
+
+
+HEADER = "Goal: go to the red ball. Actions: turn left, turn right, go forward, pick up. "
+STEPS = [" You see a wall 2 steps forward.", " You turned left.", " You see a red ball 1 step left.",
+         " You turned left again.", " You see the ball right in front."]
+CANDIDATES = [" turn left", " turn right", " go forward", " pick up"]
+
+
+def episodes(n_envs=3):
+    """Per step, one context per environment: the header, then every observation so far (histories grow)."""
+    calls = []
+    for t in range(len(STEPS)):
+        contexts = [HEADER + f"Env {e}." + "".join(STEPS[(s + e) % len(STEPS)] for s in range(t + 1))
+                    for e in range(n_envs)]
+        calls.append((contexts, [CANDIDATES] * n_envs))
+    return calls
+
+
+def score(model, tok, contexts, candidates, needs=Needs(), budget=8192, rows=64, cache=None):
+    plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
+    scores, hidden = [None] * len(contexts), [None] * len(contexts)
+    with torch.no_grad():
+        for batch in plan_batches(plan, budget, rows, needs):
+            res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu", accepts_logits_to_keep(model),
+                            kv_cache=cache)
+            offset = 0
+            for a, i in enumerate(batch.contexts):
+                k = len(plan.contexts[i].candidates)
+                scores[i] = res.scores[offset:offset + k]
+                if needs.context_hidden:
+                    hidden[i] = res.context_hidden[-1][a]
+                offset += k
+    return scores, hidden
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("budget,rows", [(8192, 64), (160, 3)], ids=["one-batch", "several-batches"])
+@pytest.mark.parametrize("cap_tokens", [100_000, 40], ids=["roomy", "evicting"])
+def test_scores_with_the_cache_equal_scores_without_it_and_plain_hf(reference_models, kind, budget, rows, cap_tokens):
+    model, tok = reference_models[kind]
+    per_token = model_bytes_per_token(model.config, torch.float32)
+    cache = PrefixKVCache(cap_tokens * per_token, per_token)
+    needs = Needs(context_hidden=True)
+    for contexts, candidates in episodes():
+        got, got_hidden = score(model, tok, contexts, candidates, needs, budget, rows, CacheUse(cache, "default"))
+        plain, plain_hidden = score(model, tok, contexts, candidates, needs, budget, rows)
+        for g, p, e in zip(got, plain, reference_scores(model, tok, contexts, candidates)):
+            torch.testing.assert_close(g, p, atol=1e-5, rtol=0)
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+        for g, p in zip(got_hidden, plain_hidden):
+            torch.testing.assert_close(g, p, atol=1e-5, rtol=0)
+        assert cache.tokens * per_token <= cache.cap_bytes
+    stats = cache.stats()
+    if cap_tokens > 1000:  # every step after the first finds the previous context cached
+        assert stats["hit_rate"] > 0.6, stats
+    else:
+        assert stats["evicted_tokens"] > 0, stats
+
+
+def test_an_adapter_reads_only_its_own_entries(reference_models):
+    """Keys computed under one namespace are never offered to another: a second namespace starts cold."""
+    model, tok = reference_models["llama"]
+    per_token = model_bytes_per_token(model.config, torch.float32)
+    cache = PrefixKVCache(10**9, per_token)
+    contexts, candidates = episodes()[0]
+    score(model, tok, contexts, candidates, cache=CacheUse(cache, "a"))
+    hits = cache.stats()["hit_tokens"]
+    score(model, tok, contexts, candidates, cache=CacheUse(cache, "b"))
+    assert cache.stats()["hit_tokens"] - hits == hits  # the same hits as the first call: within the call only
+    score(model, tok, contexts, candidates, cache=CacheUse(cache, "a"))
+    assert cache.stats()["hit_tokens"] - 2 * hits > hits  # a warm namespace finds the whole prefixes

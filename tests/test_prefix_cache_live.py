@@ -1,0 +1,71 @@
+"""The cache across calls in real runs (issue 14): with 1 and 2 replicas and tensor-parallel 2, an LLM with
+``kv_cache_mb`` scores an episode (contexts that grow step by step, so later calls hit earlier entries) exactly as
+its twin without the cache, before and after ``update()`` changes the weights (a cache kept over an update would
+hand out keys of the old weights); ``server_memory()`` reports the cache on every rank, within its cap.
+
+Reference: the twin LLM of the same layout without the cache (same seed, same updates), itself checked against
+plain Hugging Face by the serving and training tests; the in-process tests (``test_prefix_cache``) compare with
+plain Hugging Face directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+
+HEADER = "Goal: go to the red ball. Actions: turn left, turn right, go forward, pick up. "
+STEPS = [" You see a wall 2 steps forward.", " You turned left.", " You see a red ball 1 step left.",
+         " You turned left again.", " You see the ball right in front.", " You went forward."]
+CANDIDATES = [" turn left", " turn right", " go forward", " pick up"]
+LAYOUTS = {"r1": {}, "r2": {"replicas": 2}, "tp2": {"tensor_parallel": 2}}
+CAP_MB = 4
+
+
+def step_contexts(t: int, envs: int = 4) -> list[str]:
+    return [HEADER + f"Env {e}." + "".join(STEPS[(s + e) % len(STEPS)] for s in range(t + 1)) for e in range(envs)]
+
+
+@pytest.fixture(scope="module")
+def twins(tiny):
+    def llm(layout, cache):
+        # LoRA where it can go (its adapters are not split by DeepSpeed's tensor parallelism): the cache then
+        # lives in the adapter's namespace; tensor-parallel 2 trains every weight.
+        lora = [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}] if layout != "tp2" else []
+        return {"model": tiny["llama"], **LAYOUTS[layout], "kv_cache_mb": CAP_MB if cache else 0,
+                "initializers": lora, "updater": "llmrl_test_plugins:ChosenScoreUpdater",
+                "training": {"optimizer": {"type": "sgd", "lr": 0.5 if lora else 0.05}, "micro_batch_size": 4}}
+
+    llms = {f"{name}-{kind}": llm(name, kind == "cached") for name in LAYOUTS for kind in ("cached", "plain")}
+    run = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield run
+    assert run.close() == 0, run.log
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scores_with_the_cache_equal_scores_without_it_across_updates(twins, layout):
+    cached, plain = f"{layout}-cached", f"{layout}-plain"
+    before_update = None
+    for t in range(len(STEPS)):
+        contexts = step_contexts(t)
+        candidates = [CANDIDATES] * len(contexts)
+        got = twins.score(contexts, candidates, llm=cached)
+        want = twins.score(contexts, candidates, llm=plain)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        if t == 2:  # the weights change mid-episode: the next steps extend contexts cached with the old weights
+            before_update = want
+            batch = {"actions": [0, 1, 2, 3], "weights": [1.0, -1.0, 2.0, 0.5]}
+            for name in (cached, plain):
+                twins.update(contexts, candidates, llm=name, **batch)
+            after = twins.score(contexts, candidates, llm=plain)
+            moved = max(float((a - b).abs().max()) for a, b in zip(after, before_update))
+            assert moved > 1e-2, "the update must change the scores, or this test could not see a stale cache"
+    servers, memory = twins.servers(), twins.server_memory()
+    ranks = [memory[rank]["kv_cache"] for rank, info in servers.items() if info["llm"] == cached]
+    assert len(ranks) == {"r1": 1, "r2": 2, "tp2": 2}[layout], memory
+    for stats in ranks:
+        assert stats["clears"] == 1 and 0 < stats["bytes"] <= stats["cap_bytes"] == CAP_MB * 2**20
+        assert stats["hit_rate"] > 0.5, stats
