@@ -15,6 +15,9 @@ In one run on one machine it measures, each as a ratio to its baseline:
     the same workloads, measured in turn with it (the cost of per-token outputs);
   - ``generate`` through llmrl vs plain batched Hugging Face ``generate`` with the same settings;
   - the round trip of a minimal request;
+  - whole episodes (16 environments x 12 steps, history prompts that grow by ~30 tokens a step after a ~60-token
+    header, 6 candidates): ``score`` with the key/value cache across calls (``kv_cache_mb``) vs without it vs
+    naive Hugging Face, each repeat on fresh episodes (the cache starts cold);
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
 It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
 once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it.
@@ -24,6 +27,7 @@ The server and this process never compute at the same time, and use the same num
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -60,6 +64,86 @@ def make_workload(tokenizer, contexts: int, context_tokens: int, candidates: int
             pool.add(action)
         work.append({"context": text, "candidates": [" " + a for a in sorted(pool)]})
     return work
+
+
+def make_episodes(tokenizer, envs: int, steps: int, header_tokens: int, step_tokens: int, candidates: int,
+                  seed: int) -> list[tuple[list[str], list[list[str]]]]:
+    """The calls of ``envs`` text-game episodes scored in lockstep, one call per step: a static header of about
+    ``header_tokens`` tokens, then each step's context is the previous one, the action taken and about
+    ``step_tokens`` tokens of new observation (a history-based prompt), with ``candidates`` actions."""
+    rng = random.Random(seed)
+    header = (f"You are an agent in a grid world (run {seed}). Your goal: go to the {rng.choice(COLORS)} "
+              f"{rng.choice(OBJECTS)}. Possible actions: " + ", ".join(ACTIONS[:10]) + ".")
+    while len(tokenizer(header)["input_ids"]) < header_tokens:
+        header += " Answer with one action."
+    histories = [header for _ in range(envs)]
+    calls = []
+    for step in range(steps):
+        contexts, options = [], []
+        for e in range(envs):
+            start = len(tokenizer(histories[e])["input_ids"])
+            text = histories[e] + f" Step {step}:"
+            while len(tokenizer(text)["input_ids"]) - start < step_tokens:
+                text += (f" you see a {rng.choice(COLORS)} {rng.choice(OBJECTS)} {rng.randint(1, 6)} steps "
+                         f"{rng.choice(['forward', 'left', 'right'])};")
+            text += " Action:"
+            contexts.append(text)
+            options.append([" " + a for a in rng.sample(ACTIONS, candidates)])
+            histories[e] = text + options[-1][rng.randrange(candidates)] + "."
+        calls.append((contexts, options))
+    return calls
+
+
+def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, repeats: int, naive_budget: float,
+                 skip_naive: bool) -> dict:
+    """Cache across calls on vs off vs naive Hugging Face on whole episodes (each repeat a fresh set of episodes, so
+    the cache starts cold every time); scores compared on one set; the compute limit of the unique work."""
+    from testkit import LiveRun
+
+    envs, steps = (4, 4) if quick else (16, 12)
+    shape = dict(envs=envs, steps=steps, header_tokens=60, step_tokens=30, candidates=6)
+    threads = torch.get_num_threads()
+    llms = {"cache-on": {"model": path, "kv_cache_mb": 2048}, "cache-off": {"model": path}}
+    seeds = iter(range(1000, 2000))
+    sample = make_episodes(tokenizer, seed=0, **shape)
+
+    def play(run, llm, calls=None):
+        calls = calls or make_episodes(tokenizer, seed=next(seeds), **shape)
+        return [run.score(contexts, options, llm=llm) for contexts, options in calls]
+
+    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
+        on = play(run, "cache-on", sample)
+        off = play(run, "cache-off", sample)
+        (on_time, _), (off_time, _) = interleaved(lambda: play(run, "cache-on"), lambda: play(run, "cache-off"),
+                                                  repeats=repeats)
+        servers, memory = run.servers(), run.server_memory()
+    cache = next(memory[r]["kv_cache"] for r, s in servers.items() if s["llm"] == "cache-on")
+    header = len(tokenizer(sample[0][0][0])["input_ids"]) - 30  # about: the first context less its first step
+    unique = header
+    for e in range(envs):
+        final = sample[-1][0][e]
+        unique += len(tokenizer(final)["input_ids"]) - header
+    unique += sum(unique_tokens(tokenizer, [{"context": c, "candidates": o}]) - len(tokenizer(c)["input_ids"])
+                  for contexts, options in sample for c, o in zip(contexts, options))
+    limit = unique * per_token
+    row = {"workload": f"episodes: {envs} envs x {steps} steps, history prompts, 6 candidates",
+           "score calls": steps, "unique tokens": unique, "compute limit s": limit,
+           "cache on s": on_time, "cache off s": off_time, "cache off / cache on": off_time / on_time,
+           "cache on / limit": on_time / limit, "cache off / limit": off_time / limit,
+           "max |cache on - cache off|": max(max_error(a, b) for a, b in zip(on, off)),
+           "cache hit rate": cache["hit_rate"], "cache MB (cap 2048)": cache["bytes"] / 2**20}
+    if not skip_naive:
+        flat = [{"context": c, "candidates": o} for contexts, options in sample for c, o in zip(contexts, options)]
+        est = naive_estimate(model, tokenizer, flat)
+        subset = envs if est <= naive_budget else max(1, int(envs * naive_budget / est))
+        naive_time, naive = timed(lambda: [naive_scores(model, tokenizer, [{"context": c, "candidates": o}
+                                                                          for c, o in zip(cs[:subset], os_[:subset])])
+                                           for cs, os_ in sample])
+        naive_scaled = naive_time * envs / subset
+        row.update({"naive HF s": naive_scaled, "naive subset (envs)": f"{subset}/{envs}",
+                    "naive HF / cache on": naive_scaled / on_time,
+                    "max |cache on - naive|": max(max_error(a[:subset], b) for a, b in zip(on, naive))})
+    return row
 
 
 def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
@@ -182,6 +266,8 @@ def main() -> int:
     parser.add_argument("--score-only", action="store_true",
                         help="only the score rows (llmrl, per-token, in-process): no naive baseline, generate, round "
                              "trip or memory")
+    parser.add_argument("--episodes-only", action="store_true",
+                        help="only the episodes workload (the cache across calls on vs off vs naive)")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
 
@@ -209,7 +295,9 @@ def main() -> int:
     config = {"llms": {"main": {"model": path, "token_budget": args.token_budget}}}
     print(f"model {args.model}: {params / 1e6:.1f}M parameters; matmul {rate / 1e9:.1f} GFLOP/s on {threads} threads; "
           f"compute limit {per_token * 1e3:.2f} ms per token", file=sys.stderr)
-    with LiveRun(config) as run:
+    if args.episodes_only:
+        workloads = {}
+    with (LiveRun(config) if workloads else contextlib.nullcontext()) as run:
         for name, work in workloads.items():
             contexts = [w["context"] for w in work]
             candidates = [w["candidates"] for w in work]
@@ -239,10 +327,14 @@ def main() -> int:
                             "max |llmrl - naive|": max_error(served[:subset], naive)})
             rows.append(row)
             print_row(rows[-1])
-        if not args.score_only:
+        if not args.score_only and not args.episodes_only:
             rows += generate_rows(run, model, tokenizer, [w["context"] for w in next(iter(workloads.values()))],
                                   args.quick, repeats)
-    if not args.skip_memory and not args.score_only:
+    if not args.score_only:
+        rows.append(episodes_row(path, model, tokenizer, per_token, args.quick, repeats, args.naive_budget,
+                                 skip_naive=False))
+        print_row(rows[-1])
+    if not args.skip_memory and not args.score_only and not args.episodes_only:
         rows.append(memory_row(path, args.quick))
         print_row(rows[-1])
     with open(args.out, "w") as f:

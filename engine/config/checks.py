@@ -53,6 +53,13 @@ def semantic_problems(data: dict) -> list[Problem]:
             problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "
                              "sharded layers no longer match their adapters' shapes); use replicas instead of "
                              "tensor_parallel, or train every weight"))
+        if llm.get("trunk_reuse_mb", 0):
+            why = ("a seq2seq model" if llm.get("type", "causal") != "causal" else
+                   "tensor-parallel ranks" if tp > 1 else
+                   "ZeRO-3 (replicas must gather the same weights)" if llm.get("training", {}).get("zero_stage", 0) == 3
+                   else None)
+            if why:
+                problems.append((f"{at}.trunk_reuse_mb", f"frozen-trunk reuse is not supported with {why}: set it to 0"))
         if llm.get("kv_cache_mb", 0) and llm.get("type", "causal") != "causal":
             problems.append((f"{at}.kv_cache_mb", "the cache across calls holds a causal model's context keys and "
                              "values; a seq2seq model re-encodes its contexts: set kv_cache_mb: 0"))

@@ -83,6 +83,7 @@ class LLMConfig:
     max_length: int | None = None
     prefix_reuse: bool = True
     kv_cache_mb: float = 0.0
+    trunk_reuse_mb: float = 0.0
     trust_remote_code: bool = False
     revision: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -88,10 +88,12 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
     return plan, most - calls
 
 
-def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv_cache=None) -> ForwardOutputs:
+def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv_cache=None,
+                trunk_mode: str | None = None) -> ForwardOutputs:
     """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``kv_cache``, for
     no-grad scoring only, is the :class:`~llmrl.engine.model.prefix_cache.PrefixKVCache` that lives across calls:
-    its namespace is the adapter the pass runs with."""
+    its namespace is the adapter the pass runs with. ``trunk_mode`` ("record" while scoring, "replay" in the
+    updater's passes) drives the frozen-trunk reuse of an LLM with ``trunk_reuse_mb``."""
     if kv_cache is not None:
         from llmrl.engine.model.prefix_cache import CacheUse
 
@@ -101,7 +103,12 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
         served.module.kv_cache = kv_cache
+        trunk = served.module.trunk
         try:
+            if trunk is not None and trunk_mode is not None:
+                with trunk.active(trunk_mode):
+                    return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
+                                         extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
             return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
                                  extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
         finally:

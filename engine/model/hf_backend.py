@@ -94,6 +94,9 @@ class HFBackend(ModelBackend):
         if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
             raise PluginError(f"LLM {self.llm.name!r} has an updater but no trainable parameter "
                               "(did an initializer freeze everything?)")
+        from llmrl.engine.model.trunk import trunk_depth
+
+        self.trunk_depth = trunk_depth(self.model) if self.llm.type == "causal" else 0
 
     def build(self) -> dict:
         import deepspeed
@@ -121,6 +124,8 @@ class HFBackend(ModelBackend):
             self.weights_changed()
         if self.llm.kv_cache_mb > 0:
             self.prefix_cache = make_prefix_cache(self.model, self.llm)
+        if self.llm.trunk_reuse_mb > 0:
+            self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth)
         return self.describe()
 
     def describe(self) -> dict:
@@ -149,7 +154,7 @@ class HFBackend(ModelBackend):
         plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
                               must_agree=self.llm.lockstep, **options)
         with torch.no_grad():
-            return run_forward(self.served, plan, extra, kv_cache=self.prefix_cache)
+            return run_forward(self.served, plan, extra, kv_cache=self.prefix_cache, trunk_mode="record")
 
     def tokenize(self, contexts, candidates):
         return plan_forward(self.served, contexts, candidates).plan
@@ -220,6 +225,8 @@ class HFBackend(ModelBackend):
         out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in params)
         if self.prefix_cache is not None:
             out["kv_cache"] = self.prefix_cache.stats()
+        if self.served is not None and self.served.module.trunk is not None:
+            out["trunk"] = self.served.module.trunk.stats()
         return out
 
 
@@ -235,6 +242,25 @@ def make_prefix_cache(model, llm):
         raise ConfigError([(f"llms.{llm.name}.kv_cache_mb", f"this model's attention is not over the whole context "
                             f"(layer types {sorted(kinds)}); the cache across calls needs full attention: set it to 0")])
     return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
+
+
+def make_trunk(model, llm, depth: int):
+    """The frozen-trunk store for ``llms.<name>.trunk_reuse_mb``; refuses models with nothing frozen to reuse."""
+    from llmrl.engine.errors import ConfigError
+    from llmrl.engine.model.trunk import Trunk, decoder_layers
+
+    layers = decoder_layers(model)
+    where = f"llms.{llm.name}.trunk_reuse_mb"
+    if layers is None:
+        raise ConfigError([(where, f"this model ({type(model).__name__}) keeps no decoder layers where frozen-trunk "
+                                   "reuse looks (model.layers, as Llama, Qwen2, Mistral do): set it to 0")])
+    if llm.updater is None:
+        raise ConfigError([(where, "frozen-trunk reuse serves updates and this LLM has no updater: set it to 0")])
+    if not 0 < depth < len(layers):
+        raise ConfigError([(where, f"the first trainable (or adapted) layer is {depth}: nothing below it to reuse; "
+                                   "train only the top layers (lora's last_layers, or the freeze initializer) or set "
+                                   "it to 0")])
+    return Trunk(model, depth, int(llm.trunk_reuse_mb * 2**20))
 
 
 def num_hidden_states(model, kind: str) -> int:

@@ -38,6 +38,7 @@ class ModelWithHeads(torch.nn.Module):
         self.start_id = start_id
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
         self.kv_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
+        self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.trunk)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
                 extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None
@@ -50,7 +51,7 @@ class ModelWithHeads(torch.nn.Module):
         and each tensor-parallel rank holds its own share of the keys)."""
         device = self.device
         results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
-                             kv_cache=self.kv_cache) for b in batches]
+                             kv_cache=self.kv_cache, trunk=self.trunk) for b in batches]
         # Put candidates (and contexts) back in request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)

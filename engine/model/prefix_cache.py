@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, tokens, head_dim]
+KV = list[tuple[torch.Tensor, ...]]  # per layer: tensors whose dim 1 runs over tokens (keys, values [kv_heads, tokens, head_dim])
 
 
 @dataclass(eq=False)
@@ -40,11 +40,11 @@ class _Node:
 
     def split(self, at: int) -> _Node:
         """Cut this edge after ``at`` tokens: a new node holds the head and becomes this node's parent."""
-        head = _Node(self.tokens[:at], [(k[:, :at], v[:, :at]) for k, v in self.kv], self.parent,
+        head = _Node(self.tokens[:at], [tuple(t[:, :at] for t in entry) for entry in self.kv], self.parent,
                      last_used=self.last_used)
         self.parent.children[self.tokens[0]] = head
         self.tokens = self.tokens[at:]
-        self.kv = [(k[:, at:], v[:, at:]) for k, v in self.kv]
+        self.kv = [tuple(t[:, at:] for t in entry) for entry in self.kv]
         self.parent = head
         head.children[self.tokens[0]] = self
         return head
@@ -86,9 +86,9 @@ class PrefixKVCache:
         taken = 0
         for node in path:
             take = min(len(node.tokens), length - taken)
-            pieces.append([(k[:, :take], v[:, :take]) for k, v in node.kv])
+            pieces.append([tuple(t[:, :take] for t in entry) for entry in node.kv])
             taken += take
-        joined = [(torch.cat([p[layer][0] for p in pieces], dim=1), torch.cat([p[layer][1] for p in pieces], dim=1))
+        joined = [tuple(torch.cat([p[layer][i] for p in pieces], dim=1) for i in range(len(pieces[0][layer])))
                   for layer in range(len(pieces[0]))]
         return length, joined
 
@@ -126,7 +126,7 @@ class PrefixKVCache:
         while length < len(tokens):
             child = node.children.get(tokens[length])
             if child is None:
-                kv = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in kv_of(length, len(tokens))]
+                kv = [tuple(t.contiguous().clone() for t in entry) for entry in kv_of(length, len(tokens))]
                 child = _Node(tuple(tokens[length:]), kv, node, last_used=self.clock)
                 node.children[tokens[length]] = child
                 self.tokens += len(child.tokens)
@@ -152,7 +152,7 @@ class PrefixKVCache:
             if victim.last_used == keep and len(victim.tokens) > over:
                 keep_tokens = len(victim.tokens) - over  # trim the newest entry's tail rather than drop it
                 victim.tokens = victim.tokens[:keep_tokens]
-                victim.kv = [(k[:, :keep_tokens].clone(), v[:, :keep_tokens].clone()) for k, v in victim.kv]
+                victim.kv = [tuple(t[:, :keep_tokens].clone() for t in entry) for entry in victim.kv]
                 self.tokens -= over
                 self.evicted_tokens += over
                 return
@@ -170,8 +170,8 @@ class PrefixKVCache:
 
     def held_bytes(self) -> int:
         """Bytes of keys and values this rank actually holds."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for root in self.roots.values() for node in _nodes(root) for k, v in node.kv)
+        return sum(t.numel() * t.element_size()
+                   for root in self.roots.values() for node in _nodes(root) for entry in node.kv for t in entry)
 
     def stats(self) -> dict:
         return {

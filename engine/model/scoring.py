@@ -144,13 +144,14 @@ class BatchResult:
 
 
 def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: int, device,
-              keep_logits: bool, decoder_start_id: int | None = None, kv_cache=None) -> BatchResult:
+              keep_logits: bool, decoder_start_id: int | None = None, kv_cache=None, trunk=None) -> BatchResult:
     """Run one planned batch (exactly ``batch.model_calls`` model calls). ``kv_cache`` (causal models, no-grad
     scoring only) is a :class:`~llmrl.engine.model.prefix_cache.CacheUse`: prefixes are read from and added to
-    that cache across calls."""
+    that cache across calls. ``trunk`` (causal models) is a :class:`~llmrl.engine.model.trunk.Trunk` in its
+    recording or replaying mode."""
     if plan.kind == "seq2seq":
         return _run_seq2seq(model, plan, batch, needs, pad_id, device, decoder_start_id)
-    return _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache)
+    return _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache, trunk)
 
 
 def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
@@ -161,7 +162,7 @@ def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
     return offsets + [total]
 
 
-def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=None) -> BatchResult:
+def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=None, trunk=None) -> BatchResult:
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
@@ -173,8 +174,9 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
     last_logits: list = [None] * len(ctxs)  # logits after each context's shared prefix
     last_hidden: list = [None] * len(ctxs)
     touched: list[torch.Tensor] = []  # every model call's output (see _batch_result)
+    call = _caller(model, plan, batch, needs, ctxs, trunk, replayable=kv_cache is None)
     encode = _encode_prefixes if kv_cache is None else partial(_encode_prefixes_with_cache, kv_cache=kv_cache)
-    cache, prefix_mask = encode(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
+    cache, prefix_mask = encode(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
                                 touched)
 
     # Candidates whose first scored token directly follows the shared prefix.
@@ -236,7 +238,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
             kwargs["use_cache"] = False
         if keep_logits:
             kwargs["logits_to_keep"] = keep
-        out = model(**kwargs)
+        out = call(_chunk_rows(ctxs, inputs, chunk), **kwargs)
         touched.append(out.logits)
         if wanted:
             logits = (out.logits if keep_logits else out.logits[keep]).float()
@@ -263,7 +265,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
 
 
 
-def _encode_prefixes(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden, touched):
+def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden, touched):
     """The prefix passes: the prefix all contexts share, then each context's own part. Fills ``last_logits`` /
     ``last_hidden`` (after each context's prefix) and ``touched``; returns the cache and its attention mask."""
     want_hidden, layers = needs.hidden, needs.layers
@@ -271,8 +273,8 @@ def _encode_prefixes(model, ctxs, batch, needs, pad_id, device, keep_last, last_
     # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
     common = batch.common
     if common > 0:
-        out = model(input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device), use_cache=True,
-                    output_hidden_states=want_hidden, **keep_last)
+        out = call(_common_rows(ctxs, common), input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device),
+                   use_cache=True, output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
         prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
@@ -286,8 +288,9 @@ def _encode_prefixes(model, ctxs, batch, needs, pad_id, device, keep_last, last_
         ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
         position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
         mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
-                    output_hidden_states=want_hidden, **keep_last)
+        out = call(_own_rows(ctxs, [common] * len(ctxs), remainders, ids.shape[1]), input_ids=ids,
+                   attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                   output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         cache, prefix_mask = out.past_key_values, mask
         for a, rest in enumerate(remainders):
@@ -298,7 +301,7 @@ def _encode_prefixes(model, ctxs, batch, needs, pad_id, device, keep_last, last_
     return cache, prefix_mask
 
 
-def _encode_prefixes_with_cache(model, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
+def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
                                 touched, *, kv_cache):
     """:func:`_encode_prefixes` through a cache that lives across calls (``kv_cache``: a
     :class:`~llmrl.engine.model.prefix_cache.CacheUse`): each pass encodes only the tokens after the longest
@@ -312,10 +315,10 @@ def _encode_prefixes_with_cache(model, ctxs, batch, needs, pad_id, device, keep_
     if common > 0:
         head = ctxs[0].prefix[:common]
         hit, kv = store.match(space, head, limit=common - 1)
-        out = model(input_ids=torch.tensor([head[hit:]], device=device),
-                    position_ids=torch.arange(hit, common, device=device)[None],
-                    past_key_values=_cache_of([kv], [hit], device) if hit else None, use_cache=True,
-                    output_hidden_states=want_hidden, **keep_last)
+        out = call([(head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
+                   position_ids=torch.arange(hit, common, device=device)[None],
+                   past_key_values=_cache_of([kv], [hit], device) if hit else None, use_cache=True,
+                   output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         common_kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
         store.insert(space, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
@@ -349,9 +352,9 @@ def _encode_prefixes_with_cache(model, ctxs, batch, needs, pad_id, device, keep_
     start_of = torch.tensor(starts, device=device)[:, None]
     position = start_of + (own_mask.cumsum(-1) - 1).clamp(min=0)
     mask = torch.cat([past_mask, own_mask], dim=1)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position,
-                past_key_values=_cache_of(kvs, starts, device) if width else None, use_cache=True,
-                output_hidden_states=want_hidden, **keep_last)
+    out = call(_own_rows(ctxs, starts, remainders, ids.shape[1]), input_ids=ids, attention_mask=mask,
+               position_ids=position, past_key_values=_cache_of(kvs, starts, device) if width else None,
+               use_cache=True, output_hidden_states=want_hidden, **keep_last)
     touched.append(out.logits)
     cache = out.past_key_values
     for a, rest in enumerate(remainders):
@@ -367,6 +370,42 @@ def _encode_prefixes_with_cache(model, ctxs, batch, needs, pad_id, device, keep_
 
             store.insert(space, c.prefix, kv_of)
     return cache, mask
+
+
+# ----------------------------------------------------------------------------- which tokens each call computes
+
+def _common_rows(ctxs, common: int) -> list[tuple]:
+    return [(ctxs[0].prefix[:common], 0, list(range(common)))]
+
+
+def _own_rows(ctxs, starts: list[int], remainders: list[list[int]], width: int) -> list[tuple]:
+    """Rows of a left padded pass over each context's prefix after ``starts[a]`` tokens."""
+    return [(c.prefix, start, list(range(width - len(rest), width)) if rest else [])
+            for c, start, rest in zip(ctxs, starts, remainders)]
+
+
+def _chunk_rows(ctxs, inputs: list[list[int]], chunk) -> list[tuple]:
+    """Rows of a candidate pass (right padded, after each context's prefix)."""
+    return [(ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))))
+            for r, (a, _) in enumerate(chunk)]
+
+
+def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool):
+    """``call(rows, **kwargs)``: the model call, through the trunk when there is one (see
+    :mod:`llmrl.engine.model.trunk`). A batch is replayed whole when the trunk holds every token it computes."""
+    if trunk is None:
+        return lambda rows, **kwargs: model(**kwargs)
+    replay = False
+    if trunk.mode == "replay" and replayable and not (needs.hidden and trunk.reads_bottom(needs.layers)):
+        common = batch.common
+        calls = [_common_rows(ctxs, common)] if common > 0 else []
+        if batch.own_prefixes:
+            remainders = [c.prefix[common:] for c in ctxs]
+            calls.append(_own_rows(ctxs, [common] * len(ctxs), remainders, max(len(r) for r in remainders)))
+        for chunk in batch.chunks:
+            calls.append(_chunk_rows(ctxs, [row_inputs(plan, batch.contexts[a], k, needs) for a, k in chunk], chunk))
+        replay = trunk.available(calls)
+    return lambda rows, **kwargs: trunk.call(model, kwargs, rows, replay)
 
 
 def _cache_of(rows: list, lengths: list[int], device):

@@ -59,7 +59,7 @@ class EngineTrainer(Trainer):
         except Exception:
             self.failed_vote_cast = True
             raise
-        out = run_forward(served, plan, extra)
+        out = run_forward(served, plan, extra, trunk_mode="replay")
         return _nothing_of(out) if empty else out
 
     def backward(self, loss: torch.Tensor) -> None:

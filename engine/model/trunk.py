@@ -1,0 +1,182 @@
+"""Frozen-trunk reuse: the hidden states entering the first trainable layer, kept from scoring for the update.
+
+With LoRA on the top k layers (or the ``freeze`` initializer), every layer below the first trainable one computes
+exactly the same thing before and after every update, and adapters never touch it. The rollout's ``score``
+calls already ran those layers over the very contexts and candidates that ``update()`` trains on. :class:`Trunk`
+keeps, per token path (the token ids from the start of the sequence), the hidden state entering layer
+``depth`` in a radix tree (:class:`~llmrl.engine.model.prefix_cache.PrefixKVCache`, LRU under its own cap), and
+during the updater's forward passes replaces the layers below ``depth`` by a pass-through: the state entering
+layer ``depth`` is taken from the tree, so forward and backward run through the trainable top only.
+
+A model call is replayed only when the tree holds the state of *every* token the call computes; otherwise it
+runs whole, as without reuse. Replay is off for passes that ask for hidden states of the bottom layers
+(they are not computed), and the skipped layers still add a placeholder to the key/value cache so that the
+cache length the model derives positions and masks from stays right. The states never need invalidating: what
+they depend on never changes. Supported: decoder-only models whose layers sit in ``<model>.model.layers`` and
+take the hidden states as first argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor
+parallelism (checked by the backend).
+
+This module runs no request; :mod:`llmrl.engine.model.scoring` says which tokens each model call computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+
+import torch
+
+from llmrl.engine.model.prefix_cache import PrefixKVCache
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_layers(model):
+    """The model's list of decoder layers (under PEFT wrappers), or None when it is not where we look."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0 else None
+
+
+def trunk_depth(model) -> int:
+    """The first layer whose computation can change: holding a trainable parameter or an adapter. 0 when the
+    embeddings (or anything outside the layers but before them) are trainable."""
+    depth = len(decoder_layers(model) or [])
+    for name, param in model.named_parameters():
+        adapter = "lora_" in name
+        if not (param.requires_grad or adapter):
+            continue
+        found = _LAYER.search(name)
+        if found is None:
+            if "embed" in name or "wte" in name or "wpe" in name:
+                return 0
+            continue  # the final norm, the LM head: above every layer
+        depth = min(depth, int(found.group(1)))
+    return depth
+
+
+class Trunk:
+    """Hidden states entering layer ``depth``, recorded while scoring and replayed in the updater's passes."""
+
+    def __init__(self, model, depth: int, cap_bytes: int):
+        layers = decoder_layers(model)
+        if layers is None or not 0 < depth < len(layers):
+            raise ValueError(f"no frozen trunk to reuse (first trainable layer {depth})")
+        self.layers = layers
+        self.depth = depth
+        hidden = model.config.get_text_config().hidden_size
+        dtype = next(layers[depth].parameters()).dtype
+        self.states = PrefixKVCache(cap_bytes, hidden * torch.tensor([], dtype=dtype).element_size())
+        self.mode: str | None = None  # "record" while scoring, "replay" in the updater's passes
+        self.replayed_calls = 0
+        self.whole_calls = 0
+        self._captured: torch.Tensor | None = None
+        self._replacement: torch.Tensor | None = None
+        layers[depth].register_forward_pre_hook(self._enter_depth, with_kwargs=True)
+
+    @contextlib.contextmanager
+    def active(self, mode: str):
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode, self._captured, self._replacement = None, None, None
+
+    def _enter_depth(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self._replacement is not None:
+            hidden = self._replacement.to(hidden.dtype)
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        if self.mode == "record":
+            self._captured = hidden.detach()
+        return None
+
+    # ------------------------------------------------------------------ one model call
+
+    def reads_bottom(self, layers: Sequence[int]) -> bool:
+        """Whether hidden states of these ``hidden_states`` indices come from the layers replay skips."""
+        count = len(self.layers) + 1
+        return any((layer % count) <= self.depth for layer in layers)
+
+    def available(self, calls: Sequence[Sequence[tuple]]) -> bool:
+        """Whether the states of every token of every call are held (a batch is replayed whole or not at all: a
+        replayed call leaves placeholders where the skipped layers' keys and values would be)."""
+        return all(self._lookup(rows, None) is not None for rows in calls)
+
+    def call(self, model, kwargs: dict, rows: Sequence[tuple[Sequence[int], int, Sequence[int]]], replay: bool):
+        """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded
+        while scoring. ``rows[r]`` = (the token path of row ``r`` up to the last token this call computes for it,
+        where this call's part of the path starts, the columns of those tokens in the call's input)."""
+        if replay:
+            self._replacement = self._lookup(rows, kwargs["input_ids"].shape)
+            try:
+                with self._skipping():
+                    out = model(**kwargs)
+            finally:
+                self._replacement = None
+            self.replayed_calls += 1
+            return out
+        if self.mode == "replay":
+            self.whole_calls += 1
+        self._captured = None
+        out = model(**kwargs)
+        if self.mode == "record" and self._captured is not None:
+            self._record(rows, self._captured)
+        self._captured = None
+        return out
+
+    def _lookup(self, rows, shape) -> torch.Tensor | None:
+        """The states of the rows' tokens laid out as the call's input (``shape``; None: only check they exist)."""
+        found = []
+        for path, start, columns in rows:
+            if not len(columns):
+                found.append(None)
+                continue
+            length, entry = self.states.match(None, path)
+            if length < len(path):
+                return None
+            found.append(entry[0][0][0, start:])
+        sample = next((f for f in found if f is not None), None)
+        if sample is None:
+            return None if shape is not None else torch.zeros(0)
+        if shape is None:
+            return sample
+        states = sample.new_zeros((shape[0], shape[1], sample.shape[-1]))
+        for r, ((_, _, columns), row) in enumerate(zip(rows, found)):
+            if row is not None:
+                states[r, torch.as_tensor(columns, device=states.device)] = row
+        return states
+
+    def _record(self, rows, captured: torch.Tensor) -> None:
+        for r, (path, start, columns) in enumerate(rows):
+            if not len(columns):
+                continue
+            if start > 0 and self.states.match(None, path, limit=start)[0] < start:
+                continue  # the part before this call's tokens is not held: nothing to attach them to
+            row = captured[r, torch.as_tensor(columns, device=captured.device)]
+            self.states.insert(None, path, lambda i, j, row=row, start=start: [(row[None, i - start:j - start],)])
+
+    @contextlib.contextmanager
+    def _skipping(self):
+        """Layers below ``depth`` pass their input through (adding a placeholder to the key/value cache)."""
+        for index in range(self.depth):
+            self.layers[index].forward = _pass_through(index)
+        try:
+            yield
+        finally:
+            for index in range(self.depth):
+                del self.layers[index].forward
+
+    def stats(self) -> dict:
+        return {**self.states.stats(), "depth": self.depth, "replayed_calls": self.replayed_calls,
+                "whole_calls": self.whole_calls}
+
+
+def _pass_through(index: int):
+    def forward(hidden_states, *args, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            placeholder = hidden_states.new_zeros((hidden_states.shape[0], 1, hidden_states.shape[1], 1))
+            past_key_values.update(placeholder, placeholder, index)
+        return hidden_states
+    return forward
