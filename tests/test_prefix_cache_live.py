@@ -39,6 +39,14 @@ def twins(tiny):
                 "training": {"optimizer": {"type": "sgd", "lr": 0.5 if lora else 0.05}, "micro_batch_size": 4}}
 
     llms = {f"{name}-{kind}": llm(name, kind == "cached") for name in LAYOUTS for kind in ("cached", "plain")}
+    for kind in ("trunk", "whole"):  # frozen-trunk reuse: LoRA on the top layer of two, 2 replicas, ZeRO-2
+        llms[f"lora-top-{kind}"] = {
+            "model": tiny["llama"], "replicas": 2, "trunk_reuse_mb": 16 if kind == "trunk" else 0,
+            "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4, "last_layers": 1}}}}],
+            "heads": {"value": {"plugin": "value", "args": {"hidden": 8}}},
+            "updater": {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}},
+            "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-2}, "micro_batch_size": 2,
+                         "gradient_accumulation_steps": 2}}
     run = LiveRun({"llms": llms, "threads_per_rank": 1})
     yield run
     assert run.close() == 0, run.log
@@ -69,3 +77,31 @@ def test_scores_with_the_cache_equal_scores_without_it_across_updates(twins, lay
     for stats in ranks:
         assert stats["clears"] == 1 and 0 < stats["bytes"] <= stats["cap_bytes"] == CAP_MB * 2**20
         assert stats["hit_rate"] > 0.5, stats
+
+
+def test_updates_through_the_reused_trunk_equal_whole_updates(twins):
+    """Score (as a rollout does), then update on those samples, twice: the weights after each update and the
+    updater's losses equal the twin's that recomputes every layer; the trunk replayed the update's passes."""
+    names = ("lora-top-trunk", "lora-top-whole")
+    for t in (0, 1):
+        contexts = step_contexts(t, envs=6)
+        candidates = [CANDIDATES] * len(contexts)
+        for name in names:
+            twins.score(contexts, candidates, llm=name, additional_module_function_keys=["value"])
+        batch = {"actions": [0, 1, 2, 3, 1, 0], "weights": [1.0, -1.0, 2.0, 0.5, 1.5, -0.5],
+                 "targets": [0.5, -1.0, 2.0, 0.0, 1.0, -0.5]}
+        stats = {name: twins.update(contexts, candidates, llm=name, **batch) for name in names}
+        for a, b in zip(*stats.values()):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        reused, whole = (twins.state_dict(llm=name) for name in names)
+        moved = 0
+        for key in whole:
+            torch.testing.assert_close(reused[key], whole[key], atol=1e-5, rtol=0)
+            moved += "lora" in key and float(whole[key].abs().max()) > 1e-3
+        assert moved > 0
+    servers, memory = twins.servers(), twins.server_memory()
+    trunks = [memory[rank]["trunk"] for rank, info in servers.items() if info["llm"] == "lora-top-trunk"]
+    assert len(trunks) == 2
+    for trunk in trunks:
+        assert trunk["depth"] == 1 and trunk["replayed_calls"] > 0 and trunk["whole_calls"] == 0, trunk
+        assert 0 < trunk["bytes"] <= trunk["cap_bytes"]
