@@ -18,6 +18,8 @@ In one run on one machine it measures, each as a ratio to its baseline:
   - whole episodes (16 environments x 12 steps, history prompts that grow by ~30 tokens a step after a ~60-token
     header, 6 candidates): ``score`` with the key/value cache across calls (``kv_cache_mb``) vs without it vs
     naive Hugging Face, each repeat on fresh episodes (the cache starts cold);
+  - the demo's PPO update of 256 transitions after their rollout (LoRA on the top 8 of 30 layers): every layer
+    recomputed vs frozen-trunk reuse (``trunk_reuse_mb``), with the compute limit of the top layers' work;
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
 It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
 once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it.
@@ -146,6 +148,67 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
     return row
 
 
+def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int) -> dict:
+    """The demo's PPO update (256 transitions, LoRA on the top 8 layers, a value head, one epoch in minibatches of
+    32) after the rollout scored those transitions, as in ``examples/ppo_babyai.py``: today's path (every layer
+    recomputed) vs frozen-trunk reuse (``trunk_reuse_mb``), each repeat on a fresh rollout; their stats compared."""
+    from testkit import LiveRun
+
+    transitions, length, top = (32, 60, 1) if quick else (256, 200, 8)
+    threads = torch.get_num_threads()
+    llm = {"model": path, "minibatch_size": 64, "token_budget": 4096,
+           "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "alpha": 16,
+                                                                                 "last_layers": top}}}}],
+           "heads": {"value": {"plugin": "value", "args": {"hidden": 128}}},
+           "updater": {"plugin": "ppo", "args": {"epochs": 1, "clip_eps": 0.2, "value_clip": None, "value_coef": 0.5,
+                                                 "entropy_coef": 0.01}},
+           "training": {"zero_stage": 0, "optimizer": {"type": "adam", "lr": 1e-3}, "micro_batch_size": 32,
+                        "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}}
+    llms = {"today": llm, "trunk-reuse": {**llm, "trunk_reuse_mb": 4096}}
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    stats: dict[str, list] = {}
+    tokens = 0
+    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
+        for round_ in range(repeats):
+            work = make_workload(tokenizer, transitions, length, 6, seed=100 + round_)
+            tokens = unique_tokens(tokenizer, work)
+            contexts, candidates = [w["context"] for w in work], [w["candidates"] for w in work]
+            order = list(llms) if round_ % 2 == 0 else list(reversed(llms))
+            batches = {}
+            for name in order:  # the rollout: scored by 16 environments at a time, with the value head
+                scores, values = [], []
+                for i in range(0, transitions, 16):
+                    out = run.score(contexts[i:i + 16], candidates[i:i + 16], llm=name,
+                                    additional_module_function_keys=["value"])
+                    scores += [o["score"] for o in out]
+                    values += [float(o["value"]) for o in out]
+                gen = torch.Generator().manual_seed(round_)
+                actions = [int(torch.randint(len(s), (1,), generator=gen)) for s in scores]
+                advantages = torch.randn(transitions, generator=gen).tolist()
+                batches[name] = {"actions": actions,
+                                 "old_logprobs": [float(torch.log_softmax(s, -1)[a]) for s, a in zip(scores, actions)],
+                                 "advantages": advantages,
+                                 "returns": [v + a for v, a in zip(values, advantages)]}
+            for name in order:
+                start = time.perf_counter()
+                result = run.update(contexts, candidates, llm=name, **batches[name])
+                times[name].append(time.perf_counter() - start)
+                stats.setdefault(name, []).append(result[0])
+        trunk = next(run.server_memory()[r]["trunk"] for r, s in run.servers().items() if s["llm"] == "trunk-reuse")
+    layers = model.config.num_hidden_layers
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n) / layers
+    top_limit = tokens * 2 * layer_params * top * 3 / rate  # forward + backward (about twice the forward) of the top
+    today, reuse = statistics.median(times["today"]), statistics.median(times["trunk-reuse"])
+    diffs = [abs(a[k] - b[k]) for a, b in zip(stats["today"], stats["trunk-reuse"])
+             for k in ("policy_loss", "value_loss", "entropy")]
+    return {"workload": f"update: {transitions} transitions, PPO, LoRA top {top} of {layers} layers",
+            "unique tokens": tokens, "today s": today, "trunk reuse s": reuse, "today / trunk reuse": today / reuse,
+            "compute limit s (top layers fwd+bwd)": top_limit, "trunk reuse / limit": reuse / top_limit,
+            "max |stats today - trunk reuse| (first update equal weights)": max(diffs[:3]),
+            "replayed calls": trunk["replayed_calls"], "whole calls": trunk["whole_calls"],
+            "trunk MB": trunk["bytes"] / 2**20}
+
+
 def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
     """FLOP/s of a square float32 matrix multiply with ``threads`` threads (best of a few)."""
     torch.set_num_threads(threads)
@@ -268,6 +331,8 @@ def main() -> int:
                              "trip or memory")
     parser.add_argument("--episodes-only", action="store_true",
                         help="only the episodes workload (the cache across calls on vs off vs naive)")
+    parser.add_argument("--update-only", action="store_true",
+                        help="only the demo's update step (today's path vs frozen-trunk reuse)")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
 
@@ -295,7 +360,7 @@ def main() -> int:
     config = {"llms": {"main": {"model": path, "token_budget": args.token_budget}}}
     print(f"model {args.model}: {params / 1e6:.1f}M parameters; matmul {rate / 1e9:.1f} GFLOP/s on {threads} threads; "
           f"compute limit {per_token * 1e3:.2f} ms per token", file=sys.stderr)
-    if args.episodes_only:
+    if args.episodes_only or args.update_only:
         workloads = {}
     with (LiveRun(config) if workloads else contextlib.nullcontext()) as run:
         for name, work in workloads.items():
@@ -327,14 +392,17 @@ def main() -> int:
                             "max |llmrl - naive|": max_error(served[:subset], naive)})
             rows.append(row)
             print_row(rows[-1])
-        if not args.score_only and not args.episodes_only:
+        if workloads and not args.score_only:
             rows += generate_rows(run, model, tokenizer, [w["context"] for w in next(iter(workloads.values()))],
                                   args.quick, repeats)
-    if not args.score_only:
+    if not args.score_only and not args.update_only:
         rows.append(episodes_row(path, model, tokenizer, per_token, args.quick, repeats, args.naive_budget,
                                  skip_naive=False))
         print_row(rows[-1])
-    if not args.skip_memory and not args.score_only and not args.episodes_only:
+    if not args.score_only and not args.episodes_only:
+        rows.append(update_row(path, model, tokenizer, rate, args.quick, repeats))
+        print_row(rows[-1])
+    if not args.skip_memory and not args.score_only and not args.episodes_only and not args.update_only:
         rows.append(memory_row(path, args.quick))
         print_row(rows[-1])
     with open(args.out, "w") as f:

@@ -217,6 +217,23 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
     plt.close(fig)
 
 
+def reuse_report(memory: dict) -> dict:
+    """What the work kept across calls saved, per server rank (kv_cache_mb, trunk_reuse_mb in the config)."""
+    report = {}
+    for rank, stats in memory.items():
+        row = {}
+        if "kv_cache" in stats:
+            row["kv_cache_hit_rate"] = stats["kv_cache"]["hit_rate"]
+            row["kv_cache_mb"] = stats["kv_cache"]["bytes"] / 2**20
+        if "trunk" in stats:
+            row["trunk_replayed_calls"] = stats["trunk"]["replayed_calls"]
+            row["trunk_whole_calls"] = stats["trunk"]["whole_calls"]
+            row["trunk_mb"] = stats["trunk"]["bytes"] / 2**20
+        if row:
+            report[str(rank)] = row
+    return report
+
+
 def main() -> None:
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -233,6 +250,7 @@ def main() -> None:
         before = evaluate(caller, args, "before training")
         history = train(caller, args, writer)
         after = evaluate(caller, args, "after training")
+        reuse = reuse_report(caller.server_memory())
     wall = time.time() - start
     if history:
         with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
@@ -241,7 +259,7 @@ def main() -> None:
             writer_csv.writerows(history)
     significant = after["ci95"][0] > before["ci95"][1]
     summary = {"args": asdict(args), "before": before, "after": after, "wall_seconds": wall,
-               "improvement_significant": significant, "history": history}
+               "improvement_significant": significant, "reuse": reuse, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(history, before, after, os.path.join(args.out, "curve.png"), f"PPO on {args.level}")

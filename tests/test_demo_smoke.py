@@ -36,6 +36,10 @@ def test_ppo_demo_quick(tmp_path, replicas):
     assert len(rows) == 2  # --quick: two PPO updates
     assert all(float(row["samples"]) == 16 for row in rows), rows  # 4 environments x 4 steps per update
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    reuse = summary["reuse"]  # the config's kv_cache_mb and trunk_reuse_mb at work on every replica
+    assert len(reuse) == replicas, reuse
+    for rank in reuse.values():
+        assert rank["trunk_replayed_calls"] > 0 and rank["kv_cache_hit_rate"] > 0, reuse
 
 
 @pytest.mark.parametrize("updater,replicas", [("ppo_tokens", 1), ("grpo", 2)])
