@@ -149,12 +149,12 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
 
 
 def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int) -> dict:
-    """The demo's PPO update (256 transitions, LoRA on the top 8 layers, a value head, one epoch in minibatches of
-    32) after the rollout scored those transitions, as in ``examples/ppo_babyai.py``: today's path (every layer
+    """The demo's PPO update (256 transitions of ~44-token prompts and 3 actions, LoRA on the top 8 layers, a value
+    head, one epoch in minibatches of 32) after the rollout scored those transitions, as in ``examples/ppo_babyai.py``: today's path (every layer
     recomputed) vs frozen-trunk reuse (``trunk_reuse_mb``), each repeat on a fresh rollout; their stats compared."""
     from testkit import LiveRun
 
-    transitions, length, top = (32, 60, 1) if quick else (256, 200, 8)
+    transitions, length, top = (32, 44, 1) if quick else (256, 44, 8)  # the demo's prompts: ~44 tokens, 3 actions
     threads = torch.get_num_threads()
     llm = {"model": path, "minibatch_size": 64, "token_budget": 4096,
            "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "alpha": 16,
@@ -170,7 +170,7 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
     tokens = 0
     with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
         for round_ in range(repeats):
-            work = make_workload(tokenizer, transitions, length, 6, seed=100 + round_)
+            work = make_workload(tokenizer, transitions, length, 3, seed=100 + round_)
             tokens = unique_tokens(tokenizer, work)
             contexts, candidates = [w["context"] for w in work], [w["candidates"] for w in work]
             order = list(llms) if round_ % 2 == 0 else list(reversed(llms))

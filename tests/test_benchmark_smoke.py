@@ -22,3 +22,9 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
         assert rows[name]["max |llmrl - naive|"] < 1e-3 and rows[name]["max |llmrl - in-process|"] < 1e-3
         assert rows[name]["max |per-token sums - llmrl|"] < 1e-3 and rows[name]["per-token / summed"] > 0
     assert "speedup vs naive" in result.stdout and "compute limit" in result.stderr
+    episodes = next(row for name, row in rows.items() if name.startswith("episodes"))
+    assert episodes["max |cache on - cache off|"] < 1e-4 and episodes["max |cache on - naive|"] < 1e-3
+    assert episodes["cache hit rate"] > 0.5  # each step's context extends the previous one
+    update = next(row for name, row in rows.items() if name.startswith("update"))
+    assert update["max |stats today - trunk reuse| (first update equal weights)"] < 1e-4
+    assert update["replayed calls"] > 0 and update["whole calls"] == 0

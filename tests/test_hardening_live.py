@@ -45,7 +45,7 @@ def same(a, b) -> bool:
 def test_calls_from_four_threads_reach_every_rank_in_one_order(run, llm):
     calls = [((CONTEXTS[:k], CANDIDATES[:k]), {"llm": llm}) for k in (1, 2, 4)]  # different shapes per call
     reference = [run.score(*args, **kwargs) for args, kwargs in calls]
-    results = run.threads("score", 4, 150, calls)
+    results = run.threads("score", 4, 60, calls)
     for t, rounds in enumerate(results):
         for r, got in enumerate(rounds):
             want = reference[(t + r) % len(calls)]

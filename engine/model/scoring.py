@@ -18,6 +18,11 @@ from, computed from the same kept logits; otherwise none of that is built. Hidde
 at the positions it reads: each context's last token, each candidate's last token, and the position that predicts
 each scored token (``Needs.token_hidden``); so are the float32 logits at those positions (``Needs.token_logits``).
 
+With a cache across calls (``kv_cache_mb``, :mod:`llmrl.engine.model.prefix_cache`) the prefix passes encode only
+the tokens after each prefix's longest cached part (never its last token) and add what they encoded to the
+cache. With frozen-trunk reuse (``trunk_reuse_mb``, :mod:`llmrl.engine.model.trunk`) every model call goes through
+the trunk, told which tokens of which path each row computes: scoring records, the updater's passes replay.
+
 The calls made are exactly those :mod:`llmrl.engine.model.batching` planned. The same code serves ``score``
 (no grad) and the updater's forward (with grad). It knows nothing about processes or requests.
 """
