@@ -72,6 +72,17 @@ class PrefixKVCache:
     def match(self, namespace: str | None, tokens: Sequence[int], limit: int | None = None) -> tuple[int, KV | None]:
         """The longest cached prefix of ``tokens`` (at most ``limit`` tokens) and its keys and values, concatenated
         per layer (fresh tensors: later evictions do not touch them). ``(0, None)`` when nothing matches."""
+        length, pieces = self.match_pieces(namespace, tokens, limit)
+        if length == 0:
+            return 0, None
+        joined = [tuple(torch.cat([p[layer][i] for p in pieces], dim=1) for i in range(len(pieces[0][layer])))
+                  for layer in range(len(pieces[0]))]
+        return length, joined
+
+    def match_pieces(self, namespace: str | None, tokens: Sequence[int], limit: int | None = None
+                     ) -> tuple[int, list[KV]]:
+        """:meth:`match` without the copy: the matched run of each tree edge along the path, in order (views of
+        the cache's tensors, which are never written in place: later splits and evictions leave them valid)."""
         self.clock += 1
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         self.lookups += 1
@@ -80,17 +91,14 @@ class PrefixKVCache:
         for node in path:
             node.last_used = self.clock
         self.hit_tokens += length
-        if length == 0:
-            return 0, None
         pieces = []
         taken = 0
         for node in path:
             take = min(len(node.tokens), length - taken)
-            pieces.append([tuple(t[:, :take] for t in entry) for entry in node.kv])
+            if take > 0:
+                pieces.append([tuple(t[:, :take] for t in entry) for entry in node.kv])
             taken += take
-        joined = [tuple(torch.cat([p[layer][i] for p in pieces], dim=1) for i in range(len(pieces[0][layer])))
-                  for layer in range(len(pieces[0]))]
-        return length, joined
+        return length, pieces
 
     def _walk(self, namespace, tokens: Sequence[int], limit: int) -> tuple[list[_Node], int]:
         """The nodes along ``tokens[:limit]`` (the last one possibly matched only in part) and the length matched."""
@@ -126,7 +134,8 @@ class PrefixKVCache:
         while length < len(tokens):
             child = node.children.get(tokens[length])
             if child is None:
-                kv = [tuple(t.contiguous().clone() for t in entry) for entry in kv_of(length, len(tokens))]
+                kv = [tuple(t.clone(memory_format=torch.contiguous_format) for t in entry)
+                      for entry in kv_of(length, len(tokens))]
                 child = _Node(tuple(tokens[length:]), kv, node, last_used=self.clock)
                 node.children[tokens[length]] = child
                 self.tokens += len(child.tokens)

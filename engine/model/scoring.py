@@ -319,10 +319,10 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     common_kv = None
     if common > 0:
         head = ctxs[0].prefix[:common]
-        hit, kv = store.match(space, head, limit=common - 1)
+        hit, pieces = store.match_pieces(space, head, limit=common - 1)
         out = call([(head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                    position_ids=torch.arange(hit, common, device=device)[None],
-                   past_key_values=_cache_of([kv], [hit], device) if hit else None, use_cache=True,
+                   past_key_values=_cache_of([pieces], [hit], device) if hit else None, use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         common_kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
@@ -332,7 +332,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
                 last_logits[a] = out.logits[0, -1]
                 last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
         if not batch.own_prefixes:
-            cache = _cache_of([common_kv] * n, [common] * n, device)
+            cache = _cache_of([[common_kv]] * n, [common] * n, device)
             return cache, torch.ones((n, common), dtype=torch.long, device=device)
     if not batch.own_prefixes:
         return None, None
@@ -341,13 +341,13 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         prefix = c.prefix
         if len(prefix) <= common:  # nothing of its own after the common part (or no prefix at all)
             starts.append(len(prefix))
-            kvs.append(common_kv if prefix else None)
+            kvs.append([common_kv] if prefix else [])
             continue
-        hit, kv = store.match(space, prefix, limit=len(prefix) - 1)
+        hit, pieces = store.match_pieces(space, prefix, limit=len(prefix) - 1)
         if hit < common:  # the common part was just encoded (and may have been evicted since)
-            hit, kv = common, common_kv
+            hit, pieces = common, [common_kv]
         starts.append(hit)
-        kvs.append(kv)
+        kvs.append(pieces)
     width = max(starts)
     remainders = [c.prefix[start:] for c, start in zip(ctxs, starts)]
     ids, own_mask = _pad(remainders, pad_id, left=True, device=device)
@@ -366,12 +366,23 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         if rest:
             last_logits[a] = out.logits[a, -1]
             last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+    own_width = ids.shape[1]
     for a, c in enumerate(ctxs):
         if remainders[a]:
-            columns = mask[a].nonzero().squeeze(-1)  # this row's tokens, in order: its cached part, then its own
+            # This row's tokens, in order: its cached part (ending at column ``width``), then its own part (ending
+            # at the last column): two contiguous runs of columns, read as views wherever a request fits in one.
+            end_own, start = width + own_width, starts[a]
 
-            def kv_of(i, j, a=a, columns=columns):
-                return [(layer.keys[a][:, columns[i:j]], layer.values[a][:, columns[i:j]]) for layer in cache.layers]
+            def column_of(t, start=start, end_own=end_own, rest=len(remainders[a])):
+                return width - start + t if t < start else end_own - rest + (t - start)
+
+            def kv_of(i, j, a=a, start=start, column_of=column_of):
+                if i >= start or j <= start:  # one run
+                    lo = column_of(i)
+                    return [(layer.keys[a][:, lo:lo + j - i], layer.values[a][:, lo:lo + j - i])
+                            for layer in cache.layers]
+                columns = torch.tensor([column_of(t) for t in range(i, j)], device=device)
+                return [(layer.keys[a][:, columns], layer.values[a][:, columns]) for layer in cache.layers]
 
             store.insert(space, c.prefix, kv_of)
     return cache, mask
@@ -413,21 +424,26 @@ def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool):
     return lambda rows, **kwargs: trunk.call(model, kwargs, rows, replay)
 
 
-def _cache_of(rows: list, lengths: list[int], device):
-    """A Hugging Face cache whose row ``a`` holds ``rows[a]`` (per layer ``[kv_heads, lengths[a], head_dim]``, or
-    None for nothing), left padded to the longest."""
+def _cache_of(rows: list[list], lengths: list[int], device):
+    """A Hugging Face cache whose row ``a`` holds the first ``lengths[a]`` tokens of ``rows[a]``: pieces (per layer,
+    keys and values ``[kv_heads, tokens, head_dim]``) laid end to end, left padded to the longest row."""
     from transformers import DynamicCache
 
     width = max(lengths)
-    sample = next(r for r in rows if r is not None)
+    sample = next(r[0] for r in rows if r)
     layers = []
     for layer, (k0, v0) in enumerate(sample):
         keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
         values = v0.new_zeros((len(rows), v0.shape[0], width, v0.shape[2]))
-        for a, (row, length) in enumerate(zip(rows, lengths)):
-            if row is not None and length:
-                keys[a, :, width - length:] = row[layer][0][:, :length]
-                values[a, :, width - length:] = row[layer][1][:, :length]
+        for a, (pieces, length) in enumerate(zip(rows, lengths)):
+            at = width - length
+            for piece in pieces:
+                take = min(piece[layer][0].shape[1], width - at)
+                if take <= 0:
+                    break
+                keys[a, :, at:at + take] = piece[layer][0][:, :take]
+                values[a, :, at:at + take] = piece[layer][1][:, :take]
+                at += take
         layers.append((keys, values))
     return DynamicCache(ddp_cache_data=layers)
 
