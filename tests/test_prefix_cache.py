@@ -103,7 +103,8 @@ def episodes(n_envs=3):
     return calls
 
 
-def score(model, tok, contexts, candidates, needs=Needs(), budget=8192, rows=64, cache=None):
+def score(model, tok, contexts, candidates, needs=None, budget=8192, rows=64, cache=None):
+    needs = needs or Needs()
     plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
     scores, hidden = [None] * len(contexts), [None] * len(contexts)
     with torch.no_grad():

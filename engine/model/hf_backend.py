@@ -125,7 +125,7 @@ class HFBackend(ModelBackend):
         if self.llm.kv_cache_mb > 0:
             self.prefix_cache = make_prefix_cache(self.model, self.llm)
         if self.llm.trunk_reuse_mb > 0:
-            self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth)
+            self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth, self.updater is not None)
         return self.describe()
 
     def describe(self) -> dict:
@@ -244,7 +244,7 @@ def make_prefix_cache(model, llm):
     return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
 
 
-def make_trunk(model, llm, depth: int):
+def make_trunk(model, llm, depth: int, has_updater: bool):
     """The frozen-trunk store for ``llms.<name>.trunk_reuse_mb``; refuses models with nothing frozen to reuse."""
     from llmrl.engine.errors import ConfigError
     from llmrl.engine.model.trunk import Trunk, decoder_layers
@@ -254,7 +254,7 @@ def make_trunk(model, llm, depth: int):
     if layers is None:
         raise ConfigError([(where, f"this model ({type(model).__name__}) keeps no decoder layers where frozen-trunk "
                                    "reuse looks (model.layers, as Llama, Qwen2, Mistral do): set it to 0")])
-    if llm.updater is None:
+    if not has_updater:  # from the config or handed to the Caller by the script
         raise ConfigError([(where, "frozen-trunk reuse serves updates and this LLM has no updater: set it to 0")])
     if not 0 < depth < len(layers):
         raise ConfigError([(where, f"the first trainable (or adapted) layer is {depth}: nothing below it to reuse; "

@@ -371,9 +371,9 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         if remainders[a]:
             # This row's tokens, in order: its cached part (ending at column ``width``), then its own part (ending
             # at the last column): two contiguous runs of columns, read as views wherever a request fits in one.
-            end_own, start = width + own_width, starts[a]
+            end_own, start, rest = width + own_width, starts[a], len(remainders[a])
 
-            def column_of(t, start=start, end_own=end_own, rest=len(remainders[a])):
+            def column_of(t, start=start, end_own=end_own, rest=rest):
                 return width - start + t if t < start else end_own - rest + (t - start)
 
             def kv_of(i, j, a=a, start=start, column_of=column_of):
