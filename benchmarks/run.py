@@ -1,8 +1,10 @@
 """Benchmark llmrl against plain Hugging Face on RL-shaped workloads; print ratios, write JSON.
 
-    python benchmarks/run.py                      # SmolLM2-135M, the headline figures (about 15 minutes on 2 cores)
+    python benchmarks/run.py                      # SmolLM2-135M, the headline figures (about 40 minutes on 2 cores)
     python benchmarks/run.py --model tiny --quick  # a tiny random Llama: a smoke test in under a minute
     python benchmarks/run.py --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
+    python benchmarks/run.py --episodes-only      # the cache across calls: on vs off vs naive (about 20 minutes)
+    python benchmarks/run.py --update-only        # the demo's update: every layer vs frozen-trunk reuse (about 8)
 
 In one run on one machine it measures, each as a ratio to its baseline:
   - ``score`` through llmrl (one server) vs the plain Hugging Face code a user would write (concatenate
