@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_scoring import run_plan
 
-from llmrl.engine.model.batching import Needs, plan_batches
+from llmrl.engine.model.batching import Needs
 from llmrl.engine.model.prefix_cache import CacheUse, PrefixKVCache, model_bytes_per_token
-from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-from llmrl.engine.model.tokenization import tokenize
 from testkit import reference_scores
 
 
@@ -43,6 +42,9 @@ def test_a_match_returns_the_longest_cached_prefix_with_its_keys_and_values():
     assert length == 3 and held_tokens(kv) == [1, 2, 7]
     assert cache.match(None, [1, 2, 3, 4], limit=2)[0] == 2  # the caller keeps the last token to itself
     assert cache.match(None, [5]) == (0, None)
+    lookups = cache.stats()["lookup_tokens"]
+    assert cache.held(None, [1, 2, 3, 9]) == 3 and cache.held(None, [1, 2, 7, 8], limit=2) == 2
+    assert cache.stats()["lookup_tokens"] == lookups  # a check, not a lookup
     assert cache.tokens == 5  # 1 2 | 3 4 | 7: shared tokens are held once
     stats = cache.stats()
     assert stats["hit_tokens"] == 3 + 3 + 2 and stats["lookup_tokens"] == 4 + 4 + 2 + 1
@@ -104,20 +106,8 @@ def episodes(n_envs=3):
 
 
 def score(model, tok, contexts, candidates, needs=None, budget=8192, rows=64, cache=None):
-    needs = needs or Needs()
-    plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
-    scores, hidden = [None] * len(contexts), [None] * len(contexts)
-    with torch.no_grad():
-        for batch in plan_batches(plan, budget, rows, needs):
-            res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu", accepts_logits_to_keep(model),
-                            kv_cache=cache)
-            offset = 0
-            for a, i in enumerate(batch.contexts):
-                k = len(plan.contexts[i].candidates)
-                scores[i] = res.scores[offset:offset + k]
-                if needs.context_hidden:
-                    hidden[i] = res.context_hidden[-1][a]
-                offset += k
+    """Scores and context hidden states of the scoring pipeline (``test_scoring``'s runner), through ``cache``."""
+    scores, hidden, _ = run_plan(model, tok, "causal", contexts, candidates, needs, budget, rows, kv_cache=cache)
     return scores, hidden
 
 

@@ -26,7 +26,7 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
               ["rn right", "rn left", "n"]]
 
 
-def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True):
+def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True, kv_cache=None):
     needs = needs or Needs()
     plan = tokenize(tok, kind, contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
@@ -35,7 +35,8 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
     with torch.no_grad():
         for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
-                            kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model))
+                            kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model),
+                            kv_cache=kv_cache)
             offset = 0
             for a, i in enumerate(batch.contexts):
                 k = len(plan.contexts[i].candidates)

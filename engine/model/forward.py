@@ -15,6 +15,7 @@ The same path serves ``score`` / ``custom_module_fns`` (without gradients) and t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -102,15 +103,12 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv
         anchor = gradient_anchor(served) if torch.is_grad_enabled() else None
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
-        served.module.kv_cache = kv_cache
         trunk = served.module.trunk
+        served.module.kv_cache = kv_cache
         try:
-            if trunk is not None and trunk_mode is not None:
-                with trunk.active(trunk_mode):
-                    return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                                         extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
-            return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                                 extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
+            with trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext():
+                return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
+                                     extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
         finally:
             served.module.kv_cache = None
 

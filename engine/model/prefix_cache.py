@@ -100,6 +100,12 @@ class PrefixKVCache:
             taken += take
         return length, pieces
 
+    def held(self, namespace: str | None, tokens: Sequence[int], limit: int | None = None) -> int:
+        """How many leading tokens of ``tokens`` (at most ``limit``) are held: no copy, no statistics, no change
+        of eviction order."""
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        return self._walk(namespace, tokens, limit)[1]
+
     def _walk(self, namespace, tokens: Sequence[int], limit: int) -> tuple[list[_Node], int]:
         """The nodes along ``tokens[:limit]`` (the last one possibly matched only in part) and the length matched."""
         node = self.roots.get(namespace)

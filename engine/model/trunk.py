@@ -102,7 +102,8 @@ class Trunk:
     def available(self, calls: Sequence[Sequence[tuple]]) -> bool:
         """Whether the states of every token of every call are held (a batch is replayed whole or not at all: a
         replayed call leaves placeholders where the skipped layers' keys and values would be)."""
-        return all(self._lookup(rows, None) is not None for rows in calls)
+        return all(self.states.held(None, path) == len(path) for rows in calls for path, _, columns in rows
+                   if len(columns))
 
     def call(self, model, kwargs: dict, rows: Sequence[tuple[Sequence[int], int, Sequence[int]]], replay: bool):
         """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded
@@ -110,6 +111,8 @@ class Trunk:
         where this call's part of the path starts, the columns of those tokens in the call's input)."""
         if replay:
             self._replacement = self._lookup(rows, kwargs["input_ids"].shape)
+            if self._replacement is None:  # available() said yes, and nothing is evicted while replaying
+                raise RuntimeError("frozen-trunk reuse: states checked as held went missing")
             try:
                 with self._skipping():
                     out = model(**kwargs)
@@ -127,32 +130,32 @@ class Trunk:
         return out
 
     def _lookup(self, rows, shape) -> torch.Tensor | None:
-        """The states of the rows' tokens laid out as the call's input (``shape``; None: only check they exist)."""
-        found = []
-        for path, start, columns in rows:
+        """The states of the rows' tokens laid out as the call's input (``shape``), None if any is not held. Only
+        each row's own tokens are copied, not the path before them (a candidate row's whole context)."""
+        states = None
+        for r, (path, start, columns) in enumerate(rows):
             if not len(columns):
-                found.append(None)
                 continue
-            length, entry = self.states.match(None, path)
+            length, pieces = self.states.match_pieces(None, path)
             if length < len(path):
                 return None
-            found.append(entry[0][0][0, start:])
-        sample = next((f for f in found if f is not None), None)
-        if sample is None:
-            return None if shape is not None else torch.zeros(0)
-        if shape is None:
-            return sample
-        states = sample.new_zeros((shape[0], shape[1], sample.shape[-1]))
-        for r, ((_, _, columns), row) in enumerate(zip(rows, found)):
-            if row is not None:
-                states[r, torch.as_tensor(columns, device=states.device)] = row
+            own, at = [], 0
+            for piece in pieces:
+                held = piece[0][0][0]  # [tokens, hidden]
+                if at + len(held) > start:
+                    own.append(held[max(start - at, 0):])
+                at += len(held)
+            row = torch.cat(own) if len(own) > 1 else own[0]
+            if states is None:
+                states = row.new_zeros((shape[0], shape[1], row.shape[-1]))
+            states[r, torch.as_tensor(columns, device=states.device)] = row
         return states
 
     def _record(self, rows, captured: torch.Tensor) -> None:
         for r, (path, start, columns) in enumerate(rows):
             if not len(columns):
                 continue
-            if start > 0 and self.states.match(None, path, limit=start)[0] < start:
+            if start > 0 and self.states.held(None, path, limit=start) < start:
                 continue  # the part before this call's tokens is not held: nothing to attach them to
             row = captured[r, torch.as_tensor(columns, device=captured.device)]
             self.states.insert(None, path, lambda i, j, row=row, start=start: [(row[None, i - start:j - start],)])
