@@ -105,22 +105,26 @@ def episodes(n_envs=3):
     return calls
 
 
-def score(model, tok, contexts, candidates, needs=None, budget=8192, rows=64, cache=None):
+def score(model, tok, contexts, candidates, needs=None, budget=8192, rows=64, cache=None, packed=False):
     """Scores and context hidden states of the scoring pipeline (``test_scoring``'s runner), through ``cache``."""
-    scores, hidden, _ = run_plan(model, tok, "causal", contexts, candidates, needs, budget, rows, kv_cache=cache)
+    scores, hidden, _ = run_plan(model, tok, "causal", contexts, candidates, needs, budget, rows, kv_cache=cache,
+                                 packed=packed)
     return scores, hidden
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("budget,rows", [(8192, 64), (160, 3)], ids=["one-batch", "several-batches"])
 @pytest.mark.parametrize("cap_tokens", [100_000, 40], ids=["roomy", "evicting"])
-def test_scores_with_the_cache_equal_scores_without_it_and_plain_hf(reference_models, kind, budget, rows, cap_tokens):
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_scores_with_the_cache_equal_scores_without_it_and_plain_hf(reference_models, kind, budget, rows, cap_tokens,
+                                                                    packed):
     model, tok = reference_models[kind]
     per_token = model_bytes_per_token(model.config, torch.float32)
     cache = PrefixKVCache(cap_tokens * per_token, per_token)
     needs = Needs(context_hidden=True)
     for contexts, candidates in episodes():
-        got, got_hidden = score(model, tok, contexts, candidates, needs, budget, rows, CacheUse(cache, "default"))
+        got, got_hidden = score(model, tok, contexts, candidates, needs, budget, rows, CacheUse(cache, "default"),
+                                packed=packed)
         plain, plain_hidden = score(model, tok, contexts, candidates, needs, budget, rows)
         for g, p, e in zip(got, plain, reference_scores(model, tok, contexts, candidates)):
             torch.testing.assert_close(g, p, atol=1e-5, rtol=0)
@@ -147,3 +151,29 @@ def test_an_adapter_reads_only_its_own_entries(reference_models):
     assert cache.stats()["hit_tokens"] - hits == hits  # the same hits as the first call: within the call only
     score(model, tok, contexts, candidates, cache=CacheUse(cache, "a"))
     assert cache.stats()["hit_tokens"] - 2 * hits > hits  # a warm namespace finds the whole prefixes
+
+
+def test_a_common_prefix_the_cache_holds_gets_no_pass_of_its_own(reference_models):
+    """Packed, with the cache: once the header is cached, a call is one model call (no pass over the common
+    prefix), and its scores still equal plain Hugging Face's."""
+    from llmrl.engine.model.batching import plan_batches
+    from llmrl.engine.model.tokenization import tokenize
+
+    model, tok = reference_models["llama"]
+    per_token = model_bytes_per_token(model.config, torch.float32)
+    cache = CacheUse(PrefixKVCache(10**9, per_token), None)
+    (first, first_cands), (second, second_cands) = episodes()[:2]
+    held = lambda ids: cache.cache.held(None, ids)  # noqa: E731
+
+    def planned(contexts, candidates):
+        plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
+        return plan_batches(plan, 8192, 64, Needs(), packed=True, cached=held)
+
+    (batch,) = planned(first, first_cands)
+    assert batch.common > 0 and batch.model_calls == 2  # nothing cached yet: the header is encoded once
+    score(model, tok, first, first_cands, cache=cache, packed=True)
+    (batch,) = planned(second, second_cands)
+    assert batch.common == 0 and batch.model_calls == 1
+    got, _ = score(model, tok, second, second_cands, cache=cache, packed=True)
+    for g, e in zip(got, reference_scores(model, tok, second, second_cands)):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)

@@ -26,14 +26,16 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
               ["rn right", "rn left", "n"]]
 
 
-def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True, kv_cache=None):
+def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True, kv_cache=None,
+             packed=False):
     needs = needs or Needs()
     plan = tokenize(tok, kind, contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
     ctx_hidden = [None] * len(contexts)
     cand_hidden = {}
     with torch.no_grad():
-        for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse):
+        cached = None if kv_cache is None else (lambda ids: kv_cache.cache.held(kv_cache.namespace, ids))
+        for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse, packed=packed, cached=cached):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                             kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model),
                             kv_cache=kv_cache)
@@ -53,7 +55,8 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "llama-eos", "t5-genstart"])
 @pytest.mark.parametrize("reuse", [True, False], ids=["prefix-reuse", "no-reuse"])
 @pytest.mark.parametrize("budget,rows", [(8192, 64), (48, 3)], ids=["one-batch", "tight-budget"])
-def test_scores_equal_plain_hf(reference_models, kind, reuse, budget, rows):
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_scores_equal_plain_hf(reference_models, kind, reuse, budget, rows, packed):
     model, tok = reference_models[kind]
     contexts, candidates = CONTEXTS, CANDIDATES
     if kind == "gpt2":  # GPT-2 adds no BOS: an empty context has nothing to condition on
@@ -62,7 +65,7 @@ def test_scores_equal_plain_hf(reference_models, kind, reuse, budget, rows):
     seq2seq = kind.startswith("t5")
     expected = reference_scores(model, tok, contexts, candidates, seq2seq=seq2seq)
     got, _, _ = run_plan(model, tok, "seq2seq" if seq2seq else "causal", contexts, candidates,
-                         budget=budget, rows=rows, reuse=reuse)
+                         budget=budget, rows=rows, reuse=reuse, packed=packed)
     for g, e in zip(got, expected):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
@@ -81,11 +84,12 @@ def test_token_budget_bounds_every_pass(reference_models):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_causal_hidden_states_are_taken_at_the_right_tokens(reference_models, kind):
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_causal_hidden_states_are_taken_at_the_right_tokens(reference_models, kind, packed):
     model, tok = reference_models[kind]
     contexts, candidates = CONTEXTS[:2], CANDIDATES[:2]
     _, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", contexts, candidates,
-                                          Needs(context_hidden=True, candidate_hidden=True))
+                                          Needs(context_hidden=True, candidate_hidden=True), packed=packed)
     assert_hidden_at_last_tokens(model, tok, contexts, candidates, ctx_hidden, cand_hidden)
 
 
@@ -113,13 +117,15 @@ def test_seq2seq_context_hidden_is_the_decoder_start_position(reference_models):
             torch.testing.assert_close(ctx_hidden[i], out.decoder_hidden_states[-1][0, 0], atol=1e-4, rtol=0)
 
 
-def test_gradients_flow_through_the_cache(reference_models):
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_gradients_flow_through_the_cache(reference_models, packed):
     """Training uses the same pipeline: the gradient of a prefix-reuse score equals plain autograd's."""
     model, tok = reference_models["llama"]
     contexts, candidates = CONTEXTS[:2], CANDIDATES[:2]
     weight = model.model.layers[0].self_attn.q_proj.weight
     plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
-    batch = plan_batches(plan, 8192, 64, Needs())[0]
+    batch = plan_batches(plan, 8192, 64, Needs(), packed=packed)[0]
+    assert batch.packed == packed
     res = run_batch(model, plan, batch, Needs(), tok.pad_token_id, "cpu", True)
     (grad,) = torch.autograd.grad(res.scores.sum(), weight)
     total = 0.0
@@ -144,17 +150,38 @@ SHARED_CANDIDATES = [[" turn left", " turn right", " turn", " go forward", " go 
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind):
-    """Contexts sharing a long prefix (encoded once) and candidates sharing rows give plain HF's scores."""
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind, packed):
+    """Contexts sharing a long prefix (encoded once) and candidates sharing rows give plain HF's scores; packed,
+    everything after the common prefix takes one call."""
     model, tok = reference_models[kind]
     plan = tokenize(tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES, max_length=512)
-    (batch,) = plan_batches(plan, 8192, 64, Needs())
+    (batch,) = plan_batches(plan, 8192, 64, Needs(), packed=packed)
     rows = sum(len(c) for c in batch.chunks)
     assert rows < sum(len(c) for c in SHARED_CANDIDATES) - 6, "rows whose inputs coincide must be shared"
-    assert batch.model_calls == 2 + len(batch.chunks)  # common prefix, own prefixes, candidates
+    # common prefix, own prefixes, candidates (packed: own prefixes and candidates together)
+    assert batch.model_calls == (2 if packed else 2 + len(batch.chunks))
     expected = reference_scores(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES)
     got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES,
-                                            Needs(context_hidden=True, candidate_hidden=True))
+                                            Needs(context_hidden=True, candidate_hidden=True), packed=packed)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
     assert_hidden_at_last_tokens(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES, ctx_hidden, cand_hidden)
+
+
+@pytest.mark.parametrize("span", [1, 24, 10_000], ids=["a-row-each", "some-rows", "one-row"])
+def test_packed_rows_of_any_span_give_plain_hf_results(reference_models, monkeypatch, span):
+    """Contexts share packed rows up to ``ROW_SPAN`` columns; rows are padded to the widest. However they are
+    laid out, scores, per-token log-probs and hidden states equal plain HF's."""
+    from llmrl.engine.model import packing
+
+    monkeypatch.setattr(packing, "ROW_SPAN", span)
+    model, tok = reference_models["llama"]
+    expected = reference_scores(model, tok, SHARED_CONTEXTS + CONTEXTS, SHARED_CANDIDATES + CANDIDATES)
+    got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS + CONTEXTS,
+                                            SHARED_CANDIDATES + CANDIDATES,
+                                            Needs(context_hidden=True, candidate_hidden=True), packed=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+    assert_hidden_at_last_tokens(model, tok, SHARED_CONTEXTS + CONTEXTS, SHARED_CANDIDATES + CANDIDATES,
+                                 ctx_hidden, cand_hidden)

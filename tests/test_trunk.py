@@ -39,11 +39,12 @@ def lora_top(reference_models):
     return peft, tok
 
 
-def run(model, tok, needs, budget, rows, trunk=None, mode=None, contexts=CONTEXTS, candidates=CANDIDATES):
+def run(model, tok, needs, budget, rows, trunk=None, mode=None, contexts=CONTEXTS, candidates=CANDIDATES,
+        packed=False):
     plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
     results = []
     with trunk.active(mode) if trunk else contextlib.nullcontext():
-        for batch in plan_batches(plan, budget, rows, needs):
+        for batch in plan_batches(plan, budget, rows, needs, packed=packed):
             results.append((batch.contexts, run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                                                       accepts_logits_to_keep(model), trunk=trunk)))
     return results
@@ -58,16 +59,18 @@ def loss_and_grads(model, results):
 
 @pytest.mark.parametrize("record,replay", [((8192, 64), (8192, 64)), ((8192, 64), (90, 3)), ((90, 3), (8192, 64))],
                          ids=["same-batching", "replay-split", "record-split"])
-def test_replayed_passes_equal_whole_passes(lora_top, record, replay):
+@pytest.mark.parametrize("packed", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=["chunked", "packed", "record-packed", "replay-packed"])
+def test_replayed_passes_equal_whole_passes(lora_top, record, replay, packed):
     model, tok = lora_top
     assert trunk_depth(model) == 1
     needs = Needs(context_hidden=True)
     trunk = Trunk(model, 1, 2**30)
     with torch.no_grad():
-        run(model, tok, needs, *record, trunk=trunk, mode="record")
-    replayed = run(model, tok, needs, *replay, trunk=trunk, mode="replay")
+        run(model, tok, needs, *record, trunk=trunk, mode="record", packed=packed[0])
+    replayed = run(model, tok, needs, *replay, trunk=trunk, mode="replay", packed=packed[1])
     assert trunk.replayed_calls > 0 and trunk.whole_calls == 0
-    whole = run(model, tok, needs, *replay)
+    whole = run(model, tok, needs, *replay, packed=packed[1])
     for (_, a), (_, b) in zip(replayed, whole):
         torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.context_hidden[-1], b.context_hidden[-1], atol=1e-5, rtol=0)
@@ -75,8 +78,8 @@ def test_replayed_passes_equal_whole_passes(lora_top, record, replay):
     loss_b, grads_b = loss_and_grads(model, whole)
     torch.testing.assert_close(loss_a, loss_b, atol=1e-5, rtol=1e-6)  # a sum of ~250 in float32
     assert any(float(g.abs().max()) > 1e-3 for g in grads_b)
-    for a, b in zip(grads_a, grads_b):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(grads_a, grads_b):  # states recorded by calls of other shapes: float32 rounding of ~1e-5
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
 
 
 def test_calls_whose_tokens_were_never_scored_run_whole(lora_top):

@@ -5,7 +5,10 @@ Batches are formed by a token budget (padded tokens, cache included) and a row c
 count, so memory stays bounded with long contexts; :func:`pack` is the one greedy packer behind every
 such decision (generation uses it too). A candidate row feeds only the tokens that predict a scored
 token, and a candidate whose inputs are a prefix of another's reads that row (causal attention makes
-the shared positions identical). The number of model calls of each batch is decided here, once:
+the shared positions identical). With ``packed`` (causal models whose attention takes a 4-D mask), a batch's
+contexts and all their candidate rows go into a single model call (:mod:`llmrl.engine.model.packing`), and
+batches are formed by the tokens of contexts and candidates together; a context too wide for the budget with
+its candidates turns packing off for the request. The number of model calls of each batch is decided here, once:
 :mod:`llmrl.engine.model.scoring` makes exactly those calls, and ranks in lockstep pad to the maximum.
 
 This module is pure planning over token ids: it runs no model.
@@ -13,12 +16,15 @@ This module is pure planning over token ids: it runs no model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llmrl.engine.model.tokenization import TokenPlan
 
 COMPLETION = -1  # row index of a context's completion row (the hidden state of its last token)
+# With the cache across calls, a pass over the common prefix is kept only if it saves re-encoding at least this
+# many tokens in the packed call (a model call's fixed cost is that of a few dozen tokens on a CPU).
+COMMON_PASS_MIN_SAVING = 32
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class BatchSpec:
     common: int = 0  # causal: tokens every context of the batch shares, encoded once (0: no such pass)
     own_prefixes: bool = False  # causal: a pass over each context's own part of its shared prefix
     encoder_pass: bool = False  # seq2seq: the encoder runs once and its output is reused by every chunk
+    packed: bool = False  # causal: own prefixes and every candidate row in one call (chunks holds one chunk)
 
     @property
     def num_rows(self) -> int:
@@ -59,6 +66,8 @@ class BatchSpec:
     @property
     def model_calls(self) -> int:
         """Model calls :func:`llmrl.engine.model.scoring.run_batch` makes for this batch."""
+        if self.packed:
+            return int(self.common > 0) + int(self.own_prefixes or self.num_rows > 0)
         return int(self.common > 0) + int(self.own_prefixes) + int(self.encoder_pass) + len(self.chunks)
 
 
@@ -104,24 +113,52 @@ def _needs_row(plan: TokenPlan, ctx_index: int, cand: int, needs: Needs) -> bool
     return (scored_in_row or hidden_in_row) and len(row_inputs(plan, ctx_index, cand, needs)) > 0
 
 
-def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs, encoder_reuse: bool = True
-                 ) -> list[BatchSpec]:
+def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs, encoder_reuse: bool = True,
+                 packed: bool = False, cached: Callable[[list[int]], int] | None = None) -> list[BatchSpec]:
     """Group contexts into batches and their candidate rows into chunks within the budget.
 
     ``encoder_reuse`` (seq2seq): encode each batch's contexts once and reuse the output for every chunk.
+    ``packed`` (causal): one call per batch for its contexts and candidates (see the module's docstring);
+    ``max_rows`` then caps the contexts of a batch. ``cached`` (packed, with the cache across calls) says how many
+    leading tokens of a sequence the cache holds: a common prefix held (almost) whole gets no pass of its own.
     """
     order = sorted(range(len(plan.contexts)), key=lambda i: -_prefix_len(plan, i))
-    groups = pack([_prefix_len(plan, i) for i in order], token_budget, max_rows)
+    widths = [_prefix_len(plan, i) for i in order]
+    if packed and plan.kind == "causal":
+        widths = [w + _candidate_tokens(plan, i, needs) for w, i in zip(widths, order)]
+        packed = max(widths, default=0) <= token_budget
+        if not packed:
+            widths = [_prefix_len(plan, i) for i in order]
+    groups = pack(widths, token_budget, max_rows)
     batches = [BatchSpec([order[k] for k in group]) for group in groups]
     for batch in batches:
         if plan.kind == "causal":
             prefixes = [plan.contexts[i].prefix for i in batch.contexts]
             batch.common = common_prefix_of(prefixes)
+            if packed and cached is not None and batch.common > 0:
+                fresh = batch.common - min(cached(prefixes[0][:batch.common]), batch.common)
+                if fresh * (len(prefixes) - 1) < COMMON_PASS_MIN_SAVING:
+                    batch.common = 0
             batch.own_prefixes = max((len(p) - batch.common for p in prefixes), default=0) > 0
         else:
             batch.encoder_pass = encoder_reuse
-        batch.chunks = _chunk_rows(plan, batch, token_budget, max_rows, needs)
+        if packed and plan.kind == "causal":
+            rows = [row for chunk in _chunk_rows(plan, batch, 1 << 62, 1 << 62, needs) for row in chunk]
+            batch.chunks, batch.packed = ([rows] if rows else []), True
+        else:
+            batch.chunks = _chunk_rows(plan, batch, token_budget, max_rows, needs)
     return batches
+
+
+def _candidate_tokens(plan: TokenPlan, i: int, needs: Needs) -> int:
+    """Tokens the candidate rows of context ``i`` feed when packed (rows shared between candidates counted once)."""
+    ctx = plan.contexts[i]
+    wanted = [j for j in range(len(ctx.candidates)) if _needs_row(plan, i, j, needs)]
+    rows = _cover_rows(plan, i, 0, wanted, needs, {})
+    total = sum(len(row_inputs(plan, i, k, needs)) for k in rows)
+    if needs.context_hidden and ctx.shared < len(ctx.ids):
+        total += len(row_inputs(plan, i, COMPLETION, needs))
+    return total
 
 
 def common_prefix_of(seqs: list[list[int]]) -> int:

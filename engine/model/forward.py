@@ -43,10 +43,11 @@ class ForwardPlan:
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
                  minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
-                 add_eos: bool = False, head_kwargs: dict | None = None) -> ForwardPlan:
+                 add_eos: bool = False, head_kwargs: dict | None = None, kv_cache=None) -> ForwardPlan:
     """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
     ``entropy`` keep per-token log-probs / entropies (they change no model call); ``add_eos`` ends candidates
-    with the EOS token; ``head_kwargs`` go to the heads."""
+    with the EOS token; ``head_kwargs`` go to the heads; ``kv_cache`` (the cache across calls the pass will read)
+    lets the planner drop a pass over a common prefix the cache already holds."""
     keys = served.check_heads(heads)
     if head_kwargs is not None and not (isinstance(head_kwargs, dict) and all(isinstance(k, str) for k in head_kwargs)):
         raise ValueError(f"head_kwargs must be a dict with string keys, got {type(head_kwargs).__name__}")
@@ -60,15 +61,29 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
                     prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
-    batches = plan_batches(plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs, encoder_reuse=reuse)
+    cached = None
+    if kv_cache is not None:
+        namespace = adapter or served.active_adapter()
+        cached = lambda ids: kv_cache.held(namespace, ids)  # noqa: E731
+    batches = plan_batches(plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs, encoder_reuse=reuse,
+                           packed=packs(served), cached=cached)
     return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None)
+
+
+def packs(served: ServedModel) -> bool:
+    """Whether this LLM's passes pack contexts and candidates into one call (:mod:`llmrl.engine.model.packing`):
+    causal models whose attention takes a custom 4-D mask."""
+    from llmrl.engine.model.packing import PACKABLE_ATTENTION
+
+    attention = getattr(served.model.config, "_attn_implementation", None)
+    return served.llm.type == "causal" and attention in PACKABLE_ATTENTION
 
 
 def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
             minibatch_size: int | None = None, *, must_agree: bool, **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.
 
-    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``).
+    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``, ``kv_cache``).
     Returns the plan and the number of throw-away calls to add. Raises this rank's own planning error, or
     :class:`PeerAborted` when another rank's plan failed: every rank raises, none is left in a collective.
     """

@@ -152,7 +152,7 @@ class HFBackend(ModelBackend):
 
     def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
         plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                              must_agree=self.llm.lockstep, **options)
+                              must_agree=self.llm.lockstep, kv_cache=self.prefix_cache, **options)
         with torch.no_grad():
             return run_forward(self.served, plan, extra, kv_cache=self.prefix_cache, trunk_mode="record")
 

@@ -168,6 +168,10 @@ def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
 
 
 def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=None, trunk=None) -> BatchResult:
+    if batch.packed:
+        from llmrl.engine.model.packing import run_packed
+
+        return run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache, trunk)
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = _offsets(plan, batch)
     n_cand = offsets[-1]
@@ -184,28 +188,8 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
     cache, prefix_mask = encode(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden,
                                 touched)
 
-    # Candidates whose first scored token directly follows the shared prefix.
-    firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
-              if cand.first_scored == 0 and cand.rest]
-    if firsts:
-        logits = torch.stack([last_logits[a] for a, _ in firsts])
-        targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
-        hidden = ({layer: torch.stack([last_hidden[a][layer] for a, _ in firsts]) for layer in layers}
-                  if needs.token_hidden else None)  # the prefix's last position predicts these tokens
-        sink.add(_token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
-                 logits, hidden=hidden)
-        for a, j in firsts:
-            counts[offsets[a] + j] += 1
-
-    context_hidden: list = [None] * len(ctxs)
-    candidate_hidden: list = [None] * n_cand
-    if want_hidden:
-        for a, c in enumerate(ctxs):
-            if c.shared == len(c.ids) and c.shared > 0:
-                context_hidden[a] = last_hidden[a]
-            for j, cand in enumerate(c.candidates):
-                if not cand.rest and c.shared > 0:
-                    candidate_hidden[offsets[a] + j] = last_hidden[a]
+    context_hidden, candidate_hidden = _prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden,
+                                                       device)
 
     row_of = {(a, k): (n, r) for n, chunk in enumerate(batch.chunks) for r, (a, k) in enumerate(chunk)}
     users: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, context position, candidate)
@@ -270,6 +254,36 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
 
 
 
+def _prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden, device):
+    """What the prefix passes alone give: the first scored token of candidates that start right after the shared
+    prefix (scored from the prefix's last logits), and hidden states at the prefix's end. Returns per-context and
+    per-candidate lists of hidden states, to be completed by the candidate passes."""
+    layers, want_hidden, n_cand = needs.layers, needs.hidden, offsets[-1]
+    # Candidates whose first scored token directly follows the shared prefix.
+    firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
+              if cand.first_scored == 0 and cand.rest]
+    if firsts:
+        logits = torch.stack([last_logits[a] for a, _ in firsts])
+        targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
+        hidden = ({layer: torch.stack([last_hidden[a][layer] for a, _ in firsts]) for layer in layers}
+                  if needs.token_hidden else None)  # the prefix's last position predicts these tokens
+        sink.add(_token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
+                 logits, hidden=hidden)
+        for a, j in firsts:
+            counts[offsets[a] + j] += 1
+
+    context_hidden: list = [None] * len(ctxs)
+    candidate_hidden: list = [None] * n_cand
+    if want_hidden:
+        for a, c in enumerate(ctxs):
+            if c.shared == len(c.ids) and c.shared > 0:
+                context_hidden[a] = last_hidden[a]
+            for j, cand in enumerate(c.candidates):
+                if not cand.rest and c.shared > 0:
+                    candidate_hidden[offsets[a] + j] = last_hidden[a]
+    return context_hidden, candidate_hidden
+
+
 def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden, touched):
     """The prefix passes: the prefix all contexts share, then each context's own part. Fills ``last_logits`` /
     ``last_hidden`` (after each context's prefix) and ``touched``; returns the cache and its attention mask."""
@@ -320,7 +334,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     if common > 0:
         head = ctxs[0].prefix[:common]
         hit, pieces = store.match_pieces(space, head, limit=common - 1)
-        out = call([(head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
+        out = call([(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                    position_ids=torch.arange(hit, common, device=device)[None],
                    past_key_values=_cache_of([pieces], [hit], device) if hit else None, use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
@@ -391,36 +405,44 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
 # ----------------------------------------------------------------------------- which tokens each call computes
 
 def _common_rows(ctxs, common: int) -> list[tuple]:
-    return [(ctxs[0].prefix[:common], 0, list(range(common)))]
+    return [(0, ctxs[0].prefix[:common], 0, list(range(common)))]
 
 
 def _own_rows(ctxs, starts: list[int], remainders: list[list[int]], width: int) -> list[tuple]:
     """Rows of a left padded pass over each context's prefix after ``starts[a]`` tokens."""
-    return [(c.prefix, start, list(range(width - len(rest), width)) if rest else [])
-            for c, start, rest in zip(ctxs, starts, remainders)]
+    return [(a, c.prefix, start, list(range(width - len(rest), width)) if rest else [])
+            for a, (c, start, rest) in enumerate(zip(ctxs, starts, remainders))]
 
 
 def _chunk_rows(ctxs, inputs: list[list[int]], chunk) -> list[tuple]:
     """Rows of a candidate pass (right padded, after each context's prefix)."""
-    return [(ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))))
+    return [(r, ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))))
             for r, (a, _) in enumerate(chunk)]
 
 
 def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool):
     """``call(rows, **kwargs)``: the model call, through the trunk when there is one (see
     :mod:`llmrl.engine.model.trunk`). A batch is replayed whole when the trunk holds every token it computes."""
-    if trunk is None:
-        return lambda rows, **kwargs: model(**kwargs)
-    replay = False
-    if trunk.mode == "replay" and replayable and not (needs.hidden and trunk.reads_bottom(needs.layers)):
+    def calls():
         common = batch.common
-        calls = [_common_rows(ctxs, common)] if common > 0 else []
+        rows = [_common_rows(ctxs, common)] if common > 0 else []
         if batch.own_prefixes:
             remainders = [c.prefix[common:] for c in ctxs]
-            calls.append(_own_rows(ctxs, [common] * len(ctxs), remainders, max(len(r) for r in remainders)))
+            rows.append(_own_rows(ctxs, [common] * len(ctxs), remainders, max(len(r) for r in remainders)))
         for chunk in batch.chunks:
-            calls.append(_chunk_rows(ctxs, [row_inputs(plan, batch.contexts[a], k, needs) for a, k in chunk], chunk))
-        replay = trunk.available(calls)
+            rows.append(_chunk_rows(ctxs, [row_inputs(plan, batch.contexts[a], k, needs) for a, k in chunk], chunk))
+        return rows
+
+    return make_caller(model, needs, trunk, replayable, calls)
+
+
+def make_caller(model, needs, trunk, replayable: bool, calls):
+    """``call(rows, **kwargs)``: the model call, through the trunk when there is one. ``calls()`` lists the rows
+    of every call the batch will make: it is replayed whole when the trunk holds every token they compute."""
+    if trunk is None:
+        return lambda rows, **kwargs: model(**kwargs)
+    replay = (trunk.mode == "replay" and replayable and not (needs.hidden and trunk.reads_bottom(needs.layers))
+              and trunk.available(calls()))
     return lambda rows, **kwargs: trunk.call(model, kwargs, rows, replay)
 
 

@@ -102,13 +102,14 @@ class Trunk:
     def available(self, calls: Sequence[Sequence[tuple]]) -> bool:
         """Whether the states of every token of every call are held (a batch is replayed whole or not at all: a
         replayed call leaves placeholders where the skipped layers' keys and values would be)."""
-        return all(self.states.held(None, path) == len(path) for rows in calls for path, _, columns in rows
+        return all(self.states.held(None, path) == len(path) for rows in calls for _, path, _, columns in rows
                    if len(columns))
 
-    def call(self, model, kwargs: dict, rows: Sequence[tuple[Sequence[int], int, Sequence[int]]], replay: bool):
+    def call(self, model, kwargs: dict, rows: Sequence[tuple[int, Sequence[int], int, Sequence[int]]], replay: bool):
         """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded
-        while scoring. ``rows[r]`` = (the token path of row ``r`` up to the last token this call computes for it,
-        where this call's part of the path starts, the columns of those tokens in the call's input)."""
+        while scoring. Each entry of ``rows`` = (a row of the call's input, a token path up to the last token this
+        call computes of it, where this call's part of the path starts, the columns of those tokens in that row).
+        A row may hold several paths (packed contexts and candidates)."""
         if replay:
             self._replacement = self._lookup(rows, kwargs["input_ids"].shape)
             if self._replacement is None:  # available() said yes, and nothing is evicted while replaying
@@ -133,7 +134,7 @@ class Trunk:
         """The states of the rows' tokens laid out as the call's input (``shape``), None if any is not held. Only
         each row's own tokens are copied, not the path before them (a candidate row's whole context)."""
         states = None
-        for r, (path, start, columns) in enumerate(rows):
+        for r, path, start, columns in rows:
             if not len(columns):
                 continue
             length, pieces = self.states.match_pieces(None, path)
@@ -152,7 +153,7 @@ class Trunk:
         return states
 
     def _record(self, rows, captured: torch.Tensor) -> None:
-        for r, (path, start, columns) in enumerate(rows):
+        for r, path, start, columns in rows:
             if not len(columns):
                 continue
             if start > 0 and self.states.held(None, path, limit=start) < start:
