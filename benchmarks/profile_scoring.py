@@ -71,12 +71,13 @@ def timed_forward(*args, **kwargs):
     pkv = kwargs.get("past_key_values")
     past = 0 if pkv is None else pkv.get_seq_length()
     mask = kwargs.get("attention_mask")
-    real = int(mask[:, -ids.shape[1]:].sum()) if mask is not None else ids.numel()
+    real = int(mask[:, -ids.shape[1]:].sum()) if mask is not None and mask.dim() == 2 else ids.numel()  # 4-D: packed
     keep = kwargs.get("logits_to_keep")
     kept = int(keep.sum()) if isinstance(keep, torch.Tensor) else (keep * ids.shape[0] if keep else ids.numel())
     t0 = time.perf_counter()
     out = orig_forward(*args, **kwargs)
-    calls.append(dict(shape=tuple(ids.shape), past=past, real=real, kept=kept, t=time.perf_counter() - t0))
+    calls.append(dict(shape=tuple(ids.shape), past=past, real=real, kept=kept, t=time.perf_counter() - t0,
+                      packed=mask is not None and mask.dim() == 4))
     return out
 
 
@@ -92,6 +93,8 @@ total, calls = sorted(outer, key=lambda x: x[0])[len(outer) // 2]  # the median 
 
 
 def kind(c):
+    if c["packed"]:
+        return "packed pass (own prefixes and candidates)"
     if c["past"] == 0:
         return "common/own prefix pass"
     return "candidate pass" if c["shape"][1] <= 16 else "own-prefix pass (after common)"

@@ -267,7 +267,7 @@ def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: i
     out = [None] * len(workload)
     keep = accepts_logits_to_keep(model)
     with torch.no_grad():
-        for batch in plan_batches(plan, token_budget, minibatch, Needs()):
+        for batch in plan_batches(plan, token_budget, minibatch, Needs(), packed=True):
             res = run_batch(model, plan, batch, Needs(), tokenizer.pad_token_id, "cpu", keep)
             offset = 0
             for i in batch.contexts:

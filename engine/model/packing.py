@@ -220,7 +220,7 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
                 candidate_hidden[offsets[a] + j] = scoring._at(out.hidden_states, layers, layout.places[a].row,
                                                                s + last)
         if wanted:
-            logits = logits.float()
+            logits = scoring.at_least_float32(logits)
             norm = torch.logsumexp(logits, dim=-1)
             index = torch.tensor([flat[w[0]] for w in wanted], device=device)
             targets = torch.tensor([w[1] for w in wanted], device=device)

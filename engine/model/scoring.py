@@ -76,14 +76,19 @@ def _pad(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.
     return ids.to(device), mask.to(device)
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or in its own dtype when that is wider (a float64 model keeps its precision)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
+    logits = at_least_float32(logits)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _entropy(logits: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
-    """Entropy (nats) of each row's softmax, in float32; 0 log 0 counts 0 (and has a zero gradient)."""
-    logits = logits.float()
+    """Entropy (nats) of each row's softmax, in float32 (or wider); 0 log 0 counts 0 (and has a zero gradient)."""
+    logits = at_least_float32(logits)
     logp = logits - (torch.logsumexp(logits, dim=-1) if norm is None else norm)[:, None]
     p = logp.exp()
     return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
@@ -132,7 +137,7 @@ class _TokenSink:
             entropy = _entropy(logits, norm)
             self.ent.append(entropy if index is None else entropy[index])
         if self.needs.token_logits:
-            self.logits.append((logits if index is None else logits[index]).float())
+            self.logits.append(at_least_float32(logits if index is None else logits[index]))
         if self.needs.token_hidden:
             self.hidden.append(hidden)
 
@@ -230,7 +235,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
         out = call(_chunk_rows(ctxs, inputs, chunk), **kwargs)
         touched.append(out.logits)
         if wanted:
-            logits = (out.logits if keep_logits else out.logits[keep]).float()
+            logits = at_least_float32(out.logits if keep_logits else out.logits[keep])
             norm = torch.logsumexp(logits, dim=-1)
             index = torch.tensor([flat[w[0]] for w in wanted], device=device)
             targets = torch.tensor([w[1] for w in wanted], device=device)

@@ -56,7 +56,8 @@ def decoder_start(model) -> int:
 
 
 def reference_scores(model, tokenizer, contexts: list[str], candidates: list[list[str]], seq2seq: bool = False):
-    """Plain Hugging Face scores: one unpadded forward per pair, sum of the candidate's token log-probs."""
+    """Plain Hugging Face scores: one unpadded forward per pair, sum of the candidate's token log-probs (float32, or
+    float64 for a float64 model)."""
     import torch
 
     results = []
@@ -86,7 +87,7 @@ def reference_scores(model, tokenizer, contexts: list[str], candidates: list[lis
                 if p == 0:
                     raise ValueError(f"candidate {cand!r} of context {context!r} has no token to be conditioned on")
                 logits = model(input_ids=torch.tensor([full])).logits[0]
-                lp = torch.log_softmax(logits.float(), -1)
+                lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
                 row.append(sum(lp[t - 1, full[t]].item() for t in range(p, len(full))))
-            results.append(torch.tensor(row, dtype=torch.float32))
+            results.append(torch.tensor(row, dtype=torch.promote_types(model.dtype, torch.float32)))
     return results
