@@ -171,11 +171,11 @@ def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind, packe
 
 @pytest.mark.parametrize("span", [1, 24, 10_000], ids=["a-row-each", "some-rows", "one-row"])
 def test_packed_rows_of_any_span_give_plain_hf_results(reference_models, monkeypatch, span):
-    """Contexts share packed rows up to ``ROW_SPAN`` columns; rows are padded to the widest. However they are
+    """Contexts share packed rows up to a span of columns; rows are padded to the widest. However they are
     laid out, scores, per-token log-probs and hidden states equal plain HF's."""
     from llmrl.engine.model import packing
 
-    monkeypatch.setattr(packing, "ROW_SPAN", span)
+    monkeypatch.setattr(packing, "ROW_SPANS", (span,))
     model, tok = reference_models["llama"]
     expected = reference_scores(model, tok, SHARED_CONTEXTS + CONTEXTS, SHARED_CANDIDATES + CANDIDATES)
     got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS + CONTEXTS,

@@ -8,9 +8,13 @@ to encode and is padded to 20. Here, after the pass over the prefix every contex
 the plan has one), a *single* call encodes, for every context, the part of its prefix not encoded yet (by
 that pass or by the cache across calls) followed by the inputs of each of its candidate rows:
 
-- a context and its candidate rows sit side by side in one row; short contexts share a row, as long as
-  the row's attended columns (past and tokens) stay within ``ROW_SPAN``, so that the attention computed and
-  masked out stays small; rows are right padded to the widest;
+- a context and its candidate rows sit side by side in one row; short contexts may share a row, and rows
+  are right padded to the widest. Sharing saves padding but costs attention: every token of a row is
+  scored against every column of the row (past and tokens), and the mask throws most of that away. The
+  layout is the cheapest of a few (rows of at most ``span`` attended columns, for each span of
+  :data:`ROW_SPANS`, 0 being a row per context) by a cost model: padded tokens x (1 + alpha x attended
+  columns), alpha being a layer's attention work per column relative to its linear work per token, from
+  the model's shape (:func:`attention_per_column`);
 - an explicit 4-D mask says who attends to what: a context's tokens attend to its past (its cached prefix,
   or the common prefix) and causally to each other; a candidate's tokens to its context's past, to its
   context's tokens and causally to each other; nothing attends across contexts or candidates;
@@ -33,7 +37,7 @@ from llmrl.engine.model import scoring
 from llmrl.engine.model.batching import COMPLETION, row_inputs
 
 PACKABLE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4-D mask as given
-ROW_SPAN = 1024  # columns (past and tokens) a row may gather from several contexts
+ROW_SPANS = (0, 256, 512, 1024, 2048)  # layouts tried: at most this many columns (past and tokens) per shared row
 
 
 @dataclass
@@ -54,12 +58,37 @@ class _Layout:
     past: int  # past columns
 
 
+def attention_per_column(config) -> float:
+    """A layer's attention work for one token and one attended column (query-key and value products), relative to
+    its linear work for one token (its weights' multiply-adds)."""
+    text = config.get_text_config()
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    mlp_matrices = 2 if hasattr(text, "n_inner") else 3  # GPT-2's MLP has two; gated ones (Llama, Qwen, ...) three
+    linear = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + mlp_matrices * hidden * inner
+    return 2 * heads * head_dim / linear
+
+
+def _cheapest_layout(owns, pasts, segments, shared_past: int | None, alpha: float) -> _Layout:
+    """The layout of :data:`ROW_SPANS` with the least estimated work: padded tokens x (1 + alpha x columns)."""
+    best, best_cost = None, float("inf")
+    for span in ROW_SPANS:
+        layout = _layout(owns, pasts, segments, shared_past, span)
+        cost = layout.rows * layout.width * (1 + alpha * (layout.past + layout.width))
+        if cost < best_cost:
+            best, best_cost = layout, cost
+    return best
+
+
 def _layout(owns: list[list[int]], pasts: list[int], segments: list[list[tuple[int, list[int]]]],
-            shared_past: int | None) -> _Layout:
-    """Place contexts in rows, in order. ``pasts[a]``: the length of context ``a``'s past; ``shared_past``: the
-    length of a past every row holds once (the common prefix), or None when each context brings its own."""
+            shared_past: int | None, span_cap: int) -> _Layout:
+    """Place contexts in rows, in order, a row taking more contexts while its columns stay within ``span_cap``.
+    ``pasts[a]``: the length of context ``a``'s past; ``shared_past``: the length of a past every row holds once
+    (the common prefix), or None when each context brings its own."""
     places: list[_Place | None] = []
-    row, used_tokens, used_past, span = -1, 0, 0, ROW_SPAN + 1
+    row, used_tokens, used_past, span = -1, 0, 0, span_cap + 1
     widths, past_widths = [], []
     for own, past, segs in zip(owns, pasts, segments):
         tokens = len(own) + sum(len(inputs) for _, inputs in segs)
@@ -67,7 +96,7 @@ def _layout(owns: list[list[int]], pasts: list[int], segments: list[list[tuple[i
             places.append(None)
             continue
         mine = tokens + (0 if shared_past is not None else past)
-        if row < 0 or span + mine > ROW_SPAN:
+        if row < 0 or span + mine > span_cap:
             row, used_tokens, used_past = row + 1, 0, 0
             span = shared_past or 0
             widths.append(0)
@@ -171,10 +200,11 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
     for a, k in batch.chunks[0] if batch.chunks else []:
         segments[a].append((k, row_inputs(plan, batch.contexts[a], k, needs)))
     common = batch.common
+    alpha = attention_per_column(model.config)
 
     def layout_for(starts, shared_past):
         owns = [c.prefix[s:] for c, s in zip(ctxs, starts)]
-        return owns, _layout(owns, starts, segments, shared_past)
+        return owns, _cheapest_layout(owns, starts, segments, shared_past, alpha)
 
     if kv_cache is None:  # every context continues from the common prefix: the layout is known before any call
         starts = [common] * n
