@@ -2,8 +2,8 @@
 move together, run the engine.
 
 :func:`plan_forward` turns contexts, candidates and head keys into a :class:`ForwardPlan` (token plan,
-batches, and the number of model calls, decided once by the planner); it may raise on bad input (an input
-too long, an unknown head or adapter). :func:`prepare` plans, then takes the one collective step: when the replicas of an
+batches over its distinct contexts, and the number of model calls, decided once by the planner); it may
+raise on bad input (an input too long, an unknown head or adapter). :func:`prepare` plans, then takes the one collective step: when the replicas of an
 LLM must make the same calls (ZeRO-3 lockstep, or every training forward), each rank says whether its
 plan succeeded and how many calls it needs, in a single vote, so that a rank whose input was bad never
 leaves the others waiting inside a collective. :func:`run_forward` calls the engine (the module DeepSpeed
@@ -29,12 +29,14 @@ from llmrl.plugins.contracts import ForwardOutputs
 
 @dataclass
 class ForwardPlan:
-    plan: TokenPlan
-    batches: list[BatchSpec]
+    plan: TokenPlan  # the request's contexts, in its order
+    batches: list[BatchSpec]  # over ``computed``
     needs: Needs
     heads: tuple[str, ...]
     adapter: str | None
     head_kwargs: dict | None = None  # the call's keyword arguments for the heads
+    computed: TokenPlan | None = None  # the distinct contexts (None: ``plan`` itself, every context distinct)
+    source: list[int] | None = None  # for each request context, its index in ``computed``
 
     @property
     def model_calls(self) -> int:
@@ -65,9 +67,26 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     if kv_cache is not None:
         namespace = adapter or served.active_adapter()
         cached = lambda ids: kv_cache.held(namespace, ids)  # noqa: E731
-    batches = plan_batches(plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs, encoder_reuse=reuse,
-                           packed=packs(served), cached=cached)
-    return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None)
+    computed, source = distinct_contexts(plan)
+    batches = plan_batches(computed or plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs,
+                           encoder_reuse=reuse, packed=packs(served), cached=cached)
+    return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source)
+
+
+def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | None]:
+    """The plan's distinct contexts (same token ids, same candidates) and, for each context, the index of its
+    twin among them; ``(None, None)`` when all are distinct. A rollout of a small world repeats its states, and
+    the model runs in evaluation mode (no dropout): twins get the very same outputs, so each is computed once
+    and its outputs are handed to every copy (gradients of the copies add up, as they would if computed apart)."""
+    index: dict[tuple, int] = {}
+    source = []
+    for ctx in plan.contexts:
+        key = (tuple(ctx.ids), ctx.shared, tuple((tuple(c.rest), c.first_scored) for c in ctx.candidates))
+        source.append(index.setdefault(key, len(index)))
+    if len(index) == len(plan.contexts):
+        return None, None
+    first = {u: i for i, u in reversed(list(enumerate(source)))}
+    return TokenPlan(plan.kind, [plan.contexts[first[u]] for u in range(len(index))]), source
 
 
 def packs(served: ServedModel) -> bool:
@@ -122,8 +141,9 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv
         served.module.kv_cache = kv_cache
         try:
             with trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext():
-                return served.engine(plan=plan.plan, batches=plan.batches, needs=plan.needs, head_keys=plan.heads,
-                                     extra_calls=extra_calls, anchor=anchor, head_kwargs=plan.head_kwargs)
+                return served.engine(plan=plan.computed or plan.plan, batches=plan.batches, needs=plan.needs,
+                                     head_keys=plan.heads, extra_calls=extra_calls, anchor=anchor,
+                                     head_kwargs=plan.head_kwargs, source=plan.source)
         finally:
             served.module.kv_cache = None
 

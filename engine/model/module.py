@@ -41,10 +41,12 @@ class ModelWithHeads(torch.nn.Module):
         self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.trunk)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
-                extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None
-                ) -> ForwardOutputs:
+                extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None,
+                source: list[int] | None = None) -> ForwardOutputs:
         """Run the batches, put results in request order, run the heads (``head_kwargs``: the call's keyword
-        arguments for them). ``anchor`` (a zero that depends on every trainable weight, see
+        arguments for them). ``plan`` holds the contexts computed; ``source`` (None: the request's contexts are
+        ``plan``'s) gives, for each context of the request, its index in ``plan`` (twins are computed once and
+        their outputs handed to every copy, see :func:`llmrl.engine.model.forward.distinct_contexts`). ``anchor`` (a zero that depends on every trainable weight, see
         :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every output, so any loss reaches every
         weight. ``self.kv_cache``, set around no-grad scoring calls only, is the cache that lives across calls
         (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
@@ -52,17 +54,21 @@ class ModelWithHeads(torch.nn.Module):
         device = self.device
         results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
                              kv_cache=self.kv_cache, trunk=self.trunk) for b in batches]
-        # Put candidates (and contexts) back in request order.
+        # Put candidates (and contexts) back in request order: batch order -> computed order -> request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)
         cand_order = [starts[i] + j for i in ctx_order for j in range(len(plan.contexts[i].candidates))]
-        n_cand, n_ctx = starts[-1], len(plan.contexts)
-        cand_perm = _inverse(cand_order, n_cand, device)
-        ctx_perm = _inverse(ctx_order, n_ctx, device)
+        source = range(len(plan.contexts)) if source is None else source
+        wanted = [starts[u] + j for u in source for j in range(len(plan.contexts[u].candidates))]
+        n_cand, n_ctx = len(wanted), len(source)
+        cand_perm = _inverse(cand_order, starts[-1], device)[torch.tensor(wanted, dtype=torch.long, device=device)]
+        ctx_perm = _inverse(ctx_order, len(plan.contexts), device)[torch.tensor(list(source), dtype=torch.long,
+                                                                                device=device)]
         scores = _cat([r.scores for r in results], (0,), device)[cand_perm] if n_cand else torch.zeros(0, device=device)
         counts = _cat([r.counts for r in results], (0,), "cpu", torch.long)[cand_perm.cpu()]
-        context_of = torch.tensor([i for i, c in enumerate(plan.contexts) for _ in c.candidates], dtype=torch.long)
-        tokens = _tokens_in_request_order(results, cand_order, device) if needs.per_token else {}
+        context_of = torch.tensor([i for i, u in enumerate(source) for _ in plan.contexts[u].candidates],
+                                  dtype=torch.long)
+        tokens = _tokens_in_request_order(results, cand_order, wanted, device) if needs.per_token else {}
         # Zeros that tie every output to the lockstep padding calls and to every trainable weight (see forward.py).
         tie = 0.0 * self._throwaway_calls(extra_calls) if extra_calls else None
         if anchor is not None:
@@ -132,8 +138,10 @@ def _candidate_starts(plan: TokenPlan) -> list[int]:
     return starts + [total]
 
 
-def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
-    """The batches' per-token outputs as flat tensors sorted by (candidate in request order, position)."""
+def _tokens_in_request_order(results, cand_order: list[int], wanted: list[int], device) -> dict:
+    """The batches' per-token outputs as flat tensors sorted by (candidate in request order, position).
+    ``cand_order``: the computed candidate of each batch candidate; ``wanted``: that of each request candidate
+    (a computed candidate may serve several)."""
     parts = [r.tokens for r in results]
     bases, total = [], 0
     for r in results:
@@ -145,6 +153,16 @@ def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
     candidate = torch.tensor(cand_order, dtype=torch.long)[concat] if len(concat) else concat
     position = _cat([p.position for p in parts], (0,), "cpu", torch.long)
     order = torch.argsort(candidate * (int(position.max()) + 1 if len(position) else 1) + position)
+    if wanted != list(range(len(cand_order))):  # each request candidate takes the tokens of its computed one
+        wanted_t = torch.tensor(wanted, dtype=torch.long)
+        per = torch.bincount(candidate, minlength=len(cand_order))
+        first = torch.cumsum(per, 0) - per
+        lengths = per[wanted_t]
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        order = order[torch.repeat_interleave(first[wanted_t], lengths) + within]
+        candidate = torch.repeat_interleave(torch.arange(len(wanted)), lengths)
+    else:
+        candidate = candidate[order]
     dev_order = order.to(device)
     logprobs = _cat([p.logprobs for p in parts], (0,), device)[dev_order]
     entropy = None
@@ -154,7 +172,7 @@ def _tokens_in_request_order(results, cand_order: list[int], device) -> dict:
         hidden = {layer: torch.cat([p.hidden[layer].to(device) for p in parts])[dev_order] for layer in hidden}
     if logits is not None:
         logits = torch.cat([p.logits.to(device) for p in parts])[dev_order]
-    return {"token_logprobs": logprobs, "token_candidate": candidate[order].to(device),
+    return {"token_logprobs": logprobs, "token_candidate": candidate.to(device),
             "token_ids": _cat([p.ids for p in parts], (0,), "cpu", torch.long)[order].to(device),
             "token_entropy": entropy, "token_hidden": None if hidden is None else hidden[-1],
             "token_hidden_layers": hidden, "token_logits": logits}

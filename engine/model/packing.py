@@ -229,8 +229,8 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
         logits = out.logits if keep_logits else out.logits[keep]
         for a, place in enumerate(layout.places):
             if place is not None and place.own[1] > place.own[0]:
-                last_logits[a] = logits[flat[place.row, place.own[1] - 1]]
-                last_hidden[a] = scoring._at(out.hidden_states, layers, place.row, place.own[1] - 1) \
+                last_logits[a] = scoring.Pick(logits, (flat[place.row, place.own[1] - 1],))
+                last_hidden[a] = scoring.Pick(out.hidden_states, (place.row, place.own[1] - 1)) \
                     if want_hidden else None
         if kv_cache is not None:
             _insert(kv_cache, ctxs, layout, starts, owns, out.past_key_values, device)
@@ -247,8 +247,7 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
             counts[offsets[a] + j] += len(cand.rest) - max(cand.first_scored, 1)
             if needs.candidate_hidden:
                 last = len(row_inputs(plan, batch.contexts[a], j, needs)) - 1
-                candidate_hidden[offsets[a] + j] = scoring._at(out.hidden_states, layers, layout.places[a].row,
-                                                               s + last)
+                candidate_hidden[offsets[a] + j] = scoring.Pick(out.hidden_states, (layout.places[a].row, s + last))
         if wanted:
             logits = scoring.at_least_float32(logits)
             norm = torch.logsumexp(logits, dim=-1)
@@ -264,8 +263,7 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
         if needs.context_hidden:
             for a, place in enumerate(layout.places):
                 if place is not None and COMPLETION in place.segments:
-                    context_hidden[a] = scoring._at(out.hidden_states, layers, place.row,
-                                                    place.segments[COMPLETION][1] - 1)
+                    context_hidden[a] = scoring.Pick(out.hidden_states, (place.row, place.segments[COMPLETION][1] - 1))
     return scoring._batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
 
 
@@ -285,8 +283,8 @@ def _common_pass(call, ctxs, common, needs, device, keep_last, last_logits, last
         kv_cache.cache.insert(kv_cache.namespace, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
     for a, c in enumerate(ctxs):
         if c.shared == common:
-            last_logits[a] = out.logits[0, -1]
-            last_hidden[a] = scoring._at(out.hidden_states, needs.layers, 0, -1) if needs.hidden else None
+            last_logits[a] = scoring.Pick(out.logits, (0, -1))
+            last_hidden[a] = scoring.Pick(out.hidden_states, (0, -1)) if needs.hidden else None
     return common_kv
 
 

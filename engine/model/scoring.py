@@ -33,6 +33,7 @@ import copy
 import inspect
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -249,11 +250,11 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
         if want_hidden:
             for r, (a, k) in enumerate(chunk):
                 if k == COMPLETION:
-                    context_hidden[a] = _at(out.hidden_states, layers, r, len(inputs[r]) - 1)
+                    context_hidden[a] = Pick(out.hidden_states, (r, len(inputs[r]) - 1))
             if needs.candidate_hidden:
                 for r, a, j in users.get(n, []):
                     last = len(row_inputs(plan, batch.contexts[a], j, needs)) - 1
-                    candidate_hidden[offsets[a] + j] = _at(out.hidden_states, layers, r, last)
+                    candidate_hidden[offsets[a] + j] = Pick(out.hidden_states, (r, last))
 
     return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
 
@@ -268,9 +269,9 @@ def _prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden
     firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
               if cand.first_scored == 0 and cand.rest]
     if firsts:
-        logits = torch.stack([last_logits[a] for a, _ in firsts])
+        logits = take([last_logits[a] for a, _ in firsts])
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
-        hidden = ({layer: torch.stack([last_hidden[a][layer] for a, _ in firsts]) for layer in layers}
+        hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
         sink.add(_token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
                  logits, hidden=hidden)
@@ -292,7 +293,7 @@ def _prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden
 def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_logits, last_hidden, touched):
     """The prefix passes: the prefix all contexts share, then each context's own part. Fills ``last_logits`` /
     ``last_hidden`` (after each context's prefix) and ``touched``; returns the cache and its attention mask."""
-    want_hidden, layers = needs.hidden, needs.layers
+    want_hidden = needs.hidden
     cache = prefix_mask = None
     # The prefix every context of the batch shares (an instruction, a system prompt) is encoded once.
     common = batch.common
@@ -304,8 +305,8 @@ def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_l
         prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
         for a, c in enumerate(ctxs):
             if c.shared == common:
-                last_logits[a] = out.logits[0, -1]
-                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
+                last_logits[a] = Pick(out.logits, (0, -1))
+                last_hidden[a] = Pick(out.hidden_states, (0, -1)) if want_hidden else None
     # Then each context's own part of its prefix, left padded after the common part, with explicit positions.
     remainders = [c.prefix[common:] for c in ctxs]
     if batch.own_prefixes:
@@ -319,8 +320,8 @@ def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_l
         cache, prefix_mask = out.past_key_values, mask
         for a, rest in enumerate(remainders):
             if rest:
-                last_logits[a] = out.logits[a, -1]
-                last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+                last_logits[a] = Pick(out.logits, (a, -1))
+                last_hidden[a] = Pick(out.hidden_states, (a, -1)) if want_hidden else None
 
     return cache, prefix_mask
 
@@ -332,7 +333,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     cached prefix (never the last one, so the same calls run with or without hits), then caches what it
     encoded. Rows whose cached parts differ in length are left padded, with explicit positions."""
     store, space = kv_cache.cache, kv_cache.namespace
-    want_hidden, layers = needs.hidden, needs.layers
+    want_hidden = needs.hidden
     n = len(ctxs)
     common = batch.common
     common_kv = None
@@ -348,8 +349,8 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         store.insert(space, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
         for a, c in enumerate(ctxs):
             if c.shared == common:
-                last_logits[a] = out.logits[0, -1]
-                last_hidden[a] = _at(out.hidden_states, layers, 0, -1) if want_hidden else None
+                last_logits[a] = Pick(out.logits, (0, -1))
+                last_hidden[a] = Pick(out.hidden_states, (0, -1)) if want_hidden else None
         if not batch.own_prefixes:
             cache = _cache_of([[common_kv]] * n, [common] * n, device)
             return cache, torch.ones((n, common), dtype=torch.long, device=device)
@@ -383,8 +384,8 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     cache = out.past_key_values
     for a, rest in enumerate(remainders):
         if rest:
-            last_logits[a] = out.logits[a, -1]
-            last_hidden[a] = _at(out.hidden_states, layers, a, -1) if want_hidden else None
+            last_logits[a] = Pick(out.logits, (a, -1))
+            last_hidden[a] = Pick(out.hidden_states, (a, -1)) if want_hidden else None
     own_width = ids.shape[1]
     for a, c in enumerate(ctxs):
         if remainders[a]:
@@ -486,12 +487,12 @@ def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candid
         width, vocab = _hidden_size(model), model.config.get_text_config().vocab_size
         tokens = Tokens(values, index, _cat_long(sink.pos), _cat_long(sink.ids),
                         (torch.cat(sink.ent) if sink.ent else torch.zeros(0, device=device)) if needs.entropy else None,
-                        _stack_layers(sink.hidden, needs.layers, width, device, cat=True) if needs.token_hidden else None,
+                        _cat_layers(sink.hidden, needs.layers, width, device) if needs.token_hidden else None,
                         (torch.cat(sink.logits) if sink.logits else torch.zeros((0, vocab), device=device))
                         if needs.token_logits else None)
-    context_hidden = (_stack_layers(context_hidden, needs.layers, _hidden_size(model), device)
+    context_hidden = (take_layers(context_hidden, needs.layers, _hidden_size(model), device)
                       if needs.context_hidden else None)
-    candidate_hidden = (_stack_layers(candidate_hidden, needs.layers, _hidden_size(model), device)
+    candidate_hidden = (take_layers(candidate_hidden, needs.layers, _hidden_size(model), device)
                         if needs.candidate_hidden else None)
     if torch.is_grad_enabled() and touched:
         # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
@@ -509,15 +510,51 @@ def _batch_result(model, needs, sink: _TokenSink, counts, context_hidden, candid
                        tokens=tokens)
 
 
+class Pick(NamedTuple):
+    """Row ``index`` of ``source`` (a tensor, or Hugging Face's tuple of hidden states, one tensor per layer),
+    taken later by :func:`take` together with the other picks: one gather per source tensor. (Indexing one row at a
+    time would cost, in backward, a zero tensor of the source's whole size per row: for the logits of a batch, a
+    few hundred thousand floats per context.)"""
+
+    source: object
+    index: tuple[int, ...]
+
+
+def take(picks: list[Pick], layer: int | None = None) -> torch.Tensor:
+    """``torch.stack([p.source[p.index] for p in picks])`` (``p.source[layer]`` for hidden states), with one
+    indexing per distinct source."""
+    groups: dict[int, list[int]] = {}
+    for k, pick in enumerate(picks):
+        groups.setdefault(id(pick.source), []).append(k)
+    parts, order = [], []
+    for ks in groups.values():
+        source = picks[ks[0]].source if layer is None else picks[ks[0]].source[layer]
+        columns = zip(*(picks[k].index for k in ks))
+        parts.append(source[tuple(torch.tensor(c, device=source.device) for c in columns)])
+        order += ks
+    if len(parts) == 1 and order == list(range(len(order))):
+        return parts[0]
+    where = torch.empty(len(order), dtype=torch.long)
+    where[torch.tensor(order)] = torch.arange(len(order))
+    joined = torch.cat(parts)
+    return joined[where.to(joined.device)]
+
+
+def take_layers(picks: list[Pick], layers, width: int = 0, device=None) -> dict[int, torch.Tensor]:
+    """Per layer, the picked hidden states stacked in order (``[0, width]`` when there is none)."""
+    if not picks:
+        return {layer: torch.zeros((0, width), device=device) for layer in layers}
+    return {layer: take(picks, layer) for layer in layers}
+
+
 def _at(hidden_states, layers, rows, cols) -> dict[int, torch.Tensor]:
     """The hidden states of ``layers`` (indices into Hugging Face's ``hidden_states``) at ``[rows, cols]``."""
     return {layer: hidden_states[layer][rows, cols] for layer in layers}
 
 
-def _stack_layers(items: list[dict], layers, width: int, device, cat: bool = False) -> dict[int, torch.Tensor]:
-    """Per layer, the items' hidden states stacked (``cat``: concatenated) in order; ``[0, width]`` when none."""
-    join = torch.cat if cat else torch.stack
-    return {layer: join([d[layer] for d in items]) if items else torch.zeros((0, width), device=device)
+def _cat_layers(items: list[dict], layers, width: int, device) -> dict[int, torch.Tensor]:
+    """Per layer, the items' hidden states concatenated in order; ``[0, width]`` when none."""
+    return {layer: torch.cat([d[layer] for d in items]) if items else torch.zeros((0, width), device=device)
             for layer in layers}
 
 
@@ -577,7 +614,7 @@ def _run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRe
             hidden = out.decoder_hidden_states
             for r, (a, j) in enumerate(chunk):
                 if context_hidden[a] is None:
-                    context_hidden[a] = _at(hidden, layers, r, 0)  # the decoder start position has read the context
+                    context_hidden[a] = Pick(hidden, (r, 0))  # the decoder start position has read the context
                 if j != COMPLETION and needs.candidate_hidden:
-                    candidate_hidden[offsets[a] + j] = _at(hidden, layers, r, len(inputs[r]) - 1)
+                    candidate_hidden[offsets[a] + j] = Pick(hidden, (r, len(inputs[r]) - 1))
     return _batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)

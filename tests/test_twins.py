@@ -1,0 +1,115 @@
+"""Twin contexts (the same token ids and the same candidates) are computed once per pass, in-process, against plain
+Hugging Face: a request whose contexts repeat, in any order, gets for every copy exactly what plain HF gives for
+that context alone (scores, per-token log-probs, entropies and ids, hidden states), and a loss that weighs the
+copies differently has plain autograd's gradient (the copies' gradients add up). Contexts equal as text but with
+other candidates are not twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_token_level import kind_of, plain, text_tokens
+
+from llmrl.engine.model.batching import Needs, plan_batches
+from llmrl.engine.model.forward import distinct_contexts
+from llmrl.engine.model.hf_backend import decoder_start_id
+from llmrl.engine.model.module import ModelWithHeads
+from llmrl.engine.model.tokenization import tokenize
+
+CONTEXTS = ["You see a red ball 2 steps forward.", "You see a wall.", "Goal: go to the red ball. Action:"]
+CANDIDATES = [[" go forward", " turn left", " turn right"], [" turn left", " turn around"], [" go", " pick up"]]
+# Copies in any order, a context equal in text to another but with other candidates (not a twin), and the
+# same context again at the end.
+ORDER = [0, 1, 0, 2, 1, 1, 0, 2]
+OTHER = (1, [" turn left"])  # context 1's text with another candidate list
+
+
+def request():
+    contexts = [CONTEXTS[i] for i in ORDER] + [CONTEXTS[OTHER[0]]]
+    candidates = [CANDIDATES[i] for i in ORDER] + [OTHER[1]]
+    return contexts, candidates
+
+
+def forward(model, tok, name, contexts, candidates, needs, budget=8192, rows=64, packed=False):
+    """The engine's pass as :func:`llmrl.engine.model.forward.plan_forward` plans it: the distinct contexts are
+    batched and run, the module hands their outputs to every copy."""
+    kind = kind_of(name)
+    plan = tokenize(tok, kind, contexts, candidates, max_length=512, vocab_size=model.config.vocab_size)
+    computed, source = distinct_contexts(plan)
+    batches = plan_batches(computed or plan, budget, rows, needs, packed=packed and kind == "causal")
+    module = ModelWithHeads(model, {}, kind, tok.pad_token_id, decoder_start_id(model))
+    return module(computed or plan, batches, needs, source=source), computed, source
+
+
+def test_twins_are_found_by_ids_and_candidates(reference_models):
+    model, tok = reference_models["llama"]
+    contexts, candidates = request()
+    plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
+    computed, source = distinct_contexts(plan)
+    assert source == [0, 1, 0, 2, 1, 1, 0, 2, 3]  # the last context has context 1's text, not its candidates
+    assert len(computed.contexts) == 4
+    assert distinct_contexts(tokenize(tok, "causal", CONTEXTS, CANDIDATES, max_length=512)) == (None, None)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("budget,rows,packed", [(8192, 64, False), (40, 3, False), (8192, 64, True)],
+                         ids=["one-batch", "tight", "packed"])
+def test_every_copy_gets_plain_hf_outputs(reference_models, name, budget, rows, packed):
+    model, tok = reference_models[name]
+    seq2seq = kind_of(name) == "seq2seq"
+    contexts, candidates = request()
+    needs = Needs(per_token=True, entropy=True, context_hidden=True, candidate_hidden=not seq2seq)
+    with torch.no_grad():
+        out, computed, _ = forward(model, tok, name, contexts, candidates, needs, budget, rows, packed)
+    assert out.num_contexts == len(contexts) and len(computed.contexts) == 4
+    assert out.candidate_context.tolist() == [i for i, c in enumerate(candidates) for _ in c]
+    logp, mask = out.tokens_by_candidate()
+    entropy, _ = out.tokens_by_candidate(out.token_entropy)
+    ids, _ = out.tokens_by_candidate(out.token_ids, fill=-1)
+    k = 0
+    with torch.no_grad():
+        for context, cands in zip(contexts, candidates):
+            for cand in cands:
+                conditioned, tokens = text_tokens(tok, context, cand, seq2seq)
+                want_lp, want_entropy = plain(model, conditioned, tokens, seq2seq)
+                n = len(tokens)
+                assert int(mask[k].sum()) == n and ids[k, :n].tolist() == tokens, k
+                torch.testing.assert_close(logp[k, :n], want_lp, atol=1e-4, rtol=0)
+                torch.testing.assert_close(entropy[k, :n], want_entropy, atol=1e-4, rtol=0)
+                assert float(out.candidate_scores[k]) == pytest.approx(float(want_lp.sum()), abs=1e-4)
+                assert int(out.candidate_token_counts[k]) == n
+                k += 1
+    # Copies of a context carry its hidden states: the first copy's equal plain HF's last hidden state.
+    for i, context in enumerate(contexts):
+        first = contexts.index(context) if candidates[contexts.index(context)] == candidates[i] else i
+        torch.testing.assert_close(out.context_hidden[i], out.context_hidden[first], atol=0, rtol=0)
+    if not seq2seq:
+        with torch.no_grad():
+            ids0 = tok(contexts[0])["input_ids"]
+            want = model(input_ids=torch.tensor([ids0]), output_hidden_states=True).hidden_states[-1][0, -1]
+        torch.testing.assert_close(out.context_hidden[0], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_copies_weighed_differently_get_plain_autograd_gradients(reference_models, packed):
+    model, tok = reference_models["llama"]
+    contexts, candidates = request()
+    weight = model.model.layers[0].mlp.up_proj.weight
+    out, _, _ = forward(model, tok, "llama", contexts, candidates, Needs(per_token=True, entropy=True),
+                        packed=packed)
+    coef = torch.linspace(-1.0, 2.0, len(out.candidate_scores))
+    tcoef = torch.linspace(0.5, -0.5, len(out.token_logprobs))
+    loss = (coef * out.candidate_scores).sum() + (tcoef * out.token_logprobs).sum() + 0.1 * out.token_entropy.sum()
+    (got,) = torch.autograd.grad(loss, weight)
+    total, k, t = 0.0, 0, 0
+    for context, cands in zip(contexts, candidates):
+        for cand in cands:
+            conditioned, tokens = text_tokens(tok, context, cand, False)
+            logits = model(input_ids=torch.tensor([conditioned + tokens])).logits[0, len(conditioned) - 1:-1]
+            logp = torch.log_softmax(logits, -1)
+            chosen = logp[torch.arange(len(tokens)), tokens]
+            n = len(tokens)
+            total = total + coef[k] * chosen.sum() + (tcoef[t:t + n] * chosen).sum() - 0.1 * (logp.exp() * logp).sum()
+            k, t = k + 1, t + n
+    (want,) = torch.autograd.grad(total, weight)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
