@@ -225,6 +225,7 @@ def reuse_report(memory: dict) -> dict:
         if "kv_cache" in stats:
             row["kv_cache_hit_rate"] = stats["kv_cache"]["hit_rate"]
             row["kv_cache_mb"] = stats["kv_cache"]["bytes"] / 2**20
+            row["kv_cache_refreshed_tokens"] = stats["kv_cache"]["refreshed_tokens"]  # top layers redone after updates
         if "trunk" in stats:
             row["trunk_replayed_calls"] = stats["trunk"]["replayed_calls"]
             row["trunk_whole_calls"] = stats["trunk"]["whole_calls"]

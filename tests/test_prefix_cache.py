@@ -201,3 +201,87 @@ def test_a_common_prefix_the_cache_holds_gets_no_pass_of_its_own(reference_model
     got, _ = score(model, tok, second, second_cands, cache=cache, packed=True)
     for g, e in zip(got, reference_scores(model, tok, second, second_cands)):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+
+
+def lora_top_model(model, dtype):
+    """A copy of ``model`` with LoRA on its top layer (non-zero, so that it changes the top layer's output)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=[1])
+    peft = get_peft_model(copy.deepcopy(model).to(dtype), config)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return peft
+
+
+def change_the_adapter(model, seed):
+    """What an update does to a LoRA-top model: its adapter's weights move, nothing below changes."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-10)], ids=["float32", "float64"])
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_after_an_update_of_the_top_layers_entries_keep_the_bottom_and_recompute_the_top(
+        reference_models, dtype, tolerance, packed):
+    """With LoRA on the top layer and a trunk, ``keep_layers_below`` (what an update does) keeps each entry's bottom
+    layer; the next calls refresh the top layer from the trunk and score as if nothing had been cached."""
+    from llmrl.engine.model.trunk import Trunk, trunk_depth
+
+    base, tok = reference_models["llama"]
+    model = lora_top_model(base, dtype)
+    trunk = Trunk(model, trunk_depth(model), 2**30)
+    per_token = model_bytes_per_token(model.config, dtype)
+    cache = PrefixKVCache(10**9, per_token)
+    steps = episodes()
+    for t, (contexts, candidates) in enumerate(steps):
+        if t in (2, 4):
+            change_the_adapter(model, seed=t)
+            cache.keep_layers_below(trunk.depth)
+        with trunk.active("record"):
+            got, _, _ = run_plan(model, tok, "causal", contexts, candidates, kv_cache=CacheUse(cache, "default"),
+                                 packed=packed, trunk=trunk)
+        plain, _, _ = run_plan(model, tok, "causal", contexts, candidates, packed=packed)
+        for g, p, e in zip(got, plain, reference_scores(model, tok, contexts, candidates)):
+            torch.testing.assert_close(g, p, atol=tolerance, rtol=0)
+            torch.testing.assert_close(g, e, atol=max(tolerance, 1e-4) if dtype == torch.float32 else tolerance,
+                                       rtol=0)
+    stats = cache.stats()
+    assert stats["clears"] == 0 and stats["partial_clears"] == 2 and stats["refreshed_tokens"] > 0, stats
+    assert stats["dropped_stale_tokens"] == 0 and stats["hit_rate"] > 0.6, stats
+
+
+def test_stale_entries_the_trunk_cannot_recompute_are_dropped_and_never_read(reference_models):
+    """A trunk that holds nothing (its cap is tiny) cannot recompute the top layers: the stale entries are dropped,
+    the call encodes everything, and the scores are still exact. Without any refresh, reading a stale entry raises
+    instead of handing out keys of the old weights."""
+    from llmrl.engine.model.trunk import Trunk, trunk_depth
+
+    base, tok = reference_models["llama"]
+    model = lora_top_model(base, torch.float32)
+    per_token = model_bytes_per_token(model.config, torch.float32)
+    (first, first_cands), (second, second_cands) = episodes()[:2]
+    cache = PrefixKVCache(10**9, per_token)
+    empty_trunk = Trunk(model, trunk_depth(model), 1)
+    run_plan(model, tok, "causal", first, first_cands, kv_cache=CacheUse(cache, None))
+    change_the_adapter(model, seed=1)
+    cache.keep_layers_below(empty_trunk.depth)
+    with empty_trunk.active("record"):
+        got, _, _ = run_plan(model, tok, "causal", second, second_cands, kv_cache=CacheUse(cache, None),
+                             trunk=empty_trunk)
+    for g, e in zip(got, reference_scores(model, tok, second, second_cands)):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+    assert cache.stats()["dropped_stale_tokens"] > 0 and cache.stats()["refreshed_tokens"] == 0
+
+    cache = PrefixKVCache(10**9, per_token)
+    run_plan(model, tok, "causal", first, first_cands, kv_cache=CacheUse(cache, None))
+    cache.keep_layers_below(1)
+    with pytest.raises(RuntimeError, match="stale"):
+        run_plan(model, tok, "causal", second, second_cands, kv_cache=CacheUse(cache, None))

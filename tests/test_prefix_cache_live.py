@@ -1,7 +1,9 @@
 """The cache across calls in real runs (issue 14): with 1 and 2 replicas and tensor-parallel 2, an LLM with
 ``kv_cache_mb`` scores an episode (contexts that grow step by step, so later calls hit earlier entries) exactly as
 its twin without the cache, before and after ``update()`` changes the weights (a cache kept over an update would
-hand out keys of the old weights); ``server_memory()`` reports the cache on every rank, within its cap.
+hand out keys of the old weights); ``server_memory()`` reports the cache on every rank, within its cap. With
+frozen-trunk reuse too, updates through the top layers equal whole updates, and the cache keeps the bottom layers
+of its entries across updates and recomputes the top ones.
 
 Reference: the twin LLM of the same layout without the cache (same seed, same updates), itself checked against
 plain Hugging Face by the serving and training tests; the in-process tests (``test_prefix_cache``) compare with
@@ -42,6 +44,7 @@ def twins(tiny):
     for kind in ("trunk", "whole"):  # frozen-trunk reuse: LoRA on the top layer of two, 2 replicas, ZeRO-2
         llms[f"lora-top-{kind}"] = {
             "model": tiny["llama"], "replicas": 2, "trunk_reuse_mb": 16 if kind == "trunk" else 0,
+            "kv_cache_mb": CAP_MB if kind == "trunk" else 0,
             "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4, "last_layers": 1}}}}],
             "heads": {"value": {"plugin": "value", "args": {"hidden": 8}}},
             "updater": {"plugin": "llmrl_test_plugins:ChosenScoreUpdater", "args": {"head": "value"}},
@@ -84,7 +87,9 @@ def test_scores_with_the_cache_equal_scores_without_it_across_updates(twins, lay
 
 def test_updates_through_the_reused_trunk_equal_whole_updates(twins):
     """Score (as a rollout does), then update on those samples, twice: the weights after each update and the
-    updater's losses equal the twin's that recomputes every layer; the trunk replayed the update's passes."""
+    updater's losses equal the twin's that recomputes every layer; the trunk replayed the update's passes. The
+    trunk's LLM also has the cache across calls: after each update it keeps the bottom layer of every entry and
+    recomputes the top one, and its scores of contexts that extend cached ones equal the twin's."""
     names = ("lora-top-trunk", "lora-top-whole")
     for t in (0, 1):
         contexts = step_contexts(t, envs=6)
@@ -102,9 +107,15 @@ def test_updates_through_the_reused_trunk_equal_whole_updates(twins):
             torch.testing.assert_close(reused[key], whole[key], atol=1e-5, rtol=0)
             moved += "lora" in key and float(whole[key].abs().max()) > 1e-3
         assert moved > 0
+        later = step_contexts(t + 2, envs=6)  # extends the contexts the cache holds from before the update
+        got, want = (twins.score(later, [CANDIDATES] * 6, llm=name) for name in names)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-6)
     servers, memory = twins.servers(), twins.server_memory()
-    trunks = [memory[rank]["trunk"] for rank, info in servers.items() if info["llm"] == "lora-top-trunk"]
-    assert len(trunks) == 2
-    for trunk in trunks:
+    ranks = [memory[rank] for rank, info in servers.items() if info["llm"] == "lora-top-trunk"]
+    assert len(ranks) == 2
+    for stats in ranks:
+        trunk, cache = stats["trunk"], stats["kv_cache"]
         assert trunk["depth"] == 1 and trunk["replayed_calls"] > 0 and trunk["whole_calls"] == 0, trunk
         assert 0 < trunk["bytes"] <= trunk["cap_bytes"]
+        assert cache["clears"] == 0 and cache["partial_clears"] == 2 and cache["refreshed_tokens"] > 0, cache

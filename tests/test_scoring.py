@@ -27,7 +27,7 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
 
 
 def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True, kv_cache=None,
-             packed=False):
+             packed=False, trunk=None):
     needs = needs or Needs()
     plan = tokenize(tok, kind, contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
@@ -38,7 +38,7 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
         for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse, packed=packed, cached=cached):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                             kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model),
-                            kv_cache=kv_cache)
+                            kv_cache=kv_cache, trunk=trunk)
             offset = 0
             for a, i in enumerate(batch.contexts):
                 k = len(plan.contexts[i].candidates)

@@ -194,10 +194,16 @@ class HFBackend(ModelBackend):
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Every cached key and value was computed with the old weights: forget them all. (Keys of layers below
-        the first trainable one are still exact, but reusing them would mean re-running the layers above over
-        every cached prefix; dropping the lot is simple and always right.)"""
-        if self.prefix_cache is not None:
+        """The cache across calls holds keys and values computed with the old weights. Those of layers below the
+        first trainable one are still exact; with frozen-trunk reuse, which keeps the hidden states entering that
+        layer, the cache keeps them and recomputes the layers above when an entry is next read. Without it, every
+        entry is forgotten."""
+        if self.prefix_cache is None:
+            return
+        trunk = self.module.trunk
+        if trunk is not None:
+            self.prefix_cache.keep_layers_below(trunk.depth)
+        else:
             self.prefix_cache.clear()
 
     def save(self, folder):

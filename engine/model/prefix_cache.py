@@ -13,8 +13,11 @@ must nevertheless keep exactly the same entries, or they would encode different 
 collectives would not line up. Eviction order comes from a logical clock for the same reason.
 
 Correctness rules the callers keep: only no-grad scoring reads or fills the cache; every change of weights
-clears it (:meth:`clear`); the last token of every prefix is always encoded again (:meth:`match` caps the match),
-so its logits and hidden states come from a real pass and the number of model calls never depends on hits.
+clears it (:meth:`clear`), or, when only the layers from some depth up changed (LoRA on the top layers, the
+``freeze`` initializer), drops the keys and values of those layers alone (:meth:`keep_layers_below`): the entries
+are then *stale* and :meth:`refresh` recomputes their top layers (from hidden states the frozen trunk kept)
+before anything reads them (reading a stale entry raises); the last token of every prefix is always encoded again
+(:meth:`match` caps the match), so its logits and hidden states come from a real pass.
 
 This module is a data structure over tensors: it runs no model and knows nothing about requests.
 """
@@ -37,14 +40,15 @@ class _Node:
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)
     last_used: int = 0
+    stale: bool = False  # the layers from the cache's ``stale_from`` up are dropped (None) until refreshed
 
     def split(self, at: int) -> _Node:
         """Cut this edge after ``at`` tokens: a new node holds the head and becomes this node's parent."""
-        head = _Node(self.tokens[:at], [tuple(t[:, :at] for t in entry) for entry in self.kv], self.parent,
-                     last_used=self.last_used)
+        head = _Node(self.tokens[:at], [None if entry is None else tuple(t[:, :at] for t in entry)
+                                        for entry in self.kv], self.parent, last_used=self.last_used, stale=self.stale)
         self.parent.children[self.tokens[0]] = head
         self.tokens = self.tokens[at:]
-        self.kv = [tuple(t[:, at:] for t in entry) for entry in self.kv]
+        self.kv = [None if entry is None else tuple(t[:, at:] for t in entry) for entry in self.kv]
         self.parent = head
         head.children[self.tokens[0]] = self
         return head
@@ -66,6 +70,10 @@ class PrefixKVCache:
         self.hit_tokens = 0
         self.evicted_tokens = 0
         self.clears = 0
+        self.partial_clears = 0  # :meth:`keep_layers_below` calls
+        self.stale_from: int | None = None  # the first layer dropped by the last keep_layers_below
+        self.refreshed_tokens = 0
+        self.dropped_stale_tokens = 0
 
     # ------------------------------------------------------------------ reading
 
@@ -96,6 +104,8 @@ class PrefixKVCache:
         for node in path:
             take = min(len(node.tokens), length - taken)
             if take > 0:
+                if node.stale:
+                    raise RuntimeError("a stale cache entry was read before it was refreshed")
                 pieces.append([tuple(t[:, :take] for t in entry) for entry in node.kv])
             taken += take
         return length, pieces
@@ -167,7 +177,8 @@ class PrefixKVCache:
             if victim.last_used == keep and len(victim.tokens) > over:
                 keep_tokens = len(victim.tokens) - over  # trim the newest entry's tail rather than drop it
                 victim.tokens = victim.tokens[:keep_tokens]
-                victim.kv = [tuple(t[:, :keep_tokens].clone() for t in entry) for entry in victim.kv]
+                victim.kv = [None if entry is None else tuple(t[:, :keep_tokens].clone() for t in entry)
+                             for entry in victim.kv]
                 self.tokens -= over
                 self.evicted_tokens += over
                 return
@@ -181,12 +192,66 @@ class PrefixKVCache:
         self.tokens = 0
         self.clears += 1
 
+    def keep_layers_below(self, depth: int) -> None:
+        """The weights of layers ``depth`` and up changed, not those below: drop every entry's keys and values of
+        those layers and mark it stale, to be refreshed (:meth:`refresh`) before it is read. Entries keep counting
+        for their whole size against the cap (they are whole again once refreshed)."""
+        for root in self.roots.values():
+            for node in _nodes(root):
+                if node.parent is not None:
+                    node.kv = node.kv[:depth] + [None] * (len(node.kv) - depth)
+                    node.stale = True
+        self.stale_from = depth
+        self.partial_clears += 1
+
+    def refresh(self, namespace: str | None, prefixes: Sequence[Sequence[int]],
+                compute: Callable[[list[list[int]]], list[KV | None]]) -> None:
+        """Make the entries along ``prefixes`` whole again (only stale ones are touched). ``compute(paths)`` gets,
+        for each path of stale entries (token ids from the start of a sequence, whole tree edges), the keys and
+        values of its layers from ``stale_from`` up (``[kv_heads, len(path), head_dim]`` per layer), or None for
+        a path it cannot compute: the stale entries along that path are then dropped (later lookups miss)."""
+        todo: dict[tuple[int, ...], list[tuple[_Node, int]]] = {}
+        for tokens in prefixes:
+            path, _ = self._walk(namespace, tokens, len(tokens))
+            if any(node.stale for node in path):
+                starts = [sum(len(n.tokens) for n in path[:k]) for k in range(len(path))]
+                todo.setdefault(tuple(t for n in path for t in n.tokens), list(zip(path, starts)))
+        if not todo:
+            return
+        paths = list(todo)
+        for path, kv in zip(paths, compute([list(p) for p in paths])):
+            nodes = [(node, start) for node, start in todo[path] if node.stale]
+            if kv is None:
+                if nodes and self._attached(nodes[0][0]):
+                    self._drop(nodes[0][0])
+                continue
+            for node, start in nodes:
+                end = start + len(node.tokens)
+                for offset, entry in enumerate(kv):
+                    node.kv[self.stale_from + offset] = tuple(t[:, start:end].clone() for t in entry)
+                node.stale = False
+                self.refreshed_tokens += len(node.tokens)
+
+    def _attached(self, node: _Node) -> bool:
+        while node.parent is not None:
+            if node.parent.children.get(node.tokens[0]) is not node:
+                return False
+            node = node.parent
+        return node in self.roots.values()
+
+    def _drop(self, node: _Node) -> None:
+        """Remove ``node`` and everything below it."""
+        del node.parent.children[node.tokens[0]]
+        dropped = sum(len(n.tokens) for n in _nodes(node))
+        self.tokens -= dropped
+        self.dropped_stale_tokens += dropped
+
     # ------------------------------------------------------------------ reporting
 
     def held_bytes(self) -> int:
         """Bytes of keys and values this rank actually holds."""
-        return sum(t.numel() * t.element_size()
-                   for root in self.roots.values() for node in _nodes(root) for entry in node.kv for t in entry)
+        return sum(t.numel() * t.element_size() for root in self.roots.values() for node in _nodes(root)
+                   for entry in node.kv if entry is not None for t in entry)
 
     def stats(self) -> dict:
         return {
@@ -201,6 +266,9 @@ class PrefixKVCache:
             "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
             "evicted_tokens": self.evicted_tokens,
             "clears": self.clears,
+            "partial_clears": self.partial_clears,
+            "refreshed_tokens": self.refreshed_tokens,
+            "dropped_stale_tokens": self.dropped_stale_tokens,
         }
 
 

@@ -174,6 +174,10 @@ def _offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
 
 
 def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=None, trunk=None) -> BatchResult:
+    if kv_cache is not None and kv_cache.cache.stale_from is not None and trunk is not None:
+        # After an update, cached prefixes keep their bottom layers: their top layers are recomputed from the trunk.
+        kv_cache.cache.refresh(kv_cache.namespace, [plan.contexts[i].prefix for i in batch.contexts],
+                               lambda paths: trunk.top_layers_kv(model, paths, keep_logits))
     if batch.packed:
         from llmrl.engine.model.packing import run_packed
 

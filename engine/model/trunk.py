@@ -172,6 +172,46 @@ class Trunk:
             for index in range(self.depth):
                 del self.layers[index].forward
 
+    def top_layers_kv(self, model, paths: list[list[int]], keep_logits: bool) -> list[list[tuple] | None]:
+        """Keys and values of layers ``depth`` and up for each path (token ids from the start of a sequence),
+        computed from the held states through those layers only, or None for a path whose states are not all
+        held. This is how the cache across calls gets its top layers back after an update changed them
+        (:meth:`~llmrl.engine.model.prefix_cache.PrefixKVCache.refresh`); no grad, one model call."""
+        held = [self.states.held(None, p) == len(p) for p in paths]
+        rows = [p for p, ok in zip(paths, held) if ok]
+        if not rows:
+            return [None] * len(paths)
+        device = next(self.layers[self.depth].parameters()).device
+        width = max(len(p) for p in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, p in enumerate(rows):
+            ids[r, :len(p)] = torch.tensor(p)
+            mask[r, :len(p)] = 1
+        kwargs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "use_cache": True,
+                  "position_ids": torch.arange(width, device=device)[None].expand(len(rows), -1)}
+        if keep_logits:
+            kwargs["logits_to_keep"] = 1
+        spec = [(r, p, 0, list(range(len(p)))) for r, p in enumerate(rows)]
+        self._replacement = self._lookup(spec, ids.shape)
+        if self._replacement is None:  # held() said yes, and nothing is evicted in between
+            raise RuntimeError("frozen-trunk reuse: states checked as held went missing")
+        try:
+            with torch.no_grad(), self._skipping():
+                cache = model(**kwargs).past_key_values
+        finally:
+            self._replacement = None
+        computed = iter(range(len(rows)))
+        out: list[list[tuple] | None] = []
+        for p, ok in zip(paths, held):
+            if not ok:
+                out.append(None)
+                continue
+            r = next(computed)
+            out.append([(layer.keys[r, :, :len(p)], layer.values[r, :, :len(p)])
+                        for layer in cache.layers[self.depth:]])
+        return out
+
     def stats(self) -> dict:
         return {**self.states.stats(), "depth": self.depth, "replayed_calls": self.replayed_calls,
                 "whole_calls": self.whole_calls}
