@@ -4,7 +4,7 @@
     python benchmarks/run.py --model tiny --quick  # a tiny random Llama: a smoke test in under a minute
     python benchmarks/run.py --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
     python benchmarks/run.py --episodes-only      # the cache across calls: on vs off vs naive (about 20 minutes)
-    python benchmarks/run.py --update-only        # the demo's update: every layer vs frozen-trunk reuse (about 8)
+    python benchmarks/run.py --update-only        # the demo's update: every layer vs trunk reuse and twins (about 12)
 
 In one run on one machine it measures, each as a ratio to its baseline:
   - ``score`` through llmrl (one server) vs the plain Hugging Face code a user would write (concatenate
@@ -20,8 +20,10 @@ In one run on one machine it measures, each as a ratio to its baseline:
   - whole episodes (16 environments x 12 steps, history prompts that grow by ~30 tokens a step after a ~60-token
     header, 6 candidates): ``score`` with the key/value cache across calls (``kv_cache_mb``) vs without it vs
     naive Hugging Face, each repeat on fresh episodes (the cache starts cold);
-  - the demo's PPO update of 256 transitions after their rollout (LoRA on the top 8 of 30 layers): every layer
-    recomputed vs frozen-trunk reuse (``trunk_reuse_mb``), with the compute limit of the top layers' work;
+  - the demo's PPO update of 256 transitions after their rollout (LoRA on the top 8 of 30 layers), with the compute
+    limit of the top layers' work: on transitions that never repeat, every layer recomputed vs frozen-trunk reuse
+    (``trunk_reuse_mb``); on the demo's own BabyAI rollout, whose states repeat, every layer recomputed for every
+    transition vs twins computed once vs frozen-trunk reuse with twins computed once;
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
 It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
 once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it.
@@ -150,31 +152,67 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
     return row
 
 
-def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int) -> dict:
+def babyai_rollout(transitions: int, seed: int) -> tuple[list[str], list[list[str]]]:
+    """The prompts and actions of the PPO demo's rollout (``examples/ppo_babyai.py``: its level, prompt, 16
+    environments, 24-step episodes, no walls), taken by a uniformly random policy (the untrained model's is nearly
+    uniform). States repeat, as they do in the demo: the same view gives the same prompt."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from babyai_text import TextVecEnv
+    from ppo_babyai import Args, candidates, prompt
+
+    demo, envs = Args(), 16
+    env = TextVecEnv(demo.level, envs, seeds=[seed + k for k in range(envs)], max_steps=demo.max_steps,
+                     seed_stride=envs, walls=demo.walls)
+    rng = random.Random(seed)
+    obs = env.reset()
+    contexts, options = [], []
+    for _ in range(transitions // envs):
+        contexts += [prompt(o) for o in obs]
+        options += [candidates(o) for o in obs]
+        obs, *_ = env.step([rng.choice(o.actions) for o in obs])
+    return contexts, options
+
+
+def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int, rollout: str) -> dict:
     """The demo's PPO update (256 transitions of ~44-token prompts and 3 actions, LoRA on the top 8 layers, a value
-    head, one epoch in minibatches of 32) after the rollout scored those transitions, as in ``examples/ppo_babyai.py``: today's path (every layer
-    recomputed) vs frozen-trunk reuse (``trunk_reuse_mb``), each repeat on a fresh rollout; their stats compared."""
+    head, one epoch in minibatches of 32) after the rollout scored those transitions, as in
+    ``examples/ppo_babyai.py``, each repeat on a fresh rollout; the stats of the paths compared.
+
+    ``rollout="synthetic"``: text-game observations that never repeat; every layer recomputed vs frozen-trunk reuse
+    (``trunk_reuse_mb``). ``rollout="babyai"``: the demo's own rollout (:func:`babyai_rollout`), whose states repeat;
+    every layer recomputed for every transition (the engine before this issue; a test hook turns twins off) vs
+    twins computed once vs frozen-trunk reuse with twins computed once (the engine's default)."""
     from testkit import LiveRun
 
     transitions, length, top = (32, 44, 1) if quick else (256, 44, 8)  # the demo's prompts: ~44 tokens, 3 actions
     threads = torch.get_num_threads()
-    llm = {"model": path, "minibatch_size": 64, "token_budget": 4096,
-           "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "alpha": 16,
-                                                                                 "last_layers": top}}}}],
+    lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "alpha": 16, "last_layers": top}}}}
+    llm = {"model": path, "minibatch_size": 64, "token_budget": 4096, "initializers": [lora],
            "heads": {"value": {"plugin": "value", "args": {"hidden": 128}}},
            "updater": {"plugin": "ppo", "args": {"epochs": 1, "clip_eps": 0.2, "value_clip": None, "value_coef": 0.5,
                                                  "entropy_coef": 0.01}},
            "training": {"zero_stage": 0, "optimizer": {"type": "adam", "lr": 1e-3}, "micro_batch_size": 32,
                         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}}
-    llms = {"today": llm, "trunk-reuse": {**llm, "trunk_reuse_mb": 4096}}
+    trunk_llm = {**llm, "trunk_reuse_mb": 4096}
+    if rollout == "babyai":
+        every_twin = {**llm, "initializers": [lora, "llmrl_test_plugins:EveryTwinComputed"]}
+        llms = {"every-layer-every-twin": every_twin, "twins-once": llm, "trunk-and-twins-once": trunk_llm}
+    else:
+        llms = {"every-layer": llm, "trunk-reuse": trunk_llm}
+    baseline, ours = list(llms)[0], list(llms)[-1]
     times: dict[str, list[float]] = {name: [] for name in llms}
     stats: dict[str, list] = {}
-    tokens = 0
-    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
+    tokens = distinct = 0
+    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the servers never compute at once
         for round_ in range(repeats):
-            work = make_workload(tokenizer, transitions, length, 3, seed=100 + round_)
-            tokens = unique_tokens(tokenizer, work)
-            contexts, candidates = [w["context"] for w in work], [w["candidates"] for w in work]
+            if rollout == "babyai":
+                contexts, candidates = babyai_rollout(transitions, seed=100 + 1000 * round_)
+                work = [{"context": c, "candidates": k} for c, k in zip(contexts, candidates)]
+            else:
+                work = make_workload(tokenizer, transitions, length, 3, seed=100 + round_)
+                contexts, candidates = [w["context"] for w in work], [w["candidates"] for w in work]
+            tokens = unique_tokens(tokenizer, list({w["context"]: w for w in work}.values()))
+            distinct = len(set(contexts))
             order = list(llms) if round_ % 2 == 0 else list(reversed(llms))
             batches = {}
             for name in order:  # the rollout: scored by 16 environments at a time, with the value head
@@ -196,19 +234,25 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
                 result = run.update(contexts, candidates, llm=name, **batches[name])
                 times[name].append(time.perf_counter() - start)
                 stats.setdefault(name, []).append(result[0])
-        trunk = next(run.server_memory()[r]["trunk"] for r, s in run.servers().items() if s["llm"] == "trunk-reuse")
+        trunk = next(run.server_memory()[r]["trunk"] for r, s in run.servers().items() if s["llm"] == ours)
     layers = model.config.num_hidden_layers
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n) / layers
-    top_limit = tokens * 2 * layer_params * top * 3 / rate  # forward + backward (about twice the forward) of the top
-    today, reuse = statistics.median(times["today"]), statistics.median(times["trunk-reuse"])
-    diffs = [abs(a[k] - b[k]) for a, b in zip(stats["today"], stats["trunk-reuse"])
+    # Forward + backward (counted as twice the forward) of the top layers over the distinct transitions' tokens.
+    top_limit = tokens * 2 * layer_params * top * 3 / rate
+    median = {name: statistics.median(t) for name, t in times.items()}
+    diffs = [abs(a[k] - b[k]) for a, b in zip(stats[baseline], stats[ours])
              for k in ("policy_loss", "value_loss", "entropy")]
-    return {"workload": f"update: {transitions} transitions, PPO, LoRA top {top} of {layers} layers",
-            "unique tokens": tokens, "today s": today, "trunk reuse s": reuse, "today / trunk reuse": today / reuse,
-            "compute limit s (top layers fwd+bwd)": top_limit, "trunk reuse / limit": reuse / top_limit,
-            "max |stats today - trunk reuse| (first update equal weights)": max(diffs[:3]),
-            "replayed calls": trunk["replayed_calls"], "whole calls": trunk["whole_calls"],
-            "trunk MB": trunk["bytes"] / 2**20}
+    row = {"workload": f"update ({rollout} rollout): {transitions} transitions ({distinct} distinct prompts), PPO, "
+                       f"LoRA top {top} of {layers} layers",
+           "unique tokens (distinct prompts)": tokens}
+    row.update({f"{name} s": t for name, t in median.items()})
+    row.update({f"{baseline} / {name}": median[baseline] / median[name] for name in llms if name != baseline})
+    row.update({"compute limit s (top layers fwd+bwd, distinct prompts)": top_limit,
+                f"{ours} / limit": median[ours] / top_limit,
+                f"max |stats {baseline} - {ours}| (first update, equal weights)": max(diffs[:3]),
+                "replayed calls": trunk["replayed_calls"], "whole calls": trunk["whole_calls"],
+                "trunk MB": trunk["bytes"] / 2**20})
+    return row
 
 
 def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
@@ -334,7 +378,7 @@ def main() -> int:
     parser.add_argument("--episodes-only", action="store_true",
                         help="only the episodes workload (the cache across calls on vs off vs naive)")
     parser.add_argument("--update-only", action="store_true",
-                        help="only the demo's update step (today's path vs frozen-trunk reuse)")
+                        help="only the demo's update step (every layer vs frozen-trunk reuse and twins computed once)")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
 
@@ -402,8 +446,9 @@ def main() -> int:
                                  skip_naive=False))
         print_row(rows[-1])
     if not args.score_only and not args.episodes_only:
-        rows.append(update_row(path, model, tokenizer, rate, args.quick, repeats))
-        print_row(rows[-1])
+        for rollout in ("synthetic", "babyai"):
+            rows.append(update_row(path, model, tokenizer, rate, args.quick, repeats, rollout))
+            print_row(rows[-1])
     if not args.skip_memory and not args.score_only and not args.episodes_only and not args.update_only:
         rows.append(memory_row(path, args.quick))
         print_row(rows[-1])

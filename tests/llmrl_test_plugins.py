@@ -212,3 +212,15 @@ class SlowSaves(Initializer):
 
         checkpoint.save_rank_state = slow_save_rank_state
         return model
+
+
+class EveryTwinComputed(Initializer):
+    """Benchmark baseline hook, applied by monkeypatching on the server (each LLM's servers are processes of their
+    own): twin contexts (same ids, same candidates) are computed once per copy, as before the engine recognised
+    them. Leaves the model untouched."""
+
+    def initialize(self, model, llm):
+        from llmrl.engine.model import forward
+
+        forward.distinct_contexts = lambda plan: (None, None)
+        return model

@@ -25,6 +25,9 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
     episodes = next(row for name, row in rows.items() if name.startswith("episodes"))
     assert episodes["max |cache on - cache off|"] < 1e-4 and episodes["max |cache on - naive|"] < 1e-3
     assert episodes["cache hit rate"] > 0.5  # each step's context extends the previous one
-    update = next(row for name, row in rows.items() if name.startswith("update"))
-    assert update["max |stats today - trunk reuse| (first update equal weights)"] < 1e-4
-    assert update["replayed calls"] > 0 and update["whole calls"] == 0
+    synthetic = next(row for name, row in rows.items() if name.startswith("update (synthetic"))
+    assert synthetic["max |stats every-layer - trunk-reuse| (first update, equal weights)"] < 1e-4
+    babyai = next(row for name, row in rows.items() if name.startswith("update (babyai"))
+    assert babyai["max |stats every-layer-every-twin - trunk-and-twins-once| (first update, equal weights)"] < 1e-4
+    for update in (synthetic, babyai):
+        assert update["replayed calls"] > 0 and update["whole calls"] == 0

@@ -150,17 +150,27 @@ SHARED_CANDIDATES = [[" turn left", " turn right", " turn", " go forward", " go 
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
-def test_shared_prefixes_and_shared_candidate_rows(reference_models, kind, packed):
-    """Contexts sharing a long prefix (encoded once) and candidates sharing rows give plain HF's scores; packed,
-    everything after the common prefix takes one call."""
+@pytest.mark.parametrize("packed,min_saving", [(False, None), (True, None), (True, 0)],
+                         ids=["chunked", "packed", "packed-common-pass"])
+def test_shared_prefixes_and_shared_candidate_rows(reference_models, monkeypatch, kind, packed, min_saving):
+    """Contexts sharing a prefix and candidates sharing rows give plain HF's scores. Chunked, the common prefix is
+    encoded once; packed, everything takes one call, after a pass over the common prefix only when that saves
+    re-encoding enough tokens (forced here with a threshold of 0)."""
+    from llmrl.engine.model import batching
+
+    if min_saving is not None:
+        monkeypatch.setattr(batching, "COMMON_PASS_MIN_SAVING", min_saving)
     model, tok = reference_models[kind]
     plan = tokenize(tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES, max_length=512)
     (batch,) = plan_batches(plan, 8192, 64, Needs(), packed=packed)
     rows = sum(len(c) for c in batch.chunks)
     assert rows < sum(len(c) for c in SHARED_CANDIDATES) - 6, "rows whose inputs coincide must be shared"
+    common = batching.common_prefix_of([c.prefix for c in plan.contexts])
+    saving = common * (len(SHARED_CONTEXTS) - 1)
+    assert common > 0 and (batch.common > 0) == (not packed or saving >= batching.COMMON_PASS_MIN_SAVING)
     # common prefix, own prefixes, candidates (packed: own prefixes and candidates together)
-    assert batch.model_calls == (2 if packed else 2 + len(batch.chunks))
+    assert batch.model_calls == (1 + (batch.common > 0) if packed else 2 + len(batch.chunks))
+    assert not packed or (min_saving == 0) == (batch.common > 0)
     expected = reference_scores(model, tok, SHARED_CONTEXTS, SHARED_CANDIDATES)
     got, ctx_hidden, cand_hidden = run_plan(model, tok, "causal", SHARED_CONTEXTS, SHARED_CANDIDATES,
                                             Needs(context_hidden=True, candidate_hidden=True), packed=packed)
