@@ -244,7 +244,7 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
              for k in ("policy_loss", "value_loss", "entropy")]
     row = {"workload": f"update ({rollout} rollout): {transitions} transitions ({distinct} distinct prompts), PPO, "
                        f"LoRA top {top} of {layers} layers",
-           "unique tokens (distinct prompts)": tokens}
+           "transitions": transitions, "distinct prompts": distinct, "unique tokens (distinct prompts)": tokens}
     row.update({f"{name} s": t for name, t in median.items()})
     row.update({f"{baseline} / {name}": median[baseline] / median[name] for name in llms if name != baseline})
     row.update({"compute limit s (top layers fwd+bwd, distinct prompts)": top_limit,

@@ -28,6 +28,7 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
     synthetic = next(row for name, row in rows.items() if name.startswith("update (synthetic"))
     assert synthetic["max |stats every-layer - trunk-reuse| (first update, equal weights)"] < 1e-4
     babyai = next(row for name, row in rows.items() if name.startswith("update (babyai"))
+    assert babyai["distinct prompts"] < babyai["transitions"]  # the demo's states repeat: twins to compute once
     assert babyai["max |stats every-layer-every-twin - trunk-and-twins-once| (first update, equal weights)"] < 1e-4
     for update in (synthetic, babyai):
         assert update["replayed calls"] > 0 and update["whole calls"] == 0

@@ -203,14 +203,20 @@ def test_a_common_prefix_the_cache_holds_gets_no_pass_of_its_own(reference_model
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
 
 
-def lora_top_model(model, dtype):
-    """A copy of ``model`` with LoRA on its top layer (non-zero, so that it changes the top layer's output)."""
+def lora_top_model(model, dtype, layers=2, top=1):
+    """A copy of ``model`` (or, with more ``layers``, a deeper random model of its shape) with LoRA on its ``top``
+    layers (non-zero, so that it changes their output)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=[1])
+    if layers != model.config.num_hidden_layers:
+        config = copy.deepcopy(model.config)
+        config.num_hidden_layers = layers
+        model = type(model)(config).eval()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                        layers_to_transform=list(range(layers - top, layers)))
     peft = get_peft_model(copy.deepcopy(model).to(dtype), config)
     for name, p in peft.named_parameters():
         if "lora_B" in name:
@@ -229,15 +235,17 @@ def change_the_adapter(model, seed):
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-10)], ids=["float32", "float64"])
 @pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+@pytest.mark.parametrize("layers,top", [(2, 1), (4, 2)], ids=["top-1-of-2", "top-2-of-4"])
 def test_after_an_update_of_the_top_layers_entries_keep_the_bottom_and_recompute_the_top(
-        reference_models, dtype, tolerance, packed):
-    """With LoRA on the top layer and a trunk, ``keep_layers_below`` (what an update does) keeps each entry's bottom
-    layer; the next calls refresh the top layer from the trunk and score as if nothing had been cached."""
+        reference_models, dtype, tolerance, packed, layers, top):
+    """With LoRA on the top layers and a trunk, ``keep_layers_below`` (what an update does) keeps each entry's
+    bottom layers; the next calls refresh the top layers from the trunk and score as if nothing had been cached."""
     from llmrl.engine.model.trunk import Trunk, trunk_depth
 
     base, tok = reference_models["llama"]
-    model = lora_top_model(base, dtype)
+    model = lora_top_model(base, dtype, layers, top)
     trunk = Trunk(model, trunk_depth(model), 2**30)
+    assert trunk.depth == layers - top
     per_token = model_bytes_per_token(model.config, dtype)
     cache = PrefixKVCache(10**9, per_token)
     steps = episodes()
@@ -285,3 +293,53 @@ def test_stale_entries_the_trunk_cannot_recompute_are_dropped_and_never_read(ref
     cache.keep_layers_below(1)
     with pytest.raises(RuntimeError, match="stale"):
         run_plan(model, tok, "causal", second, second_cands, kv_cache=CacheUse(cache, None))
+
+
+def stale_cache(*sequences, layers=3, depth=1):
+    """A cache holding ``sequences`` (fake keys and values: the token ids, see :func:`kv_for`), then told that the
+    layers from ``depth`` up changed."""
+    cache = PrefixKVCache(10**6, 1)
+    for tokens in sequences:
+        full = kv_for(tokens, layers)
+        cache.insert(None, tokens, lambda i, j, full=full: [(k[:, i:j], v[:, i:j]) for k, v in full])
+    cache.keep_layers_below(depth)
+    return cache
+
+
+def recompute(cannot=(), layers=3, depth=1, seen=None):
+    """A ``compute`` for :meth:`PrefixKVCache.refresh`: the fake top layers of each path (None for a path in
+    ``cannot``), recording the paths it was asked for in ``seen``."""
+    def compute(paths):
+        if seen is not None:
+            seen.extend(paths)
+        return [None if tuple(p) in cannot else kv_for(p, layers)[depth:] for p in paths]
+    return compute
+
+
+def test_refresh_fills_what_can_be_computed_before_dropping_what_cannot():
+    """Two paths share a stale header; the one that cannot be recomputed comes first: the other is refreshed whole,
+    header included, and only the failed path's own entry is dropped (the header stays)."""
+    cache = stale_cache([1, 2, 3, 4], [1, 2, 5, 6])
+    cache.refresh(None, [[1, 2, 5, 6], [1, 2, 3, 4]], recompute(cannot={(1, 2, 5, 6)}))
+    length, kv = cache.match(None, [1, 2, 3, 4])
+    assert length == 4
+    for got, want in zip(kv, kv_for([1, 2, 3, 4], 3)):  # every layer, the recomputed top ones included
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    assert cache.held(None, [1, 2, 5, 6]) == 2
+    stats = cache.stats()
+    assert stats["tokens"] == 4 and stats["refreshed_tokens"] == 4 and stats["dropped_stale_tokens"] == 2
+
+
+def test_refresh_splits_an_entry_matched_in_part_and_computes_no_path_twice():
+    """A prefix that ends inside an entry refreshes only up to its end (the rest stays stale, and reading it
+    raises); a path that another path extends is not computed on its own."""
+    cache = stale_cache([1, 2, 3, 4, 5, 6])
+    seen = []
+    cache.refresh(None, [[1, 2, 3], [1, 2]], recompute(seen=seen))
+    assert seen == [[1, 2, 3]]
+    length, kv = cache.match(None, [1, 2, 3])
+    assert length == 3 and held_tokens(kv) == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="stale"):
+        cache.match(None, [1, 2, 3, 4, 5])
+    assert cache.stats()["tokens"] == 6

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_scoring import assert_hidden_at_last_tokens
 from test_token_level import kind_of, plain, text_tokens
 
 from llmrl.engine.model.batching import Needs, plan_batches
@@ -79,15 +80,32 @@ def test_every_copy_gets_plain_hf_outputs(reference_models, name, budget, rows, 
                 assert float(out.candidate_scores[k]) == pytest.approx(float(want_lp.sum()), abs=1e-4)
                 assert int(out.candidate_token_counts[k]) == n
                 k += 1
-    # Copies of a context carry its hidden states: the first copy's equal plain HF's last hidden state.
-    for i, context in enumerate(contexts):
-        first = contexts.index(context) if candidates[contexts.index(context)] == candidates[i] else i
-        torch.testing.assert_close(out.context_hidden[i], out.context_hidden[first], atol=0, rtol=0)
-    if not seq2seq:
-        with torch.no_grad():
-            ids0 = tok(contexts[0])["input_ids"]
-            want = model(input_ids=torch.tensor([ids0]), output_hidden_states=True).hidden_states[-1][0, -1]
-        torch.testing.assert_close(out.context_hidden[0], want, atol=1e-4, rtol=0)
+    if not seq2seq:  # every copy's hidden states: plain HF's at the last token of the context, of context + candidate
+        starts = [0]
+        for cands in candidates:
+            starts.append(starts[-1] + len(cands))
+        cand_hidden = {(i, j): out.candidate_hidden[starts[i] + j] for i, c in enumerate(candidates) for j in range(len(c))}
+        assert_hidden_at_last_tokens(model, tok, contexts, candidates, out.context_hidden, cand_hidden)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_twins_without_candidates_get_their_context_hidden_state(reference_models, name):
+    """``custom_module_fns`` without candidates (a value head reads each context's hidden state): copies of a
+    context get the hidden state plain HF gives it."""
+    model, tok = reference_models[name]
+    contexts = [CONTEXTS[i] for i in ORDER]
+    with torch.no_grad():
+        out, computed, _ = forward(model, tok, name, contexts, [[] for _ in contexts], Needs(context_hidden=True))
+        assert len(computed.contexts) == 3 and len(out.candidate_scores) == 0
+        for i, context in enumerate(contexts):
+            if kind_of(name) == "causal":
+                ids = torch.tensor([tok(context)["input_ids"]])
+                want = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+            else:
+                start = torch.tensor([[decoder_start_id(model)]])
+                want = model(**tok(context, return_tensors="pt"), decoder_input_ids=start,
+                             output_hidden_states=True).decoder_hidden_states[-1][0, 0]
+            torch.testing.assert_close(out.context_hidden[i], want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])

@@ -93,8 +93,9 @@ class ModelBackend(ABC):
     def memory(self) -> dict[str, Any]:
         """Memory use of this rank (resident set size, peak, CUDA allocations, parameter bytes)."""
 
-    def weights_changed(self) -> None:  # noqa: B027 - a notification: doing nothing is the right default
-        """Called by the backend itself after every change of weights (update, checkpoint load)."""
+    def weights_changed(self, unchanged_below: int = 0) -> None:  # noqa: B027 - a notification: no-op default
+        """Called by the backend itself after every change of weights (update, checkpoint load); the layers below
+        ``unchanged_below`` (0: none) are known to have kept their weights."""
 
 
 def create_backend(config: Config, role: RankRole, device: torch.device, group: GroupChannel) -> ModelBackend:

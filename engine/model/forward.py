@@ -67,7 +67,7 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     if kv_cache is not None:
         namespace = adapter or served.active_adapter()
         cached = lambda ids: kv_cache.held(namespace, ids)  # noqa: E731
-    computed, source = distinct_contexts(plan)
+    computed, source = distinct_contexts(plan) if not served.model.training else (None, None)  # see its docstring
     batches = plan_batches(computed or plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs,
                            encoder_reuse=reuse, packed=packs(served), cached=cached)
     return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source)

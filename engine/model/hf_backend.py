@@ -190,19 +190,20 @@ class HFBackend(ModelBackend):
 
         try:
             return run_update(self.served, batch)
-        finally:
-            self.weights_changed()
+        finally:  # an update trains only what sits from the trunk's depth up (the trunk exists only then)
+            trunk = self.module.trunk
+            self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
-    def weights_changed(self) -> None:
-        """The cache across calls holds keys and values computed with the old weights. Those of layers below the
-        first trainable one are still exact; with frozen-trunk reuse, which keeps the hidden states entering that
-        layer, the cache keeps them and recomputes the layers above when an entry is next read. Without it, every
-        entry is forgotten."""
+    def weights_changed(self, unchanged_below: int = 0) -> None:
+        """The cache across calls holds keys and values computed with the old weights: forget them. When the
+        layers below ``unchanged_below`` kept their weights (an update, all of whose trainable parameters sit from
+        the trunk's depth up), their keys and values are still exact: with frozen-trunk reuse, which keeps the
+        hidden states entering that layer, the cache keeps them and recomputes the layers above when an entry is
+        next read."""
         if self.prefix_cache is None:
             return
-        trunk = self.module.trunk
-        if trunk is not None:
-            self.prefix_cache.keep_layers_below(trunk.depth)
+        if unchanged_below > 0 and self.module.trunk is not None:
+            self.prefix_cache.keep_layers_below(unchanged_below)
         else:
             self.prefix_cache.clear()
 

@@ -207,30 +207,42 @@ class PrefixKVCache:
     def refresh(self, namespace: str | None, prefixes: Sequence[Sequence[int]],
                 compute: Callable[[list[list[int]]], list[KV | None]]) -> None:
         """Make the entries along ``prefixes`` whole again (only stale ones are touched). ``compute(paths)`` gets,
-        for each path of stale entries (token ids from the start of a sequence, whole tree edges), the keys and
-        values of its layers from ``stale_from`` up (``[kv_heads, len(path), head_dim]`` per layer), or None for
-        a path it cannot compute: the stale entries along that path are then dropped (later lookups miss)."""
+        for each path of stale entries (token ids from the start of a sequence, up to the end of the prefix; a
+        path that another one extends is left out, the longer one covers it), the keys and values of its layers
+        from ``stale_from`` up (``[kv_heads, len(path), head_dim]`` per layer), or None for a path it cannot
+        compute. Every computed path is filled in first; then, along each path that could not be computed, the
+        first entry still stale is dropped with what hangs below it (later lookups miss there)."""
+        for tokens in prefixes:  # a stale entry a prefix ends inside is split there: only its head is refreshed
+            path, length = self._walk(namespace, tokens, len(tokens))
+            end = sum(len(n.tokens) for n in path)
+            if path and path[-1].stale and end > length:
+                path[-1].split(len(path[-1].tokens) - (end - length))
         todo: dict[tuple[int, ...], list[tuple[_Node, int]]] = {}
-        for tokens in prefixes:
+        for tokens in prefixes:  # (after every split: each path now ends at an edge's end)
             path, _ = self._walk(namespace, tokens, len(tokens))
             if any(node.stale for node in path):
                 starts = [sum(len(n.tokens) for n in path[:k]) for k in range(len(path))]
                 todo.setdefault(tuple(t for n in path for t in n.tokens), list(zip(path, starts)))
-        if not todo:
+        paths = [p for p in todo if not any(len(q) > len(p) and q[:len(p)] == p for q in todo)]
+        if not paths:
             return
-        paths = list(todo)
+        failed = []
         for path, kv in zip(paths, compute([list(p) for p in paths])):
-            nodes = [(node, start) for node, start in todo[path] if node.stale]
             if kv is None:
-                if nodes and self._attached(nodes[0][0]):
-                    self._drop(nodes[0][0])
+                failed.append(path)
                 continue
-            for node, start in nodes:
+            for node, start in todo[path]:
+                if not node.stale:
+                    continue
                 end = start + len(node.tokens)
                 for offset, entry in enumerate(kv):
                     node.kv[self.stale_from + offset] = tuple(t[:, start:end].clone() for t in entry)
                 node.stale = False
                 self.refreshed_tokens += len(node.tokens)
+        for path in failed:
+            first = next((node for node, _ in todo[path] if node.stale), None)
+            if first is not None and self._attached(first):
+                self._drop(first)
 
     def _attached(self, node: _Node) -> bool:
         while node.parent is not None:

@@ -111,14 +111,8 @@ class Trunk:
         call computes of it, where this call's part of the path starts, the columns of those tokens in that row).
         A row may hold several paths (packed contexts and candidates)."""
         if replay:
-            self._replacement = self._lookup(rows, kwargs["input_ids"].shape)
-            if self._replacement is None:  # available() said yes, and nothing is evicted while replaying
-                raise RuntimeError("frozen-trunk reuse: states checked as held went missing")
-            try:
-                with self._skipping():
-                    out = model(**kwargs)
-            finally:
-                self._replacement = None
+            with self._replaying(rows, kwargs["input_ids"].shape):
+                out = model(**kwargs)
             self.replayed_calls += 1
             return out
         if self.mode == "replay":
@@ -129,6 +123,18 @@ class Trunk:
             self._record(rows, self._captured)
         self._captured = None
         return out
+
+    @contextlib.contextmanager
+    def _replaying(self, rows, shape):
+        """Model calls inside run the layers from ``depth`` up on the held states of ``rows`` (checked as held)."""
+        self._replacement = self._lookup(rows, shape)
+        if self._replacement is None:  # checked as held, and nothing is evicted while replaying
+            raise RuntimeError("frozen-trunk reuse: states checked as held went missing")
+        try:
+            with self._skipping():
+                yield
+        finally:
+            self._replacement = None
 
     def _lookup(self, rows, shape) -> torch.Tensor | None:
         """The states of the rows' tokens laid out as the call's input (``shape``), None if any is not held. Only
@@ -193,14 +199,8 @@ class Trunk:
         if keep_logits:
             kwargs["logits_to_keep"] = 1
         spec = [(r, p, 0, list(range(len(p)))) for r, p in enumerate(rows)]
-        self._replacement = self._lookup(spec, ids.shape)
-        if self._replacement is None:  # held() said yes, and nothing is evicted in between
-            raise RuntimeError("frozen-trunk reuse: states checked as held went missing")
-        try:
-            with torch.no_grad(), self._skipping():
-                cache = model(**kwargs).past_key_values
-        finally:
-            self._replacement = None
+        with torch.no_grad(), self._replaying(spec, ids.shape):
+            cache = model(**kwargs).past_key_values
         computed = iter(range(len(rows)))
         out: list[list[tuple] | None] = []
         for p, ok in zip(paths, held):
