@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_scoring import assert_hidden_at_last_tokens
-from test_token_level import kind_of, plain, text_tokens
+from test_token_level import assert_per_token, kind_of, text_tokens
 
 from llmrl.engine.model.batching import Needs, plan_batches
 from llmrl.engine.model.forward import distinct_contexts
@@ -64,22 +64,10 @@ def test_every_copy_gets_plain_hf_outputs(reference_models, name, budget, rows, 
         out, computed, _ = forward(model, tok, name, contexts, candidates, needs, budget, rows, packed)
     assert out.num_contexts == len(contexts) and len(computed.contexts) == 4
     assert out.candidate_context.tolist() == [i for i, c in enumerate(candidates) for _ in c]
-    logp, mask = out.tokens_by_candidate()
-    entropy, _ = out.tokens_by_candidate(out.token_entropy)
-    ids, _ = out.tokens_by_candidate(out.token_ids, fill=-1)
-    k = 0
-    with torch.no_grad():
-        for context, cands in zip(contexts, candidates):
-            for cand in cands:
-                conditioned, tokens = text_tokens(tok, context, cand, seq2seq)
-                want_lp, want_entropy = plain(model, conditioned, tokens, seq2seq)
-                n = len(tokens)
-                assert int(mask[k].sum()) == n and ids[k, :n].tolist() == tokens, k
-                torch.testing.assert_close(logp[k, :n], want_lp, atol=1e-4, rtol=0)
-                torch.testing.assert_close(entropy[k, :n], want_entropy, atol=1e-4, rtol=0)
-                assert float(out.candidate_scores[k]) == pytest.approx(float(want_lp.sum()), abs=1e-4)
-                assert int(out.candidate_token_counts[k]) == n
-                k += 1
+    expected = [text_tokens(tok, context, cand, seq2seq) for context, cands in zip(contexts, candidates)
+                for cand in cands]
+    assert_per_token(out, expected, model, seq2seq)  # per candidate: tokens, log-probs, entropies, score
+    assert out.candidate_token_counts.tolist() == [len(tokens) for _, tokens in expected]
     if not seq2seq:  # every copy's hidden states: plain HF's at the last token of the context, of context + candidate
         starts = [0]
         for cands in candidates:
