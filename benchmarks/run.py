@@ -27,7 +27,8 @@ In one run on one machine it measures, each as a ratio to its baseline:
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
 It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
 once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it. The
-rate is measured again before each row and the best seen so far is used (a slow moment never flatters a row).
+rate is measured again before each row and at the end, and every limit is stated at the best rate of the run (a
+slow moment never flatters a row).
 The server and this process never compute at the same time, and use the same number of threads.
 """
 
@@ -257,8 +258,9 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
 
 
 class BestRate:
-    """The machine's float32 matmul rate, measured again before each row; the best seen so far is used, so that a
-    measurement taken while something else ran on the machine never makes a compute limit look easy."""
+    """The machine's float32 matmul rate, measured again before each row; the best seen so far is used (and, at the
+    end, the best of the run: ``rebase_limits``), so that a measurement taken while something else ran on the machine
+    never makes a compute limit look easy."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -267,6 +269,25 @@ class BestRate:
     def __call__(self) -> float:
         self.seen.append(measure_matmul_rate(self.threads))
         return max(self.seen)
+
+
+def rebase_limits(rows: list[dict], best: float) -> None:
+    """Restate every row's compute limit at the best matmul rate of the whole run (measured once more at its end):
+    a row measured while the machine was slow keeps its time, but its limit shrinks and its ratio grows. Prints
+    each ratio that changed."""
+    for row in rows:
+        rate = row.get("matmul GFLOP/s (best so far)")
+        if rate is None or rate * 1e9 >= best:
+            continue
+        factor = rate * 1e9 / best
+        for key in list(row):
+            if key.startswith("compute limit"):
+                row[key] *= factor
+            elif key.endswith("/ limit"):
+                row[key] /= factor
+                print(f"   {row['workload']}: {key} at the run's best rate ({best / 1e9:.1f} GFLOP/s): "
+                      f"{row[key]:.3f}", file=sys.stderr)
+        row["matmul GFLOP/s (best so far)"] = best / 1e9
 
 
 def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
@@ -473,8 +494,10 @@ def main() -> int:
     if not args.skip_memory and not args.score_only and not args.episodes_only and not args.update_only:
         rows.append(memory_row(path, args.quick))
         print_row(rows[-1])
+    best = rates()
+    rebase_limits(rows, best)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "parameters": params, "threads": threads, "matmul GFLOP/s": max(rates.seen) / 1e9,
+        json.dump({"model": args.model, "parameters": params, "threads": threads, "matmul GFLOP/s": best / 1e9,
                    "matmul GFLOP/s measured": [r / 1e9 for r in rates.seen],
                    "rows": rows}, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)
