@@ -26,7 +26,9 @@ In one run on one machine it measures, each as a ratio to its baseline:
     transition vs twins computed once vs frozen-trunk reuse with twins computed once;
   - the weights' memory and the peak memory of a server loading the model in float32, bfloat16 and 4-bit.
 It also prints the compute limit: the time the unique tokens (each context once, each candidate's tokens
-once) take at this machine's measured matrix-multiply rate, so that each time reads as a multiple of it. The
+once) take at this machine's measured matrix-multiply rate at 2 FLOPs per parameter per token, so that each time
+reads as a multiple of it; for the score rows, also the limit of the necessary work (``necessary_flops``: no
+vocabulary projection where no score is read, attention counted), which is tighter. The
 rate is measured again before each row and at the end, and every limit is stated at the best rate of the run (a
 slow moment never flatters a row).
 The server and this process never compute at the same time, and use the same number of threads.
@@ -283,7 +285,7 @@ def rebase_limits(rows: list[dict], best: float) -> None:
         for key in list(row):
             if key.startswith("compute limit"):
                 row[key] *= factor
-            elif key.endswith("/ limit"):
+            elif " / " in key and key.endswith("limit"):
                 row[key] /= factor
                 print(f"   {row['workload']}: {key} at the run's best rate ({best / 1e9:.1f} GFLOP/s): "
                       f"{row[key]:.3f}", file=sys.stderr)
@@ -308,6 +310,27 @@ def unique_tokens(tokenizer, workload: list[dict]) -> int:
     for item in workload:
         ctx = len(tokenizer(item["context"])["input_ids"])
         total += ctx + sum(max(0, len(tokenizer(item["context"] + c)["input_ids"]) - ctx) for c in item["candidates"])
+    return total
+
+
+def necessary_flops(model, tokenizer, workload: list[dict]) -> float:
+    """FLOPs a scoring call cannot avoid, counted tighter than 2 per parameter per token: every context token and
+    every candidate token but the last (a target only) through the decoder layers (2 per layer parameter),
+    attention over the positions before it (4 x hidden per layer and position: queries times keys, weights times
+    values), and the vocabulary projection only where a score is read (the context's last position, then each
+    candidate token but the last). Candidates that start alike are counted apart (sharing goes below this)."""
+    config = model.config
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    per_input, per_attended, per_logit = 2 * layer_params, 4 * hidden * layers, 2 * vocab * hidden
+    total = 0.0
+    for item in workload:
+        ctx = len(tokenizer(item["context"])["input_ids"])
+        total += ctx * per_input + per_attended * ctx * (ctx + 1) / 2 + per_logit
+        for candidate in item["candidates"]:
+            inputs = max(0, len(tokenizer(item["context"] + candidate)["input_ids"]) - ctx - 1)
+            attended = sum(ctx + j for j in range(1, inputs + 1))
+            total += inputs * (per_input + per_logit) + per_attended * attended
     return total
 
 
@@ -452,6 +475,7 @@ def main() -> int:
             rate = rates()
             per_token = 2 * params / rate
             limit = tokens * per_token
+            necessary = necessary_flops(model, tokenizer, work) / rate
             served_fn = lambda c=contexts, k=candidates: run.score(c, k)  # noqa: E731
             per_token_fn = lambda c=contexts, k=candidates: run.score(c, k, per_token=True)  # noqa: E731
             inproc_fn = lambda w=work: inprocess_scores(model, tokenizer, w, args.token_budget, 64)  # noqa: E731
@@ -464,6 +488,8 @@ def main() -> int:
                    "per-token / summed": per_token_time / served_time, "in-process s": inproc_time,
                    "engine efficiency (in-process / llmrl)": inproc_time / served_time,
                    "llmrl / limit": served_time / limit,
+                   "compute limit s (necessary work)": necessary, "llmrl / necessary limit": served_time / necessary,
+                   "in-process / necessary limit": inproc_time / necessary,
                    "max |llmrl - in-process|": max_error(served, inproc),
                    "max |per-token sums - llmrl|": max_error(sums, served)}
             if not args.score_only:

@@ -3,6 +3,8 @@
 import importlib.util
 import os
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,3 +26,27 @@ def test_a_row_measured_at_a_slow_moment_gets_the_runs_best_rate():
     assert slow["matmul GFLOP/s (best so far)"] == 200.0
     assert fast == {"workload": "b", "matmul GFLOP/s (best so far)": 200.0, "compute limit s": 5.0, "llmrl / limit": 1.2}
     assert other == {"workload": "round trip", "median ms": 0.2}
+
+
+class CharTokenizer:
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class TwoLayerModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"hidden_size": 4, "num_hidden_layers": 2, "vocab_size": 10})()
+        self.embed = torch.nn.Embedding(10, 4)  # not a layer parameter: never counted per token
+        self.model = torch.nn.Module()  # parameters named model.layers.N..., as in Hugging Face decoders
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False) for _ in range(2)])
+
+
+def test_necessary_work_counts_layers_attention_and_only_the_scored_logits():
+    bench = load_benchmark()
+    work = [{"context": "abc", "candidates": ["d", "ef"]}]
+    # Layer parameters 32: 64 FLOPs per input token; attention 4 x 4 x 2 = 32 per attended position; a logit row 80.
+    context = 3 * 64 + 32 * (1 + 2 + 3) + 80  # three tokens, attending 1, 2, 3 positions; the last position's logits
+    one_token = 0  # " d" is only a target: read from the context's last position
+    two_tokens = 64 + 80 + 32 * 4  # "e" is an input at position 4 and its logits score "f"
+    assert bench.necessary_flops(TwoLayerModel(), CharTokenizer(), work) == context + one_token + two_tokens
