@@ -24,6 +24,7 @@ This module is a data structure over tensors: it runs no model and knows nothing
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -217,21 +218,23 @@ class PrefixKVCache:
             end = sum(len(n.tokens) for n in path)
             if path and path[-1].stale and end > length:
                 path[-1].split(len(path[-1].tokens) - (end - length))
-        todo: dict[tuple[int, ...], list[tuple[_Node, int]]] = {}
+        todo: dict[int, list[tuple[_Node, int]]] = {}  # a path's last entry -> its entries and where each starts
+        inner: set[int] = set()  # entries some path goes on past
         for tokens in prefixes:  # (after every split: each path now ends at an edge's end)
             path, _ = self._walk(namespace, tokens, len(tokens))
             if any(node.stale for node in path):
-                starts = [sum(len(n.tokens) for n in path[:k]) for k in range(len(path))]
-                todo.setdefault(tuple(t for n in path for t in n.tokens), list(zip(path, starts)))
-        paths = [p for p in todo if not any(len(q) > len(p) and q[:len(p)] == p for q in todo)]
+                starts = itertools.accumulate((len(n.tokens) for n in path[:-1]), initial=0)
+                todo.setdefault(id(path[-1]), list(zip(path, starts)))
+                inner.update(id(node) for node in path[:-1])
+        paths = [todo[last] for last in todo if last not in inner]  # one that another path extends: covered by it
         if not paths:
             return
         failed = []
-        for path, kv in zip(paths, compute([list(p) for p in paths])):
+        for path, kv in zip(paths, compute([[t for node, _ in path for t in node.tokens] for path in paths])):
             if kv is None:
                 failed.append(path)
                 continue
-            for node, start in todo[path]:
+            for node, start in path:
                 if not node.stale:
                     continue
                 end = start + len(node.tokens)
@@ -240,7 +243,7 @@ class PrefixKVCache:
                 node.stale = False
                 self.refreshed_tokens += len(node.tokens)
         for path in failed:
-            first = next((node for node, _ in todo[path] if node.stale), None)
+            first = next((node for node, _ in path if node.stale), None)
             if first is not None and self._attached(first):
                 self._drop(first)
 
