@@ -28,6 +28,7 @@ torch.set_num_threads(THREADS)
 from run import inprocess_scores, make_workload, measure_matmul_rate, unique_tokens  # noqa: E402
 
 from llmrl.engine.model.builtin_models import builtin_model_path  # noqa: E402
+from llmrl.engine.model.hf_cache import layer_cache  # noqa: E402
 
 path = str(builtin_model_path("smollm2-135m-instruct"))
 tok = AutoTokenizer.from_pretrained(path)
@@ -68,7 +69,7 @@ orig_forward = model.forward
 @functools.wraps(orig_forward)
 def timed_forward(*args, **kwargs):
     ids = kwargs.get("input_ids")
-    pkv = kwargs.get("past_key_values")
+    pkv = layer_cache(kwargs)  # the model call takes its cache under the same name as a layer does
     past = 0 if pkv is None else pkv.get_seq_length()
     mask = kwargs.get("attention_mask")
     real = int(mask[:, -ids.shape[1]:].sum()) if mask is not None and mask.dim() == 2 else ids.numel()  # 4-D: packed

@@ -35,6 +35,7 @@ import torch
 
 from llmrl.engine.model import scoring
 from llmrl.engine.model.batching import COMPLETION, row_inputs
+from llmrl.engine.model.hf_cache import cache_of, with_cache
 
 PACKABLE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4-D mask as given
 ROW_SPANS = (0, 256, 512, 1024, 2048)  # layouts tried: at most this many columns (past and tokens) per shared row
@@ -233,7 +234,7 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
                 last_hidden[a] = scoring.Pick(out.hidden_states, (place.row, place.own[1] - 1)) \
                     if want_hidden else None
         if kv_cache is not None:
-            _insert(kv_cache, ctxs, layout, starts, owns, out.past_key_values, device)
+            _insert(kv_cache, ctxs, layout, starts, owns, cache_of(out), device)
 
     context_hidden, candidate_hidden = scoring._prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits,
                                                                last_hidden, device)
@@ -275,10 +276,10 @@ def _common_pass(call, ctxs, common, needs, device, keep_last, last_logits, last
                    else (0, []))
     out = call([(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                position_ids=torch.arange(hit, common, device=device)[None],
-               past_key_values=scoring._cache_of([pieces], [hit], device) if hit else None, use_cache=True,
+               **with_cache(scoring._cache_of([pieces], [hit], device) if hit else None), use_cache=True,
                output_hidden_states=needs.hidden, **keep_last)
     touched.append(out.logits)
-    common_kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+    common_kv = [(layer.keys[0], layer.values[0]) for layer in cache_of(out).layers]
     if kv_cache is not None:
         kv_cache.cache.insert(kv_cache.namespace, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
     for a, c in enumerate(ctxs):
@@ -337,7 +338,7 @@ def _packed_call(call, model, ctxs, layout, owns, starts, segments, pieces_of, c
             ~allowed, torch.finfo(torch.float32).min)
     past = _past_cache(layout, pieces_of, starts, common_kv if kv_cache is None else None, device)
     kwargs = {"input_ids": ids.to(device), "position_ids": position.to(device), "attention_mask": allowed,
-              "past_key_values": past, "use_cache": past is not None or kv_cache is not None,
+              **with_cache(past), "use_cache": past is not None or kv_cache is not None,
               "output_hidden_states": want_hidden}
     keep = keep.to(device)
     if keep_logits:

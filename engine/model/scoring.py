@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from llmrl.engine.model.batching import COMPLETION, BatchSpec, Needs, row_inputs
+from llmrl.engine.model.hf_cache import cache_of, with_cache
 from llmrl.engine.model.tokenization import TokenPlan
 
 # ----------------------------------------------------------------------------- running batches
@@ -229,7 +230,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
         keep = keep.to(device)
         kwargs = {"input_ids": ids, "position_ids": position, "output_hidden_states": want_hidden}
         if cache is not None:
-            kwargs["past_key_values"] = _select_cache_rows(cache, row_ctx)
+            kwargs.update(with_cache(_select_cache_rows(cache, row_ctx)))
             kwargs["attention_mask"] = torch.cat([prefix_mask[row_ctx], rest_mask], dim=1)
             kwargs["use_cache"] = True
         else:
@@ -305,7 +306,7 @@ def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_l
         out = call(_common_rows(ctxs, common), input_ids=torch.tensor([ctxs[0].prefix[:common]], device=device),
                    use_cache=True, output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
-        cache = _select_cache_rows(out.past_key_values, torch.zeros(len(ctxs), dtype=torch.long, device=device))
+        cache = _select_cache_rows(cache_of(out), torch.zeros(len(ctxs), dtype=torch.long, device=device))
         prefix_mask = torch.ones((len(ctxs), common), dtype=torch.long, device=device)
         for a, c in enumerate(ctxs):
             if c.shared == common:
@@ -318,10 +319,10 @@ def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_l
         position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
         mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
         out = call(_own_rows(ctxs, [common] * len(ctxs), remainders, ids.shape[1]), input_ids=ids,
-                   attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                   attention_mask=mask, position_ids=position, **with_cache(cache), use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
-        cache, prefix_mask = out.past_key_values, mask
+        cache, prefix_mask = cache_of(out), mask
         for a, rest in enumerate(remainders):
             if rest:
                 last_logits[a] = Pick(out.logits, (a, -1))
@@ -346,10 +347,10 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         hit, pieces = store.match_pieces(space, head, limit=common - 1)
         out = call([(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                    position_ids=torch.arange(hit, common, device=device)[None],
-                   past_key_values=_cache_of([pieces], [hit], device) if hit else None, use_cache=True,
+                   **with_cache(_cache_of([pieces], [hit], device) if hit else None), use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
-        common_kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        common_kv = [(layer.keys[0], layer.values[0]) for layer in cache_of(out).layers]
         store.insert(space, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
         for a, c in enumerate(ctxs):
             if c.shared == common:
@@ -382,10 +383,10 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     position = start_of + (own_mask.cumsum(-1) - 1).clamp(min=0)
     mask = torch.cat([past_mask, own_mask], dim=1)
     out = call(_own_rows(ctxs, starts, remainders, ids.shape[1]), input_ids=ids, attention_mask=mask,
-               position_ids=position, past_key_values=_cache_of(kvs, starts, device) if width else None,
+               position_ids=position, **with_cache(_cache_of(kvs, starts, device) if width else None),
                use_cache=True, output_hidden_states=want_hidden, **keep_last)
     touched.append(out.logits)
-    cache = out.past_key_values
+    cache = cache_of(out)
     for a, rest in enumerate(remainders):
         if rest:
             last_logits[a] = Pick(out.logits, (a, -1))

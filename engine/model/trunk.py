@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmrl.engine.model.hf_cache import cache_of, layer_cache
 from llmrl.engine.model.prefix_cache import PrefixKVCache
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -200,7 +201,7 @@ class Trunk:
             kwargs["logits_to_keep"] = 1
         spec = [(r, p, 0, list(range(len(p)))) for r, p in enumerate(rows)]
         with torch.no_grad(), self._replaying(spec, ids.shape):
-            cache = model(**kwargs).past_key_values
+            cache = cache_of(model(**kwargs))
         computed = iter(range(len(rows)))
         out: list[list[tuple] | None] = []
         for p, ok in zip(paths, held):
@@ -218,9 +219,10 @@ class Trunk:
 
 
 def _pass_through(index: int):
-    def forward(hidden_states, *args, past_key_values=None, **kwargs):
-        if past_key_values is not None:
+    def forward(hidden_states, *args, **kwargs):
+        cache = layer_cache(kwargs)
+        if cache is not None:
             placeholder = hidden_states.new_zeros((hidden_states.shape[0], 1, hidden_states.shape[1], 1))
-            past_key_values.update(placeholder, placeholder, index)
+            cache.update(placeholder, placeholder, index)
         return hidden_states
     return forward
