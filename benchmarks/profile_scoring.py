@@ -69,7 +69,7 @@ orig_forward = model.forward
 @functools.wraps(orig_forward)
 def timed_forward(*args, **kwargs):
     ids = kwargs.get("input_ids")
-    pkv = layer_cache(kwargs)  # the model call takes its cache under the same name as a layer does
+    pkv = layer_cache(kwargs)
     past = 0 if pkv is None else pkv.get_seq_length()
     mask = kwargs.get("attention_mask")
     real = int(mask[:, -ids.shape[1]:].sum()) if mask is not None and mask.dim() == 2 else ids.numel()  # 4-D: packed

@@ -35,7 +35,7 @@ import torch
 
 from llmrl.engine.model import scoring
 from llmrl.engine.model.batching import COMPLETION, row_inputs
-from llmrl.engine.model.hf_cache import cache_of, with_cache
+from llmrl.engine.model.hf_cache import cache_of
 
 PACKABLE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4-D mask as given
 ROW_SPANS = (0, 256, 512, 1024, 2048)  # layouts tried: at most this many columns (past and tokens) per shared row
@@ -276,7 +276,7 @@ def _common_pass(call, ctxs, common, needs, device, keep_last, last_logits, last
                    else (0, []))
     out = call([(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                position_ids=torch.arange(hit, common, device=device)[None],
-               **with_cache(scoring._cache_of([pieces], [hit], device) if hit else None), use_cache=True,
+               cache=scoring._cache_of([pieces], [hit], device) if hit else None, use_cache=True,
                output_hidden_states=needs.hidden, **keep_last)
     touched.append(out.logits)
     common_kv = [(layer.keys[0], layer.values[0]) for layer in cache_of(out).layers]
@@ -338,7 +338,7 @@ def _packed_call(call, model, ctxs, layout, owns, starts, segments, pieces_of, c
             ~allowed, torch.finfo(torch.float32).min)
     past = _past_cache(layout, pieces_of, starts, common_kv if kv_cache is None else None, device)
     kwargs = {"input_ids": ids.to(device), "position_ids": position.to(device), "attention_mask": allowed,
-              **with_cache(past), "use_cache": past is not None or kv_cache is not None,
+              "cache": past, "use_cache": past is not None or kv_cache is not None,
               "output_hidden_states": want_hidden}
     keep = keep.to(device)
     if keep_logits:

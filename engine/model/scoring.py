@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from llmrl.engine.model.batching import COMPLETION, BatchSpec, Needs, row_inputs
-from llmrl.engine.model.hf_cache import cache_of, with_cache
+from llmrl.engine.model.hf_cache import cache_kwarg, cache_of
 from llmrl.engine.model.tokenization import TokenPlan
 
 # ----------------------------------------------------------------------------- running batches
@@ -230,7 +230,7 @@ def _run_causal(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache
         keep = keep.to(device)
         kwargs = {"input_ids": ids, "position_ids": position, "output_hidden_states": want_hidden}
         if cache is not None:
-            kwargs.update(with_cache(_select_cache_rows(cache, row_ctx)))
+            kwargs["cache"] = _select_cache_rows(cache, row_ctx)
             kwargs["attention_mask"] = torch.cat([prefix_mask[row_ctx], rest_mask], dim=1)
             kwargs["use_cache"] = True
         else:
@@ -319,7 +319,7 @@ def _encode_prefixes(call, ctxs, batch, needs, pad_id, device, keep_last, last_l
         position = common + (own_mask.cumsum(-1) - 1).clamp(min=0)
         mask = own_mask if prefix_mask is None else torch.cat([prefix_mask, own_mask], dim=1)
         out = call(_own_rows(ctxs, [common] * len(ctxs), remainders, ids.shape[1]), input_ids=ids,
-                   attention_mask=mask, position_ids=position, **with_cache(cache), use_cache=True,
+                   attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         cache, prefix_mask = cache_of(out), mask
@@ -347,7 +347,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
         hit, pieces = store.match_pieces(space, head, limit=common - 1)
         out = call([(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
                    position_ids=torch.arange(hit, common, device=device)[None],
-                   **with_cache(_cache_of([pieces], [hit], device) if hit else None), use_cache=True,
+                   cache=_cache_of([pieces], [hit], device) if hit else None, use_cache=True,
                    output_hidden_states=want_hidden, **keep_last)
         touched.append(out.logits)
         common_kv = [(layer.keys[0], layer.values[0]) for layer in cache_of(out).layers]
@@ -383,7 +383,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, needs, pad_id, device, keep_l
     position = start_of + (own_mask.cumsum(-1) - 1).clamp(min=0)
     mask = torch.cat([past_mask, own_mask], dim=1)
     out = call(_own_rows(ctxs, starts, remainders, ids.shape[1]), input_ids=ids, attention_mask=mask,
-               position_ids=position, **with_cache(_cache_of(kvs, starts, device) if width else None),
+               position_ids=position, cache=_cache_of(kvs, starts, device) if width else None,
                use_cache=True, output_hidden_states=want_hidden, **keep_last)
     touched.append(out.logits)
     cache = cache_of(out)
@@ -449,12 +449,21 @@ def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool):
 
 def make_caller(model, needs, trunk, replayable: bool, calls):
     """``call(rows, **kwargs)``: the model call, through the trunk when there is one. ``calls()`` lists the rows
-    of every call the batch will make: it is replayed whole when the trunk holds every token they compute."""
+    of every call the batch will make: it is replayed whole when the trunk holds every token they compute. A
+    key/value cache given as ``cache`` reaches the model under the name its ``forward`` takes
+    (:func:`~llmrl.engine.model.hf_cache.cache_kwarg`)."""
+    name = cache_kwarg(model)
+
+    def named(kwargs: dict) -> dict:
+        if name != "cache" and "cache" in kwargs:
+            kwargs[name] = kwargs.pop("cache")
+        return kwargs
+
     if trunk is None:
-        return lambda rows, **kwargs: model(**kwargs)
+        return lambda rows, **kwargs: model(**named(kwargs))
     replay = (trunk.mode == "replay" and replayable and not (needs.hidden and trunk.reads_bottom(needs.layers))
               and trunk.available(calls()))
-    return lambda rows, **kwargs: trunk.call(model, kwargs, rows, replay)
+    return lambda rows, **kwargs: trunk.call(model, named(kwargs), rows, replay)
 
 
 def _cache_of(rows: list[list], lengths: list[int], device):
