@@ -99,10 +99,12 @@ def packs(served: ServedModel) -> bool:
 
 
 def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
-            minibatch_size: int | None = None, *, must_agree: bool, **options) -> tuple[ForwardPlan, int]:
+            minibatch_size: int | None = None, *, must_agree: bool, position: tuple[int, ...] = (),
+            **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.
 
     ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``, ``kv_cache``).
+    ``position`` goes with the vote (see :meth:`~llmrl.engine.server.group.GroupChannel.agree`).
     Returns the plan and the number of throw-away calls to add. Raises this rank's own planning error, or
     :class:`PeerAborted` when another rank's plan failed: every rank raises, none is left in a collective.
     """
@@ -115,7 +117,7 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
             raise error
         return plan, 0
     calls = plan.model_calls if plan is not None else 0
-    everyone_ok, most = served.group.agree(error is None, calls)
+    everyone_ok, most = served.group.agree(error is None, calls, position)
     if error is not None:
         raise error
     if not everyone_ok:

@@ -101,10 +101,12 @@ class HFBackend(ModelBackend):
     def build(self) -> dict:
         import deepspeed
 
-        optimizer = None
+        from llmrl.engine.model.optimizer import AdapterSteps, make_optimizer
+
+        optimizer = adapter_steps = None
         if self.updater is not None:
-            optimizer = make_optimizer([p for p in self.module.parameters() if p.requires_grad],
-                                       self.llm.training.optimizer)
+            optimizer = make_optimizer(self.module, self.adapters, self.llm.training.optimizer)
+            adapter_steps = AdapterSteps(optimizer)
         else:
             self.module.requires_grad_(False)
         ds_config = dict(self.ds_config)
@@ -116,7 +118,8 @@ class HFBackend(ModelBackend):
         self.served = ServedModel(
             llm=self.llm, role=self.role, device=self.device, group=self.group, info=self.info,
             tokenizer=self.tokenizer, engine=engine, max_length=self.max_length, adapters=self.adapters,
-            head_specs=self.head_specs, updater=self.updater, updater_name=self.updater_name)
+            head_specs=self.head_specs, updater=self.updater, updater_name=self.updater_name,
+            adapter_steps=adapter_steps)
         if self.llm.checkpoint:
             from llmrl.engine.model.checkpoint import load_checkpoint
 
@@ -293,11 +296,3 @@ def decoder_start_id(model) -> int | None:
 def _seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def make_optimizer(params, spec):
-    if spec.type == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-    if spec.type == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)

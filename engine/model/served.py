@@ -52,6 +52,7 @@ class ServedModel:
     head_specs: dict[str, PluginSpec] = field(default_factory=dict)
     updater: Updater | None = None
     updater_name: str | None = None
+    adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/optimizer.py) when training
 
     @property
     def module(self):

@@ -8,6 +8,15 @@ next vote with "failed", and every rank then stops at the same point, discards g
 since the last optimizer step, and reports. Optimizer steps already taken were taken by every replica,
 so replicas always hold the same weights.
 
+Each vote also carries the trainer calls the rank has made so far: replicas whose updaters parted (one calls
+``backward`` once per local sample, and the shares are uneven) all raise :class:`ReplicasOutOfStep` at the
+first vote where they differ, naming each replica's counts, instead of waiting in a collective until the
+timeout. A non-finite loss (voted before ``backward``) or gradient (voted before the step; DeepSpeed's own
+norm check under ZeRO 1-3) skips the optimizer step on every replica and raises :class:`NonFiniteUpdate`
+naming the step and the statistic. A step touches only the adapters whose passes had gradients since the last
+step (see :mod:`llmrl.engine.model.optimizer`). ``loss.backward()`` on the trainer's outputs raises at once
+with the fix (``trainer.backward``).
+
 This module does not pick what to train on; updaters (plugins) do.
 """
 
@@ -21,7 +30,13 @@ import torch
 from llmrl.engine.errors import PeerAborted, plugin_error
 from llmrl.engine.model.forward import prepare, run_forward
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
+
+# What a trainer's vote says it is about to do (the first entry of its position, see GroupChannel.agree).
+FORWARD, BACKWARD, STEP, SUM, END = 1, 2, 3, 4, 5
+_DOING = {FORWARD: "trainer.forward", BACKWARD: "trainer.backward", STEP: "an optimizer step",
+          SUM: "trainer.sum_across_replicas", END: "the end of the update"}
 
 
 class EngineTrainer(Trainer):
@@ -33,56 +48,126 @@ class EngineTrainer(Trainer):
         self.gradient_accumulation_steps = served.llm.training.gradient_accumulation_steps
         self.failed_vote_cast = False
         self.optimizer_steps = 0
-        self.backward_calls = 0
+        self.calls = {FORWARD: 0, BACKWARD: 0, STEP: 0, SUM: 0}  # what this rank's updater has called so far
         self.pending_micro_steps = 0  # micro-steps since the last optimizer step
+        self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
+        self.without_adapters = False  # inside adapters_disabled()
+        self.inside_backward = False
+        self.last_forward_empty = False
 
-    def _check_peers(self, ok: bool, where: str) -> None:
-        if not self.served.group.all_ok(ok):
+    def _position(self, doing: int) -> tuple[int, ...]:
+        return (doing, self.calls[FORWARD], self.calls[BACKWARD], self.calls[STEP], self.calls[SUM])
+
+    def _vote(self, ok: bool, doing: int, value: int = 0) -> tuple[bool, int]:
+        """A vote of the LLM's ranks from this trainer's position; raises :class:`ReplicasOutOfStep` when the
+        replicas' updaters have not made the same calls."""
+        try:
+            return self.served.group.agree(ok, value, self._position(doing))
+        except OutOfStep as err:
+            self.failed_vote_cast = True  # every rank raises here: no further vote
+            raise ReplicasOutOfStep(out_of_step_message(self.served, err.positions)) from None
+
+    def _check_peers(self, ok: bool, doing: int) -> None:
+        if not self._vote(ok, doing)[0]:
             if not ok:
                 self.failed_vote_cast = True
                 return
-            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before {where}")
+            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before "
+                              f"{_DOING.get(doing, 'the next step')}")
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None) -> ForwardOutputs:
         served = self.served
-        empty = len(contexts) == 0
+        self.calls[FORWARD] += 1
+        empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
             tokenizer = served.tokenizer
             contexts = [tokenizer.decode([tokenizer.pad_token_id]) or "a"]
             candidates = None if candidates is None else [[" a"]]
         try:
             plan, extra = prepare(served, contexts, candidates, heads, peft_adapter, must_agree=True,
-                                  per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs)
+                                  per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs,
+                                  position=self._position(FORWARD))
+        except OutOfStep as err:
+            self.failed_vote_cast = True
+            raise ReplicasOutOfStep(out_of_step_message(served, err.positions)) from None
         except PeerAborted:
             raise
         except Exception:
             self.failed_vote_cast = True
             raise
         out = run_forward(served, plan, extra, trunk_mode="replay")
+        if torch.is_grad_enabled():
+            if not self.without_adapters and served.adapters:
+                self.trained_adapters.add(peft_adapter or served.active_adapter())
+            self._guard_backward(out)
         return _nothing_of(out) if empty else out
 
+    def _guard_backward(self, out: ForwardOutputs) -> None:
+        """Make ``loss.backward()`` on these outputs fail at once with the fix: the engine must run the backward
+        pass (it reduces gradients across replicas and keeps them in step)."""
+        def guard(grad):
+            if not self.inside_backward:
+                raise DirectBackward("call trainer.backward(loss), not loss.backward(): the DeepSpeed engine "
+                                     "must run the backward pass (it averages gradients over the replicas)")
+            return grad
+
+        for tensor in _tensors_of(out):
+            if tensor.requires_grad:
+                tensor.register_hook(guard)
+
     def backward(self, loss: torch.Tensor) -> None:
+        self.calls[BACKWARD] += 1
         ok = isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad
-        self._check_peers(ok, "backward")
-        if not ok:
-            raise ValueError("trainer.backward needs a scalar loss tensor that requires grad, got "
-                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        self.engine.backward(loss, scale_wrt_gas=False)  # batch.mean already weights the samples of the step
-        self.backward_calls += 1
+        finite = not ok or bool(torch.isfinite(loss.detach()))
+        everyone_ok, bad_replica = self._vote(ok, BACKWARD, 0 if finite else self.served.role.replica + 1)
+        if not everyone_ok:
+            if not ok:
+                self.failed_vote_cast = True
+                raise ValueError("trainer.backward needs a scalar loss tensor that requires grad, got "
+                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before its backward")
+        if bad_replica:
+            self.failed_vote_cast = True  # every rank raises here
+            value = f" ({float(loss.detach())})" if not finite else ""
+            raise NonFiniteUpdate(f"the loss of backward call {self.calls[BACKWARD]} was not finite on replica "
+                                  f"{bad_replica - 1}{value}: optimizer step {self.optimizer_steps + 1} was skipped "
+                                  f"on every replica; {self.optimizer_steps} step(s) of this update were taken")
+        self.inside_backward = True
+        try:
+            self.engine.backward(loss, scale_wrt_gas=False)  # batch.mean already weights the samples of the step
+        finally:
+            self.inside_backward = False
 
     def step(self) -> None:
+        self.calls[STEP] += 1
         self.pending_micro_steps += 1
         if self.pending_micro_steps >= self.gradient_accumulation_steps:
             self.flush()
 
     def flush(self) -> None:
-        """Take the optimizer step if micro-steps are pending (the end of a pass, or of the update)."""
+        """Take the optimizer step if micro-steps are pending (the end of a pass, or of the update). Replicas
+        first agree that every gradient they hold is finite; otherwise none steps."""
         if self.pending_micro_steps == 0:
             return
-        self._check_peers(True, "step")
-        self.engine.step()
+        bad = first_non_finite_gradient(self.engine.module)
+        _, bad_replica = self._vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
+        if bad_replica:
+            self.failed_vote_cast = True
+            where = f" ({bad})" if bad is not None else ""
+            raise NonFiniteUpdate(f"a gradient was not finite on replica {bad_replica - 1}{where}: optimizer step "
+                                  f"{self.optimizer_steps + 1} was skipped on every replica; "
+                                  f"{self.optimizer_steps} step(s) of this update were taken")
+        steps = self.served.adapter_steps
+        with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext():
+            self.engine.step()
         self.pending_micro_steps = 0
+        self.trained_adapters = set()
+        if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
+            self.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
+            raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
+                                  f"DeepSpeed skipped the step on every replica; {self.optimizer_steps} step(s) of "
+                                  "this update were taken")
         self.optimizer_steps += 1
 
     @property
@@ -91,18 +176,24 @@ class EngineTrainer(Trainer):
 
     def sum_across_replicas(self, values) -> torch.Tensor:
         values = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
-        self._check_peers(True, "sum_across_replicas")
+        self.calls[SUM] += 1
+        self._check_peers(True, SUM)
         return self.served.group.sum_over_replicas(values, self.served.llm.tensor_parallel)
 
+    @contextlib.contextmanager
     def adapters_disabled(self):
         model = self.served.model
-        if hasattr(model, "disable_adapter"):
-            return model.disable_adapter()
-        return contextlib.nullcontext()
+        previous = self.without_adapters
+        self.without_adapters = True
+        try:
+            with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
+                yield
+        finally:
+            self.without_adapters = previous
 
     def finish(self) -> None:
         self.flush()
-        self._check_peers(True, "the end of the update")
+        self._check_peers(True, END)
 
     def discard_partial_accumulation(self) -> None:
         """Forget gradients accumulated since the last optimizer step (after an aborted update)."""
@@ -116,6 +207,59 @@ class EngineTrainer(Trainer):
         for p in engine.module.parameters():
             p.grad = None
         self.pending_micro_steps = 0
+        self.trained_adapters = set()
+
+
+class ReplicasOutOfStep(RuntimeError):
+    """The replicas' updaters did not make the same trainer calls."""
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """A loss or gradient was not finite: no replica took the optimizer step."""
+
+
+class DirectBackward(RuntimeError):
+    """``loss.backward()`` was called on the trainer's outputs instead of ``trainer.backward(loss)``."""
+
+
+def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -> str:
+    """Which calls each replica's updater had made when they parted, and what to do."""
+    tp = served.llm.tensor_parallel
+    lines = []
+    for replica, position in enumerate(positions[::tp]):
+        doing, forward, backward, step, sums = position[:5]
+        lines.append(f"replica {replica} was at {_DOING.get(doing, '?')} after {forward} forward, {backward} "
+                     f"backward and {step} step call(s)")
+    return (f"the replicas of LLM {served.llm.name!r} ran their updater out of step: " + "; ".join(lines)
+            + ". Every replica must call trainer.forward / backward / step the same number of times: loop over "
+            "batch.minibatches(size) (every replica gets the same number of minibatches, some possibly empty) "
+            "and call trainer.backward and trainer.step once per minibatch, never once per local sample. No "
+            "replica took a step the others did not.")
+
+
+def first_non_finite_gradient(module: torch.nn.Module) -> str | None:
+    """The name and value kind of the first gradient with a NaN or infinite entry this rank holds, or None (one
+    device synchronisation for all gradients)."""
+    grads = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    if not grads:
+        return None
+    finite = torch.stack([torch.isfinite(g).all().to(grads[0][1].device) for _, g in grads])
+    if bool(finite.all()):
+        return None
+    name, grad = grads[int((~finite).nonzero()[0])]
+    return f"{name}: {'nan' if bool(torch.isnan(grad).any()) else 'inf'}"
+
+
+def _tensors_of(out: ForwardOutputs):
+    for value in out:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for inner in value.values():
+                if isinstance(inner, torch.Tensor):
+                    yield inner
+                elif isinstance(inner, dict):
+                    yield from (v for v in inner.values() if isinstance(v, torch.Tensor))
 
 
 def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
@@ -148,10 +292,16 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
         raise
     except Exception as err:
         if not trainer.failed_vote_cast:
-            trainer._check_peers(False, "")
+            trainer._check_peers(False, END)
         trainer.discard_partial_accumulation()
+        hint = ""
+        if trainer.last_forward_empty and not isinstance(err, (NonFiniteUpdate, ReplicasOutOfStep)):
+            hint = (f" (replica {batch.replica}'s last minibatch was empty: the replicas' shares are "
+                    f"{batch.replica_sizes}, and every replica runs every minibatch, so trainer.forward returned "
+                    "outputs with no row; code such as torch.distributions.Categorical refuses those: skip it when "
+                    "len(minibatch) == 0 and still call trainer.backward(minibatch.mean(...)), which is 0 there)")
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
-                           f"(applied on every replica alike): {type(err).__name__}: {err}", name) from err
+                           f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
     return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps}
 
 

@@ -21,6 +21,17 @@ from llmrl.engine.config import Config
 from llmrl.engine.config.topology import RankRole
 from llmrl.engine.transport import rendezvous
 
+POSITION_SIZE = 5
+
+
+class OutOfStep(RuntimeError):
+    """The ranks of a group voted from different positions (see :meth:`GroupChannel.agree`); ``positions`` holds
+    every rank's, in group-rank order."""
+
+    def __init__(self, positions: list[tuple[int, ...]]):
+        super().__init__(f"ranks voted from different positions: {positions}")
+        self.positions = positions
+
 
 class GroupChannel:
     """Votes over an LLM group's control channel (a gloo group, CPU tensors)."""
@@ -35,17 +46,32 @@ class GroupChannel:
 
         return 1 if self.group is None else dist.get_world_size(self.group)
 
-    def agree(self, ok: bool, value: int = 0) -> tuple[bool, int]:
+    def agree(self, ok: bool, value: int = 0, position: tuple[int, ...] = ()) -> tuple[bool, int]:
         """One vote: whether every rank is ``ok``, and the largest ``value``. Every vote of the group has this one
-        shape (two integers, reduced with MAX), so that ranks at different points of a request (one voting
-        "failed" after an error, another voting before its next forward) still meet in the same collective."""
+        shape (integers reduced with MAX), so that ranks at different points of a request (one voting "failed"
+        after an error, another voting before its next forward) still meet in the same collective.
+
+        ``position`` (at most :data:`POSITION_SIZE` integers) says where in its work the rank votes (the updater's
+        trainer counts its calls). When every rank is ok but their positions differ, every rank raises
+        :class:`OutOfStep` with all the positions, instead of going on into collectives that no longer pair up.
+        """
         import torch.distributed as dist
 
         if self.size == 1:
             return ok, value
-        t = torch.tensor([0 if ok else 1, value], dtype=torch.int64)
+        if len(position) > POSITION_SIZE:
+            raise ValueError(f"a vote's position has at most {POSITION_SIZE} entries, got {len(position)}")
+        where = list(position) + [0] * (POSITION_SIZE - len(position))
+        # max(x) and max(-x) = -min(x): positions agree when both equal.
+        t = torch.tensor([0 if ok else 1, value, *where, *(-x for x in where)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        failed, most = t.tolist()
+        failed, most = int(t[0]), int(t[1])
+        highest, lowest = t[2:2 + POSITION_SIZE], -t[2 + POSITION_SIZE:]
+        if failed == 0 and not torch.equal(highest, lowest):
+            mine = torch.tensor(where, dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(self.size)]
+            dist.all_gather(every, mine, group=self.group)
+            raise OutOfStep([tuple(p.tolist()) for p in every])
         return failed == 0, most
 
     def all_ok(self, ok: bool) -> bool:
