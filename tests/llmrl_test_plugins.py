@@ -224,3 +224,47 @@ class EveryTwinComputed(Initializer):
 
         forward.distinct_contexts = lambda plan: (None, None)
         return model
+
+
+class MisbehavingUpdater(Updater):
+    """The ways a ported updater goes wrong, picked by the ``mode`` keyword of ``update`` (for the guards'
+    tests); any other mode trains like ChosenScoreUpdater without a head.
+
+    - ``per_sample``: Lamorel's loop, one forward / backward / step per local sample;
+    - ``direct_backward``: ``loss.backward()`` instead of ``trainer.backward(loss)``;
+    - ``categorical``: ``Categorical(logits=scores)`` on every minibatch of one sample, empty ones included;
+    - ``nan_gradient``: on replica ``bad_replica``, a finite loss (0) whose gradient is infinite (sqrt at 0).
+    """
+
+    def update(self, batch, trainer):
+        mode = batch.kwargs.get("mode")
+        if mode == "per_sample":
+            for i in range(len(batch)):
+                trainer.backward(batch.mean(self.per_sample(trainer, batch.select([i], [1] * batch.num_replicas))))
+                trainer.step()
+            return {}
+        for mb in batch.minibatches(1 if mode == "categorical" else trainer.micro_batch_size):
+            if mode == "categorical":
+                out = trainer.forward(mb.contexts, mb.candidates)
+                scores, _ = out.scores_by_context()
+                actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long)
+                loss = mb.mean(-torch.distributions.Categorical(logits=scores).log_prob(actions))
+            else:
+                per_sample = self.per_sample(trainer, mb)
+                if mode == "nan_gradient" and batch.replica == batch.kwargs["bad_replica"]:
+                    per_sample = per_sample + torch.sqrt(per_sample - per_sample.detach())  # 0, d/dx = inf
+                loss = mb.mean(per_sample)
+            if mode == "direct_backward":
+                loss.backward()
+            else:
+                trainer.backward(loss)
+            trainer.step()
+        return {}
+
+    @staticmethod
+    def per_sample(trainer, mb) -> torch.Tensor:
+        out = trainer.forward(mb.contexts, mb.candidates)
+        scores, _ = out.scores_by_context(fill=0.0)
+        actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=scores.device)
+        weights = torch.as_tensor(mb.kwargs["weights"], dtype=torch.float32, device=scores.device)
+        return -weights * scores.gather(1, actions[:, None]).squeeze(1)

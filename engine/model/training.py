@@ -35,8 +35,9 @@ from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
 
 # What a trainer's vote says it is about to do (the first entry of its position, see GroupChannel.agree).
 FORWARD, BACKWARD, STEP, SUM, END = 1, 2, 3, 4, 5
-_DOING = {FORWARD: "trainer.forward", BACKWARD: "trainer.backward", STEP: "an optimizer step",
-          SUM: "trainer.sum_across_replicas", END: "the end of the update"}
+_DOING = {FORWARD: "about to call trainer.forward", BACKWARD: "about to call trainer.backward",
+          STEP: "about to take an optimizer step", SUM: "about to call trainer.sum_across_replicas",
+          END: "at the end of the update"}
 
 
 class EngineTrainer(Trainer):
@@ -72,13 +73,12 @@ class EngineTrainer(Trainer):
             if not ok:
                 self.failed_vote_cast = True
                 return
-            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before "
-                              f"{_DOING.get(doing, 'the next step')}")
+            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped "
+                              f"{_DOING.get(doing, 'at its next step')}")
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None) -> ForwardOutputs:
         served = self.served
-        self.calls[FORWARD] += 1
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
             tokenizer = served.tokenizer
@@ -96,6 +96,7 @@ class EngineTrainer(Trainer):
         except Exception:
             self.failed_vote_cast = True
             raise
+        self.calls[FORWARD] += 1
         out = run_forward(served, plan, extra, trunk_mode="replay")
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
@@ -117,10 +118,10 @@ class EngineTrainer(Trainer):
                 tensor.register_hook(guard)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.calls[BACKWARD] += 1
         ok = isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad
         finite = not ok or bool(torch.isfinite(loss.detach()))
         everyone_ok, bad_replica = self._vote(ok, BACKWARD, 0 if finite else self.served.role.replica + 1)
+        self.calls[BACKWARD] += 1
         if not everyone_ok:
             if not ok:
                 self.failed_vote_cast = True
@@ -176,8 +177,8 @@ class EngineTrainer(Trainer):
 
     def sum_across_replicas(self, values) -> torch.Tensor:
         values = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
-        self.calls[SUM] += 1
         self._check_peers(True, SUM)
+        self.calls[SUM] += 1
         return self.served.group.sum_over_replicas(values, self.served.llm.tensor_parallel)
 
     @contextlib.contextmanager
@@ -228,7 +229,7 @@ def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -
     lines = []
     for replica, position in enumerate(positions[::tp]):
         doing, forward, backward, step, sums = position[:5]
-        lines.append(f"replica {replica} was at {_DOING.get(doing, '?')} after {forward} forward, {backward} "
+        lines.append(f"replica {replica} was {_DOING.get(doing, '?')} after {forward} forward, {backward} "
                      f"backward and {step} step call(s)")
     return (f"the replicas of LLM {served.llm.name!r} ran their updater out of step: " + "; ".join(lines)
             + ". Every replica must call trainer.forward / backward / step the same number of times: loop over "
