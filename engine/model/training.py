@@ -101,21 +101,13 @@ class EngineTrainer(Trainer):
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
                 self.trained_adapters.add(peft_adapter or served.active_adapter())
-            self._guard_backward(out)
+            out = _guarded(out, self._check_inside_backward)
         return _nothing_of(out) if empty else out
 
-    def _guard_backward(self, out: ForwardOutputs) -> None:
-        """Make ``loss.backward()`` on these outputs fail at once with the fix: the engine must run the backward
-        pass (it reduces gradients across replicas and keeps them in step)."""
-        def guard(grad):
-            if not self.inside_backward:
-                raise DirectBackward("call trainer.backward(loss), not loss.backward(): the DeepSpeed engine "
-                                     "must run the backward pass (it averages gradients over the replicas)")
-            return grad
-
-        for tensor in _tensors_of(out):
-            if tensor.requires_grad:
-                tensor.register_hook(guard)
+    def _check_inside_backward(self) -> None:
+        if not self.inside_backward:
+            raise DirectBackward("call trainer.backward(loss), not loss.backward(): the DeepSpeed engine must run "
+                                 "the backward pass (it averages gradients over the replicas and keeps them in step)")
 
     def backward(self, loss: torch.Tensor) -> None:
         ok = isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad
@@ -251,16 +243,31 @@ def first_non_finite_gradient(module: torch.nn.Module) -> str | None:
     return f"{name}: {'nan' if bool(torch.isnan(grad).any()) else 'inf'}"
 
 
-def _tensors_of(out: ForwardOutputs):
-    for value in out:
+class _Guard(torch.autograd.Function):
+    """The identity, whose backward first calls ``check`` (the outputs' gradients are the first a backward pass
+    computes, before any hook of DeepSpeed's on the model's own outputs)."""
+
+    @staticmethod
+    def forward(ctx, check, x):
+        ctx.check = check
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.check()
+        return None, grad
+
+
+def _guarded(out: ForwardOutputs, check) -> ForwardOutputs:
+    """``out`` with every tensor that has a gradient passed through :class:`_Guard`."""
+    def guard(value):
         if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, dict):
-            for inner in value.values():
-                if isinstance(inner, torch.Tensor):
-                    yield inner
-                elif isinstance(inner, dict):
-                    yield from (v for v in inner.values() if isinstance(v, torch.Tensor))
+            return _Guard.apply(check, value) if value.requires_grad else value
+        if isinstance(value, dict):
+            return {k: guard(v) for k, v in value.items()}
+        return value
+
+    return out._replace(**{k: guard(v) for k, v in out._asdict().items()})
 
 
 def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
