@@ -27,7 +27,7 @@ OPTIMIZERS = {
     "sgdm": {"type": "sgd", "lr": 0.5, "momentum": 0.9},
 }
 # Each ZeRO stage once, each optimizer, both replica counts.
-LAYOUTS = {"adam-z0r2": "adam", "adamw-z1r1": "adamw", "sgdm-z2r2": "sgdm", "adam-z3r1": "adam"}
+LAYOUTS = {"adam-z0r1": "adam", "adamw-z1r2": "adamw", "sgdm-z2r2": "sgdm", "adam-z3r2": "adam"}
 BEFORE_SAVE = ["b", "b", "a", "a"]
 AFTER_RESUME = ["b"]
 
