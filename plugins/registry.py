@@ -93,7 +93,7 @@ def script_module():
 
 def resolve(kind: str, name: str):
     """The plugin class named ``name`` for contract ``kind`` (head, initializer, updater)."""
-    from llmrl.plugins.contracts import check_contract
+    from llmrl.plugins.checks import contract_problem
 
     if ":" in name:
         module_name, _, attr = name.partition(":")
@@ -125,7 +125,7 @@ def resolve(kind: str, name: str):
         except Exception as err:
             raise PluginError(f"{kind} plugin {name!r} ({eps[name].value}) failed to import: "
                               f"{type(err).__name__}: {err}") from err
-    problem = check_contract(kind, cls, name)
+    problem = contract_problem(kind, cls, name)
     if problem:
         raise PluginError(problem)
     return cls
@@ -144,12 +144,20 @@ def args_problem(cls, args: dict, name: str) -> str | None:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return None
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return None
-    accepted = [n for n in params if n not in ("self", "llm")]
-    unknown = [k for k in args if k not in accepted]
-    if unknown:
-        return f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}{did_you_mean(unknown[0], accepted, cutoff=0.5)}"
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n in params if n not in ("self", "llm")]
+        unknown = [k for k in args if k not in accepted]
+        if unknown:
+            return (f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}"
+                    f"{did_you_mean(unknown[0], accepted, cutoff=0.5)}")
+    names = list(params)[1:]  # without self
+    if names and names[0] == "llm":  # a head's LLMInfo, given by the engine
+        names = names[1:]
+    missing = [n for n in names if params[n].default is params[n].empty and n not in args
+               and params[n].kind in (params[n].POSITIONAL_OR_KEYWORD, params[n].KEYWORD_ONLY)]
+    if missing:
+        return (f"missing required argument(s) {missing} for {name!r}, whose constructor is "
+                f"__init__{inspect.signature(cls.__init__)}: give them in its args")
     return None
 
 

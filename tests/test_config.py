@@ -108,6 +108,9 @@ BROKEN = [
     ("llms.main.kv_cache_mb", -1, "llms.main.kv_cache_mb", "must be >= 0"),
     ("llms.main.kv_cache_mb", "1GB", "llms.main.kv_cache_mb", "a size in MB such as 1024"),
     ("llms.main.initializers", ["lora"], "llms.main.initializers", "not split by DeepSpeed's tensor parallelism"),
+    ("llms.main.heads", {"score": "value"}, "llms.main.heads.score", "collides with the 'score' entry of score()'s "
+     "results"),
+    ("llms.main.heads", {"logprobs": "value"}, "llms.main.heads.logprobs", "rename the head, e.g. 'logprobs_head'"),
 ]
 
 

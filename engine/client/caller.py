@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmrl.engine.client.hosting import current_run
-from llmrl.engine.config import PluginSpec
 from llmrl.engine.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -58,10 +57,12 @@ class Caller:
     def __init__(self, *, heads: dict | None = None, initializers: list | None = None, updater=None,
                  llm: str | None = None, timeout: float | None = None, progress: bool = True):
         from llmrl.plugins import registry
+        from llmrl.plugins.checks import given_plugins
 
         if registry.importing_script:
             raise RuntimeError("Caller() was created while a server imported your script to find its plugins: "
                                "put your RL loop under `if __name__ == '__main__':` so it runs only on the client")
+        given = given_plugins(heads, initializers, updater)  # instances, bad constructors, reserved keys: refused now
         run = current_run()
         if run is None:
             raise RuntimeError("Caller() runs inside an llmrl launch: start your script with "
@@ -74,13 +75,7 @@ class Caller:
         self._closed = False
         self._rng = random.Random(self.config.seed)
         target = self._llm(llm)
-        plugins: dict[str, dict[str, Any]] = {}
-        if heads or initializers or updater:
-            plugins[target] = {
-                "heads": {k: PluginSpec.coerce(v, "head") for k, v in (heads or {}).items()},
-                "initializers": [PluginSpec.coerce(v, "initializer") for v in (initializers or [])],
-                "updater": PluginSpec.coerce(updater, "updater") if updater else None,
-            }
+        plugins: dict[str, dict[str, Any]] = {target: given} if given else {}
         bar = _startup_bar(progress, len(run.roles))
         try:
             run.links.wait_connected(self.config.timeouts.startup, bar.update_to if bar else None)

@@ -31,6 +31,18 @@ RESERVED_MODEL_KWARGS = {
     "pretrained_model_name_or_path": "model", "config": "model",
 }
 
+# entries of score()'s per-context result dicts that a head's output would replace (engine/requests/score.py)
+RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
+
+
+def head_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot name a head (its output would silently replace an entry of score()'s results), or None."""
+    if key not in RESERVED_HEAD_KEYS:
+        return None
+    return (f"head key {key!r} collides with the {key!r} entry of score()'s results (one dict per context holding "
+            f"{', '.join(repr(k) for k in RESERVED_HEAD_KEYS)} and each head's output by key): the head's output would "
+            f"replace it; rename the head, e.g. {key + '_head'!r} (reserved: {', '.join(RESERVED_HEAD_KEYS)})")
+
 
 def semantic_problems(data: dict) -> list[Problem]:
     """Checks across keys that the schema cannot express; pure (no environment)."""
@@ -48,6 +60,9 @@ def semantic_problems(data: dict) -> list[Problem]:
             if len(devices) != replicas * tp:
                 problems.append((f"{at}.devices", f"lists {len(devices)} GPU id(s) but the LLM has replicas x "
                                  f"tensor_parallel = {replicas} x {tp} = {replicas * tp} ranks; give one id per rank"))
+        for key in llm.get("heads") or {}:
+            if head_key_problem(key):
+                problems.append((f"{at}.heads.{key}", head_key_problem(key)))
         plugins = [spec if isinstance(spec, str) else (spec or {}).get("plugin") for spec in llm.get("initializers") or []]
         if tp > 1 and any(p in ("lora", "qlora") for p in plugins):
             problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "

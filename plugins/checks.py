@@ -1,0 +1,123 @@
+"""Checks for the forms users bring from Lamorel: plugin instances where a class is taken, constructors that do
+not fit the contract, and head keys that collide with the entries of ``score()``'s results.
+
+Lamorel takes ``custom_updater=MyUpdater(...)`` and module-function instances; llmrl builds every plugin itself,
+on every server rank, from its class and the keyword arguments of its constructor. These checks run on the client
+(``Caller(...)``) and at config time (:func:`llmrl.plugins.registry.resolve`), before any model loads.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from llmrl.engine.config.checks import head_key_problem
+from llmrl.engine.config.types import PluginSpec
+from llmrl.engine.errors import PluginError
+
+_HOOK = {"head": "forward", "initializer": "initialize", "updater": "update"}
+_HEAD_INIT = "__init__(self, llm, **args)"
+_PLACEHOLDER = {"head": "MyHead", "initializer": "MyInitializer", "updater": "MyUpdater"}
+
+
+def accepted_form(kind: str, cls_name: str, key: str = "value") -> str:
+    """How ``Caller(...)`` takes a plugin of ``kind``, spelled with the user's class name."""
+    if kind == "head":
+        return f'heads={{"{key}": {cls_name}}} or heads={{"{key}": ({cls_name}, {{"hidden": 128}})}}'
+    if kind == "initializer":
+        return f'initializers=[{cls_name}] or initializers=[({cls_name}, {{"arg": 1}})]'
+    return f'updater={cls_name} or updater=({cls_name}, {{"arg": 1}})'
+
+
+def constructor_problem(kind: str, cls, name: str) -> str | None:
+    """Why the constructor of plugin class ``cls`` cannot be called as the engine calls it, or None: a head is built
+    as ``HeadClass(llm, **args)``, an initializer or updater as ``Class(**args)`` (``args`` from the config)."""
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())[1:]  # without self
+    where = f"{kind} {name!r} ({cls.__qualname__}): its constructor is __init__{signature}"
+    if kind == "head":
+        first = params[0] if params else None
+        if first is None or first.kind is first.VAR_KEYWORD or first.kind is first.KEYWORD_ONLY or (
+                first.kind is not first.VAR_POSITIONAL and first.name != "llm"):
+            return (f"{where}, but the head contract is {_HEAD_INIT}: the engine calls {cls.__name__}(llm, **args) "
+                    "with the LLM's LLMInfo first (sizes, dtype, device), then the config's args; take llm as the "
+                    "first parameter (Lamorel's model_type / pre_encoded_input become args, or attributes of llm)")
+        params = params[1:]
+    elif any(p.name == "llm" and p.default is p.empty and p.kind is not p.VAR_POSITIONAL for p in params):
+        return (f"{where}, but the {kind} contract is __init__(self, **args): it is built from the config's keyword "
+                f"args alone (only heads receive llm; {_llm_source(kind)} gives it)")
+    positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
+    if positional_only:
+        return (f"{where}, but {', '.join(positional_only)} can only be passed by position; the {kind} contract is "
+                f"{_HEAD_INIT if kind == 'head' else '__init__(self, **args)'}, with the config's args passed by "
+                "keyword")
+    return None
+
+
+def _llm_source(kind: str) -> str:
+    return "an initializer's initialize(model, llm)" if kind == "initializer" else "an updater's trainer.llm"
+
+
+def contract_problem(kind: str, cls, name: str) -> str | None:
+    """Why ``cls`` breaks the ``kind`` contract (its hook, its head attributes, its constructor), or None."""
+    from llmrl.plugins.contracts import check_contract
+
+    return check_contract(kind, cls, name) or constructor_problem(kind, cls, name)
+
+
+def _describe(value) -> str:
+    if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value):
+        return f"the function {getattr(value, '__name__', value)!r}"
+    return f"an instance of {type(value).__qualname__}"
+
+
+def given_spec(kind: str, value, where: str, key: str = "value") -> PluginSpec:
+    """The spec of a plugin a script gives (a class, a ``(class, args)`` pair, a name, ``{plugin, args}``), checked
+    now: an instance or a function is refused with the accepted form; a class must keep its contract and take its
+    args."""
+    from llmrl.plugins.registry import args_problem
+
+    target, args = value, {}
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        target, args = value
+    if not (inspect.isclass(target) or isinstance(target, (str, dict, PluginSpec))):
+        shown = type(target).__name__ if not inspect.isroutine(target) else _PLACEHOLDER[kind]
+        hook = _HOOK[kind]
+        raise PluginError(f"{where} got {_describe(target)}, but llmrl takes the plugin's class and builds it itself "
+                          f"on every server rank (Lamorel-style instances and functions cannot be sent): pass "
+                          f"{accepted_form(kind, shown, key)}, the dict holding the constructor's keyword arguments "
+                          f"(a {kind} is a class with {hook}(...): see llmrl.plugins.contracts)")
+    try:
+        spec = PluginSpec.coerce(value, kind)
+    except TypeError as err:
+        raise PluginError(f"{where}: {err}; pass {accepted_form(kind, _PLACEHOLDER[kind], key)}") from None
+    if inspect.isclass(target):
+        problem = contract_problem(kind, target, spec.plugin) or args_problem(target, spec.args, spec.plugin)
+        if problem:
+            raise PluginError(f"{where}: {problem}")
+    return spec
+
+
+def given_plugins(heads=None, initializers=None, updater=None) -> dict | None:
+    """The plugins handed to ``Caller(heads=, initializers=, updater=)``, as specs, checked before anything starts;
+    None when none is given."""
+    if not (heads or initializers or updater):
+        return None
+    if heads is not None and not isinstance(heads, dict):
+        raise PluginError(f"Caller(heads=...) takes a dict of head classes by key, got {_describe(heads)}: pass "
+                          f"{accepted_form('head', _PLACEHOLDER['head'])}")
+    if initializers is not None and not isinstance(initializers, (list, tuple)):
+        raise PluginError(f"Caller(initializers=...) takes a list, got {_describe(initializers)}: pass "
+                          f"{accepted_form('initializer', _PLACEHOLDER['initializer'])}")
+    for key in heads or {}:
+        problem = head_key_problem(key)
+        if problem:
+            raise PluginError(f"Caller(heads=...): {problem}")
+    return {
+        "heads": {k: given_spec("head", v, f"Caller(heads={{{k!r}: ...}})", k) for k, v in (heads or {}).items()},
+        "initializers": [given_spec("initializer", v, f"Caller(initializers=[...]) item {i}")
+                         for i, v in enumerate(initializers or [])],
+        "updater": given_spec("updater", updater, "Caller(updater=...)") if updater else None,
+    }
