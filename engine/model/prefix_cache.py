@@ -44,15 +44,21 @@ class _Node:
     stale: bool = False  # the layers from the cache's ``stale_from`` up are dropped (None) until refreshed
 
     def split(self, at: int) -> _Node:
-        """Cut this edge after ``at`` tokens: a new node holds the head and becomes this node's parent."""
-        head = _Node(self.tokens[:at], [None if entry is None else tuple(t[:, :at] for t in entry)
-                                        for entry in self.kv], self.parent, last_used=self.last_used, stale=self.stale)
+        """Cut this edge after ``at`` tokens: a new node holds the head and becomes this node's parent. Each half is
+        copied into storage of its own: a view would keep the whole edge alive after the other half is evicted."""
+        head = _Node(self.tokens[:at], _own(self.kv, 0, at), self.parent, last_used=self.last_used, stale=self.stale)
         self.parent.children[self.tokens[0]] = head
         self.tokens = self.tokens[at:]
-        self.kv = [None if entry is None else tuple(t[:, at:] for t in entry) for entry in self.kv]
+        self.kv = _own(self.kv, at, None)
         self.parent = head
         head.children[self.tokens[0]] = self
         return head
+
+
+def _own(kv: KV, start: int, end: int | None) -> KV:
+    """Tokens ``start:end`` of every layer's tensors, each a contiguous copy that owns exactly its bytes."""
+    return [None if entry is None else tuple(t[:, start:end].clone(memory_format=torch.contiguous_format)
+                                             for t in entry) for entry in kv]
 
 
 class PrefixKVCache:
@@ -178,8 +184,7 @@ class PrefixKVCache:
             if victim.last_used == keep and len(victim.tokens) > over:
                 keep_tokens = len(victim.tokens) - over  # trim the newest entry's tail rather than drop it
                 victim.tokens = victim.tokens[:keep_tokens]
-                victim.kv = [None if entry is None else tuple(t[:, :keep_tokens].clone() for t in entry)
-                             for entry in victim.kv]
+                victim.kv = _own(victim.kv, 0, keep_tokens)
                 self.tokens -= over
                 self.evicted_tokens += over
                 return
@@ -264,9 +269,11 @@ class PrefixKVCache:
     # ------------------------------------------------------------------ reporting
 
     def held_bytes(self) -> int:
-        """Bytes of keys and values this rank actually holds."""
-        return sum(t.numel() * t.element_size() for root in self.roots.values() for node in _nodes(root)
-                   for entry in node.kv if entry is not None for t in entry)
+        """Bytes this rank's keys and values really keep alive: the sizes of the distinct storages under them (every
+        stored tensor owns its storage, so this is also the sum of their own sizes)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for root in self.roots.values()
+                    for node in _nodes(root) for entry in node.kv if entry is not None for t in entry}
+        return sum(storages.values())
 
     def stats(self) -> dict:
         return {
