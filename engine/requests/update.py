@@ -12,10 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
-from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
+from llmrl.engine.requests.finite import check_finite
 from llmrl.plugins.contracts import UpdateBatch, is_per_sample
 
 NAME = "update"
@@ -31,27 +29,6 @@ class UpdateRequest:
     indices: list[int] = field(default_factory=list)  # positions of these samples in the whole call
     global_size: int = 0
     replica_sizes: list[int] = field(default_factory=list)
-
-
-def check_finite(kwargs: dict) -> None:
-    """Refuse NaN or infinite numbers among the keyword arguments (advantages, returns, old log-probs...): one would
-    turn every weight into NaN at the first step. Strings, objects and ragged lists are left alone."""
-    for key, value in kwargs.items():
-        if isinstance(value, (str, bytes, dict)) or value is None or isinstance(value, bool):
-            continue
-        try:
-            tensor = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            continue
-        bad = ~torch.isfinite(tensor)
-        if bad.any():
-            where = tuple(int(i) for i in bad.nonzero()[0]) if tensor.dim() else ()
-            at = f"[{', '.join(map(str, where))}]" if where else ""
-            raise InvalidArgument(f"update argument {key!r} holds {tensor[where].item() if where else tensor.item()} "
-                                  f"at {key}{at} ({int(bad.sum())} non-finite value(s)); nothing was sent, no "
-                                  "weight changed")
 
 
 def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwargs: dict) -> Future:

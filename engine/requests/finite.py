@@ -1,0 +1,84 @@
+"""Refuse NaN and infinite numbers anywhere in ``update``'s keyword arguments, before anything is sent.
+
+One NaN among the rewards, advantages or old log-probs turns every weight into NaN at the first optimizer step.
+:func:`check_finite` walks each argument however it is nested (lists and tuples, ragged or not, dicts, torch
+tensors, numpy arrays and scalars, Python floats), checking every tensor or array with one vectorised test, and
+names the first bad value by its path (``rewards[2][5]``). Strings, booleans, integers and other objects are
+left alone.
+
+This module checks values only; lengths and per-sample slicing are the update request's.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from llmrl.engine.errors import InvalidArgument
+
+
+def check_finite(kwargs: dict) -> None:
+    """Raise :class:`InvalidArgument` naming the first NaN or infinite number among ``kwargs``' values."""
+    for key, value in kwargs.items():
+        found = first_non_finite(value, key)
+        if found is not None:
+            path, bad, count = found
+            raise InvalidArgument(f"update argument {key!r} holds {bad} at {path} ({count} non-finite value(s) "
+                                  "there); nothing was sent, no weight changed")
+
+
+def first_non_finite(value, path: str) -> tuple[str, float, int] | None:
+    """``(path, value, count)`` of the first non-finite number inside ``value`` (count: in the innermost array
+    or list that holds it), or None."""
+    if value is None or isinstance(value, (str, bytes, bool, int)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value, 1)
+    if isinstance(value, torch.Tensor):
+        return _in_array(value.detach(), path)
+    if type(value).__module__ == "numpy":
+        return _in_numpy(value, path)
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            found = first_non_finite(inner, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        try:  # the common case, a flat or rectangular list of numbers: one vectorised check
+            return _in_array(torch.as_tensor(value), path)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        for i, inner in enumerate(value):
+            found = first_non_finite(inner, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, numbers.Real):
+        return None if math.isfinite(float(value)) else (path, float(value), 1)
+    return None
+
+
+def _in_numpy(value, path: str):
+    import numpy as np
+
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return first_non_finite(value.tolist(), path)
+    array = np.asarray(value)
+    if array.dtype.kind not in "fc":
+        return None
+    return _in_array(torch.from_numpy(np.ascontiguousarray(array)), path)
+
+
+def _in_array(tensor: torch.Tensor, path: str):
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return None
+    bad = ~torch.isfinite(tensor)
+    if not bool(bad.any()):
+        return None
+    if tensor.dim() == 0:
+        return path, tensor.item(), 1
+    where = tuple(int(i) for i in bad.nonzero()[0])
+    return path + "".join(f"[{i}]" for i in where), tensor[where].item(), int(bad.sum())
