@@ -47,8 +47,10 @@ def first_non_finite(value, path: str) -> tuple[str, float, int] | None:
                 return found
         return None
     if isinstance(value, (list, tuple)):
+        arrays = any(isinstance(v, torch.Tensor) or type(v).__module__ == "numpy" for v in value)
         try:  # the common case, a flat or rectangular list of numbers: one vectorised check
-            return _in_array(torch.as_tensor(value), path)
+            if not arrays:
+                return _in_array(torch.as_tensor(value), path)
         except (TypeError, ValueError, RuntimeError):
             pass
         for i, inner in enumerate(value):
