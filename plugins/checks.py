@@ -63,8 +63,10 @@ def _llm_source(kind: str) -> str:
 def contract_problem(kind: str, cls, name: str) -> str | None:
     """Why ``cls`` breaks the ``kind`` contract (its hook, its head attributes, its constructor), or None."""
     from llmrl.plugins.contracts import check_contract
+    from llmrl.plugins.per_sample import declaration_problem
 
-    return check_contract(kind, cls, name) or constructor_problem(kind, cls, name)
+    return (check_contract(kind, cls, name) or constructor_problem(kind, cls, name)
+            or (declaration_problem(cls, name) if kind == "updater" else None))
 
 
 def _describe(value) -> str:

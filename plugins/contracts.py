@@ -19,6 +19,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from llmrl.plugins.per_sample import is_per_sample
+
 
 @dataclass(frozen=True)
 class LLMInfo:
@@ -260,9 +262,16 @@ class Updater:
 
     Class attributes:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
+        per_sample: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
+            value per context; ``"candidate"``: per context, one per candidate; ``"token"``: per context, one
+            sequence per candidate, one value per scored token), e.g. ``{"rewards": "candidate"}``. The client
+            refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
+            (:mod:`llmrl.plugins.per_sample`). None keeps the length rule (an argument whose length is the number
+            of contexts is sliced).
     """
 
     args_schema: ClassVar[dict | None] = None
+    per_sample: ClassVar[dict[str, str] | None] = None
 
     def __init__(self, **args):
         """Receive the ``args`` given in the config."""
@@ -360,17 +369,6 @@ class Trainer:
         raise NotImplementedError
 
 
-def is_per_sample(value, n: int) -> bool:
-    """Whether a keyword argument of ``update`` holds one entry per sample (and is sliced with the batch):
-    any sized value of length ``n`` except strings, bytes and mappings."""
-    if isinstance(value, (str, bytes, dict)):
-        return False
-    try:
-        return len(value) == n
-    except TypeError:
-        return False
-
-
 @dataclass
 class UpdateBatch:
     """This replica's share of an ``update`` call, or of one of its minibatches.
@@ -393,6 +391,8 @@ class UpdateBatch:
         accumulation_steps: micro-steps per optimizer step (``training.gradient_accumulation_steps``).
         step_size: samples, over all replicas, in the optimizer step this minibatch belongs to (None: the
             whole batch is one step).
+        per_sample_keys: the keyword arguments sliced with the samples, as the client decided (the updater's
+            ``per_sample`` declaration, or the length rule); None: the length rule, applied here.
     """
 
     contexts: list[str | list[int]]  # text, or token ids used as given
@@ -406,6 +406,7 @@ class UpdateBatch:
     accumulation_steps: int = 1
     step_size: int | None = None
     end_of_pass: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    per_sample_keys: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.contexts)
@@ -423,7 +424,8 @@ class UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}
         for key, value in self.kwargs.items():
-            kwargs[key] = _take(value, positions) if is_per_sample(value, len(self)) else value
+            sliced = key in self.per_sample_keys if self.per_sample_keys is not None else is_per_sample(value, len(self))
+            kwargs[key] = _take(value, positions) if sliced else value
         return replace(
             self,
             contexts=[self.contexts[p] for p in positions],

@@ -112,6 +112,8 @@ class PPOUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
+    per_sample = {"actions": "sample", "old_logprobs": "sample", "advantages": "sample", "returns": "sample",
+                  "old_values": "sample"}
     args_schema = {
         "type": "object",
         "additionalProperties": False,

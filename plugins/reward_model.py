@@ -62,6 +62,7 @@ class PairwiseRewardUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
+    per_sample = {"margins": "sample"}
     args_schema = {
         "type": "object",
         "additionalProperties": False,

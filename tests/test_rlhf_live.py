@@ -299,3 +299,35 @@ def test_a_reward_model_in_the_same_run_scores_the_policys_samples_and_trains_it
     assert stats[0]["approx_kl"] < 1e-6, "generate's log-probs are the policy's: the first ratios are 1"
     after = run.state_dict(llm="ppo")
     assert any(not torch.equal(before[k], after[k]) for k in before if ".lora_" in k)
+
+
+def test_declared_per_sample_arguments_of_the_wrong_shape_are_refused_before_sending(run, tiny):
+    """ppo_tokens reads rewards per continuation and old log-probs per token; pairwise_reward reads margins per
+    pair. With 2 replicas, 5 rewards for 4 prompts used to reach both replicas whole, each pairing them with its
+    own prompts from position 0. Every wrong shape is refused on the client, naming the argument; nothing moves and
+    the next good update trains."""
+    from transformers import AutoTokenizer
+
+    from llmrl.engine.errors import InvalidArgument
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    prompts, conts = PROMPTS[:4], continuations(tok, 2, offset=1)[:4]
+    rewards = [[1.0, -0.5], [0.2, 0.8], [-1.0, 0.3], [0.0, 2.0]]
+    old = [[[-1.0] * len(c) for c in per] for per in conts]
+    before = run.state_dict(llm="ppo")
+    refusals = [
+        ({"rewards": rewards + [[0.0, 0.0]]}, r"'rewards' has 5 entries, but the call has 4 contexts"),
+        ({"rewards": rewards, "old_logprobs": old[:3]}, r"'old_logprobs' has 3 entries, but the call has 4"),
+        ({"rewards": rewards[:2] + [[1.0], [0.0, 2.0]]}, r"'rewards'\[2\] holds 1 values, but context 2 has 2"),
+        ({"rewards": rewards, "old_logprobs": old[:1] + [[old[1][0][:-1], old[1][1]]] + old[2:]},
+         r"'old_logprobs'\[1\]\[0\] holds \d+ values, but candidate 0 of context 1 has \d+ token ids"),
+    ]
+    for kwargs, message in refusals:
+        with pytest.raises(InvalidArgument, match=message):
+            run.update(prompts, conts, llm="ppo", **kwargs)
+    with pytest.raises(InvalidArgument, match=r"'margins' has 3 entries, but the call has 2 contexts"):
+        run.update(PROMPTS[:2], [[" a", " b"], [" c", " d"]], llm="rm", margins=[0.1, 0.2, 0.3])
+    after = run.state_dict(llm="ppo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was sent"
+    stats = run.update(prompts, conts, llm="ppo", rewards=rewards, old_logprobs=old)
+    assert [s["samples"] for s in stats] == [2, 2]

@@ -38,3 +38,70 @@ def test_finite_arguments_of_every_shape_pass():
                   "arrays": [np.zeros(2), np.ones((2, 2), dtype=np.float16)], "ints": [1, 2, 3], "flag": True,
                   "names": ["a", "b"], "nested": {"x": [1e38, -1e38]}, "objects": [object()], "none": None,
                   "ids": torch.arange(5), "bools": np.array([True, False])})
+
+
+# ----------------------------------------------------------------------------- per-sample arguments
+
+
+def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None):
+    """What each of 2 replicas receives from update.send (no process: the client half only)."""
+    from test_replica_split import FakeRun
+
+    from llmrl.engine.requests import update
+
+    run = FakeRun(2, lambda request: request)
+    contexts = [f"c{i}" for i in range(n)]
+    return update.send(run, "m", contexts, candidates, kwargs, declared, "u").result()
+
+
+def test_a_declared_argument_of_the_wrong_length_is_refused_naming_it():
+    declared = {"rewards": "candidate", "advantages": "sample"}
+    with pytest.raises(InvalidArgument, match=r"'advantages' has 5 entries, but the call has 4 contexts.*'u'"):
+        shares({"advantages": [0.0] * 5}, declared)
+    with pytest.raises(InvalidArgument, match=r"'advantages' is a float, but the call has 4 contexts"):
+        shares({"advantages": 0.5}, declared)
+    candidates = [[" a", " b"], [" a"], [" a", " b"], [" a", " b", " c"]]
+    with pytest.raises(InvalidArgument, match=r"'rewards'\[3\] holds 2 values, but context 3 has 3 candidate"):
+        shares({"rewards": [[1.0, 2.0], 0.5, [1.0, 2.0], [1.0, 2.0]]}, declared, candidates=candidates)
+    ids = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8]], [[9], [10], [11]]]
+    good = [[[0.0, 0.0], [0.0]], [[0.0, 0.0, 0.0]], [[0.0], [0.0]], [[0.0], [0.0], [0.0]]]
+    shares({"old_logprobs": good}, {"old_logprobs": "token"}, candidates=ids)
+    bad = [good[0], [[0.0, 0.0]], good[2], good[3]]
+    with pytest.raises(InvalidArgument, match=r"'old_logprobs'\[1\]\[0\] holds 2 values, but candidate 0 of context 1"):
+        shares({"old_logprobs": bad}, {"old_logprobs": "token"}, candidates=ids)
+
+
+def test_declared_arguments_are_sliced_by_the_declaration_and_the_others_go_whole():
+    """A length-4 argument the updater does not declare reaches both replicas whole (the length rule would have cut
+    it); the declared one is cut 2/2; both replicas learn which were cut."""
+    got = shares({"advantages": [0.0, 1.0, 2.0, 3.0], "table": [9, 9, 9, 9]}, {"advantages": "sample"})
+    assert [r.kwargs["advantages"] for r in got] == [[0.0, 1.0], [2.0, 3.0]]
+    assert [r.kwargs["table"] for r in got] == [[9, 9, 9, 9]] * 2
+    assert [r.per_sample for r in got] == [["advantages"], ["advantages"]]
+    rule = shares({"advantages": [0.0, 1.0, 2.0, 3.0], "table": [9, 9, 9]}, None)  # no declaration: length rule
+    assert [r.kwargs["advantages"] for r in rule] == [[0.0, 1.0], [2.0, 3.0]]
+    assert [r.kwargs["table"] for r in rule] == [[9, 9, 9]] * 2 and rule[0].per_sample == ["advantages"]
+
+
+def test_minibatches_cut_the_arguments_the_client_cut_not_those_of_the_local_length():
+    from llmrl.plugins.contracts import UpdateBatch
+
+    batch = UpdateBatch(contexts=["a", "b"], candidates=None, kwargs={"adv": [1.0, 2.0], "pair": (5, 6)},
+                        indices=[0, 1], global_size=4, replica=0, num_replicas=2, replica_sizes=[2, 2],
+                        per_sample_keys=("adv",))
+    first = next(iter(batch.minibatches(1)))
+    assert first.kwargs == {"adv": [1.0], "pair": (5, 6)}  # "pair" is 2 long locally, but went whole
+
+
+def test_a_bad_declaration_is_refused_at_load():
+    from llmrl.plugins.checks import contract_problem
+    from llmrl.plugins.contracts import Updater
+
+    class Bad(Updater):
+        per_sample = {"rewards": "per_prompt"}
+
+        def update(self, batch, trainer):
+            return {}
+
+    assert "per_sample" in contract_problem("updater", Bad, "bad") and "candidate" in contract_problem(
+        "updater", Bad, "bad")

@@ -259,15 +259,18 @@ class Caller:
         """Like :meth:`update`, returning a future."""
         name = self._open(llm)
         contexts, candidates = self._inputs(name, contexts, candidates)
-        return update.send(self._run, name, contexts, candidates, kwargs)
+        info = self.info.get(name, {})
+        return update.send(self._run, name, contexts, candidates, kwargs, info.get("per_sample"),
+                           info.get("updater") or "")
 
     def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
         """Run the LLM's updater on every replica, each on its share of the batch. Contexts and candidates are
         strings or token ids as in :meth:`score`; the updater receives them as given (token ids as lists of ints)
         and may pass them to ``trainer.forward``.
 
-        Keyword arguments whose length equals the number of contexts (lists, tensors, arrays) are
-        per-sample and sliced like the contexts; the others reach every replica whole.
+        The updater's declared per-sample arguments (``Updater.per_sample``) are checked against the call and
+        sliced like the contexts; for an updater that declares none, arguments whose length equals the number of
+        contexts are. The others reach every replica whole. NaN or infinite numbers anywhere are refused.
 
         Returns:
             The updater's statistics, one dict per replica.

@@ -32,6 +32,7 @@ from llmrl.engine.model.forward import prepare, run_forward
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
+from llmrl.plugins.per_sample import slicing_note
 
 # What a trainer's vote says it is about to do (the first entry of its position, see GroupChannel.agree).
 FORWARD, BACKWARD, STEP, SUM, END = 1, 2, 3, 4, 5
@@ -308,6 +309,9 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
                     f"{batch.replica_sizes}, and every replica runs every minibatch, so trainer.forward returned "
                     "outputs with no row; code such as torch.distributions.Categorical refuses those: skip it when "
                     "len(minibatch) == 0 and still call trainer.backward(minibatch.mean(...)), which is 0 there)")
+        if getattr(served.updater, "per_sample", None) is None and not isinstance(err, ReplicasOutOfStep):
+            keys = batch.per_sample_keys
+            hint += slicing_note(batch.kwargs, list(keys) if keys is not None else None)
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
     return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps}

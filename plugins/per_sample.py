@@ -1,0 +1,118 @@
+"""Per-sample keyword arguments of ``update``: which ones are cut with the samples, and their shapes checked on the
+client before anything is sent.
+
+An updater declares the keyword arguments it reads per sample in its ``per_sample`` class attribute, each with a
+level:
+
+- ``"sample"``: one value per context (``actions``, ``advantages``, ``margins``);
+- ``"candidate"``: per context, one value per candidate (``rewards`` of each continuation; a bare number when the
+  context has one candidate);
+- ``"token"``: per context, one sequence per candidate with one value per scored token of it (``old_logprobs``).
+
+A declared argument must have one entry per context: a wrong length is refused naming the argument, its length
+and the number of contexts; nested levels are checked against the call's candidates (per-token lengths where the
+candidates are token ids, which are scored exactly as given). Declared arguments are sliced per replica; every
+other argument reaches every replica whole.
+
+An updater that declares nothing (``per_sample = None``) keeps the length rule: a sized argument (a list, tuple,
+tensor or array; not a string or dict) whose length equals the number of contexts is sliced, the others go whole.
+Its errors say which arguments the rule sliced (:func:`slicing_note`).
+
+This module checks shapes only; values (NaN, infinities) are checked by :mod:`llmrl.engine.requests.finite`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from llmrl.engine.errors import InvalidArgument
+
+LEVELS = ("sample", "candidate", "token")
+
+
+def is_per_sample(value, n: int) -> bool:
+    """The length rule: any sized value of length ``n`` except strings, bytes and mappings."""
+    if isinstance(value, (str, bytes, dict)):
+        return False
+    try:
+        return len(value) == n
+    except TypeError:
+        return False
+
+
+def declaration_problem(cls, name: str) -> str | None:
+    """Why an updater class's ``per_sample`` declaration is invalid, or None."""
+    declared = getattr(cls, "per_sample", None)
+    if declared is None:
+        return None
+    if not isinstance(declared, dict) or not all(isinstance(k, str) and v in LEVELS for k, v in declared.items()):
+        return (f"updater {name!r} ({cls.__qualname__}): per_sample = {declared!r}; it must be a dict from keyword "
+                f"argument names to levels, each one of {', '.join(LEVELS)} (or None to keep the length rule)")
+    return None
+
+
+def per_sample_keys(kwargs: dict, n: int, declared: dict | None) -> list[str]:
+    """The keyword arguments sliced with the samples: the declared ones, or those the length rule picks."""
+    if declared is None:
+        return [k for k, v in kwargs.items() if is_per_sample(v, n)]
+    return [k for k in kwargs if k in declared]
+
+
+def check_per_sample(kwargs: dict, contexts: list, candidates: list | None, declared: dict | None,
+                     updater: str) -> None:
+    """Refuse a declared per-sample argument whose shape does not fit the call (:class:`InvalidArgument`)."""
+    n = len(contexts)
+    for key, level in (declared or {}).items():
+        if key not in kwargs or kwargs[key] is None:
+            continue
+        value = kwargs[key]
+        length = _length(value)
+        if length != n:
+            got = f"has {length} entries" if length is not None else f"is a {type(value).__name__}"
+            raise InvalidArgument(f"update argument {key!r} {got}, but the call has {n} contexts: the updater "
+                                  f"{updater!r} reads it per sample ({level} level), one entry per context; nothing "
+                                  "was sent")
+        if level == "sample" or candidates is None:
+            continue
+        for i, (entry, cands) in enumerate(zip(value, candidates)):
+            _check_entry(key, level, i, entry, cands)
+
+
+def _check_entry(key: str, level: str, i: int, entry, cands: list) -> None:
+    k = len(cands)
+    if level == "candidate" and isinstance(entry, numbers.Number) and k == 1:
+        return
+    length = _length(entry)
+    if length != k:
+        got = f"{length} values" if length is not None else f"a {type(entry).__name__}"
+        what = "value" if level == "candidate" else "sequence of per-token values"
+        raise InvalidArgument(f"update argument {key!r}[{i}] holds {got}, but context {i} has {k} candidate(s): "
+                              f"pass one {what} per candidate; nothing was sent")
+    if level != "token":
+        return
+    for j, (sequence, candidate) in enumerate(zip(entry, cands)):
+        if isinstance(candidate, (list, tuple)) and all(isinstance(t, int) for t in candidate):
+            if _length(sequence) != len(candidate):
+                raise InvalidArgument(f"update argument {key!r}[{i}][{j}] holds {_length(sequence)} values, but "
+                                      f"candidate {j} of context {i} has {len(candidate)} token ids: pass one value "
+                                      "per token; nothing was sent")
+
+
+def _length(value) -> int | None:
+    if isinstance(value, (str, bytes, dict)):
+        return None
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+def slicing_note(kwargs: dict, sliced: list[str] | None) -> str:
+    """For an error of an updater that declares nothing: which arguments the length rule sliced, and which it
+    passed whole."""
+    if sliced is None or not kwargs:
+        return ""
+    whole = [k for k in kwargs if k not in sliced]
+    return (f" (this updater declares no per_sample arguments, so the length rule decided: sliced per sample "
+            f"{sliced or 'none'}, passed whole {whole or 'none'}; declare per_sample on the updater to have their "
+            "shapes checked before sending)")
