@@ -140,6 +140,26 @@ def test_lamorels_per_llm_dicts_and_non_plugins_are_refused_with_the_users_names
         assert "updater=list" not in str(err.value)
 
 
+@pytest.mark.parametrize("field,value,at,words", [
+    ("updater", "instance", "llms.main.updater", "an instance of MyUpdater: a config names its plugins and holds no "
+     "Python objects (each server rank builds its own): write 'lamorel_style:MyUpdater', or {plugin: "
+     "'lamorel_style:MyUpdater', args: {...}} for its constructor's arguments; or give the class from your script "
+     "to Caller(...): updater=MyUpdater or"),
+    ("updater", "pair", "llms.main.updater", "the class MyUpdater: a config names its plugins"),
+    ("heads", "class", "llms.main.heads.v", "the class MyHead: a config names its plugins and holds no Python "
+     "objects (each server rank builds its own): write 'lamorel_style:MyHead'"),
+    ("initializers", "instance", "llms.main.initializers.0", "write 'lamorel_style:MyInitializer', or"),
+])
+def test_a_python_object_in_a_config_names_the_entry_and_how_to_write_it(lamorel, field, value, at, words):
+    cls = {"updater": lamorel.MyUpdater, "heads": lamorel.MyHead, "initializers": lamorel.MyInitializer}[field]
+    entry = {"instance": lambda: cls() if field != "heads" else cls(None), "class": lambda: cls,
+             "pair": lambda: (cls, {"lr": 0.1})}[value]()
+    llm = {"model": "gpt2", field: {"updater": entry, "heads": {"v": entry}, "initializers": [entry]}[field]}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw={"llms": {"main": llm}}, check_environment=False, check_plugins=False)
+    assert words in dict(err.value.problems)[at]
+
+
 # ----------------------------------------------------------------------------- 2. constructors and the contract
 
 
