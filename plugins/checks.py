@@ -12,11 +12,14 @@ import inspect
 
 from llmrl.engine.config.checks import head_key_problem
 from llmrl.engine.config.types import PluginSpec
-from llmrl.engine.errors import PluginError
+from llmrl.engine.errors import InvalidArgumentType, PluginError
 
 _HOOK = {"head": "forward", "initializer": "initialize", "updater": "update"}
 _HEAD_INIT = "__init__(self, llm, **args)"
 _PLACEHOLDER = {"head": "MyHead", "initializer": "MyInitializer", "updater": "MyUpdater"}
+# Lamorel's Caller(...) keywords, each a {llm_name: ...} dict, and the Caller(...) argument that replaces it
+_LAMOREL_KEYWORDS = {"custom_updater": "updater", "custom_module_functions": "head",
+                     "custom_model_initializer": "initializer"}
 
 
 def accepted_form(kind: str, cls_name: str, key: str = "value") -> str:
@@ -70,9 +73,50 @@ def contract_problem(kind: str, cls, name: str) -> str | None:
 
 
 def _describe(value) -> str:
-    if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value):
+    if inspect.isroutine(value):
         return f"the function {getattr(value, '__name__', value)!r}"
+    if type(value).__module__ == "builtins":
+        return f"a {type(value).__name__}"
     return f"an instance of {type(value).__qualname__}"
+
+
+def _class_name(value, kind: str) -> str:
+    """The class to show in a hint: the user's own (of an instance, or the class itself), else a placeholder."""
+    if inspect.isclass(value):
+        return value.__name__
+    if inspect.isroutine(value) or type(value).__module__ == "builtins":
+        return _PLACEHOLDER[kind]
+    return type(value).__name__
+
+
+def _per_llm_form(kind: str, value: dict) -> str:
+    """How Lamorel's per-LLM dict (``{llm_name: plugin}``, for heads ``{llm_name: {key: module}}``) is written for
+    ``Caller(...)``, with the user's names."""
+    llm, inner = next(iter(value.items()), ("main", None))
+    key = "value"
+    if kind == "head" and isinstance(inner, dict) and inner:
+        key, inner = next(iter(inner.items()))
+    return (f"{accepted_form(kind, _class_name(inner, kind), key)}, with llm={llm!r} (Caller(...) takes the plugins "
+            "of one LLM; those of other LLMs go in the config: llms.<name>.heads / initializers / updater)")
+
+
+def refuse_lamorel_call(args: tuple, kwargs: dict) -> None:
+    """Raise :class:`InvalidArgumentType` (a TypeError) when ``Caller(*args, **kwargs)`` is Lamorel's call (a config
+    given by position, ``custom_updater=`` / ``custom_module_functions=`` / ``custom_model_initializer=``), with
+    llmrl's form of it; other arguments are left to ``Caller.__init__``."""
+    problems = []
+    if args:
+        problems.append(f"Caller() takes no positional argument (got {len(args)}): it finds its run and config itself "
+                        "(`llmrl run --config run.yaml script.py`), so Lamorel's Caller(config_args.lamorel_args, "
+                        "...) becomes Caller(...)")
+    for keyword, kind in _LAMOREL_KEYWORDS.items():
+        if keyword in kwargs:
+            value = kwargs[keyword]
+            form = (_per_llm_form(kind, value) if isinstance(value, dict)
+                    else accepted_form(kind, _class_name(value, kind)))
+            problems.append(f"Caller({keyword}=...) is Lamorel's; llmrl takes the class, not an instance: {form}")
+    if problems:
+        raise InvalidArgumentType("; ".join(problems))
 
 
 def given_spec(kind: str, value, where: str, key: str = "value") -> PluginSpec:
@@ -84,13 +128,17 @@ def given_spec(kind: str, value, where: str, key: str = "value") -> PluginSpec:
     target, args = value, {}
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
         target, args = value
+    if isinstance(target, dict) and target and not {"plugin", "args"} & set(target):
+        per_llm = {key: target} if kind == "head" else target  # Lamorel's heads: {llm_name: {key: module}}
+        raise PluginError(f"{where} got a dict without 'plugin' (Lamorel's per-LLM form?): pass "
+                          f"{_per_llm_form(kind, per_llm)}")
     if not (inspect.isclass(target) or isinstance(target, (str, dict, PluginSpec))):
-        shown = type(target).__name__ if not inspect.isroutine(target) else _PLACEHOLDER[kind]
-        hook = _HOOK[kind]
+        article = "an" if kind[0] in "aeiou" else "a"
         raise PluginError(f"{where} got {_describe(target)}, but llmrl takes the plugin's class and builds it itself "
                           f"on every server rank (Lamorel-style instances and functions cannot be sent): pass "
-                          f"{accepted_form(kind, shown, key)}, the dict holding the constructor's keyword arguments "
-                          f"(a {kind} is a class with {hook}(...): see llmrl.plugins.contracts)")
+                          f"{accepted_form(kind, _class_name(target, kind), key)}, the dict holding the constructor's "
+                          f"keyword arguments ({article} {kind} is a class with {_HOOK[kind]}(...): see "
+                          "llmrl.plugins.contracts)")
     try:
         spec = PluginSpec.coerce(value, kind)
     except TypeError as err:
@@ -111,8 +159,9 @@ def given_plugins(heads=None, initializers=None, updater=None) -> dict | None:
         raise PluginError(f"Caller(heads=...) takes a dict of head classes by key, got {_describe(heads)}: pass "
                           f"{accepted_form('head', _PLACEHOLDER['head'])}")
     if initializers is not None and not isinstance(initializers, (list, tuple)):
-        raise PluginError(f"Caller(initializers=...) takes a list, got {_describe(initializers)}: pass "
-                          f"{accepted_form('initializer', _PLACEHOLDER['initializer'])}")
+        form = (_per_llm_form("initializer", initializers) if isinstance(initializers, dict) and initializers
+                else accepted_form("initializer", _class_name(initializers, "initializer")))
+        raise PluginError(f"Caller(initializers=...) takes a list, got {_describe(initializers)}: pass {form}")
     for key in heads or {}:
         problem = head_key_problem(key)
         if problem:

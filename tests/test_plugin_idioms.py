@@ -11,7 +11,7 @@ import pytest
 
 from llmrl.engine.client.caller import Caller
 from llmrl.engine.config import load_config
-from llmrl.engine.errors import ConfigError, PluginError
+from llmrl.engine.errors import ConfigError, InvalidArgumentType, PluginError
 from llmrl.plugins import registry
 
 LAMOREL_PLUGINS = '''
@@ -102,6 +102,62 @@ def test_head_and_initializer_instances_and_functions_are_refused_by_caller(lamo
         def value_fn(outputs):
             return outputs
         Caller(heads={"v": value_fn})
+
+
+def test_lamorels_caller_call_is_answered_with_llmrls_form(lamorel):
+    with pytest.raises(InvalidArgumentType) as err:  # a TypeError, as Python's own would be
+        Caller(object(),  # Lamorel's config_args.lamorel_args
+               custom_module_functions={"main_llm": {"mlp_head": lamorel.MyHead(None)}},
+               custom_updater={"main_llm": lamorel.MyUpdater()},
+               custom_model_initializer={"main_llm": lamorel.MyInitializer()})
+    message = str(err.value)
+    assert "Caller() takes no positional argument (got 1)" in message
+    assert ("Caller(custom_updater=...) is Lamorel's; llmrl takes the class, not an instance: updater=MyUpdater or "
+            "updater=(MyUpdater, {\"arg\": 1}), with llm='main_llm'") in message
+    assert 'Caller(custom_module_functions=...) is Lamorel\'s; llmrl takes the class, not an instance: heads={"mlp_head": ' \
+           "MyHead}" in message
+    assert "Caller(custom_model_initializer=...) is Lamorel's; llmrl takes the class, not an instance: " \
+           "initializers=[MyInitializer]" in message
+    with pytest.raises(RuntimeError, match="Caller\\(\\) runs inside an llmrl launch"):  # llmrl's own form passes
+        Caller(updater=(lamorel.MyUpdater, {"lr": 0.1}), heads={"v": lamorel.MyHead},
+               initializers=[lamorel.MyInitializer])
+
+
+def test_lamorels_per_llm_dicts_and_non_plugins_are_refused_with_the_users_names(lamorel):
+    cases = [
+        (dict(updater={"main_llm": lamorel.MyUpdater()}), "Caller(updater=...) got a dict without 'plugin'",
+         "updater=MyUpdater or updater=(MyUpdater, {\"arg\": 1}), with llm='main_llm'"),
+        (dict(heads={"main_llm": {"mlp_head": lamorel.MyHead}}), "Caller(heads={'main_llm': ...}) got a dict",
+         "heads={\"mlp_head\": MyHead} or heads={\"mlp_head\": (MyHead, {\"hidden\": 128})}, with llm='main_llm'"),
+        (dict(initializers={"main_llm": lamorel.MyInitializer()}), "Caller(initializers=...) takes a list, got a dict",
+         "initializers=[MyInitializer] or initializers=[(MyInitializer, {\"arg\": 1})], with llm='main_llm'"),
+        (dict(updater=[lamorel.MyUpdater]), "Caller(updater=...) got a list", "pass updater=MyUpdater or"),
+    ]
+    for kwargs, where, form in cases:
+        with pytest.raises(PluginError) as err:
+            Caller(**kwargs)
+        assert where in str(err.value) and form in str(err.value)
+        assert "updater=list" not in str(err.value)
+
+
+@pytest.mark.parametrize("field,value,at,words", [
+    ("updater", "instance", "llms.main.updater", "an instance of MyUpdater: a config names its plugins and holds no "
+     "Python objects (each server rank builds its own): write 'lamorel_style:MyUpdater', or {plugin: "
+     "'lamorel_style:MyUpdater', args: {...}} for its constructor's arguments; or give the class from your script "
+     "to Caller(...): updater=MyUpdater or"),
+    ("updater", "pair", "llms.main.updater", "the class MyUpdater: a config names its plugins"),
+    ("heads", "class", "llms.main.heads.v", "the class MyHead: a config names its plugins and holds no Python "
+     "objects (each server rank builds its own): write 'lamorel_style:MyHead'"),
+    ("initializers", "instance", "llms.main.initializers.0", "write 'lamorel_style:MyInitializer', or"),
+])
+def test_a_python_object_in_a_config_names_the_entry_and_how_to_write_it(lamorel, field, value, at, words):
+    cls = {"updater": lamorel.MyUpdater, "heads": lamorel.MyHead, "initializers": lamorel.MyInitializer}[field]
+    entry = {"instance": lambda: cls() if field != "heads" else cls(None), "class": lambda: cls,
+             "pair": lambda: (cls, {"lr": 0.1})}[value]()
+    llm = {"model": "gpt2", field: {"updater": entry, "heads": {"v": entry}, "initializers": [entry]}[field]}
+    with pytest.raises(ConfigError) as err:
+        load_config(raw={"llms": {"main": llm}}, check_environment=False, check_plugins=False)
+    assert words in dict(err.value.problems)[at]
 
 
 # ----------------------------------------------------------------------------- 2. constructors and the contract

@@ -29,8 +29,7 @@ from llmrl.engine.errors import (
     RequestTimeoutError,
     did_you_mean,
 )
-from llmrl.engine.requests import admin, generate, score, state_dict, tokenize, update
-from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_keys, check_vocabulary
+from llmrl.engine.requests import admin, generate, inputs, score, state_dict, tokenize, update
 
 
 class Caller:
@@ -53,6 +52,11 @@ class Caller:
         with Caller() as caller:
             logp = caller.score(["You see a door. You"], [[" open it", " leave"]])
     """
+
+    def __new__(cls, *args, **kwargs):  # Lamorel's Caller(config, custom_updater=...) is answered with llmrl's form
+        from llmrl.plugins.checks import refuse_lamorel_call
+        refuse_lamorel_call(args, kwargs)
+        return super().__new__(cls)
 
     def __init__(self, *, heads: dict | None = None, initializers: list | None = None, updater=None,
                  llm: str | None = None, timeout: float | None = None, progress: bool = True):
@@ -115,10 +119,10 @@ class Caller:
 
     def _inputs(self, llm: str, contexts, candidates=None, *, candidates_needed: bool = False):
         """Checked contexts and candidates (token ids within the LLM's vocabulary)."""
-        contexts = check_contexts(contexts)
+        contexts = inputs.check_contexts(contexts)
         if candidates is not None or candidates_needed:
-            candidates = check_candidates(candidates, contexts)
-        check_vocabulary(contexts, candidates, self.info.get(llm, {}).get("vocab_size"), llm)
+            candidates = inputs.check_candidates(candidates, contexts)
+        inputs.check_vocabulary(contexts, candidates, self.info.get(llm, {}).get("vocab_size"), llm)
         return contexts, candidates
 
     def _head_levels(self, llm: str) -> dict[str, str]:
@@ -149,9 +153,9 @@ class Caller:
         if entropy and not per_token:
             raise InvalidArgument("entropy=True needs per_token=True (entropies are given per token)")
         contexts, candidates = self._inputs(name, contexts, candidates, candidates_needed=True)
-        request = score.ScoreRequest(contexts, candidates, check_keys(additional_module_function_keys), peft_adapter,
-                                     minibatch_size,
-                                     bool(per_token), bool(entropy), bool(add_eos), _head_kwargs(head_kwargs))
+        request = score.ScoreRequest(contexts, candidates, inputs.check_keys(additional_module_function_keys),
+                                     peft_adapter, minibatch_size, bool(per_token), bool(entropy), bool(add_eos),
+                                     inputs.check_head_kwargs(head_kwargs))
         return score.send(self._run, name, request,
                           score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)),
                           self._head_levels(name))
@@ -207,12 +211,12 @@ class Caller:
                                 add_eos: bool = False, head_kwargs: dict | None = None) -> concurrent.futures.Future:
         """Like :meth:`custom_module_fns`, returning a future."""
         name = self._open(llm)
-        keys = check_keys(keys)
+        keys = inputs.check_keys(keys)
         if not keys:
             raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts, candidates = self._inputs(name, contexts, candidates)
         request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos),
-                                     head_kwargs=_head_kwargs(head_kwargs))
+                                     head_kwargs=inputs.check_head_kwargs(head_kwargs))
         return score.send(self._run, name, request, score.Finish(scores=False), self._head_levels(name))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
@@ -392,16 +396,3 @@ def _startup_bar(progress: bool, total: int):
 
     bar.update_to = update_to
     return bar
-
-
-def _head_kwargs(value) -> dict | None:
-    """``head_kwargs`` checked: None or a dict with string keys."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise InvalidArgumentType(f"head_kwargs must be a dict of keyword arguments for the heads, got "
-                                  f"{type(value).__name__}")
-    bad = [k for k in value if not isinstance(k, str)]
-    if bad:
-        raise InvalidArgumentType(f"head_kwargs keys must be strings (argument names), got {bad[0]!r}")
-    return dict(value) or None

@@ -128,6 +128,31 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+def _plugin_object_problem(path: list, value: Any) -> str | None:
+    """A class, instance or function in a plugin entry of a config built in Python: how a config names it."""
+    import inspect
+
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        value = value[0]  # Caller(...)'s (class, args)
+    python_object = inspect.isclass(value) or inspect.isroutine(value) or type(value).__module__ != "builtins"
+    entry = len(path) == 3 and path[2] == "updater" or len(path) == 4 and path[2] in ("heads", "initializers")
+    if not (python_object and entry):  # llms.<name>.updater, llms.<name>.heads.<key>, llms.<name>.initializers.<i>
+        return None
+    from llmrl.plugins.checks import accepted_form
+
+    kind = {"heads": "head", "initializers": "initializer", "updater": "updater"}[path[2]]
+    key = str(path[3]) if kind == "head" and len(path) > 3 else "value"
+    if inspect.isroutine(value):
+        return (f"the function {getattr(value, '__name__', value)!r}: a config names plugin classes, written "
+                "'module:Class' (each contract is a class: see llmrl.plugins.contracts)")
+    cls = value if inspect.isclass(value) else type(value)
+    what = f"the class {cls.__name__}" if cls is value else f"an instance of {cls.__name__}"
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    return (f"{what}: a config names its plugins and holds no Python objects (each server rank builds its own): "
+            f"write {name!r}, or {{plugin: {name!r}, args: {{...}}}} for its constructor's arguments; or give the "
+            f"class from your script to Caller(...): {accepted_form(kind, cls.__name__, key)}")
+
+
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
             "gpu": "auto", "cuda": "auto", "decoder": "causal", "encoder-decoder": "seq2seq", "adam_w": "adamw"}
 
@@ -148,6 +173,9 @@ def schema_problems(data: dict) -> list[Problem]:
 
 def _explain(error) -> list[Problem]:
     path = _dotted(error.absolute_path)
+    plugin_object = _plugin_object_problem(list(error.absolute_path), error.instance)
+    if plugin_object:
+        return [(path, plugin_object)]
     kind = error.validator
     schema = error.schema
     if kind == "additionalProperties":

@@ -116,3 +116,16 @@ def check_keys(keys) -> tuple[str, ...]:
         if not isinstance(k, str):
             raise InvalidArgumentType(f"head keys must be strings, got {type(k).__name__}")
     return keys
+
+
+def check_head_kwargs(value) -> dict | None:
+    """``head_kwargs`` checked: None or a dict with string keys."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgumentType(f"head_kwargs must be a dict of keyword arguments for the heads, got "
+                                  f"{type(value).__name__}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise InvalidArgumentType(f"head_kwargs keys must be strings (argument names), got {bad[0]!r}")
+    return dict(value) or None
