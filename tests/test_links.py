@@ -155,7 +155,7 @@ def test_a_corrupt_frame_ends_the_link_loudly_and_promptly(garbage):
         if garbage == "huge":  # a header announcing far more than max_message_bytes
             link.sock.sendall(frames.PREFIX.pack(10, 1 << 60, 0))
         else:
-            link.sock.sendall(frames.PREFIX.pack(4, 0, 0) + b"\xff\x00{[")
+            link.sock.sendall(frames.PREFIX.pack(4, 0, 0) + b"\xff\x00{[" + b"\0" * 32)  # and a forged tag
         time.sleep(30)
 
     links = scripted_server(script, dead_after=600.0)
@@ -181,7 +181,7 @@ def test_a_server_sending_a_long_reply_is_alive():
     def script(link):
         request = messages.receive(link)
         data = frames.encode(*messages.to_frame(messages.Reply(request.id, 3, value=b"x" * 3_000_000)))
-        blob = b"".join(bytes(memoryview(part)) for part in data)
+        blob = b"".join(bytes(memoryview(part)) for part in link.signed(data))
         for i in range(0, len(blob), 100_000):  # 3 MB in 30 pieces over ~3 s, no heartbeat in between
             link.sock.sendall(blob[i:i + 100_000])
             time.sleep(0.1)

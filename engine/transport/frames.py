@@ -10,15 +10,16 @@ before it is sent (:class:`FrameTooLarge`) and, announced by a peer, ends the co
 longer be trusted).
 
 Only processes of the same run talk this protocol: :func:`connect` and :func:`accept` authenticate both
-sides with an HMAC challenge-response over the run's secret before anything is unpickled, and the server's
-rank is part of what is authenticated. Pickle runs code, so a peer that fails the handshake is dropped.
+sides with an HMAC challenge-response over the run's secret, bound to the connection's endpoints and the
+server's rank, and then every frame carries an HMAC under a session key over its sequence number and bytes,
+checked before anything in it is decoded (:mod:`llmrl.engine.transport.auth`). Pickle runs code, so a peer
+that fails the handshake is dropped, and a frame that fails its check ends the connection (:class:`TamperedFrame`).
 
 This module knows nothing about requests or models: it moves headers and Python objects.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import io
 import json
@@ -30,10 +31,12 @@ import sys
 import threading
 import time
 
+from llmrl.engine.transport import auth
+
 PREFIX = struct.Struct("!IQI")  # header length, body length, buffer count
 LENGTH = struct.Struct("!Q")
-NONCE = 32
-RANK = struct.Struct("!I")
+NONCE = auth.NONCE
+RANK = auth.RANK
 _SMALL = 1 << 16
 _CHUNK = 1 << 22
 DEFAULT_MAX_BYTES = 4 << 30
@@ -54,6 +57,11 @@ class UndecodableBody(Exception):
 
 class AuthenticationError(ConnectionError):
     """The peer does not know the run's secret."""
+
+
+class TamperedFrame(Exception):
+    """A frame failed its authentication check (changed, replayed, reordered or injected): the stream can no
+    longer be trusted, and nothing of the frame was decoded."""
 
 
 def _rebuild_tensor(array, dtype_name: str):
@@ -101,10 +109,14 @@ class Connection:
     """One socket carrying frames both ways. ``send`` is thread-safe; ``recv`` has one reader.
 
     ``last_activity`` is the monotonic time bytes last arrived, even in the middle of a large frame (a peer
-    busy sending a long reply is alive)."""
+    busy sending a long reply is alive). ``keys`` (sending, receiving) come from the handshake, which always
+    gives them; a connection without keys (tests over a socket pair) neither signs nor checks."""
 
-    def __init__(self, sock: socket.socket, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, sock: socket.socket, max_bytes: int = DEFAULT_MAX_BYTES,
+                 keys: tuple[bytes, bytes] | None = None):
         self.sock = sock
+        self._signer = auth.FrameSigner(keys[0]) if keys else None
+        self._checker = auth.FrameSigner(keys[1]) if keys else None
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies must not wait (Nagle)
         self.max_bytes = max_bytes
@@ -120,38 +132,67 @@ class Connection:
         if total > self.max_bytes:
             raise FrameTooLarge(f"a message of {total} bytes is over the limit of {self.max_bytes} bytes "
                                 "(max_message_bytes in the config)")
-        with self._send_lock:
+        with self._send_lock:  # signed in the lock: frames go out in the order of their sequence numbers
+            frames = self.signed(frames)
             if total <= _SMALL:
                 self.sock.sendall(b"".join(frames))
             else:
                 for frame in frames:
                     self.sock.sendall(frame)
 
+    def signed(self, frames: list) -> list:
+        """The frame's buffers followed by its tag (the next sequence number's); as they are without keys."""
+        if self._signer is None:
+            return frames
+        mac = self._signer.begin()
+        for frame in frames:
+            mac.update(frame)
+        self._signer.done()
+        return [*frames, mac.digest()]
+
     def recv(self) -> tuple[dict, object]:
         """The next ``(header, body)``. Raises EOFError/OSError when the connection is gone, FrameTooLarge for a
         frame over the limit (the connection is unusable then), UndecodableBody when only the body is bad."""
-        head_len, body_len, count = PREFIX.unpack(self._recv_exact(PREFIX.size))
-        lengths = [LENGTH.unpack(self._recv_exact(LENGTH.size))[0] for _ in range(count)]
+        mac = self._checker.begin() if self._checker is not None else None
+        head_len, body_len, count = PREFIX.unpack(self._recv_exact(PREFIX.size, mac))
+        lengths = [LENGTH.unpack(self._recv_exact(LENGTH.size, mac))[0] for _ in range(count)]
         total = PREFIX.size + count * LENGTH.size + head_len + body_len + sum(lengths)
         if total > self.max_bytes or head_len > _SMALL:
             raise FrameTooLarge(f"the peer announced a message of {total} bytes, over the limit of {self.max_bytes} "
                                 "bytes (max_message_bytes in the config)")
+        head = self._recv_exact(head_len, mac)
         try:
-            header = json.loads(bytes(self._recv_exact(head_len)))
-        except ValueError as err:
-            raise FrameTooLarge(f"the peer sent a header that is not JSON ({err}); the stream is corrupt") from err
-        try:
-            payload = self._recv_exact(body_len)
-            buffers = [self._recv_exact(n) for n in lengths]
+            payload = self._recv_exact(body_len, mac)
+            buffers = [self._recv_exact(n, mac) for n in lengths]
         except MemoryError as err:
-            self._skip(body_len + sum(lengths))
-            raise UndecodableBody(header, err) from err
+            self._skip(body_len + sum(lengths), mac)
+            self._check(mac)
+            raise UndecodableBody(self._header(head), err) from err
+        self._check(mac)
+        header = self._header(head)
         try:
             return header, pickle.loads(payload, buffers=buffers)
         except Exception as err:  # noqa: BLE001 - any failure to decode is reported for this message only
             raise UndecodableBody(header, err) from err
 
-    def _recv_exact(self, n: int) -> bytearray:
+    @staticmethod
+    def _header(head: bytearray) -> dict:
+        try:
+            return json.loads(bytes(head))
+        except ValueError as err:
+            raise FrameTooLarge(f"the peer sent a header that is not JSON ({err}); the stream is corrupt") from err
+
+    def _check(self, mac) -> None:
+        """Read the frame's tag and compare it with ``mac`` (the running HMAC of its bytes), if this link signs."""
+        if mac is None:
+            return
+        tag = bytes(self._recv_exact(auth.TAG))
+        if not hmac.compare_digest(tag, mac.digest()):
+            raise TamperedFrame(f"frame {self._checker.sequence} failed its authentication check (changed, "
+                                "replayed, reordered or injected on the way): the connection is closed")
+        self._checker.done()
+
+    def _recv_exact(self, n: int, mac=None) -> bytearray:
         data = bytearray(n)
         view = memoryview(data)
         got = 0
@@ -161,15 +202,19 @@ class Connection:
                 raise EOFError("connection closed by the peer")
             got += k
             self.last_activity = time.monotonic()
+        if mac is not None:
+            mac.update(data)
         return data
 
-    def _skip(self, n: int) -> None:
+    def _skip(self, n: int, mac=None) -> None:
         """Read and drop ``n`` bytes (a frame that could not be held in memory), keeping the stream in step."""
         scratch = bytearray(min(n, _CHUNK) or 1)
         while n > 0:
             k = self.sock.recv_into(scratch, min(n, len(scratch)))
             if k == 0:
                 raise EOFError("connection closed by the peer")
+            if mac is not None:
+                mac.update(memoryview(scratch)[:k])
             n -= k
             self.last_activity = time.monotonic()
 
@@ -183,10 +228,6 @@ class Connection:
 
 
 # ----------------------------------------------------------------------------- authentication
-
-
-def _mac(secret: bytes, role: bytes, nonce: bytes, rank: int) -> bytes:
-    return hmac.new(secret, role + nonce + RANK.pack(rank), hashlib.sha256).digest()
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -204,21 +245,25 @@ def connect(address: tuple[str, int], secret: bytes, rank: int, timeout: float,
     """Connect to the client's listener as server ``rank``; both sides prove they know ``secret``."""
     sock = socket.create_connection(address, timeout=timeout)
     try:
+        seen = auth.endpoints(sock, connecting=True)
         challenge = _read(sock, NONCE)
         mine = os.urandom(NONCE)
-        sock.sendall(RANK.pack(rank) + mine + _mac(secret, b"llmrl-server", challenge, rank))
+        sock.sendall(RANK.pack(rank) + mine + auth.proof(secret, b"server", challenge, mine, rank, seen))
         try:
-            proof = _read(sock, 32)
+            proof = _read(sock, auth.TAG)
         except ConnectionError:
             raise AuthenticationError(f"the listener at {address[0]}:{address[1]} refused rank {rank}: it holds "
-                                      "another run's secret, or does not expect this rank") from None
-        if not hmac.compare_digest(proof, _mac(secret, b"llmrl-client", mine, rank)):
-            raise AuthenticationError(f"the listener at {address[0]}:{address[1]} does not know this run's secret")
+                                      "another run's secret, does not expect this rank, or is reached through a "
+                                      "relay") from None
+        if not hmac.compare_digest(proof, auth.proof(secret, b"client", challenge, mine, rank, seen)):
+            raise AuthenticationError(f"the listener at {address[0]}:{address[1]} does not know this run's secret, "
+                                      "or is reached through a relay")
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
-    return Connection(sock, max_bytes)
+    to_listener, from_listener = auth.session_keys(secret, challenge, mine, rank)[::-1]
+    return Connection(sock, max_bytes, keys=(to_listener, from_listener))
 
 
 def accept(listener: socket.socket, secret: bytes, rank_wanted, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -234,17 +279,19 @@ def authenticate(sock: socket.socket, secret: bytes, rank_wanted, max_bytes: int
     """The listener's side of the handshake on an accepted socket (see :func:`accept`)."""
     sock.settimeout(timeout)
     try:
+        seen = auth.endpoints(sock, connecting=False)
         challenge = os.urandom(NONCE)
         sock.sendall(challenge)
-        answer = _read(sock, RANK.size + NONCE + 32)
+        answer = _read(sock, RANK.size + NONCE + auth.TAG)
         (rank,) = RANK.unpack(answer[: RANK.size])
         nonce, mac = answer[RANK.size: RANK.size + NONCE], answer[RANK.size + NONCE:]
-        if not hmac.compare_digest(mac, _mac(secret, b"llmrl-server", challenge, rank)) or not rank_wanted(rank):
+        expected = auth.proof(secret, b"server", challenge, nonce, rank, seen)
+        if not hmac.compare_digest(mac, expected) or not rank_wanted(rank):
             sock.close()
             return None
-        sock.sendall(_mac(secret, b"llmrl-client", nonce, rank))
+        sock.sendall(auth.proof(secret, b"client", challenge, nonce, rank, seen))
     except OSError:
         sock.close()
         return None
     sock.settimeout(None)
-    return Connection(sock, max_bytes), rank
+    return Connection(sock, max_bytes, keys=auth.session_keys(secret, challenge, nonce, rank)), rank
