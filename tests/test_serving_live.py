@@ -32,7 +32,7 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
               [" a", "x"]]
 PROBE_HEADS = {"ctx_layers": {"plugin": "llmrl_test_plugins:ContextLayersHead"},
                "cand_layers": {"plugin": "llmrl_test_plugins:CandidateLayersHead"},
-               "tokens": {"plugin": "llmrl_test_plugins:TokenProbeHead"}}
+               "token_probe": {"plugin": "llmrl_test_plugins:TokenProbeHead"}}
 HEADS = {"value": {"plugin": "value", "args": {"hidden": 16}},
          "q": {"plugin": "llmrl_example_plugins:ActionValueHead", "args": {"hidden": 8}},
          **PROBE_HEADS, "bad_rows": {"plugin": "llmrl_test_plugins:BadRowsHead"}}
@@ -488,14 +488,14 @@ def check_probe_heads(run, llm: str, model, seq2seq: bool):
     plain Hugging Face's output_hidden_states gives; per-context keyword arguments reach their contexts' heads."""
     close = dict(atol=1e-4, rtol=0)
     scale = [1.0, 2.0, 3.0]
-    keys = ["ctx_layers", "cand_layers", "tokens"]
+    keys = ["ctx_layers", "cand_layers", "token_probe"]
     heads = run.custom_module_fns(keys, PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm,
                                   head_kwargs={"scale": scale, "offset": 5.0})
-    scored = run.score(PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm, additional_module_function_keys=["tokens"],
+    scored = run.score(PROBE_CONTEXTS, PROBE_CANDIDATES, llm=llm, additional_module_function_keys=["token_probe"],
                        per_token=True, head_kwargs={"offset": 5.0})
     for i, (context, cands) in enumerate(zip(PROBE_CONTEXTS, PROBE_CANDIDATES)):
-        got, tokens = heads[i], heads[i]["tokens"]
-        assert len(tokens["h1"]) == len(cands) and len(scored[i]["tokens"]["logprob"]) == len(cands)
+        got, tokens = heads[i], heads[i]["token_probe"]
+        assert len(tokens["h1"]) == len(cands) and len(scored[i]["token_probe"]["logprob"]) == len(cands)
         for j, cand in enumerate(cands):
             layers, logits = plain_hidden(model, seq2seq, context, cand)
             if j == 0:
@@ -507,7 +507,7 @@ def check_probe_heads(run, llm: str, model, seq2seq: bool):
             torch.testing.assert_close(tokens["h1"][j], layers[1][2], **close)
             torch.testing.assert_close(tokens["last"][j], layers[-1][2], **close)
             torch.testing.assert_close(tokens["logits"][j], logits, **close)
-            torch.testing.assert_close(scored[i]["tokens"]["logprob"][j], scored[i]["logprobs"][j] + 5.0, **close)
+            torch.testing.assert_close(scored[i]["token_probe"]["logprob"][j], scored[i]["logprobs"][j] + 5.0, **close)
             want = torch.log_softmax(logits, -1)[torch.arange(len(cand)), cand]
             torch.testing.assert_close(scored[i]["logprobs"][j], want, **close)
 
