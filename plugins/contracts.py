@@ -262,7 +262,7 @@ class Updater:
 
     Class attributes:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
-        per_sample: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
+        per_sample_args: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
             value per context; ``"candidate"``: per context, one per candidate; ``"token"``: per context, one
             sequence per candidate, one value per scored token), e.g. ``{"rewards": "candidate"}``. The client
             refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
@@ -271,7 +271,7 @@ class Updater:
     """
 
     args_schema: ClassVar[dict | None] = None
-    per_sample: ClassVar[dict[str, str] | None] = None
+    per_sample_args: ClassVar[dict[str, str] | None] = None
 
     def __init__(self, **args):
         """Receive the ``args`` given in the config."""
@@ -392,7 +392,7 @@ class UpdateBatch:
         step_size: samples, over all replicas, in the optimizer step this minibatch belongs to (None: the
             whole batch is one step).
         per_sample_keys: the keyword arguments sliced with the samples, as the client decided (the updater's
-            ``per_sample`` declaration, or the length rule); None: the length rule, applied here.
+            ``per_sample_args`` declaration, or the length rule); None: the length rule, applied here.
     """
 
     contexts: list[str | list[int]]  # text, or token ids used as given

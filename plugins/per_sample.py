@@ -1,7 +1,7 @@
 """Per-sample keyword arguments of ``update``: which ones are cut with the samples, and their shapes checked on the
 client before anything is sent.
 
-An updater declares the keyword arguments it reads per sample in its ``per_sample`` class attribute, each with a
+An updater declares the keyword arguments it reads per sample in its ``per_sample_args`` class attribute, each with a
 level:
 
 - ``"sample"``: one value per context (``actions``, ``advantages``, ``margins``);
@@ -14,7 +14,7 @@ and the number of contexts; nested levels are checked against the call's candida
 candidates are token ids, which are scored exactly as given). Declared arguments are sliced per replica; every
 other argument reaches every replica whole.
 
-An updater that declares nothing (``per_sample = None``) keeps the length rule: a sized argument (a list, tuple,
+An updater that declares nothing (``per_sample_args = None``) keeps the length rule: a sized argument (a list, tuple,
 tensor or array; not a string or dict) whose length equals the number of contexts is sliced, the others go whole.
 Its errors say which arguments the rule sliced (:func:`slicing_note`).
 
@@ -41,12 +41,12 @@ def is_per_sample(value, n: int) -> bool:
 
 
 def declaration_problem(cls, name: str) -> str | None:
-    """Why an updater class's ``per_sample`` declaration is invalid, or None."""
-    declared = getattr(cls, "per_sample", None)
+    """Why an updater class's ``per_sample_args`` declaration is invalid, or None."""
+    declared = getattr(cls, "per_sample_args", None)
     if declared is None:
         return None
     if not isinstance(declared, dict) or not all(isinstance(k, str) and v in LEVELS for k, v in declared.items()):
-        return (f"updater {name!r} ({cls.__qualname__}): per_sample = {declared!r}; it must be a dict from keyword "
+        return (f"updater {name!r} ({cls.__qualname__}): per_sample_args = {declared!r}; it must be a dict from keyword "
                 f"argument names to levels, each one of {', '.join(LEVELS)} (or None to keep the length rule)")
     return None
 
@@ -113,6 +113,6 @@ def slicing_note(kwargs: dict, sliced: list[str] | None) -> str:
     if sliced is None or not kwargs:
         return ""
     whole = [k for k in kwargs if k not in sliced]
-    return (f" (this updater declares no per_sample arguments, so the length rule decided: sliced per sample "
-            f"{sliced or 'none'}, passed whole {whole or 'none'}; declare per_sample on the updater to have their "
+    return (f" (this updater declares no per_sample_args, so the length rule decided: sliced per sample "
+            f"{sliced or 'none'}, passed whole {whole or 'none'}; declare per_sample_args on the updater to have their "
             "shapes checked before sending)")

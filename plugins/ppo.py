@@ -112,7 +112,7 @@ class PPOUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample = {"actions": "sample", "old_logprobs": "sample", "advantages": "sample", "returns": "sample",
+    per_sample_args = {"actions": "sample", "old_logprobs": "sample", "advantages": "sample", "returns": "sample",
                   "old_values": "sample"}
     args_schema = {
         "type": "object",

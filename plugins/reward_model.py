@@ -62,7 +62,7 @@ class PairwiseRewardUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample = {"margins": "sample"}
+    per_sample_args = {"margins": "sample"}
     args_schema = {
         "type": "object",
         "additionalProperties": False,

@@ -150,7 +150,7 @@ class PPOTokensUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
+    per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
     args_schema = {
         "type": "object",
         "additionalProperties": False,

@@ -240,7 +240,7 @@ class MisbehavingUpdater(Updater):
         mode = batch.kwargs.get("mode")
         if mode == "per_sample":
             for i in range(len(batch)):
-                trainer.backward(batch.mean(self.per_sample(trainer, batch.select([i], [1] * batch.num_replicas))))
+                trainer.backward(batch.mean(self.losses(trainer, batch.select([i], [1] * batch.num_replicas))))
                 trainer.step()
             return {}
         for mb in batch.minibatches(1 if mode == "categorical" else trainer.micro_batch_size):
@@ -250,7 +250,7 @@ class MisbehavingUpdater(Updater):
                 actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long)
                 loss = mb.mean(-torch.distributions.Categorical(logits=scores).log_prob(actions))
             else:
-                per_sample = self.per_sample(trainer, mb)
+                per_sample = self.losses(trainer, mb)
                 if mode == "nan_gradient" and batch.replica == batch.kwargs["bad_replica"]:
                     per_sample = per_sample + torch.sqrt(per_sample - per_sample.detach())  # 0, d/dx = inf
                 loss = mb.mean(per_sample)
@@ -262,7 +262,7 @@ class MisbehavingUpdater(Updater):
         return {}
 
     @staticmethod
-    def per_sample(trainer, mb) -> torch.Tensor:
+    def losses(trainer, mb) -> torch.Tensor:
         out = trainer.forward(mb.contexts, mb.candidates)
         scores, _ = out.scores_by_context(fill=0.0)
         actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=scores.device)

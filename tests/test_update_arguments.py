@@ -98,10 +98,10 @@ def test_a_bad_declaration_is_refused_at_load():
     from llmrl.plugins.contracts import Updater
 
     class Bad(Updater):
-        per_sample = {"rewards": "per_prompt"}
+        per_sample_args = {"rewards": "per_prompt"}
 
         def update(self, batch, trainer):
             return {}
 
-    assert "per_sample" in contract_problem("updater", Bad, "bad") and "candidate" in contract_problem(
+    assert "per_sample_args" in contract_problem("updater", Bad, "bad") and "candidate" in contract_problem(
         "updater", Bad, "bad")

@@ -272,7 +272,7 @@ class Caller:
         strings or token ids as in :meth:`score`; the updater receives them as given (token ids as lists of ints)
         and may pass them to ``trainer.forward``.
 
-        The updater's declared per-sample arguments (``Updater.per_sample``) are checked against the call and
+        The updater's declared per-sample arguments (``Updater.per_sample_args``) are checked against the call and
         sliced like the contexts; for an updater that declares none, arguments whose length equals the number of
         contexts are. The others reach every replica whole. NaN or infinite numbers anywhere are refused.
 

@@ -148,7 +148,7 @@ class HFBackend(ModelBackend):
             "device": str(self.device),
             "dtype": self.llm.dtype,
             "updater": type(self.updater).__name__ if self.updater else None,
-            "per_sample": getattr(self.updater, "per_sample", None),
+            "per_sample": getattr(self.updater, "per_sample_args", None),
             "kv_cache_mb": self.llm.kv_cache_mb,
         }
 

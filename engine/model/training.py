@@ -309,7 +309,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
                     f"{batch.replica_sizes}, and every replica runs every minibatch, so trainer.forward returned "
                     "outputs with no row; code such as torch.distributions.Categorical refuses those: skip it when "
                     "len(minibatch) == 0 and still call trainer.backward(minibatch.mean(...)), which is 0 there)")
-        if getattr(served.updater, "per_sample", None) is None and not isinstance(err, ReplicasOutOfStep):
+        if getattr(served.updater, "per_sample_args", None) is None and not isinstance(err, ReplicasOutOfStep):
             keys = batch.per_sample_keys
             hint += slicing_note(batch.kwargs, list(keys) if keys is not None else None)
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
