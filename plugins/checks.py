@@ -1,5 +1,7 @@
-"""Checks for the forms users bring from Lamorel: plugin instances where a class is taken, constructors that do
-not fit the contract, and head keys that collide with the entries of ``score()``'s results.
+"""Plugin classes checked against their contracts where they are registered: the hook and its signature, a head's
+declarations (level, what it reads, which layers), the constructor, an updater's per-sample declaration; and the
+forms users bring from Lamorel: plugin instances where a class is taken, head keys that collide with the entries
+of ``score()``'s results.
 
 Lamorel takes ``custom_updater=MyUpdater(...)`` and module-function instances; llmrl builds every plugin itself,
 on every server rank, from its class and the keyword arguments of its constructor. These checks run on the client
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from llmrl.engine.config.checks import head_key_problem
 from llmrl.engine.config.types import PluginSpec
 from llmrl.engine.errors import InvalidArgumentType, PluginError
+from llmrl.plugins.contracts import Head, Initializer, Updater
 
 _HOOK = {"head": "forward", "initializer": "initialize", "updater": "update"}
 _HEAD_INIT = "__init__(self, llm, **args)"
@@ -65,7 +70,6 @@ def _llm_source(kind: str) -> str:
 
 def contract_problem(kind: str, cls, name: str) -> str | None:
     """Why ``cls`` breaks the ``kind`` contract (its hook, its head attributes, its constructor), or None."""
-    from llmrl.plugins.contracts import check_contract
     from llmrl.plugins.per_sample import declaration_problem
 
     return (check_contract(kind, cls, name) or constructor_problem(kind, cls, name)
@@ -172,3 +176,67 @@ def given_plugins(heads=None, initializers=None, updater=None) -> dict | None:
                          for i, v in enumerate(initializers or [])],
         "updater": given_spec("updater", updater, "Caller(updater=...)") if updater else None,
     }
+
+
+_HOOKS = {
+    "head": ("forward", ["outputs"]),
+    "initializer": ("initialize", ["model", "llm"]),
+    "updater": ("update", ["batch", "trainer"]),
+}
+_BASES = {"head": Head, "initializer": Initializer, "updater": Updater}
+
+
+def check_contract(kind: str, cls, name: str) -> str | None:
+    """Why ``cls`` breaks the ``kind`` contract, or None if it keeps it."""
+    if not inspect.isclass(cls):
+        return f"plugin {name!r} must be a class, got {type(cls).__name__}"
+    if kind == "head" and not issubclass(cls, torch.nn.Module):
+        return f"head {name!r} ({cls.__qualname__}) must subclass llmrl.plugins.Head (a torch.nn.Module)"
+    if kind == "head":
+        problem = check_head_attributes(cls, name)
+        if problem:
+            return problem
+    hook, expected = _HOOKS[kind]
+    method = getattr(cls, hook, None)
+    if method is None or method is getattr(_BASES[kind], hook):
+        return f"{kind} {name!r} ({cls.__qualname__}) does not implement {hook}({', '.join(expected)})"
+    params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(required) > len(expected) or (len(positional) < len(expected) and not has_var):
+        got = ", ".join(p.name for p in params)
+        return (f"{kind} {name!r} ({cls.__qualname__}): {hook}({got}) does not match the contract "
+                f"{hook}({', '.join(expected)})")
+    return None
+
+
+HEAD_LEVELS = ("context", "candidate", "token")
+
+
+def check_head_attributes(cls, name: str) -> str | None:
+    """Why a head class's declarations (``level``, ``needs_*``, ``hidden_layers``) are invalid, or None."""
+    where = f"head {name!r} ({cls.__qualname__})"
+    level = getattr(cls, "level", None)
+    if level not in HEAD_LEVELS:
+        return f"{where}: level = {level!r}; the level attribute must be one of {', '.join(HEAD_LEVELS)}"
+    for attr in ("needs_context_hidden", "needs_candidate_hidden", "needs_token_hidden", "needs_logits"):
+        if not isinstance(getattr(cls, attr, False), bool):
+            return f"{where}: {attr} = {getattr(cls, attr)!r}; it must be True or False"
+    layers = getattr(cls, "hidden_layers", (-1,))
+    if (not isinstance(layers, (tuple, list)) or not layers
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        return (f"{where}: hidden_layers = {layers!r}; it must be a non-empty tuple of ints (indices into Hugging "
+                "Face's hidden_states, e.g. (-1,) for the last layer, (0,) for the embeddings)")
+    return None
+
+
+def check_head_layers(cls, name: str, num_hidden_states: int) -> str | None:
+    """Why a head's ``hidden_layers`` do not fit a model whose ``hidden_states`` has ``num_hidden_states`` entries
+    (the embeddings and one per layer), or None."""
+    bad = [i for i in cls.hidden_layers if not -num_hidden_states <= i < num_hidden_states]
+    if bad:
+        return (f"head {name!r} ({cls.__qualname__}): hidden_layers {tuple(bad)} out of range; this model's "
+                f"hidden_states has {num_hidden_states} entries (the embeddings and {num_hidden_states - 1} layers): "
+                f"use indices from {-num_hidden_states} to {num_hidden_states - 1}")
+    return None

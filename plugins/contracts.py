@@ -4,22 +4,24 @@ A plugin is a class. The config names it (entry-point name, ``module:attr`` or `
 with keyword arguments for its constructor; an optional ``args_schema`` class attribute (a JSON
 Schema) lets the config be checked before any model loads. Every hook is documented below; a class
 that breaks the contract is rejected at load time with a message naming the plugin and the hook
-(:func:`check_contract`).
+(:func:`llmrl.plugins.checks.check_contract`). What an updater receives, :class:`UpdateBatch`, is in
+:mod:`llmrl.plugins.update_batch` (and importable from here).
 
-This module defines shapes and documentation only; discovery is in :mod:`llmrl.plugins.registry`.
+This module defines shapes and documentation only; discovery is in :mod:`llmrl.plugins.registry`, checks in
+:mod:`llmrl.plugins.checks`.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from llmrl.plugins.per_sample import is_per_sample
+from llmrl.plugins.update_batch import UpdateBatch
+
+__all__ = ["ForwardOutputs", "Head", "Initializer", "LLMInfo", "ShufflingUpdater", "Trainer", "UpdateBatch",
+           "Updater"]
 
 
 @dataclass(frozen=True)
@@ -367,175 +369,3 @@ class Trainer:
         variance used to whiten advantages, the mean KL that adapts a KL coefficient). Every replica must call it
         the same number of times, like ``backward``."""
         raise NotImplementedError
-
-
-@dataclass
-class UpdateBatch:
-    """This replica's share of an ``update`` call, or of one of its minibatches.
-
-    How samples are weighted: samples are processed in micro-steps (one ``trainer.backward`` each, usually one
-    minibatch); every ``accumulation_steps`` micro-steps, and at the end of each pass over
-    :meth:`minibatches` (or of the update), the optimizer takes one step. Within a step every sample weighs the
-    same, whatever replica and micro-step it fell in: reduce per-sample losses with :meth:`mean`, whose
-    divisor is the number of samples in the step (``step_size``) over all replicas. A step's gradient is then
-    exactly the mean of the per-sample gradients of its samples, as in single-process training.
-
-    Attributes:
-        contexts / candidates: this replica's samples (``candidates`` may be None): strings, or token ids (lists
-            of ints) as the client gave them; pass them on to ``trainer.forward`` as they are.
-        kwargs: keyword arguments of the call; per-sample ones (length = number of contexts) are sliced.
-        indices: positions of these samples in the whole call.
-        global_size: number of samples in this (mini)batch, over all replicas.
-        replica / num_replicas: this replica's index and the number of replicas.
-        replica_sizes: the number of samples of every replica (equal up to one; a replica may have none).
-        accumulation_steps: micro-steps per optimizer step (``training.gradient_accumulation_steps``).
-        step_size: samples, over all replicas, in the optimizer step this minibatch belongs to (None: the
-            whole batch is one step).
-        per_sample_keys: the keyword arguments sliced with the samples, as the client decided (the updater's
-            ``per_sample_args`` declaration, or the length rule); None: the length rule, applied here.
-    """
-
-    contexts: list[str | list[int]]  # text, or token ids used as given
-    candidates: list[list[str | list[int]]] | None
-    kwargs: dict[str, Any]
-    indices: list[int]
-    global_size: int
-    replica: int
-    num_replicas: int
-    replica_sizes: list[int]
-    accumulation_steps: int = 1
-    step_size: int | None = None
-    end_of_pass: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    per_sample_keys: tuple[str, ...] | None = None
-
-    def __len__(self) -> int:
-        return len(self.contexts)
-
-    def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean of per-sample ``values`` as the optimizer step sees it once DeepSpeed has averaged the
-        gradients across replicas: each sample weighs 1 / (samples in the step), exactly, whatever the shares
-        (a replica with no sample contributes zero)."""
-        total = self.step_size if self.step_size is not None else self.global_size
-        if total == 0:
-            return values.sum() * 0.0
-        return values.sum() * (self.num_replicas / total)
-
-    def select(self, positions: list[int], sizes: list[int], step_size: int | None = None) -> UpdateBatch:
-        """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
-        kwargs = {}
-        for key, value in self.kwargs.items():
-            sliced = key in self.per_sample_keys if self.per_sample_keys is not None else is_per_sample(value, len(self))
-            kwargs[key] = _take(value, positions) if sliced else value
-        return replace(
-            self,
-            contexts=[self.contexts[p] for p in positions],
-            candidates=None if self.candidates is None else [self.candidates[p] for p in positions],
-            kwargs=kwargs,
-            indices=[self.indices[p] for p in positions],
-            global_size=sum(sizes),
-            replica_sizes=list(sizes),
-            step_size=step_size,
-        )
-
-    def minibatches(self, size: int, shuffle: bool = False, generator: torch.Generator | None = None
-                    ) -> Iterator[UpdateBatch]:
-        """Split into minibatches of at most ``size`` samples per replica.
-
-        Every replica yields the same number of minibatches (the last ones may be empty on replicas
-        with fewer samples), so collective steps stay aligned. Consecutive groups of ``accumulation_steps``
-        minibatches form one optimizer step each (the last group may be shorter); when the pass ends, a step
-        that is still open is taken, so no gradient is carried into the next pass or the next update.
-        """
-        count = max(1, math.ceil(max(self.replica_sizes) / size)) if self.replica_sizes else 1
-        order = list(range(len(self)))
-        if shuffle:
-            order = torch.randperm(len(self), generator=generator).tolist()
-        per_replica = [[min(size, max(0, n - k * size)) for k in range(count)] for n in self.replica_sizes]
-        totals = [sum(sizes[k] for sizes in per_replica) for k in range(count)]
-        group = max(1, self.accumulation_steps)
-        for k in range(count):
-            first = k - k % group
-            step_size = sum(totals[first:first + group])
-            positions = order[k * size: k * size + per_replica[self.replica][k]]
-            yield self.select(positions, [sizes[k] for sizes in per_replica], step_size)
-        if self.end_of_pass is not None:
-            self.end_of_pass()
-
-
-def _take(value, positions: list[int]):
-    if isinstance(value, torch.Tensor):
-        return value[torch.tensor(positions, dtype=torch.long)] if positions else value[:0]
-    try:
-        import numpy as np
-
-        if isinstance(value, np.ndarray):
-            return value[positions]
-    except ImportError:
-        pass
-    return type(value)(value[p] for p in positions) if isinstance(value, tuple) else [value[p] for p in positions]
-
-
-# ----------------------------------------------------------------------------- contract checks
-
-_HOOKS = {
-    "head": ("forward", ["outputs"]),
-    "initializer": ("initialize", ["model", "llm"]),
-    "updater": ("update", ["batch", "trainer"]),
-}
-_BASES = {"head": Head, "initializer": Initializer, "updater": Updater}
-
-
-def check_contract(kind: str, cls, name: str) -> str | None:
-    """Why ``cls`` breaks the ``kind`` contract, or None if it keeps it."""
-    if not inspect.isclass(cls):
-        return f"plugin {name!r} must be a class, got {type(cls).__name__}"
-    if kind == "head" and not issubclass(cls, torch.nn.Module):
-        return f"head {name!r} ({cls.__qualname__}) must subclass llmrl.plugins.Head (a torch.nn.Module)"
-    if kind == "head":
-        problem = check_head_attributes(cls, name)
-        if problem:
-            return problem
-    hook, expected = _HOOKS[kind]
-    method = getattr(cls, hook, None)
-    if method is None or method is getattr(_BASES[kind], hook):
-        return f"{kind} {name!r} ({cls.__qualname__}) does not implement {hook}({', '.join(expected)})"
-    params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
-    if len(required) > len(expected) or (len(positional) < len(expected) and not has_var):
-        got = ", ".join(p.name for p in params)
-        return (f"{kind} {name!r} ({cls.__qualname__}): {hook}({got}) does not match the contract "
-                f"{hook}({', '.join(expected)})")
-    return None
-
-
-HEAD_LEVELS = ("context", "candidate", "token")
-
-
-def check_head_attributes(cls, name: str) -> str | None:
-    """Why a head class's declarations (``level``, ``needs_*``, ``hidden_layers``) are invalid, or None."""
-    where = f"head {name!r} ({cls.__qualname__})"
-    level = getattr(cls, "level", None)
-    if level not in HEAD_LEVELS:
-        return f"{where}: level = {level!r}; the level attribute must be one of {', '.join(HEAD_LEVELS)}"
-    for attr in ("needs_context_hidden", "needs_candidate_hidden", "needs_token_hidden", "needs_logits"):
-        if not isinstance(getattr(cls, attr, False), bool):
-            return f"{where}: {attr} = {getattr(cls, attr)!r}; it must be True or False"
-    layers = getattr(cls, "hidden_layers", (-1,))
-    if (not isinstance(layers, (tuple, list)) or not layers
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
-        return (f"{where}: hidden_layers = {layers!r}; it must be a non-empty tuple of ints (indices into Hugging "
-                "Face's hidden_states, e.g. (-1,) for the last layer, (0,) for the embeddings)")
-    return None
-
-
-def check_head_layers(cls, name: str, num_hidden_states: int) -> str | None:
-    """Why a head's ``hidden_layers`` do not fit a model whose ``hidden_states`` has ``num_hidden_states`` entries
-    (the embeddings and one per layer), or None."""
-    bad = [i for i in cls.hidden_layers if not -num_hidden_states <= i < num_hidden_states]
-    if bad:
-        return (f"head {name!r} ({cls.__qualname__}): hidden_layers {tuple(bad)} out of range; this model's "
-                f"hidden_states has {num_hidden_states} entries (the embeddings and {num_hidden_states - 1} layers): "
-                f"use indices from {-num_hidden_states} to {num_hidden_states - 1}")
-    return None

@@ -16,7 +16,8 @@ from llmrl.engine.model.hf_backend import decoder_start_id, num_hidden_states
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.served import needs_of
 from llmrl.engine.model.tokenization import tokenize
-from llmrl.plugins.contracts import Head, check_contract, check_head_layers
+from llmrl.plugins.checks import check_contract, check_head_layers
+from llmrl.plugins.contracts import Head
 
 ID_CONTEXTS = [[17, 230, 41, 99, 5], [300], [64, 64, 64, 64, 64, 64, 64, 64, 12], [3, 150, 151]]
 ID_CANDIDATES = [[[7, 8, 9, 10], [7, 8], [311], []], [[1, 2, 3, 4, 5, 6]], [[200, 201], [200, 202, 203]],

@@ -50,7 +50,8 @@ class HFBackend(ModelBackend):
         from llmrl.engine.config import PluginSpec
         from llmrl.engine.model.module import ModelWithHeads
         from llmrl.plugins import registry
-        from llmrl.plugins.contracts import LLMInfo, check_head_layers
+        from llmrl.plugins.checks import check_head_layers
+        from llmrl.plugins.contracts import LLMInfo
 
         text_config = self.model.config.get_text_config()
         self.info = LLMInfo(name=self.llm.name, kind=self.llm.type, hidden_size=text_config.hidden_size,

@@ -34,7 +34,8 @@ from llmrl.engine.requests.base import (
     piece_parts,
     split_by_cost,
 )
-from llmrl.plugins.contracts import _take, is_per_sample
+from llmrl.plugins.per_sample import is_per_sample
+from llmrl.plugins.update_batch import _take
 
 NAME = "score"
 
