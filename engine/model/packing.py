@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrl.engine.model import scoring
+from llmrl.engine.model import pass_results, scoring
 from llmrl.engine.model.batching import COMPLETION, row_inputs
 from llmrl.engine.model.hf_cache import cache_of
 
@@ -189,10 +189,10 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
     Same arguments and result as :func:`llmrl.engine.model.scoring.run_batch`."""
     ctxs = [plan.contexts[i] for i in batch.contexts]
     n = len(ctxs)
-    offsets = scoring._offsets(plan, batch)
+    offsets = scoring.context_offsets(plan, batch)
     layers, want_hidden = needs.layers, needs.hidden
     keep_last = {"logits_to_keep": 1} if keep_logits else {}
-    sink = scoring._TokenSink(needs)
+    sink = pass_results.TokenSink(needs)
     counts = torch.zeros(offsets[-1], dtype=torch.long)
     last_logits: list = [None] * n
     last_hidden: list = [None] * n
@@ -230,13 +230,13 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
         logits = out.logits if keep_logits else out.logits[keep]
         for a, place in enumerate(layout.places):
             if place is not None and place.own[1] > place.own[0]:
-                last_logits[a] = scoring.Pick(logits, (flat[place.row, place.own[1] - 1],))
-                last_hidden[a] = scoring.Pick(out.hidden_states, (place.row, place.own[1] - 1)) \
+                last_logits[a] = pass_results.Pick(logits, (flat[place.row, place.own[1] - 1],))
+                last_hidden[a] = pass_results.Pick(out.hidden_states, (place.row, place.own[1] - 1)) \
                     if want_hidden else None
         if kv_cache is not None:
             _insert(kv_cache, ctxs, layout, starts, owns, cache_of(out), device)
 
-    context_hidden, candidate_hidden = scoring._prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits,
+    context_hidden, candidate_hidden = pass_results.prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits,
                                                                last_hidden, device)
     if layout.rows:
         wanted = []
@@ -248,9 +248,9 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
             counts[offsets[a] + j] += len(cand.rest) - max(cand.first_scored, 1)
             if needs.candidate_hidden:
                 last = len(row_inputs(plan, batch.contexts[a], j, needs)) - 1
-                candidate_hidden[offsets[a] + j] = scoring.Pick(out.hidden_states, (layout.places[a].row, s + last))
+                candidate_hidden[offsets[a] + j] = pass_results.Pick(out.hidden_states, (layout.places[a].row, s + last))
         if wanted:
-            logits = scoring.at_least_float32(logits)
+            logits = pass_results.at_least_float32(logits)
             norm = torch.logsumexp(logits, dim=-1)
             index = torch.tensor([flat[w[0]] for w in wanted], device=device)
             targets = torch.tensor([w[1] for w in wanted], device=device)
@@ -258,14 +258,14 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, kv_cache=
             if needs.token_hidden:  # position t predicts rest[t + 1]
                 rows = torch.tensor([w[0][0] for w in wanted], device=device)
                 cols = torch.tensor([w[0][1] for w in wanted], device=device)
-                hidden = scoring._at(out.hidden_states, layers, rows, cols)
+                hidden = pass_results.at(out.hidden_states, layers, rows, cols)
             sink.add(logits[index, targets] - norm[index], [w[2] for w in wanted],
                      [w[3] for w in wanted] if needs.per_token else None, targets, logits, norm, index, hidden)
         if needs.context_hidden:
             for a, place in enumerate(layout.places):
                 if place is not None and COMPLETION in place.segments:
-                    context_hidden[a] = scoring.Pick(out.hidden_states, (place.row, place.segments[COMPLETION][1] - 1))
-    return scoring._batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
+                    context_hidden[a] = pass_results.Pick(out.hidden_states, (place.row, place.segments[COMPLETION][1] - 1))
+    return pass_results.batch_result(model, needs, sink, counts, context_hidden, candidate_hidden, device, touched)
 
 
 def _common_pass(call, ctxs, common, needs, device, keep_last, last_logits, last_hidden, touched, kv_cache):
@@ -284,8 +284,8 @@ def _common_pass(call, ctxs, common, needs, device, keep_last, last_logits, last
         kv_cache.cache.insert(kv_cache.namespace, head, lambda i, j: [(k[:, i:j], v[:, i:j]) for k, v in common_kv])
     for a, c in enumerate(ctxs):
         if c.shared == common:
-            last_logits[a] = scoring.Pick(out.logits, (0, -1))
-            last_hidden[a] = scoring.Pick(out.hidden_states, (0, -1)) if needs.hidden else None
+            last_logits[a] = pass_results.Pick(out.logits, (0, -1))
+            last_hidden[a] = pass_results.Pick(out.hidden_states, (0, -1)) if needs.hidden else None
     return common_kv
 
 

@@ -1,0 +1,214 @@
+"""What a scoring pass collects and returns: the scored tokens as they come (:class:`TokenSink`), rows picked from
+the model's outputs and gathered at once (:class:`Pick`, :func:`take`), and one batch's result
+(:class:`BatchResult`, built by :func:`batch_result`). Log-probs and entropies are computed in float32 (or wider)
+without materialising a full log-softmax.
+
+Shared by the unpacked path (:mod:`llmrl.engine.model.scoring`), the packed one (:mod:`llmrl.engine.model.packing`)
+and seq2seq (:mod:`llmrl.engine.model.seq2seq_scoring`). It makes no model call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from llmrl.engine.model.batching import Needs
+
+
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or in its own dtype when that is wider (a float64 model keeps its precision)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = at_least_float32(logits)
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_of(logits: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy (nats) of each row's softmax, in float32 (or wider); 0 log 0 counts 0 (and has a zero gradient)."""
+    logits = at_least_float32(logits)
+    logp = logits - (torch.logsumexp(logits, dim=-1) if norm is None else norm)[:, None]
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+@dataclass
+class Tokens:
+    """Per-token outputs of one batch, in no particular order: candidate (batch-local index) and position within
+    its scored tokens say where each belongs."""
+
+    logprobs: torch.Tensor  # [n_tokens] (on the model's device; differentiable)
+    candidate: torch.Tensor  # [n_tokens] long, CPU
+    position: torch.Tensor  # [n_tokens] long, CPU
+    ids: torch.Tensor  # [n_tokens] long, CPU: the scored token ids
+    entropy: torch.Tensor | None  # [n_tokens] when asked
+    hidden: dict[int, torch.Tensor] | None = None  # layer -> [n_tokens, H] with Needs.token_hidden
+    logits: torch.Tensor | None = None  # [n_tokens, vocab] float32 with Needs.token_logits
+
+
+class TokenSink:
+    """Collects scored tokens as a batch runs: log-probs and candidates always (for the sums), the rest only when
+    the request asks for per-token outputs."""
+
+    def __init__(self, needs: Needs):
+        self.needs = needs
+        self.lp: list[torch.Tensor] = []
+        self.cand: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.ent: list[torch.Tensor] = []
+        self.hidden: list[dict[int, torch.Tensor]] = []
+        self.logits: list[torch.Tensor] = []
+
+    def add(self, logprobs, candidates: list[int], positions: list[int] | None, targets: torch.Tensor, logits=None,
+            norm=None, index=None, hidden=None) -> None:
+        """``positions`` (a list, or None when per-token outputs are not kept) are the tokens' places in their
+        candidates; entropies and kept logits come from ``logits`` (rows selected by ``index``, if given);
+        ``hidden`` (layer -> ``[n, H]``, with ``Needs.token_hidden``) holds the tokens' hidden states."""
+        self.lp.append(logprobs)
+        self.cand.append(torch.tensor(candidates))
+        if not self.needs.per_token:
+            return
+        self.pos.append(torch.tensor(positions, dtype=torch.long))
+        self.ids.append(targets.cpu())
+        if self.needs.entropy:
+            entropy = entropy_of(logits, norm)
+            self.ent.append(entropy if index is None else entropy[index])
+        if self.needs.token_logits:
+            self.logits.append(at_least_float32(logits if index is None else logits[index]))
+        if self.needs.token_hidden:
+            self.hidden.append(hidden)
+
+
+@dataclass
+class BatchResult:
+    """Per-candidate scores of one batch (candidates in context order) and optional hidden states and tokens."""
+
+    scores: torch.Tensor  # [n_candidates] sum of token log-probs
+    counts: torch.Tensor  # [n_candidates] number of scored tokens
+    context_hidden: dict[int, torch.Tensor] | None  # layer -> [n_contexts, H]
+    candidate_hidden: dict[int, torch.Tensor] | None  # layer -> [n_candidates, H]
+    tokens: Tokens | None = None  # with Needs.per_token
+
+
+def prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden, device):
+    """What the prefix passes alone give: the first scored token of candidates that start right after the shared
+    prefix (scored from the prefix's last logits), and hidden states at the prefix's end. Returns per-context and
+    per-candidate lists of hidden states, to be completed by the candidate passes."""
+    layers, want_hidden, n_cand = needs.layers, needs.hidden, offsets[-1]
+    # Candidates whose first scored token directly follows the shared prefix.
+    firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
+              if cand.first_scored == 0 and cand.rest]
+    if firsts:
+        logits = take([last_logits[a] for a, _ in firsts])
+        targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
+        hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
+                  if needs.token_hidden else None)  # the prefix's last position predicts these tokens
+        sink.add(token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
+                 logits, hidden=hidden)
+        for a, j in firsts:
+            counts[offsets[a] + j] += 1
+
+    context_hidden: list = [None] * len(ctxs)
+    candidate_hidden: list = [None] * n_cand
+    if want_hidden:
+        for a, c in enumerate(ctxs):
+            if c.shared == len(c.ids) and c.shared > 0:
+                context_hidden[a] = last_hidden[a]
+            for j, cand in enumerate(c.candidates):
+                if not cand.rest and c.shared > 0:
+                    candidate_hidden[offsets[a] + j] = last_hidden[a]
+    return context_hidden, candidate_hidden
+
+
+def batch_result(model, needs, sink: TokenSink, counts, context_hidden, candidate_hidden, device,
+                  touched: list[torch.Tensor]) -> BatchResult:
+    values = torch.cat(sink.lp) if sink.lp else torch.zeros(0, device=device)
+    index = torch.cat(sink.cand) if sink.cand else torch.zeros(0, dtype=torch.long)
+    scores = torch.zeros(len(counts), device=values.device, dtype=values.dtype).index_add(0, index.to(values.device),
+                                                                                          values)
+    tokens = None
+    if needs.per_token:
+        width, vocab = hidden_size(model), model.config.get_text_config().vocab_size
+        tokens = Tokens(values, index, cat_long(sink.pos), cat_long(sink.ids),
+                        (torch.cat(sink.ent) if sink.ent else torch.zeros(0, device=device)) if needs.entropy else None,
+                        cat_layers(sink.hidden, needs.layers, width, device) if needs.token_hidden else None,
+                        (torch.cat(sink.logits) if sink.logits else torch.zeros((0, vocab), device=device))
+                        if needs.token_logits else None)
+    context_hidden = (take_layers(context_hidden, needs.layers, hidden_size(model), device)
+                      if needs.context_hidden else None)
+    candidate_hidden = (take_layers(candidate_hidden, needs.layers, hidden_size(model), device)
+                        if needs.candidate_hidden else None)
+    if torch.is_grad_enabled() and touched:
+        # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
+        # whatever the loss reads: under ZeRO-3 each replica gathers the same weights in the same order.
+        zero = 0.0 * sum(t.float().sum() for t in touched)
+        scores = scores + zero
+        if tokens is not None:
+            tokens.logprobs = tokens.logprobs + zero
+            tokens.entropy = None if tokens.entropy is None else tokens.entropy + zero
+            tokens.logits = None if tokens.logits is None else tokens.logits + zero
+            tokens.hidden = None if tokens.hidden is None else {k: v + zero for k, v in tokens.hidden.items()}
+        context_hidden = None if context_hidden is None else {k: v + zero for k, v in context_hidden.items()}
+        candidate_hidden = None if candidate_hidden is None else {k: v + zero for k, v in candidate_hidden.items()}
+    return BatchResult(scores=scores, counts=counts, context_hidden=context_hidden, candidate_hidden=candidate_hidden,
+                       tokens=tokens)
+
+
+class Pick(NamedTuple):
+    """Row ``index`` of ``source`` (a tensor, or Hugging Face's tuple of hidden states, one tensor per layer),
+    taken later by :func:`take` together with the other picks: one gather per source tensor. (Indexing one row at a
+    time would cost, in backward, a zero tensor of the source's whole size per row: for the logits of a batch, a
+    few hundred thousand floats per context.)"""
+
+    source: object
+    index: tuple[int, ...]
+
+
+def take(picks: list[Pick], layer: int | None = None) -> torch.Tensor:
+    """``torch.stack([p.source[p.index] for p in picks])`` (``p.source[layer]`` for hidden states), with one
+    indexing per distinct source."""
+    groups: dict[int, list[int]] = {}
+    for k, pick in enumerate(picks):
+        groups.setdefault(id(pick.source), []).append(k)
+    parts, order = [], []
+    for ks in groups.values():
+        source = picks[ks[0]].source if layer is None else picks[ks[0]].source[layer]
+        columns = zip(*(picks[k].index for k in ks))
+        parts.append(source[tuple(torch.tensor(c, device=source.device) for c in columns)])
+        order += ks
+    if len(parts) == 1 and order == list(range(len(order))):
+        return parts[0]
+    where = torch.empty(len(order), dtype=torch.long)
+    where[torch.tensor(order)] = torch.arange(len(order))
+    joined = torch.cat(parts)
+    return joined[where.to(joined.device)]
+
+
+def take_layers(picks: list[Pick], layers, width: int = 0, device=None) -> dict[int, torch.Tensor]:
+    """Per layer, the picked hidden states stacked in order (``[0, width]`` when there is none)."""
+    if not picks:
+        return {layer: torch.zeros((0, width), device=device) for layer in layers}
+    return {layer: take(picks, layer) for layer in layers}
+
+
+def at(hidden_states, layers, rows, cols) -> dict[int, torch.Tensor]:
+    """The hidden states of ``layers`` (indices into Hugging Face's ``hidden_states``) at ``[rows, cols]``."""
+    return {layer: hidden_states[layer][rows, cols] for layer in layers}
+
+
+def cat_layers(items: list[dict], layers, width: int, device) -> dict[int, torch.Tensor]:
+    """Per layer, the items' hidden states concatenated in order; ``[0, width]`` when none."""
+    return {layer: torch.cat([d[layer] for d in items]) if items else torch.zeros((0, width), device=device)
+            for layer in layers}
+
+
+def cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def hidden_size(model) -> int:
+    return model.config.get_text_config().hidden_size
