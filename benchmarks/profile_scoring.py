@@ -25,7 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 THREADS = int(os.environ.get("THREADS", "2"))
 torch.set_num_threads(THREADS)
 
-from run import inprocess_scores, make_workload, measure_matmul_rate, unique_tokens  # noqa: E402
+from baselines import inprocess_scores  # noqa: E402
+from limits import measure_matmul_rate, unique_tokens  # noqa: E402
+from workloads import make_workload  # noqa: E402
 
 from llmrl.engine.model.builtin_models import builtin_model_path  # noqa: E402
 from llmrl.engine.model.hf_cache import layer_cache  # noqa: E402

@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -48,60 +47,19 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the test kit
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its own modules, also when loaded from a file
 
-ACTIONS = ["go forward", "turn left", "turn right", "pick up", "drop", "toggle", "open the door", "go to the red ball",
-           "pick up the blue key", "go to the green box", "open the yellow door", "put the key next to the ball",
-           "look around", "wait", "go back", "close the door"]
-COLORS = ["red", "green", "blue", "purple", "yellow", "grey"]
-OBJECTS = ["ball", "box", "key", "door", "wall"]
-
-
-def make_workload(tokenizer, contexts: int, context_tokens: int, candidates: int, seed: int = 0) -> list[dict]:
-    """Text-game observations of about ``context_tokens`` tokens, with action candidates of 2-5 tokens."""
-    rng = random.Random(seed)
-    work = []
-    for i in range(contexts):
-        text = f"Episode {i}. Your goal: go to the {rng.choice(COLORS)} {rng.choice(OBJECTS)}."
-        while len(tokenizer(text)["input_ids"]) < context_tokens:
-            text += (f" You see a {rng.choice(COLORS)} {rng.choice(OBJECTS)} {rng.randint(1, 6)} steps "
-                     f"{rng.choice(['forward', 'left', 'right'])}.")
-        text += " Next action:"
-        pool = set()
-        while len(pool) < candidates:
-            action = rng.choice(ACTIONS)
-            if len(pool) >= len(ACTIONS) or action in pool:
-                action = f"{rng.choice(['go to', 'pick up', 'open'])} the {rng.choice(COLORS)} {rng.choice(OBJECTS)}"
-            pool.add(action)
-        work.append({"context": text, "candidates": [" " + a for a in sorted(pool)]})
-    return work
-
-
-def make_episodes(tokenizer, envs: int, steps: int, header_tokens: int, step_tokens: int, candidates: int,
-                  seed: int) -> list[tuple[list[str], list[list[str]]]]:
-    """The calls of ``envs`` text-game episodes scored in lockstep, one call per step: a static header of about
-    ``header_tokens`` tokens, then each step's context is the previous one, the action taken and about
-    ``step_tokens`` tokens of new observation (a history-based prompt), with ``candidates`` actions."""
-    rng = random.Random(seed)
-    header = (f"You are an agent in a grid world (run {seed}). Your goal: go to the {rng.choice(COLORS)} "
-              f"{rng.choice(OBJECTS)}. Possible actions: " + ", ".join(ACTIONS[:10]) + ".")
-    while len(tokenizer(header)["input_ids"]) < header_tokens:
-        header += " Answer with one action."
-    histories = [header for _ in range(envs)]
-    calls = []
-    for step in range(steps):
-        contexts, options = [], []
-        for e in range(envs):
-            start = len(tokenizer(histories[e])["input_ids"])
-            text = histories[e] + f" Step {step}:"
-            while len(tokenizer(text)["input_ids"]) - start < step_tokens:
-                text += (f" you see a {rng.choice(COLORS)} {rng.choice(OBJECTS)} {rng.randint(1, 6)} steps "
-                         f"{rng.choice(['forward', 'left', 'right'])};")
-            text += " Action:"
-            contexts.append(text)
-            options.append([" " + a for a in rng.sample(ACTIONS, candidates)])
-            histories[e] = text + options[-1][rng.randrange(candidates)] + "."
-        calls.append((contexts, options))
-    return calls
+from baselines import (  # noqa: E402
+    inprocess_scores,
+    interleaved,
+    max_error,
+    naive_estimate,
+    naive_scores,
+    plain_generate,
+    timed,
+)
+from limits import BestRate, necessary_flops, rebase_limits, unique_tokens  # noqa: E402
+from workloads import babyai_rollout, make_episodes, make_workload  # noqa: E402
 
 
 def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, repeats: int, naive_budget: float,
@@ -154,27 +112,6 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
                     "naive HF / cache on": naive_scaled / on_time,
                     "max |cache on - naive|": max(max_error(a[:subset], b) for a, b in zip(on, naive))})
     return row
-
-
-def babyai_rollout(transitions: int, seed: int) -> tuple[list[str], list[list[str]]]:
-    """The prompts and actions of the PPO demo's rollout (``examples/ppo_babyai.py``: its level, prompt, 16
-    environments, 24-step episodes, no walls), taken by a uniformly random policy (the untrained model's is nearly
-    uniform). States repeat, as they do in the demo: the same view gives the same prompt."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from babyai_text import TextVecEnv
-    from ppo_babyai import Args, candidates, prompt
-
-    demo, envs = Args(), 16
-    env = TextVecEnv(demo.level, envs, seeds=[seed + k for k in range(envs)], max_steps=demo.max_steps,
-                     seed_stride=envs, walls=demo.walls)
-    rng = random.Random(seed)
-    obs = env.reset()
-    contexts, options = [], []
-    for _ in range(transitions // envs):
-        contexts += [prompt(o) for o in obs]
-        options += [candidates(o) for o in obs]
-        obs, *_ = env.step([rng.choice(o.actions) for o in obs])
-    return contexts, options
 
 
 def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int, rollout: str) -> dict:
@@ -257,155 +194,6 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
                 "replayed calls": trunk["replayed_calls"], "whole calls": trunk["whole_calls"],
                 "trunk MB": trunk["bytes"] / 2**20})
     return row
-
-
-class BestRate:
-    """The machine's float32 matmul rate, measured again before each row; the best seen so far is used (and, at the
-    end, the best of the run: ``rebase_limits``), so that a measurement taken while something else ran on the machine
-    never makes a compute limit look easy."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self.seen: list[float] = []
-
-    def __call__(self) -> float:
-        self.seen.append(measure_matmul_rate(self.threads))
-        return max(self.seen)
-
-
-def rebase_limits(rows: list[dict], best: float) -> None:
-    """Restate every row's compute limit at the best matmul rate of the whole run (measured once more at its end):
-    a row measured while the machine was slow keeps its time, but its limit shrinks and its ratio grows. Prints
-    each ratio that changed."""
-    for row in rows:
-        rate = row.get("matmul GFLOP/s (best so far)")
-        if rate is None or rate * 1e9 >= best:
-            continue
-        factor = rate * 1e9 / best
-        for key in list(row):
-            if key.startswith("compute limit"):
-                row[key] *= factor
-            elif " / " in key and key.endswith("limit"):
-                row[key] /= factor
-                print(f"   {row['workload']}: {key} at the run's best rate ({best / 1e9:.1f} GFLOP/s): "
-                      f"{row[key]:.3f}", file=sys.stderr)
-        row["matmul GFLOP/s (best so far)"] = best / 1e9
-
-
-def measure_matmul_rate(threads: int, size: int = 1536, repeats: int = 5) -> float:
-    """FLOP/s of a square float32 matrix multiply with ``threads`` threads (best of a few)."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def unique_tokens(tokenizer, workload: list[dict]) -> int:
-    total = 0
-    for item in workload:
-        ctx = len(tokenizer(item["context"])["input_ids"])
-        total += ctx + sum(max(0, len(tokenizer(item["context"] + c)["input_ids"]) - ctx) for c in item["candidates"])
-    return total
-
-
-def necessary_flops(model, tokenizer, workload: list[dict]) -> float:
-    """FLOPs a scoring call cannot avoid, counted tighter than 2 per parameter per token: every context token and
-    every candidate token but the last (a target only) through the decoder layers (2 per layer parameter),
-    attention over the positions before it (4 x hidden per layer and position: queries times keys, weights times
-    values), and the vocabulary projection only where a score is read (the context's last position, then each
-    candidate token but the last). Candidates that start alike are counted apart (sharing goes below this)."""
-    config = model.config
-    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
-    per_input, per_attended, per_logit = 2 * layer_params, 4 * hidden * layers, 2 * vocab * hidden
-    total = 0.0
-    for item in workload:
-        ctx = len(tokenizer(item["context"])["input_ids"])
-        total += ctx * per_input + per_attended * ctx * (ctx + 1) / 2 + per_logit
-        for candidate in item["candidates"]:
-            inputs = max(0, len(tokenizer(item["context"] + candidate)["input_ids"]) - ctx - 1)
-            attended = sum(ctx + j for j in range(1, inputs + 1))
-            total += inputs * (per_input + per_logit) + per_attended * attended
-    return total
-
-
-def naive_scores(model, tokenizer, workload: list[dict], rows_per_forward: int = 16) -> list[torch.Tensor]:
-    """What a user writes with plain Hugging Face: concatenated texts, padded batches, gathered log-probs."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = []
-    for i, item in enumerate(workload):
-        ctx_len = len(tokenizer(item["context"])["input_ids"])
-        for c in item["candidates"]:
-            rows.append((i, tokenizer(item["context"] + c)["input_ids"], ctx_len))
-    out = [[] for _ in workload]
-    with torch.no_grad():
-        for start in range(0, len(rows), rows_per_forward):
-            chunk = rows[start:start + rows_per_forward]
-            width = max(len(ids) for _, ids, _ in chunk)
-            ids = torch.full((len(chunk), width), pad)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, (_, seq, _) in enumerate(chunk):
-                ids[r, : len(seq)] = torch.tensor(seq)
-                mask[r, : len(seq)] = 1
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
-            for r, (i, seq, ctx_len) in enumerate(chunk):
-                out[i].append(sum(logp[r, t - 1, seq[t]].item() for t in range(ctx_len, len(seq))))
-    return [torch.tensor(s) for s in out]
-
-
-def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: int) -> list[torch.Tensor]:
-    """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it."""
-    from llmrl.engine.model.batching import Needs, plan_batches
-    from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-    from llmrl.engine.model.tokenization import tokenize
-
-    plan = tokenize(tokenizer, "causal", [w["context"] for w in workload], [w["candidates"] for w in workload],
-                    max_length=None)
-    out = [None] * len(workload)
-    keep = accepts_logits_to_keep(model)
-    with torch.no_grad():
-        for batch in plan_batches(plan, token_budget, minibatch, Needs(), packed=True):
-            res = run_batch(model, plan, batch, Needs(), tokenizer.pad_token_id, "cpu", keep)
-            offset = 0
-            for i in batch.contexts:
-                k = len(plan.contexts[i].candidates)
-                out[i] = res.scores[offset:offset + k]
-                offset += k
-    return out
-
-
-def interleaved(*fns, repeats: int):
-    """(median time, result) of each function, run in turn after one warm-up each, the order reversed every other
-    round (drift hits all alike, and none always runs right after the same one)."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    results = [None for _ in fns]
-    for round_ in range(repeats):
-        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
-        for k in order:
-            start = time.perf_counter()
-            results[k] = fns[k]()
-            times[k].append(time.perf_counter() - start)
-    return [(statistics.median(t), r) for t, r in zip(times, results)]
-
-
-def timed(fn, repeats: int = 1):
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
-def max_error(a, b) -> float:
-    return max(float((x - y).abs().max()) if len(x) else 0.0 for x, y in zip(a, b))
 
 
 def model_path(name: str) -> str:
@@ -548,32 +336,6 @@ def generate_rows(run, model, tokenizer, gen_contexts: list[str], quick: bool, r
     rows.append({"workload": "minimal request round trip", "median ms": 1e3 * trips[100], "p95 ms": 1e3 * trips[190]})
     print_row(rows[-1])
     return rows
-
-
-def naive_estimate(model, tokenizer, work) -> float:
-    """Seconds the naive baseline would take, from one small forward (to decide on a subset)."""
-    ids = torch.tensor([tokenizer(work[0]["context"] + work[0]["candidates"][0])["input_ids"]] * 4)
-    with torch.no_grad():
-        model(input_ids=ids)
-        start = time.perf_counter()
-        model(input_ids=ids)
-    per_token = (time.perf_counter() - start) / ids.numel()
-    tokens = sum(len(tokenizer(w["context"] + c)["input_ids"]) for w in work for c in w["candidates"])
-    return per_token * tokens
-
-
-def plain_generate(model, tokenizer, prompts, new_tokens) -> list[list[int]]:
-    tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    result = []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        result.append(row[:end])
-    return result
 
 
 def memory_row(path: str, quick: bool) -> dict:
