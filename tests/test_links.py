@@ -34,6 +34,8 @@ def fake_server(address, rank, *, heartbeats: bool, answer: bool, stop: threadin
             link.sock.settimeout(0.05)
             try:
                 request = messages.receive(link)
+                if not isinstance(request, messages.Request):  # a shutdown: the test is over
+                    break
                 messages.send(link, messages.Reply(request.id, rank, value={"echo": request.payload}))
             except (TimeoutError, OSError):
                 pass

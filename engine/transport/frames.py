@@ -133,12 +133,22 @@ class Connection:
             raise FrameTooLarge(f"a message of {total} bytes is over the limit of {self.max_bytes} bytes "
                                 "(max_message_bytes in the config)")
         with self._send_lock:  # signed in the lock: frames go out in the order of their sequence numbers
-            frames = self.signed(frames)
             if total <= _SMALL:
-                self.sock.sendall(b"".join(frames))
-            else:
-                for frame in frames:
-                    self.sock.sendall(frame)
+                self.sock.sendall(b"".join(self.signed(frames)))
+                return
+            # A large frame is signed piece by piece as it goes out, so the peer checks one piece while the next
+            # is signed here.
+            mac = self._signer.begin() if self._signer is not None else None
+            for frame in frames:
+                view = memoryview(frame).cast("B")
+                for start in range(0, view.nbytes, _CHUNK):
+                    piece = view[start:start + _CHUNK]
+                    if mac is not None:
+                        mac.update(piece)
+                    self.sock.sendall(piece)
+            if mac is not None:
+                self._signer.done()
+                self.sock.sendall(mac.digest())
 
     def signed(self, frames: list) -> list:
         """The frame's buffers followed by its tag (the next sequence number's); as they are without keys."""
@@ -200,10 +210,10 @@ class Connection:
             k = self.sock.recv_into(view[got:], min(n - got, _CHUNK))
             if k == 0:
                 raise EOFError("connection closed by the peer")
+            if mac is not None:
+                mac.update(view[got:got + k])
             got += k
             self.last_activity = time.monotonic()
-        if mac is not None:
-            mac.update(data)
         return data
 
     def _skip(self, n: int, mac=None) -> None:
