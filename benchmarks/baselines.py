@@ -38,9 +38,9 @@ def naive_scores(model, tokenizer, workload: list[dict], rows_per_forward: int =
 
 def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: int) -> list[torch.Tensor]:
     """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it."""
-    from llmrl.engine.model.batching import Needs, plan_batches
-    from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-    from llmrl.engine.model.tokenization import tokenize
+    from llmrl.engine.model.scoring.planning import Needs, plan_batches
+    from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
+    from llmrl.engine.model.scoring.tokenization import tokenize
 
     plan = tokenize(tokenizer, "causal", [w["context"] for w in workload], [w["candidates"] for w in workload],
                     max_length=None)

@@ -29,8 +29,8 @@ from baselines import inprocess_scores  # noqa: E402
 from limits import measure_matmul_rate, unique_tokens  # noqa: E402
 from workloads import make_workload  # noqa: E402
 
-from llmrl.engine.model.builtin_models import builtin_model_path  # noqa: E402
-from llmrl.engine.model.hf_cache import layer_cache  # noqa: E402
+from llmrl.engine.model.reuse.hf_kv import layer_cache  # noqa: E402
+from llmrl.engine.model.store.builtin_models import builtin_model_path  # noqa: E402
 
 path = str(builtin_model_path("smollm2-135m-instruct"))
 tok = AutoTokenizer.from_pretrained(path)

@@ -202,7 +202,7 @@ def model_path(name: str) -> str:
 
         return tiny_model("llama")
     if name == "smollm2":
-        from llmrl.engine.model.builtin_models import builtin_model_path
+        from llmrl.engine.model.store.builtin_models import builtin_model_path
 
         return str(builtin_model_path("smollm2-135m-instruct"))
     return name

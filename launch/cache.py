@@ -3,7 +3,7 @@
 States: ``ok`` (a verified model), ``broken`` (ours but unusable, or moved aside by a repair), ``partial``
 (a preparation in progress, or one that crashed), ``foreign`` (not made by llmrl). ``clear`` removes
 only llmrl's own folders, never foreign ones. This verb loads no model and starts nothing; the cache
-logic is in :mod:`llmrl.engine.model.model_cache`.
+logic is in :mod:`llmrl.engine.model.store.folders`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def human_size(size: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from llmrl.engine.model import model_cache
-    from llmrl.engine.model.builtin_models import BUILTIN_MODELS
+    from llmrl.engine.model.store import folders as model_cache
+    from llmrl.engine.model.store.builtin_models import BUILTIN_MODELS
 
     root = model_cache.models_dir()
     if args.action == "list":

@@ -5,7 +5,7 @@ llmrl.launch`` launch has no such step: there local rank 0 of each node prepares
 ranks wait for the entries to appear (at most ``timeouts.startup``). If local rank 0 fails it exits non-zero
 and the DeepSpeed launcher stops the waiting ranks; the deadline covers launchers that do not.
 
-This module decides when and where models are prepared; :mod:`llmrl.engine.model.builtin_models` prepares them.
+This module decides when and where models are prepared; :mod:`llmrl.engine.model.store.builtin_models` prepares them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 def prepare_builtin_models(config, rank: int | None = None, local_rank: int = 0) -> str | None:
     """Make the config's builtin models ready on this node; an error message, or None. ``rank`` is None for
     ``llmrl run`` itself (which prepares them all), else this rank's global rank."""
-    from llmrl.engine.model import builtin_models
-    from llmrl.engine.model.model_cache import CacheError
+    from llmrl.engine.model.store import builtin_models
+    from llmrl.engine.model.store.folders import CacheError
 
     names = builtin_models.builtin_names(config)
     if not names:

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from llmrl.engine.model import builtin_models as bm
-from llmrl.engine.model import model_cache as mc
+from llmrl.engine.model.store import builtin_models as bm
+from llmrl.engine.model.store import folders as mc
 
 NAME = "tiny-random-llama"
 BUG_FILES = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]  # what issue 17's bug installed
@@ -56,7 +56,7 @@ def install_copy(template, models):
 
 def plant_bug_folder(models):
     """Exactly what the bug left: the tokenizer files of a conversion, no config, no weights, no marker."""
-    from llmrl.engine.model.tiny_models import tiny_tokenizer
+    from llmrl.engine.model.store.tiny_models import tiny_tokenizer
 
     folder = models / NAME
     tiny_tokenizer(add_bos=True, add_eos=False).save_pretrained(folder)
@@ -71,7 +71,7 @@ def assert_is_the_tiny_llama(path):
     """Plain transformers reloads the folder and gets the tiny model, weights and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmrl.engine.model.tiny_models import build_tiny
+    from llmrl.engine.model.store.tiny_models import build_tiny
 
     model, tokenizer = build_tiny("llama")
     reloaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
@@ -128,7 +128,7 @@ def test_inspection_names_what_is_wrong(cache, template, damage, reason):
 
 @pytest.mark.parametrize("with_config", [False, True])
 def test_verification_refuses_a_conversion_that_wrote_no_weights(tmp_path, with_config):
-    from llmrl.engine.model.tiny_models import build_tiny
+    from llmrl.engine.model.store.tiny_models import build_tiny
 
     model, tokenizer = build_tiny("llama")
     tokenizer.save_pretrained(tmp_path)  # what a rank-gated save_pretrained leaves: the tokenizer only
@@ -139,7 +139,7 @@ def test_verification_refuses_a_conversion_that_wrote_no_weights(tmp_path, with_
 
 
 def test_verification_refuses_weights_that_do_not_reload_as_saved(tmp_path):
-    from llmrl.engine.model.tiny_models import build_tiny
+    from llmrl.engine.model.store.tiny_models import build_tiny
 
     model, tokenizer = build_tiny("llama")
     other, _ = build_tiny("llama", seed=1)
@@ -229,7 +229,7 @@ def test_staging_leftovers_of_dead_processes_on_this_host_are_removed(cache):
 
 @pytest.mark.slow
 def test_two_processes_preparing_at_once_install_one_good_entry(cache):
-    code = f"from llmrl.engine.model.builtin_models import prepare_builtin; print(prepare_builtin({NAME!r}))"
+    code = f"from llmrl.engine.model.store.builtin_models import prepare_builtin; print(prepare_builtin({NAME!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from llmrl.engine.model.model_cache import MARKER
+from llmrl.engine.model.store.folders import MARKER
 from llmrl.engine.transport.rendezvous import free_port
 from testkit import LiveRun, reference_scores
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from llmrl.engine.errors import PluginError
-from llmrl.engine.model.batching import Needs, plan_batches
 from llmrl.engine.model.hf_backend import decoder_start_id, num_hidden_states
 from llmrl.engine.model.module import ModelWithHeads
+from llmrl.engine.model.scoring.planning import Needs, plan_batches
+from llmrl.engine.model.scoring.tokenization import tokenize
 from llmrl.engine.model.served import needs_of
-from llmrl.engine.model.tokenization import tokenize
 from llmrl.plugins.checks import check_contract, check_head_layers
 from llmrl.plugins.contracts import Head
 

@@ -1,4 +1,4 @@
-"""The cache argument across transformers versions (``engine/model/hf_cache.py``, ``scoring.make_caller``): the
+"""The cache argument across transformers versions (``engine/model/reuse/hf_kv.py``, ``scoring.make_caller``): the
 scoring code hands its key/value cache to the model call as ``cache``, and the call passes it under the name the
 model's own ``forward`` takes (``cache`` from transformers 5.24, ``past_key_values`` before it and in remote code
 written for older versions). Reference: one plain Hugging Face call over the whole sequence, no cache."""
@@ -10,9 +10,9 @@ import inspect
 import pytest
 import torch
 
-from llmrl.engine.model.batching import Needs
-from llmrl.engine.model.hf_cache import cache_kwarg, cache_of, layer_cache
-from llmrl.engine.model.scoring import make_caller
+from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of, layer_cache
+from llmrl.engine.model.reuse.trunk import make_caller
+from llmrl.engine.model.scoring.planning import Needs
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 27]])
 

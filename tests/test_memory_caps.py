@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.engine.model.prefix_cache import PrefixKVCache
+from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache
 
 HEADS, DIM = 2, 8
 BYTES_PER_TOKEN = 2 * HEADS * DIM * 4  # one layer: keys and values, float32

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmrl.engine.config import load_config
-from llmrl.engine.model.loading import load_model, load_tokenizer, set_pad_token
+from llmrl.engine.model.store.loading import load_model, load_tokenizer, set_pad_token
 
 IDS = torch.tensor([[1, 5, 9, 14, 3, 7]])
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_scoring import run_plan
 
-from llmrl.engine.model.batching import Needs
-from llmrl.engine.model.prefix_cache import CacheUse, PrefixKVCache, model_bytes_per_token
+from llmrl.engine.model.reuse.prefix_cache import CacheUse, PrefixKVCache, model_bytes_per_token
+from llmrl.engine.model.scoring.planning import Needs
 from testkit import reference_scores
 
 
@@ -180,8 +180,8 @@ def test_an_adapter_reads_only_its_own_entries(reference_models):
 def test_a_common_prefix_the_cache_holds_gets_no_pass_of_its_own(reference_models):
     """Packed, with the cache: once the header is cached, a call is one model call (no pass over the common
     prefix), and its scores still equal plain Hugging Face's."""
-    from llmrl.engine.model.batching import plan_batches
-    from llmrl.engine.model.tokenization import tokenize
+    from llmrl.engine.model.scoring.planning import plan_batches
+    from llmrl.engine.model.scoring.tokenization import tokenize
 
     model, tok = reference_models["llama"]
     per_token = model_bytes_per_token(model.config, torch.float32)
@@ -240,7 +240,7 @@ def test_after_an_update_of_the_top_layers_entries_keep_the_bottom_and_recompute
         reference_models, dtype, tolerance, packed, layers, top):
     """With LoRA on the top layers and a trunk, ``keep_layers_below`` (what an update does) keeps each entry's
     bottom layers; the next calls refresh the top layers from the trunk and score as if nothing had been cached."""
-    from llmrl.engine.model.trunk import Trunk, trunk_depth
+    from llmrl.engine.model.reuse.trunk import Trunk, trunk_depth
 
     base, tok = reference_models["llama"]
     model = lora_top_model(base, dtype, layers, top)
@@ -270,7 +270,7 @@ def test_stale_entries_the_trunk_cannot_recompute_are_dropped_and_never_read(ref
     """A trunk that holds nothing (its cap is tiny) cannot recompute the top layers: the stale entries are dropped,
     the call encodes everything, and the scores are still exact. Without any refresh, reading a stale entry raises
     instead of handing out keys of the old weights."""
-    from llmrl.engine.model.trunk import Trunk, trunk_depth
+    from llmrl.engine.model.reuse.trunk import Trunk, trunk_depth
 
     base, tok = reference_models["llama"]
     model = lora_top_model(base, torch.float32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.config import load_config
-from llmrl.engine.model.loading import load_model
+from llmrl.engine.model.store.loading import load_model
 
 
 def test_no_4bit_layer_takes_the_bf16_kernel_path(tiny, monkeypatch):

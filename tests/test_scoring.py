@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.model.batching import Needs, plan_batches
 from llmrl.engine.model.hf_backend import decoder_start_id
-from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-from llmrl.engine.model.tokenization import tokenize
+from llmrl.engine.model.scoring.planning import Needs, plan_batches
+from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.scoring.tokenization import tokenize
 from testkit import reference_scores
 
 # Boundary merges: "café " + "naïve", "You see a wa" + "ll ...", "actions: tu" + "rn right" tokenise into fewer
@@ -38,7 +38,7 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
         for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse, packed=packed, cached=cached):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                             kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model),
-                            kv_cache=kv_cache, trunk=trunk)
+                            prefix_cache=kv_cache, trunk=trunk)
             offset = 0
             for a, i in enumerate(batch.contexts):
                 k = len(plan.contexts[i].candidates)
@@ -156,7 +156,8 @@ def test_shared_prefixes_and_shared_candidate_rows(reference_models, monkeypatch
     """Contexts sharing a prefix and candidates sharing rows give plain HF's scores. Chunked, the common prefix is
     encoded once; packed, everything takes one call, after a pass over the common prefix only when that saves
     re-encoding enough tokens (forced here with a threshold of 0)."""
-    from llmrl.engine.model import batching
+    from llmrl.engine.model.scoring import planning as batching
+    from llmrl.engine.model.scoring.tokenization import common_prefix_length
 
     if min_saving is not None:
         monkeypatch.setattr(batching, "COMMON_PASS_MIN_SAVING", min_saving)
@@ -165,7 +166,7 @@ def test_shared_prefixes_and_shared_candidate_rows(reference_models, monkeypatch
     (batch,) = plan_batches(plan, 8192, 64, Needs(), packed=packed)
     rows = sum(len(c) for c in batch.chunks)
     assert rows < sum(len(c) for c in SHARED_CANDIDATES) - 6, "rows whose inputs coincide must be shared"
-    common = batching.common_prefix_of([c.prefix for c in plan.contexts])
+    common = common_prefix_length(*[c.prefix for c in plan.contexts])
     saving = common * (len(SHARED_CONTEXTS) - 1)
     assert common > 0 and (batch.common > 0) == (not packed or saving >= batching.COMMON_PASS_MIN_SAVING)
     # common prefix, own prefixes, candidates (packed: own prefixes and candidates together)
@@ -182,7 +183,7 @@ def test_shared_prefixes_and_shared_candidate_rows(reference_models, monkeypatch
 def test_packed_rows_of_any_span_give_plain_hf_results(reference_models, monkeypatch, span):
     """Contexts share packed rows up to a span of columns; rows are padded to the widest. However they are
     laid out, scores, per-token log-probs and hidden states equal plain HF's."""
-    from llmrl.engine.model import packing
+    from llmrl.engine.model.scoring import packed as packing
 
     monkeypatch.setattr(packing, "ROW_SPANS", (span,))
     model, tok = reference_models["llama"]

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
-from llmrl.engine.model.batching import Needs, plan_batches
 from llmrl.engine.model.generation import generate, plan_generate
 from llmrl.engine.model.hf_backend import decoder_start_id
 from llmrl.engine.model.module import ModelWithHeads
-from llmrl.engine.model.tokenization import tokenize
+from llmrl.engine.model.scoring.planning import Needs, plan_batches
+from llmrl.engine.model.scoring.tokenization import tokenize
 from llmrl.engine.requests.inputs import check_candidates, check_contexts, check_vocabulary
 
 # Text with boundary merges ("You see a wa" + "ll ...", "actions: tu" + "rn right"), a candidate sharing its first

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, processors
 from transformers import PreTrainedTokenizerFast
 
-from llmrl.engine.model.tokenization import common_prefix_length, tokenize
+from llmrl.engine.model.scoring.tokenization import common_prefix_length, tokenize
 
 
 @pytest.fixture(scope="module")

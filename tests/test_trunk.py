@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 
-from llmrl.engine.model.batching import Needs, plan_batches
-from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-from llmrl.engine.model.tokenization import tokenize
-from llmrl.engine.model.trunk import Trunk, trunk_depth
+from llmrl.engine.model.reuse.trunk import Trunk, trunk_depth
+from llmrl.engine.model.scoring.planning import Needs, plan_batches
+from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.scoring.tokenization import tokenize
 
 CONTEXTS = ["Goal: go to the red ball. You see a wall 2 steps forward.", "Goal: go to the red ball. You see a key.",
             "Goal: open the door. The door is locked.", "x x x"]

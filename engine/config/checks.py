@@ -118,7 +118,7 @@ def environment_problems(data: dict, check_devices: bool = True) -> list[Problem
         at = f"llms.{name}"
         model = llm["model"]
         if model.startswith(BUILTIN_MODEL_PREFIX):
-            from llmrl.engine.model.builtin_models import BUILTIN_MODELS
+            from llmrl.engine.model.store.builtin_models import BUILTIN_MODELS
 
             builtin = model[len(BUILTIN_MODEL_PREFIX):]
             if builtin not in BUILTIN_MODELS:
@@ -147,7 +147,7 @@ def environment_problems(data: dict, check_devices: bool = True) -> list[Problem
 def _tensor_parallel_problems(at: str, llm: dict, tp: int) -> list[Problem]:
     model = llm["model"]
     if model.startswith(BUILTIN_MODEL_PREFIX):
-        from llmrl.engine.model.builtin_models import builtin_model_config
+        from llmrl.engine.model.store.builtin_models import builtin_model_config
 
         hf_config = builtin_model_config(model[len(BUILTIN_MODEL_PREFIX):])
     elif Path(os.path.expanduser(model)).is_dir():

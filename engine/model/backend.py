@@ -24,7 +24,7 @@ from llmrl.engine.config import Config
 from llmrl.engine.config.topology import RankRole
 
 if TYPE_CHECKING:
-    from llmrl.engine.model.tokenization import TokenPlan
+    from llmrl.engine.model.scoring.tokenization import TokenPlan
     from llmrl.engine.server.group import GroupChannel
     from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
 

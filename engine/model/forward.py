@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from llmrl.engine.errors import PeerAborted
-from llmrl.engine.model.batching import BatchSpec, Needs, plan_batches
+from llmrl.engine.model.scoring.planning import BatchSpec, Needs, plan_batches
+from llmrl.engine.model.scoring.tokenization import TokenPlan, tokenize
 from llmrl.engine.model.served import ServedModel
-from llmrl.engine.model.tokenization import TokenPlan, tokenize
 from llmrl.plugins.contracts import ForwardOutputs
 
 
@@ -45,10 +45,10 @@ class ForwardPlan:
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
                  minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
-                 add_eos: bool = False, head_kwargs: dict | None = None, kv_cache=None) -> ForwardPlan:
+                 add_eos: bool = False, head_kwargs: dict | None = None, prefix_cache=None) -> ForwardPlan:
     """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
     ``entropy`` keep per-token log-probs / entropies (they change no model call); ``add_eos`` ends candidates
-    with the EOS token; ``head_kwargs`` go to the heads; ``kv_cache`` (the cache across calls the pass will read)
+    with the EOS token; ``head_kwargs`` go to the heads; ``prefix_cache`` (the cache across calls the pass will read)
     lets the planner drop a pass over a common prefix the cache already holds."""
     keys = served.check_heads(heads)
     if head_kwargs is not None and not (isinstance(head_kwargs, dict) and all(isinstance(k, str) for k in head_kwargs)):
@@ -64,9 +64,9 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
                     prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
     cached = None
-    if kv_cache is not None:
+    if prefix_cache is not None:
         namespace = adapter or served.active_adapter()
-        cached = lambda ids: kv_cache.held(namespace, ids)  # noqa: E731
+        cached = lambda ids: prefix_cache.held(namespace, ids)  # noqa: E731
     computed, source = distinct_contexts(plan) if not served.model.training else (None, None)  # see its docstring
     batches = plan_batches(computed or plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs,
                            encoder_reuse=reuse, packed=packs(served), cached=cached)
@@ -90,9 +90,9 @@ def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | No
 
 
 def packs(served: ServedModel) -> bool:
-    """Whether this LLM's passes pack contexts and candidates into one call (:mod:`llmrl.engine.model.packing`):
+    """Whether this LLM's passes pack contexts and candidates into one call (:mod:`llmrl.engine.model.scoring.packed`):
     causal models whose attention takes a custom 4-D mask."""
-    from llmrl.engine.model.packing import PACKABLE_ATTENTION
+    from llmrl.engine.model.scoring.packed import PACKABLE_ATTENTION
 
     attention = getattr(served.model.config, "_attn_implementation", None)
     return served.llm.type == "causal" and attention in PACKABLE_ATTENTION
@@ -103,7 +103,7 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
             **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.
 
-    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``, ``kv_cache``).
+    ``options`` are :func:`plan_forward`'s (``per_token``, ``entropy``, ``add_eos``, ``head_kwargs``, ``prefix_cache``).
     ``position`` goes with the vote (see :meth:`~llmrl.engine.server.group.GroupChannel.agree`).
     Returns the plan and the number of throw-away calls to add. Raises this rank's own planning error, or
     :class:`PeerAborted` when another rank's plan failed: every rank raises, none is left in a collective.
@@ -125,29 +125,29 @@ def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | 
     return plan, most - calls
 
 
-def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, kv_cache=None,
+def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, prefix_cache=None,
                 trunk_mode: str | None = None) -> ForwardOutputs:
-    """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``kv_cache``, for
-    no-grad scoring only, is the :class:`~llmrl.engine.model.prefix_cache.PrefixKVCache` that lives across calls:
+    """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``prefix_cache``, for
+    no-grad scoring only, is the :class:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache` that lives across calls:
     its namespace is the adapter the pass runs with. ``trunk_mode`` ("record" while scoring, "replay" in the
     updater's passes) drives the frozen-trunk reuse of an LLM with ``trunk_reuse_mb``."""
-    if kv_cache is not None:
-        from llmrl.engine.model.prefix_cache import CacheUse
+    if prefix_cache is not None:
+        from llmrl.engine.model.reuse.prefix_cache import CacheUse
 
-        kv_cache = CacheUse(kv_cache, plan.adapter or served.active_adapter())
+        prefix_cache = CacheUse(prefix_cache, plan.adapter or served.active_adapter())
     with served.adapter(plan.adapter):
         anchor = gradient_anchor(served) if torch.is_grad_enabled() else None
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
         trunk = served.module.trunk
-        served.module.kv_cache = kv_cache
+        served.module.prefix_cache = prefix_cache
         try:
             with trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext():
                 return served.engine(plan=plan.computed or plan.plan, batches=plan.batches, needs=plan.needs,
                                      head_keys=plan.heads, extra_calls=extra_calls, anchor=anchor,
                                      head_kwargs=plan.head_kwargs, source=plan.source)
         finally:
-            served.module.kv_cache = None
+            served.module.prefix_cache = None
 
 
 def forget_zero3_trace(engine) -> None:

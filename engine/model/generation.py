@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.engine.model.batching import pack
-from llmrl.engine.model.tokenization import encode_inputs
+from llmrl.engine.model.scoring.planning import group_greedily
+from llmrl.engine.model.scoring.tokenization import encode_inputs
 
 RESERVED_KWARGS = ("input_ids", "attention_mask", "return_dict_in_generate", "output_logits", "output_scores",
                    "synced_gpus", "inputs", "decoder_input_ids")
@@ -45,7 +45,7 @@ def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_
                     ) -> list[list[int]]:
     """Group prompt indices so that rows x (prompt + new tokens) stays within the budget."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups = pack([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return, extra_width=new_tokens)
+    groups = group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return, extra_width=new_tokens)
     return [[order[k] for k in group] for group in groups]
 
 

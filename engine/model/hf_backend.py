@@ -8,7 +8,7 @@ an optimizer only when the LLM has an updater, and restores a checkpoint if the 
 
 Requests run on the engine: forward passes through :mod:`llmrl.engine.model.forward`, generation through
 :mod:`llmrl.engine.model.generation` (on the engine's own module, so weights are always current), updates
-through :mod:`llmrl.engine.model.training`, checkpoints through :mod:`llmrl.engine.model.checkpoint`.
+through :mod:`llmrl.engine.model.training.trainer`, checkpoints through :mod:`llmrl.engine.model.checkpoint`.
 
 This module does not talk to the client or decide what a request returns; the request kinds do.
 """
@@ -37,7 +37,12 @@ class HFBackend(ModelBackend):
 
     def load(self) -> None:
         from llmrl.engine.model.deepspeed_config import build_deepspeed_config
-        from llmrl.engine.model.loading import load_model, load_tokenizer, max_input_length, set_pad_token
+        from llmrl.engine.model.store.loading import (
+            load_model,
+            load_tokenizer,
+            max_input_length,
+            set_pad_token,
+        )
 
         self.tokenizer = load_tokenizer(self.llm)
         self.ds_config = build_deepspeed_config(self.llm)
@@ -95,14 +100,14 @@ class HFBackend(ModelBackend):
         if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
             raise PluginError(f"LLM {self.llm.name!r} has an updater but no trainable parameter "
                               "(did an initializer freeze everything?)")
-        from llmrl.engine.model.trunk import trunk_depth
+        from llmrl.engine.model.reuse.trunk import trunk_depth
 
         self.trunk_depth = trunk_depth(self.model) if self.llm.type == "causal" else 0
 
     def build(self) -> dict:
         import deepspeed
 
-        from llmrl.engine.model.optimizer import AdapterSteps, make_optimizer
+        from llmrl.engine.model.training.optimizer import AdapterSteps, make_optimizer
 
         optimizer = adapter_steps = None
         if self.updater is not None:
@@ -157,9 +162,9 @@ class HFBackend(ModelBackend):
 
     def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
         plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                              must_agree=self.llm.lockstep, kv_cache=self.prefix_cache, **options)
+                              must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
         with torch.no_grad():
-            return run_forward(self.served, plan, extra, kv_cache=self.prefix_cache, trunk_mode="record")
+            return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 
     def tokenize(self, contexts, candidates):
         return plan_forward(self.served, contexts, candidates).plan
@@ -191,7 +196,7 @@ class HFBackend(ModelBackend):
                             seed=seed, extra_batches=extra)
 
     def update(self, batch):
-        from llmrl.engine.model.training import run_update
+        from llmrl.engine.model.training.trainer import run_update
 
         try:
             return run_update(self.served, batch)
@@ -246,7 +251,7 @@ def make_prefix_cache(model, llm):
     """The cache across calls for ``llms.<name>.kv_cache_mb``; refuses models whose attention is not over the
     whole context (sliding windows, chunked attention): their caches do not keep every key."""
     from llmrl.engine.errors import ConfigError
-    from llmrl.engine.model.prefix_cache import PrefixKVCache, model_bytes_per_token
+    from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache, model_bytes_per_token
 
     text = model.config.get_text_config()
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
@@ -259,7 +264,7 @@ def make_prefix_cache(model, llm):
 def make_trunk(model, llm, depth: int, has_updater: bool):
     """The frozen-trunk store for ``llms.<name>.trunk_reuse_mb``; refuses models with nothing frozen to reuse."""
     from llmrl.engine.errors import ConfigError
-    from llmrl.engine.model.trunk import Trunk, decoder_layers
+    from llmrl.engine.model.reuse.trunk import Trunk, decoder_layers
 
     layers = decoder_layers(model)
     where = f"llms.{llm.name}.trunk_reuse_mb"

@@ -1,7 +1,7 @@
 """The module DeepSpeed wraps: the Hugging Face model and its heads, whose forward runs one planned request.
 
 :class:`ModelWithHeads` takes a token plan and its planned batches, runs them
-(:func:`llmrl.engine.model.scoring.run_batch`), puts candidates and contexts back in request order and
+(:func:`llmrl.engine.model.scoring.run.run_batch`), puts candidates and contexts back in request order and
 runs the requested heads on the result (each with the per-call keyword arguments its ``forward`` accepts), checking
 that each head's output has its level's first dimension. It returns one typed result, the
 :class:`~llmrl.plugins.contracts.ForwardOutputs` that heads and updaters read. One engine call covers
@@ -18,9 +18,9 @@ import inspect
 import torch
 
 from llmrl.engine.errors import plugin_error
-from llmrl.engine.model.batching import BatchSpec, Needs
-from llmrl.engine.model.scoring import accepts_logits_to_keep, run_batch
-from llmrl.engine.model.tokenization import TokenPlan
+from llmrl.engine.model.scoring.planning import BatchSpec, Needs
+from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
+from llmrl.engine.model.scoring.tokenization import TokenPlan
 from llmrl.plugins.contracts import ForwardOutputs
 
 
@@ -37,8 +37,8 @@ class ModelWithHeads(torch.nn.Module):
         self.pad_id = pad_id
         self.start_id = start_id
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
-        self.kv_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
-        self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.trunk)
+        self.prefix_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
+        self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.reuse.trunk)
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
                 extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None,
@@ -48,12 +48,12 @@ class ModelWithHeads(torch.nn.Module):
         ``plan``'s) gives, for each context of the request, its index in ``plan`` (twins are computed once and
         their outputs handed to every copy, see :func:`llmrl.engine.model.forward.distinct_contexts`). ``anchor`` (a zero that depends on every trainable weight, see
         :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every output, so any loss reaches every
-        weight. ``self.kv_cache``, set around no-grad scoring calls only, is the cache that lives across calls
+        weight. ``self.prefix_cache``, set around no-grad scoring calls only, is the cache that lives across calls
         (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
         and each tensor-parallel rank holds its own share of the keys)."""
         device = self.device
         results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
-                             kv_cache=self.kv_cache, trunk=self.trunk) for b in batches]
+                             prefix_cache=self.prefix_cache, trunk=self.trunk) for b in batches]
         # Put candidates (and contexts) back in request order: batch order -> computed order -> request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)

@@ -18,7 +18,7 @@ import torch
 
 from llmrl.engine.config import LLMConfig, PluginSpec
 from llmrl.engine.config.topology import RankRole
-from llmrl.engine.model.batching import Needs
+from llmrl.engine.model.scoring.planning import Needs
 
 if TYPE_CHECKING:
     from llmrl.engine.server.group import GroupChannel
@@ -52,7 +52,7 @@ class ServedModel:
     head_specs: dict[str, PluginSpec] = field(default_factory=dict)
     updater: Updater | None = None
     updater_name: str | None = None
-    adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/optimizer.py) when training
+    adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
 
     @property
     def module(self):

@@ -17,8 +17,8 @@ if __name__ == "__main__":
     if dist.get_rank() == 1:
         from peft import LoraConfig, get_peft_model
 
-        from llmrl.engine.model.builtin_models import prepare_builtin
-        from llmrl.engine.model.tiny_models import build_tiny
+        from llmrl.engine.model.store.builtin_models import prepare_builtin
+        from llmrl.engine.model.store.tiny_models import build_tiny
 
         model, tokenizer = build_tiny("llama")
         report = {}

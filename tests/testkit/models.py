@@ -1,6 +1,6 @@
 """Tiny model folders and plain Hugging Face references for tests.
 
-``tiny_model("llama" | "gpt2" | "t5")`` saves a tiny random model (:mod:`llmrl.engine.model.tiny_models`) as a
+``tiny_model("llama" | "gpt2" | "t5")`` saves a tiny random model (:mod:`llmrl.engine.model.store.tiny_models`) as a
 normal Hugging Face folder and returns its path; folders are cached per (kind, seed) under
 ``$LLMRL_TEST_MODELS``. ``reference_scores`` computes what ``score`` must return the plain way: one full
 forward per (context, candidate) pair, no padding, no cache.
@@ -37,7 +37,7 @@ def _build(kind: str, seed: int):
     """The product's tiny models, and two variants that exercise rare tokenizer and config shapes:
     ``llama-eos`` (a causal tokenizer that appends EOS) and ``t5-genstart`` (a seq2seq model whose decoder
     start token is only in its generation config)."""
-    from llmrl.engine.model.tiny_models import build_tiny, tiny_tokenizer
+    from llmrl.engine.model.store.tiny_models import build_tiny, tiny_tokenizer
 
     if kind == "llama-eos":
         model, _ = build_tiny("llama", seed)

@@ -24,7 +24,7 @@ The cache is ``$LLMRL_CACHE/models/NAME`` (default ``~/.cache/llmrl``). How an e
 Runs prepare their builtin models before any process group exists (``llmrl run`` before it launches,
 and one process per node in :mod:`llmrl.launch.rank`); this module does not decide when that happens,
 nor how a model is placed or trained: it turns a builtin name into a verified folder. How a cache folder is
-judged, listed and cleared (``llmrl cache``) is :mod:`llmrl.engine.model.model_cache`'s.
+judged, listed and cleared (``llmrl cache``) is :mod:`llmrl.engine.model.store.folders`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmrl.engine.files import fsync_dir, fsync_file
-from llmrl.engine.model.model_cache import (
+from llmrl.engine.model.store.folders import (
     MARKER,
     CacheError,
     folder_problem,
@@ -190,7 +190,7 @@ def _build(name: str) -> Path:
     try:
         # A child process: no process group exists there (where one does, save_pretrained silently skips the
         # weights on every rank but 0), and the ~1 GB a conversion touches is not kept by a client or `llmrl run`.
-        code = subprocess.call([sys.executable, "-m", "llmrl.engine.model.builtin_models", "build", name, str(staging)])
+        code = subprocess.call([sys.executable, "-m", "llmrl.engine.model.store.builtin_models", "build", name, str(staging)])
         if code != 0:
             raise CacheError(f"building builtin:{name} failed (exit code {code} of the process that built it; its "
                              "error is above); nothing was installed")
@@ -213,7 +213,7 @@ def build_into(name: str, staging: Path) -> None:
     _check_name(name)
     spec = BUILTIN_MODELS[name]
     if spec.tiny_kind is not None:
-        from llmrl.engine.model.tiny_models import build_tiny
+        from llmrl.engine.model.store.tiny_models import build_tiny
 
         print(f"llmrl: building builtin:{name} (a tiny random {spec.tiny_kind}) in {staging.parent / name}",
               file=sys.stderr, flush=True)
@@ -278,9 +278,9 @@ def _from_gguf(name: str, staging: Path):
 # ----------------------------------------------------------------------------- listing and clearing
 
 
-if __name__ == "__main__":  # python -m llmrl.engine.model.builtin_models build NAME FOLDER (used by _build)
+if __name__ == "__main__":  # python -m llmrl.engine.model.store.builtin_models build NAME FOLDER (used by _build)
     if len(sys.argv) != 4 or sys.argv[1] != "build":
-        sys.exit("usage: python -m llmrl.engine.model.builtin_models build NAME EMPTY_FOLDER")
+        sys.exit("usage: python -m llmrl.engine.model.store.builtin_models build NAME EMPTY_FOLDER")
     try:
         build_into(sys.argv[2], Path(sys.argv[3]))
     except (CacheError, FileNotFoundError, KeyError) as err:  # expected failures: one line, no traceback

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.engine.model.batching import COMPLETION, row_inputs
-from llmrl.engine.model.pass_results import BatchResult, Pick, TokenSink, at, batch_result, token_logprobs
-from llmrl.engine.model.scoring import context_offsets, pad_rows
+from llmrl.engine.model.scoring.planning import COMPLETION, context_offsets, pad_rows, row_inputs
+from llmrl.engine.model.scoring.results import BatchResult, Pick, TokenSink, at, batch_result, token_logprobs
 
 
 def run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchResult:

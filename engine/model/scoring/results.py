@@ -1,20 +1,24 @@
-"""What a scoring pass collects and returns: the scored tokens as they come (:class:`TokenSink`), rows picked from
-the model's outputs and gathered at once (:class:`Pick`, :func:`take`), and one batch's result
-(:class:`BatchResult`, built by :func:`batch_result`). Log-probs and entropies are computed in float32 (or wider)
-without materialising a full log-softmax.
+"""What a scoring pass collects and returns: the scored tokens as they come (:class:`TokenSink`), the state one
+batch's passes share (:class:`BatchPass`), rows picked from the model's outputs and gathered at once (:class:`Pick`,
+:func:`take`), and one batch's result (:class:`BatchResult`, built by :func:`batch_result`).
 
-Shared by the unpacked path (:mod:`llmrl.engine.model.scoring`), the packed one (:mod:`llmrl.engine.model.packing`)
-and seq2seq (:mod:`llmrl.engine.model.seq2seq_scoring`). It makes no model call.
+:func:`score_positions` is the one place where kept logits become scored tokens' log-probs: the positions a call
+kept (:class:`Scored`, listed by :func:`scored_tokens`) -> logsumexp -> the sink. Log-probs and entropies are
+computed in float32 (or wider) without materialising a full log-softmax.
+
+Shared by the unpacked path (:mod:`llmrl.engine.model.scoring.causal`), the packed one
+(:mod:`llmrl.engine.model.scoring.packed`) and seq2seq (:mod:`llmrl.engine.model.scoring.seq2seq`). It makes no
+model call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from llmrl.engine.model.batching import Needs
+from llmrl.engine.model.scoring.planning import Needs
 
 
 def at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +87,76 @@ class TokenSink:
             self.hidden.append(hidden)
 
 
+class Scored(NamedTuple):
+    """A scored token of a model call: the (row, column) whose logits predict it, and where it belongs."""
+
+    row: int
+    column: int
+    target: int  # its token id
+    candidate: int  # its candidate (batch-local)
+    position: int  # its place among the candidate's scored tokens
+
+
+def scored_tokens(cand, row: int, first_column: int, candidate: int) -> list[Scored]:
+    """The tokens candidate ``cand`` (:class:`~llmrl.engine.model.scoring.tokenization.CandidateTokens`) scores in a
+    call whose row ``row`` holds its inputs from column ``first_column``: input ``t`` predicts ``rest[t + 1]``, token
+    number ``t + 1 - first_scored`` of its scored tokens. (Its first rest token, when scored, is predicted by its
+    prefix's last logits: see :func:`prefix_outputs`.)"""
+    return [Scored(row, first_column + t, cand.rest[t + 1], candidate, t + 1 - cand.first_scored)
+            for t in range(max(cand.first_scored - 1, 0), len(cand.rest) - 1)]
+
+
+def scored_in_call(cand) -> int:
+    """How many of ``cand``'s scored tokens a candidate row scores (the others come from the prefix's logits)."""
+    return len(cand.rest) - max(cand.first_scored, 1)
+
+
+def score_positions(sink: TokenSink, logits: torch.Tensor, flat: dict, scored: list[Scored], hidden_states,
+                    device) -> None:
+    """Add ``scored`` to ``sink``: their log-probs from ``logits`` (the call's kept rows; ``flat[row, column]`` is the
+    kept row of a position) and, with ``Needs.token_hidden``, the hidden states at their positions."""
+    if not scored:
+        return
+    needs = sink.needs
+    logits = at_least_float32(logits)
+    norm = torch.logsumexp(logits, dim=-1)
+    index = torch.tensor([flat[s.row, s.column] for s in scored], device=device)
+    targets = torch.tensor([s.target for s in scored], device=device)
+    hidden = None
+    if needs.token_hidden:
+        rows = torch.tensor([s.row for s in scored], device=device)
+        cols = torch.tensor([s.column for s in scored], device=device)
+        hidden = at(hidden_states, needs.layers, rows, cols)
+    sink.add(logits[index, targets] - norm[index], [s.candidate for s in scored],
+             [s.position for s in scored] if needs.per_token else None, targets, logits, norm, index, hidden)
+
+
+@dataclass
+class BatchPass:
+    """What one causal batch's passes collect as they run: the scored tokens, each candidate's count of them, the
+    logits and hidden state after each context's prefix (picked, gathered later) and every call's logits."""
+
+    needs: Needs
+    n_contexts: int
+    n_candidates: int
+    sink: TokenSink = field(init=False)
+    counts: torch.Tensor = field(init=False)
+    last_logits: list = field(init=False)
+    last_hidden: list = field(init=False)
+    touched: list = field(default_factory=list)  # every model call's logits (see batch_result)
+
+    def __post_init__(self):
+        self.sink = TokenSink(self.needs)
+        self.counts = torch.zeros(self.n_candidates, dtype=torch.long)
+        self.last_logits = [None] * self.n_contexts
+        self.last_hidden = [None] * self.n_contexts
+
+    def prefix_ends(self, a: int, logits, hidden_states, index: tuple, logits_index: tuple | None = None) -> None:
+        """Context ``a``'s prefix ends at ``index`` of this call's outputs (``logits_index`` in its kept logits)."""
+        self.last_logits[a] = Pick(logits, index if logits_index is None else logits_index)
+        self.last_hidden[a] = Pick(hidden_states, index) if self.needs.hidden else None
+
+
 @dataclass
 class BatchResult:
     """Per-candidate scores of one batch (candidates in context order) and optional hidden states and tokens."""
@@ -94,16 +168,17 @@ class BatchResult:
     tokens: Tokens | None = None  # with Needs.per_token
 
 
-def prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden, device):
+def prefix_outputs(ctxs, offsets, state: BatchPass, device):
     """What the prefix passes alone give: the first scored token of candidates that start right after the shared
     prefix (scored from the prefix's last logits), and hidden states at the prefix's end. Returns per-context and
     per-candidate lists of hidden states, to be completed by the candidate passes."""
+    needs, sink, counts, last_hidden = state.needs, state.sink, state.counts, state.last_hidden
     layers, want_hidden, n_cand = needs.layers, needs.hidden, offsets[-1]
     # Candidates whose first scored token directly follows the shared prefix.
     firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
               if cand.first_scored == 0 and cand.rest]
     if firsts:
-        logits = take([last_logits[a] for a, _ in firsts])
+        logits = take([state.last_logits[a] for a, _ in firsts])
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
         hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
@@ -125,7 +200,9 @@ def prefix_outputs(ctxs, offsets, needs, sink, counts, last_logits, last_hidden,
 
 
 def batch_result(model, needs, sink: TokenSink, counts, context_hidden, candidate_hidden, device,
-                  touched: list[torch.Tensor]) -> BatchResult:
+                 touched: list[torch.Tensor]) -> BatchResult:
+    """One batch's result from what its passes collected. With gradients, every call's logits (``touched``) are tied
+    to every output with weight zero."""
     values = torch.cat(sink.lp) if sink.lp else torch.zeros(0, device=device)
     index = torch.cat(sink.cand) if sink.cand else torch.zeros(0, dtype=torch.long)
     scores = torch.zeros(len(counts), device=values.device, dtype=values.dtype).index_add(0, index.to(values.device),

@@ -4,7 +4,7 @@ With LoRA on the top k layers (or the ``freeze`` initializer), every layer below
 exactly the same thing before and after every update, and adapters never touch it. The rollout's ``score``
 calls already ran those layers over the very contexts and candidates that ``update()`` trains on. :class:`Trunk`
 keeps, per token path (the token ids from the start of the sequence), the hidden state entering layer
-``depth`` in a radix tree (:class:`~llmrl.engine.model.prefix_cache.PrefixKVCache`, LRU under its own cap), and
+``depth`` in a radix tree (:class:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache`, LRU under its own cap), and
 during the updater's forward passes replaces the layers below ``depth`` by a pass-through: the state entering
 layer ``depth`` is taken from the tree, so forward and backward run through the trainable top only.
 
@@ -16,19 +16,68 @@ they depend on never changes. Supported: decoder-only models whose layers sit in
 take the hidden states as first argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor
 parallelism (checked by the backend).
 
-This module runs no request; :mod:`llmrl.engine.model.scoring` says which tokens each model call computes.
+Every model call of a scoring pass goes through :func:`make_caller`, told which token paths each row of the call
+computes (:class:`TrunkRow`, built by :func:`common_rows`, :func:`own_rows`, :func:`candidate_rows`); without a
+trunk it is the plain model call. This module runs no request and plans no batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from llmrl.engine.model.hf_cache import cache_of, layer_cache
-from llmrl.engine.model.prefix_cache import PrefixKVCache
+from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of, layer_cache
+from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache
+
+
+class TrunkRow(NamedTuple):
+    """One token path a model call computes part of."""
+
+    row: int  # the row of the call's input holding those tokens
+    path: Sequence[int]  # token ids from the start of the sequence up to the last token this call computes of it
+    start: int  # where this call's part of the path starts
+    columns: Sequence[int]  # the columns of that part in the row
+
+
+def common_rows(ctxs, common: int) -> list[TrunkRow]:
+    """The pass over the prefix every context of a batch shares (one row)."""
+    return [TrunkRow(0, ctxs[0].prefix[:common], 0, list(range(common)))]
+
+
+def own_rows(ctxs, starts: list[int], remainders: list[list[int]], width: int) -> list[TrunkRow]:
+    """A left padded pass over each context's prefix after ``starts[a]`` tokens (``remainders[a]``)."""
+    return [TrunkRow(a, c.prefix, start, list(range(width - len(rest), width)) if rest else [])
+            for a, (c, start, rest) in enumerate(zip(ctxs, starts, remainders))]
+
+
+def candidate_rows(ctxs, inputs: list[list[int]], contexts: list[int]) -> list[TrunkRow]:
+    """A right padded pass over candidate rows ``inputs[r]``, each after the prefix of ``ctxs[contexts[r]]``."""
+    return [TrunkRow(r, ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))))
+            for r, a in enumerate(contexts)]
+
+
+def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[list[TrunkRow]]]):
+    """``call(rows, **kwargs)``: the model call, through the trunk when there is one. ``calls()`` lists the rows
+    of every call the batch will make: it is replayed whole when the trunk holds every token they compute. A
+    key/value cache given as ``cache`` reaches the model under the name its ``forward`` takes
+    (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`)."""
+    name = cache_kwarg(model)
+
+    def named(kwargs: dict) -> dict:
+        if name != "cache" and "cache" in kwargs:
+            kwargs[name] = kwargs.pop("cache")
+        return kwargs
+
+    if trunk is None:
+        return lambda rows, **kwargs: model(**named(kwargs))
+    replay = (trunk.mode == "replay" and replayable and not (needs.hidden and trunk.reads_bottom(needs.layers))
+              and trunk.available(calls()))
+    return lambda rows, **kwargs: trunk.call(model, named(kwargs), rows, replay)
+
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -100,17 +149,15 @@ class Trunk:
         count = len(self.layers) + 1
         return any((layer % count) <= self.depth for layer in layers)
 
-    def available(self, calls: Sequence[Sequence[tuple]]) -> bool:
+    def available(self, calls: Sequence[Sequence[TrunkRow]]) -> bool:
         """Whether the states of every token of every call are held (a batch is replayed whole or not at all: a
         replayed call leaves placeholders where the skipped layers' keys and values would be)."""
         return all(self.states.held(None, path) == len(path) for rows in calls for _, path, _, columns in rows
                    if len(columns))
 
-    def call(self, model, kwargs: dict, rows: Sequence[tuple[int, Sequence[int], int, Sequence[int]]], replay: bool):
+    def call(self, model, kwargs: dict, rows: Sequence[TrunkRow], replay: bool):
         """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded
-        while scoring. Each entry of ``rows`` = (a row of the call's input, a token path up to the last token this
-        call computes of it, where this call's part of the path starts, the columns of those tokens in that row).
-        A row may hold several paths (packed contexts and candidates)."""
+        while scoring. A row of the call's input may hold several paths (packed contexts and candidates)."""
         if replay:
             with self._replaying(rows, kwargs["input_ids"].shape):
                 out = model(**kwargs)
@@ -183,7 +230,7 @@ class Trunk:
         """Keys and values of layers ``depth`` and up for each path (token ids from the start of a sequence),
         computed from the held states through those layers only, or None for a path whose states are not all
         held. This is how the cache across calls gets its top layers back after an update changed them
-        (:meth:`~llmrl.engine.model.prefix_cache.PrefixKVCache.refresh`); no grad, one model call."""
+        (:meth:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache.refresh`); no grad, one model call."""
         held = [self.states.held(None, p) == len(p) for p in paths]
         rows = [p for p, ok in zip(paths, held) if ok]
         if not rows:
@@ -199,7 +246,7 @@ class Trunk:
                   "position_ids": torch.arange(width, device=device)[None].expand(len(rows), -1)}
         if keep_logits:
             kwargs["logits_to_keep"] = 1
-        spec = [(r, p, 0, list(range(len(p)))) for r, p in enumerate(rows)]
+        spec = [TrunkRow(r, p, 0, list(range(len(p)))) for r, p in enumerate(rows)]
         with torch.no_grad(), self._replaying(spec, ids.shape):
             cache = cache_of(model(**kwargs))
         computed = iter(range(len(rows)))

@@ -14,7 +14,7 @@ first vote where they differ, naming each replica's counts, instead of waiting i
 timeout. A non-finite loss (voted before ``backward``) or gradient (voted before the step; DeepSpeed's own
 norm check under ZeRO 1-3) skips the optimizer step on every replica and raises :class:`NonFiniteUpdate`
 naming the step and the statistic. A step touches only the adapters whose passes had gradients since the last
-step (see :mod:`llmrl.engine.model.optimizer`). ``loss.backward()`` on the trainer's outputs raises at once
+step (see :mod:`llmrl.engine.model.training.optimizer`). ``loss.backward()`` on the trainer's outputs raises at once
 with the fix (``trainer.backward``).
 
 This module does not pick what to train on; updaters (plugins) do.

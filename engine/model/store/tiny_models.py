@@ -5,7 +5,7 @@ Each comes with a small byte-level BPE tokenizer trained on a built-in corpus (a
 Llama adds a BOS token, T5 appends EOS, GPT-2 adds nothing. Weights are drawn from a seeded generator, so a
 kind and a seed always give the same model.
 
-This module builds models; it does not save or cache them (:mod:`llmrl.engine.model.builtin_models` does).
+This module builds models; it does not save or cache them (:mod:`llmrl.engine.model.store.builtin_models` does).
 """
 
 from __future__ import annotations

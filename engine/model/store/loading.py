@@ -21,7 +21,7 @@ from llmrl.engine.config import BUILTIN_MODEL_PREFIX, LLMConfig
 
 def resolve_model_path(location: str) -> str:
     if location.startswith(BUILTIN_MODEL_PREFIX):
-        from llmrl.engine.model.builtin_models import builtin_model_path
+        from llmrl.engine.model.store.builtin_models import builtin_model_path
 
         return str(builtin_model_path(location[len(BUILTIN_MODEL_PREFIX):]))
     expanded = os.path.expanduser(location)

@@ -7,7 +7,7 @@ written by older llmrl versions, when it sits at ``models/NAME`` and holds nothi
 writes; everything else is foreign and never touched. Broken entries of ours are moved aside
 (``NAME.broken-TIME-XXXX``), never deleted, except by ``llmrl cache clear``.
 
-This module knows no model: the builtin names are given to it (:mod:`llmrl.engine.model.builtin_models` owns
+This module knows no model: the builtin names are given to it (:mod:`llmrl.engine.model.store.builtin_models` owns
 them and prepares the entries).
 """
 

@@ -2,16 +2,17 @@
 chunk, which rows are shared between candidates, and how many model calls the plan makes.
 
 Batches are formed by a token budget (padded tokens, cache included) and a row cap, not a fixed row
-count, so memory stays bounded with long contexts; :func:`pack` is the one greedy packer behind every
+count, so memory stays bounded with long contexts; :func:`group_greedily` is the one greedy grouping behind every
 such decision (generation uses it too). A candidate row feeds only the tokens that predict a scored
 token, and a candidate whose inputs are a prefix of another's reads that row (causal attention makes
 the shared positions identical). With ``packed`` (causal models whose attention takes a 4-D mask), a batch's
-contexts and all their candidate rows go into a single model call (:mod:`llmrl.engine.model.packing`), and
+contexts and all their candidate rows go into a single model call (:mod:`llmrl.engine.model.scoring.packed`), and
 batches are formed by the tokens of contexts and candidates together; a context too wide for the budget with
 its candidates turns packing off for the request. The number of model calls of each batch is decided here, once:
-:mod:`llmrl.engine.model.scoring` makes exactly those calls, and ranks in lockstep pad to the maximum.
+:mod:`llmrl.engine.model.scoring.causal` makes exactly those calls, and ranks in lockstep pad to the maximum.
 
-This module is pure planning over token ids: it runs no model.
+It also lays token rows out as tensors (:func:`pad_rows`) and numbers a batch's candidates
+(:func:`context_offsets`). This module is pure planning over token ids: it runs no model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from llmrl.engine.model.tokenization import TokenPlan
+import torch
+
+from llmrl.engine.model.scoring.tokenization import TokenPlan, common_prefix_length
 
 COMPLETION = -1  # row index of a context's completion row (the hidden state of its last token)
 # Packed, a pass over the common prefix is kept only if it saves re-encoding at least this many tokens in the packed
@@ -66,13 +69,13 @@ class BatchSpec:
 
     @property
     def model_calls(self) -> int:
-        """Model calls :func:`llmrl.engine.model.scoring.run_batch` makes for this batch."""
+        """Model calls :func:`llmrl.engine.model.scoring.causal.run_batch` makes for this batch."""
         if self.packed:
             return int(self.common > 0) + int(self.own_prefixes or self.num_rows > 0)
         return int(self.common > 0) + int(self.own_prefixes) + int(self.encoder_pass) + len(self.chunks)
 
 
-def pack(widths: Sequence[int], budget: int, max_rows: int, *, rows_each: int = 1, extra_width: int = 0
+def group_greedily(widths: Sequence[int], budget: int, max_rows: int, *, rows_each: int = 1, extra_width: int = 0
          ) -> list[list[int]]:
     """Group items, in order, greedily: a group of n items costs ``n x rows_each`` rows of
     ``widest + extra_width`` tokens, and must stay within ``budget`` tokens and ``max_rows`` rows (an item
@@ -131,12 +134,12 @@ def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs
         packed = max(widths, default=0) <= token_budget
         if not packed:
             widths = [_prefix_len(plan, i) for i in order]
-    groups = pack(widths, token_budget, max_rows)
+    groups = group_greedily(widths, token_budget, max_rows)
     batches = [BatchSpec([order[k] for k in group]) for group in groups]
     for batch in batches:
         if plan.kind == "causal":
             prefixes = [plan.contexts[i].prefix for i in batch.contexts]
-            batch.common = common_prefix_of(prefixes)
+            batch.common = common_prefix_length(*prefixes)
             if packed and batch.common > 0:  # the part the cache across calls holds needs no encoding at all
                 held = cached(prefixes[0][:batch.common]) if cached is not None else 0
                 if (batch.common - min(held, batch.common)) * (len(prefixes) - 1) < COMMON_PASS_MIN_SAVING:
@@ -161,17 +164,6 @@ def _candidate_tokens(plan: TokenPlan, i: int, needs: Needs) -> int:
     if needs.context_hidden and ctx.shared < len(ctx.ids):
         total += len(row_inputs(plan, i, COMPLETION, needs))
     return total
-
-
-def common_prefix_of(seqs: list[list[int]]) -> int:
-    """Length of the prefix shared by every sequence (0 for fewer than two)."""
-    if len(seqs) < 2:
-        return 0
-    first, n = seqs[0], min(len(q) for q in seqs)
-    i = 0
-    while i < n and all(q[i] == first[i] for q in seqs):
-        i += 1
-    return i
 
 
 def _cover_rows(plan: TokenPlan, i: int, a: int, wanted: list[int], needs: Needs, cover: dict) -> list[int]:
@@ -208,4 +200,31 @@ def _chunk_rows(plan: TokenPlan, batch: BatchSpec, budget: int, max_rows: int, n
     prefix = max((_prefix_len(plan, i) for i in batch.contexts), default=0)
     start = 1 if plan.kind == "seq2seq" else 0  # the decoder start token
     widths = [len(row_inputs(plan, batch.contexts[a], j, needs)) + start for a, j in rows]
-    return [[rows[k] for k in group] for group in pack(widths, budget, max_rows, extra_width=prefix)]
+    return [[rows[k] for k in group] for group in group_greedily(widths, budget, max_rows, extra_width=prefix)]
+
+
+def context_offsets(plan: TokenPlan, batch: BatchSpec) -> list[int]:
+    """Where each context's candidates start among the batch's candidates (batch-local numbering), then their
+    total."""
+    offsets, total = [], 0
+    for i in batch.contexts:
+        offsets.append(total)
+        total += len(plan.contexts[i].candidates)
+    return offsets + [total]
+
+
+def pad_rows(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as ``(ids, attention_mask)`` ``[rows, widest]``, padded on the left or the right."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if not s:
+            continue
+        if left:
+            ids[r, width - len(s):] = torch.tensor(s)
+            mask[r, width - len(s):] = 1
+        else:
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+    return ids.to(device), mask.to(device)

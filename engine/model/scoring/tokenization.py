@@ -57,10 +57,13 @@ class TokenPlan:
     contexts: list[ContextTokens]
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
+def common_prefix_length(*seqs: list[int]) -> int:
+    """Length of the prefix shared by every sequence (0 for fewer than two)."""
+    if len(seqs) < 2:
+        return 0
+    first, n = seqs[0], min(len(q) for q in seqs)
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and all(q[i] == first[i] for q in seqs):
         i += 1
     return i
 

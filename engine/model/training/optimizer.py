@@ -10,7 +10,7 @@ the other adapters' weights, moments and step counts stay bit-identical, as if e
 its own. Every ZeRO stage calls the torch optimizer's ``step`` with the groups it is stepping, so the filter works
 at that one point. The tag is kept in the optimizer's state dict, so checkpoints restore it.
 
-This module does not decide which adapters a step trained (:mod:`llmrl.engine.model.training` does).
+This module does not decide which adapters a step trained (:mod:`llmrl.engine.model.training.trainer` does).
 """
 
 from __future__ import annotations
