@@ -28,15 +28,15 @@ def human_size(size: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from llmrl.engine.model.store import folders as model_cache
+    from llmrl.engine.model.store import folders
     from llmrl.engine.model.store.builtin_models import BUILTIN_MODELS
 
-    root = model_cache.models_dir()
+    root = folders.models_dir()
     if args.action == "list":
         if args.name:
             print("llmrl cache: NAME is for `llmrl cache clear NAME`", file=sys.stderr)
             return 2
-        items = model_cache.list_cache(BUILTIN_MODELS)
+        items = folders.list_cache(BUILTIN_MODELS)
         print(f"model cache: {root} (set LLMRL_CACHE to move it)")
         if not items:
             print("  (empty)")
@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"total {human_size(sum(i.size for i in items))} in {len(items)} folder(s)")
         return 0
     try:
-        removed, kept = model_cache.clear_cache(BUILTIN_MODELS, args.name)
+        removed, kept = folders.clear_cache(BUILTIN_MODELS, args.name)
     except KeyError as err:
         print(f"llmrl cache clear: {err.args[0]}", file=sys.stderr)
         return 2

@@ -18,12 +18,16 @@ An updater that declares nothing (``per_sample_args = None``) keeps the length r
 tensor or array; not a string or dict) whose length equals the number of contexts is sliced, the others go whole.
 Its errors say which arguments the rule sliced (:func:`slicing_note`).
 
-This module checks shapes only; values (NaN, infinities) are checked by :mod:`llmrl.engine.requests.finite`.
+:func:`take_samples` is the one slicing rule, used wherever per-sample values are cut: the client splitting an
+``update`` per replica, the server splitting minibatches, scoring splitting head arguments per piece.
+
+This module checks shapes and slices; it never reads values: values (NaN, infinities) are checked by :mod:`llmrl.engine.requests.finite`.
 """
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 from llmrl.engine.errors import InvalidArgument
 
@@ -38,6 +42,27 @@ def is_per_sample(value, n: int) -> bool:
         return len(value) == n
     except TypeError:
         return False
+
+
+def take_samples(value, positions: Sequence[int]):
+    """The entries of a per-sample ``value`` at ``positions``, in that order and of the same kind: a tensor (a copy
+    made by indexing), a numpy array, a tuple; any other sequence gives a list."""
+    positions = list(positions)
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value[torch.tensor(positions, dtype=torch.long)] if positions else value[:0]
+    except ImportError:
+        pass
+    try:
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            return value[positions]
+    except ImportError:
+        pass
+    return type(value)(value[p] for p in positions) if isinstance(value, tuple) else [value[p] for p in positions]
 
 
 def declaration_problem(cls, name: str) -> str | None:

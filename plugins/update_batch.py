@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from llmrl.plugins.per_sample import is_per_sample
+from llmrl.plugins.per_sample import is_per_sample, take_samples
 
 
 @dataclass
@@ -72,7 +72,7 @@ class UpdateBatch:
         kwargs = {}
         for key, value in self.kwargs.items():
             sliced = key in self.per_sample_keys if self.per_sample_keys is not None else is_per_sample(value, len(self))
-            kwargs[key] = _take(value, positions) if sliced else value
+            kwargs[key] = take_samples(value, positions) if sliced else value
         return replace(
             self,
             contexts=[self.contexts[p] for p in positions],
@@ -107,16 +107,3 @@ class UpdateBatch:
             yield self.select(positions, [sizes[k] for sizes in per_replica], step_size)
         if self.end_of_pass is not None:
             self.end_of_pass()
-
-
-def _take(value, positions: list[int]):
-    if isinstance(value, torch.Tensor):
-        return value[torch.tensor(positions, dtype=torch.long)] if positions else value[:0]
-    try:
-        import numpy as np
-
-        if isinstance(value, np.ndarray):
-            return value[positions]
-    except ImportError:
-        pass
-    return type(value)(value[p] for p in positions) if isinstance(value, tuple) else [value[p] for p in positions]

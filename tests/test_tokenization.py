@@ -34,7 +34,7 @@ def test_boundary_merge_is_scored_as_plain_hf_would(merging_tokenizer):
     b, c, empty = ctx.candidates
     assert b.rest == [6] and b.first_scored == 0
     assert c.rest == [3, 5] and c.first_scored == 1  # "cac" -> <s> c a c: only "c" is scored
-    assert empty.rest == [3] and empty.num_scored == 0
+    assert empty.rest == [3] and empty.rest[empty.first_scored:] == []
 
 
 def test_without_prefix_reuse_rows_hold_the_whole_text(merging_tokenizer):

@@ -3,7 +3,8 @@
 ``load_config`` (in :mod:`llmrl.engine.config.loading`) builds these objects from a mapping that has
 passed the JSON Schema; it passes only the keys a user wrote, so the defaults below are the only ones.
 
-This module holds data classes only: no loading, no checks, no heavy imports.
+This module holds data classes, their derived properties and :meth:`PluginSpec.coerce` (the forms a plugin may
+be given in, refused with a TypeError otherwise); it does no loading, no validation of values, no heavy imports.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ move together, run the engine.
 
 :func:`plan_forward` turns contexts, candidates and head keys into a :class:`ForwardPlan` (token plan,
 batches over its distinct contexts, and the number of model calls, decided once by the planner); it may
-raise on bad input (an input too long, an unknown head or adapter). :func:`prepare` plans, then takes the one collective step: when the replicas of an
+raise on bad input (an input too long, an unknown head or adapter). :func:`plan_and_agree` plans, then takes the one collective step: when the replicas of an
 LLM must make the same calls (ZeRO-3 lockstep, or every training forward), each rank says whether its
 plan succeeded and how many calls it needs, in a single vote, so that a rank whose input was bad never
 leaves the others waiting inside a collective. :func:`run_forward` calls the engine (the module DeepSpeed
@@ -98,7 +98,7 @@ def packs(served: ServedModel) -> bool:
     return served.llm.type == "causal" and attention in PACKABLE_ATTENTION
 
 
-def prepare(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
+def plan_and_agree(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
             minibatch_size: int | None = None, *, must_agree: bool, position: tuple[int, ...] = (),
             **options) -> tuple[ForwardPlan, int]:
     """Plan a forward pass, then, if ``must_agree``, vote with the LLM's other ranks before any collective.

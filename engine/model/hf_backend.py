@@ -21,7 +21,7 @@ import torch
 
 from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
-from llmrl.engine.model.forward import forget_zero3_trace, plan_forward, prepare, run_forward
+from llmrl.engine.model.forward import forget_zero3_trace, plan_forward, plan_and_agree, run_forward
 from llmrl.engine.model.served import ServedModel
 
 
@@ -161,7 +161,7 @@ class HFBackend(ModelBackend):
     # ------------------------------------------------------------------ requests
 
     def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
-        plan, extra = prepare(self.served, contexts, candidates, heads, adapter, minibatch_size,
+        plan, extra = plan_and_agree(self.served, contexts, candidates, heads, adapter, minibatch_size,
                               must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
         with torch.no_grad():
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")

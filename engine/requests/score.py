@@ -34,8 +34,7 @@ from llmrl.engine.requests.base import (
     piece_parts,
     split_by_cost,
 )
-from llmrl.plugins.per_sample import is_per_sample
-from llmrl.plugins.update_batch import _take
+from llmrl.plugins.per_sample import is_per_sample, take_samples
 
 NAME = "score"
 
@@ -166,7 +165,7 @@ def send(run: Run, llm: str, request: ScoreRequest, finish: Finish, head_levels:
         kwargs = request.head_kwargs
         if kwargs:
             inputs = [p.input for p in pieces]
-            kwargs = {k: _take(v, inputs) if is_per_sample(v, len(contexts)) else v for k, v in kwargs.items()}
+            kwargs = {k: take_samples(v, inputs) if is_per_sample(v, len(contexts)) else v for k, v in kwargs.items()}
         return replace(request, contexts=[contexts[p.input] for p in pieces],
                        candidates=None if candidates is None else [candidates[p.input][p.start:p.stop]
                                                                    for p in pieces], head_kwargs=kwargs)

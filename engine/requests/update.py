@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
 from llmrl.engine.requests.finite import check_finite
 from llmrl.plugins.contracts import UpdateBatch
-from llmrl.plugins.per_sample import check_per_sample, per_sample_keys
+from llmrl.plugins.per_sample import check_per_sample, per_sample_keys, take_samples
 
 NAME = "update"
 
@@ -45,7 +45,7 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
     sizes = [stop - start for start, stop in bounds]
 
     def share(start: int, stop: int) -> UpdateRequest:
-        sliced = {k: (v[start:stop] if k in keys else v) for k, v in kwargs.items()}
+        sliced = {k: (take_samples(v, range(start, stop)) if k in keys else v) for k, v in kwargs.items()}
         return UpdateRequest(contexts[start:stop], None if candidates is None else candidates[start:stop], sliced,
                              list(range(start, stop)), n, sizes, keys)
 

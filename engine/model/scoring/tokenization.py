@@ -35,10 +35,6 @@ class CandidateTokens:
     rest: list[int]
     first_scored: int
 
-    @property
-    def num_scored(self) -> int:
-        return len(self.rest) - self.first_scored
-
 
 @dataclass
 class ContextTokens:

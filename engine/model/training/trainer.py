@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from llmrl.engine.errors import PeerAborted, plugin_error
-from llmrl.engine.model.forward import prepare, run_forward
+from llmrl.engine.model.forward import plan_and_agree, run_forward
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
@@ -86,7 +86,7 @@ class EngineTrainer(Trainer):
             contexts = [tokenizer.decode([tokenizer.pad_token_id]) or "a"]
             candidates = None if candidates is None else [[" a"]]
         try:
-            plan, extra = prepare(served, contexts, candidates, heads, peft_adapter, must_agree=True,
+            plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
                                   per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs,
                                   position=self._position(FORWARD))
         except OutOfStep as err:
