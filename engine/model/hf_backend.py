@@ -162,7 +162,7 @@ class HFBackend(ModelBackend):
 
     def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
         plan, extra = plan_and_agree(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                              must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
+                                     must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
         with torch.no_grad():
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 

@@ -87,8 +87,8 @@ class EngineTrainer(Trainer):
             candidates = None if candidates is None else [[" a"]]
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
-                                  per_token=per_token, entropy=entropy, add_eos=add_eos, head_kwargs=head_kwargs,
-                                  position=self._position(FORWARD))
+                                         per_token=per_token, entropy=entropy, add_eos=add_eos,
+                                         head_kwargs=head_kwargs, position=self._position(FORWARD))
         except OutOfStep as err:
             self.failed_vote_cast = True
             raise ReplicasOutOfStep(out_of_step_message(served, err.positions)) from None
