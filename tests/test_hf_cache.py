@@ -1,4 +1,4 @@
-"""The cache argument across transformers versions (``engine/model/reuse/hf_kv.py``, ``scoring.make_caller``): the
+"""The cache argument across transformers versions (``engine/model/reuse/hf_kv.py``, ``reuse.trunk.make_caller``): the
 scoring code hands its key/value cache to the model call as ``cache``, and the call passes it under the name the
 model's own ``forward`` takes (``cache`` from transformers 5.24, ``past_key_values`` before it and in remote code
 written for older versions). Reference: one plain Hugging Face call over the whole sequence, no cache."""

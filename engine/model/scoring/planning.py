@@ -9,7 +9,7 @@ the shared positions identical). With ``packed`` (causal models whose attention 
 contexts and all their candidate rows go into a single model call (:mod:`llmrl.engine.model.scoring.packed`), and
 batches are formed by the tokens of contexts and candidates together; a context too wide for the budget with
 its candidates turns packing off for the request. The number of model calls of each batch is decided here, once:
-:mod:`llmrl.engine.model.scoring.causal` makes exactly those calls, and ranks in lockstep pad to the maximum.
+:mod:`llmrl.engine.model.scoring.run` makes exactly those calls, and ranks in lockstep pad to the maximum.
 
 It also lays token rows out as tensors (:func:`pad_rows`) and numbers a batch's candidates
 (:func:`context_offsets`). This module is pure planning over token ids: it runs no model.
@@ -69,7 +69,7 @@ class BatchSpec:
 
     @property
     def model_calls(self) -> int:
-        """Model calls :func:`llmrl.engine.model.scoring.causal.run_batch` makes for this batch."""
+        """Model calls :func:`llmrl.engine.model.scoring.run.run_batch` makes for this batch."""
         if self.packed:
             return int(self.common > 0) + int(self.own_prefixes or self.num_rows > 0)
         return int(self.common > 0) + int(self.own_prefixes) + int(self.encoder_pass) + len(self.chunks)
