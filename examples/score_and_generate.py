@@ -13,7 +13,8 @@ import argparse
 from llmrl import Caller
 
 OBSERVATIONS = [
-    ("Your goal: go to the red ball. The red ball is 2 steps in front of you.", ["go forward", "turn left", "turn right"]),
+    ("Your goal: go to the red ball. The red ball is 2 steps in front of you.",
+     ["go forward", "turn left", "turn right"]),
     ("Your goal: go to the red ball. The red ball is on your left.", ["go forward", "turn left", "turn right"]),
     ("You are in the kitchen. Your goal: go north.", ["go north", "go south", "open fridge"]),
 ]

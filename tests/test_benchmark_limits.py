@@ -24,7 +24,8 @@ def test_a_row_measured_at_a_slow_moment_gets_the_runs_best_rate():
     bench.rebase_limits([slow, fast, other], best=200e9)
     assert slow["compute limit s"] == 4.0 and slow["llmrl / limit"] == 1.5 and slow["llmrl s"] == 6.0
     assert slow["matmul GFLOP/s (best so far)"] == 200.0
-    assert fast == {"workload": "b", "matmul GFLOP/s (best so far)": 200.0, "compute limit s": 5.0, "llmrl / limit": 1.2}
+    assert fast == {"workload": "b", "matmul GFLOP/s (best so far)": 200.0, "compute limit s": 5.0,
+                    "llmrl / limit": 1.2}
     assert other == {"workload": "round trip", "median ms": 0.2}
 
 

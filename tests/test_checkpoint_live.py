@@ -116,7 +116,8 @@ def test_exports_load_with_plain_transformers_and_peft(saved, tiny):
 
     head = ValueHead(LLMInfo("x", "causal", model.config.hidden_size, model.config.vocab_size, torch.float32,
                              torch.device("cpu")), hidden=8)
-    head.load_state_dict({k[len("value."):]: v for k, v in load_file(os.path.join(export, "heads.safetensors")).items()})
+    heads = load_file(os.path.join(export, "heads.safetensors"))
+    head.load_state_dict({k[len("value."):]: v for k, v in heads.items()})
     with torch.no_grad():
         for context, want in zip(CONTEXTS, saved["full", "values"]):
             hidden = model(**tok(context, return_tensors="pt"), output_hidden_states=True).hidden_states[-1][:, -1]

@@ -24,7 +24,8 @@ def test_ppo_demo_quick(tmp_path, replicas):
         env={**os.environ, "LLMRL_CACHE": str(tmp_path / "cache")})  # empty: `llmrl run` prepares the model
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert os.listdir(tmp_path / "cache" / "models") == ["tiny-random-llama"]
-    built, launched = result.stderr.find("llmrl: building builtin:tiny-random-llama"), result.stderr.find("llmrl: running")
+    built = result.stderr.find("llmrl: building builtin:tiny-random-llama")
+    launched = result.stderr.find("llmrl: running")
     assert 0 <= built < launched, result.stderr[-3000:]  # prepared by `llmrl run`, before the launcher started
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["episodes"] == 8 and summary["after"]["episodes"] == 8

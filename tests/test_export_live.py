@@ -1,7 +1,7 @@
 """What ``save()`` exports through Hugging Face from a server rank is really written (issue 17, point 4), with
 tensor-parallel 2 (a full model) and with ZeRO-3 over 2 replicas (a LoRA adapter): plain transformers and
-peft reload each export and get the run's own weights (and, for the full model, its scores), the config, generation config, adapter
-config and tokenizer files are all there, and the heads match.
+peft reload each export and get the run's own weights (and, for the full model, its scores), the config,
+generation config, adapter config and tokenizer files are all there, and the heads match.
 
 transformers 5's model ``save_pretrained`` writes nothing on a process that is not rank 0 of its process
 group; the export writes weights with safetensors on the group leader and saves only configs and the
@@ -55,7 +55,8 @@ def test_tensor_parallel_export_reloads_with_plain_transformers(exported, tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     export = os.path.join(exported["path"], "tp2", "export")
-    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(os.listdir(os.path.join(export, "model")))
+    wanted = {"config.json", "generation_config.json", "model.safetensors"}
+    assert wanted <= set(os.listdir(os.path.join(export, "model")))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(export, "model")).eval()
     tok = AutoTokenizer.from_pretrained(os.path.join(export, "tokenizer"))
     state = exported["tp2", "state"]

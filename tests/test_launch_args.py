@@ -17,7 +17,8 @@ def test_single_machine_command_counts_the_ranks():
     options = RunOptions(config="c.yaml", script="train.py", script_args=["--lr", "3"], overrides=["seed=1"],
                          master_port=1234)
     assert deepspeed_command(options, 5) == [
-        "deepspeed", "--num_gpus", "5", "--master_port", "1234", "--log_level", "warning", "--module", "llmrl.launch", "--config", "c.yaml",
+        "deepspeed", "--num_gpus", "5", "--master_port", "1234", "--log_level", "warning", "--module", "llmrl.launch",
+        "--config", "c.yaml",
         "seed=1", "train.py", "--lr", "3"]
 
 
@@ -26,7 +27,8 @@ def test_multi_node_command_without_ssh():
                          master_addr="10.0.0.1", master_port=29500)
     assert deepspeed_command(options, 5) == [
         "deepspeed", "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
-        "--master_port", "29500", "--log_level", "warning", "--module", "llmrl.launch", "--config", "c.yaml", "-m", "pkg.train"]
+        "--master_port", "29500", "--log_level", "warning", "--module", "llmrl.launch", "--config", "c.yaml",
+        "-m", "pkg.train"]
 
 
 def test_hostfile_slots():
@@ -180,7 +182,8 @@ def test_everything_after_the_script_is_the_scripts():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--config", "c.yaml", "--hostfil", "h", "s.py"], "unknown option '--hostfil' before the script; did you mean --hostfile?"),
+    (["--config", "c.yaml", "--hostfil", "h", "s.py"],
+     "unknown option '--hostfil' before the script; did you mean --hostfile?"),
     (["--config", "c.yaml", "--master_port"], "--master_port needs a value"),
     (["--config", "c.yaml", "--no_ssh=1", "s.py"], "--no_ssh takes no value"),
     (["--hostfile", "h", "s.py"], "--config CONFIG is required"),

@@ -121,7 +121,8 @@ def test_lora_adapters_are_selected_per_request(run, reference_models, tiny):
             for context, got, sample in zip(CONTEXTS, values, generated):
                 enc = tok(context, return_tensors="pt")
                 hidden = peft(**enc, output_hidden_states=True).hidden_states[-1][0, -1]
-                mlp = torch.nn.Sequential(torch.nn.Linear(hidden.shape[0], 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+                mlp = torch.nn.Sequential(torch.nn.Linear(hidden.shape[0], 256), torch.nn.Tanh(),
+                                          torch.nn.Linear(256, 1))
                 mlp.load_state_dict({k[len("mlp."):]: v for k, v in heads.items()})
                 assert float(got["value"]) == pytest.approx(float(mlp(hidden)), abs=1e-4)
                 plain = peft.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)

@@ -119,7 +119,8 @@ def test_custom_lora_initializer_trains_adapters_only(tiny):
 def test_custom_example_runs(tmp_path, tiny):
     """The doc's command on a tiny model: two updates through the hand-written plugins, a clean exit."""
     result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", CUSTOM_CONFIG, f"llms.policy.model={tiny['llama']}",
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", CUSTOM_CONFIG,
+         f"llms.policy.model={tiny['llama']}",
          "threads_per_rank=1", EXAMPLE, "--updates", "2", "--envs", "4", "--steps", "4"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -19,7 +19,8 @@ from testkit import reference_scores
 def kv_for(tokens, layers=2):
     """Per layer, keys and values whose entries are the token ids (so a slice shows which tokens it holds)."""
     t = torch.tensor(tokens, dtype=torch.float32)
-    return [(t[None, :, None].repeat(1, 1, 2) + 1000 * layer, -t[None, :, None].repeat(1, 1, 2)) for layer in range(layers)]
+    return [(t[None, :, None].repeat(1, 1, 2) + 1000 * layer, -t[None, :, None].repeat(1, 1, 2))
+            for layer in range(layers)]
 
 
 def insert(cache, tokens, namespace=None):
@@ -152,7 +153,8 @@ def test_in_float64_the_cache_changes_scores_by_rounding_only(reference_models, 
     cache = PrefixKVCache(10**9, per_token)
     needs = Needs(context_hidden=True)
     for contexts, candidates in episodes():
-        got, got_hidden = score(model, tok, contexts, candidates, needs, cache=CacheUse(cache, "default"), packed=packed)
+        got, got_hidden = score(model, tok, contexts, candidates, needs, cache=CacheUse(cache, "default"),
+                                packed=packed)
         plain, plain_hidden = score(model, tok, contexts, candidates, needs, packed=packed)
         for g, p, e in zip(got, plain, reference_scores(model, tok, contexts, candidates)):
             assert g.dtype == torch.float64

@@ -65,7 +65,8 @@ def test_pieces_of_two_contexts_on_one_replica_stay_one_piece_each():
 
 
 def test_contexts_alone_or_with_one_candidate_are_never_cut():
-    for shares in (score.plan_shares(["a long context"], None, 2), score.plan_shares(["a long context"], [[" one"]], 3)):
+    for shares in (score.plan_shares(["a long context"], None, 2),
+                   score.plan_shares(["a long context"], [[" one"]], 3)):
         assert [p for share in shares for p in share] in ([Piece(0, 0, 0)], [Piece(0, 0, 1)])
 
 

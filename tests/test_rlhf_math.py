@@ -55,7 +55,8 @@ def test_token_ppo_losses_by_hand():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, -1.0, 2.0]])
-    values, old_values, returns = torch.tensor([[1.0, 0.0, 0.5]]), torch.full((1, 3), 0.5), torch.tensor([[2.0, 0.0, 0.5]])
+    values, old_values = torch.tensor([[1.0, 0.0, 0.5]]), torch.full((1, 3), 0.5)
+    returns = torch.tensor([[2.0, 0.0, 0.5]])
     t = token_ppo_losses(logp, old, adv, values, old_values, returns, clip_eps=0.2, value_clip=0.2)
     # ratio 1.5, A 1: min(1.5, 1.2) -> -1.2; ratio 0.5, A -1: min(-0.5, -0.8) -> 0.8; ratio 1.1, A 2: -2.2
     close(t.policy, [[-1.2, 0.8, -2.2]])

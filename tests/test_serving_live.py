@@ -141,7 +141,8 @@ def mixed_llms(tiny):
     config = {"llms": {"llama": {"model": tiny["llama"], "model_kwargs": {"attn_implementation": "eager"},
                                  "pad_token_id": ordinary_pad_id(tiny), "heads": PROBE_HEADS},
                        "gpt2": {"model": tiny["gpt2"], "replicas": 2, "heads": PROBE_HEADS},
-                       "t5": {"model": tiny["t5"], "type": "seq2seq", "heads": PROBE_HEADS}, "llama-eos": {"model": tiny["llama-eos"]},
+                       "t5": {"model": tiny["t5"], "type": "seq2seq", "heads": PROBE_HEADS},
+                       "llama-eos": {"model": tiny["llama-eos"]},
                        "t5-genstart": {"model": tiny["t5-genstart"], "type": "seq2seq"}},
               "threads_per_rank": 1}
     run = LiveRun(config)
@@ -153,7 +154,8 @@ def mixed_llms(tiny):
 @pytest.mark.parametrize("llm", LAYOUTS)
 def test_llama_layouts_score_like_plain_hf(llama_layouts, reference_models, llm):
     model, tok = reference_models["llama"]
-    assert_scores(llama_layouts.score(CONTEXTS, CANDIDATES, llm=llm), reference_scores(model, tok, CONTEXTS, CANDIDATES))
+    assert_scores(llama_layouts.score(CONTEXTS, CANDIDATES, llm=llm),
+                  reference_scores(model, tok, CONTEXTS, CANDIDATES))
 
 
 @pytest.mark.parametrize("llm", LAYOUTS)

@@ -22,7 +22,8 @@ SBATCH = os.path.join(ROOT, "examples", "slurm", "llmrl.sbatch")
 STUBS = {
     "scontrol": '#!/bin/bash\n[ "$1 $2 $3" = "show hostnames gpu-a[01-02]" ] && printf "gpu-a01\\ngpu-a02\\n"\n',
     # srun: drop its own options, run the task once per node of the allocation.
-    "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nfor id in 0 1; do SLURM_NODEID=$id "$@" || exit; done\n',
+    "srun": ('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+             'for id in 0 1; do SLURM_NODEID=$id "$@" || exit; done\n'),
     "llmrl": f'#!{sys.executable}\nimport json, os, sys\n'
              'with open(os.environ["RECORD"], "a") as f:\n'
              '    f.write(json.dumps({"node": os.environ.get("SLURM_NODEID"), "argv": sys.argv[1:], '

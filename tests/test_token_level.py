@@ -209,7 +209,8 @@ def test_bad_ids_are_refused_on_the_client():
         (lambda: check_contexts([[1, True]]), InvalidArgumentType, r"contexts\[0\]\[1\] must be a token id \(an int\), "
                                                                     "got bool"),
         (lambda: check_contexts([[1, 2.0]]), InvalidArgumentType, r"contexts\[0\]\[1\] must be a token id"),
-        (lambda: check_contexts(["a", [4, -1]]), InvalidArgument, r"contexts\[1\]\[1\] is -1; token ids are non-negative"),
+        (lambda: check_contexts(["a", [4, -1]]), InvalidArgument,
+         r"contexts\[1\]\[1\] is -1; token ids are non-negative"),
         (lambda: check_contexts([torch.tensor([1.0])]), InvalidArgumentType, r"contexts\[0\]\[0\] must be a token id"),
         (lambda: check_contexts([torch.tensor([[1]])]), InvalidArgumentType, r"contexts\[0\] must be a string or a "
                                                                              "list of token ids; got a tensor"),

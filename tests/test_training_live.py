@@ -2,7 +2,8 @@
 default betas, eps, weight decay) under ZeRO 0-3 with 1 and 2 replicas (each optimizer with every stage and both
 replica counts), and tensor-parallel 2 with 2 replicas;
 SGD with accumulation, uneven shares, a replica with no sample and a short last accumulation group (every
-sample of a step weighs the same, nothing leaks into the next update); frozen weights stay put, clipping clips, replicas stay equal; a
+sample of a step weighs the same, nothing leaks into the next update); frozen weights stay put, clipping clips,
+replicas stay equal; a
 token-level loss (per-token log-probs and entropies from ``trainer.forward(per_token=True)``, candidates given
 as token ids and as text) under ZeRO-2 and ZeRO-3 with 2 replicas equals a plain SGD step.
 

@@ -72,7 +72,8 @@ def test_every_copy_gets_plain_hf_outputs(reference_models, name, budget, rows, 
         starts = [0]
         for cands in candidates:
             starts.append(starts[-1] + len(cands))
-        cand_hidden = {(i, j): out.candidate_hidden[starts[i] + j] for i, c in enumerate(candidates) for j in range(len(c))}
+        cand_hidden = {(i, j): out.candidate_hidden[starts[i] + j]
+                       for i, c in enumerate(candidates) for j in range(len(c))}
         assert_hidden_at_last_tokens(model, tok, contexts, candidates, out.context_hidden, cand_hidden)
 
 

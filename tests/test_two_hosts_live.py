@@ -231,7 +231,8 @@ def check_scores(report: dict, reference_models) -> None:
     for llm_name, scores in report["scores"].items():
         assert len(scores) == len(expected)
         for got, want in zip(scores, expected):
-            torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0, msg=lambda m, n=llm_name: f"{n}: {m}")
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0,
+                                       msg=lambda m, n=llm_name: f"{n}: {m}")
 
 
 def check_sockets(run: TwoNodeRun, report: dict) -> None:
@@ -264,7 +265,8 @@ def check_killing_node_1(run: TwoNodeRun, victim: psutil.Process, node1_ranks: s
         try:
             code = node.process.wait(60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node {node.rank} still runs a minute after node 1's launcher was killed:\n{node.log()[-3000:]}")
+            pytest.fail(f"node {node.rank} still runs a minute after node 1's launcher was killed:\n"
+                        f"{node.log()[-3000:]}")
         assert code != 0, f"node {node.rank} exited 0:\n{node.log()[-3000:]}"
 
     def gone() -> bool:

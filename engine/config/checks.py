@@ -50,7 +50,8 @@ def semantic_problems(data: dict) -> list[Problem]:
     timeouts = data.get("timeouts") or {}
     heartbeat, dead_after = timeouts.get("heartbeat", 1.0), timeouts.get("dead_after", 20.0)
     if dead_after <= 2 * heartbeat:
-        problems.append(("timeouts.dead_after", f"{dead_after} s must exceed twice timeouts.heartbeat ({heartbeat} s): a "
+        problems.append(("timeouts.dead_after",
+                         f"{dead_after} s must exceed twice timeouts.heartbeat ({heartbeat} s): a "
                          "healthy server would be declared dead between two heartbeats"))
     for name, llm in data["llms"].items():
         at = f"llms.{name}"
@@ -63,7 +64,8 @@ def semantic_problems(data: dict) -> list[Problem]:
         for key in llm.get("heads") or {}:
             if head_key_problem(key):
                 problems.append((f"{at}.heads.{key}", head_key_problem(key)))
-        plugins = [spec if isinstance(spec, str) else (spec or {}).get("plugin") for spec in llm.get("initializers") or []]
+        plugins = [spec if isinstance(spec, str) else (spec or {}).get("plugin")
+                   for spec in llm.get("initializers") or []]
         if tp > 1 and any(p in ("lora", "qlora") for p in plugins):
             problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "
                              "sharded layers no longer match their adapters' shapes); use replicas instead of "
@@ -74,21 +76,26 @@ def semantic_problems(data: dict) -> list[Problem]:
                    "ZeRO-3 (replicas must gather the same weights)" if llm.get("training", {}).get("zero_stage", 0) == 3
                    else None)
             if why:
-                problems.append((f"{at}.trunk_reuse_mb", f"frozen-trunk reuse is not supported with {why}: set it to 0"))
+                problems.append((f"{at}.trunk_reuse_mb",
+                                 f"frozen-trunk reuse is not supported with {why}: set it to 0"))
         if llm.get("kv_cache_mb", 0) and llm.get("type", "causal") != "causal":
             problems.append((f"{at}.kv_cache_mb", "the cache across calls holds a causal model's context keys and "
                              "values; a seq2seq model re-encodes its contexts: set kv_cache_mb: 0"))
         dtype = llm.get("dtype", "float32")
         if dtype == "float16" and devices == "cpu":
-            problems.append((f"{at}.dtype", "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))
+            problems.append((f"{at}.dtype",
+                             "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))
         quant = llm.get("quantization")
         if quant:
             if tp > 1:
-                problems.append((f"{at}.quantization", "quantized models cannot be tensor-parallel; set tensor_parallel: 1"))
+                problems.append((f"{at}.quantization",
+                                 "quantized models cannot be tensor-parallel; set tensor_parallel: 1"))
             if llm.get("training", {}).get("zero_stage", 0) == 3:
-                problems.append((f"{at}.quantization", "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
+                problems.append((f"{at}.quantization",
+                                 "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
             if not llm.get("from_pretrained", True):
-                problems.append((f"{at}.quantization", "quantization needs from_pretrained: true (weights to quantize)"))
+                problems.append((f"{at}.quantization",
+                                 "quantization needs from_pretrained: true (weights to quantize)"))
         for key in llm.get("model_kwargs") or {}:
             if key in RESERVED_MODEL_KWARGS:
                 problems.append((f"{at}.model_kwargs.{key}", f"{key!r} cannot be set in {at}.model_kwargs: llmrl "
@@ -122,12 +129,14 @@ def environment_problems(data: dict, check_devices: bool = True) -> list[Problem
 
             builtin = model[len(BUILTIN_MODEL_PREFIX):]
             if builtin not in BUILTIN_MODELS:
-                problems.append((f"{at}.model", f"unknown builtin model {builtin!r}{did_you_mean(builtin, BUILTIN_MODELS)}; "
+                problems.append((f"{at}.model",
+                                 f"unknown builtin model {builtin!r}{did_you_mean(builtin, BUILTIN_MODELS)}; "
                                  f"available: {', '.join(sorted(BUILTIN_MODELS))}"))
         else:
             local = Path(os.path.expanduser(model))
             if not local.exists() and looks_like_local_path(model):
-                problems.append((f"{at}.model", f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
+                problems.append((f"{at}.model",
+                                 f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
         if check_devices and llm.get("devices", "cpu") != "cpu":
             if cuda_available is None:
                 import torch

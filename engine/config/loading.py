@@ -102,7 +102,8 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append((".".join(parts[: i + 1]), f"cannot set {key}: this key holds a {type(child).__name__}"))
+                problems.append((".".join(parts[: i + 1]),
+                                 f"cannot set {key}: this key holds a {type(child).__name__}"))
                 break
             node = child
         else:
@@ -197,7 +198,8 @@ def _explain(error) -> list[Problem]:
     if kind == "enum":
         options = ", ".join(json.dumps(o) for o in schema["enum"])
         alias = _ALIASES.get(str(error.instance).lower())
-        hint = f" (did you mean {alias!r}?)" if alias in schema["enum"] else did_you_mean(error.instance, schema["enum"])
+        hint = (f" (did you mean {alias!r}?)" if alias in schema["enum"]
+                else did_you_mean(error.instance, schema["enum"]))
         return [(path, f"{json.dumps(error.instance)} is not one of {options}{hint}")]
     if kind in ("anyOf", "oneOf"):
         hint = schema.get("x-hint", "see the schema's description")
@@ -206,7 +208,8 @@ def _explain(error) -> list[Problem]:
         return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a "
                        "letter or '_'")]
     if kind == "propertyNames":
-        return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a letter")]
+        return [(path,
+                 f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a letter")]
     if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
         return [(path, f"must be {sign} {error.validator_value}, got {error.instance}")]

@@ -45,7 +45,8 @@ def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_
                     ) -> list[list[int]]:
     """Group prompt indices so that rows x (prompt + new tokens) stays within the budget."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups = group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return, extra_width=new_tokens)
+    groups = group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return,
+                            extra_width=new_tokens)
     return [[order[k] for k in group] for group in groups]
 
 

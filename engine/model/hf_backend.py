@@ -256,8 +256,9 @@ def make_prefix_cache(model, llm):
     text = model.config.get_text_config()
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"} or getattr(text, "use_sliding_window", False):
-        raise ConfigError([(f"llms.{llm.name}.kv_cache_mb", f"this model's attention is not over the whole context "
-                            f"(layer types {sorted(kinds)}); the cache across calls needs full attention: set it to 0")])
+        raise ConfigError([(f"llms.{llm.name}.kv_cache_mb",
+                            f"this model's attention is not over the whole context (layer types {sorted(kinds)}); "
+                            "the cache across calls needs full attention: set it to 0")])
     return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
 
 

@@ -36,7 +36,8 @@ class UpdateRequest:
 
 def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwargs: dict,
          declared: dict | None = None, updater: str = "") -> Future:
-    """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length rule)."""
+    """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length
+    rule)."""
     check_finite(kwargs)
     check_per_sample(kwargs, contexts, candidates, declared, updater)
     n = len(contexts)

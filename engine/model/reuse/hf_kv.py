@@ -72,7 +72,8 @@ def lay_pieces(keys, values, row: int, at: int, end: int, pieces: list, layer: i
 
 def empty_layers(sample: list, rows: int, width: int) -> list[tuple]:
     """Per layer, zero keys and values ``[rows, kv_heads, width, head_dim]`` shaped like ``sample``'s pieces."""
-    return [(k0.new_zeros((rows, k0.shape[0], width, k0.shape[2])), v0.new_zeros((rows, v0.shape[0], width, v0.shape[2])))
+    return [(k0.new_zeros((rows, k0.shape[0], width, k0.shape[2])),
+             v0.new_zeros((rows, v0.shape[0], width, v0.shape[2])))
             for k0, v0 in sample]
 
 

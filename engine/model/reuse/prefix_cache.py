@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-KV = list[tuple[torch.Tensor, ...]]  # per layer: tensors whose dim 1 runs over tokens (keys, values [kv_heads, tokens, head_dim])
+# Per layer: tensors whose dim 1 runs over tokens (keys, values [kv_heads, tokens, head_dim]).
+KV = list[tuple[torch.Tensor, ...]]
 
 
 @dataclass(eq=False)

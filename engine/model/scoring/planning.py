@@ -54,7 +54,8 @@ class BatchSpec:
     """One batch: its contexts, the chunks of candidate rows of its candidate passes, and its model calls."""
 
     contexts: list[int]  # indices into the plan's contexts
-    chunks: list[list[tuple[int, int]]] = field(default_factory=list)  # rows: (position in contexts, candidate or COMPLETION)
+    # rows: (position in contexts, candidate or COMPLETION)
+    chunks: list[list[tuple[int, int]]] = field(default_factory=list)
     # Causal models: candidate (a, j) reads its logits from the row of candidate (a, cover[a, j]), whose inputs
     # start with its own (" turn left" and " turn right" both need only " turn": one row serves both).
     cover: dict[tuple[int, int], int] = field(default_factory=dict)

@@ -19,7 +19,8 @@ def run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRes
     n_cand = offsets[-1]
     want_hidden, layers = needs.hidden, needs.layers
     enc_ids, enc_mask = pad_rows([c.ids for c in ctxs], pad_id, left=False, device=device)
-    encoded = model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True) if batch.encoder_pass else None
+    encoded = (model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask, return_dict=True)
+               if batch.encoder_pass else None)
     touched = [] if encoded is None else [encoded.last_hidden_state]
     sink = TokenSink(needs)
     counts = torch.zeros(n_cand, dtype=torch.long)

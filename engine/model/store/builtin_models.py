@@ -190,7 +190,8 @@ def _build(name: str) -> Path:
     try:
         # A child process: no process group exists there (where one does, save_pretrained silently skips the
         # weights on every rank but 0), and the ~1 GB a conversion touches is not kept by a client or `llmrl run`.
-        code = subprocess.call([sys.executable, "-m", "llmrl.engine.model.store.builtin_models", "build", name, str(staging)])
+        code = subprocess.call([sys.executable, "-m", "llmrl.engine.model.store.builtin_models", "build", name,
+                                str(staging)])
         if code != 0:
             raise CacheError(f"building builtin:{name} failed (exit code {code} of the process that built it; its "
                              "error is above); nothing was installed")
@@ -250,10 +251,12 @@ def _gguf_location(spec: BuiltinModel) -> Path:
     try:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the builtin model needs the {spec.distribution} package: {spec.install_hint}") from None
+        raise FileNotFoundError(f"the builtin model needs the {spec.distribution} package: "
+                                f"{spec.install_hint}") from None
     path = Path(dist.locate_file(spec.gguf_file))
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {spec.distribution} package; reinstall it: {spec.install_hint}")
+        raise FileNotFoundError(f"{path} is missing from the {spec.distribution} package; reinstall it: "
+                                f"{spec.install_hint}")
     return path
 
 

@@ -229,7 +229,8 @@ def _classify(path: Path, known) -> CacheItem:
                          size)
     old = _OLD_STAGING.fullmatch(path.name)
     if old and old["name"] in known and inspect_folder(path, old["name"])[0] != "foreign":
-        return CacheItem(path, old["name"], "staging", "partial", "left by an older llmrl's unfinished conversion", size)
+        return CacheItem(path, old["name"], "staging", "partial", "left by an older llmrl's unfinished conversion",
+                         size)
     if broken and broken["name"] in known:
         state, reason = inspect_folder(path, broken["name"])
         if state != "foreign":
