@@ -1,11 +1,12 @@
 """Plugin classes checked against their contracts where they are registered: the hook and its signature, a head's
-declarations (level, what it reads, which layers), the constructor, an updater's per-sample declaration; and the
-forms users bring from Lamorel: plugin instances where a class is taken, head keys that collide with the entries
-of ``score()``'s results.
+declarations (level, what it reads, which layers), the constructor and the arguments it is given (``args_schema``),
+an updater's per-sample declaration; and the forms users bring from Lamorel: plugin instances where a class is
+taken, head keys that collide with the entries of ``score()``'s results.
 
 Lamorel takes ``custom_updater=MyUpdater(...)`` and module-function instances; llmrl builds every plugin itself,
 on every server rank, from its class and the keyword arguments of its constructor. These checks run on the client
-(``Caller(...)``) and at config time (:func:`llmrl.plugins.registry.resolve`), before any model loads.
+(``Caller(...)``) and at config time (:func:`llmrl.plugins.registry.resolve`), before any model loads. Finding
+plugins by name is :mod:`llmrl.plugins.registry`'s; this module never imports it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from llmrl.engine.config.checks import head_key_problem
 from llmrl.engine.config.types import PluginSpec
-from llmrl.engine.errors import InvalidArgumentType, PluginError
+from llmrl.engine.errors import InvalidArgumentType, PluginError, did_you_mean
 from llmrl.plugins.contracts import Head, Initializer, Updater
 
 _HOOK = {"head": "forward", "initializer": "initialize", "updater": "update"}
@@ -123,12 +124,40 @@ def refuse_lamorel_call(args: tuple, kwargs: dict) -> None:
         raise InvalidArgumentType("; ".join(problems))
 
 
+def args_problem(cls, args: dict, name: str) -> str | None:
+    """Why ``args`` do not fit the plugin's ``args_schema`` and constructor, or None."""
+    schema = getattr(cls, "args_schema", None)
+    if schema:
+        import jsonschema
+
+        errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(args), key=lambda e: list(e.path))
+        if errors:
+            return "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'args'}: {e.message}" for e in errors)
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n in params if n not in ("self", "llm")]
+        unknown = [k for k in args if k not in accepted]
+        if unknown:
+            return (f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}"
+                    f"{did_you_mean(unknown[0], accepted, cutoff=0.5)}")
+    names = list(params)[1:]  # without self
+    if names and names[0] == "llm":  # a head's LLMInfo, given by the engine
+        names = names[1:]
+    missing = [n for n in names if params[n].default is params[n].empty and n not in args
+               and params[n].kind in (params[n].POSITIONAL_OR_KEYWORD, params[n].KEYWORD_ONLY)]
+    if missing:
+        return (f"missing required argument(s) {missing} for {name!r}, whose constructor is "
+                f"__init__{inspect.signature(cls.__init__)}: give them in its args")
+    return None
+
+
 def given_spec(kind: str, value, where: str, key: str = "value") -> PluginSpec:
     """The spec of a plugin a script gives (a class, a ``(class, args)`` pair, a name, ``{plugin, args}``), checked
     now: an instance or a function is refused with the accepted form; a class must keep its contract and take its
     args."""
-    from llmrl.plugins.registry import args_problem
-
     target, args = value, {}
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
         target, args = value

@@ -131,38 +131,10 @@ def resolve(kind: str, name: str):
     return cls
 
 
-def args_problem(cls, args: dict, name: str) -> str | None:
-    """Why ``args`` do not fit the plugin's ``args_schema`` and constructor, or None."""
-    schema = getattr(cls, "args_schema", None)
-    if schema:
-        import jsonschema
-
-        errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(args), key=lambda e: list(e.path))
-        if errors:
-            return "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'args'}: {e.message}" for e in errors)
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return None
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        accepted = [n for n in params if n not in ("self", "llm")]
-        unknown = [k for k in args if k not in accepted]
-        if unknown:
-            return (f"unknown argument(s) {unknown} for {name!r}; it accepts {accepted}"
-                    f"{did_you_mean(unknown[0], accepted, cutoff=0.5)}")
-    names = list(params)[1:]  # without self
-    if names and names[0] == "llm":  # a head's LLMInfo, given by the engine
-        names = names[1:]
-    missing = [n for n in names if params[n].default is params[n].empty and n not in args
-               and params[n].kind in (params[n].POSITIONAL_OR_KEYWORD, params[n].KEYWORD_ONLY)]
-    if missing:
-        return (f"missing required argument(s) {missing} for {name!r}, whose constructor is "
-                f"__init__{inspect.signature(cls.__init__)}: give them in its args")
-    return None
-
-
 def build(kind: str, spec, *, llm=None):
     """Resolve and instantiate a plugin spec (``PluginSpec``); errors name the plugin."""
+    from llmrl.plugins.checks import args_problem
+
     cls = resolve(kind, spec.plugin)
     problem = args_problem(cls, spec.args, spec.plugin)
     if problem:
@@ -175,6 +147,8 @@ def build(kind: str, spec, *, llm=None):
 
 def plugin_problems(data: dict) -> list[tuple[str, str]]:
     """Config-time checks of every named plugin (``__main__`` ones are checked when servers start)."""
+    from llmrl.plugins.checks import args_problem
+
     problems = []
     for llm_name, llm in data["llms"].items():
         at = f"llms.{llm_name}"

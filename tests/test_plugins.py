@@ -10,7 +10,7 @@ import pytest
 
 from llmrl.engine.config import PluginSpec, load_config
 from llmrl.engine.errors import ConfigError, PluginError
-from llmrl.plugins import registry
+from llmrl.plugins import checks, registry
 
 
 def make_fake_distribution(root):
@@ -118,7 +118,7 @@ def test_module_attr_plugins_and_contract_checks():
 def test_arguments_are_checked_against_schema_and_constructor(fake_distribution):
     with pytest.raises(PluginError, match="bad arguments: scale: 'x' is not of type 'number'"):
         registry.build("head", PluginSpec("fake_head", {"scale": "x"}), llm=None)
-    assert registry.args_problem(registry.resolve("updater", "llmrl_test_plugins:ChosenScoreUpdater"),
+    assert checks.args_problem(registry.resolve("updater", "llmrl_test_plugins:ChosenScoreUpdater"),
                                  {"haed": "v"}, "x").startswith("unknown argument(s) ['haed']")
 
 
