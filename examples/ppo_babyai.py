@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from babyai_text import TextObservation, TextVecEnv  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
-from llmrl.plugins.ppo import gae  # noqa: E402
+from llmrl.plugins.rl_math import gae  # noqa: E402
 
 
 @dataclass

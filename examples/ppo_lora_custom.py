@@ -20,7 +20,7 @@ import torch
 
 from llmrl import Caller
 from llmrl.plugins import ForwardOutputs, Head, Initializer, LLMInfo, Trainer, UpdateBatch, Updater
-from llmrl.plugins.ppo import gae
+from llmrl.plugins.rl_math import gae
 
 
 class ValueHead(Head):

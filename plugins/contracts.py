@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from llmrl.engine.graph import keep_in_graph
 from llmrl.plugins.update_batch import UpdateBatch
 
 __all__ = ["ForwardOutputs", "Head", "Initializer", "LLMInfo", "ShufflingUpdater", "Trainer", "UpdateBatch",
@@ -129,7 +130,7 @@ class ForwardOutputs(NamedTuple):
             padded = padded.index_put((row, col), values)
             mask[row, col] = True
         elif values.is_floating_point():  # still part of the graph (a replica with no token reaches every weight)
-            padded = padded + 0.0 * values.sum()
+            padded = keep_in_graph(padded, values)
         return padded, mask
 
     def scores_by_context(self, fill: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +147,7 @@ class ForwardOutputs(NamedTuple):
             scores = scores.index_put((ctx, col), self.candidate_scores)
             mask[ctx, col] = True
         else:  # still part of the graph: a replica with no sample must reach the same weights as the others
-            scores = scores + 0.0 * self.candidate_scores.sum()
+            scores = keep_in_graph(scores, self.candidate_scores)
         return scores, mask
 
 

@@ -19,8 +19,10 @@ Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group sta
 ``kl`` (mean per-continuation sum of ``old_logprob - ref_logprob``, the KL to the reference at collection, as
 ``ppo_tokens`` reports it; 0 without a KL term), ``kl_penalty`` (mean per-token estimator during training),
 ``approx_kl`` (old to new policy), ``clip_fraction``, ``entropy`` (when ``entropy_coef`` is set), ``tokens``,
-``samples``. The maths is in :func:`group_advantages`
-and :func:`grpo_token_losses`, tested against hand-computed values.
+``samples``. This module is the algorithm: the steps above and the loss of a minibatch
+(:func:`grpo_token_losses`); the maths is in :mod:`llmrl.plugins.rl_math` (:func:`group_advantages`,
+:func:`clipped_surrogate`, :func:`kl_k3`, the per-prompt means), the input checks and the first pass in
+:mod:`llmrl.plugins.rollouts`; all are tested against hand-computed values.
 """
 
 from __future__ import annotations
@@ -28,18 +30,16 @@ from __future__ import annotations
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.rollouts import join_prompts, per_prompt_mean, sequence_mean
-from llmrl.plugins.token_ppo import check_inputs, first_pass
-
-
-def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """``[k]`` the advantages of one group's ``k`` rewards: centred on the group mean, divided by the group's
-    unbiased standard deviation + ``eps`` when ``scale``."""
-    if rewards.numel() < 2:
-        raise ValueError("a GRPO group needs at least 2 continuations per prompt; generate with "
-                         "num_return_sequences >= 2 (and do_sample=True)")
-    centred = rewards - rewards.mean()
-    return centred / (rewards.std() + eps) if scale else centred
+from llmrl.plugins.rl_math import (
+    approx_kl,
+    clipped_surrogate,
+    group_advantages,
+    kl_k3,
+    per_prompt_mean,
+    per_prompt_token_mean,
+    sequence_mean,
+)
+from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
 
 
 def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
@@ -47,15 +47,12 @@ def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_lo
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token ``[n, T]``: the loss (clipped policy term + ``kl_coef`` x KL estimator), the KL estimator
     (detached; zeros without a reference) and 1.0 where the ratio was clipped. ``advantages`` is ``[n]``."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages[:, None]
-    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps)
     kl = torch.zeros_like(loss)
     if ref_logprobs is not None and kl_coef != 0:
-        diff = ref_logprobs - logprobs
-        kl = torch.exp(diff) - diff - 1.0
+        kl = kl_k3(logprobs, ref_logprobs)
         loss = loss + kl_coef * kl
-    return loss, kl.detach(), ((ratio - 1.0).abs() > clip_eps).float().detach()
+    return loss, kl.detach(), clipped
 
 
 class GRPOUpdater(ShufflingUpdater):
@@ -134,8 +131,7 @@ class GRPOUpdater(ShufflingUpdater):
                 trainer.step()
                 real = mask.float()
                 tokens += float(real.sum())
-                log_ratio = logp.detach().float() - old
-                approx = torch.exp(log_ratio) - 1.0 - log_ratio
+                approx = approx_kl(logp.detach().float() - old)
                 for key, value in (("policy_loss", policy), ("kl_penalty", kl),
                                    ("clip_fraction", clipped), ("approx_kl", approx), ("entropy", entropy)):
                     if value is not None:
@@ -149,10 +145,4 @@ class GRPOUpdater(ShufflingUpdater):
     def _per_prompt(self, per_token: torch.Tensor, mask: torch.Tensor, out) -> torch.Tensor:
         if self.loss == "sequence":
             return per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
-        index = out.candidate_context.to(per_token.device)
-        m = mask.to(per_token.dtype)
-        sums = per_token.new_zeros(out.num_contexts).index_add(0, index, (per_token * m).sum(1))
-        counts = per_token.new_zeros(out.num_contexts).index_add(0, index, m.sum(1))
-        if per_token.numel() == 0:
-            sums = sums + 0.0 * per_token.sum()
-        return sums / counts.clamp(min=1)
+        return per_prompt_token_mean(per_token, mask, out.candidate_context, out.num_contexts)

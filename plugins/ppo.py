@@ -14,7 +14,9 @@ Per-sample keyword arguments of ``caller.update(contexts, candidates, ...)``:
 
 Loss per sample: clipped policy loss + ``value_coef`` x (clipped) value loss - ``entropy_coef`` x entropy
 + ``kl_coef`` x KL(policy || base model), where the base model is the same network with its LoRA
-adapters disabled. The maths lives in :func:`ppo_terms`, a pure function.
+adapters disabled. This module is the algorithm: the loop and the loss of a minibatch (:func:`ppo_terms`, a pure
+function); the maths it is made of is in :mod:`llmrl.plugins.rl_math` (advantages for your script's rollouts:
+:func:`llmrl.plugins.rl_math.gae`).
 """
 
 from __future__ import annotations
@@ -24,30 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over ``T`` steps of ``N`` environments (client-side helper).
-
-    Args:
-        rewards, values, dones: ``[T, N]``; ``dones[t]`` is 1 when the episode ended at step t (the value after
-            it is not used).
-        last_values: ``[N]`` value of the observation after the last step.
-
-    Returns:
-        ``(advantages, returns)``, both ``[T, N]``; returns = advantages + values.
-    """
-    steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    running = torch.zeros_like(last_values, dtype=torch.float32)
-    for t in reversed(range(steps)):
-        next_values = last_values if t == steps - 1 else values[t + 1]
-        alive = 1.0 - dones[t].float()
-        delta = rewards[t] + gamma * next_values * alive - values[t]
-        running = delta + gamma * lam * alive * running
-        advantages[t] = running
-    return advantages, advantages + values
+from llmrl.plugins.rl_math import approx_kl, categorical_kl, clipped_surrogate, value_loss
 
 
 @dataclass
@@ -74,29 +53,11 @@ def ppo_terms(logits: torch.Tensor, mask: torch.Tensor, actions: torch.Tensor, o
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(1, actions[:, None]).squeeze(1)
     log_ratio = logp - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    policy_loss = -torch.minimum(unclipped, clipped_ratio * advantages)
+    policy_loss, clipped = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps)
     probs = logp_all.exp()
     entropy = -(probs * logp_all.masked_fill(~mask, 0.0)).sum(-1)
-    approx_kl = (ratio - 1.0) - log_ratio
-    clipped = ((ratio - 1.0).abs() > clip_eps).float()
-    if values is None or returns is None:
-        value_loss = torch.zeros_like(policy_loss)
-    elif value_clip is None or old_values is None:
-        value_loss = 0.5 * (values - returns) ** 2
-    else:
-        values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-        value_loss = 0.5 * torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2)
-    return PPOTerms(policy_loss, value_loss, entropy, approx_kl.detach(), clipped.detach())
-
-
-def kl_to_base(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(policy || base) per sample, both categorical over the same candidates."""
-    logp = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), -1)
-    base = torch.log_softmax(base_logits.masked_fill(~mask, float("-inf")), -1)
-    return (logp.exp() * (logp - base).masked_fill(~mask, 0.0)).sum(-1)
+    return PPOTerms(policy_loss, value_loss(values, returns, old_values, value_clip, like=policy_loss), entropy,
+                    approx_kl(log_ratio), clipped)
 
 
 class PPOUpdater(ShufflingUpdater):
@@ -187,6 +148,6 @@ class PPOUpdater(ShufflingUpdater):
         if self.kl_coef > 0:
             with torch.no_grad(), trainer.adapters_disabled():
                 base, _ = trainer.forward(mb.contexts, mb.candidates).scores_by_context()
-            kl = kl_to_base(logits.float(), base.float() / self.temperature, mask)
+            kl = categorical_kl(logits.float(), base.float() / self.temperature, mask)
             per_sample = per_sample + self.kl_coef * kl
         return per_sample, terms, kl

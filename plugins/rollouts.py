@@ -7,18 +7,22 @@ entry per continuation: ``rewards[i]`` a number per continuation (a bare number 
 when there is one), each as long as the continuation's scored tokens. This module turns them into padded
 ``[continuations, tokens]`` float32 rows in the order of :class:`~llmrl.plugins.contracts.ForwardOutputs`
 (prompts in order, their continuations in order), and refuses wrong shapes with an error naming the argument and
-the prompt. It also keeps what a first pass over the batch computed (:class:`PromptRows`).
+the prompt. Before any pass, :func:`check_inputs` refuses a call these updaters cannot train on; :func:`first_pass`
+runs the gradient-free pass over the batch (old log-probs, values, reference log-probs) and keeps what it computed
+per prompt (:class:`PromptRows`), which the training passes read back in minibatch order (:func:`join_prompts`).
 
-It computes no loss; the maths is in :mod:`llmrl.plugins.token_ppo` and :mod:`llmrl.plugins.grpo`.
+It computes no loss and no advantage: the maths is in :mod:`llmrl.plugins.rl_math`, the algorithms in
+:mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo`.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 
 import torch
+
+from llmrl.plugins.contracts import Trainer, UpdateBatch
 
 
 def rewards_of(value, counts: list[int], indices: list[int], name: str = "rewards") -> torch.Tensor:
@@ -65,22 +69,6 @@ def token_rows_of(value, counts: list[int], lengths: torch.Tensor, indices: list
     return out
 
 
-def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[n]`` the mean of each row's real tokens (0 for a row without any)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
-def per_prompt_mean(values: torch.Tensor, candidate_context: torch.Tensor, num_contexts: int) -> torch.Tensor:
-    """``[num_contexts]`` the mean of each prompt's per-continuation ``values`` (differentiable)."""
-    index = candidate_context.to(values.device)
-    counts = torch.bincount(index, minlength=num_contexts).to(values.dtype)
-    sums = values.new_zeros(num_contexts).index_add(0, index, values)
-    if values.numel() == 0:  # still part of the graph: a replica with no sample reaches the same weights
-        sums = sums + 0.0 * values.sum()
-    return sums / counts.clamp(min=1)
-
-
 @dataclass
 class PromptRows:
     """What a first, gradient-free pass computed for one prompt's continuations: ``[k, T]`` CPU float32 rows."""
@@ -115,6 +103,68 @@ def join_prompts(prompts: list[PromptRows], key: str, width: int, device) -> tor
         shape = (0,) if key == "rewards" else (0, width)
         return torch.zeros(shape, dtype=torch.bool if key == "mask" else torch.float32, device=device)
     return torch.cat(parts).to(device)
+
+
+def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> list[torch.Tensor]:
+    """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass); returns
+    each local prompt's rewards, one per continuation."""
+    if batch.candidates is None:
+        raise ValueError(f"the {name} updater needs the continuations: caller.update(prompts, continuations, "
+                         "rewards=...), continuations[i] a list of the token ids (or texts) generated for prompt i")
+    if "rewards" not in batch.kwargs:
+        raise ValueError(f"the {name} updater needs the per-sample keyword argument 'rewards' in caller.update(...): "
+                         "per prompt, one reward per continuation")
+    if need_reference and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
+        raise ValueError(f"the {name} updater's KL term needs a reference policy: add LoRA adapters (the lora "
+                         "initializer; the reference is then the model with them disabled), pass ref_logprobs in "
+                         "caller.update(...), or set kl_coef to 0")
+    counts = [len(c) for c in batch.candidates]
+    return list(rewards_of(batch.kwargs["rewards"], counts, batch.indices).split(counts))
+
+
+def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
+               value_head: str | None, need_reference: bool) -> list[PromptRows]:
+    """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
+    log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
+    ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
+    would give nothing (old log-probs given, no value head, a reference pass to count the tokens)."""
+    prompts: list[PromptRows] = []
+    heads = [value_head] if value_head else []
+    given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
+    run_reference = need_reference and not given_ref
+    run_policy = bool(value_head) or not given_old or not run_reference  # the same on every replica
+    position = {index: k for k, index in enumerate(batch.indices)}
+    for mb in batch.minibatches(trainer.micro_batch_size):
+        rows = {}
+        with torch.no_grad():
+            if run_policy:
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
+                logp, mask = out.tokens_by_candidate()
+                rows["old_logprobs"] = logp.float().cpu()
+            if run_reference:
+                with trainer.adapters_disabled():
+                    ref = trainer.forward(mb.contexts, mb.candidates, per_token=True)
+                logp, mask = ref.tokens_by_candidate()
+                rows["ref_logprobs"] = logp.float().cpu()
+                if not run_policy:
+                    out = ref  # counts the tokens
+        counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
+        lengths = mask.sum(1).cpu()
+        if given_old:
+            rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
+                                                 "old_logprobs")
+        if given_ref:
+            rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
+                                                 "ref_logprobs")
+        if value_head:
+            if out.head_levels[value_head] != "token":
+                raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
+                                 "level PPO needs one value per token: use the token_value head (heads: {value: "
+                                 "token_value}) or set value_head to null")
+            rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
+        mb_rewards = [rewards[position[i]] for i in mb.indices]
+        prompts += split_by_prompt(rows, mask, torch.cat(mb_rewards) if mb_rewards else torch.zeros(0), counts)
+    return prompts
 
 
 def _is_number(x) -> bool:
@@ -156,19 +206,3 @@ def _check_finite(t: torch.Tensor, name: str, indices: list[int]) -> None:
     if bad.any():
         raise ValueError(f"{name} holds a non-finite value ({t[bad][0].item()}) for one of the prompts "
                          f"{indices[0] if indices else '?'}..{indices[-1] if indices else '?'}; nothing was trained")
-
-
-def whiten_stats(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[count, sum, sum of squares]`` of the masked values (float64), to sum across replicas."""
-    v = values[mask].double()
-    return torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), (v * v).sum()])
-
-
-def mean_and_std(stats: torch.Tensor) -> tuple[float, float]:
-    """Mean and unbiased standard deviation from summed ``[count, sum, sum of squares]``."""
-    n, s, ss = (float(x) for x in stats)
-    if n == 0:
-        return 0.0, 1.0
-    mean = s / n
-    var = (ss - n * mean * mean) / max(n - 1.0, 1.0)
-    return mean, math.sqrt(max(var, 0.0))

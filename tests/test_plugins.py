@@ -67,7 +67,7 @@ def test_built_in_plugins_are_entry_points():
     assert registry.resolve("updater", "ppo") is PPOUpdater
     from llmrl.plugins.grpo import GRPOUpdater
     from llmrl.plugins.reward_model import PairwiseRewardUpdater, RewardHead
-    from llmrl.plugins.token_ppo import PPOTokensUpdater
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
     from llmrl.plugins.value_head import TokenValueHead
 
     assert registry.resolve("head", "token_value") is TokenValueHead

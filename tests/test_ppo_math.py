@@ -1,11 +1,13 @@
-"""The PPO maths of the built-in updater (plugins/ppo.py) against values computed by hand."""
+"""The PPO maths of the built-in updater (plugins/ppo.py and the parts it takes from plugins/rl_math.py) against
+values computed by hand."""
 
 import math
 
 import pytest
 import torch
 
-from llmrl.plugins.ppo import gae, kl_to_base, ppo_terms
+from llmrl.plugins.ppo import ppo_terms
+from llmrl.plugins.rl_math import categorical_kl, gae
 
 
 def test_gae_by_hand():
@@ -99,5 +101,5 @@ def test_kl_to_base_by_hand():
     logits, mask = policy((0.25, 0.75))
     base, _ = policy((0.5, 0.5))
     expected = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
-    assert kl_to_base(logits, base, mask).item() == pytest.approx(expected, abs=1e-6)
-    assert kl_to_base(logits, logits, mask).item() == pytest.approx(0.0, abs=1e-7)
+    assert categorical_kl(logits, base, mask).item() == pytest.approx(expected, abs=1e-6)
+    assert categorical_kl(logits, logits, mask).item() == pytest.approx(0.0, abs=1e-7)

@@ -9,17 +9,20 @@ import math
 import pytest
 import torch
 
-from llmrl.plugins.grpo import group_advantages, grpo_token_losses
+from llmrl.plugins.grpo import grpo_token_losses
+from llmrl.plugins.ppo_tokens import token_ppo_losses
 from llmrl.plugins.reward_model import bradley_terry_loss
-from llmrl.plugins.rollouts import (
+from llmrl.plugins.rl_math import (
+    AdaptiveKL,
+    group_advantages,
+    kl_penalised_rewards,
     mean_and_std,
     per_prompt_mean,
-    rewards_of,
     sequence_mean,
-    token_rows_of,
+    token_gae,
     whiten_stats,
 )
-from llmrl.plugins.token_ppo import AdaptiveKL, kl_penalised_rewards, token_gae, token_ppo_losses
+from llmrl.plugins.rollouts import rewards_of, token_rows_of
 
 
 def close(got, want, atol=1e-6):
@@ -133,7 +136,7 @@ def test_inputs_are_read_per_prompt_and_continuation_and_refused_by_name():
 
 def test_ppo_tokens_refuses_a_value_head_that_is_not_token_level():
     from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
-    from llmrl.plugins.token_ppo import PPOTokensUpdater
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
 
     class OneContextTrainer:  # what the engine returns for one prompt with one 2-token continuation
         micro_batch_size, has_adapters = 4, True

@@ -18,6 +18,7 @@ import inspect
 import torch
 
 from llmrl.engine.errors import plugin_error
+from llmrl.engine.graph import graph_zero, plus_zero
 from llmrl.engine.model.scoring.planning import BatchSpec, Needs
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import TokenPlan
@@ -70,18 +71,18 @@ class ModelWithHeads(torch.nn.Module):
                                   dtype=torch.long)
         tokens = _tokens_in_request_order(results, cand_order, wanted, device) if needs.per_token else {}
         # Zeros that tie every output to the lockstep padding calls and to every trainable weight (see forward.py).
-        tie = 0.0 * self._throwaway_calls(extra_calls) if extra_calls else None
+        tie = graph_zero(self._throwaway_calls(extra_calls)) if extra_calls else None
         if anchor is not None:
             tie = anchor if tie is None else tie + anchor
         if tie is not None:
             scores = scores + tie
-            tokens = {k: _add(v, tie) if k not in ("token_candidate", "token_ids") else v for k, v in tokens.items()}
+            tokens = {k: plus_zero(v, tie) if k not in ("token_candidate", "token_ids") else v for k, v in tokens.items()}
         context_hidden = (self._layers([r.context_hidden for r in results], needs.layers, ctx_perm)
                           if needs.context_hidden else None)
         candidate_hidden = (self._layers([r.candidate_hidden for r in results], needs.layers, cand_perm)
                             if needs.candidate_hidden else None)
         if anchor is not None:
-            context_hidden, candidate_hidden = _add(context_hidden, anchor), _add(candidate_hidden, anchor)
+            context_hidden, candidate_hidden = plus_zero(context_hidden, anchor), plus_zero(candidate_hidden, anchor)
         outputs = ForwardOutputs(
             kind=self.kind, num_contexts=n_ctx, candidate_scores=scores, candidate_token_counts=counts,
             candidate_context=context_of.to(device),
@@ -176,15 +177,6 @@ def _tokens_in_request_order(results, cand_order: list[int], wanted: list[int], 
             "token_ids": _cat([p.ids for p in parts], (0,), "cpu", torch.long)[order].to(device),
             "token_entropy": entropy, "token_hidden": None if hidden is None else hidden[-1],
             "token_hidden_layers": hidden, "token_logits": logits}
-
-
-def _add(value, zero):
-    """``value`` (a tensor, a dict of tensors or None) plus ``zero``."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {k: v + zero for k, v in value.items()}
-    return value + zero
 
 
 def _accepted(head, kwargs: dict) -> dict:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from llmrl.engine.graph import graph_zero, plus_zero
 from llmrl.engine.model.scoring.planning import Needs
 
 
@@ -222,15 +223,15 @@ def batch_result(model, needs, sink: TokenSink, counts, context_hidden, candidat
     if torch.is_grad_enabled() and touched:
         # Every model call reaches the loss (with weight zero), so a backward pass visits every layer of every call
         # whatever the loss reads: under ZeRO-3 each replica gathers the same weights in the same order.
-        zero = 0.0 * sum(t.float().sum() for t in touched)
+        zero = graph_zero(*touched)
         scores = scores + zero
         if tokens is not None:
             tokens.logprobs = tokens.logprobs + zero
-            tokens.entropy = None if tokens.entropy is None else tokens.entropy + zero
-            tokens.logits = None if tokens.logits is None else tokens.logits + zero
-            tokens.hidden = None if tokens.hidden is None else {k: v + zero for k, v in tokens.hidden.items()}
-        context_hidden = None if context_hidden is None else {k: v + zero for k, v in context_hidden.items()}
-        candidate_hidden = None if candidate_hidden is None else {k: v + zero for k, v in candidate_hidden.items()}
+            tokens.entropy = plus_zero(tokens.entropy, zero)
+            tokens.logits = plus_zero(tokens.logits, zero)
+            tokens.hidden = plus_zero(tokens.hidden, zero)
+        context_hidden = plus_zero(context_hidden, zero)
+        candidate_hidden = plus_zero(candidate_hidden, zero)
     return BatchResult(scores=scores, counts=counts, context_hidden=context_hidden, candidate_hidden=candidate_hidden,
                        tokens=tokens)
 

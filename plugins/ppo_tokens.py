@@ -35,8 +35,10 @@ collection), ``kl_coef`` (the beta used), ``policy_loss``, ``value_loss``, ``val
 of the first pass's values against the returns), ``entropy``, ``approx_kl`` (old to new policy), ``clip_fraction``
 (tokens whose ratio was clipped), ``tokens``, ``samples``.
 
-The maths is in pure functions (:func:`kl_penalised_rewards`, :func:`token_gae`, :func:`token_ppo_losses`,
-:class:`AdaptiveKL`), tested against hand-computed values.
+This module is the algorithm: the order of the steps above and the loss of a minibatch
+(:func:`token_ppo_losses`). The maths is in :mod:`llmrl.plugins.rl_math` (:func:`kl_penalised_rewards`,
+:func:`token_gae`, :func:`clipped_surrogate`, :func:`value_loss`, :class:`AdaptiveKL`, whitening), the input checks
+and the first pass in :mod:`llmrl.plugins.rollouts`; both are tested against hand-computed values.
 """
 
 from __future__ import annotations
@@ -46,47 +48,20 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.rollouts import (
-    PromptRows,
-    join_prompts,
+from llmrl.plugins.rl_math import (
+    AdaptiveKL,
+    approx_kl,
+    clipped_surrogate,
+    kl_penalised_rewards,
     mean_and_std,
     per_prompt_mean,
-    rewards_of,
     sequence_mean,
-    split_by_prompt,
-    token_rows_of,
+    token_gae,
+    value_loss,
+    whiten,
     whiten_stats,
 )
-
-
-def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
-                         kl_coef: float) -> torch.Tensor:
-    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus ``scores[i]``
-    on row ``i``'s last real token (zeros after it)."""
-    mask_f = mask.float()
-    rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
-    lengths = mask.sum(1)
-    rows = torch.nonzero(lengths > 0).squeeze(1)
-    rewards[rows, lengths[rows] - 1] += scores[rows]
-    return rewards
-
-
-def token_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE along each row's tokens (the value after the last real token is 0). Returns ``(advantages, returns)``,
-    both ``[n, T]``, zero after each row's end; returns = advantages + values."""
-    mask_f = mask.float()
-    values = values * mask_f
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
-    width = rewards.shape[1]
-    for t in reversed(range(width)):
-        alive = mask_f[:, t + 1] if t + 1 < width else torch.zeros_like(running)
-        next_values = values[:, t + 1] * alive if t + 1 < width else torch.zeros_like(running)
-        delta = rewards[:, t] + gamma * next_values - values[:, t]
-        running = (delta + gamma * lam * alive * running) * mask_f[:, t]
-        advantages[:, t] = running
-    return advantages, (advantages + values) * mask_f
+from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
 
 
 @dataclass
@@ -104,33 +79,9 @@ def token_ppo_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
                      clip_eps: float, value_clip: float | None) -> TokenLosses:
     """The clipped policy loss and the (clipped) value loss of every token."""
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    policy = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
-    if values is None or returns is None:
-        value = torch.zeros_like(policy)
-    elif value_clip is None or old_values is None:
-        value = 0.5 * (values - returns) ** 2
-    else:
-        clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-        value = 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
-    return TokenLosses(policy, value, ((ratio - 1.0) - log_ratio).detach(),
-                       ((ratio - 1.0).abs() > clip_eps).float().detach())
-
-
-@dataclass
-class AdaptiveKL:
-    """The KL coefficient: fixed, or adapted towards ``target`` (Ziegler et al., 2019, section 2.2)."""
-
-    value: float
-    target: float | None = None
-    horizon: float = 10000.0
-
-    def update(self, kl: float, samples: int) -> float:
-        """Adapt to the measured mean KL of ``samples`` continuations; returns the new coefficient."""
-        if self.target is not None:
-            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-            self.value *= 1.0 + error * samples / self.horizon
-        return self.value
+    policy, clipped = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps)
+    return TokenLosses(policy, value_loss(values, returns, old_values, value_clip, like=policy), approx_kl(log_ratio),
+                       clipped)
 
 
 class PPOTokensUpdater(ShufflingUpdater):
@@ -212,7 +163,7 @@ class PPOTokensUpdater(ShufflingUpdater):
             stats = sum((whiten_stats(p.tensors["advantages"], p.mask) for p in prompts), torch.zeros(3, dtype=torch.float64))
             mean, std = mean_and_std(trainer.sum_across_replicas(stats))
             for p in prompts:
-                p.tensors["advantages"] = (p.tensors["advantages"] - mean) / (std + 1e-8) * p.mask
+                p.tensors["advantages"] = whiten(p.tensors["advantages"], p.mask, mean, std)
         totals = trainer.sum_across_replicas([collected["kl"], collected["continuations"]])
         mean_kl = float(totals[0] / max(float(totals[1]), 1.0))
 
@@ -256,65 +207,3 @@ class PPOTokensUpdater(ShufflingUpdater):
                      tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl)
         self.kl.update(mean_kl, int(totals[1]))
         return stats
-
-
-def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> list[torch.Tensor]:
-    """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass); returns
-    each local prompt's rewards, one per continuation."""
-    if batch.candidates is None:
-        raise ValueError(f"the {name} updater needs the continuations: caller.update(prompts, continuations, "
-                         "rewards=...), continuations[i] a list of the token ids (or texts) generated for prompt i")
-    if "rewards" not in batch.kwargs:
-        raise ValueError(f"the {name} updater needs the per-sample keyword argument 'rewards' in caller.update(...): "
-                         "per prompt, one reward per continuation")
-    if need_reference and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
-        raise ValueError(f"the {name} updater's KL term needs a reference policy: add LoRA adapters (the lora "
-                         "initializer; the reference is then the model with them disabled), pass ref_logprobs in "
-                         "caller.update(...), or set kl_coef to 0")
-    counts = [len(c) for c in batch.candidates]
-    return list(rewards_of(batch.kwargs["rewards"], counts, batch.indices).split(counts))
-
-
-def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
-               value_head: str | None, need_reference: bool) -> list[PromptRows]:
-    """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
-    log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
-    ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
-    would give nothing (old log-probs given, no value head, a reference pass to count the tokens)."""
-    prompts: list[PromptRows] = []
-    heads = [value_head] if value_head else []
-    given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
-    run_reference = need_reference and not given_ref
-    run_policy = bool(value_head) or not given_old or not run_reference  # the same on every replica
-    position = {index: k for k, index in enumerate(batch.indices)}
-    for mb in batch.minibatches(trainer.micro_batch_size):
-        rows = {}
-        with torch.no_grad():
-            if run_policy:
-                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
-                logp, mask = out.tokens_by_candidate()
-                rows["old_logprobs"] = logp.float().cpu()
-            if run_reference:
-                with trainer.adapters_disabled():
-                    ref = trainer.forward(mb.contexts, mb.candidates, per_token=True)
-                logp, mask = ref.tokens_by_candidate()
-                rows["ref_logprobs"] = logp.float().cpu()
-                if not run_policy:
-                    out = ref  # counts the tokens
-        counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
-        lengths = mask.sum(1).cpu()
-        if given_old:
-            rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
-                                                 "old_logprobs")
-        if given_ref:
-            rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
-                                                 "ref_logprobs")
-        if value_head:
-            if out.head_levels[value_head] != "token":
-                raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
-                                 "level PPO needs one value per token: use the token_value head (heads: {value: "
-                                 "token_value}) or set value_head to null")
-            rows["values"] = out.tokens_by_candidate(out.heads[value_head].float())[0].cpu()
-        mb_rewards = [rewards[position[i]] for i in mb.indices]
-        prompts += split_by_prompt(rows, mask, torch.cat(mb_rewards) if mb_rewards else torch.zeros(0), counts)
-    return prompts

@@ -1,0 +1,209 @@
+"""The RL maths of the built-in updaters, as pure functions of tensors, each tested against hand-computed values.
+
+What is here: advantage estimation (:func:`gae` over ``[T, N]`` environment steps, :func:`token_gae` along each
+row of generated tokens, :func:`group_advantages` within a GRPO group), the PPO losses (:func:`clipped_surrogate`,
+:func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new policy, :func:`kl_k3` to a
+reference per token, :func:`categorical_kl` between two distributions over the same candidates), the KL-penalised
+per-token rewards and their adaptive coefficient (:func:`kl_penalised_rewards`, :class:`AdaptiveKL`), whitening
+across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
+continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`).
+
+What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
+:mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
+are summed across replicas by the caller), and nothing checks its inputs' shapes beyond what torch does
+(:mod:`llmrl.plugins.rollouts` checks the per-sample arguments first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from llmrl.engine.graph import keep_in_graph
+
+# ---- advantages --------------------------------------------------------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over ``T`` steps of ``N`` environments (a client-side helper).
+
+    Args:
+        rewards, values, dones: ``[T, N]``; ``dones[t]`` is 1 when the episode ended at step t (the value after
+            it is not used).
+        last_values: ``[N]`` value of the observation after the last step.
+
+    Returns:
+        ``(advantages, returns)``, both ``[T, N]``; returns = advantages + values.
+    """
+    steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    running = torch.zeros_like(last_values, dtype=torch.float32)
+    for t in reversed(range(steps)):
+        next_values = last_values if t == steps - 1 else values[t + 1]
+        alive = 1.0 - dones[t].float()
+        delta = rewards[t] + gamma * next_values * alive - values[t]
+        running = delta + gamma * lam * alive * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def token_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE along each row's tokens (the value after the last real token is 0). Returns ``(advantages, returns)``,
+    both ``[n, T]``, zero after each row's end; returns = advantages + values."""
+    mask_f = mask.float()
+    values = values * mask_f
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    width = rewards.shape[1]
+    for t in reversed(range(width)):
+        alive = mask_f[:, t + 1] if t + 1 < width else torch.zeros_like(running)
+        next_values = values[:, t + 1] * alive if t + 1 < width else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = (delta + gamma * lam * alive * running) * mask_f[:, t]
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask_f
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """``[k]`` the advantages of one group's ``k`` rewards: centred on the group mean, divided by the group's
+    unbiased standard deviation + ``eps`` when ``scale``."""
+    if rewards.numel() < 2:
+        raise ValueError("a GRPO group needs at least 2 continuations per prompt; generate with "
+                         "num_return_sequences >= 2 (and do_sample=True)")
+    centred = rewards - rewards.mean()
+    return centred / (rewards.std() + eps) if scale else centred
+
+
+# ---- PPO losses --------------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, clipped)``: PPO's clipped policy loss ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` and,
+    detached, 1.0 where the ratio left ``[1 - eps, 1 + eps]``. ``advantages`` broadcasts against ``ratio``."""
+    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    return loss, ((ratio - 1.0).abs() > clip_eps).float().detach()
+
+
+def value_loss(values: torch.Tensor | None, returns: torch.Tensor | None, old_values: torch.Tensor | None,
+               value_clip: float | None, like: torch.Tensor) -> torch.Tensor:
+    """``0.5 * (V - R)^2``, or with ``value_clip`` and ``old_values`` the clipped form ``0.5 * max((V - R)^2,
+    (V_clipped - R)^2)`` (``V_clipped`` within ``value_clip`` of ``old_values``); zeros shaped ``like`` without
+    values or returns (no critic)."""
+    if values is None or returns is None:
+        return torch.zeros_like(like)
+    if value_clip is None or old_values is None:
+        return 0.5 * (values - returns) ** 2
+    clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+
+
+# ---- KL ----------------------------------------------------------------------------------------------------------
+
+
+def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Detached ``(ratio - 1) - log ratio``: the non-negative estimator of KL(old || new) from ``log new - log old``
+    (reported, never trained on)."""
+    return ((torch.exp(log_ratio) - 1.0) - log_ratio).detach()
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per token, ``exp(ref - logprob) - (ref - logprob) - 1``: the non-negative, unbiased estimator of
+    KL(policy || reference) of DeepSeekMath (Schulman's k3)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1.0
+
+
+def categorical_kl(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[n]`` KL(policy || base) of two categorical distributions over the same masked candidates ``[n, K]``."""
+    logp = torch.log_softmax(logits.masked_fill(~mask, float("-inf")), -1)
+    base = torch.log_softmax(base_logits.masked_fill(~mask, float("-inf")), -1)
+    return (logp.exp() * (logp - base).masked_fill(~mask, 0.0)).sum(-1)
+
+
+def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                         mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus ``scores[i]``
+    on row ``i``'s last real token (zeros after it)."""
+    mask_f = mask.float()
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
+    lengths = mask.sum(1)
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    rewards[rows, lengths[rows] - 1] += scores[rows]
+    return rewards
+
+
+@dataclass
+class AdaptiveKL:
+    """The KL coefficient: fixed, or adapted towards ``target`` (Ziegler et al., 2019, section 2.2)."""
+
+    value: float
+    target: float | None = None
+    horizon: float = 10000.0
+
+    def update(self, kl: float, samples: int) -> float:
+        """Adapt to the measured mean KL of ``samples`` continuations; returns the new coefficient."""
+        if self.target is not None:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * samples / self.horizon
+        return self.value
+
+
+# ---- whitening ---------------------------------------------------------------------------------------------------
+
+
+def whiten_stats(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` of the masked values (float64), to sum across replicas."""
+    v = values[mask].double()
+    return torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), (v * v).sum()])
+
+
+def mean_and_std(stats: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased standard deviation from summed ``[count, sum, sum of squares]``."""
+    n, s, ss = (float(x) for x in stats)
+    if n == 0:
+        return 0.0, 1.0
+    mean = s / n
+    var = (ss - n * mean * mean) / max(n - 1.0, 1.0)
+    return mean, math.sqrt(max(var, 0.0))
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
+    """``(values - mean) / (std + eps)`` on the real tokens, zero elsewhere."""
+    return (values - mean) / (std + eps) * mask
+
+
+# ---- means over tokens, continuations and prompts ----------------------------------------------------------------
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[n]`` the mean of each row's real tokens (0 for a row without any)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def per_prompt_mean(values: torch.Tensor, candidate_context: torch.Tensor, num_contexts: int) -> torch.Tensor:
+    """``[num_contexts]`` the mean of each prompt's per-continuation ``values`` (differentiable)."""
+    index = candidate_context.to(values.device)
+    counts = torch.bincount(index, minlength=num_contexts).to(values.dtype)
+    sums = values.new_zeros(num_contexts).index_add(0, index, values)
+    if values.numel() == 0:  # a replica with no sample must still reach the same weights as the others
+        sums = keep_in_graph(sums, values)
+    return sums / counts.clamp(min=1)
+
+
+def per_prompt_token_mean(per_token: torch.Tensor, mask: torch.Tensor, candidate_context: torch.Tensor,
+                          num_contexts: int) -> torch.Tensor:
+    """``[num_contexts]`` each prompt's mean over all the real tokens of all its continuations (every token of the
+    prompt weighs the same; differentiable)."""
+    index = candidate_context.to(per_token.device)
+    m = mask.to(per_token.dtype)
+    sums = per_token.new_zeros(num_contexts).index_add(0, index, (per_token * m).sum(1))
+    counts = per_token.new_zeros(num_contexts).index_add(0, index, m.sum(1))
+    if per_token.numel() == 0:  # a replica with no token must still reach the same weights as the others
+        sums = keep_in_graph(sums, per_token)
+    return sums / counts.clamp(min=1)

@@ -1,0 +1,117 @@
+"""The shared RL maths (plugins/rl_math.py) and the keep-in-graph zeros (engine/graph.py) against values computed by
+hand: the clipped surrogate, the value loss in its three forms, the KL estimators, whitening, the per-prompt means;
+and the property the zeros exist for (a backward reaches the tied tensors, with gradient 0, and no value moves)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmrl.engine.graph import graph_zero, keep_in_graph, plus_zero
+from llmrl.plugins.rl_math import (
+    approx_kl,
+    clipped_surrogate,
+    kl_k3,
+    mean_and_std,
+    per_prompt_mean,
+    per_prompt_token_mean,
+    value_loss,
+    whiten,
+    whiten_stats,
+)
+
+
+def close(got, want, atol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float32), torch.tensor(want, dtype=torch.float32),
+                               atol=atol, rtol=0)
+
+
+def test_clipped_surrogate_by_hand():
+    # eps 0.2. ratio 1.5, A = +2: min(3.0, 1.2 * 2 = 2.4) = 2.4 -> loss -2.4, clipped.
+    # ratio 0.5, A = +2: min(1.0, 0.8 * 2 = 1.6) = 1.0 -> loss -1.0, clipped (the flag counts the ratio, not the min).
+    # ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5 -> loss 1.5, clipped.  ratio 1.1, A = 3: inside: loss -3.3.
+    ratio = torch.tensor([1.5, 0.5, 1.5, 1.1])
+    advantages = torch.tensor([2.0, 2.0, -1.0, 3.0])
+    loss, clipped = clipped_surrogate(ratio, advantages, 0.2)
+    close(loss, [-2.4, -1.0, 1.5, -3.3])
+    close(clipped, [1.0, 1.0, 1.0, 0.0])
+    # advantages broadcast per row: [n] -> [n, 1] against [n, T]
+    loss, _ = clipped_surrogate(torch.tensor([[1.0, 2.0], [0.5, 1.0]]), torch.tensor([[1.0], [-2.0]]), 0.2)
+    close(loss, [[-1.0, -1.2], [1.6, 2.0]])
+
+
+def test_clipped_surrogate_flags_are_detached_and_the_loss_is_not():
+    ratio = torch.tensor([1.5, 1.0], requires_grad=True)
+    loss, clipped = clipped_surrogate(ratio, torch.tensor([1.0, 1.0]), 0.2)
+    assert loss.requires_grad and not clipped.requires_grad
+    loss.sum().backward()
+    close(ratio.grad, [0.0, -1.0])  # the clipped branch carries no gradient, the other -A
+
+
+def test_value_loss_in_its_three_forms():
+    values, returns, old = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([0.5, 0.5])
+    like = torch.ones(2)
+    close(value_loss(None, returns, old, 0.2, like), [0.0, 0.0])  # no critic
+    close(value_loss(values, returns, None, 0.2, like), [0.5, 2.0])  # 0.5 (V - R)^2
+    close(value_loss(values, returns, old, None, like), [0.5, 2.0])
+    # clip 0.2 around old 0.5: V 1.0 -> 0.7, (0.7 - 0)^2 = 0.49 < (1 - 0)^2 = 1: 0.5 * 1 = 0.5; V 0.0 -> 0.3,
+    # (0.3 - 2)^2 = 2.89 < (0 - 2)^2 = 4: 0.5 * 4 = 2.0. The clipped term wins for V 2.0, R 2.0, old 1.0: V -> 1.2,
+    # 0.5 * max(0, (1.2 - 2)^2 = 0.64) = 0.32.
+    close(value_loss(values, returns, old, 0.2, like), [0.5, 2.0])
+    close(value_loss(torch.tensor([2.0]), torch.tensor([2.0]), torch.tensor([1.0]), 0.2, like[:1]), [0.32])
+
+
+def test_kl_estimators_by_hand():
+    # approx_kl(log r) = (r - 1) - log r: log r = log 2 -> 1 - 0.693147 = 0.306853; log r = 0 -> 0.
+    close(approx_kl(torch.tensor([math.log(2.0), 0.0])), [1.0 - math.log(2.0), 0.0])
+    # k3: d = ref - logp; exp(d) - d - 1: d = 1 -> e - 2 = 0.718282; d = -1 -> 1/e = 0.367879; d = 0 -> 0.
+    close(kl_k3(torch.tensor([0.0, 0.0, -2.0]), torch.tensor([1.0, -1.0, -2.0])), [math.e - 2.0, 1.0 / math.e, 0.0])
+
+
+def test_whitening_by_hand():
+    values = torch.tensor([[1.0, 3.0, 99.0], [5.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    stats = whiten_stats(values, mask)
+    close(stats, [3.0, 9.0, 35.0])  # count, sum, sum of squares of 1, 3, 5
+    mean, std = mean_and_std(stats + whiten_stats(torch.tensor([[7.0]]), torch.tensor([[True]])))
+    # 1, 3, 5, 7: mean 4, unbiased variance (9 + 1 + 1 + 9) / 3 = 20 / 3
+    assert mean == 4.0 and abs(std - math.sqrt(20.0 / 3.0)) < 1e-12
+    close(whiten(values, mask, 3.0, 2.0, eps=0.0), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert mean_and_std(torch.zeros(3, dtype=torch.float64)) == (0.0, 1.0)
+
+
+def test_per_prompt_means_weigh_continuations_or_tokens():
+    # prompt 0: continuations with tokens [1, 3] and [5]; prompt 1: one continuation [2, 2, 2]
+    per_token = torch.tensor([[1.0, 3.0, 0.0], [5.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    context = torch.tensor([0, 0, 1])
+    close(per_prompt_token_mean(per_token, mask, context, 2), [3.0, 2.0])  # (1 + 3 + 5) / 3, 6 / 3
+    close(per_prompt_mean(torch.tensor([2.0, 5.0, 2.0]), context, 2), [3.5, 2.0])  # continuations weigh the same
+
+
+def test_an_empty_replica_still_reaches_the_weights():
+    weight = torch.tensor([2.0, 3.0], requires_grad=True)
+    for mean in (lambda empty: per_prompt_mean(empty, torch.zeros(0, dtype=torch.long), 0),
+                 lambda empty: per_prompt_token_mean(empty.reshape(0, 1), torch.zeros((0, 1), dtype=torch.bool),
+                                                     torch.zeros(0, dtype=torch.long), 0)):
+        weight.grad = None
+        mean = mean(weight[:0] * 1.0)  # what a replica without samples computes
+        assert mean.shape == (0,)
+        mean.sum().backward()
+        close(weight.grad, [0.0, 0.0])  # reached, with gradient zero
+
+
+def test_graph_zeros_change_no_value_and_keep_the_dtype():
+    source = torch.tensor([1.0, -4.0], requires_grad=True)
+    value = torch.tensor([[0.5, 0.25]], dtype=torch.bfloat16)
+    kept = keep_in_graph(value, source)
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, value) and kept.requires_grad
+    kept.float().sum().backward()
+    close(source.grad, [0.0, 0.0])
+    zero = graph_zero(torch.ones(2, requires_grad=True), torch.ones(3, dtype=torch.bfloat16))
+    assert zero.dim() == 0 and float(zero.detach()) == 0.0 and zero.dtype == torch.float32
+    assert plus_zero(None, zero) is None
+    tied = plus_zero({1: torch.ones(2), 2: torch.zeros(1)}, zero)
+    assert sorted(tied) == [1, 2] and all(t.requires_grad for t in tied.values())
+    close(tied[1], [1.0, 1.0])
