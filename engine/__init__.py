@@ -11,5 +11,6 @@ Folders follow the request path::
     config/     the run's configuration (schema, loading, checks, typed objects) and every rank's role
 
 Shared by all: ``errors`` (exceptions), ``log`` (the llmrl logger), ``processes`` (exit helpers) and
-``checkpoint_layout`` (names inside a checkpoint folder). Importing this package loads nothing heavy.
+``checkpoint_layout`` (names inside a checkpoint folder); ``graph`` (zeros that keep tensors in the backward
+graph, used by the scoring results and the plugins). Importing this package loads nothing heavy.
 """

@@ -94,7 +94,8 @@ class GRPOUpdater(ShufflingUpdater):
         rewards = check_inputs(batch, trainer, "grpo", need_reference=self.kl_coef > 0)
         lonely = next((i for i, c in zip(batch.indices, batch.candidates) if len(c) < 2), None)
         if lonely is not None:
-            raise ValueError(f"prompt {lonely} has {len(batch.candidates[batch.indices.index(lonely)])} continuation(s): "
+            given = len(batch.candidates[batch.indices.index(lonely)])
+            raise ValueError(f"prompt {lonely} has {given} continuation(s): "
                              "a GRPO group needs at least 2 continuations per prompt; generate with "
                              "num_return_sequences >= 2 (and do_sample=True)")
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, None, need_reference=self.kl_coef > 0)

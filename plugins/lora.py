@@ -70,7 +70,8 @@ class LoraInitializer(Initializer):
         peft_model.set_adapter(first)
         # Every adapter stays trainable; requests switch the active one without touching these flags.
         for name, param in peft_model.named_parameters():
-            if any(f".{adapter}." in name or name.endswith(f".{adapter}") for adapter in self.adapters) and "lora_" in name:
+            mine = any(f".{adapter}." in name or name.endswith(f".{adapter}") for adapter in self.adapters)
+            if mine and "lora_" in name:
                 param.requires_grad_(True)
         return peft_model
 

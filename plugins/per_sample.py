@@ -21,7 +21,8 @@ Its errors say which arguments the rule sliced (:func:`slicing_note`).
 :func:`take_samples` is the one slicing rule, used wherever per-sample values are cut: the client splitting an
 ``update`` per replica, the server splitting minibatches, scoring splitting head arguments per piece.
 
-This module checks shapes and slices; it never reads values: values (NaN, infinities) are checked by :mod:`llmrl.engine.requests.finite`.
+This module checks shapes and slices; it never reads values: values (NaN, infinities) are checked by
+:mod:`llmrl.engine.requests.finite`.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def declaration_problem(cls, name: str) -> str | None:
     if declared is None:
         return None
     if not isinstance(declared, dict) or not all(isinstance(k, str) and v in LEVELS for k, v in declared.items()):
-        return (f"updater {name!r} ({cls.__qualname__}): per_sample_args = {declared!r}; it must be a dict from keyword "
-                f"argument names to levels, each one of {', '.join(LEVELS)} (or None to keep the length rule)")
+        return (f"updater {name!r} ({cls.__qualname__}): per_sample_args = {declared!r}; it must be a dict from "
+                f"keyword argument names to levels, each one of {', '.join(LEVELS)} (or None to keep the length rule)")
     return None
 
 

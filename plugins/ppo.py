@@ -109,7 +109,8 @@ class PPOUpdater(ShufflingUpdater):
         if self.value_head and "returns" not in batch.kwargs:
             missing.append("returns")
         if missing:
-            raise ValueError(f"the ppo updater needs the per-sample keyword argument(s) {missing} in caller.update(...)")
+            raise ValueError(f"the ppo updater needs the per-sample keyword argument(s) {missing} in "
+                             "caller.update(...)")
         totals: dict[str, float] = {}
         count = 0
         heads = [self.value_head] if self.value_head else []

@@ -160,7 +160,8 @@ class PPOTokensUpdater(ShufflingUpdater):
             collected["tokens"] += float(p.mask.sum())
             collected["continuations"] += len(p.rewards)
         if self.whiten:
-            stats = sum((whiten_stats(p.tensors["advantages"], p.mask) for p in prompts), torch.zeros(3, dtype=torch.float64))
+            stats = sum((whiten_stats(p.tensors["advantages"], p.mask) for p in prompts),
+                        torch.zeros(3, dtype=torch.float64))
             mean, std = mean_and_std(trainer.sum_across_replicas(stats))
             for p in prompts:
                 p.tensors["advantages"] = whiten(p.tensors["advantages"], p.mask, mean, std)

@@ -117,7 +117,8 @@ def resolve(kind: str, name: str):
         eps = entry_points(kind)
         if name not in eps:
             available = sorted(eps)
-            raise PluginError(f"unknown {kind} plugin {name!r}{did_you_mean(name, available, cutoff=0.5)}; installed {kind}s: "
+            raise PluginError(f"unknown {kind} plugin {name!r}{did_you_mean(name, available, cutoff=0.5)}; "
+                              f"installed {kind}s: "
                               f"{', '.join(available) or 'none'} (entry-point group {GROUPS[kind]}); "
                               "local classes can be named module:Class or __main__:Class")
         try:
@@ -142,7 +143,8 @@ def build(kind: str, spec, *, llm=None):
     try:
         return cls(llm, **spec.args) if kind == "head" else cls(**spec.args)
     except Exception as err:
-        raise PluginError(f"{kind} plugin {spec.plugin!r}: constructing it failed: {type(err).__name__}: {err}") from err
+        raise PluginError(f"{kind} plugin {spec.plugin!r}: constructing it failed: "
+                          f"{type(err).__name__}: {err}") from err
 
 
 def plugin_problems(data: dict) -> list[tuple[str, str]]:

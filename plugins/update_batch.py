@@ -71,7 +71,8 @@ class UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}
         for key, value in self.kwargs.items():
-            sliced = key in self.per_sample_keys if self.per_sample_keys is not None else is_per_sample(value, len(self))
+            declared = self.per_sample_keys is not None
+            sliced = key in self.per_sample_keys if declared else is_per_sample(value, len(self))
             kwargs[key] = take_samples(value, positions) if sliced else value
         return replace(
             self,

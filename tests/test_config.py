@@ -148,11 +148,13 @@ def test_4bit_without_bitsandbytes(base, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     base["llms"]["main"]["quantization"] = {"bits": 4}
     with pytest.raises(ConfigError) as err:
         load_config(raw=base)
-    assert err.value.problems == [("llms.main.quantization", "needs the bitsandbytes package: pip install bitsandbytes")]
+    assert err.value.problems == [("llms.main.quantization",
+                                   "needs the bitsandbytes package: pip install bitsandbytes")]
 
 
 def test_gpt2_cannot_be_tensor_parallel(tiny):

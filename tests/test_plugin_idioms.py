@@ -114,8 +114,8 @@ def test_lamorels_caller_call_is_answered_with_llmrls_form(lamorel):
     assert "Caller() takes no positional argument (got 1)" in message
     assert ("Caller(custom_updater=...) is Lamorel's; llmrl takes the class, not an instance: updater=MyUpdater or "
             "updater=(MyUpdater, {\"arg\": 1}), with llm='main_llm'") in message
-    assert 'Caller(custom_module_functions=...) is Lamorel\'s; llmrl takes the class, not an instance: heads={"mlp_head": ' \
-           "MyHead}" in message
+    assert ('Caller(custom_module_functions=...) is Lamorel\'s; llmrl takes the class, not an instance: '
+            'heads={"mlp_head": MyHead}') in message
     assert "Caller(custom_model_initializer=...) is Lamorel's; llmrl takes the class, not an instance: " \
            "initializers=[MyInitializer]" in message
     with pytest.raises(RuntimeError, match="Caller\\(\\) runs inside an llmrl launch"):  # llmrl's own form passes
@@ -169,8 +169,9 @@ def test_a_python_object_in_a_config_names_the_entry_and_how_to_write_it(lamorel
     ("head", "KeywordLlmHead", "its constructor is __init__(self, *, llm, hidden=8), but the head contract"),
     ("updater", "HeadLikeUpdater", "its constructor is __init__(self, llm, epochs=1), but the updater contract is "
                                    "__init__(self, **args)"),
-    ("initializer", "PositionalInitializer", "its constructor is __init__(self, rank, /, alpha=1.0), but rank can only "
-                                             "be passed by position; the initializer contract is __init__(self, **args)"),
+    ("initializer", "PositionalInitializer",
+     "its constructor is __init__(self, rank, /, alpha=1.0), but rank can only be passed by position; the "
+     "initializer contract is __init__(self, **args)"),
 ])
 def test_a_constructor_off_the_contract_is_refused_where_contracts_are_checked(lamorel, kind, cls, words):
     with pytest.raises(PluginError) as err:

@@ -66,8 +66,8 @@ def test_built_in_plugins_are_entry_points():
     assert registry.resolve("initializer", "lora") is LoraInitializer
     assert registry.resolve("updater", "ppo") is PPOUpdater
     from llmrl.plugins.grpo import GRPOUpdater
-    from llmrl.plugins.reward_model import PairwiseRewardUpdater, RewardHead
     from llmrl.plugins.ppo_tokens import PPOTokensUpdater
+    from llmrl.plugins.reward_model import PairwiseRewardUpdater, RewardHead
     from llmrl.plugins.value_head import TokenValueHead
 
     assert registry.resolve("head", "token_value") is TokenValueHead
@@ -78,7 +78,8 @@ def test_built_in_plugins_are_entry_points():
     names = {(r["group"], r["name"]) for r in registry.installed_plugins() if r["package"].startswith("llmrl ")}
     assert {("llmrl.heads", "value"), ("llmrl.heads", "token_value"), ("llmrl.heads", "reward"),
             ("llmrl.initializers", "lora"), ("llmrl.initializers", "freeze"), ("llmrl.updaters", "ppo"),
-            ("llmrl.updaters", "ppo_tokens"), ("llmrl.updaters", "grpo"), ("llmrl.updaters", "pairwise_reward")} <= names
+            ("llmrl.updaters", "ppo_tokens"), ("llmrl.updaters", "grpo"),
+            ("llmrl.updaters", "pairwise_reward")} <= names
 
 
 def test_third_party_entry_points_are_listed_without_importing(fake_distribution):

@@ -59,8 +59,7 @@ def test_every_config_and_python_block_is_valid(tiny):
 
 
 def test_custom_plugins_keep_their_contracts_and_config_arguments():
-    from llmrl.plugins.checks import check_contract
-    from llmrl.plugins.checks import args_problem
+    from llmrl.plugins.checks import args_problem, check_contract
 
     module = example_module()
     raw = yaml.safe_load(open(CUSTOM_CONFIG))["llms"]["policy"]

@@ -1,13 +1,13 @@
 """One forward pass of a request on one rank: tokenise and plan, agree with the other replicas when they must
 move together, run the engine.
 
-:func:`plan_forward` turns contexts, candidates and head keys into a :class:`ForwardPlan` (token plan,
-batches over its distinct contexts, and the number of model calls, decided once by the planner); it may
-raise on bad input (an input too long, an unknown head or adapter). :func:`plan_and_agree` plans, then takes the one collective step: when the replicas of an
-LLM must make the same calls (ZeRO-3 lockstep, or every training forward), each rank says whether its
-plan succeeded and how many calls it needs, in a single vote, so that a rank whose input was bad never
-leaves the others waiting inside a collective. :func:`run_forward` calls the engine (the module DeepSpeed
-wraps), padded with throw-away calls up to the agreed number.
+:func:`plan_forward` turns contexts, candidates and head keys into a :class:`ForwardPlan` (token plan, batches over
+its distinct contexts, and the number of model calls, decided once by the planner); it may raise on bad input (an
+input too long, an unknown head or adapter). :func:`plan_and_agree` plans, then takes the one collective step: when
+the replicas of an LLM must make the same calls (ZeRO-3 lockstep, or every training forward), each rank says whether
+its plan succeeded and how many calls it needs, in a single vote, so that a rank whose input was bad never leaves
+the others waiting inside a collective. :func:`run_forward` calls the engine (the module DeepSpeed wraps), padded
+with throw-away calls up to the agreed number.
 
 The same path serves ``score`` / ``custom_module_fns`` (without gradients) and the updater's
 ``trainer.forward`` (with gradients). It knows nothing about sockets or request kinds.

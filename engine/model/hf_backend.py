@@ -21,7 +21,7 @@ import torch
 
 from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
-from llmrl.engine.model.forward import forget_zero3_trace, plan_forward, plan_and_agree, run_forward
+from llmrl.engine.model.forward import forget_zero3_trace, plan_and_agree, plan_forward, run_forward
 from llmrl.engine.model.served import ServedModel
 
 

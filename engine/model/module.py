@@ -47,7 +47,8 @@ class ModelWithHeads(torch.nn.Module):
         """Run the batches, put results in request order, run the heads (``head_kwargs``: the call's keyword
         arguments for them). ``plan`` holds the contexts computed; ``source`` (None: the request's contexts are
         ``plan``'s) gives, for each context of the request, its index in ``plan`` (twins are computed once and
-        their outputs handed to every copy, see :func:`llmrl.engine.model.forward.distinct_contexts`). ``anchor`` (a zero that depends on every trainable weight, see
+        their outputs handed to every copy, see :func:`llmrl.engine.model.forward.distinct_contexts`).
+        ``anchor`` (a zero that depends on every trainable weight, see
         :func:`llmrl.engine.model.forward.gradient_anchor`) is added to every output, so any loss reaches every
         weight. ``self.prefix_cache``, set around no-grad scoring calls only, is the cache that lives across calls
         (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
@@ -76,7 +77,8 @@ class ModelWithHeads(torch.nn.Module):
             tie = anchor if tie is None else tie + anchor
         if tie is not None:
             scores = scores + tie
-            tokens = {k: plus_zero(v, tie) if k not in ("token_candidate", "token_ids") else v for k, v in tokens.items()}
+            tokens = {k: plus_zero(v, tie) if k not in ("token_candidate", "token_ids") else v
+                      for k, v in tokens.items()}
         context_hidden = (self._layers([r.context_hidden for r in results], needs.layers, ctx_perm)
                           if needs.context_hidden else None)
         candidate_hidden = (self._layers([r.candidate_hidden for r in results], needs.layers, cand_perm)
@@ -150,7 +152,8 @@ def _tokens_in_request_order(results, cand_order: list[int], wanted: list[int], 
         total += len(r.counts)
     hidden = parts[0].hidden if parts else None
     logits = parts[0].logits if parts else None
-    concat = torch.cat([p.candidate + base for p, base in zip(parts, bases)]) if parts else torch.zeros(0, dtype=torch.long)
+    concat = (torch.cat([p.candidate + base for p, base in zip(parts, bases)]) if parts
+              else torch.zeros(0, dtype=torch.long))
     candidate = torch.tensor(cand_order, dtype=torch.long)[concat] if len(concat) else concat
     position = _cat([p.position for p in parts], (0,), "cpu", torch.long)
     order = torch.argsort(candidate * (int(position.max()) + 1 if len(position) else 1) + position)
