@@ -1,1 +1,3 @@
-"""Launching runs: the entry point of every rank (``python -m llmrl.launch``) and the ``llmrl`` CLI."""
+"""Launching runs: the entry point of every rank (``python -m llmrl.launch``) and the ``llmrl`` CLI.
+
+The engine never imports this package: launching depends on the engine, not the other way round."""

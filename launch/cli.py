@@ -1,4 +1,6 @@
-"""The ``llmrl`` command: one verb per module (run, validate, env, plugins, cache)."""
+"""The ``llmrl`` command: one verb per module (run, validate, env, plugins, cache).
+
+This module only parses the command line and dispatches; it holds no verb's logic."""
 
 from __future__ import annotations
 

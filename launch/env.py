@@ -1,4 +1,4 @@
-"""``llmrl env``: the versions and accelerator that matter in a bug report."""
+"""``llmrl env``: the versions and accelerator that matter in a bug report. It reports only; it changes nothing."""
 
 from __future__ import annotations
 

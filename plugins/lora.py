@@ -2,7 +2,9 @@
 
 The base model is frozen; every adapter trains when it is the active one. Requests pick an adapter
 with ``peft_adapter="name"`` (default: the first). An adapter can start from saved weights (``path``,
-a folder written by PEFT or by ``Caller.save``). Works on 4-bit models too (QLoRA).
+a folder written by PEFT or by ``Caller.save``). Works on 4-bit models too (QLoRA). This initializer only
+adds adapters and sets what trains; keeping one adapter's step from moving another is the optimizer's
+(:mod:`llmrl.engine.model.training.optimizer`).
 """
 
 from __future__ import annotations

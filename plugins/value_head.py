@@ -3,7 +3,8 @@ and ``token_value``, the same MLP on the hidden state that predicts each scored 
 token, for token-level PPO: ``ppo_tokens``).
 
 For a causal model the context's last token is that of the context tokenised alone; for a seq2seq model, the
-decoder's start position (which reads the whole encoded context). Values are float32.
+decoder's start position (which reads the whole encoded context). Values are float32. The heads do not train
+themselves: an updater's value loss does (:func:`llmrl.plugins.rl_math.value_loss`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 server rank handles it. :data:`KINDS` is the server's dispatch table.
 
 Adding a kind: a module here (payload dataclass, ``send``, ``handle``, ``KIND``), a line in :data:`KINDS`, and a
-Caller method that calls its ``send``.
+Caller method that calls its ``send``. The kinds do not move bytes (:mod:`llmrl.engine.client.links` and
+:mod:`llmrl.engine.transport` do) and do not compute (the backend does).
 """
 
 from __future__ import annotations

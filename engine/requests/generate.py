@@ -19,7 +19,8 @@ call gives the same samples again for the same seed, config (replicas, token bud
 inputs; with another number of replicas the samples differ (each replica draws from its own seeded stream and
 batches differ).
 
-Server half: the backend generates; the replica's leader answers.
+Server half: the backend generates; the replica's leader answers. This module samples nothing itself: it
+splits, seeds and joins (:mod:`llmrl.engine.model.generation` generates).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Client half: one payload for every server rank; the call completes when all have written. The staging
 folder and the swap into place are the client's (:mod:`llmrl.engine.client.saving`). Server half: the
-backend writes this rank's part (collective over the LLM's ranks).
+backend writes this rank's part (collective over the LLM's ranks). This module does not choose what a
+checkpoint holds (the backend and :mod:`llmrl.engine.checkpoint_layout` do).
 """
 
 from __future__ import annotations
