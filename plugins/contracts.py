@@ -7,8 +7,10 @@ that breaks the contract is rejected at load time with a message naming the plug
 (:func:`llmrl.plugins.checks.check_contract`). What an updater receives, :class:`UpdateBatch`, is in
 :mod:`llmrl.plugins.update_batch` (and importable from here).
 
-This module defines shapes and documentation only; discovery is in :mod:`llmrl.plugins.registry`, checks in
-:mod:`llmrl.plugins.checks`.
+Besides the contracts' shapes and documentation, it holds only what every plugin reads them through:
+:class:`ForwardOutputs`' two padded views (per candidate's tokens, per context's candidates) and
+:class:`ShufflingUpdater`'s seeded minibatch order. It holds no RL maths (:mod:`llmrl.plugins.rl_math`), no
+discovery (:mod:`llmrl.plugins.registry`) and no checks (:mod:`llmrl.plugins.checks`).
 """
 
 from __future__ import annotations
