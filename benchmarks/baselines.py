@@ -1,7 +1,7 @@
 """The baselines the benchmark compares llmrl with (the plain Hugging Face code a user would write, and llmrl's model
 code in this process), and its timing helpers (interleaved repeats, medians, the largest difference).
 
-Used by ``run.py``; it starts no llmrl server.
+Used by :mod:`benchmarks.run` and :mod:`benchmarks.profile_scoring`; it starts no llmrl server.
 """
 
 from __future__ import annotations

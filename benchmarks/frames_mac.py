@@ -1,7 +1,7 @@
 """The cost of authenticating every frame: send and receive frames over loopback with the per-frame MAC (as every
 link of a run does) and without it (the same sockets, no keys), in one run, and print the ratio.
 
-    python benchmarks/frames_mac.py            # small requests, a 1 MB result, a 64 MB state dict
+    python -m benchmarks.frames_mac            # small requests, a 1 MB result, a 64 MB state dict
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Compute limits for the benchmark: the machine's matmul rate (measured, the best of the run), the unique tokens of
 a workload, the FLOPs of the work a scoring call cannot avoid, and every row's limit restated at the best rate.
 
-Used by ``run.py``; it runs no llmrl server.
+Used by :mod:`benchmarks.run` and :mod:`benchmarks.profile_scoring`; it runs no llmrl server.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Benchmark llmrl against plain Hugging Face on RL-shaped workloads; print ratios, write JSON.
 
-    python benchmarks/run.py                      # SmolLM2-135M, the headline figures (about 40 minutes on 2 cores)
-    python benchmarks/run.py --model tiny --quick  # a tiny random Llama: a smoke test in under a minute
-    python benchmarks/run.py --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
-    python benchmarks/run.py --episodes-only      # the cache across calls: on vs off vs naive (about 20 minutes)
-    python benchmarks/run.py --update-only        # the demo's update: every layer vs trunk reuse and twins (about 12)
+From the repository root (the servers it starts import :mod:`benchmarks.hooks` from there)::
+
+    python -m benchmarks.run                      # SmolLM2-135M, the headline figures (about 40 minutes on 2 cores)
+    python -m benchmarks.run --model tiny --quick  # a tiny random Llama: a smoke test in under a minute
+    python -m benchmarks.run --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
+    python -m benchmarks.run --episodes-only      # the cache across calls: on vs off vs naive (about 20 minutes)
+    python -m benchmarks.run --update-only        # the demo's update: every layer vs trunk reuse and twins (about 12)
 
 In one run on one machine it measures, each as a ratio to its baseline:
   - ``score`` through llmrl (one server) vs the plain Hugging Face code a user would write (concatenate
@@ -46,10 +48,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the test kit
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its own modules, also when loaded from a file
-
-from baselines import (  # noqa: E402
+from benchmarks.baselines import (
     inprocess_scores,
     interleaved,
     max_error,
@@ -58,16 +57,15 @@ from baselines import (  # noqa: E402
     plain_generate,
     timed,
 )
-from limits import BestRate, necessary_flops, rebase_limits, unique_tokens  # noqa: E402
-from workloads import babyai_rollout, make_episodes, make_workload  # noqa: E402
+from benchmarks.kit import testkit
+from benchmarks.limits import BestRate, necessary_flops, rebase_limits, unique_tokens
+from benchmarks.workloads import babyai_rollout, make_episodes, make_workload
 
 
 def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, repeats: int, naive_budget: float,
                  skip_naive: bool) -> dict:
     """Cache across calls on vs off vs naive Hugging Face on whole episodes (each repeat a fresh set of episodes, so
     the cache starts cold every time); scores compared on one set; the compute limit of the unique work."""
-    from testkit import LiveRun
-
     envs, steps = (4, 4) if quick else (16, 12)
     shape = dict(envs=envs, steps=steps, header_tokens=60, step_tokens=30, candidates=6)
     threads = torch.get_num_threads()
@@ -79,7 +77,7 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
         calls = calls or make_episodes(tokenizer, seed=next(seeds), **shape)
         return [run.score(contexts, options, llm=llm) for contexts, options in calls]
 
-    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
         on = play(run, "cache-on", sample)
         off = play(run, "cache-off", sample)
         (on_time, _), (off_time, _) = interleaved(lambda: play(run, "cache-on"), lambda: play(run, "cache-off"),
@@ -121,10 +119,9 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
 
     ``rollout="synthetic"``: text-game observations that never repeat; every layer recomputed vs frozen-trunk reuse
     (``trunk_reuse_mb``). ``rollout="babyai"``: the demo's own rollout (:func:`babyai_rollout`), whose states repeat;
-    every layer recomputed for every transition (the engine before this issue; a test hook turns twins off) vs
-    twins computed once vs frozen-trunk reuse with twins computed once (the engine's default)."""
-    from testkit import LiveRun
-
+    every layer recomputed for every transition (the engine before this issue; a benchmark hook,
+    :class:`benchmarks.hooks.EveryTwinComputed`, turns twins off) vs twins computed once vs frozen-trunk reuse with
+    twins computed once (the engine's default)."""
     transitions, length, top = (32, 44, 1) if quick else (256, 44, 8)  # the demo's prompts: ~44 tokens, 3 actions
     threads = torch.get_num_threads()
     lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "alpha": 16, "last_layers": top}}}}
@@ -136,7 +133,7 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
                         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}}
     trunk_llm = {**llm, "trunk_reuse_mb": 4096}
     if rollout == "babyai":
-        every_twin = {**llm, "initializers": [lora, "llmrl_test_plugins:EveryTwinComputed"]}
+        every_twin = {**llm, "initializers": [lora, "benchmarks.hooks:EveryTwinComputed"]}
         llms = {"every-layer-every-twin": every_twin, "twins-once": llm, "trunk-and-twins-once": trunk_llm}
     else:
         llms = {"every-layer": llm, "trunk-reuse": trunk_llm}
@@ -144,7 +141,7 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
     times: dict[str, list[float]] = {name: [] for name in llms}
     stats: dict[str, list] = {}
     tokens = distinct = 0
-    with LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the servers never compute at once
         for round_ in range(repeats):
             if rollout == "babyai":
                 contexts, candidates = babyai_rollout(transitions, seed=100 + 1000 * round_)
@@ -198,9 +195,7 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
 
 def model_path(name: str) -> str:
     if name == "tiny":
-        from testkit import tiny_model
-
-        return tiny_model("llama")
+        return testkit().tiny_model("llama")
     if name == "smollm2":
         from llmrl.engine.model.store.builtin_models import builtin_model_path
 
@@ -211,10 +206,12 @@ def model_path(name: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a local model folder")
-    parser.add_argument("--workload", help="a JSON list of {context, candidates} to measure instead of the built-in ones")
+    parser.add_argument("--workload",
+                        help="a JSON list of {context, candidates} to measure instead of the built-in ones")
     parser.add_argument("--quick", action="store_true", help="small workloads, one repeat (a smoke test)")
     parser.add_argument("--naive-budget", type=float, default=150.0,
-                        help="seconds the naive baseline may take per workload; beyond that it runs a subset and scales")
+                        help="seconds the naive baseline may take per workload; beyond that it runs a subset and "
+                             "scales")
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the float32/bfloat16/4-bit loading runs")
@@ -229,8 +226,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from testkit import LiveRun
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(threads)
@@ -255,7 +250,7 @@ def main() -> int:
           f"compute limit {per_token * 1e3:.2f} ms per token", file=sys.stderr)
     if args.episodes_only or args.update_only:
         workloads = {}
-    with (LiveRun(config) if workloads else contextlib.nullcontext()) as run:
+    with (testkit().LiveRun(config) if workloads else contextlib.nullcontext()) as run:
         for name, work in workloads.items():
             contexts = [w["context"] for w in work]
             candidates = [w["candidates"] for w in work]
@@ -340,11 +335,9 @@ def generate_rows(run, model, tokenizer, gen_contexts: list[str], quick: bool, r
 
 def memory_row(path: str, quick: bool) -> dict:
     """Weights' memory and peak resident memory of one server per loading mode."""
-    from testkit import LiveRun
-
     llms = {"float32": {"model": path}, "bfloat16": {"model": path, "dtype": "bfloat16"},
             "int4": {"model": path, "quantization": {"bits": 4, "quant_type": "nf4"}}}
-    with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
         memory = run.server_memory()
         servers = run.servers()
     by_llm = {servers[r]["llm"]: m for r, m in memory.items()}

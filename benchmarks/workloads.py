@@ -1,14 +1,14 @@
 """The benchmark's RL-shaped workloads, made from a tokenizer and a seed: text-game contexts with candidates, episodes
 with growing history prompts, and a BabyAI rollout of a random policy.
 
-Used by ``run.py``; it measures nothing.
+Used by :mod:`benchmarks.run` and :mod:`benchmarks.profile_scoring`; it measures nothing.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import sys
+
+from benchmarks.kit import ppo_demo
 
 ACTIONS = ["go forward", "turn left", "turn right", "pick up", "drop", "toggle", "open the door", "go to the red ball",
            "pick up the blue key", "go to the green box", "open the yellow door", "put the key next to the ball",
@@ -73,18 +73,15 @@ def babyai_rollout(transitions: int, seed: int) -> tuple[list[str], list[list[st
     """The prompts and actions of the PPO demo's rollout (``examples/ppo_babyai.py``: its level, prompt, 16
     environments, 24-step episodes, no walls), taken by a uniformly random policy (the untrained model's is nearly
     uniform). States repeat, as they do in the demo: the same view gives the same prompt."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from babyai_text import TextVecEnv
-    from ppo_babyai import Args, candidates, prompt
-
-    demo, envs = Args(), 16
-    env = TextVecEnv(demo.level, envs, seeds=[seed + k for k in range(envs)], max_steps=demo.max_steps,
-                     seed_stride=envs, walls=demo.walls)
+    ppo_babyai = ppo_demo()
+    demo, envs = ppo_babyai.Args(), 16
+    env = ppo_babyai.TextVecEnv(demo.level, envs, seeds=[seed + k for k in range(envs)], max_steps=demo.max_steps,
+                                seed_stride=envs, walls=demo.walls)
     rng = random.Random(seed)
     obs = env.reset()
     contexts, options = [], []
     for _ in range(transitions // envs):
-        contexts += [prompt(o) for o in obs]
-        options += [candidates(o) for o in obs]
+        contexts += [ppo_babyai.prompt(o) for o in obs]
+        options += [ppo_babyai.candidates(o) for o in obs]
         obs, *_ = env.step([rng.choice(o.actions) for o in obs])
     return contexts, options

@@ -214,18 +214,6 @@ class SlowSaves(Initializer):
         return model
 
 
-class EveryTwinComputed(Initializer):
-    """Benchmark baseline hook, applied by monkeypatching on the server (each LLM's servers are processes of their
-    own): twin contexts (same ids, same candidates) are computed once per copy, as before the engine recognised
-    them. Leaves the model untouched."""
-
-    def initialize(self, model, llm):
-        from llmrl.engine.model import forward
-
-        forward.distinct_contexts = lambda plan: (None, None)
-        return model
-
-
 class MisbehavingUpdater(Updater):
     """The ways a ported updater goes wrong, picked by the ``mode`` keyword of ``update`` (for the guards'
     tests); any other mode trains like ChosenScoreUpdater without a head.

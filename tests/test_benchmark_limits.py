@@ -1,22 +1,11 @@
 """The benchmark states every compute limit at the best matmul rate of its run (hand-computed values)."""
 
-import importlib.util
-import os
-
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_run", os.path.join(ROOT, "benchmarks", "run.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import run as bench
 
 
 def test_a_row_measured_at_a_slow_moment_gets_the_runs_best_rate():
-    bench = load_benchmark()
     slow = {"workload": "a", "matmul GFLOP/s (best so far)": 100.0, "compute limit s": 8.0, "llmrl s": 6.0,
             "llmrl / limit": 0.75}
     fast = {"workload": "b", "matmul GFLOP/s (best so far)": 200.0, "compute limit s": 5.0, "llmrl / limit": 1.2}
@@ -44,7 +33,6 @@ class TwoLayerModel(torch.nn.Module):
 
 
 def test_necessary_work_counts_layers_attention_and_only_the_scored_logits():
-    bench = load_benchmark()
     work = [{"context": "abc", "candidates": ["d", "ef"]}]
     # Layer parameters 32: 64 FLOPs per input token; attention 4 x 4 x 2 = 32 per attended position; a logit row 80.
     context = 3 * 64 + 32 * (1 + 2 + 3) + 80  # three tokens, attending 1, 2, 3 positions; the last position's logits

@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_benchmark_runs_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--model", "tiny", "--quick",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--model", "tiny", "--quick", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["workload"]: row for row in json.loads(out.read_text())["rows"]}
     assert {"6 candidates", "64 candidates", "minimal request round trip", "memory per server (MB)"} <= set(rows)

@@ -1,14 +1,15 @@
 """The client API: :class:`Caller`, which your RL script uses to reach the LLM servers of its run.
 
 ``Caller()`` finds the run rank 0 hosts (:mod:`llmrl.engine.client.hosting`), waits for every server rank,
-sends them the plugins given by the script, and then serves ``score``, ``generate``, ``custom_module_fns``,
-``update`` and ``save``. Each method checks its arguments and hands them to its request kind
-(:mod:`llmrl.engine.requests`), which splits them across the replicas of the target LLM and assembles the
-replies: results come back in order as CPU tensors and plain Python. Every call has an ``_async`` twin
-returning a future, so the script can step its environments while the servers compute. Calls to
-different LLMs run concurrently.
+sends them the plugins given by the script, and then serves ``score``, ``custom_module_fns``, ``generate`` and
+``update`` (each with an ``_async`` twin returning a future, so the script can step its environments while the
+servers compute; calls to different LLMs run concurrently), ``save`` (:mod:`llmrl.engine.client.saving`), and
+``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
+the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
+them across the replicas of the target LLM and assembles the replies: results come back in order as CPU tensors and
+plain Python.
 
-This module computes nothing and splits nothing itself.
+This module computes nothing, splits nothing and writes no checkpoint itself.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ class Caller:
                              f"{', '.join(self.config.llms)}")
         if name in self._run.closed_llms:
             serving = [n for n in self.config.llms if n not in self._run.closed_llms]
-            raise LLMClosedError(f"LLM {name!r} was closed with close_llm(); its servers have stopped"
-                                 f"{' (a call without llm= goes to the first LLM of the config)' if llm is None else ''}"
-                                 f"; this run still serves: {', '.join(serving) or 'none'}")
+            hint = " (a call without llm= goes to the first LLM of the config)" if llm is None else ""
+            raise LLMClosedError(f"LLM {name!r} was closed with close_llm(); its servers have stopped{hint}; this run "
+                                 f"still serves: {', '.join(serving) or 'none'}")
         return name
 
     def _open(self, llm: str | None = None) -> str:

@@ -20,6 +20,7 @@ import torch
 from llmrl.engine.errors import plugin_error
 from llmrl.engine.graph import graph_zero, plus_zero
 from llmrl.engine.model.scoring.planning import BatchSpec, Needs
+from llmrl.engine.model.scoring.results import cat_long
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import TokenPlan
 from llmrl.plugins.contracts import ForwardOutputs
@@ -67,7 +68,7 @@ class ModelWithHeads(torch.nn.Module):
         ctx_perm = _inverse(ctx_order, len(plan.contexts), device)[torch.tensor(list(source), dtype=torch.long,
                                                                                 device=device)]
         scores = _cat([r.scores for r in results], (0,), device)[cand_perm] if n_cand else torch.zeros(0, device=device)
-        counts = _cat([r.counts for r in results], (0,), "cpu", torch.long)[cand_perm.cpu()]
+        counts = cat_long([r.counts for r in results])[cand_perm.cpu()]
         context_of = torch.tensor([i for i, u in enumerate(source) for _ in plan.contexts[u].candidates],
                                   dtype=torch.long)
         tokens = _tokens_in_request_order(results, cand_order, wanted, device) if needs.per_token else {}
@@ -155,7 +156,7 @@ def _tokens_in_request_order(results, cand_order: list[int], wanted: list[int], 
     concat = (torch.cat([p.candidate + base for p, base in zip(parts, bases)]) if parts
               else torch.zeros(0, dtype=torch.long))
     candidate = torch.tensor(cand_order, dtype=torch.long)[concat] if len(concat) else concat
-    position = _cat([p.position for p in parts], (0,), "cpu", torch.long)
+    position = cat_long([p.position for p in parts])
     order = torch.argsort(candidate * (int(position.max()) + 1 if len(position) else 1) + position)
     if wanted != list(range(len(cand_order))):  # each request candidate takes the tokens of its computed one
         wanted_t = torch.tensor(wanted, dtype=torch.long)
@@ -177,7 +178,7 @@ def _tokens_in_request_order(results, cand_order: list[int], wanted: list[int], 
     if logits is not None:
         logits = torch.cat([p.logits.to(device) for p in parts])[dev_order]
     return {"token_logprobs": logprobs, "token_candidate": candidate.to(device),
-            "token_ids": _cat([p.ids for p in parts], (0,), "cpu", torch.long)[order].to(device),
+            "token_ids": cat_long([p.ids for p in parts])[order].to(device),
             "token_entropy": entropy, "token_hidden": None if hidden is None else hidden[-1],
             "token_hidden_layers": hidden, "token_logits": logits}
 
@@ -223,8 +224,10 @@ def _inverse(order: list[int], n: int, device) -> torch.Tensor:
     return inverse.to(device)
 
 
-def _cat(parts, empty_shape, device, dtype=None) -> torch.Tensor:
+def _cat(parts, empty_shape, device) -> torch.Tensor:
+    """Float parts (None ones skipped) concatenated on ``device``; zeros of ``empty_shape`` when there is none.
+    (CPU token ids, positions and counts use :func:`~llmrl.engine.model.scoring.results.cat_long`.)"""
     parts = [p for p in parts if p is not None]
     if not parts:
-        return torch.zeros(empty_shape, device=device, dtype=dtype or torch.float32)
+        return torch.zeros(empty_shape, device=device, dtype=torch.float32)
     return torch.cat([p.to(device) for p in parts])

@@ -78,9 +78,6 @@ class GroupChannel:
         """True when every rank of the group passed ``ok=True``."""
         return self.agree(ok)[0]
 
-    def max_int(self, value: int) -> int:
-        return self.agree(True, value)[1]
-
     def sum_over_replicas(self, values: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
         """The sum of ``values`` (a float64 CPU tensor, the same shape on every rank) over the LLM's replicas. The
         ``tensor_parallel`` ranks of a replica hold the same values, so the sum over all ranks is divided by it.

@@ -1,0 +1,47 @@
+"""What the benchmark borrows from outside the ``llmrl`` package, each loaded from its file: the test kit
+(``tests/testkit``: ``LiveRun``, a real run whose client obeys this process, and ``tiny_model``) and the PPO demo's
+modules (``examples/ppo_babyai.py``, which imports ``examples/babyai_text.py``).
+
+Neither is installed with llmrl, so each is imported by its file path under the name its own code imports it by
+(``testkit``, ``babyai_text``, ``ppo_babyai``); a module already imported under that name is reused. This module
+does not change ``sys.path`` (``LiveRun`` puts ``tests/`` on its rank processes' ``PYTHONPATH``, and the demo script
+puts its own folder on ``sys.path`` when it is imported: theirs to do). It measures nothing and starts nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def testkit() -> ModuleType:
+    """The test kit, imported as the package ``testkit`` (the name its modules and its rank processes use)."""
+    return load_module("testkit", ROOT / "tests" / "testkit" / "__init__.py", package=True)
+
+
+def ppo_demo() -> ModuleType:
+    """The PPO demo's module ``ppo_babyai`` (its ``Args``, ``prompt`` and ``candidates``, and ``TextVecEnv`` from
+    ``babyai_text``, loaded first so that the demo's own import finds it)."""
+    load_module("babyai_text", ROOT / "examples" / "babyai_text.py")
+    return load_module("ppo_babyai", ROOT / "examples" / "ppo_babyai.py")
+
+
+def load_module(name: str, path: Path, package: bool = False) -> ModuleType:
+    """Import the file ``path`` as the module ``name`` (a package whose submodules lie beside it when ``package``),
+    once: ``sys.modules[name]`` if it is already there."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
