@@ -1,6 +1,6 @@
 """The config's ``model_kwargs`` reach the model's constructor exactly as plain Hugging Face receives them, with
 ``from_pretrained: true`` and ``false``, and ``pad_token_id`` is checked against the tokenizer and the model's
-vocabulary. In-process (the live checks, through the servers, are in tests/test_serving_live.py)."""
+vocabulary. In-process (the live checks, through the servers, are in tests/test_serving_families_live.py)."""
 
 from __future__ import annotations
 
