@@ -40,6 +40,7 @@ from llmrl.plugins.rl_math import (
     sequence_mean,
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
+from llmrl.plugins.updater_args import updater_schema
 
 
 def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
@@ -69,20 +70,8 @@ class GRPOUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
-    args_schema = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "epochs": {"type": "integer", "minimum": 1},
-            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
-            "kl_coef": {"type": "number", "minimum": 0},
-            "entropy_coef": {"type": "number"},
-            "scale_rewards": {"type": "boolean"},
-            "loss": {"enum": ["sequence", "token"]},
-            "peft_adapter": {"type": ["string", "null"]},
-            "seed": {"type": "integer"},
-        },
-    }
+    args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
+                                 scale_rewards={"type": "boolean"}, loss={"enum": ["sequence", "token"]})
 
     def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
                  scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0):

@@ -27,6 +27,7 @@ import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import approx_kl, categorical_kl, clipped_surrogate, value_loss
+from llmrl.plugins.updater_args import updater_schema
 
 
 @dataclass
@@ -75,22 +76,9 @@ class PPOUpdater(ShufflingUpdater):
 
     per_sample_args = {"actions": "sample", "old_logprobs": "sample", "advantages": "sample", "returns": "sample",
                   "old_values": "sample"}
-    args_schema = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "epochs": {"type": "integer", "minimum": 1},
-            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
-            "value_clip": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "value_coef": {"type": "number", "minimum": 0},
-            "entropy_coef": {"type": "number"},
-            "kl_coef": {"type": "number", "minimum": 0},
-            "value_head": {"type": ["string", "null"]},
-            "peft_adapter": {"type": ["string", "null"]},
-            "temperature": {"type": "number", "exclusiveMinimum": 0},
-            "seed": {"type": "integer"},
-        },
-    }
+    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
+                                 "value_head", "peft_adapter", "seed",
+                                 temperature={"type": "number", "exclusiveMinimum": 0})
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.01, kl_coef: float = 0.0,

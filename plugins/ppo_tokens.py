@@ -62,6 +62,7 @@ from llmrl.plugins.rl_math import (
     whiten_stats,
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
+from llmrl.plugins.updater_args import updater_schema
 
 
 @dataclass
@@ -102,26 +103,13 @@ class PPOTokensUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
-    args_schema = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "epochs": {"type": "integer", "minimum": 1},
-            "clip_eps": {"type": "number", "exclusiveMinimum": 0},
-            "value_clip": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "value_coef": {"type": "number", "minimum": 0},
-            "entropy_coef": {"type": "number"},
-            "kl_coef": {"type": "number", "minimum": 0},
-            "kl_target": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "kl_horizon": {"type": "number", "exclusiveMinimum": 0},
-            "gamma": {"type": "number", "minimum": 0, "maximum": 1},
-            "lam": {"type": "number", "minimum": 0, "maximum": 1},
-            "whiten": {"type": "boolean"},
-            "value_head": {"type": ["string", "null"]},
-            "peft_adapter": {"type": ["string", "null"]},
-            "seed": {"type": "integer"},
-        },
-    }
+    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
+                                 "value_head", "peft_adapter", "seed",
+                                 kl_target={"type": ["number", "null"], "exclusiveMinimum": 0},
+                                 kl_horizon={"type": "number", "exclusiveMinimum": 0},
+                                 gamma={"type": "number", "minimum": 0, "maximum": 1},
+                                 lam={"type": "number", "minimum": 0, "maximum": 1},
+                                 whiten={"type": "boolean"})
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.05,

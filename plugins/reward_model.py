@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.plugins.contracts import ForwardOutputs, Head, LLMInfo, ShufflingUpdater, Trainer, UpdateBatch
+from llmrl.plugins.updater_args import updater_schema
 from llmrl.plugins.value_head import mlp
 
 
@@ -63,12 +64,7 @@ class PairwiseRewardUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"margins": "sample"}
-    args_schema = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {"epochs": {"type": "integer", "minimum": 1}, "head": {"type": "string"},
-                       "seed": {"type": "integer"}},
-    }
+    args_schema = updater_schema("epochs", "seed", head={"type": "string"})
 
     def __init__(self, epochs: int = 1, head: str = "reward", seed: int = 0):
         self.epochs, self.head = epochs, head

@@ -154,3 +154,20 @@ def test_rlhf_plugin_arguments_are_checked_with_the_config(tiny):
     assert "hidden" in problems["llms.policy.heads.v.args"] and "0" in problems["llms.policy.heads.v.args"]
     assert "-1" in problems["llms.rm.updater.args"]
     assert "llms.rm.heads.r" not in problems
+
+
+def test_the_arguments_updaters_share_are_checked_alike():
+    from llmrl.plugins.grpo import GRPOUpdater
+    from llmrl.plugins.ppo import PPOUpdater
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
+    from llmrl.plugins.reward_model import PairwiseRewardUpdater
+    from llmrl.plugins.updater_args import updater_schema
+
+    for cls in (PPOUpdater, PPOTokensUpdater, GRPOUpdater, PairwiseRewardUpdater):
+        assert checks.args_problem(cls, {"epochs": 0}, "u") == "epochs: 0 is less than the minimum of 1"
+        assert checks.args_problem(cls, {"seed": 1.5}, "u") == "seed: 1.5 is not of type 'integer'"
+        assert checks.args_problem(cls, {"epochs": 2, "seed": 3}, "u") is None
+    for cls in (PPOUpdater, PPOTokensUpdater, GRPOUpdater):
+        assert checks.args_problem(cls, {"clip_eps": 0}, "u") == "clip_eps: 0 is less than or equal to the minimum of 0"
+    with pytest.raises(KeyError, match="epohcs"):
+        updater_schema("epohcs")
