@@ -111,3 +111,62 @@ def test_beam_search_matches_plain_hf(reference_models, kind):
         assert kwargs is beams or ended_early > 0, "no beam ended at the forced EOS: the case did not test it"
     greedy = generate(model, tok, k, PROMPTS[:1], {"max_new_tokens": 3}, "cpu", 8192, 64, 512)[0][0]
     assert "beam_score" not in greedy
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_sampled_logprobs_are_read_step_by_step_and_equal_plain_hf_output_logits(reference_models, kind, monkeypatch):
+    """Sampling (temperature, top-k, several sequences, a user's stopping criterion) keeps no rows x steps x
+    vocabulary logits, and its log-probs equal those computed from plain Hugging Face's kept raw logits (1e-6)."""
+    from transformers import StoppingCriteria
+
+    model, tok = reference_models[kind]
+    k = "seq2seq" if kind == "t5" else "causal"
+
+    class AfterFour(StoppingCriteria):  # a user's criterion keeps working beside llmrl's
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= start + 4, dtype=torch.bool)
+
+    prompt = PROMPTS[1]
+    start = tok(prompt, return_tensors="pt")["input_ids"].shape[1] if k == "causal" else 1
+    settings = {"max_new_tokens": 7, "do_sample": True, "temperature": 2.0, "top_k": 7, "num_return_sequences": 4}
+    asked = []
+    real_generate = model.generate
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("output_logits"))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    (samples,) = generate(model, tok, k, [prompt], {**settings, "stopping_criteria": [AfterFour()]}, "cpu", 8192, 64,
+                          512, seed=5)
+    monkeypatch.undo()
+    assert asked == [False]
+    torch.manual_seed(5)
+    with torch.no_grad():
+        enc = tok(prompt, return_tensors="pt")
+        plain = model.generate(**enc, **settings, stopping_criteria=[AfterFour()], pad_token_id=tok.pad_token_id,
+                               return_dict_in_generate=True, output_logits=True)
+    tokens = plain.sequences[:, start:]
+    logits = torch.stack(plain.logits, dim=1).float()
+    expected = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    assert tokens.shape[1] == 4
+    eos = model.generation_config.eos_token_id
+    for row, sample in enumerate(samples):
+        ids = tokens[row].tolist()
+        end = ids.index(eos) + 1 if eos in ids else len(ids)
+        assert sample["tokens"].tolist() == ids[:end]
+        torch.testing.assert_close(sample["logprobs"], expected[row, :end], atol=1e-6, rtol=0)
+
+
+def test_beam_search_still_reads_the_kept_logits(reference_models, monkeypatch):
+    model, tok = reference_models["llama"]
+    asked = []
+    real_generate = model.generate
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("output_logits"))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    generate(model, tok, "causal", PROMPTS[:1], {"max_new_tokens": 3, "num_beams": 2}, "cpu", 8192, 64, 512)
+    assert asked == [True]

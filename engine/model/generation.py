@@ -6,18 +6,25 @@ with ``score`` on the same continuation. A sequence ends at its first EOS: the E
 generated, its log-prob counts) and nothing after it is returned or counted. A prompt given as token ids is used
 exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenised with special tokens, as
 ``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of the same prompt, give its
-``logprobs`` back. With beam search (``num_beams > 1``) each token's log-prob is read from the beam that
-produced it (``beam_indices``), and each returned sequence also carries Hugging Face's length-normalised beam
-score (``sequences_scores``) as ``beam_score``.
+``logprobs`` back.
+
+Greedy decoding and sampling read each chosen token's log-prob as the tokens are produced
+(:class:`ChosenLogprobs`): only the current step's raw logits are held (rows x vocabulary), never rows x steps x
+vocabulary. With beam search (``num_beams > 1``) and the other decoding modes, Hugging Face's ``output_logits`` are
+kept and each token's log-prob is read from the beam that produced it (``beam_indices``); each returned sequence
+also carries Hugging Face's length-normalised beam score (``sequences_scores``) as ``beam_score``.
 
 This module does not route requests; it runs on one server rank.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 
 from llmrl.engine.model.scoring.planning import group_greedily
 from llmrl.engine.model.scoring.tokenization import encode_inputs
@@ -116,20 +123,27 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         else:
             ids[r, : len(p)] = torch.tensor(p)
             mask[r, : len(p)] = 1
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), return_dict_in_generate=True,
-                         output_logits=True, synced_gpus=synced, **kwargs)
+    stepwise = _reads_logprobs_stepwise(model, kwargs)
+    chosen = ChosenLogprobs(model) if stepwise else None
+    try:
+        if chosen is not None:
+            user_criteria = kwargs.get("stopping_criteria") or []
+            kwargs = {**kwargs, "stopping_criteria": StoppingCriteriaList([*user_criteria, chosen])}
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), return_dict_in_generate=True,
+                             output_logits=not stepwise, synced_gpus=synced, **kwargs)
+    finally:
+        if chosen is not None:
+            chosen.remove()
     sequences = out.sequences[:, width:] if kind == "causal" else out.sequences[:, 1:]
-    steps = min(len(out.logits), sequences.shape[1])
-    sequences = sequences[:, :steps]
     beam_indices = getattr(out, "beam_indices", None)
-    if steps:
-        logits = torch.stack(out.logits[:steps], dim=1).float()  # (running rows, steps, vocab)
-        if beam_indices is not None:  # row r's token t came from running beam beam_indices[r, t] (-1: after its end)
-            rows = beam_indices[:, :steps].long().clamp(min=0)
-            logits = logits[rows, torch.arange(steps, device=rows.device)]
-        logprobs = (logits.gather(-1, sequences[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu()
+    if chosen is not None:
+        steps = min(len(chosen.steps), sequences.shape[1])
+        sequences = sequences[:, :steps]
+        logprobs = torch.stack(chosen.steps[:steps], dim=1).cpu() if steps else torch.zeros(sequences.shape)
     else:
-        logprobs = torch.zeros(sequences.shape)
+        steps = min(len(out.logits), sequences.shape[1])
+        sequences = sequences[:, :steps]
+        logprobs = _logprobs_from_logits(out.logits, sequences, beam_indices, steps)
     sequences = sequences.cpu()
     beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
     for row in range(sequences.shape[0]):
@@ -143,3 +157,58 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         if beam_scores is not None:
             sample["beam_score"] = float(beam_scores[row])
         sinks[row // num_return].append(sample)
+
+
+def _logprobs_from_logits(logits: tuple, sequences: torch.Tensor, beam_indices, steps: int) -> torch.Tensor:
+    """Each token's raw log-prob from Hugging Face's kept ``output_logits`` (beam search and the rarer modes)."""
+    if not steps:
+        return torch.zeros(sequences.shape)
+    stacked = torch.stack(logits[:steps], dim=1).float()  # (running rows, steps, vocab)
+    if beam_indices is not None:  # row r's token t came from running beam beam_indices[r, t] (-1: after its end)
+        rows = beam_indices[:, :steps].long().clamp(min=0)
+        stacked = stacked[rows, torch.arange(steps, device=rows.device)]
+    return (stacked.gather(-1, sequences[..., None]).squeeze(-1) - torch.logsumexp(stacked, dim=-1)).cpu()
+
+
+def _reads_logprobs_stepwise(model, kwargs: dict) -> bool:
+    """Whether this call decodes greedily or by sampling, one row per sequence that never moves (the modes where
+    :class:`ChosenLogprobs` applies); beam search, assisted, contrastive and DoLa decoding keep ``output_logits``."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def _forward_module(model):
+    """The Hugging Face model whose ``forward`` ``generate`` calls (inside a PeftModel, its base model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class ChosenLogprobs(StoppingCriteria):
+    """Each generated token's raw log-prob, read as it is chosen, holding one step's logits at a time.
+
+    A forward hook keeps the last position's raw logits of each model call (float32, as Hugging Face copies them
+    before any temperature, top-k or top-p processing); called as a stopping criterion once the step's tokens are
+    appended, it gathers each row's chosen token and subtracts the logsumexp, then drops the logits. It never stops
+    a sequence. Steps that Hugging Face later undoes (deferred stop checks) are dropped by the caller, which keeps
+    as many steps as there are generated tokens.
+    """
+
+    def __init__(self, model):
+        self.steps: list[torch.Tensor] = []
+        self._logits: torch.Tensor | None = None
+        self._hook = _forward_module(model).register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        logits = output["logits"] if isinstance(output, dict) else output.logits
+        self._logits = logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        logits, self._logits = self._logits, None
+        if logits is not None:
+            chosen = input_ids[:, -1:].to(logits.device)
+            self.steps.append(logits.gather(-1, chosen).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def remove(self) -> None:
+        self._hook.remove()
