@@ -91,6 +91,17 @@ class GroupChannel:
         return total / tensor_parallel
 
 
+def process_group_args(role: RankRole, device: torch.device, store, timeout) -> dict:
+    """The arguments of ``init_process_group`` for this rank of the LLM's world: NCCL on CUDA, bound to the rank's
+    own device (``device_id``: rank 0, the client, holds no GPU, so server rank k of a node sits on cuda:k-1 where
+    NCCL would guess cuda:k, which can hang), gloo on CPU."""
+    args = {"backend": "nccl" if device.type == "cuda" else "gloo", "store": store, "rank": role.group_rank,
+            "world_size": role.group_size, "timeout": timeout}
+    if device.type == "cuda":
+        args["device_id"] = torch.device("cuda", device.index or 0)
+    return args
+
+
 def join_group(config: Config, role: RankRole, run_store, device: torch.device) -> GroupChannel:
     """Form this LLM's own torch.distributed world (plus its gloo control group); returns the control channel."""
     import torch.distributed as dist
@@ -104,14 +115,13 @@ def join_group(config: Config, role: RankRole, run_store, device: torch.device) 
     else:
         run_store.wait([key], datetime.timedelta(seconds=timeout))
         group_store = rendezvous.join_group_store(run_store.get(key).decode(), timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_args(role, device, None, None)["backend"]
     host, port = rendezvous.split_address(run_store.get(key).decode())
     # DeepSpeed reads these; in this process they describe the LLM's world, not the launcher's.
     os.environ.update(RANK=str(role.group_rank), WORLD_SIZE=str(role.group_size), MASTER_ADDR=host,
                       MASTER_PORT=str(port), LOCAL_RANK=str(device.index or 0))
     collective = datetime.timedelta(seconds=config.timeouts.collective)
-    dist.init_process_group(backend=backend, store=group_store, rank=role.group_rank, world_size=role.group_size,
-                            timeout=collective)
+    dist.init_process_group(**process_group_args(role, device, group_store, collective))
     control = dist.new_group(backend="gloo", timeout=collective) if role.group_size > 1 else None
     import deepspeed
 
