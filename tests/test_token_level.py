@@ -256,3 +256,40 @@ def test_prompts_of_ids_generate_as_given(reference_models, name):
         with torch.no_grad():
             logp, _ = plain(model, ids, want, kind == "seq2seq")
         torch.testing.assert_close(sample["logprobs"], logp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_logprobs_and_entropies_read_in_pieces_equal_one_piece(reference_models, monkeypatch, name):
+    """Without gradients, rows are normalised a few at a time (forced here: 2 rows' worth of logits per piece), and
+    every per-token log-prob, entropy and summed score is the same as in one piece, bit for bit."""
+    from llmrl.engine.model.scoring import results
+
+    model, tok = reference_models[name]
+    with torch.no_grad():
+        whole = forward(model, tok, name, ID_CONTEXTS, ID_CANDIDATES)
+        monkeypatch.setattr(results, "LOGITS_PER_PIECE", 2 * model.config.vocab_size)
+        pieces = forward(model, tok, name, ID_CONTEXTS, ID_CANDIDATES)
+    for got, want in ((pieces.candidate_scores, whole.candidate_scores), (pieces.token_logprobs, whole.token_logprobs),
+                      (pieces.token_entropy, whole.token_entropy)):
+        assert len(want) > 4 and torch.equal(got, want)
+
+
+def test_scored_logprobs_in_pieces_by_hand():
+    from llmrl.engine.model.scoring import results
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 11, dtype=torch.bfloat16)
+    index, targets = torch.tensor([6, 0, 3, 3]), torch.tensor([10, 0, 5, 6])
+    full = torch.log_softmax(logits.float(), -1)
+    want_lp = full[index, targets]
+    want_entropy = -(full.exp() * full).sum(-1)
+    for per_piece in (11, 22, 77, 1 << 24):  # 1, 2, 7 rows a piece, and one piece
+        results.LOGITS_PER_PIECE, saved = per_piece, results.LOGITS_PER_PIECE
+        try:
+            with torch.no_grad():
+                lp, entropy = results.scored_logprobs(logits, targets, True, index)
+        finally:
+            results.LOGITS_PER_PIECE = saved
+        assert lp.dtype == torch.float32 and entropy.shape == (7,)
+        torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-6, rtol=0)

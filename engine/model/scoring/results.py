@@ -27,9 +27,31 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = at_least_float32(logits)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+LOGITS_PER_PIECE = 1 << 24  # without gradients, rows are normalised in pieces of at most this many logits (64 MB)
+
+
+def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, index: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob of each target (``targets[i]`` at row ``index[i]`` of ``logits``, or at row ``i``) and, with
+    ``entropy``, every row's entropy, in float32 (or wider).
+
+    Without gradients the rows are normalised a piece at a time (:data:`LOGITS_PER_PIECE`), so no float32 copy of
+    every row's logits, nor its exponential, exists at once; each row's values are those of the one-piece computation.
+    With gradients it is one piece, as autograd keeps what the backward pass needs either way."""
+    rows = torch.arange(len(targets), device=targets.device) if index is None else index
+    if (torch.is_grad_enabled() and logits.requires_grad) or logits.numel() <= LOGITS_PER_PIECE:
+        full = at_least_float32(logits)
+        norm = torch.logsumexp(full, dim=-1)
+        return full[rows, targets] - norm[rows], entropy_of(full, norm) if entropy else None
+    step = max(1, LOGITS_PER_PIECE // max(logits.shape[-1], 1))
+    norms, entropies = [], []
+    for first in range(0, logits.shape[0], step):
+        piece = at_least_float32(logits[first:first + step])
+        norms.append(torch.logsumexp(piece, dim=-1))
+        if entropy:
+            entropies.append(entropy_of(piece, norms[-1]))
+    norm = torch.cat(norms)
+    return at_least_float32(logits[rows, targets]) - norm[rows], torch.cat(entropies) if entropy else None
 
 
 def entropy_of(logits: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,10 +91,11 @@ class TokenSink:
         self.logits: list[torch.Tensor] = []
 
     def add(self, logprobs, candidates: list[int], positions: list[int] | None, targets: torch.Tensor, logits=None,
-            norm=None, index=None, hidden=None) -> None:
+            entropy=None, index=None, hidden=None) -> None:
         """``positions`` (a list, or None when per-token outputs are not kept) are the tokens' places in their
-        candidates; entropies and kept logits come from ``logits`` (rows selected by ``index``, if given);
-        ``hidden`` (layer -> ``[n, H]``, with ``Needs.token_hidden``) holds the tokens' hidden states."""
+        candidates; ``entropy`` (every row's, from :func:`scored_logprobs`) and kept logits are those of ``logits``'
+        rows selected by ``index``, if given; ``hidden`` (layer -> ``[n, H]``, with ``Needs.token_hidden``) holds
+        the tokens' hidden states."""
         self.lp.append(logprobs)
         self.cand.append(torch.tensor(candidates))
         if not self.needs.per_token:
@@ -80,7 +103,6 @@ class TokenSink:
         self.pos.append(torch.tensor(positions, dtype=torch.long))
         self.ids.append(targets.cpu())
         if self.needs.entropy:
-            entropy = entropy_of(logits, norm)
             self.ent.append(entropy if index is None else entropy[index])
         if self.needs.token_logits:
             self.logits.append(at_least_float32(logits if index is None else logits[index]))
@@ -119,17 +141,16 @@ def score_positions(sink: TokenSink, logits: torch.Tensor, flat: dict, scored: l
     if not scored:
         return
     needs = sink.needs
-    logits = at_least_float32(logits)
-    norm = torch.logsumexp(logits, dim=-1)
     index = torch.tensor([flat[s.row, s.column] for s in scored], device=device)
     targets = torch.tensor([s.target for s in scored], device=device)
+    logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
     hidden = None
     if needs.token_hidden:
         rows = torch.tensor([s.row for s in scored], device=device)
         cols = torch.tensor([s.column for s in scored], device=device)
         hidden = at(hidden_states, needs.layers, rows, cols)
-    sink.add(logits[index, targets] - norm[index], [s.candidate for s in scored],
-             [s.position for s in scored] if needs.per_token else None, targets, logits, norm, index, hidden)
+    sink.add(logprobs, [s.candidate for s in scored], [s.position for s in scored] if needs.per_token else None,
+             targets, logits, entropy, index, hidden)
 
 
 @dataclass
@@ -183,8 +204,9 @@ def prefix_outputs(ctxs, offsets, state: BatchPass, device):
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
         hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
-        sink.add(token_logprobs(logits, targets), [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets,
-                 logits, hidden=hidden)
+        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy)
+        sink.add(logprobs, [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets, logits, entropy,
+                 hidden=hidden)
         for a, j in firsts:
             counts[offsets[a] + j] += 1
 
