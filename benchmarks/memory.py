@@ -1,0 +1,171 @@
+"""Peak memory of the calls that used to hold full-vocabulary tensors, today's path against the earlier one, side
+by side in one run, each in a child process of its own:
+
+- ``generate`` with per-token log-probs: llmrl reads each chosen token's log-prob step by step, against plain Hugging
+  Face keeping ``output_logits`` (what llmrl did before, and what a plain HF script does);
+- ``score(per_token=True, entropy=True)`` without gradients (as in the old-policy and reference passes): log-probs and
+  entropies normalised a piece of rows at a time, against one piece (what llmrl did before).
+
+    .venv/bin/python -m benchmarks.memory                     # CPU: 2 narrow layers, SmolLM2's 49k vocabulary
+    python -m benchmarks.memory --shape smollm2-1.7b --rows 64 --new-tokens 512 --prompt-tokens 49   # on a GPU
+
+Every path runs on the same random-weight Llama (seeded), the same inputs and the same sampling seed, and reports
+the peak memory of the call above what its process held before it: resident memory on CPU (``ru_maxrss``),
+allocated CUDA memory on a GPU (``max_memory_allocated``). The model has few, narrow layers by default so that the
+logits dominate on CPU as they do on a GPU. Each row prints both peaks, their ratio, and the largest difference
+between the two paths' results (for generate, where the sampled tokens are identical: seeded sampling on a GPU is
+not bit-reproducible even between two plain HF runs). It writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+SHAPES = {  # LlamaConfig arguments; every shape has SmolLM2's 49,152-entry vocabulary
+    "narrow": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4},
+    "smollm2-1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": True},
+}
+
+
+class IdsTokenizer:
+    """The least a generate call needs from a tokenizer when prompts are token ids: special ids and decode."""
+
+    pad_token_id, eos_token_id, bos_token_id = 0, 2, 1
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+def resident_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def child(path: str, args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmrl.engine.model.generation import generate, plan_generate
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, **SHAPES[args.shape])
+    with device:
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    prompts = [[1] + [(7 * i + 13 * j) % 49000 + 100 for j in range(args.prompt_tokens - 1)]
+               for i in range(args.prompts)]
+    settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": True,
+                "num_return_sequences": args.rows // args.prompts, "pad_token_id": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = resident_kb() * 1024
+    if path.startswith("score"):
+        return score_child(path, model, args, device, before)
+    with torch.no_grad():
+        if path == "llmrl":
+            plan = plan_generate(model, IdsTokenizer(), "causal", prompts, settings, 10**9, 10**6, None)
+            results = generate(model, IdsTokenizer(), "causal", plan, device, seed=args.seed)
+            tokens = [s["tokens"].tolist() for r in results for s in r]
+            logprobs = [s["logprobs"].tolist() for r in results for s in r]
+        else:  # plain HF: keep the raw logits of every step, then read the chosen tokens' log-probs
+            torch.manual_seed(args.seed)
+            ids = torch.tensor(prompts, device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                 output_logits=True, **settings)
+            chosen = out.sequences[:, ids.shape[1]:]
+            logits = torch.stack(out.logits, dim=1).float()
+            values = (logits.gather(-1, chosen[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu()
+            tokens, logprobs = chosen.cpu().tolist(), values.tolist()
+    return {"peak_bytes": peak_since(before, device), "tokens": tokens, "logprobs": logprobs, "device": str(device)}
+
+
+def peak_since(before: int, device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() - before
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def score_child(path: str, model, args, device, before: int) -> dict:
+    """``score(per_token=True, entropy=True)`` of ``--rows`` candidates of ``--new-tokens`` tokens each, through the
+    engine's forward without gradients; ``score-one-piece`` normalises every row at once, as llmrl did before."""
+    import torch
+
+    from llmrl.engine.model.module import ModelWithHeads
+    from llmrl.engine.model.scoring import results
+    from llmrl.engine.model.scoring.planning import Needs, plan_batches
+    from llmrl.engine.model.scoring.tokenization import tokenize
+
+    if path == "score-one-piece":
+        results.LOGITS_PER_PIECE = 1 << 62
+    per_prompt = args.rows // args.prompts
+    contexts = [[1] + [100 + 7 * i + j for j in range(args.prompt_tokens - 1)] for i in range(args.prompts)]
+    candidates = [[[200 + 11 * k + t for t in range(args.new_tokens)] for k in range(per_prompt)]
+                  for _ in range(args.prompts)]
+    plan = tokenize(IdsTokenizer(), "causal", contexts, candidates, max_length=None, prefix_reuse=True,
+                    add_eos=False, vocab_size=model.config.vocab_size)
+    needs = Needs(per_token=True, entropy=True)
+    module = ModelWithHeads(model, {}, "causal", 0, None)
+    with torch.no_grad():
+        out = module(plan, plan_batches(plan, 10**9, 10**6, needs, encoder_reuse=True), needs)
+    values = torch.cat([out.token_logprobs, out.token_entropy]).float().cpu().tolist()
+    return {"peak_bytes": peak_since(before, device), "tokens": [], "logprobs": [values], "device": str(device)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="narrow")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=32, help="sequences (candidates) in all, over the prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", choices=["llmrl", "hf", "score-one-piece", "score-pieces"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return 0
+    rows = [("generate", "plain HF with output_logits (llmrl before)", "hf", "llmrl, log-probs read step by step",
+             "llmrl"),
+            ("score per_token + entropy", "one piece (llmrl before)", "score-one-piece", "pieces of rows",
+             "score-pieces")]
+    for title, old_name, old_path, new_name, new_path in rows:
+        runs = {}
+        for path in (old_path, new_path):
+            command = [sys.executable, "-m", "benchmarks.memory", "--child", path] + (argv or sys.argv[1:])
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return done.returncode
+            runs[path] = json.loads(done.stdout.strip().splitlines()[-1])
+        before, now = runs[old_path], runs[new_path]
+        same = before["tokens"] == now["tokens"]
+        diff = max((abs(a - b) for x, y in zip(before["logprobs"], now["logprobs"]) for a, b in zip(x, y)),
+                   default=0.0)
+        kind = "CUDA allocated" if before["device"].startswith("cuda") else "resident"
+        print(f"{title}: {args.rows} rows x {args.new_tokens} tokens, shape {args.shape}, vocabulary 49152, on "
+              f"{before['device']}; peak {kind} memory of the call:")
+        print(f"  {old_name + ':':48s} {before['peak_bytes'] / 2**20:9.1f} MiB")
+        print(f"  {new_name + ':':48s} {now['peak_bytes'] / 2**20:9.1f} MiB")
+        agreement = (f"same tokens, largest difference {diff:.2e}" if same else
+                     "the sampled tokens differ (seeded sampling on a GPU is not bit-reproducible from run to run, "
+                     "even for plain HF), so the log-probs are not compared")
+        print(f"  ratio: {now['peak_bytes'] / max(before['peak_bytes'], 1):.3f}; {agreement}")
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
