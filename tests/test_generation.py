@@ -113,6 +113,19 @@ def test_beam_search_matches_plain_hf(reference_models, kind):
     assert "beam_score" not in greedy
 
 
+def spy_on_output_logits(model, monkeypatch) -> list:
+    """Each later ``model.generate`` call appends the ``output_logits`` it was given to the returned list."""
+    asked = []
+    real_generate = model.generate
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("output_logits"))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    return asked
+
+
 @pytest.mark.parametrize("kind", ["llama", "t5"])
 def test_sampled_logprobs_are_read_step_by_step_and_equal_plain_hf_output_logits(reference_models, kind, monkeypatch):
     """Sampling (temperature, top-k, several sequences, a user's stopping criterion) keeps no rows x steps x
@@ -129,14 +142,7 @@ def test_sampled_logprobs_are_read_step_by_step_and_equal_plain_hf_output_logits
     prompt = PROMPTS[1]
     start = tok(prompt, return_tensors="pt")["input_ids"].shape[1] if k == "causal" else 1
     settings = {"max_new_tokens": 7, "do_sample": True, "temperature": 2.0, "top_k": 7, "num_return_sequences": 4}
-    asked = []
-    real_generate = model.generate
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs.get("output_logits"))
-        return real_generate(*args, **kwargs)
-
-    monkeypatch.setattr(model, "generate", spy)
+    asked = spy_on_output_logits(model, monkeypatch)
     (samples,) = generate(model, tok, k, [prompt], {**settings, "stopping_criteria": [AfterFour()]}, "cpu", 8192, 64,
                           512, seed=5)
     monkeypatch.undo()
@@ -160,13 +166,6 @@ def test_sampled_logprobs_are_read_step_by_step_and_equal_plain_hf_output_logits
 
 def test_beam_search_still_reads_the_kept_logits(reference_models, monkeypatch):
     model, tok = reference_models["llama"]
-    asked = []
-    real_generate = model.generate
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs.get("output_logits"))
-        return real_generate(*args, **kwargs)
-
-    monkeypatch.setattr(model, "generate", spy)
+    asked = spy_on_output_logits(model, monkeypatch)
     generate(model, tok, "causal", PROMPTS[:1], {"max_new_tokens": 3, "num_beams": 2}, "cpu", 8192, 64, 512)
     assert asked == [True]
