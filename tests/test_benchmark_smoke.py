@@ -1,4 +1,5 @@
-"""The benchmark runs end to end on tiny inputs and writes its table (no timing is asserted here)."""
+"""The benchmarks run end to end on tiny inputs: benchmarks.run writes its table, benchmarks.memory prints both of its
+rows with identical results on CPU (no timing or memory figure is asserted here)."""
 
 import json
 import os
@@ -32,3 +33,16 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
     assert babyai["max |stats every-layer-every-twin - trunk-and-twins-once| (first update, equal weights)"] < 1e-4
     for update in (synthetic, babyai):
         assert update["replayed calls"] > 0 and update["whole calls"] == 0
+
+
+def test_memory_benchmark_runs_both_rows_on_small_inputs():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--prompts", "2", "--rows", "4",
+                             "--prompt-tokens", "8", "--new-tokens", "6"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("generate: 4 rows x 6 tokens") and "plain HF with output_logits" in lines[1]
+    assert lines[4].startswith("score per_token + entropy: 4 rows x 6 tokens")
+    # on CPU the two paths sample the same tokens and give the same log-probs (and the same scores)
+    assert lines[3].endswith("same tokens, largest difference 0.00e+00")
+    assert lines[7].endswith("same tokens, largest difference 0.00e+00")
