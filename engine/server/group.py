@@ -115,18 +115,18 @@ def join_group(config: Config, role: RankRole, run_store, device: torch.device) 
     else:
         run_store.wait([key], datetime.timedelta(seconds=timeout))
         group_store = rendezvous.join_group_store(run_store.get(key).decode(), timeout)
-    backend = process_group_args(role, device, None, None)["backend"]
     host, port = rendezvous.split_address(run_store.get(key).decode())
     # DeepSpeed reads these; in this process they describe the LLM's world, not the launcher's.
     os.environ.update(RANK=str(role.group_rank), WORLD_SIZE=str(role.group_size), MASTER_ADDR=host,
                       MASTER_PORT=str(port), LOCAL_RANK=str(device.index or 0))
     collective = datetime.timedelta(seconds=config.timeouts.collective)
-    dist.init_process_group(**process_group_args(role, device, group_store, collective))
+    args = process_group_args(role, device, group_store, collective)
+    dist.init_process_group(**args)
     control = dist.new_group(backend="gloo", timeout=collective) if role.group_size > 1 else None
     import deepspeed
 
     # DeepSpeed's shared-memory all-reduce ignores sub-groups (wrong tensor-parallel results) and
     # JIT-compiles for a minute on CPU; plain gloo is right and fast enough here.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=collective)
+    deepspeed.init_distributed(dist_backend=args["backend"], auto_mpi_discovery=False, timeout=collective)
     return GroupChannel(control, group_store)
