@@ -63,6 +63,7 @@ class TrainingConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    max_tokens_per_micro_batch: int | None = None  # None: the LLM's token_budget
     gradient_clipping: float = 0.0
     deepspeed: dict[str, Any] = field(default_factory=dict)
 

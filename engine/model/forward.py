@@ -73,6 +73,16 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source)
 
 
+def plan_part(served: ServedModel, whole: ForwardPlan, part: TokenPlan) -> ForwardPlan:
+    """The plan of a part of an already planned pass (``part``: some of its contexts and candidates, tokenised as
+    in ``whole``), batched as :func:`plan_forward` batches, every context computed (no twin shared)."""
+    llm = served.llm
+    reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
+    batches = plan_batches(part, llm.token_budget, llm.minibatch_size, whole.needs, encoder_reuse=reuse,
+                           packed=packs(served))
+    return ForwardPlan(part, batches, whole.needs, whole.heads, whole.adapter, whole.head_kwargs)
+
+
 def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | None]:
     """The plan's distinct contexts (same token ids, same candidates) and, for each context, the index of its
     twin among them; ``(None, None)`` when all are distinct. A rollout of a small world repeats its states, and

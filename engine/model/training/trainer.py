@@ -28,7 +28,16 @@ from dataclasses import replace
 import torch
 
 from llmrl.engine.errors import PeerAborted, plugin_error
-from llmrl.engine.model.forward import plan_and_agree, run_forward
+from llmrl.engine.graph import graph_zero
+from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
+from llmrl.engine.model.training.passes import (
+    DeferredForward,
+    form_passes,
+    leaf_outputs,
+    micro_batch_tokens,
+    pass_surrogate,
+    sub_plan,
+)
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
@@ -56,6 +65,11 @@ class EngineTrainer(Trainer):
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
         self.last_forward_empty = False
+        training = served.llm.training
+        self.max_tokens = training.max_tokens_per_micro_batch or served.llm.token_budget
+        self.deferred: list[DeferredForward] = []  # forwards since the last backward, to replay in passes
+        self.last_grad_plan: ForwardPlan | None = None  # what a throw-away replay pass runs (heads, adapter)
+        self.passes_with_gradients = 0  # forward passes whose activations a backward pass read
 
     def _position(self, doing: int) -> tuple[int, ...]:
         return (doing, self.calls[FORWARD], self.calls[BACKWARD], self.calls[STEP], self.calls[SUM])
@@ -82,9 +96,7 @@ class EngineTrainer(Trainer):
         served = self.served
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
-            tokenizer = served.tokenizer
-            contexts = [tokenizer.decode([tokenizer.pad_token_id]) or "a"]
-            candidates = None if candidates is None else [[" a"]]
+            contexts, candidates = self._throwaway_inputs(candidates is not None)
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
                                          per_token=per_token, entropy=entropy, add_eos=add_eos,
@@ -98,12 +110,75 @@ class EngineTrainer(Trainer):
             self.failed_vote_cast = True
             raise
         self.calls[FORWARD] += 1
-        out = run_forward(served, plan, extra, trunk_mode="replay")
+        split = False
+        if torch.is_grad_enabled():  # replicas split together: their backward passes must run the same modules
+            self.last_grad_plan = plan
+            split = bool(self._vote(True, FORWARD, int(micro_batch_tokens(plan.plan) > self.max_tokens))[1])
+        if split:
+            out = self._deferred_forward(plan, extra)
+        else:
+            out = run_forward(served, plan, extra, trunk_mode="replay")
+            self.passes_with_gradients += int(torch.is_grad_enabled())
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
                 self.trained_adapters.add(peft_adapter or served.active_adapter())
             out = _guarded(out, self._check_inside_backward)
         return _nothing_of(out) if empty else out
+
+    def _throwaway_inputs(self, with_candidates: bool) -> tuple[list[str], list[list[str]] | None]:
+        tokenizer = self.served.tokenizer
+        return [tokenizer.decode([tokenizer.pad_token_id]) or "a"], [[" a"]] if with_candidates else None
+
+    def _deferred_forward(self, plan: ForwardPlan, extra: int) -> ForwardOutputs:
+        """A forward pass longer than ``max_tokens``: run without gradients now, its backward replayed in passes
+        (see :mod:`llmrl.engine.model.training.passes`)."""
+        with torch.no_grad():
+            out = run_forward(self.served, plan, extra, trunk_mode="replay")
+        out, leaves = leaf_outputs(out)
+        self.deferred.append(DeferredForward(plan.plan, form_passes(plan.plan, self.max_tokens), leaves,
+                                             out.candidate_token_counts.tolist(), plan))
+        return out
+
+    def _backward_in_passes(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``: its own graph, and the passes of the deferred forwards it reads, one pass per
+        engine backward. Replicas agree on the number of passes; one with fewer runs throw-away passes."""
+        items = []
+        if self.deferred:
+            leaves = [leaf for d in self.deferred for _, _, leaf in d.leaves]
+            grads = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
+            first = 0
+            for d in self.deferred:
+                mine, first = grads[first:first + len(d.leaves)], first + len(d.leaves)
+                if any(g is not None for g in mine):
+                    done: set[int] = set()
+                    items += [(d, k, mine, done) for k in range(len(d.passes))]
+            self.deferred = []
+        _, count = self._vote(True, BACKWARD, len(items))
+        if count == 0:  # no replica split its forward passes
+            self.engine.backward(loss, scale_wrt_gas=False)
+        self.passes_with_gradients += count
+        for k in range(count):
+            part = self._replay_pass(*items[k]) if k < len(items) else self._throwaway_pass()
+            self.engine.backward(loss + part if k == 0 else part, scale_wrt_gas=False)
+
+    def _replay_pass(self, deferred: DeferredForward, k: int, grads, contexts_done: set[int]) -> torch.Tensor:
+        plan = plan_part(self.served, deferred.forward_plan, sub_plan(deferred.plan, deferred.passes[k]))
+        _, most = self._vote(True, BACKWARD, plan.model_calls)
+        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay")
+        return pass_surrogate(deferred, k, out, grads, contexts_done)
+
+    def _throwaway_pass(self) -> torch.Tensor:
+        """A pass whose gradient is zero, with the heads and adapter of the last training forward (the other
+        replicas' passes gather and reduce the same weights)."""
+        last = self.last_grad_plan
+        with_candidates = last is None or any(c.candidates for c in last.plan.contexts)
+        contexts, candidates = self._throwaway_inputs(with_candidates)
+        plan = plan_forward(self.served, contexts, candidates, last.heads if last else (),
+                            last.adapter if last else None, per_token=last is not None and last.needs.per_token)
+        _, most = self._vote(True, BACKWARD, plan.model_calls)
+        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay")
+        heads = [t for v in out.heads.values() for t in (v.values() if isinstance(v, dict) else [v])]
+        return graph_zero(out.candidate_scores, *heads)
 
     def _check_inside_backward(self) -> None:
         if not self.inside_backward:
@@ -128,10 +203,11 @@ class EngineTrainer(Trainer):
                                   f"{bad_replica - 1}{value}: optimizer step {self.optimizer_steps + 1} was skipped "
                                   f"on every replica; {self.optimizer_steps} step(s) of this update were taken")
         self.inside_backward = True
-        try:
-            self.engine.backward(loss, scale_wrt_gas=False)  # batch.mean already weights the samples of the step
+        try:  # batch.mean already weights the samples of the step (scale_wrt_gas=False)
+            self._backward_in_passes(loss)
         finally:
             self.inside_backward = False
+            self.deferred = []
 
     def step(self) -> None:
         self.calls[STEP] += 1
@@ -202,6 +278,7 @@ class EngineTrainer(Trainer):
             p.grad = None
         self.pending_micro_steps = 0
         self.trained_adapters = set()
+        self.deferred = []
 
 
 class ReplicasOutOfStep(RuntimeError):
@@ -314,7 +391,8 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
             hint += slicing_note(batch.kwargs, list(keys) if keys is not None else None)
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
-    return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps}
+    return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps,
+            "passes_with_gradients": trainer.passes_with_gradients}
 
 
 def plain(value):
