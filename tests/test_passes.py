@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from llmrl.engine.model.scoring.tokenization import CandidateTokens, ContextTokens, TokenPlan
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
@@ -13,7 +14,6 @@ from llmrl.engine.model.training.passes import (
     row_indices,
     sub_plan,
 )
-from llmrl.engine.model.scoring.tokenization import CandidateTokens, ContextTokens, TokenPlan
 from llmrl.plugins.contracts import ForwardOutputs
 
 

@@ -17,6 +17,10 @@ naming the step and the statistic. A step touches only the adapters whose passes
 step (see :mod:`llmrl.engine.model.training.optimizer`). ``loss.backward()`` on the trainer's outputs raises at once
 with the fix (``trainer.backward``).
 
+A training forward longer than ``training.max_tokens_per_micro_batch`` tokens is run without gradients, and its
+backward is replayed in passes within that budget (:mod:`llmrl.engine.model.training.passes`); the replicas decide
+together, so that their backward passes run the same modules.
+
 This module does not pick what to train on; updaters (plugins) do.
 """
 
@@ -30,6 +34,8 @@ import torch
 from llmrl.engine.errors import PeerAborted, plugin_error
 from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
+from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
@@ -38,7 +44,6 @@ from llmrl.engine.model.training.passes import (
     pass_surrogate,
     sub_plan,
 )
-from llmrl.engine.model.served import ServedModel
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
 from llmrl.plugins.per_sample import slicing_note
@@ -122,8 +127,8 @@ class EngineTrainer(Trainer):
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
                 self.trained_adapters.add(peft_adapter or served.active_adapter())
-            out = _guarded(out, self._check_inside_backward)
-        return _nothing_of(out) if empty else out
+            out = guarded(out, self._check_inside_backward)
+        return nothing_of(out) if empty else out
 
     def _throwaway_inputs(self, with_candidates: bool) -> tuple[list[str], list[list[str]] | None]:
         tokenizer = self.served.tokenizer
@@ -306,61 +311,6 @@ def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -
             "batch.minibatches(size) (every replica gets the same number of minibatches, some possibly empty) "
             "and call trainer.backward and trainer.step once per minibatch, never once per local sample. No "
             "replica took a step the others did not.")
-
-
-def first_non_finite_gradient(module: torch.nn.Module) -> str | None:
-    """The name and value kind of the first gradient with a NaN or infinite entry this rank holds, or None (one
-    device synchronisation for all gradients)."""
-    grads = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
-    if not grads:
-        return None
-    finite = torch.stack([torch.isfinite(g).all().to(grads[0][1].device) for _, g in grads])
-    if bool(finite.all()):
-        return None
-    name, grad = grads[int((~finite).nonzero()[0])]
-    return f"{name}: {'nan' if bool(torch.isnan(grad).any()) else 'inf'}"
-
-
-class _Guard(torch.autograd.Function):
-    """The identity, whose backward first calls ``check`` (the outputs' gradients are the first a backward pass
-    computes, before any hook of DeepSpeed's on the model's own outputs)."""
-
-    @staticmethod
-    def forward(ctx, check, x):
-        ctx.check = check
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.check()
-        return None, grad
-
-
-def _guarded(out: ForwardOutputs, check) -> ForwardOutputs:
-    """``out`` with every tensor that has a gradient passed through :class:`_Guard`."""
-    def guard(value):
-        if isinstance(value, torch.Tensor):
-            return _Guard.apply(check, value) if value.requires_grad else value
-        if isinstance(value, dict):
-            return {k: guard(v) for k, v in value.items()}
-        return value
-
-    return out._replace(**{k: guard(v) for k, v in out._asdict().items()})
-
-
-def _nothing_of(out: ForwardOutputs) -> ForwardOutputs:
-    """The outputs of a throw-away pass, with every row removed (gradients still connect to the model)."""
-    return out._replace(num_contexts=0,
-                        heads={k: _none_of(v) for k, v in out.heads.items()},
-                        **{k: _none_of(v) for k, v in out._asdict().items()
-                           if k.startswith(("token_", "candidate_", "context_"))})
-
-
-def _none_of(value):
-    """``value`` (None, a tensor or a dict of tensors) with no row."""
-    if isinstance(value, dict):
-        return {k: v[:0] for k, v in value.items()}
-    return None if value is None else value[:0]
 
 
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
