@@ -64,6 +64,7 @@ class TrainingConfig:
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     max_tokens_per_micro_batch: int | None = None  # None: the LLM's token_budget
+    gradient_checkpointing: bool | None = None  # None: on for CUDA devices, off on CPU
     gradient_clipping: float = 0.0
     deepspeed: dict[str, Any] = field(default_factory=dict)
 

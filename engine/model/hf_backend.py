@@ -135,6 +135,12 @@ class HFBackend(ModelBackend):
             self.prefix_cache = make_prefix_cache(self.model, self.llm)
         if self.llm.trunk_reuse_mb > 0:
             self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth, self.updater is not None)
+        self.checkpointed_layers = 0
+        checkpointing = self.llm.training.gradient_checkpointing
+        if self.updater is not None and (checkpointing if checkpointing is not None else self.device.type == "cuda"):
+            from llmrl.engine.model.training.checkpointing import enable_checkpointing
+
+            self.checkpointed_layers = enable_checkpointing(self.model)
         return self.describe()
 
     def describe(self) -> dict:
@@ -156,6 +162,7 @@ class HFBackend(ModelBackend):
             "updater": type(self.updater).__name__ if self.updater else None,
             "per_sample": getattr(self.updater, "per_sample_args", None),
             "kv_cache_mb": self.llm.kv_cache_mb,
+            "checkpointed_layers": self.checkpointed_layers,
         }
 
     # ------------------------------------------------------------------ requests
@@ -244,6 +251,7 @@ class HFBackend(ModelBackend):
             out["kv_cache"] = self.prefix_cache.stats()
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
+        out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
         return out
 
 
