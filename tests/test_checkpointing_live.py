@@ -35,7 +35,8 @@ def cases(tiny) -> dict:
                  "updater": {"plugin": "ppo_tokens", "args": {"entropy_coef": 0.01, "epochs": 1}}},
         "trunk": {"model": tiny["llama"], "initializers": [top], "trunk_reuse_mb": 16,
                   "updater": {"plugin": "grpo", "args": {"kl_coef": 0.1, "epochs": 1}}},
-        "full": {"model": tiny["gpt2"], "replicas": 2, "heads": {"reward": "reward"}, "updater": {"plugin": "pairwise_reward", "args": {"epochs": 1}}},
+        "full": {"model": tiny["gpt2"], "replicas": 2, "heads": {"reward": "reward"},
+                 "updater": {"plugin": "pairwise_reward", "args": {"epochs": 1}}},
         "t5": {"model": tiny["t5"], "type": "seq2seq", "heads": {"value": {"plugin": "value", "args": {"hidden": 8}}},
                "updater": {"plugin": "ppo", "args": {"kl_coef": 0.0, "epochs": 1}}},
     }

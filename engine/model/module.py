@@ -13,6 +13,7 @@ This module does not plan, tokenise or talk to anyone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -23,6 +24,7 @@ from llmrl.engine.model.scoring.planning import BatchSpec, Needs
 from llmrl.engine.model.scoring.results import cat_long
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import TokenPlan
+from llmrl.engine.model.scoring.vocab_chunks import applies, hidden_instead_of_logits
 from llmrl.plugins.contracts import ForwardOutputs
 
 
@@ -41,6 +43,7 @@ class ModelWithHeads(torch.nn.Module):
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
         self.prefix_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
         self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.reuse.trunk)
+        self.vocab_chunks = True  # passes with gradients read log-probs from hidden states where that applies
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
                 extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None,
@@ -55,8 +58,10 @@ class ModelWithHeads(torch.nn.Module):
         (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
         and each tensor-parallel rank holds its own share of the keys)."""
         device = self.device
-        results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
-                             prefix_cache=self.prefix_cache, trunk=self.trunk) for b in batches]
+        chunked = torch.is_grad_enabled() and self.vocab_chunks and applies(self.model, needs.token_logits)
+        with hidden_instead_of_logits(self.model) if chunked else contextlib.nullcontext():
+            results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
+                                 prefix_cache=self.prefix_cache, trunk=self.trunk) for b in batches]
         # Put candidates (and contexts) back in request order: batch order -> computed order -> request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)

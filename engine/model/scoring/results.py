@@ -20,6 +20,7 @@ import torch
 
 from llmrl.engine.graph import graph_zero, plus_zero
 from llmrl.engine.model.scoring.planning import Needs
+from llmrl.engine.model.scoring.vocab_chunks import active_output_layer, scored_logprobs_from_hidden
 
 
 def at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,12 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, 
 
     Without gradients the rows are normalised a piece at a time (:data:`LOGITS_PER_PIECE`), so no float32 copy of
     every row's logits, nor its exponential, exists at once; each row's values are those of the one-piece computation.
-    With gradients it is one piece, as autograd keeps what the backward pass needs either way."""
+    With gradients it is one piece, as autograd keeps what the backward pass needs either way, unless the pass hands
+    back hidden states instead of logits (:mod:`llmrl.engine.model.scoring.vocab_chunks`), whose chunks are computed
+    again in the backward pass."""
+    layer = active_output_layer()
+    if layer is not None:  # a pass with gradients whose "logits" are the last hidden states (see vocab_chunks)
+        return scored_logprobs_from_hidden(layer, logits, targets, entropy, index)
     rows = torch.arange(len(targets), device=targets.device) if index is None else index
     if (torch.is_grad_enabled() and logits.requires_grad) or logits.numel() <= LOGITS_PER_PIECE:
         full = at_least_float32(logits)
