@@ -19,3 +19,17 @@ class EveryTwinComputed(Initializer):
 
         forward.distinct_contexts = lambda plan: (None, None)
         return model
+
+
+class LogitsKeptWhole(Initializer):
+    """Benchmark baseline hook: every pass keeps its full-vocabulary logits, as llmrl did before passes with gradients
+    read log-probs from hidden states in chunks and before passes without gradients normalised pieces of rows.
+    Leaves the model untouched."""
+
+    def initialize(self, model, llm):
+        from llmrl.engine.model import module
+        from llmrl.engine.model.scoring import results
+
+        module.applies = lambda *args, **kwargs: False
+        results.LOGITS_PER_PIECE = 1 << 62
+        return model
