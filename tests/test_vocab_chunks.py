@@ -26,7 +26,7 @@ def run(model, tok, kind, chunked: bool, packed: bool, budget: int = 10**6):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     start = model.config.decoder_start_token_id if kind == "seq2seq" else None
     module = ModelWithHeads(model, {}, kind, pad, start)
-    module.vocab_chunks = chunked
+    module.update_pass = chunked
     out = module(plan, plan_batches(plan, budget, 64, needs, packed=packed), needs)
     loss = (out.token_logprobs * torch.linspace(0.5, 1.5, len(out.token_logprobs))).sum() + out.token_entropy.sum()
     loss.backward()

@@ -136,7 +136,7 @@ def plan_and_agree(served: ServedModel, contexts, candidates, heads=(), adapter:
 
 
 def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, prefix_cache=None,
-                trunk_mode: str | None = None) -> ForwardOutputs:
+                trunk_mode: str | None = None, update_pass: bool = False) -> ForwardOutputs:
     """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``prefix_cache``, for
     no-grad scoring only, is the :class:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache` that lives across calls:
     its namespace is the adapter the pass runs with. ``trunk_mode`` ("record" while scoring, "replay" in the
@@ -151,6 +151,7 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, pr
             forget_zero3_trace(served.engine)
         trunk = served.module.trunk
         served.module.prefix_cache = prefix_cache
+        served.module.update_pass = update_pass
         try:
             with trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext():
                 return served.engine(plan=plan.computed or plan.plan, batches=plan.batches, needs=plan.needs,
@@ -158,6 +159,7 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, pr
                                      head_kwargs=plan.head_kwargs, source=plan.source)
         finally:
             served.module.prefix_cache = None
+            served.module.update_pass = False
 
 
 def forget_zero3_trace(engine) -> None:

@@ -43,7 +43,7 @@ class ModelWithHeads(torch.nn.Module):
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
         self.prefix_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
         self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.reuse.trunk)
-        self.vocab_chunks = True  # passes with gradients read log-probs from hidden states where that applies
+        self.update_pass = False  # set around the updater's passes: they read log-probs from hidden states in chunks
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
                 extra_calls: int = 0, anchor: torch.Tensor | None = None, head_kwargs: dict | None = None,
@@ -58,7 +58,7 @@ class ModelWithHeads(torch.nn.Module):
         (an attribute, not an argument: DeepSpeed's tensor-parallel check pickles and compares every argument,
         and each tensor-parallel rank holds its own share of the keys)."""
         device = self.device
-        chunked = torch.is_grad_enabled() and self.vocab_chunks and applies(self.model, needs.token_logits)
+        chunked = self.update_pass and applies(self.model, needs.token_logits)
         with hidden_instead_of_logits(self.model) if chunked else contextlib.nullcontext():
             results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
                                  prefix_cache=self.prefix_cache, trunk=self.trunk) for b in batches]

@@ -42,7 +42,7 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, 
     back hidden states instead of logits (:mod:`llmrl.engine.model.scoring.vocab_chunks`), whose chunks are computed
     again in the backward pass."""
     layer = active_output_layer()
-    if layer is not None:  # a pass with gradients whose "logits" are the last hidden states (see vocab_chunks)
+    if layer is not None:  # an updater's pass, whose "logits" are the last hidden states (see vocab_chunks)
         return scored_logprobs_from_hidden(layer, logits, targets, entropy, index)
     rows = torch.arange(len(targets), device=targets.device) if index is None else index
     if (torch.is_grad_enabled() and logits.requires_grad) or logits.numel() <= LOGITS_PER_PIECE:

@@ -1,17 +1,19 @@
-"""Log-probs and entropies of scored tokens in passes with gradients, without a full-vocabulary tensor of the pass.
+"""Log-probs and entropies of scored tokens in the updater's passes, without a full-vocabulary tensor of the pass.
 
 A training pass over N scored positions used to keep the float32 logits of every position for the backward pass
-(N x vocabulary: 36,000 x 49,152 x 4 bytes is 7 GB) and the log-softmax made more copies. Here, while a pass with
-gradients runs (:func:`hidden_instead_of_logits`), the model's output layer hands back its input, the last hidden
+(N x vocabulary: 36,000 x 49,152 x 4 bytes is 7 GB) and the log-softmax made more copies; its passes without
+gradients (old policy, reference) computed the logits of every position of a model call at once. Here, while an
+updater's pass runs (:func:`hidden_instead_of_logits`), the model's output layer hands back its input, the last hidden
 states, instead of logits; the scoring code keeps the rows it scores as it would keep logits, and
 :func:`scored_logprobs_from_hidden` turns them into log-probs:
 
 - each row's normaliser (logsumexp) and entropy are computed a chunk of rows at a time, each chunk under
-  ``torch.utils.checkpoint``: only the chunk's hidden states are kept, its logits are computed again in the backward
-  pass, one chunk at a time;
+  ``torch.utils.checkpoint`` when gradients are on: only the chunk's hidden states are kept, its logits are computed
+  again in the backward pass, one chunk at a time;
 - each target's logit is taken from its row's chunk of logits, as it was from the full logits.
 
-The values are those of the full logits (the same arithmetic, row by row). Used only where it is exact and possible
+The values are those of the full logits, to float32 rounding (a chunk's matrix product adds in its own order).
+``score`` requests keep the logits of their model calls: their log-probs stay bit-equal to ``generate``'s. Used only where it is exact and possible
 (:func:`applies`): models whose logits are exactly the output layer applied to the last hidden state (no soft-capping
 or scaling after it: Llama, Mistral, Qwen2/3, Phi-3, GPT-2, T5), an output layer that is a plain ``nn.Linear``,
 weights not partitioned (ZeRO-3 gathers a module's weights only inside its own calls, which would differ between
@@ -99,8 +101,9 @@ def scored_logprobs_from_hidden(layer: torch.nn.Module, hidden: torch.Tensor, ta
     stats, chosen, taken = [], [], []
     for k, first in enumerate(range(0, hidden.shape[0], step)):
         mine = order[bounds[k]:bounds[k + 1]]
-        part, picked = checkpoint(normalise, hidden[first:first + step], rows[mine] - first, targets[mine],
-                                  use_reentrant=False)
+        inputs = (hidden[first:first + step], rows[mine] - first, targets[mine])
+        part, picked = checkpoint(normalise, *inputs, use_reentrant=False) if torch.is_grad_enabled() else \
+            normalise(*inputs)
         stats.append(part)
         chosen.append(picked)
         taken.append(mine)

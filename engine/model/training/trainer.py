@@ -122,7 +122,7 @@ class EngineTrainer(Trainer):
         if split:
             out = self._deferred_forward(plan, extra)
         else:
-            out = run_forward(served, plan, extra, trunk_mode="replay")
+            out = run_forward(served, plan, extra, trunk_mode="replay", update_pass=True)
             self.passes_with_gradients += int(torch.is_grad_enabled())
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
@@ -138,7 +138,7 @@ class EngineTrainer(Trainer):
         """A forward pass longer than ``max_tokens``: run without gradients now, its backward replayed in passes
         (see :mod:`llmrl.engine.model.training.passes`)."""
         with torch.no_grad():
-            out = run_forward(self.served, plan, extra, trunk_mode="replay")
+            out = run_forward(self.served, plan, extra, trunk_mode="replay", update_pass=True)
         out, leaves = leaf_outputs(out)
         self.deferred.append(DeferredForward(plan.plan, form_passes(plan.plan, self.max_tokens), leaves,
                                              out.candidate_token_counts.tolist(), plan))
@@ -169,7 +169,7 @@ class EngineTrainer(Trainer):
     def _replay_pass(self, deferred: DeferredForward, k: int, grads, contexts_done: set[int]) -> torch.Tensor:
         plan = plan_part(self.served, deferred.forward_plan, sub_plan(deferred.plan, deferred.passes[k]))
         _, most = self._vote(True, BACKWARD, plan.model_calls)
-        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay")
+        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay", update_pass=True)
         return pass_surrogate(deferred, k, out, grads, contexts_done)
 
     def _throwaway_pass(self) -> torch.Tensor:
@@ -181,7 +181,7 @@ class EngineTrainer(Trainer):
         plan = plan_forward(self.served, contexts, candidates, last.heads if last else (),
                             last.adapter if last else None, per_token=last is not None and last.needs.per_token)
         _, most = self._vote(True, BACKWARD, plan.model_calls)
-        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay")
+        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay", update_pass=True)
         heads = [t for v in out.heads.values() for t in (v.values() if isinstance(v, dict) else [v])]
         return graph_zero(out.candidate_scores, *heads)
 
