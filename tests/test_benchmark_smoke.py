@@ -46,3 +46,18 @@ def test_memory_benchmark_runs_both_rows_on_small_inputs():
     # on CPU the two paths sample the same tokens and give the same log-probs (and the same scores)
     assert lines[3].endswith("same tokens, largest difference 0.00e+00")
     assert lines[7].endswith("same tokens, largest difference 0.00e+00")
+
+
+def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.update_memory", "--prompts", "1", "--samples", "2",
+                             "--prompt-tokens", "8", "--new-tokens", "8", "--updaters", "grpo"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    lines = lines[next(k for k, line in enumerate(lines) if line.startswith("grpo update")):]  # after DeepSpeed's note
+    assert lines[0].startswith("grpo update: 1 prompts x 2 continuations x 8 new tokens (32 tokens)")
+    assert [line.split(":")[0].strip() for line in lines[1:5]] == [
+        "llmrl before (one pass per micro-batch, whole logits)", "llmrl defaults (token-bounded passes, chunked "
+        "log-probs)", "llmrl defaults + gradient_checkpointing", "plain HF + PEFT, checkpointing, 8 sequences per pass"]
+    for line in lines[1:4]:  # every llmrl path trains the same weights
+        assert float(line.rsplit("by ", 1)[1]) < 1e-6, line

@@ -105,3 +105,15 @@ def test_an_update_in_passes_of_16_tokens_equals_the_update_in_one_pass(run, tin
         torch.testing.assert_close(after_split[key], want, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
         moved += int((want - start[key]).abs().max() > 1e-4)
     assert moved >= 4, "the updates trained something"
+
+
+def test_a_sample_longer_than_the_model_accepts_is_refused_by_its_index_and_nothing_trains(run):
+    from llmrl.engine.errors import RequestError
+
+    before = run.state_dict(llm="grpo-split")
+    conts = [[[5, 6], [7, 8]], [[9] * 600, [10, 11]], [[5], [6]]]
+    with pytest.raises(RequestError, match=r"sample 1 of the update call: .*candidate 0 is \d+ tokens long; this "
+                                           r"model accepts at most 512.*nothing was trained"):
+        run.update(PROMPTS[:3], conts, llm="grpo-split", rewards=[[0.0, 1.0]] * 3)
+    after = run.state_dict(llm="grpo-split")
+    assert all(torch.equal(before[k], after[k]) for k in before)

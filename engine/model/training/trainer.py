@@ -321,6 +321,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     batch = replace(batch, accumulation_steps=trainer.gradient_accumulation_steps, end_of_pass=trainer.flush)
     name = served.updater_name or type(served.updater).__name__
     try:
+        refuse_too_long(served, batch)
         stats = served.updater.update(batch, trainer)
         trainer.finish()
     except PeerAborted:
@@ -343,6 +344,28 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
     return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps,
             "passes_with_gradients": trainer.passes_with_gradients}
+
+
+def refuse_too_long(served: ServedModel, batch: UpdateBatch) -> None:
+    """Refuse, before any pass, a sample longer than the model accepts, naming its index in the call: nothing is
+    ever truncated (the updater's passes would refuse it too, but with its index in a minibatch)."""
+    if served.max_length is None or not len(batch):
+        return
+    from llmrl.engine.model.scoring.tokenization import tokenize
+
+    def check(contexts, candidates):
+        tokenize(served.tokenizer, served.llm.type, contexts, candidates, max_length=served.max_length,
+                 vocab_size=served.info.vocab_size)
+
+    try:
+        check(batch.contexts, batch.candidates)
+    except ValueError:
+        for k, index in enumerate(batch.indices):
+            try:
+                check(batch.contexts[k:k + 1], None if batch.candidates is None else batch.candidates[k:k + 1])
+            except ValueError as err:
+                raise ValueError(f"sample {index} of the update call: {err}; nothing was trained") from None
+        raise
 
 
 def plain(value):
