@@ -19,14 +19,9 @@ from typing import NamedTuple
 import torch
 
 from llmrl.engine.graph import graph_zero, plus_zero
+from llmrl.engine.model.scoring.normalise import at_least_float32, entropy_of
 from llmrl.engine.model.scoring.planning import Needs
 from llmrl.engine.model.scoring.vocab_chunks import active_output_layer, scored_logprobs_from_hidden
-
-
-def at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or in its own dtype when that is wider (a float64 model keeps its precision)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
 
 LOGITS_PER_PIECE = 1 << 24  # without gradients, rows are normalised in pieces of at most this many logits (64 MB)
 
@@ -58,14 +53,6 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, 
             entropies.append(entropy_of(piece, norms[-1]))
     norm = torch.cat(norms)
     return at_least_float32(logits[rows, targets]) - norm[rows], torch.cat(entropies) if entropy else None
-
-
-def entropy_of(logits: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
-    """Entropy (nats) of each row's softmax, in float32 (or wider); 0 log 0 counts 0 (and has a zero gradient)."""
-    logits = at_least_float32(logits)
-    logp = logits - (torch.logsumexp(logits, dim=-1) if norm is None else norm)[:, None]
-    p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 
 
 @dataclass

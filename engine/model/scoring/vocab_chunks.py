@@ -13,7 +13,8 @@ states, instead of logits; the scoring code keeps the rows it scores as it would
 - each target's logit is taken from its row's chunk of logits, as it was from the full logits.
 
 The values are those of the full logits, to float32 rounding (a chunk's matrix product adds in its own order).
-``score`` requests keep the logits of their model calls: their log-probs stay bit-equal to ``generate``'s. Used only where it is exact and possible
+``score`` requests keep the logits of their model calls: their log-probs stay bit-equal to ``generate``'s. Used only
+where it is exact and possible
 (:func:`applies`): models whose logits are exactly the output layer applied to the last hidden state (no soft-capping
 or scaling after it: Llama, Mistral, Qwen2/3, Phi-3, GPT-2, T5), an output layer that is a plain ``nn.Linear``,
 weights not partitioned (ZeRO-3 gathers a module's weights only inside its own calls, which would differ between
@@ -27,6 +28,8 @@ import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from llmrl.engine.model.scoring.normalise import at_least_float32, entropy_of
 
 # Model types whose forward returns lm_head(last hidden state) as the logits, unchanged.
 PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5")
@@ -84,8 +87,6 @@ def scored_logprobs_from_hidden(layer: torch.nn.Module, hidden: torch.Tensor, ta
     """What :func:`~llmrl.engine.model.scoring.results.scored_logprobs` returns for the logits ``layer(hidden)``: the
     log-prob of each target (``targets[i]`` predicted by row ``index[i]``, or row ``i``) and, with ``entropy``, every
     row's entropy; float32 (or wider)."""
-    from llmrl.engine.model.scoring.results import at_least_float32, entropy_of
-
     rows = torch.arange(len(targets), device=targets.device) if index is None else index
     weight, bias = layer.weight, layer.bias
     step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
