@@ -256,3 +256,25 @@ class MisbehavingUpdater(Updater):
         actions = torch.as_tensor(mb.kwargs["actions"], dtype=torch.long, device=scores.device)
         weights = torch.as_tensor(mb.kwargs["weights"], dtype=torch.float32, device=scores.device)
         return -weights * scores.gather(1, actions[:, None]).squeeze(1)
+
+
+class PolicyThenBaseValueUpdater(Updater):
+    """Two training forwards before one backward per minibatch: the policy's (LoRA on) scores of every candidate, and
+    the ``value`` head on the base model (``trainer.adapters_disabled()``) at every token; loss = -mean(weights x
+    candidate scores) + mean((value - 1)^2). Per-sample keyword argument: ``weights`` (one per candidate)."""
+
+    def update(self, batch, trainer):
+        for mb in batch.minibatches(trainer.micro_batch_size):
+            out = trainer.forward(mb.contexts, mb.candidates)
+            with trainer.adapters_disabled():
+                base = trainer.forward(mb.contexts, mb.candidates, heads=["value"], per_token=True)
+            weights = torch.tensor([w for ws in mb.kwargs["weights"] for w in ws], dtype=torch.float32)
+            per_candidate = -weights.to(out.candidate_scores.device) * out.candidate_scores
+            values, mask = base.tokens_by_candidate(base.heads["value"].float())
+            value_loss = (((values - 1.0) ** 2) * mask).sum(1)
+            per_sample = torch.zeros(base.num_contexts).index_add(0, base.candidate_context.cpu(),
+                                                                  (per_candidate + value_loss).cpu())
+            trainer.backward(mb.mean(per_sample))
+            trainer.step()
+        return {}
+

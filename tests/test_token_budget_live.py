@@ -8,7 +8,9 @@ passes, contexts are encoded again in each, replicas with uneven shares replay d
 - ``grpo``: 2 replicas, ZeRO-3, LoRA, sequence normalisation, KL to the base model, entropy bonus;
 - ``ppo_tokens``: 2 replicas, ZeRO-2, LoRA, the per-token value head;
 - ``ppo``: 1 replica, ZeRO-0, LoRA, the context-level value head (its gradient is taken once per context);
-- ``pairwise_reward``: 1 replica, ZeRO-2, the reward head, every weight trained.
+- ``pairwise_reward``: 1 replica, ZeRO-2, the reward head, every weight trained;
+- a test updater with two forwards before each backward, the second inside ``trainer.adapters_disabled()``
+  (its replay must run without the adapters too): 2 replicas, ZeRO-3.
 
 The optimizer is SGD with momentum: after two updates the weights equal only if the momentum buffers did. Each pair
 starts from the same weights (checked), and every test checks that the weights moved.
@@ -34,6 +36,9 @@ UPDATERS = {
     "ppo": ({"plugin": "ppo", "args": {"kl_coef": 0.1, "epochs": 2, "seed": 3}}, 1, 0, [LORA],
             {"value": {"plugin": "value", "args": {"hidden": 8}}}),
     "pairwise_reward": ("pairwise_reward", 1, 2, [], {"reward": "reward"}),
+    # two forwards per backward (the second inside adapters_disabled(), replayed the same way), uneven shares
+    "two_forwards": ("llmrl_test_plugins:PolicyThenBaseValueUpdater", 2, 3, [LORA],
+                     {"value": {"plugin": "token_value", "args": {"hidden": 8}}}),
 }
 
 
@@ -73,6 +78,9 @@ def batches(tiny, name: str) -> list[tuple[list, dict]]:
             k = 3 if name == "grpo" else 2
             conts = continuations(tiny, k, offset=step)
             out.append((conts, {"rewards": torch.randn(len(PROMPTS), k, generator=g).tolist()}))
+        elif name == "two_forwards":
+            conts = continuations(tiny, 2, offset=step)
+            out.append((conts, {"weights": torch.randn(len(PROMPTS), 2, generator=g).tolist()}))
         elif name == "ppo":
             conts = [[WORDS[(i + j + step) % len(WORDS)] for j in range(3)] for i in range(len(PROMPTS))]
             n = len(PROMPTS)

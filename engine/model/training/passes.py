@@ -18,13 +18,16 @@ How, in two phases:
 
 Passes are formed from the (context, candidate) rows in request order: a context's candidates may be spread over
 several passes (the context is then encoded again in each: a prompt's tokens per pass); a candidate longer than the
-budget gets a pass of its own (the model's own limit, ``max_length``, is enforced when the request is tokenised:
-nothing is truncated). A context-level output (the hidden state at a context's last token, a context head) takes its
-gradient in the first pass that holds the context.
+budget gets a pass of its own; one longer than the model accepts (``max_length``) is refused before any pass, with its
+index in the call (:func:`refuse_too_long`): nothing is truncated. A context-level output (the hidden state at a
+context's last token, a context head) takes its gradient in the first pass that holds the context.
 
 Cost: one more forward pass over the micro-batch, only when it is split. The model runs in evaluation mode (no
-dropout), so the second phase computes what the first computed. This module plans and maps rows; the trainer
-(:mod:`llmrl.engine.model.training.trainer`) runs the passes and keeps the replicas in step.
+dropout), so the second phase computes what the first computed. What it assumes: every output row depends on its own
+row's inputs only, as the engine's outputs and the built-in heads do (a head that mixes rows, a softmax over a
+context's candidates for one, would see only a pass's rows: give such a micro-batch a budget it fits in). A forward
+with ``head_kwargs`` (the whole call's, while a pass holds only some of its rows) is never split. This module plans and
+maps rows; the trainer (:mod:`llmrl.engine.model.training.trainer`) runs the passes and keeps the replicas in step.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any
 import torch
 
 from llmrl.engine.graph import graph_zero
-from llmrl.engine.model.scoring.tokenization import ContextTokens, TokenPlan
+from llmrl.engine.model.scoring.normalise import at_least_float32
+from llmrl.engine.model.scoring.tokenization import ContextTokens, TokenPlan, tokenize
 from llmrl.plugins.contracts import ForwardOutputs
 
 # The differentiable fields of ForwardOutputs and the level of their rows (heads carry their own level).
@@ -106,6 +110,7 @@ class DeferredForward:
     leaves: list[tuple[tuple, str, torch.Tensor]]  # (path in the outputs, row level, leaf)
     token_counts: list[int]  # scored tokens of each candidate, in request order
     forward_plan: Any  # the ForwardPlan of the first phase (heads, adapter, needs, head keyword arguments)
+    without_adapters: bool = False  # run inside trainer.adapters_disabled(): replayed the same way
 
 
 def leaf_outputs(out: ForwardOutputs) -> tuple[ForwardOutputs, list[tuple[tuple, str, torch.Tensor]]]:
@@ -181,5 +186,25 @@ def pass_surrogate(deferred: DeferredForward, k: int, out: ForwardOutputs, grads
         if g.shape != mine.shape:
             raise RuntimeError(f"the replayed pass's {'.'.join(map(str, path))} has shape {tuple(mine.shape)}, "
                                f"its rows in the first phase {tuple(g.shape)}")
-        total = total + (mine.float() * g.to(mine.device).float()).sum()
+        total = total + (at_least_float32(mine) * at_least_float32(g.to(mine.device))).sum()
     return total
+
+
+def refuse_too_long(served, batch) -> None:
+    """Refuse, before any pass, a sample longer than the model accepts, naming its index in the call: nothing is
+    ever truncated (the updater's passes would refuse it too, but with its index in a minibatch)."""
+    if served.max_length is None or not len(batch):
+        return
+    def check(contexts, candidates):
+        tokenize(served.tokenizer, served.llm.type, contexts, candidates, max_length=served.max_length,
+                 vocab_size=served.info.vocab_size)
+
+    try:
+        check(batch.contexts, batch.candidates)
+    except ValueError:
+        for k, index in enumerate(batch.indices):
+            try:
+                check(batch.contexts[k:k + 1], None if batch.candidates is None else batch.candidates[k:k + 1])
+            except ValueError as err:
+                raise ValueError(f"sample {index} of the update call: {err}; nothing was trained") from None
+        raise

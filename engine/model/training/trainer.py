@@ -27,6 +27,7 @@ This module does not pick what to train on; updaters (plugins) do.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import replace
 
 import torch
@@ -42,6 +43,7 @@ from llmrl.engine.model.training.passes import (
     leaf_outputs,
     micro_batch_tokens,
     pass_surrogate,
+    refuse_too_long,
     sub_plan,
 )
 from llmrl.engine.server.group import OutOfStep
@@ -73,7 +75,6 @@ class EngineTrainer(Trainer):
         training = served.llm.training
         self.max_tokens = training.max_tokens_per_micro_batch or served.llm.token_budget
         self.deferred: list[DeferredForward] = []  # forwards since the last backward, to replay in passes
-        self.last_grad_plan: ForwardPlan | None = None  # what a throw-away replay pass runs (heads, adapter)
         self.passes_with_gradients = 0  # forward passes whose activations a backward pass read
 
     def _position(self, doing: int) -> tuple[int, ...]:
@@ -117,8 +118,9 @@ class EngineTrainer(Trainer):
         self.calls[FORWARD] += 1
         split = False
         if torch.is_grad_enabled():  # replicas split together: their backward passes must run the same modules
-            self.last_grad_plan = plan
-            split = bool(self._vote(True, FORWARD, int(micro_batch_tokens(plan.plan) > self.max_tokens))[1])
+            # (not with head_kwargs: they are the whole call's, and a pass holds only some of its rows)
+            too_long = micro_batch_tokens(plan.plan) > self.max_tokens and not plan.head_kwargs
+            split = bool(self._vote(True, FORWARD, int(too_long))[1])
         if split:
             out = self._deferred_forward(plan, extra)
         else:
@@ -141,49 +143,71 @@ class EngineTrainer(Trainer):
             out = run_forward(self.served, plan, extra, trunk_mode="replay", update_pass=True)
         out, leaves = leaf_outputs(out)
         self.deferred.append(DeferredForward(plan.plan, form_passes(plan.plan, self.max_tokens), leaves,
-                                             out.candidate_token_counts.tolist(), plan))
+                                             out.candidate_token_counts.tolist(), plan, self.without_adapters))
         return out
 
     def _backward_in_passes(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss``: its own graph, and the passes of the deferred forwards it reads, one pass per
-        engine backward. Replicas agree on the number of passes; one with fewer runs throw-away passes."""
-        items = []
-        if self.deferred:
-            leaves = [leaf for d in self.deferred for _, _, leaf in d.leaves]
-            grads = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
-            first = 0
-            for d in self.deferred:
-                mine, first = grads[first:first + len(d.leaves)], first + len(d.leaves)
-                if any(g is not None for g in mine):
-                    done: set[int] = set()
-                    items += [(d, k, mine, done) for k in range(len(d.passes))]
-            self.deferred = []
-        _, count = self._vote(True, BACKWARD, len(items))
-        if count == 0:  # no replica split its forward passes
+        """Back-propagate ``loss``: its own graph, and the passes of the deferred forwards it reads. Every replica
+        deferred the same forwards (they vote); for each, they agree on the number of passes, and one with fewer
+        runs throw-away passes with that forward's heads and adapter."""
+        deferred, self.deferred = self.deferred, []
+        if not deferred:
             self.engine.backward(loss, scale_wrt_gas=False)
-        self.passes_with_gradients += count
-        for k in range(count):
-            part = self._replay_pass(*items[k]) if k < len(items) else self._throwaway_pass()
-            self.engine.backward(loss + part if k == 0 else part, scale_wrt_gas=False)
+            return
+        grads = torch.autograd.grad(loss, [leaf for d in deferred for _, _, leaf in d.leaves], retain_graph=True,
+                                    allow_unused=True)
+        ends = list(itertools.accumulate(len(d.leaves) for d in deferred))
+        mine = [grads[end - len(d.leaves):end] for d, end in zip(deferred, ends)]
+        counts = [self._vote(True, BACKWARD, len(d.passes))[1] for d in deferred]
+        done: list[set[int]] = [set() for _ in deferred]
+        # The first pass of every deferred forward goes back with the loss's own graph, in one engine backward: under
+        # ZeRO-3 a weight's first gradient in an optimizer step replaces what its buffer holds (DeepSpeed copies at
+        # its first micro-step and adds after), so every weight the micro-batch trains must have it there.
+        first = [self._replay_pass(d, 0, g, seen) for d, g, seen in zip(deferred, mine, done)]
+        self.engine.backward(loss + sum(first), scale_wrt_gas=False)
+        for d, g, seen, count in zip(deferred, mine, done, counts):
+            for k in range(1, count):
+                self.engine.backward(self._replay_pass(d, k if k < len(d.passes) else None, g, seen),
+                                     scale_wrt_gas=False)
+        self.passes_with_gradients += sum(counts)
 
-    def _replay_pass(self, deferred: DeferredForward, k: int, grads, contexts_done: set[int]) -> torch.Tensor:
-        plan = plan_part(self.served, deferred.forward_plan, sub_plan(deferred.plan, deferred.passes[k]))
-        _, most = self._vote(True, BACKWARD, plan.model_calls)
-        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay", update_pass=True)
-        return pass_surrogate(deferred, k, out, grads, contexts_done)
+    def _replay_pass(self, deferred: DeferredForward, k: int | None, grads, contexts_done: set[int]) -> torch.Tensor:
+        """Pass ``k`` of a deferred forward (None: a throw-away pass) with gradients, and its share of the loss.
+        Replicas vote before it (its model calls) and after it (whether it succeeded), so that a rank that fails,
+        out of memory for one, stops every rank before the backward's collectives."""
+        whole, plan, error = deferred.forward_plan, None, None
+        try:
+            if k is None:
+                contexts, candidates = self._throwaway_inputs(any(c.candidates for c in deferred.plan.contexts))
+                plan = plan_forward(self.served, contexts, candidates, whole.heads, whole.adapter,
+                                    per_token=whole.needs.per_token)
+            else:
+                plan = plan_part(self.served, whole, sub_plan(deferred.plan, deferred.passes[k]))
+        except Exception as err:  # noqa: BLE001 - voted on, then raised
+            error = err
+        calls = plan.model_calls if plan is not None else 0
+        everyone_ok, most = self._vote(error is None, BACKWARD, calls)
+        self._stop_unless(everyone_ok, error)
+        part = None
+        try:
+            with self.adapters_disabled() if deferred.without_adapters else contextlib.nullcontext():
+                out = run_forward(self.served, plan, most - calls, trunk_mode="replay", update_pass=True)
+            if k is None:
+                heads = [t for v in out.heads.values() for t in (v.values() if isinstance(v, dict) else [v])]
+                part = graph_zero(out.candidate_scores, *heads)
+            else:
+                part = pass_surrogate(deferred, k, out, grads, contexts_done)
+        except Exception as err:  # noqa: BLE001 - voted on, then raised
+            error = err
+        self._stop_unless(self._vote(error is None, BACKWARD)[0], error)
+        return part
 
-    def _throwaway_pass(self) -> torch.Tensor:
-        """A pass whose gradient is zero, with the heads and adapter of the last training forward (the other
-        replicas' passes gather and reduce the same weights)."""
-        last = self.last_grad_plan
-        with_candidates = last is None or any(c.candidates for c in last.plan.contexts)
-        contexts, candidates = self._throwaway_inputs(with_candidates)
-        plan = plan_forward(self.served, contexts, candidates, last.heads if last else (),
-                            last.adapter if last else None, per_token=last is not None and last.needs.per_token)
-        _, most = self._vote(True, BACKWARD, plan.model_calls)
-        out = run_forward(self.served, plan, most - plan.model_calls, trunk_mode="replay", update_pass=True)
-        heads = [t for v in out.heads.values() for t in (v.values() if isinstance(v, dict) else [v])]
-        return graph_zero(out.candidate_scores, *heads)
+    def _stop_unless(self, everyone_ok: bool, error: Exception | None) -> None:
+        if error is not None:
+            self.failed_vote_cast = True
+            raise error
+        if not everyone_ok:
+            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped in a backward pass")
 
     def _check_inside_backward(self) -> None:
         if not self.inside_backward:
@@ -344,28 +368,6 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
     return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps,
             "passes_with_gradients": trainer.passes_with_gradients}
-
-
-def refuse_too_long(served: ServedModel, batch: UpdateBatch) -> None:
-    """Refuse, before any pass, a sample longer than the model accepts, naming its index in the call: nothing is
-    ever truncated (the updater's passes would refuse it too, but with its index in a minibatch)."""
-    if served.max_length is None or not len(batch):
-        return
-    from llmrl.engine.model.scoring.tokenization import tokenize
-
-    def check(contexts, candidates):
-        tokenize(served.tokenizer, served.llm.type, contexts, candidates, max_length=served.max_length,
-                 vocab_size=served.info.vocab_size)
-
-    try:
-        check(batch.contexts, batch.candidates)
-    except ValueError:
-        for k, index in enumerate(batch.indices):
-            try:
-                check(batch.contexts[k:k + 1], None if batch.candidates is None else batch.candidates[k:k + 1])
-            except ValueError as err:
-                raise ValueError(f"sample {index} of the update call: {err}; nothing was trained") from None
-        raise
 
 
 def plain(value):
