@@ -3,7 +3,9 @@
 log-probs from hidden states in chunks), the same with ``gradient_checkpointing: true``, and a plain Hugging Face
 + PEFT policy-gradient loop with Hugging Face's checkpointing (what a script without llmrl does).
 
-    .venv/bin/python -m benchmarks.update_memory      # CPU: 2 narrow layers, SmolLM2's 49k vocabulary (~5 minutes)
+    .venv/bin/python -m benchmarks.update_memory      # CPU: 2 narrow layers, SmolLM2's 49k vocabulary (~2.5 minutes)
+    python -m benchmarks.update_memory --shape smollm2-1.7b --devices 0 --dtype bfloat16 --prompts 8 \
+        --new-tokens 512 --prompt-tokens 49                # one GPU: the issue's batch (peak CUDA memory instead)
 
 Each llmrl path is a live run of its own (one server rank): the peak resident memory of the server during the update,
 above what it held before it (``server_memory()``: ``peak_rss`` after, ``rss`` before), and the update's time. The
@@ -24,9 +26,8 @@ import tempfile
 import time
 
 from benchmarks.kit import testkit
+from benchmarks.memory import SHAPES
 
-NARROW = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 4}
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 16}}}}
 PATHS = {  # name: (training keys, extra initializers)
     "llmrl before (one pass per micro-batch, whole logits)": (
@@ -36,14 +37,14 @@ PATHS = {  # name: (training keys, extra initializers)
 }
 
 
-def narrow_model(folder: str) -> str:
-    """A seeded random Llama with 2 narrow layers and a 49,152-token vocabulary, saved in ``folder``."""
+def narrow_model(folder: str, shape: str = "narrow") -> str:
+    """A seeded random Llama of ``shape`` (default: 2 narrow layers) with a 49,152-token vocabulary, in ``folder``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2, **NARROW)
+                         eos_token_id=2, **SHAPES[shape])
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -61,6 +62,7 @@ def llmrl_path(model: str, tokenizer: str, updater: str, training: dict, hooks: 
     """One update through a live run; its peak memory, time, statistics and trained weights."""
     heads = {"value": {"plugin": "token_value", "args": {"hidden": 16}}} if updater == "ppo_tokens" else {}
     llm = {"model": model, "tokenizer": tokenizer, "initializers": [LORA, *hooks], "heads": heads,
+           "devices": "cpu" if args.devices == "cpu" else [int(args.devices)], "dtype": args.dtype,
            "updater": {"plugin": updater, "args": {"epochs": 1}},
            "training": {"micro_batch_size": args.prompts, "optimizer": {"type": "sgd", "lr": 0.1}, **training}}
     prompts, continuations, rewards = batch(args)
@@ -71,8 +73,11 @@ def llmrl_path(model: str, tokenizer: str, updater: str, training: dict, hooks: 
         seconds = time.perf_counter() - start
         after = run.server_memory()[1]
         weights = {k: v for k, v in run.state_dict().items() if "lora_" in k or k.startswith("heads.")}
-    return {"peak_bytes": max(after["peak_rss"] - before["rss"], 0), "seconds": seconds, "stats": stats,
-            "weights": weights}
+    if "cuda_peak" in after:  # a GPU: the allocator's peak (over the server's life: loading peaks lower)
+        peak = after["cuda_peak"] - before["cuda_allocated"]
+    else:
+        peak = after["peak_rss"] - before["rss"]
+    return {"peak_bytes": max(peak, 0), "seconds": seconds, "stats": stats, "weights": weights}
 
 
 def plain_child(model: str, args) -> dict:
@@ -84,27 +89,35 @@ def plain_child(model: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    base = AutoModelForCausalLM.from_pretrained(model)
+    device = torch.device("cpu" if args.devices == "cpu" else f"cuda:{args.devices}")
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).to(device)
     policy = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.train()
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1)
     prompts, continuations, rewards = batch(args)
     rows = [(p + c, r) for p, cs, rs in zip(prompts, continuations, rewards) for c, r in zip(cs, rs)]
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * resource.getpagesize()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/statm") as f:
+            before = int(f.read().split()[1]) * resource.getpagesize()
     start = time.perf_counter()
     for first in range(0, len(rows), 8):
         part = rows[first:first + 8]
-        ids = torch.tensor([ids for ids, _ in part])
-        advantages = torch.tensor([r for _, r in part])
+        ids = torch.tensor([ids for ids, _ in part], device=device)
+        advantages = torch.tensor([r for _, r in part], device=device)
         logits = policy(input_ids=ids).logits[:, args.prompt_tokens - 1:-1].float()
         targets = ids[:, args.prompt_tokens:]
         logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
         (-(logp.sum(1) * advantages).sum() / len(rows)).backward()
     optimizer.step()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_bytes": max(peak - before, 0), "seconds": seconds}
 
 
@@ -116,12 +129,15 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--updaters", default="grpo,ppo_tokens")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="narrow")
+    parser.add_argument("--devices", default="cpu", help="cpu, or the GPU id the server (and the plain loop) use")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(plain_child(args.child, args)))
         return 0
-    folder = narrow_model(tempfile.mkdtemp(prefix="llmrl-bench-narrow-"))
+    folder = narrow_model(tempfile.mkdtemp(prefix="llmrl-bench-narrow-"), args.shape)
     tokenizer = testkit().tiny_model("llama")
     tokens = args.prompts * args.samples * (args.prompt_tokens + args.new_tokens)
     command = [sys.executable, "-m", "benchmarks.update_memory", "--child", folder] + (argv or sys.argv[1:])
@@ -133,8 +149,9 @@ def main(argv=None) -> int:
     plain = json.loads(done.stdout.strip().splitlines()[-1])
     for updater in args.updaters.split(","):
         print(f"{updater} update: {args.prompts} prompts x {args.samples} continuations x {args.new_tokens} new tokens "
-              f"({tokens} tokens), narrow Llama, vocabulary 49152, LoRA r=16, CPU; peak resident memory above the "
-              "server's before the update:")
+              f"({tokens} tokens), Llama shape {args.shape}, vocabulary 49152, LoRA r=16, {args.dtype}, devices "
+              f"{args.devices}; peak memory (resident on CPU, CUDA allocated on a GPU) above the server's before "
+              "the update:")
         runs = {name: llmrl_path(folder, tokenizer, updater, training, hooks, args)
                 for name, (training, hooks) in PATHS.items()}
         old = next(iter(runs.values()))
