@@ -6,7 +6,9 @@ row of generated tokens, :func:`group_advantages` within a GRPO group), the PPO 
 reference per token, :func:`categorical_kl` between two distributions over the same candidates), the KL-penalised
 per-token rewards and their adaptive coefficient (:func:`kl_penalised_rewards`, :class:`AdaptiveKL`), whitening
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
-continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`).
+continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
+per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
+``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
@@ -207,3 +209,62 @@ def per_prompt_token_mean(per_token: torch.Tensor, mask: torch.Tensor, candidate
     if per_token.numel() == 0:  # a replica with no token must still reach the same weights as the others
         sums = keep_in_graph(sums, per_token)
     return sums / counts.clamp(min=1)
+
+
+# ---- losses of client-owned training steps ---------------------------------------------------------------------
+
+# Per loss: the per-token inputs it reads besides the log-probs, and its configuration with the defaults.
+TOKEN_LOSSES = {
+    "cross_entropy": (("weights",), {}),
+    "importance_sampling": (("logprobs", "advantages"), {}),
+    "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "dro": (("logprobs", "advantages"), {"beta": None}),
+}
+
+
+def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None = None
+               ) -> torch.Tensor:
+    """Per-token losses ``[T]`` of one sequence; their sum is the sequence's loss. ``logprobs`` are the model's
+    log-probs of the target tokens (differentiable); ``inputs["logprobs"]`` are the sampler's.
+
+    - ``cross_entropy``: ``-weights * logp``;
+    - ``importance_sampling``: ``-exp(logp - logp_sampler) * advantages``;
+    - ``ppo``: ``-min(ratio * A, clip(ratio, clip_low_threshold, clip_high_threshold) * A)``, ``ratio =
+      exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default);
+    - ``cispo``: ``-sg(clip(ratio, low, high)) * A * logp`` (the clipped ratio weighs the log-prob's gradient and gets
+      none of its own);
+    - ``dro``: ``-(logp * A - beta / 2 * (logp - logp_sampler) ** 2)`` (``beta`` required).
+
+    Raises ValueError naming the loss and the input or key at fault (an unknown loss, a missing input or key, an
+    unknown key, an input whose length is not the log-probs').
+    """
+    if name not in TOKEN_LOSSES:
+        raise ValueError(f"unknown loss_fn {name!r}; the built-in losses are {sorted(TOKEN_LOSSES)}")
+    needed, defaults = TOKEN_LOSSES[name]
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"loss_fn_config of {name!r} has unknown key(s) {unknown}; it takes {sorted(defaults)}")
+    settings = {**defaults, **config}
+    missing = [key for key, value in settings.items() if value is None]
+    if missing:
+        raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{missing[0]!r}] (a number)")
+    for key in needed:
+        if key not in inputs:
+            raise ValueError(f"loss_fn {name!r} needs the per-token input {key!r} in every datum's loss_fn_inputs")
+        if inputs[key].shape != logprobs.shape:
+            raise ValueError(f"loss_fn_inputs[{key!r}] has {tuple(inputs[key].shape)} values but the datum has "
+                             f"{tuple(logprobs.shape)} target tokens: give one value per target token")
+    if name == "cross_entropy":
+        return -inputs["weights"] * logprobs
+    advantages, sampler = inputs["advantages"], inputs["logprobs"]
+    ratio = torch.exp(logprobs - sampler)
+    if name == "importance_sampling":
+        return -ratio * advantages
+    low, high = (settings.get("clip_low_threshold"), settings.get("clip_high_threshold"))
+    if name == "ppo":
+        return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    if name == "cispo":
+        return -torch.clamp(ratio, low, high).detach() * advantages * logprobs
+    return -(logprobs * advantages - 0.5 * settings["beta"] * (logprobs - sampler) ** 2)

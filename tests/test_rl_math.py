@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from llmrl.engine.graph import graph_zero, keep_in_graph, plus_zero
@@ -115,3 +116,43 @@ def test_graph_zeros_change_no_value_and_keep_the_dtype():
     tied = plus_zero({1: torch.ones(2), 2: torch.zeros(1)}, zero)
     assert sorted(tied) == [1, 2] and all(t.requires_grad for t in tied.values())
     close(tied[1], [1.0, 1.0])
+
+
+def test_token_losses_by_hand():
+    from llmrl.plugins.rl_math import token_loss
+
+    logp = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    sampler = torch.tensor([-1.0, -1.0, -1.0])  # ratios 1, e^0.5 = 1.6487, e^-1 = 0.3679
+    adv = torch.tensor([2.0, 1.0, -1.0])
+    inputs = {"logprobs": sampler, "advantages": adv, "weights": torch.tensor([0.0, 1.0, 2.0])}
+    r1, r2 = math.exp(0.5), math.exp(-1.0)
+    close(token_loss("cross_entropy", logp, inputs), [0.0, 0.5, 4.0])
+    close(token_loss("importance_sampling", logp, inputs), [-2.0, -r1, r2])
+    # ppo: token 2's ratio 1.6487 > 1.2 with A = 1: min(1.6487, 1.2) -> 1.2; token 3's 0.3679 < 0.8 with A = -1:
+    # min(-0.3679, -0.8) -> -0.8 (the clipped, more pessimistic one)
+    close(token_loss("ppo", logp, inputs), [-2.0, -1.2, 0.8])
+    close(token_loss("ppo", logp, inputs, {"clip_low_threshold": 0.3, "clip_high_threshold": 2.0}), [-2.0, -r1, r2])
+    # cispo: the clipped ratio (1, 1.2, 0.8) weighs A x logp, with no gradient of its own
+    cispo = token_loss("cispo", logp, inputs)
+    close(cispo, [-2.0 * -1.0, -1.2 * -0.5, -0.8 * 2.0])
+    grad, = torch.autograd.grad(cispo.sum(), logp)
+    close(grad, [-2.0, -1.2, 0.8])
+    # dro: -(logp A - beta/2 (logp - sampler)^2), beta 0.1
+    close(token_loss("dro", logp, inputs, {"beta": 0.1}), [2.0, 0.5 + 0.05 * 0.25, -2.0 + 0.05 * 1.0])
+
+
+def test_token_losses_refuse_bad_input_by_name():
+    from llmrl.plugins.rl_math import token_loss
+
+    logp = torch.zeros(3)
+    good = {"logprobs": torch.zeros(3), "advantages": torch.ones(3)}
+    with pytest.raises(ValueError, match="unknown loss_fn 'grpo'.*'cispo'"):
+        token_loss("grpo", logp, good)
+    with pytest.raises(ValueError, match="loss_fn 'ppo' needs the per-token input 'advantages'"):
+        token_loss("ppo", logp, {"logprobs": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"loss_fn_inputs\['advantages'\] has \(2,\) values but the datum has \(3,\)"):
+        token_loss("importance_sampling", logp, {"logprobs": torch.zeros(3), "advantages": torch.ones(2)})
+    with pytest.raises(ValueError, match="loss_fn 'dro' needs loss_fn_config\\['beta'\\]"):
+        token_loss("dro", logp, good)
+    with pytest.raises(ValueError, match="loss_fn_config of 'ppo' has unknown key\\(s\\) \\['clip_eps'\\]"):
+        token_loss("ppo", logp, good, {"clip_eps": 0.2})
