@@ -278,3 +278,22 @@ class PolicyThenBaseValueUpdater(Updater):
             trainer.step()
         return {}
 
+
+
+class AlternatingAdaptersUpdater(Updater):
+    """Minibatch k trains LoRA adapter ``adapters[k % 2]``: with ``gradient_accumulation_steps: 2`` each optimizer
+    step trains adapter a in its first micro-step and adapter b in its second. loss = -mean(weights x candidate
+    scores); per-sample keyword argument ``weights`` (one per candidate)."""
+
+    def __init__(self, adapters=("a", "b")):
+        self.adapters = list(adapters)
+
+    def update(self, batch, trainer):
+        for k, mb in enumerate(batch.minibatches(trainer.micro_batch_size)):
+            out = trainer.forward(mb.contexts, mb.candidates, peft_adapter=self.adapters[k % 2])
+            weights = torch.tensor([w for ws in mb.kwargs["weights"] for w in ws], dtype=torch.float32)
+            per_candidate = -weights.to(out.candidate_scores.device) * out.candidate_scores
+            per_sample = torch.zeros(out.num_contexts).index_add(0, out.candidate_context.cpu(), per_candidate.cpu())
+            trainer.backward(mb.mean(per_sample))
+            trainer.step()
+        return {}

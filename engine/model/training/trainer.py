@@ -260,6 +260,7 @@ class EngineTrainer(Trainer):
         steps = self.served.adapter_steps
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext():
             self.engine.step()
+        clear_zero3_gradients(self.engine)
         self.pending_micro_steps = 0
         self.trained_adapters = set()
         if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
@@ -305,6 +306,7 @@ class EngineTrainer(Trainer):
                 optimizer.zero_grad()
         for p in engine.module.parameters():
             p.grad = None
+        clear_zero3_gradients(engine)
         self.pending_micro_steps = 0
         self.trained_adapters = set()
         self.deferred = []
@@ -320,6 +322,16 @@ class NonFiniteUpdate(FloatingPointError):
 
 class DirectBackward(RuntimeError):
     """``loss.backward()`` was called on the trainer's outputs instead of ``trainer.backward(loss)``."""
+
+
+def clear_zero3_gradients(engine) -> None:
+    """Zero ZeRO-3's gradient partitions after an optimizer step. DeepSpeed copies a weight's gradient into its
+    partition at the first backward of a step and adds later ones to it: a weight that first gets a gradient in a
+    later backward (adapter b trained in the second micro-step, a head used only there) would add it to what the
+    previous step left, and train on that silently. Zeroed, every gradient adds up from zero."""
+    buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None:
+        buffer.zero_()
 
 
 def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -> str:
