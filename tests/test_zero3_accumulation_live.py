@@ -82,6 +82,6 @@ def test_adapters_trained_in_different_micro_steps_of_a_step_equal_plain_peft(ru
         got = run.state_dict(llm=name)
         moved = 0
         for key, value in want.items():
-            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{name} {k}: {m}")
+            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
             moved += int((value - start[key]).abs().max() > 1e-4)
         assert moved > len(want) // 3, "both adapters trained"
