@@ -27,7 +27,6 @@ This module does not pick what to train on; updaters (plugins) do.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import replace
 
 import torch
@@ -120,7 +119,7 @@ class EngineTrainer(Trainer):
         if torch.is_grad_enabled():  # replicas split together: their backward passes must run the same modules
             # (not with head_kwargs: they are the whole call's, and a pass holds only some of its rows)
             too_long = micro_batch_tokens(plan.plan) > self.max_tokens and not plan.head_kwargs
-            split = bool(self._vote(True, FORWARD, int(too_long))[1])
+            split = bool(self._agree(FORWARD, int(too_long)))
         if split:
             out = self._deferred_forward(plan, extra)
         else:
@@ -156,20 +155,15 @@ class EngineTrainer(Trainer):
             return
         grads = torch.autograd.grad(loss, [leaf for d in deferred for _, _, leaf in d.leaves], retain_graph=True,
                                     allow_unused=True)
-        ends = list(itertools.accumulate(len(d.leaves) for d in deferred))
-        mine = [grads[end - len(d.leaves):end] for d, end in zip(deferred, ends)]
-        counts = [self._vote(True, BACKWARD, len(d.passes))[1] for d in deferred]
-        done: list[set[int]] = [set() for _ in deferred]
-        # The first pass of every deferred forward goes back with the loss's own graph, in one engine backward: under
-        # ZeRO-3 a weight's first gradient in an optimizer step replaces what its buffer holds (DeepSpeed copies at
-        # its first micro-step and adds after), so every weight the micro-batch trains must have it there.
-        first = [self._replay_pass(d, 0, g, seen) for d, g, seen in zip(deferred, mine, done)]
-        self.engine.backward(loss + sum(first), scale_wrt_gas=False)
-        for d, g, seen, count in zip(deferred, mine, done, counts):
-            for k in range(1, count):
-                self.engine.backward(self._replay_pass(d, k if k < len(d.passes) else None, g, seen),
-                                     scale_wrt_gas=False)
-        self.passes_with_gradients += sum(counts)
+        pending, first = loss, 0  # the loss's own graph goes back with the first pass
+        for d in deferred:
+            mine, first = grads[first:first + len(d.leaves)], first + len(d.leaves)
+            count, done = self._agree(BACKWARD, len(d.passes)), set()
+            for k in range(count):
+                part = self._replay_pass(d, k if k < len(d.passes) else None, mine, done)
+                self.engine.backward(part if pending is None else pending + part, scale_wrt_gas=False)
+                pending = None
+            self.passes_with_gradients += count
 
     def _replay_pass(self, deferred: DeferredForward, k: int | None, grads, contexts_done: set[int]) -> torch.Tensor:
         """Pass ``k`` of a deferred forward (None: a throw-away pass) with gradients, and its share of the loss.
@@ -202,12 +196,19 @@ class EngineTrainer(Trainer):
         self._stop_unless(self._vote(error is None, BACKWARD)[0], error)
         return part
 
+    def _agree(self, doing: int, value: int) -> int:
+        """The largest ``value`` of the LLM's ranks; raises :class:`PeerAborted` when another rank failed (it has
+        left the update: going on would wait for it in a collective)."""
+        everyone_ok, most = self._vote(True, doing, value)
+        self._stop_unless(everyone_ok, None)
+        return most
+
     def _stop_unless(self, everyone_ok: bool, error: Exception | None) -> None:
         if error is not None:
             self.failed_vote_cast = True
             raise error
         if not everyone_ok:
-            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped in a backward pass")
+            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped where the replicas met")
 
     def _check_inside_backward(self) -> None:
         if not self.inside_backward:
