@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Caller",
+    "completion_datum",
     "LLMRLError",
     "ConfigError",
     "PluginError",
@@ -28,6 +29,7 @@ __all__ = [
 
 _LAZY = {
     "Caller": "llmrl.engine.client.caller",
+    "completion_datum": "llmrl.engine.requests.datums",
     "LLMRLError": "llmrl.engine.errors",
     "ConfigError": "llmrl.engine.errors",
     "PluginError": "llmrl.engine.errors",

@@ -239,17 +239,8 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     Raises ValueError naming the loss and the input or key at fault (an unknown loss, a missing input or key, an
     unknown key, an input whose length is not the log-probs').
     """
-    if name not in TOKEN_LOSSES:
-        raise ValueError(f"unknown loss_fn {name!r}; the built-in losses are {sorted(TOKEN_LOSSES)}")
-    needed, defaults = TOKEN_LOSSES[name]
-    config = dict(config or {})
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise ValueError(f"loss_fn_config of {name!r} has unknown key(s) {unknown}; it takes {sorted(defaults)}")
-    settings = {**defaults, **config}
-    missing = [key for key, value in settings.items() if value is None]
-    if missing:
-        raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{missing[0]!r}] (a number)")
+    needed, _ = TOKEN_LOSSES[name] if name in TOKEN_LOSSES else ((), {})
+    settings = token_loss_settings(name, config)
     for key in needed:
         if key not in inputs:
             raise ValueError(f"loss_fn {name!r} needs the per-token input {key!r} in every datum's loss_fn_inputs")
@@ -262,9 +253,26 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     ratio = torch.exp(logprobs - sampler)
     if name == "importance_sampling":
         return -ratio * advantages
-    low, high = (settings.get("clip_low_threshold"), settings.get("clip_high_threshold"))
+    low, high = settings.get("clip_low_threshold"), settings.get("clip_high_threshold")
     if name == "ppo":
         return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     if name == "cispo":
         return -torch.clamp(ratio, low, high).detach() * advantages * logprobs
     return -(logprobs * advantages - 0.5 * settings["beta"] * (logprobs - sampler) ** 2)
+
+
+def token_loss_settings(name: str, config: dict | None) -> dict:
+    """The configuration of loss ``name``: ``config`` over the defaults. Raises ValueError naming the loss and the
+    key at fault (an unknown loss, an unknown key, a required key missing or not a number)."""
+    if name not in TOKEN_LOSSES:
+        raise ValueError(f"unknown loss_fn {name!r}; the built-in losses are {sorted(TOKEN_LOSSES)}")
+    _, defaults = TOKEN_LOSSES[name]
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"loss_fn_config of {name!r} has unknown key(s) {unknown}; it takes {sorted(defaults)}")
+    settings = {**defaults, **config}
+    for key, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{key!r}] to be a finite number, got {value!r}")
+    return settings

@@ -1,9 +1,10 @@
 """The client API: :class:`Caller`, which your RL script uses to reach the LLM servers of its run.
 
-``Caller()`` finds the run rank 0 hosts (:mod:`llmrl.engine.client.hosting`), waits for every server rank,
-sends them the plugins given by the script, and then serves ``score``, ``custom_module_fns``, ``generate`` and
-``update`` (each with an ``_async`` twin returning a future, so the script can step its environments while the
-servers compute; calls to different LLMs run concurrently), ``save`` (:mod:`llmrl.engine.client.saving`), and
+``Caller()`` finds the run rank 0 hosts (:mod:`llmrl.engine.client.hosting`), waits for every server rank, sends
+them the plugins given by the script, and serves ``score``, ``custom_module_fns``, ``generate``, ``update`` (each
+with an ``_async`` twin returning a future; calls to different LLMs run concurrently), the steps whose loss lives in
+the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), ``save``
+(:mod:`llmrl.engine.client.saving`), and
 ``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
 the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
 them across the replicas of the target LLM and assembles the replies: results come back in order as CPU tensors and
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmrl.engine.client.hosting import current_run
+from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -33,7 +35,7 @@ from llmrl.engine.errors import (
 from llmrl.engine.requests import admin, generate, inputs, score, state_dict, tokenize, update
 
 
-class Caller:
+class Caller(ClientTraining):
     """Your script's handle on the LLM servers of this run.
 
     Create it once, inside a script started by ``llmrl run`` (or ``deepspeed --module llmrl.launch``).
@@ -92,8 +94,6 @@ class Caller:
             if bar:
                 bar.close()
         run.caller = self
-
-    # ------------------------------------------------------------------ helpers
 
     @property
     def llms(self) -> list[str]:

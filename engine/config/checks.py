@@ -81,6 +81,9 @@ def semantic_problems(data: dict) -> list[Problem]:
         if llm.get("kv_cache_mb", 0) and llm.get("type", "causal") != "causal":
             problems.append((f"{at}.kv_cache_mb", "the cache across calls holds a causal model's context keys and "
                              "values; a seq2seq model re-encodes its contexts: set kv_cache_mb: 0"))
+        if llm.get("trainable") is False and llm.get("updater"):
+            problems.append((f"{at}.trainable", "an LLM with an updater is trained: remove the updater, or set "
+                             "trainable: true (or leave it out)"))
         dtype = llm.get("dtype", "float32")
         if dtype == "float16" and devices == "cpu":
             problems.append((f"{at}.dtype",

@@ -95,6 +95,7 @@ class LLMConfig:
     initializers: tuple[PluginSpec, ...] = ()
     heads: dict[str, PluginSpec] = field(default_factory=dict)
     updater: PluginSpec | None = None
+    trainable: bool | None = None  # None: trained when it has an updater
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: str | None = None
 

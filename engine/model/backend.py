@@ -82,6 +82,15 @@ class ModelBackend(ABC):
         """Run the updater on this replica's share (collective); returns its stats."""
 
     @abstractmethod
+    def forward_backward(self, request) -> dict:
+        """Log-probs, a built-in loss and (``request.backward``) its gradients, accumulated until ``optim_step``, for
+        this replica's share of token-level sequences (collective)."""
+
+    @abstractmethod
+    def optim_step(self, settings: dict, adapter: str | None) -> dict:
+        """One optimizer step over the accumulated gradients, with this step's hyperparameters (collective)."""
+
+    @abstractmethod
     def save(self, folder: str) -> None:
         """Write this rank's part of a checkpoint into ``folder`` (collective)."""
 

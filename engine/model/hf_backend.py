@@ -97,8 +97,10 @@ class HFBackend(ModelBackend):
         start_id = decoder_start_id(self.model)
         self.module = ModelWithHeads(self.model, heads, self.llm.type, self.tokenizer.pad_token_id, start_id,
                                      {key: spec.plugin for key, spec in self.head_specs.items()})
-        if self.updater is not None and not any(p.requires_grad for p in self.module.parameters()):
-            raise PluginError(f"LLM {self.llm.name!r} has an updater but no trainable parameter "
+        self.trainable = self.llm.trainable if self.llm.trainable is not None else self.updater is not None
+        if self.trainable and not any(p.requires_grad for p in self.module.parameters()):
+            why = "an updater" if self.updater is not None else "trainable: true"
+            raise PluginError(f"LLM {self.llm.name!r} has {why} but no trainable parameter "
                               "(did an initializer freeze everything?)")
         from llmrl.engine.model.reuse.trunk import trunk_depth
 
@@ -110,7 +112,7 @@ class HFBackend(ModelBackend):
         from llmrl.engine.model.training.optimizer import AdapterSteps, make_optimizer
 
         optimizer = adapter_steps = None
-        if self.updater is not None:
+        if self.trainable:
             optimizer = make_optimizer(self.module, self.adapters, self.llm.training.optimizer)
             adapter_steps = AdapterSteps(optimizer)
         else:
@@ -134,10 +136,10 @@ class HFBackend(ModelBackend):
         if self.llm.kv_cache_mb > 0:
             self.prefix_cache = make_prefix_cache(self.model, self.llm)
         if self.llm.trunk_reuse_mb > 0:
-            self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth, self.updater is not None)
+            self.module.trunk = make_trunk(self.model, self.llm, self.trunk_depth, self.trainable)
         self.checkpointed_layers = 0
         checkpointing = self.llm.training.gradient_checkpointing
-        if self.updater is not None and (checkpointing if checkpointing is not None else self.device.type == "cuda"):
+        if self.trainable and (checkpointing if checkpointing is not None else self.device.type == "cuda"):
             from llmrl.engine.model.training.checkpointing import enable_checkpointing
 
             self.checkpointed_layers = enable_checkpointing(self.model)
@@ -211,6 +213,20 @@ class HFBackend(ModelBackend):
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
+    def forward_backward(self, request):
+        from llmrl.engine.model.training.client_steps import forward_backward
+
+        return forward_backward(self.served, request)
+
+    def optim_step(self, settings, adapter):
+        from llmrl.engine.model.training.client_steps import optim_step
+
+        try:
+            return optim_step(self.served, settings, adapter)
+        finally:
+            trunk = self.module.trunk
+            self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
+
     def weights_changed(self, unchanged_below: int = 0) -> None:
         """The cache across calls holds keys and values computed with the old weights: forget them. When the
         layers below ``unchanged_below`` kept their weights (an update, all of whose trainable parameters sit from
@@ -270,7 +286,7 @@ def make_prefix_cache(model, llm):
     return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
 
 
-def make_trunk(model, llm, depth: int, has_updater: bool):
+def make_trunk(model, llm, depth: int, trainable: bool):
     """The frozen-trunk store for ``llms.<name>.trunk_reuse_mb``; refuses models with nothing frozen to reuse."""
     from llmrl.engine.errors import ConfigError
     from llmrl.engine.model.reuse.trunk import Trunk, decoder_layers
@@ -280,8 +296,9 @@ def make_trunk(model, llm, depth: int, has_updater: bool):
     if layers is None:
         raise ConfigError([(where, f"this model ({type(model).__name__}) keeps no decoder layers where frozen-trunk "
                                    "reuse looks (model.layers, as Llama, Qwen2, Mistral do): set it to 0")])
-    if not has_updater:  # from the config or handed to the Caller by the script
-        raise ConfigError([(where, "frozen-trunk reuse serves updates and this LLM has no updater: set it to 0")])
+    if not trainable:  # an updater from the config or handed to the Caller by the script, or trainable: true
+        raise ConfigError([(where, "frozen-trunk reuse serves updates and this LLM is not trained (no updater, "
+                                   "trainable not set): set it to 0")])
     if not 0 < depth < len(layers):
         raise ConfigError([(where, f"the first trainable (or adapted) layer is {depth}: nothing below it to reuse; "
                                    "train only the top layers (lora's last_layers, or the freeze initializer) or set "

@@ -53,6 +53,8 @@ class ServedModel:
     updater: Updater | None = None
     updater_name: str | None = None
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
+    pending_backwards: int = 0  # forward_backward calls whose gradients wait for optim_step (training/client_steps.py)
+    pending_adapters: set = field(default_factory=set)  # the adapters those gradients train
 
     @property
     def module(self):

@@ -8,7 +8,17 @@ Caller method that calls its ``send``. The kinds do not move bytes (:mod:`llmrl.
 
 from __future__ import annotations
 
-from llmrl.engine.requests import admin, generate, save, score, state_dict, tokenize, update
+from llmrl.engine.requests import (
+    admin,
+    forward_backward,
+    generate,
+    optim_step,
+    save,
+    score,
+    state_dict,
+    tokenize,
+    update,
+)
 from llmrl.engine.requests.base import Kind
 
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (
@@ -16,6 +26,8 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     score.KIND,
     generate.KIND,
     update.KIND,
+    forward_backward.KIND,
+    optim_step.KIND,
     save.KIND,
     state_dict.KIND,
     tokenize.KIND,

@@ -352,6 +352,10 @@ def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -
 
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     """Run the LLM's updater on this rank's share; returns its stats (plain Python)."""
+    if served.pending_backwards:
+        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending_backwards} forward_backward "
+                         "call(s) not yet applied: call optim_step() before update() (the update's step would apply "
+                         "them too)")
     if served.updater is None:
         raise ValueError(f"LLM {served.llm.name!r} has no updater; set llms.{served.llm.name}.updater in the config")
     trainer = EngineTrainer(served)

@@ -1,0 +1,160 @@
+"""Training steps whose loss and schedule belong to the script: ``forward_backward`` and ``optim_step`` on a replica.
+
+``forward_backward`` runs the model over a share of token-level sequences through the same
+:class:`~llmrl.engine.model.training.trainer.EngineTrainer` an updater gets (so passes bounded by tokens, votes
+between replicas, non-finite checks and per-adapter bookkeeping are the ones of ``update``), computes a built-in
+per-token loss (:func:`llmrl.plugins.rl_math.token_loss`) and back-propagates its **sum** over the share.
+DeepSpeed averages gradients over the replicas, so each replica's sum is multiplied by their number: the reduced
+gradient is the gradient of the loss summed over the whole call, as Tinker defines it. Gradients are not applied:
+they accumulate on the engine, call after call, and the :class:`ServedModel` remembers how many backward passes
+and which adapters are pending, until ``optim_step`` takes one optimizer step over them, with the learning rate,
+betas, eps, weight decay and clipping the script gave for that step (:func:`step_settings`; the config's values
+are restored after it).
+
+A failed call (out of memory on one replica, a non-finite loss) discards every pending gradient on every replica
+and says so: accumulated gradients can no longer be told apart. ``update`` is refused while gradients are pending.
+
+This module does not check the client's data (:mod:`llmrl.engine.requests.datums` does) nor choose a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from llmrl.engine.errors import PeerAborted
+from llmrl.engine.graph import keep_in_graph
+from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.training.trainer import END, EngineTrainer
+from llmrl.plugins.rl_math import token_loss
+
+
+def _trainer(served: ServedModel, what: str) -> EngineTrainer:
+    """A trainer that carries on from the gradients pending on ``served``."""
+    if served.adapter_steps is None:
+        name = served.llm.name
+        raise ValueError(f"{what} trains LLM {name!r}, which holds no optimizer: set llms.{name}.trainable: true in "
+                         "the config (an LLM with an updater is trainable too)")
+    trainer = EngineTrainer(served)
+    trainer.pending_micro_steps = served.pending_backwards
+    trainer.trained_adapters = set(served.pending_adapters)
+    return trainer
+
+
+def _discard(served: ServedModel, trainer: EngineTrainer) -> str:
+    """Forget every pending gradient; returns what to tell the script."""
+    earlier = served.pending_backwards
+    trainer.discard_partial_accumulation()
+    served.pending_backwards, served.pending_adapters = 0, set()
+    if earlier == 0:
+        return "no gradient was pending"
+    return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
+            "discarded on every replica")
+
+
+def forward_backward(served: ServedModel, request) -> dict:
+    """One replica's share of a ``forward_backward`` (``request.backward``) or ``forward`` call: per sequence, the
+    log-probs of its targets and their per-token losses, and the share's summed loss."""
+    what = "forward_backward" if request.backward else "forward"
+    if served.llm.type != "causal":
+        raise ValueError(f"{what} reads next-token log-probs of a causal model; LLM {served.llm.name!r} is "
+                         f"{served.llm.type}")
+    for k, seq in enumerate(request.sequences):
+        if served.max_length is not None and len(seq.tokens) - 1 > served.max_length:
+            raise ValueError(f"data[{request.first_index + k}] has {len(seq.tokens) - 1} input tokens; this model "
+                             f"accepts at most {served.max_length} (nothing was trained)")
+    trainer = _trainer(served, what) if request.backward else EngineTrainer(served)
+    contexts = [seq.tokens[:1] for seq in request.sequences]
+    candidates = [[seq.tokens[1:]] for seq in request.sequences]
+    try:
+        with torch.set_grad_enabled(request.backward):
+            out = trainer.forward(contexts, candidates, peft_adapter=request.adapter, per_token=True)
+            logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
+            losses = [token_loss(request.loss_fn, lp, _tensors(seq.inputs), request.loss_fn_config)
+                      for lp, seq in zip(logprobs, request.sequences)] if request.loss_fn is not None else []
+            total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
+            if request.backward:
+                trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
+        trainer._check_peers(True, END)
+    except PeerAborted as err:
+        raise _noted(err, _discard(served, trainer)) if request.backward else err  # noqa: B904 - completed
+    except Exception as err:
+        if not trainer.failed_vote_cast:
+            trainer._check_peers(False, END)
+        raise _noted(err, _discard(served, trainer)) if request.backward else err  # noqa: B904 - completed
+    if request.backward:
+        served.pending_backwards += 1
+        served.pending_adapters = set(trainer.trained_adapters)
+    outputs = [{"logprobs": lp.detach().cpu(), "elementwise_loss": loss.detach().float().cpu()} if losses else
+               {"logprobs": lp.detach().cpu()} for lp, loss in zip(logprobs, losses or logprobs)]
+    return {"outputs": outputs, "loss": float(total.detach())}
+
+
+def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict:
+    """One optimizer step over the pending gradients, with ``settings`` (Tinker's AdamParams names) for this step.
+    ``adapter``: refuse when another adapter also has pending gradients (it would be stepped too)."""
+    trainer = _trainer(served, "optim_step")
+    if adapter is not None:
+        served.check_adapter(adapter)
+        others = sorted(served.pending_adapters - {adapter})
+        if others:
+            raise ValueError(f"optim_step(adapter={adapter!r}) would also step adapter(s) {others}, whose "
+                             "forward_backward gradients are pending too; call optim_step() without adapter= to step "
+                             "them all, or step each before training the next")
+    if served.pending_backwards == 0:
+        return {"optimizer_steps": 0, "adapters": [], "grad_norm": None}
+    stepped = sorted(a for a in served.pending_adapters if a is not None)
+    try:
+        with step_settings(served, settings):
+            trainer.flush()
+    except Exception as err:
+        raise _noted(err, _discard(served, trainer))  # noqa: B904 - the same error, its message completed
+    served.pending_backwards, served.pending_adapters = 0, set()
+    norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
+    norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else None
+    return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}
+
+
+@contextlib.contextmanager
+def step_settings(served: ServedModel, settings: dict):
+    """Inside, the optimizer's groups use ``settings`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay``) and DeepSpeed clips at ``grad_clip_norm`` (0: no clipping); the config's values come back
+    after."""
+    groups = served.adapter_steps.optimizer.param_groups
+    saved = [dict((k, g[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in g) for g in groups]
+    engine = served.engine
+    zero_optimizer = engine.optimizer if hasattr(engine.optimizer, "clip_grad") else None
+    clipping = engine._config.gradient_clipping, getattr(zero_optimizer, "clip_grad", None)
+    try:
+        for group in groups:
+            if "learning_rate" in settings:
+                group["lr"] = settings["learning_rate"]
+            if "betas" in group and ("beta1" in settings or "beta2" in settings):
+                beta1, beta2 = group["betas"]
+                group["betas"] = (settings.get("beta1", beta1), settings.get("beta2", beta2))
+            if "eps" in settings and "eps" in group:
+                group["eps"] = settings["eps"]
+            if "weight_decay" in settings:
+                group["weight_decay"] = settings["weight_decay"]
+        if "grad_clip_norm" in settings:
+            engine._config.gradient_clipping = settings["grad_clip_norm"]
+            if zero_optimizer is not None:
+                zero_optimizer.clip_grad = settings["grad_clip_norm"]
+        yield
+    finally:
+        for group, values in zip(groups, saved):
+            group.update(values)
+        engine._config.gradient_clipping = clipping[0]
+        if zero_optimizer is not None:
+            zero_optimizer.clip_grad = clipping[1]
+
+
+def _noted(err: Exception, note: str) -> Exception:
+    """``err`` with ``note`` appended to its message (the same type and traceback)."""
+    err.args = (f"{err}; {note}",)
+    return err
+
+
+def _tensors(inputs: dict[str, list[float]]) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()}

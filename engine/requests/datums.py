@@ -1,0 +1,146 @@
+"""Token-level training data for ``forward_backward`` and ``forward``: what a datum is, a helper that builds one,
+and the checks made on the client before anything is sent.
+
+A datum is one sequence, in Tinker's form: a dict ``{"model_input": ids, "loss_fn_inputs": {...}}`` where
+``model_input`` is the model's input token ids (``tokens[:-1]`` of the whole sequence) and ``loss_fn_inputs`` holds
+``target_tokens`` (``tokens[1:]``: the token each input position predicts) and the loss's per-token inputs, one
+value per target token (``weights`` for ``cross_entropy``; the sampler's ``logprobs`` and the ``advantages`` for
+the policy-gradient losses). :func:`completion_datum` builds one from a prompt and a completion.
+
+Targets must be the input shifted by one (the log-prob of target ``t`` is then read in the same forward pass as
+every other), which is what every Tinker recipe builds; other targets are refused with the position at fault.
+
+This module checks and converts; it sends nothing and computes no loss (:func:`llmrl.plugins.rl_math.token_loss`
+does, on the servers).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
+from llmrl.engine.requests.inputs import token_ids
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One checked datum: its tokens (``model_input`` followed by the last target) and per-token loss inputs
+    (float lists, one value per target token)."""
+
+    tokens: list[int]
+    inputs: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.tokens) - 1
+
+
+def completion_datum(prompt, completion, **per_token) -> dict:
+    """A datum that trains on ``completion`` given ``prompt`` (both token id lists).
+
+    Each keyword is a per-token loss input for the completion's tokens: a list with one value per completion token
+    (a sample's ``logprobs``), or one number for all of them (a sequence's advantage, a weight of 1.0). The prompt's
+    target positions get 0 for every input, so they add nothing to the loss. Example::
+
+        completion_datum(prompt_ids, sample["tokens"], logprobs=sample["logprobs"], advantages=advantage)
+    """
+    prompt = token_ids(prompt, "prompt")
+    completion = token_ids(completion, "completion")
+    if not prompt or not completion:
+        raise InvalidArgument("completion_datum needs a prompt of at least one token and a non-empty completion")
+    tokens = prompt + completion
+    inputs = {}
+    for key, value in per_token.items():
+        single = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        values = [float(value)] * len(completion) if single else _floats(value, key)
+        if len(values) != len(completion):
+            raise InvalidArgument(f"{key} has {len(values)} values for a completion of {len(completion)} tokens: "
+                                  "give one value per completion token, or one number for all")
+        inputs[key] = [0.0] * (len(prompt) - 1) + values
+    return {"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], **inputs}}
+
+
+def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, what: str = "data") -> list[Sequence]:
+    """The checked sequences of ``data`` (a list of datums), whose loss reads the per-token inputs ``needed``
+    (None: no loss on the servers; the other inputs are neither read nor sent).
+
+    Raises :class:`InvalidArgument` / :class:`InvalidArgumentType` naming the datum and the field at fault: a
+    missing field, targets that are not the input shifted by one, an input whose length is not the number of target
+    tokens, a non-finite value, a token id beyond the vocabulary, an input the loss does not read."""
+    if isinstance(data, (str, bytes, dict)) or not hasattr(data, "__len__"):
+        raise InvalidArgumentType(f"{what} must be a list of datums (dicts with model_input and loss_fn_inputs), got "
+                                  f"{type(data).__name__}")
+    if len(data) == 0:
+        raise InvalidArgument(f"{what} is empty: give at least one datum")
+    return [_check_datum(datum, f"{what}[{i}]", needed, vocab_size) for i, datum in enumerate(data)]
+
+
+def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: int | None) -> Sequence:
+    if not isinstance(datum, dict) or "model_input" not in datum or "loss_fn_inputs" not in datum:
+        raise InvalidArgumentType(f"{where} must be a dict with 'model_input' (token ids) and 'loss_fn_inputs' "
+                                  f"(target_tokens and per-token inputs), got {_describe(datum)}; "
+                                  "llmrl.completion_datum(prompt, completion, ...) builds one")
+    model_input = token_ids(datum["model_input"], f"{where}['model_input']")
+    if not model_input:
+        raise InvalidArgument(f"{where}['model_input'] must be a non-empty list of token ids")
+    loss_inputs = datum["loss_fn_inputs"]
+    if not isinstance(loss_inputs, dict) or "target_tokens" not in loss_inputs:
+        raise InvalidArgument(f"{where}['loss_fn_inputs'] must be a dict holding 'target_tokens' (one per input "
+                              "token: the next token of the sequence)")
+    targets = token_ids(loss_inputs["target_tokens"], f"{where}['loss_fn_inputs']['target_tokens']")
+    if targets is None or len(targets) != len(model_input):
+        got = "not a list of token ids" if targets is None else f"{len(targets)} targets"
+        raise InvalidArgument(f"{where}: {got} for {len(model_input)} input tokens; give one target per input token "
+                              "(target_tokens = tokens[1:] when model_input = tokens[:-1])")
+    for t in range(len(model_input) - 1):
+        if targets[t] != model_input[t + 1]:
+            raise InvalidArgument(f"{where}['loss_fn_inputs']['target_tokens'][{t}] is {targets[t]} but the next input "
+                                  f"token is {model_input[t + 1]}: targets must be the input shifted by one "
+                                  "(model_input = tokens[:-1], target_tokens = tokens[1:])")
+    tokens = model_input + [targets[-1]]
+    if vocab_size is not None and max(tokens) >= vocab_size:
+        raise InvalidArgument(f"{where} holds token id {max(tokens)}, beyond the model's vocabulary of {vocab_size}")
+    inputs = {}
+    for key, value in loss_inputs.items():
+        if key == "target_tokens" or needed is None:
+            continue
+        if key not in needed:
+            reads = ", ".join(needed) or "no per-token input"
+            raise InvalidArgument(f"{where}['loss_fn_inputs'] holds {key!r}, which this loss does not read (it reads "
+                                  f"target_tokens and {reads}); remove it, or pick the loss that reads it")
+        values = _floats(value, f"{where}['loss_fn_inputs'][{key!r}]")
+        if len(values) != len(targets):
+            raise InvalidArgument(f"{where}['loss_fn_inputs'][{key!r}] has {len(values)} values for {len(targets)} "
+                                  "target tokens: give one value per target token")
+        inputs[key] = values
+    missing = [key for key in needed or () if key not in inputs]
+    if missing:
+        raise InvalidArgument(f"{where}['loss_fn_inputs'] lacks {missing[0]!r}, which this loss reads (one value per "
+                              "target token)")
+    return Sequence(tokens, inputs)
+
+
+def _floats(value: Any, where: str) -> list[float]:
+    """``value`` (a list of numbers, or a 1-D tensor or array) as finite floats."""
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        if getattr(value, "ndim", 1) != 1:
+            raise InvalidArgumentType(f"{where} must be 1-D (one value per token), got shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InvalidArgumentType(f"{where} must be a list of numbers, got {_describe(value)}")
+    out = []
+    for k, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise InvalidArgumentType(f"{where}[{k}] must be a number, got {_describe(v)}")
+        if not math.isfinite(v):
+            raise InvalidArgument(f"{where}[{k}] is {v}; every value must be finite (nothing was sent, no weight "
+                                  "changed)")
+        out.append(float(v))
+    return out
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]

@@ -1,0 +1,63 @@
+"""The ``forward_backward`` request kind, behind ``Caller.forward_backward`` and ``Caller.forward``: per-token
+log-probs of token-level data, a built-in loss on them, and (for ``forward_backward``) its gradients, accumulated
+on the servers until ``optim_step``.
+
+Client half: the data are checked (:mod:`llmrl.engine.requests.datums`) and the loss's configuration too
+(:func:`llmrl.plugins.rl_math.token_loss_settings`) before anything is sent; the sequences are split across the
+replicas by their token counts, every replica taking part (their backward passes reduce gradients together). The
+answers come back in datum order: each datum's ``logprobs`` and ``elementwise_loss`` (one value per target token),
+and the loss summed over every datum (``metrics["loss:sum"]``). Server half: the backend runs
+:func:`llmrl.engine.model.training.client_steps.forward_backward` on the replica's share.
+
+This module computes nothing; the losses are :func:`llmrl.plugins.rl_math.token_loss`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from llmrl.engine.requests.base import Kind, Run, replica_parts, split_by_cost
+from llmrl.engine.requests.datums import Sequence
+
+NAME = "forward_backward"
+
+
+@dataclass(frozen=True)
+class ForwardBackwardRequest:
+    """One replica's share of a forward_backward (or forward) call."""
+
+    sequences: list[Sequence]
+    loss_fn: str | None  # None: log-probs only (forward)
+    loss_fn_config: dict = field(default_factory=dict)
+    backward: bool = True
+    adapter: str | None = None
+    first_index: int = 0  # position of the first sequence in the whole call (for error messages)
+
+
+def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, loss_fn_config: dict, backward: bool,
+         adapter: str | None) -> Future:
+    bounds = split_by_cost([float(len(s.tokens)) for s in sequences], len(run.replicas(llm)))
+
+    def share(start: int, stop: int) -> ForwardBackwardRequest:
+        return ForwardBackwardRequest(sequences[start:stop], loss_fn, dict(loss_fn_config), backward, adapter, start)
+
+    parts, leaders = replica_parts(run, llm, bounds, share, keep_empty=True)
+
+    def assemble(values: dict) -> dict:
+        outputs, loss = [], 0.0
+        for leader in leaders:
+            outputs.extend(values[leader]["outputs"])
+            loss += values[leader]["loss"]
+        metrics = {"loss:sum": loss} if loss_fn is not None else {}
+        return {"loss_fn_outputs": outputs, "metrics": metrics}
+
+    return run.submit(NAME, parts, assemble)
+
+
+def handle(replica, request: ForwardBackwardRequest):
+    result = replica.backend.forward_backward(request)
+    return result if replica.answers else None
+
+
+KIND = Kind(NAME, ForwardBackwardRequest, handle)
