@@ -18,12 +18,11 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from llmrl.engine.client.hosting import current_run
+from llmrl.engine.client.hosting import current_run, startup_bar
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
     InvalidArgument,
@@ -83,7 +82,7 @@ class Caller(ClientTraining):
         self._rng = random.Random(self.config.seed)
         target = self._llm(llm)
         plugins: dict[str, dict[str, Any]] = {target: given} if given else {}
-        bar = _startup_bar(progress, len(run.roles))
+        bar = startup_bar(progress, len(run.roles))
         try:
             run.links.wait_connected(self.config.timeouts.startup, bar.update_to if bar else None)
             if bar:
@@ -245,14 +244,20 @@ class Caller(ClientTraining):
 
     def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,
                  minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
-        """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments). Contexts are strings
-        (tokenised with special tokens, as :meth:`score` tokenises contexts) or lists of token ids used as given.
+        """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments: ``temperature``,
+        ``top_k``, ``top_p``, ...; ``seed`` makes a call reproducible). Contexts are strings (tokenised as :meth:`score`
+        tokenises contexts) or lists of token ids used as given. ``stop``: strings (matched as Hugging Face's
+        ``stop_strings``) and/or token ids or id lists; ``prompt_logprobs=True`` adds the prompts' log-probs.
 
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
-            including EOS), ``logprobs`` (each token's log-prob under the raw model distribution, so they agree
-            with ``score``) and ``logprob`` (their sum). With ``num_beams > 1`` each dict also has ``beam_score``:
-            Hugging Face's length-normalised beam score (``sequences_scores``) of that sequence.
+            including EOS or the stop), ``logprobs`` (each token's raw model log-prob: they agree with ``score``),
+            ``sampling_logprobs`` (greedy and sampling: the log-prob under the distribution the token was drawn
+            from, after temperature / top-k / top-p; the denominator of an importance ratio against the sampler),
+            ``logprob`` (their sum), ``stop_reason`` (``"stop"``: EOS or a stop; ``"length"``: ``max_new_tokens``)
+            and ``stop`` (the stop string or ids that matched, else None); ``prompt_logprobs`` on request (each
+            prompt token's but the first), and with ``num_beams > 1`` ``beam_score`` (Hugging Face's
+            ``sequences_scores``).
         """
         return self._wait(self.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                               minibatch_size=minibatch_size, **generate_kwargs))
@@ -378,22 +383,3 @@ class Caller(ClientTraining):
             self._closed = True
             self._run.shutdown(abort=True, reason=f"the script raised {exc_type.__name__}")
 
-
-def _startup_bar(progress: bool, total: int):
-    """A progress bar of servers connecting (None when progress is off or tqdm is missing)."""
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    bar = tqdm(total=total, desc="llmrl: servers connected", unit="rank", leave=False, file=sys.stderr,
-               disable=None)  # None: shown on a terminal, silent in logs
-
-    def update_to(done: int, _total: int) -> None:
-        if done != bar.n:
-            bar.n = done
-            bar.refresh()
-
-    bar.update_to = update_to
-    return bar

@@ -2,8 +2,9 @@
 
 Before the script starts, :class:`ClientRun` hosts the run's store (where the servers find the run's token
 and the client's address) and the listener the servers connect to while they load their models; the
-script's ``Caller()`` then finds this run through :func:`current_run`. :func:`run_client` is rank 0's entry
-point: it runs the script and ends the run with the script's exit code.
+script's ``Caller()`` then finds this run through :func:`current_run` (and shows the servers connecting with
+:func:`startup_bar`). :func:`run_client` is rank 0's entry point: it runs the script and ends the run with the
+script's exit code.
 
 This module neither splits requests nor assembles results; the request kinds do.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -109,3 +111,23 @@ def run_client(config: Config, run_script: Callable[[], int]) -> int:
     if run.links.dead and code == 0:
         code = 1
     return code
+
+
+def startup_bar(progress: bool, total: int):
+    """A progress bar of servers connecting (None when progress is off or tqdm is missing)."""
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(total=total, desc="llmrl: servers connected", unit="rank", leave=False, file=sys.stderr,
+               disable=None)  # None: shown on a terminal, silent in logs
+
+    def update_to(done: int, _total: int) -> None:
+        if done != bar.n:
+            bar.n = done
+            bar.refresh()
+
+    bar.update_to = update_to
+    return bar

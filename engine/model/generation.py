@@ -28,9 +28,10 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from llmrl.engine.model.scoring.planning import group_greedily
 from llmrl.engine.model.scoring.tokenization import encode_inputs
+from llmrl.engine.model.stops import StopRecorder, parse_stop, which_stop
 
 RESERVED_KWARGS = ("input_ids", "attention_mask", "return_dict_in_generate", "output_logits", "output_scores",
-                   "synced_gpus", "inputs", "decoder_input_ids")
+                   "synced_gpus", "inputs", "decoder_input_ids", "tokenizer")
 
 
 def check_generate_kwargs(kwargs: dict) -> None:
@@ -65,6 +66,8 @@ class GenerationPlan:
     batches: list[list[int]]
     kwargs: dict
     num_return: int
+    stop: tuple[list[str], list[list[int]]] = ([], [])  # strings, token-id sequences (engine/model/stops.py)
+    prompt_logprobs: bool = False
 
 
 def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, token_budget: int, max_rows: int,
@@ -73,6 +76,13 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     (reserved arguments, inputs too long, ids outside ``[0, vocab_size)``) before anything runs."""
     check_generate_kwargs(kwargs)
     kwargs = dict(kwargs)
+    stop = parse_stop(kwargs.pop("stop", None))
+    if kwargs.get("stop_strings") is not None:  # Hugging Face's own argument: the same strings, the same matching
+        strings = kwargs.pop("stop_strings")
+        stop = (stop[0] + ([strings] if isinstance(strings, str) else list(strings)), stop[1])
+    prompt_logprobs = bool(kwargs.pop("prompt_logprobs", False))
+    if (stop[0] or stop[1]) and not _reads_logprobs_stepwise(model, kwargs):
+        raise ValueError("stop applies to greedy decoding and sampling (num_beams 1), not to beam search")
     num_return = int(kwargs.get("num_return_sequences", 1))
     new_tokens = int(kwargs.get("max_new_tokens", getattr(model.generation_config, "max_new_tokens", None) or 20))
     kwargs.setdefault("max_new_tokens", new_tokens)
@@ -87,7 +97,7 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
     batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows)
-    return GenerationPlan(prompts, batches, kwargs, num_return)
+    return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs)
 
 
 def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
@@ -104,15 +114,39 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
         torch.manual_seed(seed)
     for batch in plan.batches:
         _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                        plan.num_return, [results[i] for i in batch])
+                        plan.num_return, [results[i] for i in batch], plan.stop)
+    dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
     for _ in range(extra_batches):
-        dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
-                        [[]])
+                        [[]], plan.stop)
+    if plan.prompt_logprobs and kind == "causal":
+        for batch in [*plan.batches, *[None] * extra_batches]:  # ZeRO-3 ranks make the same number of calls
+            prompts = dummy if batch is None else [plan.prompts[i] for i in batch]
+            for k, logprobs in enumerate(prompt_token_logprobs(model, prompts, tokenizer.pad_token_id, device)):
+                for sample in ([] if batch is None else results[batch[k]]):
+                    sample["prompt_logprobs"] = logprobs
     return results
 
 
-def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks) -> None:
+def prompt_token_logprobs(model, prompts: list[list[int]], pad_id: int, device) -> list[torch.Tensor]:
+    """Per prompt, the raw log-prob of each of its tokens but the first given those before it (right-padded, so
+    positions are those of the prompt alone)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)], mask[r, :len(p)] = torch.tensor(p), 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
+    out = []
+    for r, p in enumerate(prompts):
+        rows = logits[r, :len(p) - 1]
+        target = torch.tensor(p[1:], device=rows.device)[:, None]
+        out.append((rows.gather(-1, target).squeeze(-1) - torch.logsumexp(rows, -1)).cpu())
+    return out
+
+
+def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -125,10 +159,13 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
             mask[r, : len(p)] = 1
     stepwise = _reads_logprobs_stepwise(model, kwargs)
     chosen = ChosenLogprobs(model) if stepwise else None
+    recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return) if stop[0] or stop[1] else None
     try:
         if chosen is not None:
             user_criteria = kwargs.get("stopping_criteria") or []
-            kwargs = {**kwargs, "stopping_criteria": StoppingCriteriaList([*user_criteria, chosen])}
+            added = [chosen] if recorder is None else [recorder, chosen]
+            kwargs = {**kwargs, "stopping_criteria": StoppingCriteriaList([*user_criteria, *added]),
+                      "output_scores": True}  # each step's processed scores, read and freed by ChosenLogprobs
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), return_dict_in_generate=True,
                              output_logits=not stepwise, synced_gpus=synced, **kwargs)
     finally:
@@ -140,20 +177,30 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         steps = min(len(chosen.steps), sequences.shape[1])
         sequences = sequences[:, :steps]
         logprobs = torch.stack(chosen.steps[:steps], dim=1).cpu() if steps else torch.zeros(sequences.shape)
+        sampled = torch.stack(chosen.sampled[:steps], dim=1).cpu() if steps else torch.zeros(sequences.shape)
     else:
         steps = min(len(out.logits), sequences.shape[1])
         sequences = sequences[:, :steps]
         logprobs = _logprobs_from_logits(out.logits, sequences, beam_indices, steps)
+        sampled = None
     sequences = sequences.cpu()
     beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
     for row in range(sequences.shape[0]):
         tokens = sequences[row].tolist()
-        end = next((t + 1 for t, tok in enumerate(tokens) if tok in eos), len(tokens))
+        eos_end = next((t + 1 for t, tok in enumerate(tokens) if tok in eos), None)
+        stop_end = None if recorder is None or recorder.stopped_at[row] is None else recorder.stopped_at[row] + 1
+        ends = [e for e in (eos_end, stop_end) if e is not None]
+        end = min([*ends, len(tokens)])
+        stopped = stop_end is not None and stop_end <= end
         sample = {
             "text": tokenizer.decode(tokens[:end], skip_special_tokens=True),
             "tokens": torch.tensor(tokens[:end], dtype=torch.long),
             "logprobs": logprobs[row, :end].clone(),
+            "stop_reason": "stop" if ends else "length",
+            "stop": which_stop(tokenizer, tokens[:end], *stop) if stopped else None,
         }
+        if sampled is not None:
+            sample["sampling_logprobs"] = sampled[row, :end].clone()
         if beam_scores is not None:
             sample["beam_score"] = float(beam_scores[row])
         sinks[row // num_return].append(sample)
@@ -196,6 +243,7 @@ class ChosenLogprobs(StoppingCriteria):
 
     def __init__(self, model):
         self.steps: list[torch.Tensor] = []
+        self.sampled: list[torch.Tensor] = []  # log-probs under the processed distribution the token was drawn from
         self._logits: torch.Tensor | None = None
         self._hook = _forward_module(model).register_forward_hook(self._keep)
 
@@ -208,6 +256,11 @@ class ChosenLogprobs(StoppingCriteria):
         if logits is not None:
             chosen = input_ids[:, -1:].to(logits.device)
             self.steps.append(logits.gather(-1, chosen).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+            if scores:  # the step's scores after every logits processor (temperature, top-k, top-p, penalties...)
+                processed = scores[-1].float()
+                self.sampled.append(processed.gather(-1, chosen.to(processed.device)).squeeze(-1)
+                                    - torch.logsumexp(processed, dim=-1))
+                scores[-1].set_()  # freed: only one step's scores are ever held
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def remove(self) -> None:
