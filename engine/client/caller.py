@@ -3,7 +3,8 @@
 ``Caller()`` finds the run rank 0 hosts (:mod:`llmrl.engine.client.hosting`), waits for every server rank, sends
 them the plugins given by the script, and serves ``score``, ``custom_module_fns``, ``generate``, ``update`` (each
 with an ``_async`` twin returning a future; calls to different LLMs run concurrently), the steps whose loss lives in
-the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), ``save``
+the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), snapshots and
+adapters made at run time (:mod:`llmrl.engine.client.adapter_calls`), ``save``
 (:mod:`llmrl.engine.client.saving`), and
 ``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
 the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
@@ -34,7 +36,7 @@ from llmrl.engine.errors import (
 from llmrl.engine.requests import admin, generate, inputs, score, state_dict, tokenize, update
 
 
-class Caller(ClientTraining):
+class Caller(ClientTraining, AdapterCalls):
     """Your script's handle on the LLM servers of this run.
 
     Create it once, inside a script started by ``llmrl run`` (or ``deepspeed --module llmrl.launch``).

@@ -91,6 +91,10 @@ class ModelBackend(ABC):
         """One optimizer step over the accumulated gradients, with this step's hyperparameters (collective)."""
 
     @abstractmethod
+    def manage_adapters(self, operation: str, name: str, args: dict) -> dict:
+        """Take or drop a snapshot, create or delete a LoRA adapter (collective)."""
+
+    @abstractmethod
     def save(self, folder: str) -> None:
         """Write this rank's part of a checkpoint into ``folder`` (collective)."""
 

@@ -48,6 +48,9 @@ def own_state_dict(served: ServedModel) -> dict[str, torch.Tensor]:
 
 def save_shard(served: ServedModel, staging: str) -> None:
     """This rank's part of a save (collective over the LLM's ranks)."""
+    if served.pending_backwards:
+        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending_backwards} forward_backward "
+                         "call(s) not yet applied, which a checkpoint does not keep: call optim_step() before save()")
     llm_dir = Path(staging) / served.llm.name
     served.engine.save_checkpoint(str(llm_dir / "deepspeed"), tag=TAG)
     save_rank_state(served, llm_dir / "state")
@@ -62,6 +65,8 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     updater_state = served.updater.state_dict() if hasattr(served.updater, "state_dict") else None
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "updater": updater_state,
+                "created_adapters": [[name, how] for name, how in served.created_adapters.items()],
+                "snapshots": dict(served.snapshots),
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
 
@@ -111,6 +116,9 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
     if not llm_dir.is_dir():
         raise FileNotFoundError(f"checkpoint {root} has no LLM named {served.llm.name!r}; it holds "
                                 f"{sorted(p.name for p in root.iterdir() if p.is_dir())}")
+    state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
+    state = torch.load(state_file, weights_only=True) if state_file.is_file() else {}  # plain data: nothing runs
+    _recreate_adapters(served, state)
     load_optimizer = served.engine.optimizer is not None
     loaded, _ = served.engine.load_checkpoint(str(llm_dir / "deepspeed"), tag=TAG,
                                                load_optimizer_states=load_optimizer,
@@ -118,12 +126,23 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
                                                load_module_only=not load_optimizer)
     if loaded is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
-    state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
-    if state_file.is_file():
-        state = torch.load(state_file, weights_only=True)  # tensors, ints and tuples only: nothing runs
+    if state:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         if state.get("cuda") is not None and served.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], served.device)
         if state.get("updater") is not None and hasattr(served.updater, "load_state_dict"):
             served.updater.load_state_dict(state["updater"])
+
+
+def _recreate_adapters(served: ServedModel, state: dict) -> None:
+    """The adapters created at run time (in their order: the optimizer's groups follow it) and the snapshots the
+    checkpoint holds, made again so that its weights and optimizer state have somewhere to go."""
+    from llmrl.engine.model.snapshots import take_snapshot
+    from llmrl.engine.model.training.new_adapters import create_adapter
+
+    for name, how in state.get("created_adapters") or []:
+        if name not in served.created_adapters:
+            create_adapter(served, name, **how)
+    for name, source in (state.get("snapshots") or {}).items():
+        take_snapshot(served, name, source)  # its weights come with the checkpoint's

@@ -227,6 +227,18 @@ class HFBackend(ModelBackend):
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
+    def manage_adapters(self, operation, name, args):
+        from llmrl.engine.model import snapshots
+        from llmrl.engine.model.training import new_adapters
+
+        if operation == "snapshot":
+            return snapshots.take_snapshot(self.served, name, args.get("source"), self.prefix_cache)
+        if operation == "drop_snapshot":
+            return snapshots.drop_snapshot(self.served, name, self.prefix_cache)
+        if operation == "create_adapter":
+            return new_adapters.create_adapter(self.served, name, prefix_cache=self.prefix_cache, **args)
+        return new_adapters.delete_adapter(self.served, name, self.prefix_cache)
+
     def weights_changed(self, unchanged_below: int = 0) -> None:
         """The cache across calls holds keys and values computed with the old weights: forget them. When the
         layers below ``unchanged_below`` kept their weights (an update, all of whose trainable parameters sit from
@@ -268,6 +280,11 @@ class HFBackend(ModelBackend):
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
         out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
+        if self.served is not None and (self.served.snapshots or self.served.created_adapters):
+            from llmrl.engine.model.snapshots import snapshots_report
+
+            out["snapshots"] = snapshots_report(self.served)
+            out["created_adapters"] = list(self.served.created_adapters)
         return out
 
 

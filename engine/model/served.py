@@ -55,6 +55,8 @@ class ServedModel:
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
     pending_backwards: int = 0  # forward_backward calls whose gradients wait for optim_step (training/client_steps.py)
     pending_adapters: set = field(default_factory=set)  # the adapters those gradients train
+    snapshots: dict = field(default_factory=dict)  # snapshot name -> the adapter it copies (engine/model/snapshots.py)
+    created_adapters: dict = field(default_factory=dict)  # adapters created at run time: name -> how (in order)
 
     @property
     def module(self):
@@ -86,9 +88,10 @@ class ServedModel:
         return active if isinstance(active, str) or active is None else str(active)
 
     def check_adapter(self, name: str | None) -> None:
-        if name is not None and name not in self.adapters:
+        if name is not None and name not in self.adapters and name not in self.snapshots:
+            snapshots = f"; snapshots: {', '.join(sorted(self.snapshots))}" if self.snapshots else ""
             raise ValueError(f"unknown peft_adapter {name!r} for LLM {self.llm.name!r}; adapters: "
-                             f"{', '.join(self.adapters) or 'none (configure the lora initializer)'}")
+                             f"{', '.join(self.adapters) or 'none (configure the lora initializer)'}{snapshots}")
 
     @contextlib.contextmanager
     def adapter(self, name: str | None):

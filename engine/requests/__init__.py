@@ -9,6 +9,7 @@ Caller method that calls its ``send``. The kinds do not move bytes (:mod:`llmrl.
 from __future__ import annotations
 
 from llmrl.engine.requests import (
+    adapters,
     admin,
     forward_backward,
     generate,
@@ -28,6 +29,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     update.KIND,
     forward_backward.KIND,
     optim_step.KIND,
+    adapters.KIND,
     save.KIND,
     state_dict.KIND,
     tokenize.KIND,

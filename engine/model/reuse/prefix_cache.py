@@ -199,6 +199,12 @@ class PrefixKVCache:
         self.tokens = 0
         self.clears += 1
 
+    def forget(self, namespace: str | None) -> None:
+        """Forget one namespace's entries (its adapter's weights were replaced or deleted)."""
+        root = self.roots.pop(namespace, None)
+        if root is not None:
+            self.tokens -= sum(len(n.tokens) for n in _nodes(root) if n.parent is not None)
+
     def keep_layers_below(self, depth: int) -> None:
         """The weights of layers ``depth`` and up changed, not those below: drop every entry's keys and values of
         those layers and mark it stale, to be refreshed (:meth:`refresh`) before it is read. Entries keep counting

@@ -1,5 +1,6 @@
 """What the trainer does to the tensors and gradients it hands out: a check that every gradient is finite, a guard
-that makes ``loss.backward()`` on the trainer's outputs raise, and the empty outputs of a throw-away pass.
+that makes ``loss.backward()`` on the trainer's outputs raise, the empty outputs of a throw-away pass, and an
+updater's statistics made plain Python (no tensor leaves the rank).
 
 This module holds tensor helpers only; the trainer (:mod:`llmrl.engine.model.training.trainer`) decides when to use
 them.
@@ -65,3 +66,14 @@ def _none_of(value):
     if isinstance(value, dict):
         return {k: v[:0] for k, v in value.items()}
     return None if value is None else value[:0]
+
+
+def plain_stats(value):
+    """Stats as plain Python (tensors become floats or lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {str(k): plain_stats(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_stats(v) for v in value]
+    return value

@@ -35,7 +35,7 @@ from llmrl.engine.errors import PeerAborted, plugin_error
 from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
-from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of
+from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
@@ -99,6 +99,9 @@ class EngineTrainer(Trainer):
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None) -> ForwardOutputs:
         served = self.served
+        if torch.is_grad_enabled() and peft_adapter in served.snapshots:
+            raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source adapter "
+                             f"{served.snapshots[peft_adapter]!r}, or read the snapshot without gradients")
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
             contexts, candidates = self._throwaway_inputs(candidates is not None)
@@ -383,16 +386,6 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
             hint += slicing_note(batch.kwargs, list(keys) if keys is not None else None)
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
-    return {**plain(stats or {}), "optimizer_steps": trainer.optimizer_steps,
+    return {**plain_stats(stats or {}), "optimizer_steps": trainer.optimizer_steps,
             "passes_with_gradients": trainer.passes_with_gradients}
 
-
-def plain(value):
-    """Stats as plain Python (tensors become floats or lists)."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.detach().cpu().tolist()
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value

@@ -1,0 +1,116 @@
+"""LoRA adapters created and deleted while the servers run (``Caller.create_adapter`` / ``delete_adapter``).
+
+A new adapter is a PEFT adapter added to the served model, its initial weights drawn from ``seed`` exactly as the
+``lora`` initializer draws a config-declared adapter's (the same configuration and seed give the same weights),
+and an optimizer parameter group of its own, tagged with its name: its moments and steps are its own, and a step
+that trains another adapter leaves it bit-identical (:mod:`llmrl.engine.model.training.optimizer`). ``targets``
+names what it adapts: ``"attention"``, ``"mlp"``, ``"unembed"`` (the output layer), or module names as PEFT takes
+them; the default is PEFT's ``all-linear`` (attention and MLP).
+
+The engine must step the torch optimizer itself (ZeRO 0 in float32): under ZeRO 1-3 or bf16/fp16 DeepSpeed keeps
+flat copies of the parameters it was built with, which a parameter added later would not join. Adapters created
+at run time are saved with a checkpoint and created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
+Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
+adapters created at run time can be deleted.
+
+This module changes the model and optimizer of one rank; the request kind runs it on every rank of the LLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.snapshots import adapter_params, flags_kept
+from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+
+TARGET_WORDS = ("attention", "mlp", "unembed")
+
+
+def target_modules(model, targets) -> str | list[str]:
+    """PEFT's ``target_modules`` for ``targets`` (see the module doc)."""
+    if targets is None or targets == "all-linear":
+        return "all-linear"
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    names = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for target in targets:
+        if target not in TARGET_WORDS:
+            names.append(target)
+            continue
+        for name, module in base.named_modules():
+            if not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or "base_layer" in name:
+                continue
+            parts = name.split(".")
+            if target == "unembed" and module is base.get_output_embeddings():
+                names.append(name)
+            elif target == "attention" and any("attn" in p or "attention" in p for p in parts[:-1]):
+                names.append(name)
+            elif target == "mlp" and any(p in ("mlp", "feed_forward", "ffn") for p in parts[:-1]):
+                names.append(name)
+    if not names:
+        raise ValueError(f"targets {targets} matched no linear module of this model")
+    return sorted(set(names))
+
+
+def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
+                   prefix_cache=None) -> dict:
+    from peft import LoraConfig, TaskType
+
+    llm, model = served.llm.name, served.model
+    if not hasattr(model, "peft_config"):
+        raise ValueError(f"LLM {llm!r} holds no LoRA adapter to add to: configure the lora initializer (one adapter "
+                         "declared in the config makes the model a PEFT model)")
+    steps = served.adapter_steps
+    if steps is None:
+        raise ValueError(f"LLM {llm!r} holds no optimizer: set llms.{llm}.trainable: true to train new adapters")
+    if served.engine.optimizer is not steps.optimizer:
+        raise ValueError(f"adapters created at run time need the engine to step its torch optimizer itself (ZeRO 0, "
+                         f"float32); LLM {llm!r} runs ZeRO {served.llm.training.zero_stage} in {served.llm.dtype}, "
+                         "whose flat parameter copies are built once: declare the adapter in the config instead")
+    if served.module.trunk is not None:
+        raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb); a new adapter could adapt its layers")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"an adapter's name must be an identifier (letters, digits, _), got {name!r}")
+    if name in served.adapters or name in served.snapshots:
+        raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
+    task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
+    config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                        lora_dropout=0.0, target_modules=target_modules(model, targets))
+    with flags_kept(model):
+        torch.manual_seed(seed)
+        model.add_adapter(name, config)
+    params = list(adapter_params(model, name).values())
+    for p in params:
+        p.requires_grad_(True)
+    steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+    served.adapters.append(name)
+    served.created_adapters[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
+    if prefix_cache is not None:
+        prefix_cache.forget(name)
+    return {"adapter": name, "parameters": sum(p.numel() for p in params)}
+
+
+def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
+    llm = served.llm.name
+    if name not in served.created_adapters:
+        declared = " (it was declared in the config)" if name in served.adapters else ""
+        raise ValueError(f"{name!r} is not an adapter created at run time on LLM {llm!r}{declared}; created: "
+                         f"{', '.join(served.created_adapters) or 'none'}")
+    if name in served.pending_adapters:
+        raise ValueError(f"adapter {name!r} has forward_backward gradients not yet applied: call optim_step first")
+    if name in served.snapshots.values():
+        users = sorted(k for k, v in served.snapshots.items() if v == name)
+        raise ValueError(f"snapshot(s) {users} copy adapter {name!r}: drop them first")
+    optimizer = served.adapter_steps.optimizer
+    index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
+    for p in optimizer.param_groups[index]["params"]:
+        optimizer.state.pop(p, None)
+    del optimizer.param_groups[index]
+    with flags_kept(served.model):
+        served.model.delete_adapter(name)
+    served.adapters.remove(name)
+    del served.created_adapters[name]
+    if prefix_cache is not None:
+        prefix_cache.forget(name)
+    return {"deleted": name}

@@ -1,0 +1,151 @@
+"""Named weight snapshots and adapters created at run time, against plain PEFT models.
+
+A snapshot scores and generates like a plain model holding the weights it froze, after further steps of its
+source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
+adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
+and trains the same, while the adapter beside it stays bit-identical. Misuse is refused naming the cause.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+
+LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+CONTEXTS = [[5, 17, 33, 8], [40, 41, 42], [9, 9, 10, 11, 12]]
+CANDIDATES = [[[60, 61], [62]], [[7, 8, 9]], [[70], [71, 72], [73]]]
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    trained = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
+               "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
+    llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
+            "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
+            "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}}}}
+    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield live
+    assert live.close() == 0
+
+
+def lora_weights(state: dict, adapter: str) -> dict:
+    """``{peft name: tensor}`` of one adapter in a run's state dict, named as a plain PEFT model with that adapter
+    as ``default`` names it."""
+    marker = f".{adapter}."
+    return {k[len("model."):].replace(marker, ".default."): v for k, v in state.items() if marker in k and "lora_" in k}
+
+
+def plain_model(tiny, weights: dict):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    return model.eval()
+
+
+def plain_scores(model, contexts, candidates) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for context, options in zip(contexts, candidates):
+            scores = []
+            for candidate in options:
+                full = torch.tensor([context + candidate])
+                logp = torch.log_softmax(model(input_ids=full).logits[0].float(), -1)
+                scores.append(sum(logp[len(context) + t - 1, tok] for t, tok in enumerate(candidate)))
+            out.append(torch.stack(scores))
+    return out
+
+
+def train_steps(run, llm: str, steps: int, adapter: str | None = None, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(3, 100, (9,), generator=g).tolist()
+        datum = {"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:],
+                                                                "weights": torch.rand(8, generator=g).tolist()}}
+        run.forward_backward([datum, datum], "cross_entropy", llm=llm, peft_adapter=adapter)
+        run.optim_step({"learning_rate": 5e-3}, llm=llm)
+
+
+def assert_scores(got, want) -> None:
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_snapshot_reads_like_a_plain_model_holding_its_weights_while_training_goes_on(run, tiny):
+    train_steps(run, "policy", 1, seed=1)  # the adapter's B is no longer zero: snapshots differ from the base model
+    frozen = run.state_dict(llm="policy")
+    assert run.snapshot("before", llm="policy")["source"] == "default"
+    run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before")  # fills the cache under "before"
+    train_steps(run, "policy", 2, seed=2)
+    now = run.state_dict(llm="policy")
+    then_model = plain_model(tiny, lora_weights(frozen, "default"))
+    now_model = plain_model(tiny, lora_weights(now, "default"))
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before"),
+                  plain_scores(then_model, CONTEXTS, CANDIDATES))
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="policy"), plain_scores(now_model, CONTEXTS, CANDIDATES))
+    (sample,), = run.generate([CONTEXTS[0]], llm="policy", peft_adapter="before", max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        want = then_model.generate(input_ids=torch.tensor([CONTEXTS[0]]), max_new_tokens=6, do_sample=False)
+    assert sample["tokens"].tolist() == want[0, len(CONTEXTS[0]):].tolist()[:len(sample["tokens"])]
+    datum = {"model_input": CONTEXTS[1] + [7, 8], "loss_fn_inputs": {"target_tokens": CONTEXTS[1][1:] + [7, 8, 9]}}
+    out = run.forward([datum], llm="policy", peft_adapter="before")
+    torch.testing.assert_close(out["loss_fn_outputs"][0]["logprobs"][-3:].sum(),
+                               plain_scores(then_model, [CONTEXTS[1]], [[[7, 8, 9]]])[0][0], atol=1e-5, rtol=1e-5)
+    # taken anew under the same name: the newest weights, and none of the keys cached under the old ones
+    run.snapshot("before", llm="policy")
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before"),
+                  plain_scores(now_model, CONTEXTS, CANDIDATES))
+    memory = run.server_memory()
+    reports = [m for m in memory.values() if "snapshots" in m]
+    assert len(reports) == 2 and all(m["snapshots"]["before"]["source"] == "default" for m in reports)
+    run.drop_snapshot("before", llm="policy")
+    with pytest.raises(Exception, match="unknown peft_adapter 'before'"):
+        run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before")
+
+
+def test_snapshots_under_zero_2_and_frozen_to_training(run, tiny):
+    train_steps(run, "z2", 1, seed=3)
+    frozen = run.state_dict(llm="z2")
+    run.snapshot("ref", llm="z2")
+    with pytest.raises(Exception, match="'ref' is a snapshot"):
+        train_steps(run, "z2", 1, adapter="ref")
+    train_steps(run, "z2", 2, seed=4)
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="z2", peft_adapter="ref"),
+                  plain_scores(plain_model(tiny, lora_weights(frozen, "default")), CONTEXTS, CANDIDATES))
+    with pytest.raises(Exception, match="a trained adapter"):
+        run.snapshot("default", llm="z2")
+    with pytest.raises(Exception, match="ZeRO 0, float32"):
+        run.create_adapter("new", llm="z2")
+
+
+def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(run):
+    run.create_adapter("x", rank=4, seed=0, llm="policy")  # the config's seed is 0, as "declared"'s adapter x had
+    declared = lora_weights(run.state_dict(llm="declared"), "x")
+    before = run.state_dict(llm="policy")
+    created = lora_weights(before, "x")
+    assert created.keys() == declared.keys()
+    for key in declared:
+        torch.testing.assert_close(created[key], declared[key], atol=0, rtol=0)
+    train_steps(run, "policy", 3, adapter="x", seed=5)
+    train_steps(run, "declared", 3, seed=5)
+    after = run.state_dict(llm="policy")
+    trained, want = lora_weights(after, "x"), lora_weights(run.state_dict(llm="declared"), "x")
+    moved = sum(int((trained[k] - created[k]).abs().max() > 1e-4) for k in want)
+    assert moved >= len(want) // 2
+    for key in want:
+        torch.testing.assert_close(trained[key], want[key], atol=1e-5, rtol=0)
+    for key, value in lora_weights(before, "default").items():  # the other adapter: bit-identical
+        torch.testing.assert_close(lora_weights(after, "default")[key], value, atol=0, rtol=0)
+    with pytest.raises(Exception, match="not an adapter created at run time"):
+        run.delete_adapter("default", llm="policy")
+    run.delete_adapter("x", llm="policy")
+    assert not any(".x." in k for k in run.state_dict(llm="policy"))
+    with pytest.raises(Exception, match="unknown peft_adapter 'x'"):
+        run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="x")
