@@ -20,14 +20,20 @@ CONTEXTS = [[5, 17, 33, 8], [40, 41, 42], [9, 9, 10, 11, 12]]
 CANDIDATES = [[[60, 61], [62]], [[7, 8, 9]], [[70], [71, 72], [73]]]
 
 
-@pytest.fixture(scope="module")
-def run(tiny):
+def config(tiny, checkpoint: str | None = None) -> dict:
     trained = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
             "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
             "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}}}}
-    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    for llm in llms.values():
+        llm["checkpoint"] = checkpoint
+    return {"llms": llms, "threads_per_rank": 1}
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    live = LiveRun(config(tiny))
     yield live
     assert live.close() == 0
 
@@ -149,3 +155,31 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
     assert not any(".x." in k for k in run.state_dict(llm="policy"))
     with pytest.raises(Exception, match="unknown peft_adapter 'x'"):
         run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="x")
+
+
+def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, tiny, tmp_path):
+    run.create_adapter("y", rank=2, seed=7, targets=["attention", "unembed"], llm="policy")
+    train_steps(run, "policy", 2, adapter="y", seed=8)
+    run.snapshot("y_then", llm="policy", peft_adapter="y")
+    train_steps(run, "policy", 1, adapter="y", seed=9)
+    assert any(".y." in k and "lm_head" in k for k in run.state_dict(llm="policy"))  # the unembedding adapts
+    run.forward_backward([{"model_input": [5, 6], "loss_fn_inputs": {"target_tokens": [6, 7], "weights": [1, 1]}}],
+                         "cross_entropy", llm="policy", peft_adapter="y")
+    with pytest.raises(Exception, match="call optim_step\(\) before save"):
+        run.save(str(tmp_path / "refused"))
+    run.optim_step(llm="policy")
+    path = str(tmp_path / "checkpoint")
+    run.save(path)
+    with LiveRun(config(tiny, checkpoint=path)) as resumed:
+        for llm in ("policy", "z2"):
+            saved, loaded = run.state_dict(llm=llm), resumed.state_dict(llm=llm)
+            assert saved.keys() == loaded.keys()
+            for key in saved:
+                torch.testing.assert_close(loaded[key], saved[key], atol=0, rtol=0)
+        assert_scores(resumed.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="y_then"),
+                      run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="y_then"))
+        for live in (run, resumed):  # the optimizer's moments of the created adapter came back too
+            train_steps(live, "policy", 1, adapter="y", seed=10)
+        after, want = resumed.state_dict(llm="policy"), run.state_dict(llm="policy")
+        for key in want:
+            torch.testing.assert_close(after[key], want[key], atol=1e-6, rtol=0)

@@ -54,6 +54,12 @@ def flags_kept(model):
             p.requires_grad_(flag)
 
 
+def parameters_changed(served: ServedModel) -> None:
+    """Tell the DeepSpeed engine the module's parameters changed: it names parameters (frozen ones included) in
+    checkpoints from a map it builds once."""
+    served.engine.param_names = {p: name for name, p in served.engine.module.named_parameters()}
+
+
 def adapter_params(model, adapter: str) -> dict[str, torch.nn.Parameter]:
     """The parameters of one LoRA adapter, keyed by their names with the adapter's name taken out."""
     marker = f".{adapter}."
@@ -78,6 +84,7 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
             p.data = originals[key].detach().clone()
             p.requires_grad_(False)
     served.snapshots[name] = source
+    parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"snapshot": name, "source": source, "bytes": snapshot_bytes(served, name)}
@@ -90,6 +97,7 @@ def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     del served.snapshots[name]
+    parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"dropped": name}

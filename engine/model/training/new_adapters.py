@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.served import ServedModel
-from llmrl.engine.model.snapshots import adapter_params, flags_kept
+from llmrl.engine.model.snapshots import adapter_params, flags_kept, parameters_changed
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
@@ -86,6 +86,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
     served.adapters.append(name)
     served.created_adapters[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
+    parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"adapter": name, "parameters": sum(p.numel() for p in params)}
@@ -111,6 +112,7 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
         served.model.delete_adapter(name)
     served.adapters.remove(name)
     del served.created_adapters[name]
+    parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"deleted": name}
