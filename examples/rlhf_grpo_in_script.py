@@ -6,9 +6,10 @@
 The same prompts, reward and held-out evaluation as ``examples/rlhf_sentiment.py`` (which runs the ``grpo`` updater
 plugin on the servers); here the algorithm is the ~40 lines of :func:`train`: sample a group of continuations per
 prompt, reward them, centre and scale the rewards within each group, turn every continuation into a datum whose
-per-token advantage is its group advantage (divided by its length and the batch size: a mean over tokens, then
-over continuations), take ``forward_backward`` with the ``importance_sampling`` loss against the log-probs the
-sampler returned, and ``optim_step`` with a learning rate that decays linearly, computed here.
+per-token advantage is its group advantage minus a KL penalty to the starting policy (a snapshot taken before
+training, read with ``forward``), divided by its length and the batch size (a mean over tokens, then over
+continuations), take ``forward_backward`` with the ``importance_sampling`` loss against the log-probs the sampler
+returned, and ``optim_step`` with a learning rate that decays linearly, computed here.
 
 Writes, in ``--out``: ``curve.png``, ``metrics.csv`` and ``summary.json`` (as the RLHF demo).
 """
@@ -37,6 +38,7 @@ class Args:
     samples_per_prompt: int = 4  # the group size
     max_new_tokens: int = 16
     lr: float = 2e-3  # the first update's learning rate, decaying linearly to 0
+    kl_coef: float = 0.05  # weight of the KL penalty to the starting policy (a per-token negative reward)
     grad_clip_norm: float = 1.0
     short_penalty: float = 0.5
     repeat_penalty: float = 1.0
@@ -47,9 +49,9 @@ class Args:
 
 
 def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> list[dict]:
-    import torch
     from tqdm import tqdm
 
+    caller.snapshot("reference")  # the starting policy, frozen: the KL penalty's reference
     order, pool, history = random.Random(args.seed), [], []
     for update in (bar := tqdm(range(args.updates), desc="GRPO in the script", unit="update")):
         start = time.time()
@@ -60,24 +62,33 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
                                  top_k=0, top_p=1.0, num_return_sequences=args.samples_per_prompt,
                                  seed=args.seed * 100003 + update)
         prompt_ids = [t["ids"] for t in caller.tokenize(batch)]  # the tokens the sampler read
-        data, rewards = [], []
-        for ids, group in zip(prompt_ids, groups):
-            scores = torch.tensor([reward(s["text"]) for s in group])
-            advantages = (scores - scores.mean()) / (scores.std() + 1e-4)
-            rewards += scores.tolist()
-            for sample, advantage in zip(group, advantages.tolist()):
-                if len(sample["tokens"]):  # a mean over the continuation's tokens, then over the batch's samples
-                    scale = advantage / (len(sample["tokens"]) * len(batch) * len(group))
-                    data.append(completion_datum(ids, sample["tokens"], logprobs=sample["logprobs"],
-                                                 advantages=scale))
+        samples = [(ids, s, a) for ids, group in zip(prompt_ids, groups)
+                   for s, a in zip(group, group_advantages([reward(s["text"]) for s in group])) if len(s["tokens"])]
+        data = [completion_datum(ids, s["tokens"]) for ids, s, _ in samples]
+        reference = caller.forward(data, peft_adapter="reference")["loss_fn_outputs"]
+        n, kls = len(samples), []
+        for k, ((ids, sample, advantage), ref) in enumerate(zip(samples, reference)):
+            kl = sample["logprobs"] - ref["logprobs"][-len(sample["tokens"]):]  # per token, log pi - log pi_ref
+            kl_to_go = kl.flip(0).cumsum(0).flip(0)  # the KL penalty is a reward: each token answers for those after
+            per_token = (advantage - args.kl_coef * kl_to_go) / (len(kl) * n)  # a mean over tokens, then samples
+            data[k] = completion_datum(ids, sample["tokens"], logprobs=sample["logprobs"], advantages=per_token)
+            kls.append(float(kl.sum()))
         out = caller.forward_backward(data, "importance_sampling")
         lr = args.lr * (1 - update / args.updates)  # the schedule lives here
         step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
-        history.append({"update": update + 1, "samples": len(rewards), "reward": sum(rewards) / len(rewards),
+        rewards = [reward(s["text"]) for _, s, _ in samples]
+        history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
                         "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
                         "seconds": time.time() - start})
-        bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", lr=f"{lr:.1e}")
+        bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
     return history
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """GRPO's advantages: each reward centred on its group's mean, scaled by the group's standard deviation."""
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
+    return [(r - mean) / (std + 1e-4) for r in rewards]
 
 
 def parse_args() -> Args:

@@ -64,3 +64,23 @@ def test_rlhf_demo_quick(tmp_path, updater, replicas):
     assert len(rows) == 2 and all(int(row["samples"]) == 8 for row in rows), rows  # 4 prompts x 2 continuations
     assert ("kl_coef" in rows[0]) == (updater == "ppo_tokens")
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("script,replicas", [("rlhf_grpo_in_script.py", 2), ("dpo_in_script.py", 1)])
+def test_loss_in_script_demos_quick(tmp_path, script, replicas):
+    """The demos whose loss lives in the script (forward_backward / forward_backward_custom, optim_step,
+    a snapshot as the reference) end to end with a tiny model."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "rlhf-sentiment-script-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
+         os.path.join(ROOT, "examples", script), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["history"]) == 2
+    for evaluation in (summary["before"], summary["after"]):
+        low, high = evaluation["ci95"]
+        value = evaluation.get("mean_reward", evaluation.get("rate"))
+        assert low <= value <= high
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

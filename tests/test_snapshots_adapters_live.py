@@ -165,7 +165,7 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
     assert any(".y." in k and "lm_head" in k for k in run.state_dict(llm="policy"))  # the unembedding adapts
     run.forward_backward([{"model_input": [5, 6], "loss_fn_inputs": {"target_tokens": [6, 7], "weights": [1, 1]}}],
                          "cross_entropy", llm="policy", peft_adapter="y")
-    with pytest.raises(Exception, match="call optim_step\(\) before save"):
+    with pytest.raises(Exception, match=r"call optim_step\(\) before save"):
         run.save(str(tmp_path / "refused"))
     run.optim_step(llm="policy")
     path = str(tmp_path / "checkpoint")
