@@ -3,8 +3,9 @@
     llmrl run --config configs/rlhf-sentiment-script.yaml examples/dpo_in_script.py
     llmrl run --config configs/rlhf-sentiment-script-quick.yaml examples/dpo_in_script.py --quick   # CI
 
-Preference pairs are built here from word lists (no download): a prompt from the RLHF demo, a positive
-continuation (chosen) and a negative one (rejected). Before training the script takes a snapshot of the policy
+Preference pairs are built here from word lists (no download): a prompt from the RLHF demo, a negative
+continuation (chosen: the policy learns to be a grumpy critic, the opposite of what SmolLM prefers before
+training) and a positive one (rejected). Before training the script takes a snapshot of the policy
 (``caller.snapshot("reference")``) and reads the reference log-probs from it with ``forward``. Each step runs
 :func:`dpo_loss` (Rafailov et al., 2023: ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))``) on the
 client through ``forward_backward_custom``: the servers return the per-token log-probs, autograd gives the loss's
@@ -37,11 +38,11 @@ HELD_OUT_GOOD, HELD_OUT_BAD = ["amazing", "beautiful", "brilliant"], ["painful",
 
 
 def pairs(subjects, good, bad, count: int, rng: random.Random) -> list[tuple[str, str, str]]:
-    """``count`` (prompt, chosen, rejected) triples."""
+    """``count`` (prompt, chosen, rejected) triples: the negative continuation is the chosen one."""
     out = []
     for _ in range(count):
         prompt = rng.choice(FRAMES).format(s=rng.choice(subjects))
-        out.append((prompt, f" {rng.choice(good)} and I enjoyed it.", f" {rng.choice(bad)} and I regretted it."))
+        out.append((prompt, f" {rng.choice(bad)} and I regretted it.", f" {rng.choice(good)} and I enjoyed it."))
     return out
 
 
@@ -65,12 +66,13 @@ def dpo_loss(beta: float, lengths: list[int], reference: list):
 
 
 def preference(caller: Caller, held_out) -> dict:
-    """How often the policy gives the chosen continuation a higher log-prob, with a 95% interval."""
+    """How often the policy gives the chosen continuation a higher log-prob, with its 95% interval."""
     scores = caller.score([p for p, _, _ in held_out], [[c, r] for _, c, r in held_out])
     wins = [float(s[0] > s[1]) for s in scores]
-    n, rate = len(wins), sum(wins) / len(wins)
-    half = 1.96 * math.sqrt(max(rate * (1 - rate), 1e-12) / n)
-    return {"rate": rate, "ci95": [max(rate - half, 0.0), min(rate + half, 1.0)], "pairs": n}
+    n, rate, z = len(wins), sum(wins) / len(wins), 1.96
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)  # Wilson's interval: sound at 0% and 100% too
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return {"rate": rate, "ci95": [centre - half, centre + half], "pairs": n}
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ class Args:
     samples_per_prompt: int = 4  # the group size
     max_new_tokens: int = 16
     lr: float = 2e-3  # the first update's learning rate, decaying linearly to 0
-    kl_coef: float = 0.05  # weight of the KL penalty to the starting policy (a per-token negative reward)
+    kl_coef: float = 0.2  # weight of the KL penalty to the starting policy (a per-token negative reward)
     grad_clip_norm: float = 1.0
     short_penalty: float = 0.5
     repeat_penalty: float = 1.0

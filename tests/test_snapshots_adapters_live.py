@@ -3,7 +3,8 @@
 A snapshot scores and generates like a plain model holding the weights it froze, after further steps of its
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
-and trains the same, while the adapter beside it stays bit-identical. Misuse is refused naming the cause.
+and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
+trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def config(tiny, checkpoint: str | None = None) -> dict:
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
             "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
-            "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}}}}
+            "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}}},
+            "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
+                     "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-4}}}}
     for llm in llms.values():
         llm["checkpoint"] = checkpoint
     return {"llms": llms, "threads_per_rank": 1}
@@ -131,6 +134,31 @@ def test_snapshots_under_zero_2_and_frozen_to_training(run, tiny):
         run.create_adapter("new", llm="z2")
 
 
+def plain_full_model(tiny, state: dict):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    return model
+
+
+def test_a_model_trained_without_lora_snapshots_its_weights(run, tiny):
+    train_steps(run, "full", 1, seed=11)
+    frozen = run.state_dict(llm="full")
+    assert run.snapshot("ref", llm="full")["source"] is None
+    train_steps(run, "full", 2, seed=12)
+    now = run.state_dict(llm="full")
+    assert max(float((now[k] - frozen[k]).abs().max()) for k in now) > 1e-4
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="full", peft_adapter="ref"),
+                  plain_scores(plain_full_model(tiny, frozen), CONTEXTS, CANDIDATES))
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="full"),  # the trained weights are back in place
+                  plain_scores(plain_full_model(tiny, now), CONTEXTS, CANDIDATES))
+    with pytest.raises(Exception, match="'ref' is a snapshot"):
+        train_steps(run, "full", 1, adapter="ref")
+    with pytest.raises(Exception, match="has no LoRA adapter"):
+        run.snapshot("other", llm="full", peft_adapter="default")
+
+
 def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(run):
     run.create_adapter("x", rank=4, seed=0, llm="policy")  # the config's seed is 0, as "declared"'s adapter x had
     declared = lora_weights(run.state_dict(llm="declared"), "x")
@@ -171,13 +199,14 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
     path = str(tmp_path / "checkpoint")
     run.save(path)
     with LiveRun(config(tiny, checkpoint=path)) as resumed:
-        for llm in ("policy", "z2"):
+        for llm in ("policy", "z2", "full"):
             saved, loaded = run.state_dict(llm=llm), resumed.state_dict(llm=llm)
             assert saved.keys() == loaded.keys()
             for key in saved:
                 torch.testing.assert_close(loaded[key], saved[key], atol=0, rtol=0)
-        assert_scores(resumed.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="y_then"),
-                      run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="y_then"))
+        for llm, snapshot in (("policy", "y_then"), ("full", "ref")):
+            assert_scores(resumed.score(CONTEXTS, CANDIDATES, llm=llm, peft_adapter=snapshot),
+                          run.score(CONTEXTS, CANDIDATES, llm=llm, peft_adapter=snapshot))
         for live in (run, resumed):  # the optimizer's moments of the created adapter came back too
             train_steps(live, "policy", 1, adapter="y", seed=10)
         after, want = resumed.state_dict(llm="policy"), run.state_dict(llm="policy")

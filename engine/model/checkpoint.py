@@ -69,6 +69,9 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
                 "snapshots": dict(served.snapshots),
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
+    if served.weight_snapshots:  # a model trained without LoRA: its snapshots are copies of its trained weights
+        copies = {name: {k: v.cpu() for k, v in weights.items()} for name, weights in served.weight_snapshots.items()}
+        torch.save(copies, state_dir / f"weight-snapshots-rank-{served.role.group_rank}.pt")
 
 
 def _strip(state: dict, prefix: str) -> dict:
@@ -126,6 +129,9 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
                                                load_module_only=not load_optimizer)
     if loaded is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
+    snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
+    if snapshots_file.is_file():
+        served.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
     if state:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])

@@ -56,6 +56,7 @@ class ServedModel:
     pending_backwards: int = 0  # forward_backward calls whose gradients wait for optim_step (training/client_steps.py)
     pending_adapters: set = field(default_factory=set)  # the adapters those gradients train
     snapshots: dict = field(default_factory=dict)  # snapshot name -> the adapter it copies (engine/model/snapshots.py)
+    weight_snapshots: dict = field(default_factory=dict)  # snapshot name -> {parameter name: frozen copy} (no LoRA)
     created_adapters: dict = field(default_factory=dict)  # adapters created at run time: name -> how (in order)
 
     @property
@@ -88,18 +89,32 @@ class ServedModel:
         return active if isinstance(active, str) or active is None else str(active)
 
     def check_adapter(self, name: str | None) -> None:
-        if name is not None and name not in self.adapters and name not in self.snapshots:
-            snapshots = f"; snapshots: {', '.join(sorted(self.snapshots))}" if self.snapshots else ""
+        known = [*self.snapshots, *self.weight_snapshots]
+        if name is not None and name not in self.adapters and name not in known:
+            snapshots = f"; snapshots: {', '.join(sorted(known))}" if known else ""
             raise ValueError(f"unknown peft_adapter {name!r} for LLM {self.llm.name!r}; adapters: "
                              f"{', '.join(self.adapters) or 'none (configure the lora initializer)'}{snapshots}")
 
     @contextlib.contextmanager
     def adapter(self, name: str | None):
-        """Run with the named LoRA adapter active (requires_grad flags are left as they were)."""
+        """Run with the named LoRA adapter active (requires_grad flags are left as they were), or with the weights
+        of the named weight snapshot in place of the trained ones (their tensors swapped in, then back)."""
         if name is None:
             yield
             return
         self.check_adapter(name)
+        if name in self.weight_snapshots:
+            frozen = self.weight_snapshots[name]
+            params = {n: p for n, p in self.module.named_parameters() if n in frozen}
+            trained = {n: p.data for n, p in params.items()}
+            try:
+                for n, p in params.items():
+                    p.data = frozen[n]
+                yield
+            finally:
+                for n, p in params.items():
+                    p.data = trained[n]
+            return
         peft_model = self.model
         previous = peft_model.active_adapter
         flags = [(p, p.requires_grad) for p in peft_model.parameters()]

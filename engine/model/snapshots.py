@@ -1,4 +1,5 @@
-"""Named weight snapshots on a server rank: a frozen copy of a LoRA adapter's weights, read like an adapter.
+"""Named weight snapshots on a server rank: a frozen copy of a LoRA adapter's weights (or, for a model trained
+without LoRA, of every trained weight), read like an adapter.
 
 ``snapshot(name)`` adds a PEFT adapter ``name`` with the source adapter's configuration and a copy of its weights
 (same dtype, same device), never trained: it is in no optimizer group and its parameters do not require
@@ -8,9 +9,11 @@ snapshot under a name that exists overwrites it (the same configuration: the wei
 ``drop_snapshot`` deletes it. Either way, the cache across calls forgets the keys and values it held under that
 name, so that a read never meets keys computed with other weights.
 
-Snapshots are of LoRA adapters, with ZeRO 0-2 (ZeRO-3 partitions every parameter when the engine is built, and a
-parameter added later would not be); they are saved with the checkpoint and taken again on resume
-(:mod:`llmrl.engine.model.checkpoint`). This module does not decide when to snapshot; the script does.
+A model trained without LoRA gets a weight snapshot: a copy of every trained parameter (the model's and the
+heads'), which :meth:`ServedModel.adapter` swaps in (tensor pointers, no copy) for the reads that name it, and back.
+Snapshots need ZeRO 0-2 (ZeRO-3 partitions every parameter when the engine is built); they are saved with the
+checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). This module does not decide when to
+snapshot; the script does.
 """
 
 from __future__ import annotations
@@ -23,19 +26,26 @@ import torch
 from llmrl.engine.model.served import ServedModel
 
 
-def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> str:
-    """The adapter to copy; raises ValueError naming what prevents the snapshot."""
+def uses_lora(served: ServedModel) -> bool:
+    return hasattr(served.model, "peft_config") and bool(served.adapters)
+
+
+def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> str | None:
+    """The adapter to copy (None: the trained weights of a model without LoRA); raises ValueError naming what
+    prevents the snapshot."""
     llm = served.llm.name
-    if not hasattr(served.model, "peft_config") or not served.adapters:
-        raise ValueError(f"snapshots copy a LoRA adapter and LLM {llm!r} has none (configure the lora initializer); "
-                         "snapshots of fully trained weights are not supported yet")
     if served.llm.training.zero_stage == 3:
         raise ValueError(f"LLM {llm!r} uses ZeRO-3, which partitions every parameter when the engine is built: a "
-                         "snapshot's parameters could not be added; use ZeRO 0-2 for snapshots")
+                         "snapshot could not be added to it; use ZeRO 0-2 for snapshots")
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a snapshot's name must be an identifier (letters, digits, _), got {name!r}")
     if name in served.adapters:
         raise ValueError(f"{name!r} is a trained adapter of LLM {llm!r}; give the snapshot another name")
+    if not uses_lora(served):
+        if source is not None:
+            raise ValueError(f"LLM {llm!r} has no LoRA adapter: a snapshot copies its trained weights; leave "
+                             "peft_adapter out")
+        return None
     source = source or served.active_adapter()
     if source in served.snapshots:
         source = served.snapshots[source]  # a snapshot of a snapshot copies the same adapter's config
@@ -68,8 +78,11 @@ def adapter_params(model, adapter: str) -> dict[str, torch.nn.Parameter]:
 
 
 def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cache=None) -> dict:
-    """Freeze a copy of adapter ``source`` (default: the active one) under ``name``."""
+    """Freeze a copy of adapter ``source`` (default: the active one) under ``name``; without LoRA, of every trained
+    weight (the model's and the heads')."""
     source = check_can_snapshot(served, name, source)
+    if source is None:
+        return take_weight_snapshot(served, name, prefix_cache)
     model = served.model
     if name in served.snapshots and served.snapshots[name] != source:
         drop_snapshot(served, name, prefix_cache)
@@ -90,10 +103,26 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     return {"snapshot": name, "source": source, "bytes": snapshot_bytes(served, name)}
 
 
+def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
+    """A frozen copy of every trained parameter, swapped in by :meth:`ServedModel.adapter` for reads."""
+    weights = {n: p.detach().clone() for n, p in served.module.named_parameters() if p.requires_grad}
+    if not weights:
+        raise ValueError(f"LLM {served.llm.name!r} has no trained weight to snapshot")
+    served.weight_snapshots[name] = weights
+    if prefix_cache is not None:
+        prefix_cache.forget(name)
+    return {"snapshot": name, "source": None, "bytes": snapshot_bytes(served, name)}
+
+
 def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
+    if name in served.weight_snapshots:
+        del served.weight_snapshots[name]
+        if prefix_cache is not None:
+            prefix_cache.forget(name)
+        return {"dropped": name}
     if name not in served.snapshots:
         raise ValueError(f"LLM {served.llm.name!r} has no snapshot {name!r}; snapshots: "
-                         f"{', '.join(sorted(served.snapshots)) or 'none'}")
+                         f"{', '.join(sorted([*served.snapshots, *served.weight_snapshots])) or 'none'}")
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     del served.snapshots[name]
@@ -104,10 +133,11 @@ def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
 
 
 def snapshot_bytes(served: ServedModel, name: str) -> int:
-    return sum(p.numel() * p.element_size() for p in adapter_params(served.model, name).values())
+    tensors = served.weight_snapshots.get(name) or adapter_params(served.model, name)
+    return sum(p.numel() * p.element_size() for p in tensors.values())
 
 
 def snapshots_report(served: ServedModel) -> dict:
-    """Every snapshot: the adapter it copies and its bytes (for ``server_memory``)."""
-    return {name: {"source": source, "bytes": snapshot_bytes(served, name)}
-            for name, source in sorted(served.snapshots.items())}
+    """Every snapshot: the adapter it copies (None: the trained weights) and its bytes (for ``server_memory``)."""
+    names = {**served.snapshots, **{name: None for name in served.weight_snapshots}}
+    return {name: {"source": source, "bytes": snapshot_bytes(served, name)} for name, source in sorted(names.items())}

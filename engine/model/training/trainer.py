@@ -99,9 +99,9 @@ class EngineTrainer(Trainer):
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None) -> ForwardOutputs:
         served = self.served
-        if torch.is_grad_enabled() and peft_adapter in served.snapshots:
-            raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source adapter "
-                             f"{served.snapshots[peft_adapter]!r}, or read the snapshot without gradients")
+        if torch.is_grad_enabled() and (peft_adapter in served.snapshots or peft_adapter in served.weight_snapshots):
+            raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
+                             "without gradients")
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
             contexts, candidates = self._throwaway_inputs(candidates is not None)
