@@ -13,7 +13,8 @@ derivative with respect to each, and the servers back-propagate them (the exact 
 plugin). ``optim_step`` takes the step. Held-out pairs (other adjectives and subjects, never trained on) measure
 how often the policy prefers the chosen continuation, before and after, with 95% confidence intervals.
 
-Writes, in ``--out``: ``curve.png`` (loss and held-out preference), ``metrics.csv`` and ``summary.json``.
+Writes, in ``--out``: ``curve.png`` (loss and held-out preference), ``metrics.csv`` and ``summary.json``. It does
+not generate text: it trains and measures preferences between given continuations only.
 """
 
 from __future__ import annotations

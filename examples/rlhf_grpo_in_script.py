@@ -11,7 +11,8 @@ training, read with ``forward``), divided by its length and the batch size (a me
 continuations), take ``forward_backward`` with the ``importance_sampling`` loss against the log-probs the sampler
 returned, and ``optim_step`` with a learning rate that decays linearly, computed here.
 
-Writes, in ``--out``: ``curve.png``, ``metrics.csv`` and ``summary.json`` (as the RLHF demo).
+Writes, in ``--out``: ``curve.png``, ``metrics.csv`` and ``summary.json`` (as the RLHF demo). It does not define
+the prompts, reward or evaluation (``examples/rlhf_sentiment.py`` does) and runs no updater plugin.
 """
 
 from __future__ import annotations

@@ -220,6 +220,10 @@ def test_forward_returns_the_log_probs_without_touching_pending_gradients(run, p
                              label=f"{name} ")
 
 
+def bad_metrics_loss(data, logprobs):
+    return sum(lp.sum() for lp in logprobs), {"note": "not a number"}
+
+
 def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(run):  # last: r2z2 diverges
     from llmrl import InvalidArgument
 
@@ -239,6 +243,13 @@ def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(
         run.forward_backward(good, "dro", llm="r2z2")
     with pytest.raises(InvalidArgument, match="unknown loss_fn 'grpo'"):
         run.forward_backward(good, "grpo", llm="r2z2")
+    with pytest.raises(InvalidArgument, match="forward_backward needs a loss_fn"):
+        run.forward_backward(good, None, llm="r2z2")
+    long = {"model_input": [5] * 600, "loss_fn_inputs": {"target_tokens": [5] * 600, "weights": [1.0] * 600}}
+    with pytest.raises(InvalidArgument, match=r"data\[0\] has 600 input tokens; this model accepts at most"):
+        run.forward_backward([long], "cross_entropy", llm="r2z2")
+    with pytest.raises(InvalidArgument, match="metrics must be a dict of numbers"):
+        run.forward_backward_custom(good, bad_metrics_loss, llm="r2z2")
     with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be > 0"):
         run.optim_step({"learning_rate": -1.0}, llm="r2z2")
     with pytest.raises(Exception, match="set llms.frozen.trainable: true"):

@@ -116,3 +116,12 @@ def test_bad_stop_arguments_are_refused_naming_the_entry(reference_models):
     model, tok = reference_models["llama"]
     with pytest.raises(ValueError, match="not to beam search"):
         plan_generate(model, tok, "causal", PROMPTS, {"num_beams": 2, "stop": "a"}, 8192, 64, 512)
+
+
+def test_stop_token_ids_never_match_across_the_prompt():
+    from llmrl.engine.model.stops import StopTokens
+
+    stop = StopTokens([[7, 8]], start=3)
+    prompt_ends_with_7 = torch.tensor([[1, 2, 7, 8], [1, 2, 7, 5]])  # one generated token each
+    assert stop(prompt_ends_with_7, None).tolist() == [False, False]
+    assert stop(torch.tensor([[1, 2, 7, 7, 8], [1, 2, 3, 8, 7]]), None).tolist() == [True, False]

@@ -107,6 +107,11 @@ def test_a_snapshot_reads_like_a_plain_model_holding_its_weights_while_training_
     out = run.forward([datum], llm="policy", peft_adapter="before")
     torch.testing.assert_close(out["loss_fn_outputs"][0]["logprobs"][-3:].sum(),
                                plain_scores(then_model, [CONTEXTS[1]], [[[7, 8, 9]]])[0][0], atol=1e-5, rtol=1e-5)
+    # a snapshot of a snapshot copies the snapshot's weights, not its source's
+    run.snapshot("before_copy", llm="policy", peft_adapter="before")
+    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before_copy"),
+                  plain_scores(then_model, CONTEXTS, CANDIDATES))
+    run.drop_snapshot("before_copy", llm="policy")
     # taken anew under the same name: the newest weights, and none of the keys cached under the old ones
     run.snapshot("before", llm="policy")
     assert_scores(run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="before"),
@@ -177,6 +182,8 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
         torch.testing.assert_close(trained[key], want[key], atol=1e-5, rtol=0)
     for key, value in lora_weights(before, "default").items():  # the other adapter: bit-identical
         torch.testing.assert_close(lora_weights(after, "default")[key], value, atol=0, rtol=0)
+    with pytest.raises(Exception, match="not starting with 'lora_'"):
+        run.create_adapter("lora_x", llm="policy")
     with pytest.raises(Exception, match="not an adapter created at run time"):
         run.delete_adapter("default", llm="policy")
     run.delete_adapter("x", llm="policy")
@@ -190,7 +197,9 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
     train_steps(run, "policy", 2, adapter="y", seed=8)
     run.snapshot("y_then", llm="policy", peft_adapter="y")
     train_steps(run, "policy", 1, adapter="y", seed=9)
-    assert any(".y." in k and "lm_head" in k for k in run.state_dict(llm="policy"))  # the unembedding adapts
+    keys = [k for k in run.state_dict(llm="policy") if ".lora_A.y." in k]
+    assert any("lm_head" in k for k in keys) and any("self_attn.q_proj" in k for k in keys)  # layers already adapted
+    assert not any("mlp" in k for k in keys)  # by "default" count as their linear layers; the MLP is not a target
     run.forward_backward([{"model_input": [5, 6], "loss_fn_inputs": {"target_tokens": [6, 7], "weights": [1, 1]}}],
                          "cross_entropy", llm="policy", peft_adapter="y")
     with pytest.raises(Exception, match=r"call optim_step\(\) before save"):

@@ -28,10 +28,12 @@ class ClientTraining:
         """The checked sequences and loss configuration of a call."""
         from llmrl.plugins.rl_math import TOKEN_LOSSES, token_loss_settings
 
+        info = self.info.get(name, {})
+        vocab_size, max_length = info.get("vocab_size"), info.get("max_length")
         if loss_fn is None:
             if loss_fn_config:
                 raise InvalidArgument("loss_fn_config was given without a loss_fn")
-            return check_data(data, None, self.info.get(name, {}).get("vocab_size")), {}
+            return check_data(data, None, vocab_size, max_length), {}
         if not isinstance(loss_fn, str):
             raise InvalidArgumentType(f"loss_fn must be the name of a built-in loss ({', '.join(TOKEN_LOSSES)}); "
                                       "for a Python function use forward_backward_custom")
@@ -42,12 +44,15 @@ class ClientTraining:
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         needed = TOKEN_LOSSES[loss_fn][0]
-        return check_data(data, needed, self.info.get(name, {}).get("vocab_size")), dict(loss_fn_config or {})
+        return check_data(data, needed, vocab_size, max_length), dict(loss_fn_config or {})
 
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
                                llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
         """Like :meth:`forward_backward`, returning a future."""
         name = self._open(llm)
+        if loss_fn is None:
+            raise InvalidArgument("forward_backward needs a loss_fn (a built-in loss's name); forward(data) gives the "
+                                  "log-probs alone")
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
         return fb_kind.send(self._run, name, sequences, loss_fn, config, True, peft_adapter)
 
@@ -123,6 +128,10 @@ class ClientTraining:
             raise InvalidArgument("loss_fn's loss must be a scalar tensor computed from the log-probs it was given")
         if not math.isfinite(float(loss.detach())):
             raise InvalidArgument(f"loss_fn's loss is {float(loss.detach())}; nothing was sent, no weight changed")
+        try:
+            metrics = {str(k): float(v) for k, v in dict(metrics or {}).items()}
+        except (TypeError, ValueError) as err:
+            raise InvalidArgument(f"loss_fn's metrics must be a dict of numbers ({err}); nothing was sent") from None
         grads = torch.autograd.grad(loss, logprobs, allow_unused=True)
         weighted = []
         for k, (seq, grad) in enumerate(zip(sequences, grads)):
@@ -134,7 +143,7 @@ class ClientTraining:
                              "loss_fn_inputs": {"target_tokens": seq.tokens[1:], "weights": (-grad).tolist()}})
         self.forward_backward(weighted, "cross_entropy", llm=name, peft_adapter=peft_adapter)
         return {"loss_fn_outputs": forward["loss_fn_outputs"],
-                "metrics": {**{k: float(v) for k, v in dict(metrics or {}).items()}, "loss": float(loss.detach())}}
+                "metrics": {**metrics, "loss": float(loss.detach())}}
 
     def optim_step_async(self, adam_params=None, *, llm: str | None = None, peft_adapter: str | None = None
                          ) -> concurrent.futures.Future:

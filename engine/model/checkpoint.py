@@ -5,7 +5,10 @@ checkpoint: weights, heads, adapters, optimizer and engine state, ZeRO partition
 generators and updater state of every rank, for an exact resume) and ``<llm>/export`` (written by the group
 leader: the model as a Hugging Face folder, or each LoRA adapter as a PEFT folder, the tokenizer, and the
 heads' weights). The client swaps the staging folder into place (:mod:`llmrl.engine.client.saving`).
-``load_checkpoint`` restores all of it when ``llms.<name>.checkpoint`` names a checkpoint (same LLM layout).
+``load_checkpoint`` restores all of it when ``llms.<name>.checkpoint`` names a checkpoint (same LLM layout). The
+rank state also lists the LoRA adapters created at run time and the snapshots (made again, in order, before
+DeepSpeed loads their weights and optimizer state), and ``state/weight-snapshots-rank-<r>.pt`` holds the frozen
+weights of a model trained without LoRA. A save is refused while ``forward_backward`` gradients are pending.
 
 This module works on a :class:`~llmrl.engine.model.served.ServedModel`; it does not choose paths.
 """
@@ -82,6 +85,8 @@ def _export(served: ServedModel, state: dict, folder: Path) -> None:
     """A folder plain transformers / peft can load: the model (or adapters), tokenizer and heads."""
     from safetensors.torch import save_file
 
+    from llmrl.engine.model.snapshots import without_adapter
+
     folder.mkdir(parents=True, exist_ok=True)
     model_state = _strip(state, "model.")
     model = served.model
@@ -89,9 +94,8 @@ def _export(served: ServedModel, state: dict, folder: Path) -> None:
     if hasattr(model, "peft_config"):
         for adapter in served.adapters:
             # PEFT names adapter weights with the adapter's name; a saved adapter drops it.
-            marker = f".{adapter}."
-            weights = {k.replace(marker, "."): v.clone().contiguous() for k, v in model_state.items()
-                       if "lora_" in k and marker in k}
+            weights = {key: v.clone().contiguous() for k, v in model_state.items()
+                       if (key := without_adapter(k, adapter)) is not None}
             out = folder / "adapters" / adapter
             out.mkdir(parents=True, exist_ok=True)
             model.peft_config[adapter].save_pretrained(out)

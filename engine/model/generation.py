@@ -1,8 +1,8 @@
 """Batched text generation that also returns each generated token's log-prob under the raw model.
 
 Runs Hugging Face ``generate`` on left-padded batches formed by a token budget. Log-probs come from
-the raw logits (``output_logits``), before any temperature, top-k or top-p processing, so they agree
-with ``score`` on the same continuation. A sequence ends at its first EOS: the EOS is kept (it was
+the raw logits, before any temperature, top-k or top-p processing, so they agree with ``score`` on the same
+continuation. A sequence ends at its first EOS: the EOS is kept (it was
 generated, its log-prob counts) and nothing after it is returned or counted. A prompt given as token ids is used
 exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenised with special tokens, as
 ``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of the same prompt, give its
@@ -10,9 +10,13 @@ exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenise
 
 Greedy decoding and sampling read each chosen token's log-prob as the tokens are produced
 (:class:`ChosenLogprobs`): only the current step's raw logits are held (rows x vocabulary), never rows x steps x
-vocabulary. With beam search (``num_beams > 1``) and the other decoding modes, Hugging Face's ``output_logits`` are
-kept and each token's log-prob is read from the beam that produced it (``beam_indices``); each returned sequence
-also carries Hugging Face's length-normalised beam score (``sequences_scores``) as ``beam_score``.
+vocabulary. They also read its log-prob under the distribution it was drawn from (``sampling_logprobs``: the step's
+scores after every logits processor, temperature, top-k and top-p included), freeing those scores at once. ``stop``
+strings and token ids end a sequence at the token that completes them (:mod:`llmrl.engine.model.stops`); every
+sample says why it ended (``stop_reason``). ``prompt_logprobs`` runs one more forward pass per prompt. With beam
+search (``num_beams > 1``) and the other decoding modes, Hugging Face's ``output_logits`` are kept and each token's
+log-prob is read from the beam that produced it (``beam_indices``); each returned sequence also carries Hugging
+Face's length-normalised beam score (``sequences_scores``) as ``beam_score``.
 
 This module does not route requests; it runs on one server rank.
 """
@@ -81,6 +85,8 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
         strings = kwargs.pop("stop_strings")
         stop = (stop[0] + ([strings] if isinstance(strings, str) else list(strings)), stop[1])
     prompt_logprobs = bool(kwargs.pop("prompt_logprobs", False))
+    if prompt_logprobs and kind != "causal":
+        raise ValueError("prompt_logprobs reads a causal model's next-token log-probs; this model is seq2seq")
     if (stop[0] or stop[1]) and not _reads_logprobs_stepwise(model, kwargs):
         raise ValueError("stop applies to greedy decoding and sampling (num_beams 1), not to beam search")
     num_return = int(kwargs.get("num_return_sequences", 1))
@@ -119,8 +125,11 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     for _ in range(extra_batches):
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
                         [[]], plan.stop)
-    if plan.prompt_logprobs and kind == "causal":
-        for batch in [*plan.batches, *[None] * extra_batches]:  # ZeRO-3 ranks make the same number of calls
+    if plan.prompt_logprobs:
+        # one prompt per model call (its logits are width x vocabulary), except under lockstep, where every rank
+        # of a ZeRO-3 group makes the same calls: the planned batches, then the throw-away ones
+        groups = [*plan.batches, *[None] * extra_batches] if synced else [[i] for b in plan.batches for i in b]
+        for batch in groups:
             prompts = dummy if batch is None else [plan.prompts[i] for i in batch]
             for k, logprobs in enumerate(prompt_token_logprobs(model, prompts, tokenizer.pad_token_id, device)):
                 for sample in ([] if batch is None else results[batch[k]]):
@@ -159,7 +168,9 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
             mask[r, : len(p)] = 1
     stepwise = _reads_logprobs_stepwise(model, kwargs)
     chosen = ChosenLogprobs(model) if stepwise else None
-    recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return) if stop[0] or stop[1] else None
+    start = width if kind == "causal" else 1  # where the generated tokens begin in Hugging Face's input_ids
+    recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return, start=start) if stop[0] or stop[1] \
+        else None
     try:
         if chosen is not None:
             user_criteria = kwargs.get("stopping_criteria") or []

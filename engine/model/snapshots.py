@@ -26,6 +26,13 @@ import torch
 from llmrl.engine.model.served import ServedModel
 
 
+def check_adapter_name(name, what: str) -> None:
+    """Refuse a name PEFT would confuse with its own (a ``lora_`` prefix) or that is not an identifier."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("lora_"):
+        raise ValueError(f"{what}'s name must be an identifier (letters, digits, _) not starting with 'lora_', got "
+                         f"{name!r}")
+
+
 def uses_lora(served: ServedModel) -> bool:
     return hasattr(served.model, "peft_config") and bool(served.adapters)
 
@@ -37,8 +44,7 @@ def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> st
     if served.llm.training.zero_stage == 3:
         raise ValueError(f"LLM {llm!r} uses ZeRO-3, which partitions every parameter when the engine is built: a "
                          "snapshot could not be added to it; use ZeRO 0-2 for snapshots")
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a snapshot's name must be an identifier (letters, digits, _), got {name!r}")
+    check_adapter_name(name, "a snapshot")
     if name in served.adapters:
         raise ValueError(f"{name!r} is a trained adapter of LLM {llm!r}; give the snapshot another name")
     if not uses_lora(served):
@@ -47,8 +53,6 @@ def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> st
                              "peft_adapter out")
         return None
     source = source or served.active_adapter()
-    if source in served.snapshots:
-        source = served.snapshots[source]  # a snapshot of a snapshot copies the same adapter's config
     served.check_adapter(source)
     return source
 
@@ -71,10 +75,18 @@ def parameters_changed(served: ServedModel) -> None:
 
 
 def adapter_params(model, adapter: str) -> dict[str, torch.nn.Parameter]:
-    """The parameters of one LoRA adapter, keyed by their names with the adapter's name taken out."""
-    marker = f".{adapter}."
-    return {name.replace(marker, "."): p for name, p in model.named_parameters()
-            if marker in name and "lora_" in name}
+    """The parameters of one LoRA adapter (PEFT names them ``...q_proj.lora_A.<adapter>.weight``: the adapter's name
+    right after a ``lora_`` container), keyed by their names with the adapter's name taken out."""
+    return {key: p for name, p in model.named_parameters() if (key := without_adapter(name, adapter)) is not None}
+
+
+def without_adapter(name: str, adapter: str) -> str | None:
+    """``name`` without the adapter's part when it names one of ``adapter``'s LoRA weights, else None."""
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        if parts[k] == adapter and parts[k - 1].startswith("lora_"):
+            return ".".join(parts[:k] + parts[k + 1:])
+    return None
 
 
 def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cache=None) -> dict:
@@ -84,19 +96,23 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     if source is None:
         return take_weight_snapshot(served, name, prefix_cache)
     model = served.model
-    if name in served.snapshots and served.snapshots[name] != source:
+    adapter = served.snapshots.get(source, source)  # a snapshot of a snapshot: the same adapter's configuration
+    originals = {key: p.detach().clone() for key, p in adapter_params(model, source).items()}  # the named weights
+    if name in served.snapshots and served.snapshots[name] != adapter:
         drop_snapshot(served, name, prefix_cache)
     if name not in served.snapshots:
         with flags_kept(model):
-            model.add_adapter(name, copy.deepcopy(model.peft_config[source]))
-    copies, originals = adapter_params(model, name), adapter_params(model, source)
+            model.add_adapter(name, copy.deepcopy(model.peft_config[adapter]))
+    copies = adapter_params(model, name)
     if copies.keys() != originals.keys():
+        with flags_kept(model):
+            model.delete_adapter(name)
+        served.snapshots.pop(name, None)
         raise RuntimeError(f"snapshot {name!r} does not mirror adapter {source!r}: parameters differ")
-    with torch.no_grad():
-        for key, p in copies.items():
-            p.data = originals[key].detach().clone()
-            p.requires_grad_(False)
-    served.snapshots[name] = source
+    for key, p in copies.items():
+        p.data = originals[key]
+        p.requires_grad_(False)
+    served.snapshots[name] = adapter
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)

@@ -1,12 +1,13 @@
 """Stop conditions of generation: ``stop`` strings and token-id sequences, where each sequence stopped, and why.
 
 ``generate(..., stop=...)`` takes a string, a token id, a list of token ids, or a list mixing those (strings and
-token-id sequences). Strings are matched by Hugging Face's own ``StopStringCriteria`` (as ``generate(stop_strings=...)``
-uses, so the texts are the same as Hugging Face's: a string counts once it overlaps the last generated token);
-token-id sequences match when the generated tokens end with them. :class:`StopRecorder` wraps them as one stopping
-criterion and remembers, per row, the step at which a stop first matched: that token is the sequence's last (the
-stop text stays in the returned tokens), even where Hugging Face goes on appending padding, or EOS when EOS is the
-pad token. :func:`which_stop` names the stop that matched, for the sample's ``stop`` entry.
+token-id sequences). Strings are matched by Hugging Face's own ``StopStringCriteria`` (as
+``generate(stop_strings=...)`` uses, so the texts are the same as Hugging Face's: a string counts once it overlaps
+the last generated token); token-id sequences match when the generated tokens (never the prompt's) end with them.
+:class:`StopRecorder` wraps them as one stopping criterion and remembers, per row, the step at which a stop first
+matched: that token is the sequence's last (the stop text stays in the returned tokens), even where Hugging Face
+goes on appending padding, or EOS when EOS is the pad token.
+:func:`which_stop` names the stop that matched, for the sample's ``stop`` entry.
 
 This module decides where sequences end; it does not run the model (:mod:`llmrl.engine.model.generation` does).
 """
@@ -50,15 +51,16 @@ def _is_id(value) -> bool:
 
 
 class StopTokens(StoppingCriteria):
-    """True for the rows whose tokens end with one of ``sequences``."""
+    """True for the rows whose generated tokens (those from position ``start`` on) end with one of ``sequences``."""
 
-    def __init__(self, sequences: list[list[int]]):
+    def __init__(self, sequences: list[list[int]], start: int):
         self.sequences = [torch.tensor(s, dtype=torch.long) for s in sequences]
+        self.start = start
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for seq in self.sequences:
-            if input_ids.shape[1] >= len(seq):
+            if input_ids.shape[1] - self.start >= len(seq):
                 done |= (input_ids[:, -len(seq):] == seq.to(input_ids.device)).all(dim=1)
         return done
 
@@ -67,9 +69,9 @@ class StopRecorder(StoppingCriteria):
     """The stop criteria of one generate call, recording per row the first step (0: the first generated token) at
     which one matched."""
 
-    def __init__(self, tokenizer, strings: list[str], sequences: list[list[int]], rows: int):
+    def __init__(self, tokenizer, strings: list[str], sequences: list[list[int]], rows: int, start: int):
         self.criteria = ([StopStringCriteria(tokenizer=tokenizer, stop_strings=strings)] if strings else []) + (
-            [StopTokens(sequences)] if sequences else [])
+            [StopTokens(sequences, start)] if sequences else [])
         self.stopped_at: list[int | None] = [None] * rows
         self.step = 0
 

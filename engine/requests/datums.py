@@ -38,12 +38,15 @@ class Sequence:
         return len(self.tokens) - 1
 
 
-def completion_datum(prompt, completion, **per_token) -> dict:
+def completion_datum(prompt, completion, prompt_logprobs=None, **per_token) -> dict:
     """A datum that trains on ``completion`` given ``prompt`` (both token id lists).
 
     Each keyword is a per-token loss input for the completion's tokens: a list with one value per completion token
     (a sample's ``logprobs``), or one number for all of them (a sequence's advantage, a weight of 1.0). The prompt's
-    target positions get 0 for every input, so they add nothing to the loss. Example::
+    target positions get 0 for every input, so that they add nothing to the ``cross_entropy``,
+    ``importance_sampling``, ``ppo`` and ``cispo`` losses. ``dro``'s penalty ``beta / 2 * (lp - logprobs)^2`` reads
+    every position: give ``prompt_logprobs`` (the prompt's tokens but the first, as ``generate(...,
+    prompt_logprobs=True)`` returns them) to fill the prompt's ``logprobs`` with them. Example::
 
         completion_datum(prompt_ids, sample["tokens"], logprobs=sample["logprobs"], advantages=advantage)
     """
@@ -60,10 +63,17 @@ def completion_datum(prompt, completion, **per_token) -> dict:
             raise InvalidArgument(f"{key} has {len(values)} values for a completion of {len(completion)} tokens: "
                                   "give one value per completion token, or one number for all")
         inputs[key] = [0.0] * (len(prompt) - 1) + values
+    if prompt_logprobs is not None:
+        given = _floats(prompt_logprobs, "prompt_logprobs")
+        if len(given) != len(prompt) - 1 or "logprobs" not in inputs:
+            raise InvalidArgument(f"prompt_logprobs needs logprobs= and one value per prompt token but the first "
+                                  f"({len(prompt) - 1}), got {len(given)}")
+        inputs["logprobs"][:len(prompt) - 1] = given
     return {"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], **inputs}}
 
 
-def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, what: str = "data") -> list[Sequence]:
+def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max_length: int | None = None,
+               what: str = "data") -> list[Sequence]:
     """The checked sequences of ``data`` (a list of datums), whose loss reads the per-token inputs ``needed``
     (None: no loss on the servers; the other inputs are neither read nor sent).
 
@@ -75,7 +85,12 @@ def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, wha
                                   f"{type(data).__name__}")
     if len(data) == 0:
         raise InvalidArgument(f"{what} is empty: give at least one datum")
-    return [_check_datum(datum, f"{what}[{i}]", needed, vocab_size) for i, datum in enumerate(data)]
+    sequences = [_check_datum(datum, f"{what}[{i}]", needed, vocab_size) for i, datum in enumerate(data)]
+    for i, seq in enumerate(sequences):
+        if max_length is not None and seq.num_targets > max_length:
+            raise InvalidArgument(f"{what}[{i}] has {seq.num_targets} input tokens; this model accepts at most "
+                                  f"{max_length}: nothing was sent")
+    return sequences
 
 
 def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: int | None) -> Sequence:
@@ -102,7 +117,8 @@ def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: 
                                   "(model_input = tokens[:-1], target_tokens = tokens[1:])")
     tokens = model_input + [targets[-1]]
     if vocab_size is not None and max(tokens) >= vocab_size:
-        raise InvalidArgument(f"{where} holds token id {max(tokens)}, beyond the model's vocabulary of {vocab_size}")
+        raise InvalidArgument(f"{where} holds token id {max(tokens)}, beyond the vocabulary of the model "
+                              f"({vocab_size} tokens)")
     inputs = {}
     for key, value in loss_inputs.items():
         if key == "target_tokens" or needed is None:

@@ -60,10 +60,6 @@ def forward_backward(served: ServedModel, request) -> dict:
     if served.llm.type != "causal":
         raise ValueError(f"{what} reads next-token log-probs of a causal model; LLM {served.llm.name!r} is "
                          f"{served.llm.type}")
-    for k, seq in enumerate(request.sequences):
-        if served.max_length is not None and len(seq.tokens) - 1 > served.max_length:
-            raise ValueError(f"data[{request.first_index + k}] has {len(seq.tokens) - 1} input tokens; this model "
-                             f"accepts at most {served.max_length} (nothing was trained)")
     trainer = _trainer(served, what) if request.backward else EngineTrainer(served)
     contexts = [seq.tokens[:1] for seq in request.sequences]
     candidates = [[seq.tokens[1:]] for seq in request.sequences]
@@ -71,7 +67,7 @@ def forward_backward(served: ServedModel, request) -> dict:
         with torch.set_grad_enabled(request.backward):
             out = trainer.forward(contexts, candidates, peft_adapter=request.adapter, per_token=True)
             logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
-            losses = [token_loss(request.loss_fn, lp, _tensors(seq.inputs), request.loss_fn_config)
+            losses = [token_loss(request.loss_fn, lp, _tensors(seq.inputs, lp.device), request.loss_fn_config)
                       for lp, seq in zip(logprobs, request.sequences)] if request.loss_fn is not None else []
             total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
             if request.backward:
@@ -97,6 +93,8 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
     trainer = _trainer(served, "optim_step")
     if adapter is not None:
         served.check_adapter(adapter)
+        if adapter not in served.adapters:
+            raise ValueError(f"{adapter!r} is a snapshot: it has no gradients and takes no step")
         others = sorted(served.pending_adapters - {adapter})
         if others:
             raise ValueError(f"optim_step(adapter={adapter!r}) would also step adapter(s) {others}, whose "
@@ -156,5 +154,5 @@ def _noted(err: Exception, note: str) -> Exception:
     return err
 
 
-def _tensors(inputs: dict[str, list[float]]) -> dict[str, torch.Tensor]:
-    return {key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()}
+def _tensors(inputs: dict[str, list[float]], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor(values, dtype=torch.float32, device=device) for key, values in inputs.items()}

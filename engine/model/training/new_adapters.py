@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.served import ServedModel
-from llmrl.engine.model.snapshots import adapter_params, flags_kept, parameters_changed
+from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
@@ -39,10 +39,13 @@ def target_modules(model, targets) -> str | list[str]:
             names.append(target)
             continue
         for name, module in base.named_modules():
-            if not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or "base_layer" in name:
+            # a layer an adapter already wraps (PEFT's lora.Linear holds the nn.Linear as its base_layer) counts too
+            linear = isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "base_layer", None),
+                                                                      torch.nn.Linear)
+            if not linear or ".lora_" in f".{name}" or name.endswith("base_layer") or ".base_layer." in name:
                 continue
             parts = name.split(".")
-            if target == "unembed" and module is base.get_output_embeddings():
+            if target == "unembed" and base.get_output_embeddings() in (module, getattr(module, "base_layer", None)):
                 names.append(name)
             elif target == "attention" and any("attn" in p or "attention" in p for p in parts[:-1]):
                 names.append(name)
@@ -70,20 +73,25 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
                          "whose flat parameter copies are built once: declare the adapter in the config instead")
     if served.module.trunk is not None:
         raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb); a new adapter could adapt its layers")
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"an adapter's name must be an identifier (letters, digits, _), got {name!r}")
+    check_adapter_name(name, "an adapter")
     if name in served.adapters or name in served.snapshots:
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
     config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                         lora_dropout=0.0, target_modules=target_modules(model, targets))
-    with flags_kept(model):
+    devices = [served.device.index or 0] if served.device.type == "cuda" else []
+    with flags_kept(model), torch.random.fork_rng(devices=devices):  # the run's own random streams go on unchanged
         torch.manual_seed(seed)
         model.add_adapter(name, config)
     params = list(adapter_params(model, name).values())
-    for p in params:
-        p.requires_grad_(True)
-    steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+    except Exception:
+        with flags_kept(model):
+            model.delete_adapter(name)
+        raise
     served.adapters.append(name)
     served.created_adapters[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
     parameters_changed(served)
