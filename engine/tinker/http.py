@@ -1,0 +1,139 @@
+"""The Tinker REST API over HTTP: routes under ``/api/v1/``, the API key, JSON and protobuf bodies, errors.
+
+A :class:`ThreadingHTTPServer` answers each connection on a thread of its own. Every request must carry the
+service's key in ``X-API-Key`` (compared in constant time); a wrong key is a 401. Bodies are JSON, except
+``forward_backward``'s (protobuf), and the results of forward/backward and sampling futures (protobuf, as the SDK
+expects). A request that fails before it becomes a future is answered with a JSON error body (never an empty one:
+the SDK would take an empty 400 for a dropped connection and retry it for minutes): 400 for a bad request, 404 for
+an unknown model, sampler or future, 500 otherwise. A failure inside a future is reported by ``retrieve_future`` with
+its category. Whatever a handler raises, the connection's thread answers and goes on.
+
+This module routes; what each call does is :mod:`llmrl.engine.tinker.service`'s.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import sys
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from llmrl.engine.tinker.futures import Outcome
+
+MAX_BODY = 1 << 30
+
+JSON_ROUTES = {  # POST path -> the service method taking the JSON body
+    "create_session": "create_session", "create_model": "create_model", "get_info": "get_info",
+    "optim_step": "optim_step", "save_weights": "save_weights", "save_weights_for_sampler": "save_weights_for_sampler",
+    "load_weights": "load_weights", "create_sampling_session": "create_sampling_session", "asample": "asample",
+}
+ANSWERS = {  # POST path -> a fixed answer (what the service has nothing to do for)
+    "client/config": {}, "client/dynamic_config": {"refresh_interval_sec": 300},
+    "session_heartbeat": {"type": "session_heartbeat"}, "telemetry": {"status": "accepted"},
+}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPServer:
+    """The HTTP server of ``service`` on ``host:port`` (port 0: a free one), refusing any other key."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+            pass
+
+        def do_GET(self) -> None:
+            self._answer(self._get)
+
+        def do_POST(self) -> None:
+            self._answer(self._post)
+
+        def do_DELETE(self) -> None:
+            self._answer(lambda path: (_ for _ in ()).throw(HTTPError(404, f"{path} is not served")))
+
+        def _answer(self, route) -> None:
+            try:
+                if not hmac.compare_digest(self.headers.get("X-API-Key", "").encode(), api_key.encode()):
+                    raise HTTPError(401, "wrong or missing API key (X-API-Key; TINKER_API_KEY for the SDK)")
+                path = self.path.split("?", 1)[0]
+                if not path.startswith("/api/v1/"):
+                    raise HTTPError(404, f"{path} is not served; the API is under /api/v1/")
+                self._send(200, route(path[len("/api/v1/"):]))
+            except HTTPError as err:
+                self._send(err.status, {"detail": str(err)})
+            except (LookupError, KeyError) as err:
+                self._send(404, {"detail": f"{type(err).__name__}: {err}"})
+            except ValueError as err:
+                self._send(400, {"detail": f"{type(err).__name__}: {err}"})
+            except Exception as err:  # noqa: BLE001 - a handler's bug answers 500; the server goes on
+                traceback.print_exc(file=sys.stderr)
+                self._send(500, {"detail": f"{type(err).__name__}: {err}"})
+
+        def _body(self) -> bytes:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                raise HTTPError(413, f"request body of {length} bytes is over {MAX_BODY}")
+            return self.rfile.read(length)
+
+        def _json(self) -> dict:
+            raw = self._body()
+            try:
+                body = json.loads(raw or b"{}")
+            except json.JSONDecodeError as err:
+                raise HTTPError(400, f"the body is not JSON: {err}") from None
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the body must be a JSON object")
+            return body
+
+        def _get(self, path: str):
+            match = re.fullmatch(r"samplers/([^/]+)", path)
+            if match:
+                return service.get_sampler(match.group(1))
+            if path == "get_server_capabilities":
+                return service.get_server_capabilities()
+            if path == "healthz":
+                return {"status": "ok"}
+            raise HTTPError(404, f"GET /api/v1/{path} is not served by llmrl's Tinker service")
+
+        def _post(self, path: str):
+            if path in ANSWERS:
+                self._body()
+                return ANSWERS[path]
+            if path == "forward_backward":
+                return service.forward_backward(self._body())
+            if path == "retrieve_future":
+                return service.retrieve_future(self._json())
+            if re.fullmatch(r"sessions/[^/]+/finish", path):
+                self._body()
+                return {}
+            if path in JSON_ROUTES:
+                return getattr(service, JSON_ROUTES[path])(self._json())
+            raise HTTPError(404, f"POST /api/v1/{path} is not served by llmrl's Tinker service")
+
+        def _send(self, status: int, value) -> None:
+            if isinstance(value, Outcome):
+                value = value.value if value.kind != "proto" else value
+            if isinstance(value, Outcome):  # protobuf bytes
+                data, kind = value.value, "application/x-protobuf"
+            else:
+                data, kind = json.dumps(value).encode(), "application/json"
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client went away: nothing to answer
+                pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server

@@ -1,0 +1,319 @@
+"""What each Tinker call does on an llmrl run: sessions, training clients, samplers and checkpoints, mapped onto the
+Caller's primitives.
+
+- A **training client** (``create_model``) is a LoRA adapter created at run time on the served LLM, with the rank,
+  seed and targets (attention, MLP, unembedding) Tinker asks for; its id is Tinker's ``<session>:train:<n>``. Its
+  requests run one at a time in ``seq_id`` order.
+- ``forward_backward`` / ``forward`` and ``optim_step`` are the Caller's, on that adapter; each datum's per-token
+  inputs are passed as given (those the loss does not read are left out). ``stable_reinforce`` (whose sampling
+  data is not public) and ``gspo`` are refused with the losses to use instead.
+- ``save_weights_for_sampler`` takes a named snapshot of the adapter: with a name it answers a
+  ``tinker://<model>/sampler_weights/<name>`` path, without one a sampling session on a snapshot kept among the
+  client's last few (older ones are dropped: their sessions then answer an error).
+- A **sampler** reads a snapshot, or the base model (the config's own LoRA adapter, which Tinker never trains: a
+  LoRA adapter starts as the identity, so it is the base model until trained), through ``generate``; the log-probs
+  it returns are those of the distribution it sampled from (``sampling_logprobs``). Requests that read the same
+  weights with the same parameters within a few milliseconds share one ``generate`` call
+  (:mod:`llmrl.engine.tinker.batching`).
+- ``save_weights`` writes a checkpoint of the run (``Caller.save``) under the service's folder; loading one into a
+  new training client is not supported yet and says so.
+
+This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engine.tinker.http`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmrl.engine.tinker.batching import SampleBatcher
+from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
+from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
+
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
+
+
+@dataclass
+class TrainingClient:
+    model_id: str
+    adapter: str
+    base_model: str
+    rank: int
+    queue: OrderedQueue
+    ephemeral: deque = field(default_factory=deque)  # snapshot names of unnamed samplers, oldest first
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    weights: str  # the snapshot (or the base adapter) generate reads
+    base_model: str
+    model_path: str | None = None
+
+
+class TinkerService:
+    def __init__(self, caller, llm: str | None = None, save_dir: str = "tinker-checkpoints", poll_wait: float = 20.0):
+        self.caller = caller
+        self.llm = llm or caller.llms[0]
+        info = caller.info[self.llm]
+        if not info.get("adapters"):
+            raise ValueError(f"the Tinker service trains LoRA adapters on LLM {self.llm!r}: give it the lora "
+                             "initializer (its adapter, never trained, is the base model that samplers read)")
+        self.base_adapter = info["adapters"][0]
+        spec = caller.config.llms[self.llm]
+        from llmrl.engine.model.store.loading import resolve_model_path
+
+        self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
+        self.model_name = spec.model
+        self.save_dir = save_dir
+        self.poll_wait = poll_wait
+        self.futures = Futures(classify)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._adapter_ids = itertools.count(1)  # training client k trains adapter tinker_k
+        self.models: dict[str, TrainingClient] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.sampler_paths: dict[str, str] = {}  # tinker path -> snapshot name
+        self.batcher = SampleBatcher(self._generate)
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session(self, body: dict) -> dict:
+        return {"type": "create_session", "session_id": f"session-{next(self._ids)}"}
+
+    def get_server_capabilities(self) -> dict:
+        return {"supported_models": [{"model_name": self.model_name, "trainable": True, "sampleable": True}]}
+
+    # ------------------------------------------------------------------ training clients
+
+    def create_model(self, body: dict) -> dict:
+        model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
+        lora = body.get("lora_config") or {}
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        targets = [name for name, key in (("attention", "train_attn"), ("mlp", "train_mlp"),
+                                          ("unembed", "train_unembed")) if lora.get(key, True)]
+
+        def work() -> Outcome:
+            if optimizer != "adamw":
+                raise ValueError(f"optimizer {optimizer!r} is not supported: llmrl steps AdamW (the config's "
+                                 "training.optimizer)")
+            adapter = f"tinker_{next(self._adapter_ids)}"
+            rank = int(lora.get("rank", 32))
+            self.caller.create_adapter(adapter, rank=rank, seed=int(lora.get("seed") or 0), targets=targets,
+                                       llm=self.llm)
+            with self._lock:
+                self.models[model_id] = TrainingClient(model_id, adapter, body.get("base_model", self.model_name),
+                                                       rank, OrderedQueue(self.futures, adapter))
+            return Outcome("json", {"type": "create_model", "model_id": model_id})
+
+        return {"request_id": self.futures.submit(work), "model_id": model_id}
+
+    def get_info(self, body: dict) -> dict:
+        client = self._client(body["model_id"])
+        return {"type": "get_info", "model_id": client.model_id, "is_lora": True, "lora_rank": client.rank,
+                "model_name": client.base_model, "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": self.caller.info[self.llm].get("kind", "causal"),
+                               "model_name": client.base_model, "tokenizer_id": self.tokenizer_id}}
+
+    def forward_backward(self, body: bytes) -> dict:
+        request = parse_forward_backward(body)
+        client = self._client(request["model_id"])
+
+        def work() -> Outcome:
+            loss_fn, forward_only = request["loss_fn"], request["forward_only"]
+            check_loss(loss_fn)
+            from llmrl.plugins.rl_math import TOKEN_LOSSES
+
+            reads = {"target_tokens", *TOKEN_LOSSES[loss_fn][0]}
+            data = [{"model_input": d["model_input"],
+                     "loss_fn_inputs": {k: v for k, v in d["loss_fn_inputs"].items() if k in reads}}
+                    for d in request["data"]]
+            call = self.caller.forward if forward_only else self.caller.forward_backward
+            out = call(data, loss_fn, request["loss_fn_config"] or None, llm=self.llm, peft_adapter=client.adapter)
+            outputs = [{k: v for k, v in o.items() if k in ("logprobs", "elementwise_loss")}
+                       for o in out["loss_fn_outputs"]]
+            return Outcome("proto", forward_backward_output(outputs, {"loss:sum": out["metrics"]["loss:sum"]}))
+
+        return {"request_id": client.queue.submit(request["seq_id"], work), "model_id": client.model_id}
+
+    def optim_step(self, body: dict) -> dict:
+        client = self._client(body["model_id"])
+        params = body.get("adam_params")
+
+        def work() -> Outcome:
+            if params is None:
+                raise ValueError(f"optimizer parameters {body.get('optimizer_params')!r} are not supported: send "
+                                 "AdamParams")
+            out = self.caller.optim_step(params, llm=self.llm, peft_adapter=client.adapter)
+            metrics = {} if out.get("grad_norm") is None else {"grad_norm:mean": out["grad_norm"]}
+            return Outcome("json", {"type": "optim_step", "metrics": metrics})
+
+        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+
+    def save_weights_for_sampler(self, body: dict) -> dict:
+        client = self._client(body["model_id"])
+
+        def work() -> Outcome:
+            name = body.get("path")
+            snapshot = f"{client.adapter}_{_safe(name) if name else 's' + str(next(self._ids))}"
+            self.caller.snapshot(snapshot, llm=self.llm, peft_adapter=client.adapter)
+            if name:
+                path = f"tinker://{client.model_id}/sampler_weights/{name}"
+                with self._lock:
+                    self.sampler_paths[path] = snapshot
+                return Outcome("json", {"type": "save_weights_for_sampler", "path": path})
+            client.ephemeral.append(snapshot)
+            while len(client.ephemeral) > EPHEMERAL_SAMPLERS:
+                self.caller.drop_snapshot(client.ephemeral.popleft(), llm=self.llm)
+            sampler = self._new_sampler(snapshot, client.base_model)
+            return Outcome("json", {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
+
+        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+
+    def save_weights(self, body: dict) -> dict:
+        client = self._client(body["model_id"])
+
+        def work() -> Outcome:
+            name = _safe(body.get("path") or f"state-{next(self._ids)}")
+            self.caller.save(os.path.join(self.save_dir, _safe(client.model_id), name))
+            return Outcome("json", {"type": "save_weights", "path": f"tinker://{client.model_id}/weights/{name}"})
+
+        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+
+    def load_weights(self, body: dict) -> dict:
+        def work() -> Outcome:
+            raise ValueError(f"loading {body.get('path')!r} into a training client is not supported yet: start a new "
+                             "training client, or resume the whole run from its checkpoint (llms.<name>.checkpoint)")
+
+        return {"request_id": self.futures.submit(work)}
+
+    # ------------------------------------------------------------------ samplers
+
+    def create_sampling_session(self, body: dict) -> dict:
+        path = body.get("model_path")
+        if path:
+            with self._lock:
+                snapshot = self.sampler_paths.get(path)
+            if snapshot is None:
+                raise LookupError(f"no sampler weights at {path!r}; this service holds "
+                                  f"{sorted(self.sampler_paths) or 'none'}")
+            return {"type": "create_sampling_session",
+                    "sampling_session_id": self._new_sampler(snapshot, self.model_name, path).sampler_id}
+        return {"type": "create_sampling_session",
+                "sampling_session_id": self._new_sampler(self.base_adapter, body.get("base_model") or self.model_name
+                                                         ).sampler_id}
+
+    def get_sampler(self, sampler_id: str) -> dict:
+        sampler = self._sampler(sampler_id)
+        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+    def asample(self, body: dict) -> dict:
+        sampler = self._sampler(body["sampling_session_id"])
+        tokens = [t for chunk in body["prompt"]["chunks"] for t in _chunk_tokens(chunk)]
+        count = int(body.get("num_samples", 1))
+        kwargs = generate_kwargs(body.get("sampling_params") or {}, count, bool(body.get("prompt_logprobs")))
+
+        key = (sampler.weights, tuple(sorted((k, _frozen(v)) for k, v in kwargs.items())))
+        pending = self.batcher.submit(key, tokens, alone="seed" in kwargs)
+
+        def work() -> Outcome:
+            samples = pending.result()
+            out = [{"tokens": s["tokens"].tolist(), "logprobs": s.get("sampling_logprobs", s["logprobs"]).tolist(),
+                    "stop_reason": s["stop_reason"]} for s in samples]
+            prompt = samples[0]["prompt_logprobs"].tolist() if kwargs.get("prompt_logprobs") else None
+            return Outcome("proto", sample_response(out, prompt))
+
+        request_id = self.futures.submit(work)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{k}" for k in range(count)]}
+
+    def _generate(self, key: tuple, prompts: list[list[int]]) -> list[list[dict]]:
+        """One ``generate`` call for the prompts of requests that share weights and parameters (``key``)."""
+        weights, params = key
+        return self.caller.generate(prompts, llm=self.llm, peft_adapter=weights, **dict(params))
+
+    # ------------------------------------------------------------------ futures
+
+    def retrieve_future(self, body: dict) -> Outcome:
+        request_id = body["request_id"]
+        outcome = self.futures.wait(request_id, self.poll_wait)
+        if outcome is None:
+            return Outcome("json", {"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return outcome
+
+    # ------------------------------------------------------------------ helpers
+
+    def _client(self, model_id: str) -> TrainingClient:
+        with self._lock:
+            client = self.models.get(model_id)
+        if client is None:
+            raise LookupError(f"no training client {model_id!r}; this service holds {sorted(self.models) or 'none'}")
+        return client
+
+    def _sampler(self, sampler_id: str) -> Sampler:
+        with self._lock:
+            sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise LookupError(f"no sampling session {sampler_id!r}")
+        return sampler
+
+    def _new_sampler(self, weights: str, base_model: str, path: str | None = None) -> Sampler:
+        with self._lock:
+            sampler = Sampler(f"sampler-{next(self._ids)}", weights, base_model, path)
+            self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+
+def check_loss(loss_fn: str) -> None:
+    if loss_fn == "stable_reinforce":
+        raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
+                         "loss_fn=importance_sampling (or ppo, cispo, dro)")
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
+
+
+def generate_kwargs(params: dict, count: int, prompt_logprobs: bool) -> dict:
+    """``generate`` arguments for Tinker's sampling parameters."""
+    temperature = float(params.get("temperature", 1.0))
+    kwargs = {"max_new_tokens": int(params.get("max_tokens") or 64), "num_return_sequences": count,
+              "do_sample": temperature > 0}
+    if temperature > 0:
+        top_k = int(params.get("top_k", -1))
+        kwargs.update(temperature=temperature, top_k=0 if top_k < 0 else top_k, top_p=float(params.get("top_p", 1.0)))
+    if params.get("seed") is not None:
+        kwargs["seed"] = int(params["seed"])
+    if params.get("stop"):
+        kwargs["stop"] = params["stop"]
+    if prompt_logprobs:
+        kwargs["prompt_logprobs"] = True
+    return kwargs
+
+
+def classify(err: BaseException) -> str:
+    """Tinker's error category: "user" for requests refused for their content, "server" otherwise."""
+    from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, RequestError
+
+    if isinstance(err, (InvalidArgument, InvalidArgumentType, ValueError, LookupError)):
+        return "user"
+    if isinstance(err, RequestError) and getattr(err, "remote_type", None) in ("ValueError", "InvalidArgument"):
+        return "user"
+    return "server"
+
+
+def _chunk_tokens(chunk: dict) -> list[int]:
+    if chunk.get("type", "encoded_text") != "encoded_text":
+        raise ValueError(f"prompt chunks of type {chunk.get('type')!r} are not supported: llmrl serves text models")
+    return [int(t) for t in chunk["tokens"]]
+
+
+def _frozen(value):
+    """``value`` hashable (lists become tuples), for a batch's key."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _safe(name: str) -> str:
+    """``name`` usable in a file or snapshot name."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(name))

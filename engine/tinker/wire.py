@@ -1,0 +1,102 @@
+"""Tinker's protobuf payloads, to and from plain Python: the ``forward_backward`` request, its output, and a sample
+response. The schema is the SDK's own (``tinker.proto.tinker_public_pb2``); arrays travel as little-endian numpy
+buffers.
+
+This module converts; it neither checks what a loss needs (the Caller does) nor runs anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}  # DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32
+
+
+def pb():
+    """The SDK's generated protobuf module (an ImportError names the extra to install)."""
+    try:
+        from tinker.proto import tinker_public_pb2
+    except ImportError as err:
+        raise ImportError("the Tinker service needs the tinker SDK: pip install 'llmrl[tinker]'") from err
+    return tinker_public_pb2
+
+
+def tensor_values(tensor) -> list:
+    """A ``Tensor`` message (dense, or sparse CSR) as a flat Python list."""
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ValueError(f"tensor dtype {tensor.dtype} is not supported (float32, int64, int32)")
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        csr = tensor.sparse_csr
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
+        dense = np.zeros(tuple(tensor.shape), dtype=dtype)
+        for row in range(len(crow) - 1):
+            dense[row, cols[crow[row]:crow[row + 1]]] = values[crow[row]:crow[row + 1]]
+        return dense.reshape(-1).tolist()
+    return np.frombuffer(tensor.dense, dtype=dtype).tolist()
+
+
+def chunk_tokens(chunks) -> list[int]:
+    """The token ids of a model input's chunks (text only: images and audio are refused)."""
+    tokens: list[int] = []
+    for chunk in chunks:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise ValueError(f"model input chunks of type {kind!r} are not supported: llmrl serves text models")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    return tokens
+
+
+def parse_forward_backward(body: bytes) -> dict:
+    """A ``ForwardBackwardRequest`` as ``{model_id, seq_id, loss_fn, loss_fn_config, forward_only, data}``, each
+    datum in llmrl's form (``model_input`` ids, ``loss_fn_inputs`` of lists)."""
+    request = pb().ForwardBackwardRequest()
+    request.ParseFromString(body)
+    config = {key: (value.number if value.WhichOneof("value") == "number" else value.text)
+              for key, value in request.loss_fn_config_v2.items()} or dict(request.loss_fn_config)
+    data = []
+    for datum in request.data:
+        inputs = {key: tensor_values(tensor) for key, tensor in datum.loss_fn_inputs.items()}
+        if "target_tokens" in inputs:
+            inputs["target_tokens"] = [int(t) for t in inputs["target_tokens"]]
+        data.append({"model_input": chunk_tokens(datum.model_input), "loss_fn_inputs": inputs})
+    return {"model_id": request.model_id, "seq_id": request.seq_id, "loss_fn": request.loss_fn,
+            "loss_fn_config": config, "forward_only": request.forward_only, "data": data}
+
+
+def forward_backward_output(outputs: list[dict], metrics: dict[str, float]) -> bytes:
+    """A ``ForwardBackwardOutput``: per datum its float32 per-token outputs (``logprobs``, ``elementwise_loss``), and
+    the metrics (keys ``name:reduction``)."""
+    proto = pb()
+    out = proto.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(outputs)
+    for field in (outputs[0].keys() if outputs else ()):
+        arrays = [np.asarray(o[field], dtype=np.float32).reshape(-1) for o in outputs]
+        batched = record.fields[field]
+        batched.dtype = proto.DTYPE_FLOAT32
+        batched.data = b"".join(a.tobytes() for a in arrays)
+        batched.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()
+    for key, value in metrics.items():
+        out.metrics[key] = float(value)
+    return out.SerializeToString()
+
+
+def sample_response(samples: list[dict], prompt_logprobs: list[float] | None) -> bytes:
+    """A ``SampleResponse`` from llmrl's samples (``tokens``, ``logprobs`` per token, ``stop_reason``), with the
+    prompt's log-probs (NaN at the first position) when asked for."""
+    proto = pb()
+    response = proto.SampleResponse()
+    for sample in samples:
+        sequence = response.sequences.add()
+        sequence.stop_reason = proto.STOP_REASON_LENGTH if sample["stop_reason"] == "length" else \
+            proto.STOP_REASON_STOP
+        sequence.tokens = np.asarray(sample["tokens"], dtype=np.int32).tobytes()
+        sequence.logprobs = np.asarray(sample["logprobs"], dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        response.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32).tobytes()
+    return response.SerializeToString()

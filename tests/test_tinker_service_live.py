@@ -1,0 +1,162 @@
+"""The Tinker service through the public ``tinker`` SDK: a training client's ``forward_backward`` + ``optim_step``
+equal the same calls made through ``Caller`` on the same config (1e-6 on every weight), ``forward`` returns the
+log-probs the Caller's ``forward`` returns, sampling reads a saved sampler's snapshot and honours stops, and bad
+requests reach the SDK as errors naming their cause, while the service goes on.
+
+The service runs as ``llmrl tinker`` in a child process (its readiness is a file it writes); the reference run is a
+:class:`LiveRun` driving a Caller with the same config.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+KEY = "tml-llmrl-test"
+
+
+def config(tiny) -> dict:
+    lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+    return {"llms": {"main": {"model": tiny["llama"], "initializers": [lora], "trainable": True,
+                              "training": {"optimizer": {"type": "adamw", "lr": 1e-4}}}},
+            "threads_per_rank": 1}
+
+
+@pytest.fixture(scope="module")
+def service(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tinker")
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config(tiny)))
+    ready = folder / "url"
+    log = open(folder / "service.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llmrl.launch.cli", "tinker", "--config", str(path), "--port", "0", "--api-key", KEY,
+         "--ready-file", str(ready), "--save-dir", str(folder / "saved")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert process.poll() is None, (folder / "service.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the service did not start within 300 s"
+        time.sleep(0.2)
+    os.environ.update(TINKER_BASE_URL=ready.read_text(), TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
+    yield {"folder": folder, "process": process}
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(120) == 130, (folder / "service.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    live = LiveRun(config(tiny))
+    yield live
+    assert live.close() == 0
+
+
+def datums(seed: int, count: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (7, 11, 5)[:count]:
+        tokens = torch.randint(3, 100, (n,), generator=g).tolist()
+        out.append({"model_input": tokens[:-1], "loss_fn_inputs": {
+            "target_tokens": tokens[1:], "advantages": torch.randn(n - 1, generator=g).tolist(),
+            "logprobs": (-torch.rand(n - 1, generator=g) * 3 - 2).tolist()}})
+    return out
+
+
+def sdk_datum(datum: dict):
+    import tinker
+
+    inputs = {k: torch.tensor(v) for k, v in datum["loss_fn_inputs"].items()}
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(datum["model_input"]), loss_fn_inputs=inputs)
+
+
+def exported_adapter(folder, adapter: str) -> dict:
+    """The adapter weights of the newest checkpoint under ``folder`` (as ``Caller.save`` exports them)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.rglob(f"adapters/{adapter}/adapter_model.safetensors"), key=os.path.getmtime)
+    return load_file(files[-1])
+
+
+def test_sdk_steps_equal_the_callers_on_the_same_config(service, reference, tmp_path):
+    import tinker
+
+    client = tinker.ServiceClient()
+    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    adam = tinker.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
+    reference.create_adapter("tinker_1", rank=4, seed=3, targets=["attention", "mlp", "unembed"])
+    for step in range(2):
+        data = datums(step)
+        sdk = training.forward_backward([sdk_datum(d) for d in data], "importance_sampling").result()
+        training.optim_step(adam).result()
+        want = reference.forward_backward(data, "importance_sampling", peft_adapter="tinker_1")
+        reference.optim_step({"learning_rate": 2e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "grad_clip_norm": 1.0,
+                              "weight_decay": 0.0}, peft_adapter="tinker_1")
+        for got, expected in zip(sdk.loss_fn_outputs, want["loss_fn_outputs"]):
+            torch.testing.assert_close(got["logprobs"].to_torch(), expected["logprobs"], atol=1e-6, rtol=0)
+        assert sdk.metrics["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-5)
+    forward = training.forward([sdk_datum(d) for d in datums(9)], "importance_sampling").result()
+    want = reference.forward(datums(9), peft_adapter="tinker_1")
+    for got, expected in zip(forward.loss_fn_outputs, want["loss_fn_outputs"]):
+        torch.testing.assert_close(got["logprobs"].to_torch(), expected["logprobs"], atol=1e-6, rtol=0)
+    path = training.save_state("after").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/after")
+    reference.save(str(tmp_path / "reference"))
+    got, expected = exported_adapter(service["folder"] / "saved", "tinker_1"), exported_adapter(tmp_path, "tinker_1")
+    assert got.keys() == expected.keys() and len(got) > 10
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=0)
+
+
+def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service):
+    import tinker
+
+    client = tinker.ServiceClient()
+    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    first = training.save_weights_for_sampler("first").result().path
+    sampler = client.create_sampling_client(model_path=first).result()
+    prompt = tinker.ModelInput.from_ints([5, 17, 33, 8])
+    greedy = tinker.SamplingParams(max_tokens=8, temperature=0.0)
+    free = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    assert len(free.tokens) == 8 and free.stop_reason == "length" and len(free.logprobs) == 8
+    stop = free.tokens[3]
+    stopped = sampler.sample(prompt, num_samples=1, sampling_params=tinker.SamplingParams(
+        max_tokens=8, temperature=0.0, stop=[stop])).result().sequences[0]
+    assert stopped.tokens == free.tokens[:free.tokens.index(stop) + 1] and stopped.stop_reason == "stop"
+    sampled = sampler.sample(prompt, num_samples=3, sampling_params=tinker.SamplingParams(
+        max_tokens=5, temperature=1.0, seed=1)).result()
+    assert len(sampled.sequences) == 3 and all(len(s.tokens) == len(s.logprobs) for s in sampled.sequences)
+    # a step later, a sampler made from the saved path still reads the saved weights
+    data = [sdk_datum(d) for d in datums(4)]
+    training.forward_backward(data, "importance_sampling").result()
+    training.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    path = training.save_weights_for_sampler("second").result().path
+    assert path.endswith("/sampler_weights/second")
+    again = client.create_sampling_client(model_path=first).result()
+    assert again.sample(prompt, 1, greedy).result().sequences[0].tokens == free.tokens
+
+
+def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(service):
+    import tinker
+
+    client = tinker.ServiceClient()
+    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    data = [sdk_datum(d) for d in datums(5)]
+    with pytest.raises(Exception, match="stable_reinforce' is not supported"):
+        training.forward_backward(data, "stable_reinforce").result()
+    short = sdk_datum(datums(6)[0])
+    short.loss_fn_inputs["advantages"] = tinker.TensorData.from_torch(torch.ones(2))
+    with pytest.raises(Exception, match=r"'advantages'\] has 2 values"):
+        training.forward_backward([short], "importance_sampling").result()
+    out = training.forward_backward(data, "importance_sampling").result()  # the service goes on
+    assert len(out.loss_fn_outputs) == 3
+    training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
