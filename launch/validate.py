@@ -37,7 +37,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.config}: valid. The run needs {config.world_size} ranks: 1 client + {config.num_server_ranks} "
           "server ranks.")
     for name, llm in config.llms.items():
-        training = f"updater {llm.updater.plugin}, ZeRO-{llm.training.zero_stage}" if llm.updater else "inference only"
+        training = (f"updater {llm.updater.plugin}, ZeRO-{llm.training.zero_stage}" if llm.updater else
+                    f"trained from the script (forward_backward), ZeRO-{llm.training.zero_stage}" if llm.trainable
+                    else "inference only")
         print(f"  {name}: {llm.type} model {llm.model}, {llm.replicas} replica(s) x {llm.tensor_parallel} "
               f"tensor-parallel rank(s) on {llm.devices if isinstance(llm.devices, str) else list(llm.devices)}, "
               f"{llm.dtype}, heads {sorted(llm.heads) or 'none'}, {training}")
