@@ -1,12 +1,12 @@
 """Rank 0's script of a Tinker service: ``llmrl tinker --config CONFIG [--host H] [--port P] [--api-key K]`` (or
 ``llmrl run --config CONFIG -m llmrl.engine.tinker.serve ...``).
 
-It creates the run's Caller, serves Tinker's REST API on ``host:port`` (127.0.0.1:8000 by default) until Ctrl-C
-(the run exits 130) or SIGTERM (143), and prints the lines a Tinker script needs: ``TINKER_BASE_URL`` and
+It creates the run's Caller, serves Tinker's REST API on ``host:port`` (127.0.0.1:8000 by default) until Ctrl-C (the
+run exits 130) or SIGTERM (143), and prints the lines a Tinker script needs: ``TINKER_BASE_URL`` and
 ``TINKER_API_KEY``. The key is ``--api-key``, else the ``TINKER_API_KEY`` of this environment, else one drawn now
 (it must start with ``tml-``, as the SDK checks). ``--ready-file`` names a file written once the service answers
-(for scripts and tests that start it in the background). The config's first LLM (or ``--llm``) is the base model: it must hold a LoRA adapter, and
-train with ZeRO 0 in float32 (training clients are adapters created at run time).
+(for scripts and tests that start it in the background). The config's first LLM (or ``--llm``) is the base model: it
+must hold a LoRA adapter, and train with ZeRO 0 in float32 (training clients are adapters created at run time).
 
 This module starts and stops the service; the calls are :mod:`llmrl.engine.tinker.service`'s.
 """
