@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     (a Ctrl-C at any moment gives 130)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return _main(argv)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started from a background job of a non-interactive shell, every process ignores SIGINT, and Python then
+        # installs no KeyboardInterrupt for it: the Ctrl-C that `llmrl run` forwards would be lost on the client.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     code = 130
     try:
         code = _main(argv)
