@@ -48,8 +48,11 @@ def service(tiny, tmp_path_factory):
         assert process.poll() is None, (folder / "service.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the service did not start within 300 s"
         time.sleep(0.2)
-    os.environ.update(TINKER_BASE_URL=ready.read_text(), TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
+    saved = {k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")}
+    os.environ.update(TINKER_BASE_URL=ready.read_text(), TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")  # the SDK's
     yield {"folder": folder, "process": process}
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(120) == 130, (folder / "service.log").read_text()[-3000:]
 
