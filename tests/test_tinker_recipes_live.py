@@ -68,7 +68,7 @@ def test_arithmetic_rl_recipe(service, tmp_path):
 
 def test_guess_the_number_multi_turn_recipe(service, tmp_path):
     rows = run_recipe(service, tmp_path, "tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "group_size=2",
-                      "batch_size=4", "max_tokens=8", "max_steps=2", "eval_every=0", "save_every=0")
+                      "batch_size=2", "max_tokens=6", "max_steps=2", "eval_every=0", "save_every=0")
     steps = [row for row in rows if "env/all/reward/total" in row]
     assert len(steps) == 2 and all(row["env/all/turns_per_episode"] >= 1 for row in steps)
 

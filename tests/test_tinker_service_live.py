@@ -57,6 +57,15 @@ def service(tiny, tmp_path_factory):
     assert process.wait(120) == 130, (folder / "service.log").read_text()[-3000:]
 
 
+@pytest.fixture
+def client(service):
+    """An SDK client, closed after the test (its session ends: no heartbeat outlives the service)."""
+    import tinker
+
+    with tinker.ServiceClient() as sdk:
+        yield sdk
+
+
 @pytest.fixture(scope="module")
 def reference(tiny):
     live = LiveRun(config(tiny))
@@ -90,10 +99,9 @@ def exported_adapter(folder, adapter: str) -> dict:
     return load_file(files[-1])
 
 
-def test_sdk_steps_equal_the_callers_on_the_same_config(service, reference, tmp_path):
+def test_sdk_steps_equal_the_callers_on_the_same_config(service, client, reference, tmp_path):
     import tinker
 
-    client = tinker.ServiceClient()
     training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     adam = tinker.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
     reference.create_adapter("tinker_1", rank=4, seed=3, targets=["attention", "mlp", "unembed"])
@@ -120,10 +128,9 @@ def test_sdk_steps_equal_the_callers_on_the_same_config(service, reference, tmp_
         torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=0)
 
 
-def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service):
+def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service, client):
     import tinker
 
-    client = tinker.ServiceClient()
     training = client.create_lora_training_client(base_model="tiny", rank=4).result()
     first = training.save_weights_for_sampler("first").result().path
     sampler = client.create_sampling_client(model_path=first).result()
@@ -148,10 +155,9 @@ def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service):
     assert again.sample(prompt, 1, greedy).result().sequences[0].tokens == free.tokens
 
 
-def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(service):
+def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(service, client):
     import tinker
 
-    client = tinker.ServiceClient()
     training = client.create_lora_training_client(base_model="tiny", rank=4).result()
     data = [sdk_datum(d) for d in datums(5)]
     with pytest.raises(Exception, match="stable_reinforce' is not supported"):
