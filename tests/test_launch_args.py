@@ -299,3 +299,15 @@ def test_gloo_is_pinned_to_the_interface_on_the_route_to_the_master():
     chosen = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth7"}
     assert pin_gloo_interface(chosen) is None and chosen["GLOO_SOCKET_IFNAME"] == "eth7"  # the user's choice stays
     assert interface_of("198.51.100.7") is None  # TEST-NET-2: held by no interface here
+
+
+def test_llmrl_tinker_hands_its_own_options_to_the_service_and_the_rest_to_llmrl_run():
+    from llmrl.launch.tinker import MODULE, parse_argv, split_service_options
+
+    rest, service = split_service_options(["--config", "c.yaml", "--port", "0", "seed=3", "--api-key=tml-k",
+                                           "--master_port", "29600"])
+    assert rest == ["--config", "c.yaml", "seed=3", "--master_port", "29600"]
+    assert service == ["--port", "0", "--api-key=tml-k"]
+    request = parse_argv(["--config", "c.yaml", "--port", "0", "llms.main.replicas=2"])
+    assert request.options.module == MODULE and request.options.script_args == ["--port", "0"]
+    assert request.options.overrides == ["llms.main.replicas=2"]
