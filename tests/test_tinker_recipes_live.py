@@ -9,41 +9,30 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
+import tempfile
+from pathlib import Path
 
 import pytest
-import yaml
+
+from testkit.tinker import start_tinker, stop_tinker
 
 pytestmark = pytest.mark.slow
 KEY = "tml-llmrl-recipes"
 
 
 @pytest.fixture(scope="module")
-def service(tiny, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tinker-recipes")
+def service(tiny):
     lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
     config = {"llms": {"main": {"model": tiny["llama"], "initializers": [lora], "trainable": True,
                                 # guess-the-number's prompts grow past the tiny model's 512 positions
                                 "model_kwargs": {"max_position_embeddings": 4096},
                                 "training": {"optimizer": {"type": "adamw", "lr": 1e-4}}}},
               "threads_per_rank": 1}
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    ready = folder / "url"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llmrl.launch.cli", "tinker", "--config", str(folder / "config.yaml"), "--port", "0",
-         "--api-key", KEY, "--ready-file", str(ready), "--save-dir", str(folder / "saved")],
-        stdout=open(folder / "service.log", "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
-    deadline = time.monotonic() + 300
-    while not ready.exists():
-        assert process.poll() is None, (folder / "service.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the service did not start within 300 s"
-        time.sleep(0.2)
-    yield {"url": ready.read_text(), "folder": folder, "model": tiny["llama"]}
-    os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(120) == 130, (folder / "service.log").read_text()[-3000:]
+    running = start_tinker(config, Path(tempfile.mkdtemp(prefix="tinker-recipes-")), KEY)
+    yield {**running, "model": tiny["llama"]}
+    stop_tinker(running)
 
 
 def run_recipe(service, tmp_path, module: str, *args: str) -> list[dict]:

@@ -10,16 +10,12 @@ The service runs as ``llmrl tinker`` in a child process (its readiness is a file
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-import yaml
 
 from testkit import LiveRun
+from testkit.tinker import start_tinker, stop_tinker
 
 pytestmark = pytest.mark.slow
 KEY = "tml-llmrl-test"
@@ -34,27 +30,13 @@ def config(tiny) -> dict:
 
 @pytest.fixture(scope="module")
 def service(tiny, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tinker")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config(tiny)))
-    ready = folder / "url"
-    log = open(folder / "service.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llmrl.launch.cli", "tinker", "--config", str(path), "--port", "0", "--api-key", KEY,
-         "--ready-file", str(ready), "--save-dir", str(folder / "saved")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
-    deadline = time.monotonic() + 300
-    while not ready.exists():
-        assert process.poll() is None, (folder / "service.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the service did not start within 300 s"
-        time.sleep(0.2)
+    running = start_tinker(config(tiny), tmp_path_factory.mktemp("tinker"), KEY)
     saved = {k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")}
-    os.environ.update(TINKER_BASE_URL=ready.read_text(), TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")  # the SDK's
-    yield {"folder": folder, "process": process}
+    os.environ.update(TINKER_BASE_URL=running["url"], TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")  # the SDK's
+    yield running
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(120) == 130, (folder / "service.log").read_text()[-3000:]
+    stop_tinker(running)
 
 
 @pytest.fixture
