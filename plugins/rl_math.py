@@ -220,6 +220,8 @@ TOKEN_LOSSES = {
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "dro": (("logprobs", "advantages"), {"beta": None}),
+    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"),
+             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
 }
 
 
@@ -234,7 +236,10 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
       exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default);
     - ``cispo``: ``-sg(clip(ratio, low, high)) * A * logp`` (the clipped ratio weighs the log-prob's gradient and gets
       none of its own);
-    - ``dro``: ``-(logp * A - beta / 2 * (logp - logp_sampler) ** 2)`` (``beta`` required).
+    - ``dro``: ``-(logp * A - beta / 2 * (logp - logp_sampler) ** 2)`` (``beta`` required);
+    - ``gspo`` (GSPO-token): ``ppo``'s loss with every token's ratio worth the sequence ratio ``s = exp(mean over
+      the tokens sequence_ratio_mask marks of (logp - logp_sampler))`` and carrying its own log-prob's gradient:
+      ``ratio_t = sg(s) * exp(logp_t - sg(logp_t))`` (a sequence with no marked token has ``s = 1``).
 
     Raises ValueError naming the loss and the input or key at fault (an unknown loss, a missing input or key, an
     unknown key, an input whose length is not the log-probs').
@@ -258,6 +263,11 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
         return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     if name == "cispo":
         return -torch.clamp(ratio, low, high).detach() * advantages * logprobs
+    if name == "gspo":
+        marked = inputs["sequence_ratio_mask"] != 0
+        log_ratio = (logprobs.detach() - sampler)[marked].sum() / marked.sum().clamp(min=1)
+        ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+        return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     return -(logprobs * advantages - 0.5 * settings["beta"] * (logprobs - sampler) ** 2)
 
 

@@ -87,12 +87,14 @@ def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
             "target_tokens": tokens[1:],
             "weights": (mask * torch.rand(n - 1, generator=g)).tolist(),
             "advantages": (mask * torch.randn(n - 1, generator=g)).tolist(),
-            "logprobs": (mask * -(torch.rand(n - 1, generator=g) * 4 + 3)).tolist()}})
+            "logprobs": (mask * -(torch.rand(n - 1, generator=g) * 4 + 3)).tolist(),
+            "sequence_ratio_mask": mask.tolist()}})
     return data
 
 
 def inputs_for(loss_fn: str, datum: dict) -> dict:
-    needs = {"cross_entropy": ("weights",)}.get(loss_fn, ("logprobs", "advantages"))
+    needs = {"cross_entropy": ("weights",), "gspo": ("logprobs", "advantages", "sequence_ratio_mask")}.get(
+        loss_fn, ("logprobs", "advantages"))
     inputs = datum["loss_fn_inputs"]
     return {"model_input": datum["model_input"],
             "loss_fn_inputs": {"target_tokens": inputs["target_tokens"], **{k: inputs[k] for k in needs}}}
@@ -112,6 +114,12 @@ def hand_loss(loss_fn: str, logp: torch.Tensor, datum: dict, config: dict) -> to
         return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
     if loss_fn == "cispo":
         return -ratio.detach().clamp(0.8, 1.2) * adv * logp
+    if loss_fn == "gspo":  # GSPO-token: the sequence's geometric-mean ratio, each token's own gradient
+        marked = inputs["sequence_ratio_mask"] > 0
+        sequence = torch.exp((logp - old)[marked].mean()).detach()
+        prob = torch.exp(logp)
+        token_ratio = sequence * prob / prob.detach()
+        return -torch.minimum(token_ratio * adv, token_ratio.clamp(0.8, 1.2) * adv)
     return -(logp * adv - config["beta"] / 2 * (logp - old) ** 2)
 
 
@@ -120,7 +128,8 @@ STEPS = [("cross_entropy", {}, {"learning_rate": 3e-3}),
          ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, {"learning_rate": 2e-3,
                                                                             "grad_clip_norm": 0.05}),
          ("cispo", {}, {"learning_rate": 2e-3}),
-         ("dro", {"beta": 0.5}, {"learning_rate": 1.5e-3})]
+         ("dro", {"beta": 0.5}, {"learning_rate": 1.5e-3}),
+         ("gspo", {}, {"learning_rate": 2e-3})]
 
 
 def test_each_built_in_loss_then_optim_step_equals_plain_peft_and_adamw(run, plain):

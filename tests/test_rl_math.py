@@ -139,6 +139,20 @@ def test_token_losses_by_hand():
     close(grad, [-2.0, -1.2, 0.8])
     # dro: -(logp A - beta/2 (logp - sampler)^2), beta 0.1
     close(token_loss("dro", logp, inputs, {"beta": 0.1}), [2.0, 0.5 + 0.05 * 0.25, -2.0 + 0.05 * 1.0])
+    # gspo over tokens 1-2 only: s = exp(mean(0, 0.5)) = e^0.25 = 1.2840 on every token, each with its own gradient
+    s = math.exp(0.25)
+    gspo_inputs = {**inputs, "sequence_ratio_mask": torch.tensor([1.0, 1.0, 0.0])}
+    gspo = token_loss("gspo", logp, gspo_inputs, {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})
+    close(gspo, [-2.0 * s, -1.0 * s, s])  # inside the clip range: -s A
+    grad, = torch.autograd.grad(gspo.sum(), logp)
+    close(grad, [-2.0 * s, -1.0 * s, s])  # d(-s_t A_t)/dlogp_t = -s A_t: token 3 (outside the mask) too
+    # at the default thresholds s > 1.2: A > 0 takes the clipped 1.2 (no gradient), A < 0 keeps s
+    gspo = token_loss("gspo", logp, gspo_inputs)
+    close(gspo, [-2.0 * 1.2, -1.2, s])
+    grad, = torch.autograd.grad(gspo.sum(), logp)
+    close(grad, [0.0, 0.0, s])
+    nothing_marked = token_loss("gspo", logp, {**inputs, "sequence_ratio_mask": torch.zeros(3)})
+    close(nothing_marked, [-2.0, -1.0, 1.0])  # no marked token: s = 1
 
 
 def test_token_losses_refuse_bad_input_by_name():

@@ -221,3 +221,41 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
         after, want = resumed.state_dict(llm="policy"), run.state_dict(llm="policy")
         for key in want:
             torch.testing.assert_close(after[key], want[key], atol=1e-6, rtol=0)
+
+
+def test_one_adapters_state_saved_and_loaded_into_new_adapters_trains_on_as_the_original(run, tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run.create_adapter("s", rank=2, seed=3, targets=["attention"], llm="policy")
+    train_steps(run, "policy", 2, adapter="s", seed=11)
+    saved = run.save_adapter(tmp_path / "s", llm="policy", peft_adapter="s")
+    assert saved["optimizer_state"] and saved["adapter"] == "s"
+    with pytest.raises(Exception, match="exists; save_adapter writes a new folder"):
+        run.save_adapter(tmp_path / "s", llm="policy", peft_adapter="s")
+    with pytest.raises(Exception, match=r"ZeRO 0, float32"):  # ZeRO-2 keeps moments in flat partitions
+        run.save_adapter(tmp_path / "z2", llm="z2")
+    run.load_adapter(tmp_path / "s", "s_copy", llm="policy")
+    run.load_adapter(tmp_path / "s", "s_fresh", optimizer=False, llm="policy")
+    state = run.state_dict(llm="policy")
+    original = lora_weights(state, "s")
+    assert len(original) > 4
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny["llama"]), tmp_path / "s" / "peft")
+    exported = {k: v for k, v in plain.state_dict().items() if "lora_" in k}
+    assert exported.keys() == original.keys()  # plain PEFT reads the saved folder
+    for copy in ("s_copy", "s_fresh"):
+        loaded = lora_weights(state, copy)
+        for key in original:
+            torch.testing.assert_close(loaded[key], original[key], atol=0, rtol=0)
+            torch.testing.assert_close(exported[key], original[key], atol=0, rtol=0)
+    for name in ("s", "s_copy", "s_fresh"):
+        train_steps(run, "policy", 1, adapter=name, seed=12)
+    after = run.state_dict(llm="policy")
+    trained, copy, fresh = (lora_weights(after, name) for name in ("s", "s_copy", "s_fresh"))
+    for key in trained:  # the saved Adam moments came along: the same step
+        torch.testing.assert_close(copy[key], trained[key], atol=1e-6, rtol=0)
+    assert max(float((fresh[k] - trained[k]).abs().max()) for k in trained) > 1e-4  # fresh moments: another step
+    with pytest.raises(Exception, match="another adapter shape"):
+        run.load_adapter(tmp_path / "s", "default", llm="policy")  # rank 4 on every linear layer
+    for name in ("s", "s_copy", "s_fresh"):
+        run.delete_adapter(name, llm="policy")

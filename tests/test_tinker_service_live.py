@@ -73,11 +73,11 @@ def sdk_datum(datum: dict):
     return tinker.Datum(model_input=tinker.ModelInput.from_ints(datum["model_input"]), loss_fn_inputs=inputs)
 
 
-def exported_adapter(folder, adapter: str) -> dict:
-    """The adapter weights of the newest checkpoint under ``folder`` (as ``Caller.save`` exports them)."""
+def exported_adapter(folder, pattern: str) -> dict:
+    """The adapter weights of the newest PEFT file matching ``pattern`` under ``folder``."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.rglob(f"adapters/{adapter}/adapter_model.safetensors"), key=os.path.getmtime)
+    files = sorted(folder.rglob(pattern), key=os.path.getmtime)
     return load_file(files[-1])
 
 
@@ -104,7 +104,8 @@ def test_sdk_steps_equal_the_callers_on_the_same_config(service, client, referen
     path = training.save_state("after").result().path
     assert path.startswith("tinker://") and path.endswith("/weights/after")
     reference.save(str(tmp_path / "reference"))
-    got, expected = exported_adapter(service["folder"] / "saved", "tinker_1"), exported_adapter(tmp_path, "tinker_1")
+    got = exported_adapter(service["folder"] / "saved", "after/peft/adapter_model.safetensors")  # save_adapter's
+    expected = exported_adapter(tmp_path, "adapters/tinker_1/adapter_model.safetensors")  # Caller.save's export
     assert got.keys() == expected.keys() and len(got) > 10
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=0)
@@ -151,3 +152,57 @@ def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(s
     out = training.forward_backward(data, "importance_sampling").result()  # the service goes on
     assert len(out.loss_fn_outputs) == 3
     training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+
+
+def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_state(service, client):
+    import tinker
+
+    adam = tinker.AdamParams(learning_rate=3e-3)
+
+    def step(training, seed: int) -> None:
+        training.forward_backward([sdk_datum(d) for d in datums(seed)], "importance_sampling").result()
+        training.optim_step(adam).result()
+
+    def logprobs(training) -> list[torch.Tensor]:
+        out = training.forward([sdk_datum(d) for d in datums(30)], "importance_sampling").result()
+        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+
+    first = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    step(first, 10)
+    path = first.save_state("one").result().path
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
+    fresh = client.create_training_client_from_state(path).result()
+    assert resumed.get_info().model_data.tokenizer_id == first.get_info().model_data.tokenizer_id
+    for training in (first, resumed, fresh):
+        step(training, 11)
+    want = logprobs(first)
+    for got, expected in zip(logprobs(resumed), want):  # the Adam moments came along: the same step
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert max(float((g - w).abs().max()) for g, w in zip(logprobs(fresh), want)) > 1e-4  # fresh moments differ
+    rest = client.create_rest_client()
+    run = rest.get_training_run(first.model_id).result()
+    assert run.last_checkpoint.tinker_path == path and run.lora_rank == 4
+    assert [c.tinker_path for c in rest.list_checkpoints(first.model_id).result().checkpoints] == [path]
+    assert first.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(first.model_id).result().checkpoints == []
+    with pytest.raises(Exception, match="no saved state at"):
+        client.create_training_client_from_state(path).result()
+
+
+def test_gspo_through_the_sdk_equals_the_callers(service, client, reference):
+    import tinker
+
+    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+    reference.create_adapter("gspo_ref", rank=4, seed=8, targets=["attention", "mlp", "unembed"])
+    data = datums(40)
+    for datum in data:
+        n = len(datum["model_input"])
+        datum["loss_fn_inputs"]["sequence_ratio_mask"] = [0.0] * (n // 2) + [1.0] * (n - n // 2)
+    sdk = training.forward_backward([sdk_datum(d) for d in data], "gspo").result()
+    want = reference.forward_backward(data, "gspo", peft_adapter="gspo_ref")
+    for got, expected in zip(sdk.loss_fn_outputs, want["loss_fn_outputs"]):
+        torch.testing.assert_close(got["elementwise_loss"].to_torch(), expected["elementwise_loss"], atol=1e-6,
+                                   rtol=0)
+    training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+    reference.optim_step({"learning_rate": 1e-3}, peft_adapter="gspo_ref")

@@ -1,6 +1,7 @@
 """The Caller's calls that change which LoRA adapters an LLM holds: frozen snapshots of an adapter's weights
-(``snapshot`` / ``drop_snapshot``) and adapters created while the run goes on (``create_adapter`` /
-``delete_adapter``).
+(``snapshot`` / ``drop_snapshot``), adapters created while the run goes on (``create_adapter`` /
+``delete_adapter``), and one adapter's state saved to a folder and loaded back (``save_adapter`` /
+``load_adapter``).
 
 :class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`. The calls check their arguments
 and hand them to the ``adapters`` request kind; the servers do the work (:mod:`llmrl.engine.model.snapshots`,
@@ -9,6 +10,9 @@ and hand them to the ``adapters`` request kind; the servers do the work (:mod:`l
 
 from __future__ import annotations
 
+import os
+
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import adapters as kind
 
 
@@ -56,3 +60,38 @@ class AdapterCalls:
     def delete_adapter(self, name: str, *, llm: str | None = None) -> dict:
         """Delete an adapter made by :meth:`create_adapter`: its weights, optimizer state and cached keys."""
         return self._adapters("delete_adapter", kind.check_name(name, "adapter name"), llm, {})
+
+    def save_adapter(self, path: str | os.PathLike, *, peft_adapter: str | None = None, llm: str | None = None
+                     ) -> dict:
+        """Save one LoRA adapter's state (default: the active adapter) in a new folder ``path``: its weights, how
+        to make it again and, on a trained LLM, its optimizer state (Adam moments and step counts), plus a
+        ``peft`` folder plain PEFT loads.
+
+        Unlike :meth:`save`, which checkpoints the whole run, this saves one adapter, to load into a new adapter
+        of this run or of another (:meth:`load_adapter`). ``path`` must not exist (nothing is overwritten) and
+        must be readable by every server rank that will load it. Needs ZeRO 0 in float32 on a trained LLM, and
+        no pending ``forward_backward`` gradients on the adapter. Returns ``{"adapter", "path", "parameters",
+        "optimizer_state"}``.
+        """
+        folder = os.path.abspath(os.fspath(path))
+        if os.path.exists(folder):
+            raise InvalidArgument(f"{folder} exists; save_adapter writes a new folder and overwrites nothing: pick "
+                                  "another path")
+        name = kind.check_name(peft_adapter, "peft_adapter") if peft_adapter is not None else None
+        return self._adapters("save_adapter", name, llm, {"path": folder})  # None: the active adapter
+
+    def load_adapter(self, path: str | os.PathLike, name: str, *, optimizer: bool = True,
+                     llm: str | None = None) -> dict:
+        """Load a state written by :meth:`save_adapter` into adapter ``name``: a new adapter is created with the
+        saved rank, alpha and targets (an existing one of the same shapes is overwritten in place). With
+        ``optimizer=True`` its Adam moments and step counts are the saved ones, else fresh. Needs ZeRO 0 in
+        float32 on a trained LLM, and no pending gradients on ``name``. Returns ``{"adapter", "path", "created",
+        "optimizer_state", "rank"}``.
+        """
+        folder = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(folder):
+            raise InvalidArgument(f"{folder} is not a folder saved by save_adapter")
+        if not isinstance(optimizer, bool):
+            raise InvalidArgumentType(f"optimizer must be True or False, got {optimizer!r}")
+        return self._adapters("load_adapter", kind.check_name(name, "adapter name"), llm,
+                              {"path": folder, "optimizer": optimizer})

@@ -69,7 +69,9 @@ class ClientTraining:
                 (``logprobs`` of the sampler and ``advantages``: ``-exp(logp - logp_sampler) * A``), ``"ppo"``
                 (the same inputs, the ratio clipped to ``[clip_low_threshold, clip_high_threshold]``, 0.8 and 1.2 by
                 default), ``"cispo"`` (the clipped ratio, without gradient, weighs ``-A * logp``), ``"dro"``
-                (``beta`` required: ``-(logp * A - beta / 2 * (logp - logp_sampler)^2)``).
+                (``beta`` required: ``-(logp * A - beta / 2 * (logp - logp_sampler)^2)``), ``"gspo"`` (``ppo`` with the
+                sequence's ratio, the geometric mean of the ratios of the tokens ``sequence_ratio_mask`` marks, on
+                every token: GSPO-token).
             loss_fn_config: the loss's settings (thresholds, beta).
             peft_adapter: the LoRA adapter to train (default: the active one).
 

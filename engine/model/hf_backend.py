@@ -229,7 +229,7 @@ class HFBackend(ModelBackend):
 
     def manage_adapters(self, operation, name, args):
         from llmrl.engine.model import snapshots
-        from llmrl.engine.model.training import new_adapters
+        from llmrl.engine.model.training import adapter_state, new_adapters
 
         if operation == "snapshot":
             return snapshots.take_snapshot(self.served, name, args.get("source"), self.prefix_cache)
@@ -237,6 +237,10 @@ class HFBackend(ModelBackend):
             return snapshots.drop_snapshot(self.served, name, self.prefix_cache)
         if operation == "create_adapter":
             return new_adapters.create_adapter(self.served, name, prefix_cache=self.prefix_cache, **args)
+        if operation == "save_adapter":
+            return adapter_state.save_adapter(self.served, name, args["path"])
+        if operation == "load_adapter":
+            return adapter_state.load_adapter(self.served, name, args["path"], args["optimizer"], self.prefix_cache)
         return new_adapters.delete_adapter(self.served, name, self.prefix_cache)
 
     def weights_changed(self, unchanged_below: int = 0) -> None:

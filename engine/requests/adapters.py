@@ -1,10 +1,11 @@
 """The ``adapters`` request kind, behind ``Caller.snapshot`` / ``drop_snapshot`` / ``create_adapter`` /
-``delete_adapter``: change which LoRA adapters and frozen snapshots an LLM holds, on every one of its ranks.
+``delete_adapter`` / ``save_adapter`` / ``load_adapter``: change which LoRA adapters and frozen snapshots an LLM
+holds, on every one of its ranks, and save or load one adapter's state.
 
 Client half: the operation and its arguments are checked (names, rank, seed, targets) and sent to every rank of
 the LLM (every replica must hold the same adapters). Server half: the backend applies it
-(:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`); the first replica's
-answer is returned.
+(:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`,
+:mod:`llmrl.engine.model.training.adapter_state`); the first replica's answer is returned.
 
 This module changes nothing itself.
 """
@@ -19,7 +20,7 @@ from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests.base import Kind, Run
 
 NAME = "adapters"
-OPERATIONS = ("snapshot", "drop_snapshot", "create_adapter", "delete_adapter")
+OPERATIONS = ("snapshot", "drop_snapshot", "create_adapter", "delete_adapter", "save_adapter", "load_adapter")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import traceback
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from llmrl.engine.tinker.futures import Outcome
@@ -57,7 +58,7 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
             self._answer(self._post)
 
         def do_DELETE(self) -> None:
-            self._answer(lambda path: (_ for _ in ()).throw(HTTPError(404, f"{path} is not served")))
+            self._answer(self._delete)
 
         def _answer(self, route) -> None:
             try:
@@ -97,11 +98,27 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
             match = re.fullmatch(r"samplers/([^/]+)", path)
             if match:
                 return service.get_sampler(match.group(1))
+            if path == "training_runs":
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                limit, offset = (_int(query, "limit", 20), _int(query, "offset", 0))
+                return service.registry.list_runs(limit, offset)
+            match = re.fullmatch(r"training_runs/([^/]+)(/checkpoints)?", path)
+            if match:
+                run_id = urllib.parse.unquote(match.group(1))
+                registry = service.registry
+                return registry.list_checkpoints(run_id) if match.group(2) else registry.training_run(run_id)
             if path == "get_server_capabilities":
                 return service.get_server_capabilities()
             if path == "healthz":
                 return {"status": "ok"}
             raise HTTPError(404, f"GET /api/v1/{path} is not served by llmrl's Tinker service")
+
+        def _delete(self, path: str):
+            match = re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)", path)
+            if match:
+                return service.delete_checkpoint(urllib.parse.unquote(match.group(1)),
+                                                 urllib.parse.unquote(match.group(2)))
+            raise HTTPError(404, f"DELETE /api/v1/{path} is not served by llmrl's Tinker service")
 
         def _post(self, path: str):
             if path in ANSWERS:
@@ -137,3 +154,17 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     return server
+
+
+def _int(query: dict, key: str, default: int) -> int:
+    """A non-negative int query parameter."""
+    values = query.get(key)
+    if not values:
+        return default
+    try:
+        value = int(values[0])
+    except ValueError:
+        raise HTTPError(400, f"query parameter {key}={values[0]!r} must be an int") from None
+    if value < 0:
+        raise HTTPError(400, f"query parameter {key}={value} must be >= 0")
+    return value

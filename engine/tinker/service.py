@@ -6,7 +6,7 @@ Caller's primitives.
   requests run one at a time in ``seq_id`` order.
 - ``forward_backward`` / ``forward`` and ``optim_step`` are the Caller's, on that adapter; each datum's per-token
   inputs are passed as given (those the loss does not read are left out). ``stable_reinforce`` (whose sampling
-  data is not public) and ``gspo`` are refused with the losses to use instead.
+  data is not public) is refused with the losses to use instead.
 - ``save_weights_for_sampler`` takes a named snapshot of the adapter: with a name it answers a
   ``tinker://<model>/sampler_weights/<name>`` path, without one a sampling session on a snapshot kept among the
   client's last few (older ones are dropped: their sessions then answer an error).
@@ -15,8 +15,10 @@ Caller's primitives.
   it returns are those of the distribution it sampled from (``sampling_logprobs``). Requests that read the same
   weights with the same parameters within a few milliseconds share one ``generate`` call
   (:mod:`llmrl.engine.tinker.batching`).
-- ``save_weights`` writes a checkpoint of the run (``Caller.save``) under the service's folder; loading one into a
-  new training client is not supported yet and says so.
+- ``save_weights`` (``save_state``) writes the adapter's weights and Adam state (``Caller.save_adapter``) under the
+  service's folder; ``load_weights`` loads one into a new training client (``create_training_client_from_state``,
+  with or without the optimizer state) or into an existing one (``Caller.load_adapter``). Paths, and the
+  ``training_runs`` listings, are :mod:`llmrl.engine.tinker.checkpoints`'.
 
 This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engine.tinker.http`'s.
 """
@@ -24,16 +26,18 @@ This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engin
 from __future__ import annotations
 
 import itertools
-import os
+import secrets
+import shutil
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 from llmrl.engine.tinker.batching import SampleBatcher
+from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, folder_size, now, safe
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
 
 
@@ -69,21 +73,21 @@ class TinkerService:
 
         self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
         self.model_name = spec.model
-        self.save_dir = save_dir
+        self.registry = Registry(save_dir)
         self.poll_wait = poll_wait
+        self._token = secrets.token_hex(4)  # session ids differ between services: their runs never share a folder
         self.futures = Futures(classify)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._adapter_ids = itertools.count(1)  # training client k trains adapter tinker_k
         self.models: dict[str, TrainingClient] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.sampler_paths: dict[str, str] = {}  # tinker path -> snapshot name
         self.batcher = SampleBatcher(self._generate)
 
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, body: dict) -> dict:
-        return {"type": "create_session", "session_id": f"session-{next(self._ids)}"}
+        return {"type": "create_session", "session_id": f"session-{self._token}-{next(self._ids)}"}
 
     def get_server_capabilities(self) -> dict:
         return {"supported_models": [{"model_name": self.model_name, "trainable": True, "sampleable": True}]}
@@ -93,24 +97,26 @@ class TinkerService:
     def create_model(self, body: dict) -> dict:
         model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
         lora = body.get("lora_config") or {}
-        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         targets = [name for name, key in (("attention", "train_attn"), ("mlp", "train_mlp"),
                                           ("unembed", "train_unembed")) if lora.get(key, True)]
 
         def work() -> Outcome:
-            if optimizer != "adamw":
-                raise ValueError(f"optimizer {optimizer!r} is not supported: llmrl steps AdamW (the config's "
-                                 "training.optimizer)")
+            check_optimizer(body)
             adapter = f"tinker_{next(self._adapter_ids)}"
             rank = int(lora.get("rank", 32))
             self.caller.create_adapter(adapter, rank=rank, seed=int(lora.get("seed") or 0), targets=targets,
                                        llm=self.llm)
-            with self._lock:
-                self.models[model_id] = TrainingClient(model_id, adapter, body.get("base_model", self.model_name),
-                                                       rank, OrderedQueue(self.futures, adapter))
+            self._register(model_id, adapter, body, rank)
             return Outcome("json", {"type": "create_model", "model_id": model_id})
 
         return {"request_id": self.futures.submit(work), "model_id": model_id}
+
+    def _register(self, model_id: str, adapter: str, body: dict, rank: int) -> None:
+        base_model = body.get("base_model") or self.model_name
+        with self._lock:
+            self.models[model_id] = TrainingClient(model_id, adapter, base_model, rank,
+                                                   OrderedQueue(self.futures, adapter))
+        self.registry.add_run(model_id, base_model, rank, body.get("user_metadata"))
 
     def get_info(self, body: dict) -> dict:
         client = self._client(body["model_id"])
@@ -138,7 +144,7 @@ class TinkerService:
                        for o in out["loss_fn_outputs"]]
             return Outcome("proto", forward_backward_output(outputs, {"loss:sum": out["metrics"]["loss:sum"]}))
 
-        return {"request_id": client.queue.submit(request["seq_id"], work), "model_id": client.model_id}
+        return self._in_order(client, request, work)
 
     def optim_step(self, body: dict) -> dict:
         client = self._client(body["model_id"])
@@ -152,57 +158,88 @@ class TinkerService:
             metrics = {} if out.get("grad_norm") is None else {"grad_norm:mean": out["grad_norm"]}
             return Outcome("json", {"type": "optim_step", "metrics": metrics})
 
-        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+        return self._in_order(client, body, work)
 
     def save_weights_for_sampler(self, body: dict) -> dict:
         client = self._client(body["model_id"])
+        name = _checkpoint_name(body.get("path"))
 
         def work() -> Outcome:
-            name = body.get("path")
-            snapshot = f"{client.adapter}_{_safe(name) if name else 's' + str(next(self._ids))}"
+            snapshot = f"{client.adapter}_{safe(name) if name else 's' + str(next(self._ids))}"
             self.caller.snapshot(snapshot, llm=self.llm, peft_adapter=client.adapter)
             if name:
-                path = f"tinker://{client.model_id}/sampler_weights/{name}"
-                with self._lock:
-                    self.sampler_paths[path] = snapshot
-                return Outcome("json", {"type": "save_weights_for_sampler", "path": path})
+                record = Checkpoint(client.model_id, "sampler_weights", name, now(), snapshot=snapshot)
+                self.registry.add(record)  # a name saved again: the same snapshot, its weights replaced
+                return Outcome("json", {"type": "save_weights_for_sampler", "path": record.tinker_path})
             client.ephemeral.append(snapshot)
             while len(client.ephemeral) > EPHEMERAL_SAMPLERS:
                 self.caller.drop_snapshot(client.ephemeral.popleft(), llm=self.llm)
             sampler = self._new_sampler(snapshot, client.base_model)
             return Outcome("json", {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
 
-        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+        return self._in_order(client, body, work)
 
     def save_weights(self, body: dict) -> dict:
         client = self._client(body["model_id"])
+        name = _checkpoint_name(body.get("path")) or f"state-{next(self._ids)}"
 
         def work() -> Outcome:
-            name = _safe(body.get("path") or f"state-{next(self._ids)}")
-            self.caller.save(os.path.join(self.save_dir, _safe(client.model_id), name))
-            return Outcome("json", {"type": "save_weights", "path": f"tinker://{client.model_id}/weights/{name}"})
+            folder = self.registry.state_folder(client.model_id, name)
+            self.caller.save_adapter(folder, peft_adapter=client.adapter, llm=self.llm)
+            record = Checkpoint(client.model_id, "weights", name, now(), size_bytes=folder_size(folder))
+            self.registry.add(record)
+            return Outcome("json", {"type": "save_weights", "path": record.tinker_path})
 
-        return {"request_id": client.queue.submit(body["seq_id"], work), "model_id": client.model_id}
+        return self._in_order(client, body, work)
 
     def load_weights(self, body: dict) -> dict:
-        def work() -> Outcome:
-            raise ValueError(f"loading {body.get('path')!r} into a training client is not supported yet: start a new "
-                             "training client, or resume the whole run from its checkpoint (llms.<name>.checkpoint)")
+        """Into an existing training client (``model_id``, deprecated ``load_state``), or into a new one made from
+        the state (``session_id`` + ``model_seq_id``: ``create_training_client_from_state[_with_optimizer]``)."""
+        optimizer = bool(body.get("optimizer"))
+        if body.get("model_id"):
+            client = self._client(body["model_id"])
 
-        return {"request_id": self.futures.submit(work)}
+            def load_into() -> Outcome:
+                folder = self.registry.folder_of(body.get("path"))
+                self.caller.load_adapter(folder, client.adapter, optimizer=optimizer, llm=self.llm)
+                return Outcome("json", {"type": "load_weights", "path": body["path"]})
+
+            return self._in_order(client, body, load_into)
+        model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
+
+        def create_from() -> Outcome:
+            if not optimizer:
+                check_optimizer(body)
+            folder = self.registry.folder_of(body.get("path"))
+            with self._lock:
+                known = model_id in self.models
+            if not known:  # a resent request finds its client made
+                adapter = f"tinker_{next(self._adapter_ids)}"
+                out = self.caller.load_adapter(folder, adapter, optimizer=optimizer, llm=self.llm)
+                self._register(model_id, adapter, body, out["rank"])
+            return Outcome("json", {"type": "load_weights", "path": body["path"], "model_id": model_id})
+
+        return {"request_id": self.futures.submit(create_from), "model_id": model_id}
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> dict:
+        record = self.registry.remove(run_id, checkpoint_id)
+        if record.snapshot is not None:
+            self.caller.drop_snapshot(record.snapshot, llm=self.llm)
+        else:
+            shutil.rmtree(self.registry.state_folder(run_id, record.name))  # a folder this service wrote
+        return {}
 
     # ------------------------------------------------------------------ samplers
 
     def create_sampling_session(self, body: dict) -> dict:
         path = body.get("model_path")
         if path:
-            with self._lock:
-                snapshot = self.sampler_paths.get(path)
-            if snapshot is None:
-                raise LookupError(f"no sampler weights at {path!r}; this service holds "
-                                  f"{sorted(self.sampler_paths) or 'none'}")
+            record = self.registry.find(path)
+            if record is None or record.snapshot is None:
+                raise LookupError(f"no sampler weights at {path!r} on this service (sampler weights live as long "
+                                  "as the service; save_weights_for_sampler(name) makes them)")
             return {"type": "create_sampling_session",
-                    "sampling_session_id": self._new_sampler(snapshot, self.model_name, path).sampler_id}
+                    "sampling_session_id": self._new_sampler(record.snapshot, self.model_name, path).sampler_id}
         return {"type": "create_sampling_session",
                 "sampling_session_id": self._new_sampler(self.base_adapter, body.get("base_model") or self.model_name
                                                          ).sampler_id}
@@ -246,6 +283,11 @@ class TinkerService:
 
     # ------------------------------------------------------------------ helpers
 
+    def _in_order(self, client: TrainingClient, request: dict, work) -> dict:
+        """Submit a training client's request, to run in its ``seq_id`` order."""
+        self.registry.touch(client.model_id)
+        return {"request_id": client.queue.submit(request["seq_id"], work), "model_id": client.model_id}
+
     def _client(self, model_id: str) -> TrainingClient:
         with self._lock:
             client = self.models.get(model_id)
@@ -270,7 +312,7 @@ class TinkerService:
 def check_loss(loss_fn: str) -> None:
     if loss_fn == "stable_reinforce":
         raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
-                         "loss_fn=importance_sampling (or ppo, cispo, dro)")
+                         "loss_fn=importance_sampling (or ppo, cispo, dro, gspo)")
     if loss_fn not in SUPPORTED_LOSSES:
         raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
 
@@ -314,6 +356,17 @@ def _frozen(value):
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _safe(name: str) -> str:
-    """``name`` usable in a file or snapshot name."""
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(name))
+def _checkpoint_name(name) -> str | None:
+    """A checkpoint's name as the script gave it (None: none given); it ends a ``tinker://`` path, so no ``/``."""
+    if not name:
+        return None
+    if not isinstance(name, str) or "/" in name or name in (".", ".."):
+        raise ValueError(f"checkpoint name {name!r} must be a string without '/' (it ends a tinker:// path)")
+    return name
+
+
+def check_optimizer(body: dict) -> None:
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer {optimizer!r} is not supported: llmrl steps AdamW (the config's "
+                         "training.optimizer)")

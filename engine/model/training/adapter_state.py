@@ -1,0 +1,159 @@
+"""One LoRA adapter's state in a folder of its own, saved and loaded while the servers run
+(``Caller.save_adapter`` / ``load_adapter``; Tinker's ``save_state`` and training clients created from a state).
+
+``save_adapter`` writes ``<path>/adapter_state.pt``: the adapter's weights, how to make it again (rank, alpha,
+targets) and, on a trainable LLM, its optimizer state (each parameter's Adam moments and step count), plus
+``<path>/peft`` (``adapter_config.json`` and ``adapter_model.safetensors``, which plain ``peft`` loads). The LLM's
+group leader writes (the replicas hold the same weights); the folder must not exist yet, so nothing is
+overwritten. ``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
+(or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
+moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved), and need
+the engine to step its torch optimizer itself (ZeRO 0 in float32), whose state is kept per parameter; ZeRO-3 and
+tensor parallelism, which hold no whole weights on a rank, are refused.
+
+This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) nor choose paths.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.snapshots import adapter_params
+
+STATE_FILE = "adapter_state.pt"
+FORMAT = 1
+
+
+def _check(served: ServedModel, name: str, what: str) -> None:
+    llm = served.llm.name
+    if served.llm.training.zero_stage == 3 or served.llm.tensor_parallel > 1:
+        raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions them (ZeRO-3 or "
+                         "tensor parallelism): use Caller.save for the whole run")
+    steps = served.adapter_steps
+    if steps is not None and served.engine.optimizer is not steps.optimizer:
+        raise ValueError(f"{what} keeps an adapter's optimizer state per parameter, which needs the engine to step "
+                         f"its torch optimizer itself (ZeRO 0, float32); LLM {llm!r} runs ZeRO "
+                         f"{served.llm.training.zero_stage} in {served.llm.dtype}: use Caller.save for the whole run")
+    if name in served.pending_adapters:
+        raise ValueError(f"adapter {name!r} has forward_backward gradients not yet applied, which {what} does not "
+                         "keep: call optim_step first")
+
+
+def _how(served: ServedModel, name: str) -> dict:
+    """How to make the adapter again: its creation arguments, or the configuration of a declared adapter."""
+    if name in served.created_adapters:
+        return dict(served.created_adapters[name])
+    config = served.model.peft_config[name]
+    targets = config.target_modules
+    return {"rank": int(config.r), "alpha": float(config.lora_alpha), "seed": 0,
+            "targets": targets if isinstance(targets, str) else sorted(targets)}
+
+
+def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
+    """Write adapter ``name``'s (None: the active adapter's) state under ``path`` (the group leader writes)."""
+    name = name or served.active_adapter()
+    if name is None or name not in served.adapters:
+        what = "a snapshot (frozen)" if name in served.snapshots else "not an adapter"
+        raise ValueError(f"{name!r} is {what} of LLM {served.llm.name!r}; its trained adapters: {served.adapters}")
+    _check(served, name, "save_adapter")
+    params = adapter_params(served.model, name)
+    optimizer = served.adapter_steps.optimizer if served.adapter_steps is not None else None
+    moments = None
+    if optimizer is not None:
+        moments = {key: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                         for k, v in optimizer.state[p].items()}
+                   for key, p in params.items() if p in optimizer.state}
+    folder = Path(path)
+    if served.role.is_group_leader:
+        if folder.exists():
+            raise FileExistsError(f"{folder} exists; save_adapter writes a new folder and overwrites nothing: pick "
+                                  "another path")
+        _write(served, name, folder, {key: p.detach().cpu().clone() for key, p in params.items()}, moments)
+    return {"adapter": name, "path": str(folder), "parameters": sum(p.numel() for p in params.values()),
+            "optimizer_state": moments is not None}
+
+
+def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments: dict | None) -> None:
+    from safetensors.torch import save_file
+
+    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    (staging / "peft").mkdir(parents=True)
+    torch.save({"format": FORMAT, "adapter": name, "model": served.llm.model, "how": _how(served, name),
+                "weights": weights, "optimizer": moments}, staging / STATE_FILE)
+    served.model.peft_config[name].save_pretrained(staging / "peft")
+    save_file({k: v.contiguous() for k, v in weights.items()}, staging / "peft" / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    os.replace(staging, folder)
+
+
+def read_state(path: str) -> dict:
+    """The saved state under ``path``; raises FileNotFoundError / ValueError naming what is wrong with it."""
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} holds no adapter state ({STATE_FILE}); save one with save_adapter")
+    state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{file} has format {state.get('format')!r}; this llmrl reads format {FORMAT}")
+    return state
+
+
+def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, prefix_cache=None) -> dict:
+    """Load the state under ``path`` into adapter ``name`` (created first when it does not exist), on this rank."""
+    from llmrl.engine.model.training.new_adapters import create_adapter
+
+    state = read_state(path)
+    _check(served, name, "load_adapter")
+    if optimizer and served.adapter_steps is None:
+        raise ValueError(f"LLM {served.llm.name!r} holds no optimizer to load {path}'s moments into: set "
+                         f"llms.{served.llm.name}.trainable: true, or load without the optimizer state")
+    if optimizer and state["optimizer"] is None:
+        raise ValueError(f"{path} was saved without optimizer state (by an LLM that is not trained): load it "
+                         "without the optimizer state")
+    if name in served.snapshots:
+        raise ValueError(f"{name!r} is a snapshot of LLM {served.llm.name!r}; load into an adapter")
+    created = name not in served.adapters
+    if created:
+        how = state["how"]
+        create_adapter(served, name, rank=how["rank"], alpha=how["alpha"], seed=how["seed"], targets=how["targets"],
+                       prefix_cache=prefix_cache)
+    try:
+        _copy_in(served, name, path, state, optimizer)
+    except Exception:
+        if created:
+            from llmrl.engine.model.training.new_adapters import delete_adapter
+
+            delete_adapter(served, name, prefix_cache)
+        raise
+    if prefix_cache is not None:
+        prefix_cache.forget(name)
+    return {"adapter": name, "path": str(path), "created": created, "optimizer_state": optimizer,
+            "rank": int(served.model.peft_config[name].r)}
+
+
+def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: bool) -> None:
+    params = adapter_params(served.model, name)
+    weights = state["weights"]
+    if set(weights) != set(params) or any(weights[k].shape != params[k].shape for k in params):
+        extra, missing = sorted(set(weights) - set(params)), sorted(set(params) - set(weights))
+        raise ValueError(f"{path} holds the weights of another adapter shape than {name!r} of LLM "
+                         f"{served.llm.name!r} (saved but not here: {extra[:3]}; here but not saved: {missing[:3]}; "
+                         "or other ranks): load it into a new adapter name, on the model it was saved from "
+                         f"({state.get('model')!r})")
+    with torch.no_grad():
+        for key, p in params.items():
+            p.copy_(weights[key].to(p.device, p.dtype))
+    steps = served.adapter_steps
+    if steps is None:
+        return
+    for key, p in params.items():
+        steps.optimizer.state.pop(p, None)  # fresh moments, unless the saved ones are asked for
+        saved = (state["optimizer"] or {}).get(key)
+        if optimizer and saved is not None:
+            # torch keeps Adam's step count on the CPU (unless fused or capturable): it stays where it was saved
+            steps.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(p.device).clone())
+                                        if torch.is_tensor(v) else v for k, v in saved.items()}
+
