@@ -114,7 +114,8 @@ BROKEN = [
 ]
 
 
-@pytest.mark.parametrize("key,value,path,words", BROKEN, ids=[f"{b[0]}={b[1]!r}" for b in BROKEN])
+@pytest.mark.parametrize("key,value,path,words", BROKEN,
+                         ids=[f"{b[0]} deleted" if b[1] is _DELETE else f"{b[0]}={b[1]!r}" for b in BROKEN])
 def test_broken_config_names_the_field(base, key, value, path, words):
     config = _mutate(copy.deepcopy(base), key, value)
     if key in ("llms.main.quantization", "llms.main.initializers"):
