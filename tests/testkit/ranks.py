@@ -12,8 +12,8 @@ runs and do not test the launcher; the launcher itself is tested through ``llmrl
 (``test_launch_live``, ``test_interruptions_live``, ``test_two_hosts_live``, and the reliability tests that
 kill ranks). It is test code, never shipped.
 
-Each rank is a **fork** of this process taken after it imported torch, DeepSpeed, transformers, PEFT and llmrl's
-rank code once (:data:`PRELOAD`): a rank then starts without importing them again, about 4 CPU-seconds a rank,
+Each rank is a **fork** of this process taken after it imported torch, DeepSpeed, transformers and llmrl's rank
+code once (:data:`PRELOAD`): a rank then starts without importing them again, about 3 CPU-seconds a rank,
 which on two cores is most of a test run's start-up. The child sets its rank's environment, its signal
 dispositions and unbuffered output as a fresh ``python -u`` would have them, and runs the module (or script)
 as ``__main__`` with the rank's arguments; nothing has started a thread when it forks (checked).
@@ -31,8 +31,10 @@ import threading
 import time
 import traceback
 
-PRELOAD = ("torch", "deepspeed", "transformers", "peft", "transformers.models.llama.modeling_llama",
-           "llmrl.launch.rank", "llmrl.engine.model.hf_backend")
+# Not PEFT: importing it turns torch.distributions' argument validation off for the whole process, which a rank
+# that serves no LoRA adapter never does (an updater's Categorical over an empty minibatch must still raise there).
+PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "llmrl.launch.rank",
+           "llmrl.engine.model.hf_backend")
 
 
 class ForkedRank:
