@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Caller",
     "completion_datum",
+    "Trajectory",
     "LLMRLError",
     "ConfigError",
     "PluginError",
@@ -30,6 +31,7 @@ __all__ = [
 _LAZY = {
     "Caller": "llmrl.engine.client.caller",
     "completion_datum": "llmrl.engine.requests.datums",
+    "Trajectory": "llmrl.engine.client.trajectory",
     "LLMRLError": "llmrl.engine.errors",
     "ConfigError": "llmrl.engine.errors",
     "PluginError": "llmrl.engine.errors",

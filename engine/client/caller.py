@@ -5,7 +5,8 @@ them the plugins given by the script, and serves ``score``, ``custom_module_fns`
 with an ``_async`` twin returning a future; calls to different LLMs run concurrently), the steps whose loss lives in
 the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), snapshots and
 adapters made at run time (:mod:`llmrl.engine.client.adapter_calls`), ``save``
-(:mod:`llmrl.engine.client.saving`), and
+(:mod:`llmrl.engine.client.saving`), the served tokenizer and chat messages as contexts
+(:mod:`llmrl.engine.client.chat`), and
 ``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
 the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
 them across the replicas of the target LLM and assembles the replies: results come back in order as CPU tensors and
@@ -23,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from llmrl.engine.client import chat
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
 from llmrl.engine.client.training_calls import ClientTraining
@@ -82,6 +84,7 @@ class Caller(ClientTraining, AdapterCalls):
         self._timeout = self.config.timeouts.request if timeout is None else timeout
         self._closed = False
         self._rng = random.Random(self.config.seed)
+        self._tokenizers = chat.Tokenizers(self.config)
         target = self._llm(llm)
         plugins: dict[str, dict[str, Any]] = {target: given} if given else {}
         bar = startup_bar(progress, len(run.roles))
@@ -119,8 +122,15 @@ class Caller(ClientTraining, AdapterCalls):
             raise RuntimeError("this Caller is closed")
         return self._llm(llm)
 
+    tokenizer = property(lambda self: self.get_tokenizer(), doc="The first LLM's tokenizer (see get_tokenizer).")
+
+    def get_tokenizer(self, llm: str | None = None):
+        """The Hugging Face tokenizer LLM ``llm`` serves with, on the client (no model is loaded)."""
+        return self._tokenizers.get(self._open(llm))
+
     def _inputs(self, llm: str, contexts, candidates=None, *, candidates_needed: bool = False):
-        """Checked contexts and candidates (token ids within the LLM's vocabulary)."""
+        """Checked contexts (chat messages rendered) and candidates (token ids within the LLM's vocabulary)."""
+        contexts, candidates = chat.render(contexts, candidates, self._tokenizers.get, llm)
         contexts = inputs.check_contexts(contexts)
         if candidates is not None or candidates_needed:
             candidates = inputs.check_candidates(candidates, contexts)
@@ -169,8 +179,9 @@ class Caller(ClientTraining, AdapterCalls):
         """Log-probability of each candidate given its context.
 
         Args:
-            contexts: N prompts: strings, or lists of token ids (a list of ints, or a 1-D integer tensor such as a
-                ``generate`` sample's ``tokens``) used exactly as given: no BOS added, no re-tokenisation.
+            contexts: N prompts: strings, lists of token ids (a list of ints, or a 1-D integer tensor such as a
+                ``generate`` sample's ``tokens``) used exactly as given: no BOS added, no re-tokenisation, or lists
+                of chat messages (rendered with the chat template and its generation prompt; string candidates).
             candidates: N lists of candidate continuations (a list may be empty): strings, or lists of token ids,
                 which are exactly the tokens scored, after the whole context (no boundary merge). A context given
                 as ids takes candidates given as ids.
@@ -248,8 +259,9 @@ class Caller(ClientTraining, AdapterCalls):
                  minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
         """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments: ``temperature``,
         ``top_k``, ``top_p``, ...; ``seed`` makes a call reproducible). Contexts are strings (tokenised as :meth:`score`
-        tokenises contexts) or lists of token ids used as given. ``stop``: strings (matched as Hugging Face's
-        ``stop_strings``) and/or token ids or id lists; ``prompt_logprobs=True`` adds the prompts' log-probs.
+        tokenises contexts), lists of token ids used as given, or chat messages (as in :meth:`score`). ``stop``:
+        strings (matched as Hugging Face's ``stop_strings``) and/or token ids or id lists; ``prompt_logprobs=True``
+        adds the prompts' log-probs.
 
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and

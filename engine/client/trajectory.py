@@ -1,0 +1,157 @@
+"""Token-exact multi-turn trajectories: one episode's token ids, turn by turn, never re-tokenised.
+
+A :class:`Trajectory` starts from a prompt (chat messages, rendered once with the chat template and its generation
+prompt, or token ids). Then, turn after turn:
+
+- :meth:`Trajectory.add_sample` appends the ids the model sampled (a ``generate`` sample), exactly, with their
+  sampling log-probs: these are the trajectory's *model tokens*, the only ones a loss trains on;
+- :meth:`Trajectory.add_message` appends the environment's reply as a chat message. Only the new message is
+  formatted: the template renders a conversation with and without it, and the ids of the difference, plus whatever
+  closes the model's turn that the model did not emit (ChatML's ``\\n`` after ``<|im_end|>``, or the whole closing
+  when the sample was cut at ``max_new_tokens`` or a stop string), are tokenised on their own and appended;
+- :meth:`Trajectory.add_ids` appends other ids as given (a tool's output already tokenised).
+
+:attr:`Trajectory.prompt` is the next ``generate`` input: by construction every prompt extends the previous one,
+and a :meth:`add_sample` whose sample was not generated from the current prompt is refused (its
+``prompt_length`` must match). :meth:`Trajectory.datum` gives the whole episode as one Tinker-style datum for
+``forward_backward`` (per-turn or per-token advantages on the model's tokens, zero on the environment's).
+
+The formatting of one new message assumes what chat templates do: a conversation's rendering is a prefix of the
+rendering of the conversation with one more message, and a message's own text starts at a special token (so that
+tokenising it alone gives the ids it has in the whole). Both are checked on each message; a template that breaks
+them is refused with the message at fault. This module runs on the client and calls no server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmrl.engine.client.chat import check_messages
+
+_PROBE = "\x00llmrl-probe\x00"  # a content no real message holds: where a rendered message's text sits
+
+
+@dataclass(frozen=True)
+class Turn:
+    start: int  # index of the turn's first model token in Trajectory.ids
+    end: int  # one past its last
+
+
+class Trajectory:
+    """One episode's ids: the prompt, then the model's samples and the environment's messages (see the module)."""
+
+    def __init__(self, tokenizer, start):
+        self.tokenizer = tokenizer
+        self.messages: list[dict] | None = None
+        if isinstance(start, str):
+            start = tokenizer.encode(start)
+        elif start and isinstance(start[0], dict):
+            self.messages = check_messages(start, "start")
+            start = _ids(tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True))
+        self.ids: list[int] = [int(t) for t in start]
+        self.model_mask: list[bool] = [False] * len(self.ids)
+        self.sampling_logprobs: list[float] = [0.0] * len(self.ids)
+        self.turns: list[Turn] = []
+        self._closed = True  # whether the model's last turn is closed (the template's end-of-turn text is present)
+
+    @property
+    def prompt(self) -> list[int]:
+        """The ids to generate the next turn from."""
+        return list(self.ids)
+
+    def add_sample(self, sample: dict) -> Turn:
+        """Append a ``generate`` sample's ids (exactly as sampled) as the model's turn."""
+        tokens = [int(t) for t in _list(sample["tokens"])]
+        logprobs = _list(sample.get("sampling_logprobs", sample.get("logprobs")))
+        if logprobs is not None and len(logprobs) != len(tokens):
+            raise ValueError(f"the sample has {len(tokens)} tokens but {len(logprobs)} log-probs")
+        start = len(self.ids)
+        self.ids += tokens
+        self.model_mask += [True] * len(tokens)
+        self.sampling_logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens)
+        turn = Turn(start, len(self.ids))
+        self.turns.append(turn)
+        eos = self.tokenizer.eos_token_id
+        self._closed = False
+        self._ended_by_eos = bool(tokens) and tokens[-1] == eos
+        if self.messages is not None:
+            self.messages.append({"role": "assistant", "content": self.tokenizer.decode(tokens,
+                                                                                       skip_special_tokens=True)})
+        return turn
+
+    def add_message(self, content: str, role: str = "user") -> list[int]:
+        """Append the environment's reply as a chat message (and the next generation prompt); returns its ids."""
+        if self.messages is None:
+            raise ValueError("add_message needs a trajectory started from chat messages; use add_ids for others")
+        message = check_messages([{"role": role, "content": content}], "message")[0]
+        text = self._closing_text() + self._message_text(message)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # the boundary: the last ids' text followed by the new text must end with the new text's own ids
+        joint = self.tokenizer.encode(self.tokenizer.decode(self.ids[-4:]) + text, add_special_tokens=False)
+        if joint[len(joint) - len(ids):] != ids:
+            raise ValueError(f"message {message!r} does not start at a token boundary of the chat template (its ids "
+                             "alone differ from its ids after the conversation): build the prompt's ids yourself and "
+                             "use add_ids")
+        self.messages.append(message)
+        self._closed = True
+        return self.add_ids(ids)
+
+    def add_ids(self, ids) -> list[int]:
+        """Append ids the model did not sample (an observation), exactly as given."""
+        ids = [int(t) for t in ids]
+        self.ids += ids
+        self.model_mask += [False] * len(ids)
+        self.sampling_logprobs += [0.0] * len(ids)
+        return ids
+
+    def datum(self, advantages) -> dict:
+        """The episode as one datum for ``forward_backward`` (``importance_sampling``, ``ppo``, ``cispo``...):
+        ``advantages`` is one number per turn (spread over the turn's tokens) or one per id of :attr:`ids`;
+        environment tokens get advantage 0, and the sampler's log-probs are the ones recorded."""
+        per_token = [0.0] * len(self.ids)
+        if len(advantages) == len(self.turns):
+            for turn, value in zip(self.turns, advantages):
+                per_token[turn.start:turn.end] = [float(value)] * (turn.end - turn.start)
+        elif len(advantages) == len(self.ids):
+            per_token = [float(a) if m else 0.0 for a, m in zip(advantages, self.model_mask)]
+        else:
+            raise ValueError(f"advantages has {len(advantages)} values: give one per turn ({len(self.turns)}) or "
+                             f"one per token ({len(self.ids)})")
+        return {"model_input": self.ids[:-1], "loss_fn_inputs": {
+            "target_tokens": self.ids[1:], "advantages": per_token[1:], "logprobs": self.sampling_logprobs[1:]}}
+
+    # ------------------------------------------------------------------ formatting one message
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _closing_text(self) -> str:
+        """What closes the model's last turn in the template that the model did not emit."""
+        if self._closed:
+            return ""
+        history = self.messages[:-1]
+        probe = self._render(history + [{"role": "assistant", "content": _PROBE}], False)
+        closing = probe[probe.index(_PROBE) + len(_PROBE):]
+        eos = self.tokenizer.eos_token or ""
+        if self._ended_by_eos and eos and closing.startswith(eos):
+            return closing[len(eos):]
+        return closing
+
+    def _message_text(self, message: dict) -> str:
+        """The template's text for ``message`` and the generation prompt after it, given the conversation so far."""
+        history = self.messages
+        before = self._render(history, False)
+        after = self._render(history + [message], True)
+        if not after.startswith(before):
+            raise ValueError(f"the chat template renders the conversation differently once message {message!r} is "
+                             "added (its rendering is not an extension): build the prompt's ids yourself and use "
+                             "add_ids")
+        return after[len(before):]
+
+
+def _ids(value) -> list[int]:
+    return list(value["input_ids"] if hasattr(value, "keys") else value)
+
+
+def _list(value):
+    return value.tolist() if hasattr(value, "tolist") else (None if value is None else list(value))

@@ -1,0 +1,103 @@
+"""Token-exact trajectories (``llmrl.Trajectory``) under SmolLM2-Instruct's chat template, with a tokenizer whose
+``<|im_start|>`` / ``<|im_end|>`` are special tokens (as SmolLM2's are; ``<|im_end|>`` its EOS).
+
+The reference is plain transformers rendering the whole conversation: when every sample is the tokenizer's own
+encoding of its text, the trajectory's ids equal the whole conversation rendered and tokenised at once, turn after
+turn; a sample in another tokenisation keeps its ids exactly (re-tokenising the history would change them); a
+sample cut before its end-of-turn gets the template's whole closing. The datum trains on the model's tokens only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmrl import Trajectory
+
+# SmolLM2-135M-Instruct's chat template, verbatim (it adds a default system prompt when none is given).
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+           "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+REPLIES = ["Guess: 512", "Guess: 256", "Guess: 384"]
+FEEDBACK = ["Too high", "Too low", "Correct"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["gpt2"])  # byte-level BPE, no BOS
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = SMOLLM2
+    return tok
+
+
+def rendered(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def sample(tokenizer, text: str, eos: bool = True) -> dict:
+    tokens = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
+    return {"tokens": tokens, "sampling_logprobs": [-0.5 - 0.01 * k for k in range(len(tokens))]}
+
+
+@pytest.mark.parametrize("start", [[{"role": "user", "content": "Guess my number."}],
+                                   [{"role": "system", "content": "Play."}, {"role": "user", "content": "Go."}]])
+def test_each_turn_equals_the_whole_conversation_rendered_at_once(tokenizer, start):
+    trajectory = Trajectory(tokenizer, start)
+    messages = list(start)
+    assert trajectory.prompt == rendered(tokenizer, messages)
+    for reply, feedback in zip(REPLIES, FEEDBACK):
+        before = trajectory.prompt
+        trajectory.add_sample(sample(tokenizer, reply))
+        trajectory.add_message(feedback)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+        assert trajectory.prompt == rendered(tokenizer, messages)
+        assert trajectory.prompt[:len(before)] == before  # each prompt extends the previous one
+    assert len(trajectory.turns) == 3 and sum(trajectory.model_mask) == sum(t.end - t.start for t in trajectory.turns)
+
+
+def test_sampled_ids_are_kept_exactly_where_re_tokenising_would_change_them(tokenizer):
+    trajectory = Trajectory(tokenizer, [{"role": "user", "content": "Say hello."}])
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + [tokenizer.eos_token_id]  # one id a letter
+    assert tokenizer.encode("hello", add_special_tokens=False) != spelled[:-1]  # not how the tokenizer writes it
+    turn = trajectory.add_sample({"tokens": spelled, "logprobs": [-1.0] * len(spelled)})
+    trajectory.add_message("Again.")
+    assert trajectory.ids[turn.start:turn.end] == spelled
+    again = rendered(tokenizer, [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "hello"},
+                                 {"role": "user", "content": "Again."}])
+    assert trajectory.prompt != again and len(trajectory.prompt) > len(again)  # the drift re-tokenising makes
+    tail = trajectory.prompt[turn.end:]  # after the sample, the same ids as the re-rendered conversation's
+    assert again[len(again) - len(tail):] == tail
+
+
+def test_a_sample_cut_before_its_end_of_turn_gets_the_templates_whole_closing(tokenizer):
+    trajectory = Trajectory(tokenizer, [{"role": "user", "content": "Count."}])
+    trajectory.add_sample(sample(tokenizer, "one two", eos=False))  # max_new_tokens reached
+    trajectory.add_message("More.")
+    assert trajectory.prompt == rendered(tokenizer, [{"role": "user", "content": "Count."},
+                                                     {"role": "assistant", "content": "one two"},
+                                                     {"role": "user", "content": "More."}])
+
+
+def test_the_datum_trains_on_the_models_tokens_only(tokenizer):
+    trajectory = Trajectory(tokenizer, [{"role": "user", "content": "Guess."}])
+    samples = []
+    for reply, feedback in zip(REPLIES[:2], FEEDBACK[:2]):
+        samples.append(sample(tokenizer, reply))
+        trajectory.add_sample(samples[-1])
+        trajectory.add_message(feedback)
+    datum = trajectory.datum([1.5, -0.5])
+    inputs = datum["loss_fn_inputs"]
+    assert datum["model_input"] == trajectory.ids[:-1] and inputs["target_tokens"] == trajectory.ids[1:]
+    for turn, advantage, s in zip(trajectory.turns, [1.5, -0.5], samples):
+        span = slice(turn.start - 1, turn.end - 1)  # target k is ids[k + 1]
+        assert inputs["advantages"][span] == [advantage] * len(s["tokens"])
+        assert inputs["logprobs"][span] == s["sampling_logprobs"]
+    assert sum(a != 0 for a in inputs["advantages"]) == sum(len(s["tokens"]) for s in samples)
+    with pytest.raises(ValueError, match="one per turn"):
+        trajectory.datum([1.0])
+    with pytest.raises(ValueError, match="add_message needs a trajectory started from chat messages"):
+        Trajectory(tokenizer, [1, 2, 3]).add_message("hi")
