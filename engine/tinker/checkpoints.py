@@ -3,7 +3,8 @@ disk, and the REST views (``training_runs``, their ``checkpoints``) that the SDK
 resume read.
 
 A training run is a training client (its id, ``<session>:train:<n>``, is the run's id). A **training** checkpoint
-(``save_state``) is a folder written by ``Caller.save_adapter`` at ``<save_dir>/<run>/weights/<name>``, path
+(``save_state``) is a folder written by ``Caller.save_adapter`` at ``<save_dir>/<run>/weights/<name>`` (each part
+``%``-escaped, so that two names never share a folder), path
 ``tinker://<run>/weights/<name>``: it outlives the service, so a later service on the same ``--save-dir`` loads it
 (``create_training_client_from_state[_with_optimizer]``). A **sampler** checkpoint
 (``save_weights_for_sampler(name)``) is a snapshot held in memory, path ``tinker://<run>/sampler_weights/<name>``;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> Tinker's checkpoint type
@@ -28,9 +30,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
-def safe(name) -> str:
-    """``name`` usable in a file or snapshot name."""
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(name))
+def folder_name(name) -> str:
+    """``name`` as one folder name, reversibly (``%``-escaped): two names never share a folder."""
+    return urllib.parse.quote(str(name), safe="")
 
 
 def parse_path(path) -> tuple[str, str, str]:
@@ -91,7 +93,7 @@ class Registry:
         self.runs: dict[str, Run] = {}
 
     def state_folder(self, run_id: str, name: str) -> str:
-        return os.path.join(self.save_dir, safe(run_id), "weights", safe(name))
+        return os.path.join(self.save_dir, folder_name(run_id), "weights", folder_name(name))
 
     def folder_of(self, path: str) -> str:
         """The folder of a training checkpoint's path; LookupError if none is on disk, ValueError if the path is a

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmrl.engine.tinker.batching import SampleBatcher
-from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, folder_size, now, safe
+from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
@@ -165,7 +165,11 @@ class TinkerService:
         name = _checkpoint_name(body.get("path"))
 
         def work() -> Outcome:
-            snapshot = f"{client.adapter}_{safe(name) if name else 's' + str(next(self._ids))}"
+            # a name saved again replaces its own snapshot's weights; any other save gets a snapshot of its own
+            # (names are never folded into snapshot names, which two different names could then share)
+            path = f"tinker://{client.model_id}/sampler_weights/{name}" if name else None
+            earlier = self.registry.find(path) if path else None
+            snapshot = earlier.snapshot if earlier is not None else f"{client.adapter}_s{next(self._ids)}"
             self.caller.snapshot(snapshot, llm=self.llm, peft_adapter=client.adapter)
             if name:
                 record = Checkpoint(client.model_id, "sampler_weights", name, now(), snapshot=snapshot)
