@@ -17,6 +17,7 @@ This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) no
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -82,12 +83,16 @@ def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments:
 
     staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
     (staging / "peft").mkdir(parents=True)
-    torch.save({"format": FORMAT, "adapter": name, "model": served.llm.model, "how": _how(served, name),
-                "weights": weights, "optimizer": moments}, staging / STATE_FILE)
-    served.model.peft_config[name].save_pretrained(staging / "peft")
-    save_file({k: v.contiguous() for k, v in weights.items()}, staging / "peft" / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    os.replace(staging, folder)
+    try:
+        torch.save({"format": FORMAT, "adapter": name, "model": served.llm.model, "how": _how(served, name),
+                    "weights": weights, "optimizer": moments}, staging / STATE_FILE)
+        served.model.peft_config[name].save_pretrained(staging / "peft")
+        save_file({k: v.contiguous() for k, v in weights.items()}, staging / "peft" / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+        os.replace(staging, folder)  # whole or not at all
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # the staging folder is ours
+        raise
 
 
 def read_state(path: str) -> dict:
