@@ -110,3 +110,30 @@ def test_a_ten_turn_trajectorys_log_probs_scored_at_once_equal_generates(run, ch
         assert trajectory.ids[turn.start:turn.end] == sample["tokens"].tolist()
         torch.testing.assert_close(out[turn.start - 1:turn.end - 1], sample["logprobs"], atol=1e-5, rtol=0)
     assert sum(len(s["tokens"]) for s in samples) >= 10 and len(trajectory.ids) < 512
+
+
+@pytest.mark.parametrize("mode", ["choose", "write"])
+def test_episodes_of_several_environments_are_token_exact_trajectories(run, mode):
+    from testkit.envs import ACTIONS, DoorEnv
+
+    envs = [DoorEnv(room, turns=2 + room % 2) for room in range(3)]
+    kwargs = {"mode": mode, "max_turns": 3, "seed": 5, "llm": "chat", "generate_kwargs": {"max_new_tokens": 3}}
+    episodes = run.run_episodes(envs, **kwargs)
+    again = run.run_episodes([DoorEnv(room, turns=2 + room % 2) for room in range(3)], **kwargs)
+    assert [e.actions for e in again] == [e.actions for e in episodes]  # the same seed: the same episodes
+    tokenizer = run.get_tokenizer(llm="chat")
+    for room, episode in enumerate(episodes):
+        assert len(episode.actions) == 2 + room % 2 == len(episode.trajectory.turns) and episode.done
+        assert episode.rewards == [float(a == "open door") for a in episode.actions]
+        if mode == "choose":
+            assert set(episode.actions) <= set(ACTIONS)
+            for turn, action in zip(episode.trajectory.turns, episode.actions):  # the action's ids, then EOS
+                ids = episode.trajectory.ids[turn.start:turn.end]
+                assert ids == tokenizer.encode(action, add_special_tokens=False) + [tokenizer.eos_token_id]
+        datum = episode.trajectory.datum([1.0] * len(episode.actions))
+        scored = run.forward([datum], llm="chat")["loss_fn_outputs"][0]["logprobs"]
+        recorded = torch.tensor(episode.trajectory.model_logprobs[1:])  # the model's, as the turn was played
+        mask = torch.tensor(episode.trajectory.model_mask[1:])
+        torch.testing.assert_close(scored[mask], recorded[mask], atol=1e-5, rtol=0)
+    with pytest.raises(Exception, match="mode must be one of"):
+        run.run_episodes(envs, mode="act", llm="chat")

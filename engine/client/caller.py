@@ -6,7 +6,7 @@ with an ``_async`` twin returning a future; calls to different LLMs run concurre
 the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), snapshots and
 adapters made at run time (:mod:`llmrl.engine.client.adapter_calls`), ``save``
 (:mod:`llmrl.engine.client.saving`), the served tokenizer and chat messages as contexts
-(:mod:`llmrl.engine.client.chat`), and
+(:mod:`llmrl.engine.client.chat`), multi-turn episodes (:mod:`llmrl.engine.client.episodes`), and
 ``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
 the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
 them across the replicas of the target LLM and assembles the replies: results come back in order as CPU tensors and
@@ -26,6 +26,7 @@ from typing import Any
 
 from llmrl.engine.client import chat
 from llmrl.engine.client.adapter_calls import AdapterCalls
+from llmrl.engine.client.episodes import EpisodeCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
@@ -38,7 +39,7 @@ from llmrl.engine.errors import (
 from llmrl.engine.requests import admin, generate, inputs, score, state_dict, tokenize, update
 
 
-class Caller(ClientTraining, AdapterCalls):
+class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
     """Your script's handle on the LLM servers of this run.
 
     Create it once, inside a script started by ``llmrl run`` (or ``deepspeed --module llmrl.launch``).

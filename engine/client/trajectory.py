@@ -4,7 +4,9 @@ A :class:`Trajectory` starts from a prompt (chat messages, rendered once with th
 prompt, or token ids). Then, turn after turn:
 
 - :meth:`Trajectory.add_sample` appends the ids the model sampled (a ``generate`` sample), exactly, with their
-  sampling log-probs: these are the trajectory's *model tokens*, the only ones a loss trains on;
+  log-probs under the distribution they were sampled from (``sampling_logprobs``, after temperature and top-k: an
+  importance ratio's denominator) and under the model (``model_logprobs``): these are the trajectory's *model
+  tokens*, the only ones a loss trains on;
 - :meth:`Trajectory.add_message` appends the environment's reply as a chat message. Only the new message is
   formatted: the template renders a conversation with and without it, and the ids of the difference, plus whatever
   closes the model's turn that the model did not emit (ChatML's ``\\n`` after ``<|im_end|>``, or the whole closing
@@ -50,7 +52,8 @@ class Trajectory:
             start = _ids(tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True))
         self.ids: list[int] = [int(t) for t in start]
         self.model_mask: list[bool] = [False] * len(self.ids)
-        self.sampling_logprobs: list[float] = [0.0] * len(self.ids)
+        self.sampling_logprobs: list[float] = [0.0] * len(self.ids)  # under the distribution sampled from
+        self.model_logprobs: list[float] = [0.0] * len(self.ids)  # the model's raw log-probs (generate's logprobs)
         self.turns: list[Turn] = []
         self._closed = True  # whether the model's last turn is closed (the template's end-of-turn text is present)
 
@@ -62,13 +65,16 @@ class Trajectory:
     def add_sample(self, sample: dict) -> Turn:
         """Append a ``generate`` sample's ids (exactly as sampled) as the model's turn."""
         tokens = [int(t) for t in _list(sample["tokens"])]
-        logprobs = _list(sample.get("sampling_logprobs", sample.get("logprobs")))
-        if logprobs is not None and len(logprobs) != len(tokens):
-            raise ValueError(f"the sample has {len(tokens)} tokens but {len(logprobs)} log-probs")
+        raw = _list(sample.get("logprobs"))
+        sampled = _list(sample.get("sampling_logprobs")) or raw
+        for name, values in (("logprobs", raw), ("sampling_logprobs", sampled)):
+            if values is not None and len(values) != len(tokens):
+                raise ValueError(f"the sample has {len(tokens)} tokens but {len(values)} {name}")
         start = len(self.ids)
         self.ids += tokens
         self.model_mask += [True] * len(tokens)
-        self.sampling_logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens)
+        self.sampling_logprobs += [float(x) for x in sampled] if sampled is not None else [0.0] * len(tokens)
+        self.model_logprobs += [float(x) for x in raw] if raw is not None else [0.0] * len(tokens)
         turn = Turn(start, len(self.ids))
         self.turns.append(turn)
         eos = self.tokenizer.eos_token_id
@@ -102,6 +108,7 @@ class Trajectory:
         self.ids += ids
         self.model_mask += [False] * len(ids)
         self.sampling_logprobs += [0.0] * len(ids)
+        self.model_logprobs += [0.0] * len(ids)
         return ids
 
     def datum(self, advantages) -> dict:

@@ -1,0 +1,137 @@
+"""Multi-turn episodes of text environments with an LLM as the agent: a small environment protocol, and a runner
+that steps N environments while the servers compute the other environments' actions.
+
+An environment is any object with ``reset() -> (observation, info)`` and ``step(action) -> (observation, reward,
+done, info)`` (gymnasium's shape, with text for observations and actions); ``info["admissible_actions"]`` lists the
+actions it accepts now, when it knows them. :func:`run_episodes` plays one episode in each environment, each a
+token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, in one of two action modes:
+
+- ``"choose"``: ``score`` the admissible actions (each followed by the EOS token, which ends the model's turn) and
+  sample one from the softmax of their log-probs at ``temperature`` (as Lamorel and GLAM do); the chosen action's
+  ids and the model's per-token log-probs of them become the model's turn;
+- ``"write"``: ``generate`` free text (``generate_kwargs``: ``max_new_tokens``, ``stop``...); the sample is the turn.
+
+The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
+the other half's environments step. Every episode ends when its environment says done or after ``max_turns``.
+Credit assignment is the script's: :meth:`Trajectory.datum` takes per-turn advantages.
+
+:class:`EpisodeCalls` makes it ``Caller.run_episodes``. This module drives the Caller; it computes no loss and keeps
+no state between calls.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from llmrl.engine.client.trajectory import Trajectory
+
+MODES = ("choose", "write")
+
+
+@dataclass
+class Episode:
+    trajectory: Trajectory
+    actions: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+    done: bool = False
+    _info: dict = field(default_factory=dict, repr=False)  # the latest info (admissible actions)
+
+    @property
+    def total_reward(self) -> float:
+        return sum(self.rewards)
+
+
+class EpisodeCalls:
+    """``run_episodes`` (mixed into Caller)."""
+
+    def run_episodes(self, envs, **kwargs) -> list[Episode]:
+        """Play one episode in each of ``envs`` with this Caller's LLM as the agent (:func:`run_episodes`)."""
+        return run_episodes(self, envs, **kwargs)
+
+
+def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, system: str | None = None,
+                 llm: str | None = None, peft_adapter: str | None = None, temperature: float = 1.0, seed: int = 0,
+                 generate_kwargs: dict | None = None) -> list[Episode]:
+    """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not envs:
+        raise ValueError("run_episodes needs at least one environment")
+    if mode == "choose" and not temperature > 0:
+        raise ValueError(f"choose samples from softmax(log-probs / temperature): temperature must be > 0, got "
+                         f"{temperature!r}")
+    tokenizer = caller.get_tokenizer(llm)
+    rng = random.Random(seed)
+    episodes = []
+    for env in envs:
+        observation, info = env.reset()
+        start = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
+        episodes.append(Episode(Trajectory(tokenizer, start), _info=dict(info or {})))
+    halves = [list(range(0, len(envs), 2)), list(range(1, len(envs), 2))]
+
+    def submit(indices: list[int]):
+        active = [i for i in indices if not episodes[i].done]
+        if not active:
+            return None
+        prompts = [episodes[i].trajectory.prompt for i in active]
+        if mode == "write":
+            kwargs = {"max_new_tokens": 32, "do_sample": temperature > 0, **(generate_kwargs or {})}
+            if temperature > 0:
+                kwargs.setdefault("temperature", temperature)
+            future = caller.generate_async(prompts, llm=llm, peft_adapter=peft_adapter, seed=rng.randrange(2**31),
+                                           **kwargs)
+        else:
+            candidates = [[tokenizer.encode(a, add_special_tokens=False) for a in _admissible(episodes[i], i)]
+                          for i in active]
+            future = caller.score_async(prompts, candidates, llm=llm, peft_adapter=peft_adapter, per_token=True,
+                                        add_eos=True)
+        return active, future
+
+    pending = {h: submit(half) for h, half in enumerate(halves) if half}
+    while any(p is not None for p in pending.values()):
+        for h in list(pending):
+            if pending[h] is None:
+                continue
+            active, future = pending[h]
+            for i, result in zip(active, future.result()):
+                action, sample = (_written(result) if mode == "write" else
+                                  _chosen(result, _admissible(episodes[i], i), temperature, rng))
+                _play(envs[i], episodes[i], action, sample, max_turns)
+            pending[h] = submit(halves[h])  # this half's next actions compute while the other half steps
+    return episodes
+
+
+def _admissible(episode: Episode, index: int) -> list[str]:
+    actions = episode._info.get("admissible_actions")
+    if not actions:
+        raise ValueError(f"mode 'choose' scores the admissible actions, but environment {index} gave none "
+                         "(info['admissible_actions']): use mode 'write', or list them")
+    return [str(a) for a in actions]
+
+
+def _written(samples: list[dict]) -> tuple[str, dict]:
+    sample = samples[0]
+    return sample["text"].strip(), sample
+
+
+def _chosen(result: dict, actions: list[str], temperature: float, rng: random.Random) -> tuple[str, dict]:
+    scores = [float(s) / temperature for s in result["score"]]
+    top = max(scores)
+    weights = [math.exp(s - top) for s in scores]
+    k = rng.choices(range(len(actions)), weights=weights)[0]
+    return actions[k], {"tokens": result["tokens"][k].tolist(), "logprobs": result["logprobs"][k].tolist()}
+
+
+def _play(env, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
+    episode.trajectory.add_sample(sample)
+    observation, reward, done, info = env.step(action)
+    episode.actions.append(action)
+    episode.rewards.append(float(reward))
+    episode.infos.append(dict(info or {}))
+    episode._info = dict(info or {})
+    episode.done = bool(done) or len(episode.actions) >= max_turns
+    if not episode.done:
+        episode.trajectory.add_message(observation)

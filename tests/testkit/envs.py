@@ -1,0 +1,25 @@
+"""A tiny text environment for the multi-turn tests: :class:`DoorEnv`, deterministic, with admissible actions.
+
+Reward 1 for ``"open door"``, 0 for anything else; the episode ends after ``turns`` steps. Observations name the
+room and the last action, so every turn's message differs. Test code, never shipped.
+"""
+
+from __future__ import annotations
+
+ACTIONS = ["open door", "go north", "wait"]
+
+
+class DoorEnv:
+    def __init__(self, room: int, turns: int = 3):
+        self.room, self.turns, self.steps = room, turns, 0
+        self.log: list[str] = []  # the actions it received, in order
+
+    def reset(self):
+        self.steps, self.log = 0, []
+        return f"Room {self.room}. A door.", {"admissible_actions": list(ACTIONS)}
+
+    def step(self, action: str):
+        self.steps += 1
+        self.log.append(action)
+        reward = 1.0 if action == "open door" else 0.0
+        return f"You chose: {action}.", reward, self.steps >= self.turns, {"admissible_actions": list(ACTIONS)}
