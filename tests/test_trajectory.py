@@ -5,6 +5,7 @@ The reference is plain transformers rendering the whole conversation: when every
 encoding of its text, the trajectory's ids equal the whole conversation rendered and tokenised at once, turn after
 turn; a sample in another tokenisation keeps its ids exactly (re-tokenising the history would change them); a
 sample cut before its end-of-turn gets the template's whole closing. The datum trains on the model's tokens only.
+GRPO's per-turn advantages over a group of episodes, by hand.
 """
 
 from __future__ import annotations
@@ -101,3 +102,20 @@ def test_the_datum_trains_on_the_models_tokens_only(tokenizer):
         trajectory.datum([1.0])
     with pytest.raises(ValueError, match="add_message needs a trajectory started from chat messages"):
         Trajectory(tokenizer, [1, 2, 3]).add_message("hi")
+
+
+def test_group_turn_advantages_by_hand():
+    from llmrl import Episode, group_turn_advantages
+    from llmrl.engine.client.episodes import turn_returns
+
+    assert turn_returns([1.0, 0.0, 2.0], gamma=0.5) == [1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0, 2.0]
+    episodes = [Episode(trajectory=None, rewards=r) for r in ([1.0, 0.0, 2.0], [0.0, 0.0], [0.0, 1.0])]
+    # G_0 with gamma 0.5: 1.5, 0.0, 0.5; mean 2/3; unbiased std sqrt(((5/6)^2 + (2/3)^2 + (1/6)^2) / 2)
+    mean, std = 2 / 3, ((25 / 36 + 16 / 36 + 1 / 36) / 2) ** 0.5
+    got = group_turn_advantages(episodes, gamma=0.5, eps=0.0)
+    want = [[(g - mean) / std for g in r] for r in ([1.5, 1.0, 2.0], [0.0, 0.0], [0.5, 1.0])]
+    for row, expected in zip(got, want):
+        assert row == pytest.approx(expected, abs=1e-12)
+    assert group_turn_advantages(episodes, gamma=0.5, scale=False)[1] == pytest.approx([-2 / 3, -2 / 3])
+    with pytest.raises(ValueError, match="at least 2 episodes"):
+        group_turn_advantages(episodes[:1])

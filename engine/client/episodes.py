@@ -13,7 +13,8 @@ token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, i
 
 The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
 the other half's environments step. Every episode ends when its environment says done or after ``max_turns``.
-Credit assignment is the script's: :meth:`Trajectory.datum` takes per-turn advantages.
+Credit assignment is the script's: :meth:`Trajectory.datum` takes per-turn advantages, and
+:func:`group_turn_advantages` gives GRPO's over a group of episodes from the same start, per turn.
 
 :class:`EpisodeCalls` makes it ``Caller.run_episodes``. This module drives the Caller; it computes no loss and keeps
 no state between calls.
@@ -135,3 +136,25 @@ def _play(env, episode: Episode, action: str, sample: dict, max_turns: int) -> N
     episode.done = bool(done) or len(episode.actions) >= max_turns
     if not episode.done:
         episode.trajectory.add_message(observation)
+
+
+def turn_returns(rewards, gamma: float = 1.0) -> list[float]:
+    """Each turn's discounted return from that turn on: ``G_t = r_t + gamma * G_(t+1)``."""
+    out, running = [], 0.0
+    for reward in reversed([float(r) for r in rewards]):
+        running = reward + gamma * running
+        out.append(running)
+    return out[::-1]
+
+
+def group_turn_advantages(episodes, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4) -> list[list[float]]:
+    """GRPO over episodes from the same start, per turn: turn ``t``'s advantage is ``(G_t - mean) / (std + eps)``,
+    where ``G_t`` is its return from that turn on and the mean and (unbiased) standard deviation are those of the
+    group's episode returns ``G_0`` (``scale=False``: centred only). One list per episode, one value per turn."""
+    returns = [turn_returns(e.rewards, gamma) for e in episodes]
+    if len(returns) < 2 or any(not r for r in returns):
+        raise ValueError("a group needs at least 2 episodes of at least one turn each")
+    totals = [r[0] for r in returns]
+    mean = sum(totals) / len(totals)
+    std = (sum((x - mean) ** 2 for x in totals) / (len(totals) - 1)) ** 0.5
+    return [[(g - mean) / (std + eps) if scale else g - mean for g in r] for r in returns]
