@@ -1,8 +1,8 @@
 """``llmrl tinker`` in a child process, for the tests that drive it through the ``tinker`` SDK or the cookbook.
 
-:func:`start_tinker` writes the config, starts the service and returns once it answers: the event is the ready file
-the service writes when it serves (polled while the process is alive; the limit only guards against a start-up that
-hangs, as :class:`~testkit.live.LiveRun`'s does). :func:`stop_tinker` sends Ctrl-C and checks the run ends with 130.
+:func:`start_tinker` writes the config, starts the service and returns once it answers: the event is the line the
+service prints when it serves, read from its output as it comes (a timer only kills a start-up that hangs).
+:func:`stop_tinker` checks the ready file holds the same URL, sends Ctrl-C and checks the run ends with 130.
 """
 
 from __future__ import annotations
@@ -11,32 +11,61 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import yaml
 
 
 def start_tinker(config: dict, folder: Path, key: str, startup_timeout: float = 300.0) -> dict:
-    """``{"url", "process", "folder"}`` of a service started from ``config`` in ``folder``."""
+    """``{"url", "process", "folder"}`` of a service started from ``config`` in ``folder``.
+
+    Waits for the event itself: the service's ``export TINKER_BASE_URL=...`` line, which it prints once it serves,
+    read from its output as it comes (or the end of that output, if it died). A timer kills a start-up that hangs;
+    the output goes on to ``service.log``.
+    """
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    ready, log = folder / "url", folder / "service.log"
+    log = folder / "service.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "llmrl.launch.cli", "tinker", "--config", str(folder / "config.yaml"), "--port", "0",
-         "--api-key", key, "--ready-file", str(ready), "--save-dir", str(folder / "saved")],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
-    deadline = time.monotonic() + startup_timeout
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            raise RuntimeError(f"llmrl tinker did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    return {"url": ready.read_text(), "process": process, "folder": folder}
+         "--api-key", key, "--ready-file", str(folder / "url"), "--save-dir", str(folder / "saved")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=folder)
+    guard = threading.Timer(startup_timeout, _kill_group, (process.pid,))  # only a hung start-up meets it
+    guard.start()
+    url = None
+    with open(log, "w") as out:
+        for line in process.stdout:  # blocks until the service prints; ends when it exits
+            out.write(line)
+            out.flush()
+            if "export TINKER_BASE_URL=" in line:
+                url = line.split("=", 1)[1].strip()
+                break
+    guard.cancel()
+    if url is None:
+        _kill_group(process.pid)
+        process.wait()
+        raise RuntimeError(f"llmrl tinker did not start:\n{log.read_text()[-3000:]}")
+    threading.Thread(target=_copy_rest, args=(process.stdout, log), daemon=True).start()  # the pipe never fills
+    return {"url": url, "process": process, "folder": folder}
+
+
+def _copy_rest(stream, log: Path) -> None:
+    with open(log, "a") as out:
+        for line in stream:
+            out.write(line)
+            out.flush()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
 
 
 def stop_tinker(service: dict, timeout: float = 120.0) -> None:
     """Ctrl-C to the service's process group; it must end with 130 (as a run stopped by Ctrl-C does)."""
+    assert (service["folder"] / "url").read_text() == service["url"]  # --ready-file, written after the line
     os.killpg(service["process"].pid, signal.SIGINT)
     code = service["process"].wait(timeout)
     assert code == 130, (service["folder"] / "service.log").read_text()[-3000:]
