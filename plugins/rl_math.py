@@ -1,9 +1,11 @@
 """The RL maths of the built-in updaters, as pure functions of tensors, each tested against hand-computed values.
 
 What is here: advantage estimation (:func:`gae` over ``[T, N]`` environment steps, :func:`token_gae` along each
-row of generated tokens, :func:`group_advantages` within a GRPO group), the PPO losses (:func:`clipped_surrogate`,
-:func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new policy, :func:`kl_k3` to a
-reference per token, :func:`categorical_kl` between two distributions over the same candidates), the KL-penalised
+row of generated tokens, :func:`group_advantages` within a GRPO group; across a multi-turn episode's turns,
+:func:`turn_spans`, :func:`turn_gae`, :func:`turn_returns` and :func:`group_turn_advantages`), the PPO losses
+(:func:`clipped_surrogate`, :func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new
+policy, :func:`kl_k3` to a reference per token, :func:`categorical_kl` between two distributions over the same
+candidates), the KL-penalised
 per-token rewards and their adaptive coefficient (:func:`kl_penalised_rewards`, :class:`AdaptiveKL`), whitening
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
@@ -78,6 +80,55 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
                          "num_return_sequences >= 2 (and do_sample=True)")
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
+
+
+def turn_spans(model_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The turns of one trajectory: the maximal runs of True in its ``[T]`` model-token mask, as ``(start, end)``
+    (end excluded). Consecutive turns are separated by at least one environment token."""
+    spans, start = [], None
+    for t, own in enumerate(model_mask.tolist()):
+        if own and start is None:
+            start = t
+        elif not own and start is not None:
+            spans.append((start, t))
+            start = None
+    if start is not None:
+        spans.append((start, len(model_mask)))
+    return spans
+
+
+def turn_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE across the ``K`` turns of one episode, a turn being one step: ``delta_k = r_k + gamma * V_(k+1) - V_k``,
+    ``A_k = delta_k + gamma * lam * A_(k+1)``, the value after the last turn 0 (the episode ended). ``(advantages,
+    returns)``, both ``[K]``; returns = advantages + values."""
+    k = rewards.shape[0]
+    ended = torch.zeros((k, 1))
+    ended[-1] = 1.0
+    advantages, returns = gae(rewards.float()[:, None], values.float()[:, None], ended, torch.zeros(1), gamma, lam)
+    return advantages[:, 0], returns[:, 0]
+
+
+def turn_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``[K]`` each turn's discounted return from that turn on: ``G_k = r_k + gamma * G_(k+1)``."""
+    out, running = torch.zeros(rewards.shape[0], dtype=torch.float64), 0.0
+    for k in reversed(range(rewards.shape[0])):
+        running = float(rewards[k]) + gamma * running
+        out[k] = running
+    return out
+
+
+def group_turn_advantages(rewards: list[torch.Tensor], gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
+                          ) -> list[torch.Tensor]:
+    """GRPO over a group of episodes from the same start, per turn: turn ``k``'s advantage is ``(G_k - mean) /
+    (std + eps)``, ``G_k`` its return from that turn on (:func:`turn_returns`), the mean and unbiased standard
+    deviation those of the group's episode returns ``G_0`` (``scale=False``: centred only)."""
+    if len(rewards) < 2 or any(r.numel() == 0 for r in rewards):
+        raise ValueError("a GRPO group of episodes needs at least 2 episodes of at least one turn each")
+    returns = [turn_returns(r, gamma) for r in rewards]
+    totals = torch.stack([g[0] for g in returns])
+    centred = [g - totals.mean() for g in returns]
+    return [c / (totals.std() + eps) for c in centred] if scale else centred
 
 
 # ---- PPO losses --------------------------------------------------------------------------------------------------

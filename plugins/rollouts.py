@@ -76,6 +76,8 @@ class PromptRows:
     mask: torch.Tensor  # bool
     rewards: torch.Tensor  # [k]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, ref_logprobs, values, ...
+    spans: list = field(default_factory=list)  # multi-turn updaters: per continuation, its turns' (start, end)
+    index: int = -1  # multi-turn updaters: the prompt's position in the call
 
 
 def split_by_prompt(rows: dict[str, torch.Tensor], mask: torch.Tensor, rewards: torch.Tensor,

@@ -13,7 +13,8 @@ token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, i
 
 The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
 the other half's environments step. Every episode ends when its environment says done or after ``max_turns``.
-Credit assignment is the script's: :meth:`Trajectory.datum` takes per-turn advantages, and
+Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
+(``ppo_turns``, ``grpo_turns``); for client-owned steps, :meth:`Trajectory.datum` takes per-turn advantages, and
 :func:`group_turn_advantages` gives GRPO's over a group of episodes from the same start, per turn.
 
 :class:`EpisodeCalls` makes it ``Caller.run_episodes``. This module drives the Caller; it computes no loss and keeps
@@ -139,22 +140,56 @@ def _play(env, episode: Episode, action: str, sample: dict, max_turns: int) -> N
 
 
 def turn_returns(rewards, gamma: float = 1.0) -> list[float]:
-    """Each turn's discounted return from that turn on: ``G_t = r_t + gamma * G_(t+1)``."""
-    out, running = [], 0.0
-    for reward in reversed([float(r) for r in rewards]):
-        running = reward + gamma * running
-        out.append(running)
-    return out[::-1]
+    """Each turn's discounted return from that turn on: ``G_t = r_t + gamma * G_(t+1)``
+    (:func:`llmrl.plugins.rl_math.turn_returns`)."""
+    import torch
+
+    from llmrl.plugins.rl_math import turn_returns as returns
+
+    return returns(torch.tensor([float(r) for r in rewards], dtype=torch.float64), gamma).tolist()
 
 
 def group_turn_advantages(episodes, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4) -> list[list[float]]:
-    """GRPO over episodes from the same start, per turn: turn ``t``'s advantage is ``(G_t - mean) / (std + eps)``,
-    where ``G_t`` is its return from that turn on and the mean and (unbiased) standard deviation are those of the
-    group's episode returns ``G_0`` (``scale=False``: centred only). One list per episode, one value per turn."""
-    returns = [turn_returns(e.rewards, gamma) for e in episodes]
-    if len(returns) < 2 or any(not r for r in returns):
-        raise ValueError("a group needs at least 2 episodes of at least one turn each")
-    totals = [r[0] for r in returns]
-    mean = sum(totals) / len(totals)
-    std = (sum((x - mean) ** 2 for x in totals) / (len(totals) - 1)) ** 0.5
-    return [[(g - mean) / (std + eps) if scale else g - mean for g in r] for r in returns]
+    """GRPO over episodes from the same start, per turn (:func:`llmrl.plugins.rl_math.group_turn_advantages`, the
+    one ``grpo_turns`` uses): turn ``t``'s advantage is ``(G_t - mean) / (std + eps)``, ``G_t`` its return from that
+    turn on, the mean and unbiased standard deviation those of the group's episode returns ``G_0`` (``scale=False``:
+    centred only). One list per episode, one value per turn; for client-owned steps (:meth:`Trajectory.datum`)."""
+    import torch
+
+    from llmrl.plugins.rl_math import group_turn_advantages as advantages
+
+    rewards = [torch.tensor([float(r) for r in e.rewards], dtype=torch.float64) for e in episodes]
+    return [a.tolist() for a in advantages(rewards, gamma, scale, eps)]
+
+
+def episode_batch(groups) -> dict:
+    """The keyword arguments of ``caller.update(**episode_batch(groups))`` for ``ppo_turns`` and ``grpo_turns``:
+    ``groups`` is a list of groups, each a list of :class:`Episode` played from the same start (one episode per
+    group is fine for ``ppo_turns``; ``grpo_turns`` needs two or more). Per group: the context is the start's ids,
+    the candidates are each episode's ids after it, with its ``model_mask``, ``turn_rewards`` and ``old_logprobs``
+    (the log-probs its tokens were sampled with). Refuses a group whose episodes do not share their start ids, and an
+    episode whose numbers of turns and rewards differ."""
+    contexts, candidates, masks, rewards, old = [], [], [], [], []
+    for g, group in enumerate(groups):
+        if not group:
+            raise ValueError(f"group {g} holds no episode")
+        starts = []
+        for e, episode in enumerate(group):
+            trajectory = episode.trajectory
+            if not trajectory.turns:
+                raise ValueError(f"episode {e} of group {g} has no model turn")
+            if len(trajectory.turns) != len(episode.rewards):
+                raise ValueError(f"episode {e} of group {g} has {len(trajectory.turns)} model turns but "
+                                 f"{len(episode.rewards)} rewards: one reward per turn")
+            starts.append(trajectory.ids[:trajectory.turns[0].start])
+        if any(s != starts[0] for s in starts):
+            raise ValueError(f"the episodes of group {g} start from different ids: a group shares one start (the "
+                             "same first prompt)")
+        cut = len(starts[0])
+        contexts.append(starts[0])
+        candidates.append([ep.trajectory.ids[cut:] for ep in group])
+        masks.append([[int(m) for m in ep.trajectory.model_mask[cut:]] for ep in group])
+        rewards.append([[float(r) for r in ep.rewards] for ep in group])
+        old.append([ep.trajectory.sampling_logprobs[cut:] for ep in group])
+    return {"contexts": contexts, "candidates": candidates, "model_mask": masks, "turn_rewards": rewards,
+            "old_logprobs": old}

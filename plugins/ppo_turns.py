@@ -1,0 +1,270 @@
+"""The built-in multi-turn updaters ``ppo_turns`` and ``grpo_turns``: PPO over whole episodes of an agent that acted
+over many turns, with the credit given per turn and the loss taken only on the model's own tokens.
+
+A sample is one start (a context: the episode's first prompt, as token ids) with the episodes played from it (its
+candidates: each episode's ids after the start, the model's turns and the environment's replies in between, as a
+:class:`~llmrl.engine.client.trajectory.Trajectory` holds them; :func:`llmrl.episode_batch` builds the call from
+episodes). Per-sample keyword arguments of ``caller.update(starts, episodes, ...)``:
+
+    model_mask: per start, one sequence per episode with one value per token: 1 where the model sampled the token,
+        0 where the environment (or the chat template) wrote it. The turns are the maximal runs of 1s.
+    turn_rewards: per start, one list per episode with one reward per turn (the reward the environment gave after
+        that turn's action); it arrives at the turn's last token.
+    old_logprobs: (optional) per start, per episode, each token's log-prob under the policy that sampled it (the
+        trajectory's ``sampling_logprobs``; values on environment tokens are not read); without it, a gradient-free
+        pass computes it.
+    ref_logprobs: (optional) the same under the reference policy, for the KL term (default: the model with its
+        LoRA adapters disabled).
+
+Advantages, one per turn, spread over the turn's tokens:
+
+- ``ppo_turns``: a token-level value head gives ``V_k``, the value of the state before turn ``k`` (read at the
+  turn's first token, whose prediction sees the whole history before it); GAE across turns, a turn being one step
+  (``gamma`` and ``lam`` are per turn; the value after the last turn is 0): :func:`~llmrl.plugins.rl_math.turn_gae`.
+  Returns ``R_k = A_k + V_k`` train the value head at the turns' boundaries; advantages are whitened over every turn
+  of the batch, all replicas together (``whiten``).
+- ``grpo_turns``: no critic; a sample's episodes are a group from the same start (at least 2), and turn ``k``'s
+  advantage is its return-to-go against the group's episode returns
+  (:func:`~llmrl.plugins.rl_math.group_turn_advantages`).
+
+Per model token: PPO's clipped policy loss with ``ratio = exp(logprob - old_logprob)``, plus ``kl_coef`` x the
+KL estimator to the reference (:func:`~llmrl.plugins.rl_math.kl_k3`), minus ``entropy_coef`` x the entropy.
+Normalisation: an episode's model tokens are averaged (environment tokens weigh nothing), plus, for ``ppo_turns``,
+``value_coef`` x the mean over its turns of the (clipped) value loss; then a start's episodes are averaged, then
+starts (:meth:`UpdateBatch.mean`).
+
+Statistics per replica: ``reward`` (mean episode return), ``turns`` (mean per episode), ``policy_loss``,
+``value_loss`` and ``value_error`` (``ppo_turns``), ``kl_penalty``, ``approx_kl``, ``clip_fraction``, ``entropy``
+(model tokens), ``tokens`` (model tokens), ``samples``. The maths is in :mod:`llmrl.plugins.rl_math`, the first
+pass in :mod:`llmrl.plugins.rollouts`; this module reads the turns and runs the steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
+from llmrl.plugins.rl_math import (
+    approx_kl,
+    clipped_surrogate,
+    group_turn_advantages,
+    kl_k3,
+    mean_and_std,
+    per_prompt_mean,
+    sequence_mean,
+    turn_gae,
+    turn_spans,
+    value_loss,
+    whiten_stats,
+)
+from llmrl.plugins.rollouts import PromptRows, first_pass, join_prompts, token_rows_of
+from llmrl.plugins.updater_args import updater_schema
+
+
+def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list[list[torch.Tensor]]:
+    """Per local start, per episode, its ``[K]`` turn rewards; stores each start's ``model_mask`` rows and each
+    episode's turn spans. Refuses, naming the argument and the episode, a mask that is not 0/1, an episode with
+    no model token, and a number of rewards that is not the number of turns."""
+    for key in ("model_mask", "turn_rewards"):
+        if key not in batch.kwargs:
+            raise ValueError(f"the {name} updater needs the per-sample keyword argument {key!r} (llmrl.episode_batch "
+                             "builds the call from episodes: contexts, candidates, model_mask, turn_rewards, "
+                             "old_logprobs)")
+    counts = [len(p.rewards) for p in prompts]
+    lengths = torch.cat([p.mask.sum(1) for p in prompts]) if prompts else torch.zeros(0, dtype=torch.long)
+    masks = token_rows_of(batch.kwargs["model_mask"], counts, lengths, batch.indices, "model_mask")
+    out, row = [], 0
+    for p, entry, where in zip(prompts, batch.kwargs["turn_rewards"], batch.indices):
+        rows = masks[row:row + len(p.rewards), :p.mask.shape[1]]
+        row += len(p.rewards)
+        if not bool(((rows == 0) | (rows == 1)).all()):
+            raise ValueError(f"model_mask[{where}] holds a value other than 0 and 1: mark the model's tokens 1 and the "
+                             "environment's 0")
+        p.tensors["model_mask"] = rows.bool() & p.mask
+        p.spans = [turn_spans(r) for r in p.tensors["model_mask"]]
+        p.index = where
+        episodes = []
+        for j, spans in enumerate(p.spans):
+            rewards = torch.as_tensor(entry[j], dtype=torch.float32).flatten()
+            if not spans:
+                raise ValueError(f"episode {j} of start {where} has no model token (model_mask is all 0): there "
+                                 "is nothing to train on")
+            if rewards.numel() != len(spans):
+                raise ValueError(f"turn_rewards[{where}][{j}] holds {rewards.numel()} rewards but episode {j} of "
+                                 f"start {where} has {len(spans)} turns (runs of model tokens in model_mask): pass "
+                                 "one reward per turn")
+            if not bool(torch.isfinite(rewards).all()):
+                raise ValueError(f"turn_rewards[{where}][{j}] holds a non-finite value; nothing was trained")
+            episodes.append(rewards)
+        out.append(episodes)
+    return out
+
+
+def spread(per_turn: list[torch.Tensor], spans: list[list[tuple[int, int]]], width: int, at_start: bool = False
+           ) -> torch.Tensor:
+    """``[k, width]`` rows holding each turn's value on its tokens (``at_start``: on its first token only)."""
+    out = torch.zeros((len(per_turn), width))
+    for j, (values, turns) in enumerate(zip(per_turn, spans)):
+        for value, (start, end) in zip(values.tolist(), turns):
+            out[j, start:start + 1 if at_start else end] = value
+    return out
+
+
+class TurnUpdater(ShufflingUpdater):
+    """What ``ppo_turns`` and ``grpo_turns`` share: the inputs, the first pass and the training passes; a subclass
+    gives the per-turn advantages (:meth:`advantages`)."""
+
+    name = "turns"
+    per_sample_args = {"model_mask": "token", "turn_rewards": "candidate", "old_logprobs": "token",
+                       "ref_logprobs": "token"}
+    value_head: str | None = None
+
+    def __init__(self, epochs: int, clip_eps: float, kl_coef: float, entropy_coef: float, gamma: float,
+                 peft_adapter: str | None, seed: int):
+        self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
+        self.gamma, self.peft_adapter = gamma, peft_adapter
+        super().__init__(seed)
+
+    def advantages(self, prompts: list[PromptRows], rewards: list[list[torch.Tensor]], trainer: Trainer) -> None:
+        raise NotImplementedError
+
+    def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        if batch.candidates is None:
+            raise ValueError(f"the {self.name} updater needs the episodes as candidates: caller.update(starts, "
+                             "episodes, model_mask=..., turn_rewards=...) (llmrl.episode_batch builds them)")
+        if self.kl_coef > 0 and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
+            raise ValueError(f"the {self.name} updater's KL term needs a reference policy: add LoRA adapters, pass "
+                             "ref_logprobs, or set kl_coef to 0")
+        zeros = [torch.zeros(len(c)) for c in batch.candidates]
+        prompts = first_pass(batch, trainer, zeros, self.peft_adapter, self.value_head,
+                             need_reference=self.kl_coef > 0)
+        rewards = read_turns(batch, prompts, self.name)
+        self.advantages(prompts, rewards, trainer)
+        episodes = sum(len(r) for r in rewards)
+        collected = {"reward": sum(float(r.sum()) for e in rewards for r in e),
+                     "turns": sum(r.numel() for e in rewards for r in e)}
+        position = {index: k for k, index in enumerate(batch.indices)}
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        heads = [self.value_head] if self.value_head else []
+        for _ in range(self.epochs):
+            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
+                rows = [prompts[position[i]] for i in mb.indices]
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
+                                      per_token=True, entropy=True)
+                logp, _ = out.tokens_by_candidate()
+                width, device = logp.shape[1], logp.device
+
+                def take(key, rows=rows, width=width, device=device):
+                    return join_prompts(rows, key, width, device)
+
+                own = take("model_mask").bool()
+                old = take("old_logprobs")
+                policy, clipped = clipped_surrogate(torch.exp(logp.float() - old), take("advantages"), self.clip_eps)
+                kl = kl_k3(logp.float(), take("ref_logprobs")) if self.kl_coef > 0 else torch.zeros_like(policy)
+                entropy = out.tokens_by_candidate(out.token_entropy)[0].float()
+                per_token = torch.where(own, policy + self.kl_coef * kl - self.entropy_coef * entropy, 0.0)
+                per_episode = sequence_mean(per_token, own)  # (where: an environment token's term never reaches it)
+                if self.value_head:
+                    boundary = take("boundaries").bool()
+                    values = out.tokens_by_candidate(out.heads[self.value_head].float())[0]
+                    v_loss = value_loss(values, take("returns"), take("values"), self.value_clip, like=policy)
+                    per_episode = per_episode + self.value_coef * sequence_mean(v_loss, boundary)
+                    sums["value_loss"] = sums.get("value_loss", 0.0) + float((v_loss.detach() * boundary).sum())
+                trainer.backward(mb.mean(per_prompt_mean(per_episode, out.candidate_context, out.num_contexts)))
+                trainer.step()
+                real = own.float()
+                tokens += float(real.sum())
+                for key, value in (("policy_loss", policy), ("kl_penalty", kl), ("clip_fraction", clipped),
+                                   ("approx_kl", approx_kl(logp.detach().float() - old)), ("entropy", entropy)):
+                    sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
+        stats = {key: value / max(tokens, 1.0) for key, value in sums.items() if key != "value_loss"}
+        if "value_loss" in sums:
+            stats["value_loss"] = sums["value_loss"] / max(collected["turns"] * self.epochs, 1)
+            stats["value_error"] = self.value_error
+        stats.update(reward=collected["reward"] / max(episodes, 1), turns=collected["turns"] / max(episodes, 1),
+                     tokens=int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), samples=len(batch))
+        return stats
+
+
+class PPOTurnsUpdater(TurnUpdater):
+    """Args (config ``args``):
+        epochs: passes over the batch per update (default 2).
+        clip_eps: policy ratio clip (default 0.2).
+        value_clip: value clip around the first pass's values (default 0.2; null disables).
+        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0).
+        kl_coef: weight of the per-token KL estimator to the reference (default 0: no reference pass).
+        gamma / lam: GAE's discount and lambda per turn (defaults 1.0 and 0.95).
+        whiten: whiten the turns' advantages over the whole batch (default true).
+        value_head: the token-level head giving the value at each turn's boundary (default "value").
+        peft_adapter: the LoRA adapter to train (default: the active one).
+        seed: seed of the minibatch shuffling.
+    """
+
+    name = "ppo_turns"
+    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
+                                 "value_head", "peft_adapter", "seed",
+                                 gamma={"type": "number", "minimum": 0, "maximum": 1},
+                                 lam={"type": "number", "minimum": 0, "maximum": 1}, whiten={"type": "boolean"})
+
+    def __init__(self, epochs: int = 2, clip_eps: float = 0.2, value_clip: float | None = 0.2,
+                 value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.0, gamma: float = 1.0,
+                 lam: float = 0.95, whiten: bool = True, value_head: str = "value", peft_adapter: str | None = None,
+                 seed: int = 0):
+        super().__init__(epochs, clip_eps, kl_coef, entropy_coef, gamma, peft_adapter, seed)
+        if not value_head:
+            raise ValueError("ppo_turns needs a token-level value head (value_head); without a critic use grpo_turns")
+        self.value_clip, self.value_coef, self.lam, self.whiten = value_clip, value_coef, lam, whiten
+        self.value_head = value_head
+        self.value_error = 0.0
+
+    def advantages(self, prompts, rewards, trainer) -> None:
+        per_turn, squared, count = [], 0.0, 0
+        for p, episodes in zip(prompts, rewards):
+            values = [p.tensors["values"][j, [start for start, _ in spans]] for j, spans in enumerate(p.spans)]
+            pairs = [turn_gae(r, v, self.gamma, self.lam) for r, v in zip(episodes, values)]
+            per_turn.append([a for a, _ in pairs])
+            width = p.mask.shape[1]
+            p.tensors["returns"] = spread([g for _, g in pairs], p.spans, width, at_start=True)
+            p.tensors["boundaries"] = spread([torch.ones(len(s)) for s in p.spans], p.spans, width, at_start=True)
+            squared += sum(float(((g - v) ** 2).sum()) for (_, g), v in zip(pairs, values))
+            count += sum(len(s) for s in p.spans)
+        self.value_error = squared / max(count, 1)
+        if self.whiten:
+            flat = torch.cat([a for episodes in per_turn for a in episodes] or [torch.zeros(0)])
+            stats = whiten_stats(flat, torch.ones_like(flat, dtype=torch.bool))
+            mean, std = mean_and_std(trainer.sum_across_replicas(stats))
+            per_turn = [[(a - mean) / (std + 1e-8) for a in episodes] for episodes in per_turn]
+        for p, episodes in zip(prompts, per_turn):
+            p.tensors["advantages"] = spread(episodes, p.spans, p.mask.shape[1])
+
+
+class GRPOTurnsUpdater(TurnUpdater):
+    """Args (config ``args``):
+        epochs: passes over the batch per update (default 1).
+        clip_eps: policy ratio clip (default 0.2).
+        kl_coef: weight of the per-token KL estimator to the reference (default 0: no reference pass).
+        entropy_coef: entropy bonus (default 0).
+        gamma: discount per turn of the returns-to-go (default 1.0).
+        scale_rewards: divide by the group's standard deviation of episode returns (default true).
+        peft_adapter: the LoRA adapter to train (default: the active one).
+        seed: seed of the minibatch shuffling.
+    """
+
+    name = "grpo_turns"
+    args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
+                                 gamma={"type": "number", "minimum": 0, "maximum": 1},
+                                 scale_rewards={"type": "boolean"})
+
+    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.0, entropy_coef: float = 0.0,
+                 gamma: float = 1.0, scale_rewards: bool = True, peft_adapter: str | None = None, seed: int = 0):
+        super().__init__(epochs, clip_eps, kl_coef, entropy_coef, gamma, peft_adapter, seed)
+        self.scale_rewards = scale_rewards
+
+    def advantages(self, prompts, rewards, trainer) -> None:
+        for p, episodes in zip(prompts, rewards):
+            if len(episodes) < 2:
+                raise ValueError(f"start {p.index} has {len(episodes)} episode(s): a grpo_turns group needs at least 2 "
+                                 "episodes from the same start (play several episodes per start)")
+            advantages = group_turn_advantages(episodes, self.gamma, self.scale_rewards)
+            p.tensors["advantages"] = spread(advantages, p.spans, p.mask.shape[1])

@@ -1,0 +1,209 @@
+"""The multi-turn updaters on live servers against plain PyTorch on a plain PEFT model, written out here:
+
+- ``ppo_turns`` (2 replicas, ZeRO-2, LoRA, a token value head, uneven shares 2/1): one update equals a plain SGD step
+  of the whole batch: values read at each turn's first token, GAE across turns by hand, advantages whitened over
+  every turn of both replicas, the clipped policy loss on the model's tokens only, the KL estimator to the model with
+  its adapters disabled, an entropy bonus, the clipped value loss at the turns' boundaries;
+- ``grpo_turns`` (1 replica, LoRA, 3 episodes per start): returns-to-go per turn against the group's episode
+  returns, by hand; one update equals a plain SGD step;
+- the environment's tokens weigh nothing: their old log-probs are far off, and the step still equals the plain one
+  taken over the model's tokens alone;
+- a wrong number of turn rewards is refused naming the argument, and the servers keep serving.
+
+Tolerance: 1e-5 on parameters after SGD steps; most trained tensors must move by more than 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testkit import LiveRun
+from testkit.plain import check_step, peft_model, token_pass, trainable, value_head
+
+pytestmark = pytest.mark.slow
+
+LR = 0.05
+PROMPTS = ["You are in a kitchen. Find the coin.", "You are in a cellar. Exits: east.", "Goal: open the door"]
+MODEL_WORDS = [" go east", " take coin", " open door", " look", " go west"]
+ENV_WORDS = [" You see a table.", " Nothing happens.", " A door is here, closed.", " You are in a hall."]
+LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+PPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "value_clip": 0.05, "value_coef": 0.5, "entropy_coef": 0.01,
+            "kl_coef": 0.1, "gamma": 0.9, "lam": 0.8}
+GRPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "gamma": 0.9}
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    sgd = {"optimizer": {"type": "sgd", "lr": LR}, "micro_batch_size": 4}
+    llms = {
+        "ppo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                "heads": {"value": {"plugin": "token_value", "args": {"hidden": 16}}},
+                "updater": {"plugin": "ppo_turns", "args": PPO_ARGS}, "training": {**sgd, "zero_stage": 2}},
+        "grpo": {"model": tiny["llama"], "initializers": [LORA],
+                 "updater": {"plugin": "grpo_turns", "args": GRPO_ARGS}, "training": sgd},
+    }
+    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield live
+    assert live.close() == 0
+
+
+def episodes(tok, per_prompt: int) -> list[list[tuple[list[int], list[int], list[float]]]]:
+    """Per prompt, ``per_prompt`` episodes as (ids after the prompt, model mask, one reward per turn): model turns
+    and environment replies alternate, with 1 to 3 turns, some ending on the model's turn."""
+    out = []
+    for i in range(len(PROMPTS)):
+        group = []
+        for j in range(per_prompt):
+            ids, mask, rewards = [], [], []
+            for k in range(1 + (i + j) % 3):
+                action = tok.encode(MODEL_WORDS[(i + 2 * j + k) % len(MODEL_WORDS)], add_special_tokens=False)
+                ids += action[:1 + (i + j + k) % 3]
+                mask += [1] * len(action[:1 + (i + j + k) % 3])
+                rewards.append(float((i + 1) * (k - j) % 3) - 0.5)
+                if k < (i + j) % 3 or (i + j) % 2 == 0:
+                    reply = tok.encode(ENV_WORDS[(i + j + k) % len(ENV_WORDS)], add_special_tokens=False)[:4]
+                    ids += reply
+                    mask += [0] * len(reply)
+            group.append((ids, mask, rewards))
+        out.append(group)
+    return out
+
+
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    starts = [t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])]
+    ends = [t + 1 for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+    return list(zip(starts, ends))
+
+
+def per_token(values, turns, length: int) -> torch.Tensor:
+    out = torch.zeros(length)
+    for value, (start, end) in zip(values, turns):
+        out[start:end] = value
+    return out
+
+
+def old_logprobs(run, llm: str, eps) -> list[list[list[float]]]:
+    """The current log-probs, moved on every token (the model's and the environment's) so some ratios clip."""
+    scored = run.score(PROMPTS, [[e[0] for e in group] for group in eps], llm=llm, per_token=True)
+    return [[(lp + torch.tensor([0.15 * (-1) ** (i + j + t) for t in range(len(lp))])).tolist()
+             for j, lp in enumerate(entry["logprobs"])] for i, entry in enumerate(scored)]
+
+
+def update(run, llm: str, eps, old):
+    return run.update(PROMPTS, [[e[0] for e in g] for g in eps], llm=llm, model_mask=[[e[1] for e in g] for g in eps],
+                      turn_rewards=[[e[2] for e in g] for g in eps], old_logprobs=old)
+
+
+def reference_ppo_turns(tiny, tok, before: dict, eps, old) -> dict:
+    peft = peft_model(tiny, before)
+    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
+    head = value_head(head_state, "heads.value")
+    a, rows = PPO_ARGS, []
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            for j, (ids, mask, rewards) in enumerate(eps[i]):
+                _, _, h = token_pass(peft, tok, prompt, ids, hidden=True)
+                turns = spans(mask)
+                v = head(h)[[s for s, _ in turns]]
+                with peft.disable_adapter():
+                    ref, _, _ = token_pass(peft, tok, prompt, ids)
+                adv, running = torch.zeros(len(turns)), 0.0
+                for k in reversed(range(len(turns))):
+                    next_v = v[k + 1] if k + 1 < len(turns) else 0.0
+                    running = rewards[k] + a["gamma"] * next_v - v[k] + a["gamma"] * a["lam"] * running
+                    adv[k] = running
+                rows.append([i, j, v, adv, adv + v, ref, turns])
+    flat = torch.cat([row[3] for row in rows])
+    mean, std = flat.mean(), flat.std()
+    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
+    params.update(head_state)
+    per_prompt = [[] for _ in PROMPTS]
+    for i, j, old_v, adv, ret, ref, turns in rows:
+        ids, mask, _ = eps[i][j]
+        logp, entropy, h = token_pass(peft, tok, PROMPTS[i], ids, hidden=True)
+        token_adv = per_token((adv - mean) / (std + 1e-8), turns, len(ids))
+        ratio = torch.exp(logp - torch.tensor(old[i][j]))
+        pg = -torch.minimum(ratio * token_adv, torch.clamp(ratio, 1 - a["clip_eps"], 1 + a["clip_eps"]) * token_adv)
+        k3 = torch.exp(ref - logp) - (ref - logp) - 1
+        own = torch.tensor(mask, dtype=torch.bool)
+        policy = (pg + a["kl_coef"] * k3 - a["entropy_coef"] * entropy)[own].mean()
+        v = head(h)[[s for s, _ in turns]]
+        v_clipped = old_v + torch.clamp(v - old_v, -a["value_clip"], a["value_clip"])
+        vf = 0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2)
+        per_prompt[i].append(policy + a["value_coef"] * vf.mean())
+    loss = torch.stack([torch.stack(x).mean() for x in per_prompt]).mean()
+    loss.backward()
+    torch.optim.SGD(list(params.values()), lr=LR).step()
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+def reference_grpo_turns(tiny, tok, before: dict, eps, old) -> dict:
+    peft = peft_model(tiny, before)
+    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
+    gamma, clip = GRPO_ARGS["gamma"], GRPO_ARGS["clip_eps"]
+    losses = []
+    for i, prompt in enumerate(PROMPTS):
+        returns = []
+        for _, _, rewards in eps[i]:
+            g, running = [], 0.0
+            for r in reversed(rewards):
+                running = r + gamma * running
+                g.insert(0, running)
+            returns.append(torch.tensor(g))
+        totals = torch.stack([g[0] for g in returns])
+        group = []
+        for j, (ids, mask, _) in enumerate(eps[i]):
+            token_adv = per_token((returns[j] - totals.mean()) / (totals.std() + 1e-4), spans(mask), len(ids))
+            logp, _, _ = token_pass(peft, tok, prompt, ids)
+            ratio = torch.exp(logp - torch.tensor(old[i][j]))
+            pg = -torch.minimum(ratio * token_adv, torch.clamp(ratio, 1 - clip, 1 + clip) * token_adv)
+            group.append(pg[torch.tensor(mask, dtype=torch.bool)].mean())
+        losses.append(torch.stack(group).mean())
+    torch.stack(losses).mean().backward()
+    torch.optim.SGD(list(params.values()), lr=LR).step()
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+def test_ppo_turns_update_equals_a_plain_sgd_step(run, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=2)
+    old = old_logprobs(run, "ppo", eps)
+    before = run.state_dict(llm="ppo")
+    stats = update(run, "ppo", eps, old)
+    check_step(run.state_dict(llm="ppo"), reference_ppo_turns(tiny, tok, before, eps, old), before)
+    assert sorted(s["samples"] for s in stats) == [1, 2]  # uneven shares
+    returns = sum(sum(e[2]) for g in eps for e in g)  # two episodes per start
+    assert sum(s["reward"] * s["samples"] * 2 for s in stats) == pytest.approx(returns, abs=1e-5)
+
+
+def test_grpo_turns_update_equals_a_plain_sgd_step_and_ignores_environment_tokens(run, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=3)
+    old = old_logprobs(run, "grpo", eps)
+    # the environment's tokens get old log-probs far from the model's: counted anywhere, they would clip or weigh
+    old = [[[x if m else x + 3.0 for x, m in zip(lp, e[1])] for lp, e in zip(lps, g)] for lps, g in zip(old, eps)]
+    before = run.state_dict(llm="grpo")
+    update(run, "grpo", eps, old)
+    check_step(run.state_dict(llm="grpo"), reference_grpo_turns(tiny, tok, before, eps, old), before)
+
+
+def test_a_wrong_number_of_turn_rewards_is_refused_by_name_and_the_servers_keep_serving(run, tiny):
+    from transformers import AutoTokenizer
+
+    from llmrl.engine.errors import RequestError
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=2)
+    before = run.state_dict(llm="grpo")
+    rewards = [[e[2] + [1.0] for e in g] for g in eps]
+    with pytest.raises(RequestError, match=r"turn_rewards\[0\]\[0\] holds \d rewards but episode 0 of start 0 has"):
+        run.update(PROMPTS, [[e[0] for e in g] for g in eps], llm="grpo", model_mask=[[e[1] for e in g] for g in eps],
+                   turn_rewards=rewards)
+    after = run.state_dict(llm="grpo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
+    assert len(run.score(PROMPTS[:1], [[" look"]], llm="grpo")) == 1
