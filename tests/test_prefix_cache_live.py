@@ -119,3 +119,58 @@ def test_updates_through_the_reused_trunk_equal_whole_updates(twins):
         assert trunk["depth"] == 1 and trunk["replayed_calls"] > 0 and trunk["whole_calls"] == 0, trunk
         assert 0 < trunk["bytes"] <= trunk["cap_bytes"]
         assert cache["clears"] == 0 and cache["partial_clears"] == 2 and cache["refreshed_tokens"] > 0, cache
+
+
+OBSERVATIONS = [" You see a wall.", " A door opens to the north and you hear", " Nothing.", " You see the red ball."]
+WRITERS = {**{layout: (f"{layout}-cached", f"{layout}-plain") for layout in LAYOUTS},
+           "trunk": ("lora-top-trunk", "lora-top-whole")}
+
+
+def generation_counts(run, llm: str) -> dict:
+    """The LLM's generation counts, summed over its replicas (tensor-parallel ranks count the same rows twice)."""
+    servers, memory = run.servers(), run.server_memory()
+    ranks = [memory[rank]["kv_cache"]["generation"] for rank, info in servers.items() if info["llm"] == llm]
+    shares = 2 if llm.startswith("tp2") else 1
+    return {key: sum(r[key] for r in ranks) // shares for key in ranks[0]}
+
+
+@pytest.mark.parametrize("layout", list(WRITERS))
+def test_generation_reads_and_fills_the_cache_across_turns(twins, tiny, layout):
+    """A 4-turn episode of 3 environments written by ``generate`` (greedy; sampling 2 per prompt at turn 1): each
+    turn's prompt is the previous prompt, the first sample's tokens and an observation, as token ids. The cached
+    twin returns the plain twin's tokens and log-probs (1e-5), also after an update mid-episode (with the frozen
+    trunk, the cache's entries are then stale: generation reads none of them). With one replica, from the second
+    turn on, a prompt's encoded tokens are its batch's longest observation and the last sampled token: its history
+    is never encoded again (with two, each replica holds what it generated, and rows are split by position)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    cached, plain = WRITERS[layout]
+    prompts = [tok.encode(f"Game {e}. You are in a hall with {e + 2} doors.") for e in range(3)]
+    observations = [tok.encode(o, add_special_tokens=False) for o in OBSERVATIONS]
+    for t in range(4):
+        kwargs = {"max_new_tokens": 4, "do_sample": t == 1, "num_return_sequences": 2 if t == 1 else 1, "seed": t}
+        counts = generation_counts(twins, cached)
+        got = twins.generate(prompts, llm=cached, **kwargs)
+        want = twins.generate(prompts, llm=plain, **kwargs)
+        for g, w in zip(got, want):
+            for a, b in zip(g, w):
+                assert torch.equal(a["tokens"], b["tokens"])
+                torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=1e-6)
+        added = generation_counts(twins, cached)
+        encoded = added["encoded_tokens"] - counts["encoded_tokens"]
+        rows = len(prompts) * kwargs["num_return_sequences"]
+        assert added["prompt_tokens"] - counts["prompt_tokens"] == sum(map(len, prompts)) * rows // len(prompts)
+        if t in (1, 2) and layout == "r1":  # one batch: every row encodes the longest observation, plus one token
+            assert encoded == rows * (max(len(observations[(t - 1 + e) % 4]) for e in range(3)) + 1), (t, encoded)
+        elif t in (1, 2):  # replicas split the rows by position: a prompt may land where its history is not held
+            assert encoded < added["prompt_tokens"] - counts["prompt_tokens"], (t, encoded)
+        if t == 3:  # after the update: nothing held is valid
+            assert encoded == sum(map(len, prompts)), encoded
+        if t == 2:
+            contexts = [tok.decode(p) for p in prompts]
+            batch = {"actions": [0, 1, 2], "weights": [1.0, -1.0, 2.0], "targets": [0.5, -1.0, 2.0]}
+            for name in (cached, plain):
+                twins.update(contexts, [CANDIDATES[:3]] * 3, llm=name, **batch)
+        prompts = [p + g[0]["tokens"].tolist() + observations[(t + e) % 4]
+                   for e, (p, g) in enumerate(zip(prompts, got))]

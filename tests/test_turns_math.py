@@ -87,10 +87,11 @@ def test_episode_batch_builds_the_update_of_groups_of_episodes():
     b = episode([7, 8], [([4, 0], [-0.2, -0.3], [])], [2.0])
     c = episode([3], [([5], [-0.7], [1])], [-1.0])
     got = episode_batch([[a, b], [c]])
-    assert got == {"contexts": [[7, 8], [3]], "candidates": [[[5, 0, 9, 9, 6], [4, 0]], [[5, 1]]],
-                   "model_mask": [[[1, 1, 0, 0, 1], [1, 1]], [[1, 0]]],
+    # c's reply after its last turn carries no loss: it is left out
+    assert got == {"contexts": [[7, 8], [3]], "candidates": [[[5, 0, 9, 9, 6], [4, 0]], [[5]]],
+                   "model_mask": [[[1, 1, 0, 0, 1], [1, 1]], [[1]]],
                    "turn_rewards": [[[0.0, 1.0], [2.0]], [[-1.0]]],
-                   "old_logprobs": [[[-0.5, -0.1, 0.0, 0.0, -1.0], [-0.2, -0.3]], [[-0.7, 0.0]]]}
+                   "old_logprobs": [[[-0.5, -0.1, 0.0, 0.0, -1.0], [-0.2, -0.3]], [[-0.7]]]}
     with pytest.raises(ValueError, match="the episodes of group 0 start from different ids"):
         episode_batch([[a, c]])
     with pytest.raises(ValueError, match="episode 1 of group 0 has 1 model turns but 2 rewards"):

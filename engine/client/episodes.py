@@ -7,12 +7,13 @@ actions it accepts now, when it knows them. :func:`run_episodes` plays one episo
 token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, in one of two action modes:
 
 - ``"choose"``: ``score`` the admissible actions (each followed by the EOS token, which ends the model's turn) and
-  sample one from the softmax of their log-probs at ``temperature`` (as Lamorel and GLAM do); the chosen action's
-  ids and the model's per-token log-probs of them become the model's turn;
+  sample one from the softmax of their log-probs at ``temperature`` (as Lamorel and GLAM do; 0: the most likely
+  one); the chosen action's ids and the model's per-token log-probs of them become the model's turn;
 - ``"write"``: ``generate`` free text (``generate_kwargs``: ``max_new_tokens``, ``stop``...); the sample is the turn.
 
 The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
-the other half's environments step. Every episode ends when its environment says done or after ``max_turns``.
+the other half's environments step. Every episode ends when its environment says done, after ``max_turns``, or
+when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which).
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
 (``ppo_turns``, ``grpo_turns``); for client-owned steps, :meth:`Trajectory.datum` takes per-turn advantages, and
 :func:`group_turn_advantages` gives GRPO's over a group of episodes from the same start, per turn.
@@ -39,6 +40,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)
     infos: list[dict] = field(default_factory=list)
     done: bool = False
+    truncated: bool = False  # ended by max_turns or max_prompt_tokens, not by the environment
     _info: dict = field(default_factory=dict, repr=False)  # the latest info (admissible actions)
 
     @property
@@ -56,15 +58,14 @@ class EpisodeCalls:
 
 def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, system: str | None = None,
                  llm: str | None = None, peft_adapter: str | None = None, temperature: float = 1.0, seed: int = 0,
-                 generate_kwargs: dict | None = None) -> list[Episode]:
+                 generate_kwargs: dict | None = None, max_prompt_tokens: int | None = None) -> list[Episode]:
     """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not envs:
         raise ValueError("run_episodes needs at least one environment")
-    if mode == "choose" and not temperature > 0:
-        raise ValueError(f"choose samples from softmax(log-probs / temperature): temperature must be > 0, got "
-                         f"{temperature!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: the most likely action, greedy decoding), got {temperature!r}")
     tokenizer = caller.get_tokenizer(llm)
     rng = random.Random(seed)
     episodes = []
@@ -75,6 +76,13 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
     halves = [list(range(0, len(envs), 2)), list(range(1, len(envs), 2))]
 
     def submit(indices: list[int]):
+        for i in indices:  # an episode whose next prompt outgrows the limit ends here, truncated
+            if not episodes[i].done and max_prompt_tokens is not None and \
+                    len(episodes[i].trajectory.ids) > max_prompt_tokens:
+                if not episodes[i].actions:
+                    raise ValueError(f"environment {i}'s first prompt is {len(episodes[i].trajectory.ids)} tokens, "
+                                     f"over max_prompt_tokens={max_prompt_tokens}")
+                episodes[i].done = episodes[i].truncated = True
         active = [i for i in indices if not episodes[i].done]
         if not active:
             return None
@@ -120,10 +128,12 @@ def _written(samples: list[dict]) -> tuple[str, dict]:
 
 
 def _chosen(result: dict, actions: list[str], temperature: float, rng: random.Random) -> tuple[str, dict]:
-    scores = [float(s) / temperature for s in result["score"]]
-    top = max(scores)
-    weights = [math.exp(s - top) for s in scores]
-    k = rng.choices(range(len(actions)), weights=weights)[0]
+    scores = [float(s) for s in result["score"]]
+    if temperature == 0:
+        k = max(range(len(actions)), key=scores.__getitem__)
+    else:
+        top = max(scores)
+        k = rng.choices(range(len(actions)), weights=[math.exp((s - top) / temperature) for s in scores])[0]
     return actions[k], {"tokens": result["tokens"][k].tolist(), "logprobs": result["logprobs"][k].tolist()}
 
 
@@ -135,6 +145,7 @@ def _play(env, episode: Episode, action: str, sample: dict, max_turns: int) -> N
     episode.infos.append(dict(info or {}))
     episode._info = dict(info or {})
     episode.done = bool(done) or len(episode.actions) >= max_turns
+    episode.truncated = episode.done and not done
     if not episode.done:
         episode.trajectory.add_message(observation)
 
@@ -166,8 +177,9 @@ def episode_batch(groups) -> dict:
     """The keyword arguments of ``caller.update(**episode_batch(groups))`` for ``ppo_turns`` and ``grpo_turns``:
     ``groups`` is a list of groups, each a list of :class:`Episode` played from the same start (one episode per
     group is fine for ``ppo_turns``; ``grpo_turns`` needs two or more). Per group: the context is the start's ids,
-    the candidates are each episode's ids after it, with its ``model_mask``, ``turn_rewards`` and ``old_logprobs``
-    (the log-probs its tokens were sampled with). Refuses a group whose episodes do not share their start ids, and an
+    the candidates are each episode's ids after it up to its last model token (an observation after it carries no
+    loss), with its ``model_mask``, ``turn_rewards`` and ``old_logprobs`` (the log-probs its tokens were sampled
+    with). Refuses a group whose episodes do not share their start ids, and an
     episode whose numbers of turns and rewards differ."""
     contexts, candidates, masks, rewards, old = [], [], [], [], []
     for g, group in enumerate(groups):
@@ -186,10 +198,11 @@ def episode_batch(groups) -> dict:
             raise ValueError(f"the episodes of group {g} start from different ids: a group shares one start (the "
                              "same first prompt)")
         cut = len(starts[0])
+        ends = [ep.trajectory.turns[-1].end for ep in group]  # what follows the last turn carries no loss: left out
         contexts.append(starts[0])
-        candidates.append([ep.trajectory.ids[cut:] for ep in group])
-        masks.append([[int(m) for m in ep.trajectory.model_mask[cut:]] for ep in group])
+        candidates.append([ep.trajectory.ids[cut:end] for ep, end in zip(group, ends)])
+        masks.append([[int(m) for m in ep.trajectory.model_mask[cut:end]] for ep, end in zip(group, ends)])
         rewards.append([[float(r) for r in ep.rewards] for ep in group])
-        old.append([ep.trajectory.sampling_logprobs[cut:] for ep in group])
+        old.append([ep.trajectory.sampling_logprobs[cut:end] for ep, end in zip(group, ends)])
     return {"contexts": contexts, "candidates": candidates, "model_mask": masks, "turn_rewards": rewards,
             "old_logprobs": old}

@@ -49,6 +49,10 @@ class Trajectory:
             start = tokenizer.encode(start)
         elif start and isinstance(start[0], dict):
             self.messages = check_messages(start, "start")
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("a trajectory started from chat messages needs a tokenizer with a chat template, and "
+                                 "this one has none: set tokenizer.chat_template (the Caller's tokenizer is the "
+                                 "client's own copy), or start from token ids")
             start = _ids(tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True))
         self.ids: list[int] = [int(t) for t in start]
         self.model_mask: list[bool] = [False] * len(self.ids)

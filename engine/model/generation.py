@@ -30,6 +30,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
+from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
+from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.engine.model.scoring.planning import group_greedily
 from llmrl.engine.model.scoring.tokenization import encode_inputs
 from llmrl.engine.model.stops import StopRecorder, parse_stop, which_stop
@@ -107,12 +109,16 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
 
 
 def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
-             extra_batches: int = 0) -> list[list[dict]]:
+             extra_batches: int = 0, prefix_cache=None) -> list[list[dict]]:
     """Per prompt, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
 
     ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
-    group must call generate the same number of times).
+    group must call generate the same number of times). ``prefix_cache`` (a
+    :class:`~llmrl.engine.model.reuse.prefix_cache.CacheUse`) is the cache across calls: causal greedy decoding and
+    sampling read held prompt prefixes from it and hold what they encoded and generated
+    (:mod:`llmrl.engine.model.reuse.generation_prefix`); not under lockstep.
     """
+    use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced else None
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
     results: list[list[dict]] = [[] for _ in plan.prompts]
@@ -120,7 +126,7 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
         torch.manual_seed(seed)
     for batch in plan.batches:
         _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                        plan.num_return, [results[i] for i in batch], plan.stop)
+                        plan.num_return, [results[i] for i in batch], plan.stop, use)
     dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
     for _ in range(extra_batches):
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
@@ -155,7 +161,8 @@ def prompt_token_logprobs(model, prompts: list[list[int]], pad_id: int, device) 
     return out
 
 
-def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop) -> None:
+def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop,
+                    use=None) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -167,6 +174,11 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
             ids[r, : len(p)] = torch.tensor(p)
             mask[r, : len(p)] = 1
     stepwise = _reads_logprobs_stepwise(model, kwargs)
+    use = use if stepwise else None
+    past = cached_past(use, prompts, num_return)[0] if use is not None else None
+    if past is not None:  # Hugging Face does not repeat a given cache for num_return_sequences: rows repeated here
+        ids, mask = ids.repeat_interleave(num_return, 0), mask.repeat_interleave(num_return, 0)
+        kwargs = {**kwargs, "num_return_sequences": 1, cache_kwarg(model): past}
     chosen = ChosenLogprobs(model) if stepwise else None
     start = width if kind == "causal" else 1  # where the generated tokens begin in Hugging Face's input_ids
     recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return, start=start) if stop[0] or stop[1] \
@@ -196,6 +208,7 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         sampled = None
     sequences = sequences.cpu()
     beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
+    kept = []
     for row in range(sequences.shape[0]):
         tokens = sequences[row].tolist()
         eos_end = next((t + 1 for t, tok in enumerate(tokens) if tok in eos), None)
@@ -215,6 +228,9 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         if beam_scores is not None:
             sample["beam_score"] = float(beam_scores[row])
         sinks[row // num_return].append(sample)
+        kept.append((row, prompts[row // num_return], tokens[:end]))
+    if use is not None and cache_of(out) is not None:
+        keep_generated(use, kept, cache_of(out), width)
 
 
 def _logprobs_from_logits(logits: tuple, sequences: torch.Tensor, beam_indices, steps: int) -> torch.Tensor:

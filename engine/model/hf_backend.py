@@ -201,8 +201,13 @@ class HFBackend(ModelBackend):
         with torch.no_grad(), served.adapter(adapter):
             if llm.lockstep:
                 forget_zero3_trace(served.engine)
+            use = None
+            if self.prefix_cache is not None:
+                from llmrl.engine.model.reuse.prefix_cache import CacheUse
+
+                use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
             return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                            seed=seed, extra_batches=extra)
+                            seed=seed, extra_batches=extra, prefix_cache=use)
 
     def update(self, batch):
         from llmrl.engine.model.training.trainer import run_update

@@ -82,6 +82,7 @@ class PrefixKVCache:
         self.stale_from: int | None = None  # the first layer dropped by the last keep_layers_below
         self.refreshed_tokens = 0
         self.dropped_stale_tokens = 0
+        self.generation = {"prompts": 0, "prompt_tokens": 0, "encoded_tokens": 0}  # generation_prefix counts these
 
     # ------------------------------------------------------------------ reading
 
@@ -123,6 +124,18 @@ class PrefixKVCache:
         of eviction order."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         return self._walk(namespace, tokens, limit)[1]
+
+    def fresh_length(self, namespace: str | None, tokens: Sequence[int], limit: int | None = None) -> int:
+        """How many leading tokens of ``tokens`` (at most ``limit``) are held in entries that are not stale: no copy,
+        no statistics, no change of eviction order."""
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        path, length = self._walk(namespace, tokens, limit)
+        start = 0
+        for node in path:
+            if node.stale:
+                return start
+            start += len(node.tokens)
+        return length
 
     def _walk(self, namespace, tokens: Sequence[int], limit: int) -> tuple[list[_Node], int]:
         """The nodes along ``tokens[:limit]`` (the last one possibly matched only in part) and the length matched."""
@@ -298,6 +311,7 @@ class PrefixKVCache:
             "partial_clears": self.partial_clears,
             "refreshed_tokens": self.refreshed_tokens,
             "dropped_stale_tokens": self.dropped_stale_tokens,
+            "generation": dict(self.generation),
         }
 
 

@@ -1,0 +1,228 @@
+"""A language model learns to play generated TextWorld games over many turns, trained on whole episodes.
+
+    llmrl run --config configs/textworld.yaml examples/textworld_agent.py                 # SmolLM2-135M on CPU
+    llmrl run --config configs/textworld.yaml examples/textworld_agent.py --mode write    # free text, not choices
+    llmrl run --config configs/textworld-quick.yaml examples/textworld_agent.py --quick   # tiny model, CI
+
+Games are TextWorld coin collectors of levels 2 to 5 (chains of 2 to 5 rooms; the coin is in the last one),
+generated offline (:mod:`textworld_games`). Each update plays ``starts`` training games ``group`` times each with
+``Caller.run_episodes``, a chat between the game and the model: in ``choose`` mode the model scores the game's
+admissible commands and samples one; in ``write`` mode it writes the command. The episodes of one game are a group,
+and ``grpo_turns`` (the config's updater) trains on them: each turn's advantage is its return-to-go against the
+group's, on the model's own tokens only. Before, during and after training, the greedy policy plays held-out games
+(other seeds). It writes, in ``--out``: ``curve.png``, ``metrics.csv`` (one row per update), ``summary.json``
+(evaluations with 95% confidence intervals, transcripts of one held-out episode before and after, timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from textworld_games import TextWorldEnv, game_path  # noqa: E402
+
+from llmrl import Caller, episode_batch  # noqa: E402
+
+SYSTEM = "You play a text adventure game. Reply with exactly one of the listed commands."
+
+
+@dataclass
+class Args:
+    mode: str = "choose"  # "choose": score the admissible commands; "write": generate the command
+    levels: str = "2,3,4,5"  # coin collector levels (rooms in the chain)
+    train_games: int = 8  # training games per level (seeds 0, 1, ...)
+    eval_games: int = 16  # held-out games per level (seeds 10000, 10001, ...)
+    starts: int = 4  # games per update
+    group: int = 4  # episodes per game per update (a GRPO group)
+    updates: int = 40
+    max_turns: int = 8  # an episode fails after this many turns
+    max_prompt_tokens: int = 4096  # or when its prompt grows longer (the tiny model of --quick reads 512 at most)
+    eval_every: int = 10  # held-out evaluation every this many updates (and before and after)
+    temperature: float = 1.0  # sampling temperature while training (evaluation is greedy)
+    objective: bool = True  # start with the game's objective, which names the way (quick: off, short prompts)
+    seed: int = 0
+    out: str = "runs/textworld"
+    quick: bool = False  # a smoke run (CI): 2 updates, level 2, 2 held-out games
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, value in asdict(Args()).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = Args(**vars(parser.parse_args()))
+    if args.mode not in ("choose", "write"):
+        parser.error(f"--mode must be choose or write, got {args.mode!r}")
+    if args.quick:
+        args.levels, args.train_games, args.eval_games, args.starts, args.group = "2", 2, 2, 2, 2
+        args.updates, args.max_turns, args.eval_every, args.objective = 2, 2, 1, False
+        args.max_prompt_tokens = 440
+    return args
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def games(args: Args, held_out: bool) -> list[tuple[int, str]]:
+    """(level, path) of the training or held-out games, generated on first use."""
+    cache = os.path.join(os.environ.get("LLMRL_CACHE", os.path.expanduser("~/.cache/llmrl")), "textworld")
+    count, first = (args.eval_games, 10000) if held_out else (args.train_games, 0)
+    return [(level, game_path(cache, level, first + k)) for level in map(int, args.levels.split(","))
+            for k in range(count)]
+
+
+def chat_template(caller: Caller) -> None:
+    """The tiny random model of ``--quick`` has no chat template: give its client-side tokenizer ChatML written with
+    its own BOS and EOS tokens (SmolLM2's template, which has one, is used as it is)."""
+    tokenizer = caller.tokenizer
+    if not tokenizer.chat_template:
+        bos, eos = tokenizer.bos_token, tokenizer.eos_token
+        tokenizer.chat_template = ("{% for m in messages %}{{ '" + bos + "' + m['role'] + '\\n' + m['content'] + '"
+                                   + eos + "\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '" + bos
+                                   + "assistant\\n' }}{% endif %}")
+        print(f"llmrl: the model's tokenizer has no chat template; using ChatML with {bos} and {eos}", flush=True)
+
+
+def play(caller: Caller, paths: list[str], args: Args, temperature: float, seed: int):
+    envs = [TextWorldEnv(path, args.objective) for path in paths]
+    kwargs = {"max_new_tokens": 8, "stop": ["\n"]} if args.mode == "write" else None
+    try:
+        return caller.run_episodes(envs, mode=args.mode, max_turns=args.max_turns, system=SYSTEM,
+                                   temperature=temperature, seed=seed, generate_kwargs=kwargs,
+                                   max_prompt_tokens=args.max_prompt_tokens)
+    finally:
+        for env in envs:
+            env.close()
+
+
+def won(episode) -> bool:
+    return bool(episode.infos and episode.infos[-1].get("won"))
+
+
+def transcript(caller: Caller, episode) -> str:
+    """The episode as the chat the model saw (its token ids decoded, special tokens dropped)."""
+    tokenizer = caller.tokenizer
+    return tokenizer.decode(episode.trajectory.ids, skip_special_tokens=False)
+
+
+def evaluate(caller: Caller, held_out: list[tuple[int, str]], args: Args, label: str) -> dict:
+    episodes = play(caller, [path for _, path in held_out], args, temperature=0.0, seed=0)
+    wins = [won(e) for e in episodes]
+    low, high = wilson(sum(wins), len(wins))
+    per_level = {}
+    for (level, _), w in zip(held_out, wins):
+        per_level.setdefault(str(level), []).append(w)
+    result = {"label": label, "episodes": len(wins), "success_rate": sum(wins) / len(wins), "ci95": [low, high],
+              "per_level": {level: sum(w) / len(w) for level, w in per_level.items()},
+              "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
+              "transcript": transcript(caller, episodes[-1]), "actions": episodes[-1].actions}
+    print(f"{label}: greedy success {result['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}) over {len(wins)} "
+          f"held-out games, {result['mean_turns']:.1f} turns on average", flush=True)
+    return result
+
+
+def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) -> list[dict]:
+    from tqdm import tqdm
+
+    rng = random.Random(args.seed)
+    history = []
+    bar = tqdm(range(args.updates), desc=f"grpo_turns ({args.mode})", unit="update")
+    for update in bar:
+        start = time.time()
+        chosen = rng.sample(train_games, args.starts)
+        paths = [path for _, path in chosen for _ in range(args.group)]
+        episodes = play(caller, paths, args, args.temperature, seed=rng.randrange(2**31))
+        groups = [episodes[k * args.group:(k + 1) * args.group] for k in range(args.starts)]
+        played = time.time() - start
+        stats = caller.update(**episode_batch(groups))
+        samples = sum(s["samples"] for s in stats)
+        row = {"update": update + 1, "episodes": (update + 1) * len(episodes),
+               "success_rate": sum(map(won, episodes)) / len(episodes),
+               "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
+               "play_seconds": played, "update_seconds": time.time() - start - played}
+        for key in ("policy_loss", "entropy", "approx_kl", "clip_fraction"):
+            row[key] = sum(s[key] * s["samples"] for s in stats) / max(samples, 1)
+        history.append(row)
+        bar.set_postfix(success=f"{row['success_rate']:.0%}", turns=f"{row['mean_turns']:.1f}")
+        if (update + 1) % args.eval_every == 0 and update + 1 < args.updates:
+            evaluations.append({**evaluate(caller, held_out, args, f"after {update + 1} updates"),
+                                "update": update + 1})
+    return history
+
+
+def plot(history: list[dict], evaluations: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r["update"] for r in history], [r["success_rate"] for r in history], "o-", alpha=0.5,
+            label="training episodes (sampled)")
+    x = [e["update"] for e in evaluations]
+    rates = [e["success_rate"] for e in evaluations]
+    ax.errorbar(x, rates, yerr=[[r - e["ci95"][0] for r, e in zip(rates, evaluations)],
+                                [e["ci95"][1] - r for r, e in zip(rates, evaluations)]],
+                fmt="s-", capsize=5, label="held-out games, greedy (95% CI)")
+    ax.set_xlabel("update")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    start = time.time()
+    train_games, held_out = games(args, held_out=False), games(args, held_out=True)
+    generated = time.time() - start
+    with Caller() as caller:
+        print(f"llmrl: {caller.info}", flush=True)
+        chat_template(caller)
+        evaluations = [{**evaluate(caller, held_out, args, "before training"), "update": 0}]
+        history = train(caller, train_games, held_out, args, evaluations)
+        evaluations.append({**evaluate(caller, held_out, args, "after training"), "update": args.updates})
+    wall = time.time() - start
+    before, after = evaluations[0], evaluations[-1]
+    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(history[0]))
+        writer.writeheader()
+        writer.writerows(history)
+    significant = after["ci95"][0] > before["ci95"][1]
+    summary = {"args": asdict(args), "before": before, "after": after, "evaluations": evaluations,
+               "improvement_significant": significant, "wall_seconds": wall, "game_generation_seconds": generated,
+               "history": history}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot(history, evaluations, os.path.join(args.out, "curve.png"),
+         f"grpo_turns on TextWorld coin collector ({args.mode} mode)")
+    print(f"success {before['success_rate']:.1%} -> {after['success_rate']:.1%} "
+          f"({'significant' if significant else 'not significant'} at 95%); {wall / 60:.1f} minutes; "
+          f"results in {args.out}/ (curve.png, metrics.csv, summary.json)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
