@@ -23,9 +23,9 @@ Advantages, one per turn, spread over the turn's tokens:
   (``gamma`` and ``lam`` are per turn; the value after the last turn is 0): :func:`~llmrl.plugins.rl_math.turn_gae`.
   Returns ``R_k = A_k + V_k`` train the value head at the turns' boundaries; advantages are whitened over every turn
   of the batch, all replicas together (``whiten``).
-- ``grpo_turns``: no critic; a sample's episodes are a group from the same start (at least 2), and turn ``k``'s
-  advantage is its return-to-go against the group's episode returns
-  (:func:`~llmrl.plugins.rl_math.group_turn_advantages`).
+- ``grpo_turns``: no critic; a sample's episodes are a group from the same start (at least 2), and every turn of an
+  episode gets the episode's advantage, its discounted return against the group's
+  (:func:`~llmrl.plugins.rl_math.group_episode_advantages`; ``gamma`` < 1 favours shorter episodes).
 
 Per model token: PPO's clipped policy loss with ``ratio = exp(logprob - old_logprob)``, plus ``kl_coef`` x the
 KL estimator to the reference (:func:`~llmrl.plugins.rl_math.kl_k3`), minus ``entropy_coef`` x the entropy.
@@ -35,7 +35,8 @@ starts (:meth:`UpdateBatch.mean`).
 
 Statistics per replica: ``reward`` (mean episode return), ``turns`` (mean per episode), ``policy_loss``,
 ``value_loss`` and ``value_error`` (``ppo_turns``), ``kl_penalty``, ``approx_kl``, ``clip_fraction``, ``entropy``
-(model tokens), ``tokens`` (model tokens), ``samples``. The maths is in :mod:`llmrl.plugins.rl_math`, the first
+(when ``entropy_coef`` is set; computing it over the whole vocabulary at every token costs), all over the model's
+tokens, ``tokens`` (model tokens), ``samples``. The maths is in :mod:`llmrl.plugins.rl_math`, the first
 pass in :mod:`llmrl.plugins.rollouts`; this module reads the turns and runs the steps.
 """
 
@@ -47,7 +48,7 @@ from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import (
     approx_kl,
     clipped_surrogate,
-    group_turn_advantages,
+    group_episode_advantages,
     kl_k3,
     mean_and_std,
     per_prompt_mean,
@@ -137,7 +138,7 @@ class TurnUpdater(ShufflingUpdater):
                              "ref_logprobs, or set kl_coef to 0")
         zeros = [torch.zeros(len(c)) for c in batch.candidates]
         prompts = first_pass(batch, trainer, zeros, self.peft_adapter, self.value_head,
-                             need_reference=self.kl_coef > 0)
+                             need_reference=self.kl_coef > 0, count_from_ids=True)
         rewards = read_turns(batch, prompts, self.name)
         self.advantages(prompts, rewards, trainer)
         episodes = sum(len(r) for r in rewards)
@@ -151,19 +152,24 @@ class TurnUpdater(ShufflingUpdater):
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 rows = [prompts[position[i]] for i in mb.indices]
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
-                                      per_token=True, entropy=True)
-                logp, _ = out.tokens_by_candidate()
+                                      per_token=True, entropy=self.entropy_coef != 0)
+                logp, scored = out.tokens_by_candidate()
                 width, device = logp.shape[1], logp.device
 
                 def take(key, rows=rows, width=width, device=device):
                     return join_prompts(rows, key, width, device)
 
+                if not torch.equal(take("mask"), scored.bool()):
+                    raise RuntimeError(f"the {self.name} updater's inputs were read for other token counts than the "
+                                       "pass scored (candidates must be scored exactly as their token ids)")
+
                 own = take("model_mask").bool()
                 old = take("old_logprobs")
                 policy, clipped = clipped_surrogate(torch.exp(logp.float() - old), take("advantages"), self.clip_eps)
                 kl = kl_k3(logp.float(), take("ref_logprobs")) if self.kl_coef > 0 else torch.zeros_like(policy)
-                entropy = out.tokens_by_candidate(out.token_entropy)[0].float()
-                per_token = torch.where(own, policy + self.kl_coef * kl - self.entropy_coef * entropy, 0.0)
+                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
+                per_token = policy + self.kl_coef * kl - (self.entropy_coef * entropy if entropy is not None else 0.0)
+                per_token = torch.where(own, per_token, 0.0)
                 per_episode = sequence_mean(per_token, own)  # (where: an environment token's term never reaches it)
                 if self.value_head:
                     boundary = take("boundaries").bool()
@@ -177,7 +183,8 @@ class TurnUpdater(ShufflingUpdater):
                 tokens += float(real.sum())
                 for key, value in (("policy_loss", policy), ("kl_penalty", kl), ("clip_fraction", clipped),
                                    ("approx_kl", approx_kl(logp.detach().float() - old)), ("entropy", entropy)):
-                    sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
+                    if value is not None:
+                        sums[key] = sums.get(key, 0.0) + float(torch.where(own, value.detach(), 0.0).sum())
         stats = {key: value / max(tokens, 1.0) for key, value in sums.items() if key != "value_loss"}
         if "value_loss" in sums:
             stats["value_loss"] = sums["value_loss"] / max(collected["turns"] * self.epochs, 1)
@@ -245,7 +252,7 @@ class GRPOTurnsUpdater(TurnUpdater):
         clip_eps: policy ratio clip (default 0.2).
         kl_coef: weight of the per-token KL estimator to the reference (default 0: no reference pass).
         entropy_coef: entropy bonus (default 0).
-        gamma: discount per turn of the returns-to-go (default 1.0).
+        gamma: discount per turn of the episode returns (default 1.0).
         scale_rewards: divide by the group's standard deviation of episode returns (default true).
         peft_adapter: the LoRA adapter to train (default: the active one).
         seed: seed of the minibatch shuffling.
@@ -266,5 +273,5 @@ class GRPOTurnsUpdater(TurnUpdater):
             if len(episodes) < 2:
                 raise ValueError(f"start {p.index} has {len(episodes)} episode(s): a grpo_turns group needs at least 2 "
                                  "episodes from the same start (play several episodes per start)")
-            advantages = group_turn_advantages(episodes, self.gamma, self.scale_rewards)
+            advantages = group_episode_advantages(episodes, self.gamma, self.scale_rewards)
             p.tensors["advantages"] = spread(advantages, p.spans, p.mask.shape[1])

@@ -2,7 +2,7 @@
 
 What is here: advantage estimation (:func:`gae` over ``[T, N]`` environment steps, :func:`token_gae` along each
 row of generated tokens, :func:`group_advantages` within a GRPO group; across a multi-turn episode's turns,
-:func:`turn_spans`, :func:`turn_gae`, :func:`turn_returns` and :func:`group_turn_advantages`), the PPO losses
+:func:`turn_spans`, :func:`turn_gae`, :func:`turn_returns` and :func:`group_episode_advantages`), the PPO losses
 (:func:`clipped_surrogate`, :func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new
 policy, :func:`kl_k3` to a reference per token, :func:`categorical_kl` between two distributions over the same
 candidates), the KL-penalised
@@ -118,17 +118,20 @@ def turn_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     return out
 
 
-def group_turn_advantages(rewards: list[torch.Tensor], gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
-                          ) -> list[torch.Tensor]:
-    """GRPO over a group of episodes from the same start, per turn: turn ``k``'s advantage is ``(G_k - mean) /
-    (std + eps)``, ``G_k`` its return from that turn on (:func:`turn_returns`), the mean and unbiased standard
-    deviation those of the group's episode returns ``G_0`` (``scale=False``: centred only)."""
+def group_episode_advantages(rewards: list[torch.Tensor], gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
+                             ) -> list[torch.Tensor]:
+    """GRPO over a group of episodes from the same start: each episode's advantage ``(G - mean) / (std + eps)``
+    (``scale=False``: ``G - mean``), ``G`` its discounted return ``sum_k gamma^k r_k`` and the mean and unbiased
+    standard deviation the group's, given to every turn of the episode (``[K]`` per episode). With ``gamma < 1`` a
+    shorter episode to the same rewards returns more. Episodes of equal returns get 0, whatever ``eps``: a turn's
+    own return-to-go is not compared with the group's episode returns, which would give a later turn of equal
+    episodes ``(G_k - G_0) / eps``."""
     if len(rewards) < 2 or any(r.numel() == 0 for r in rewards):
         raise ValueError("a GRPO group of episodes needs at least 2 episodes of at least one turn each")
-    returns = [turn_returns(r, gamma) for r in rewards]
-    totals = torch.stack([g[0] for g in returns])
-    centred = [g - totals.mean() for g in returns]
-    return [c / (totals.std() + eps) for c in centred] if scale else centred
+    totals = torch.stack([turn_returns(r, gamma)[0] for r in rewards])
+    centred = totals - totals.mean()
+    values = centred / (totals.std() + eps) if scale else centred
+    return [value.repeat(r.numel()) for value, r in zip(values, rewards)]
 
 
 # ---- PPO losses --------------------------------------------------------------------------------------------------

@@ -84,3 +84,30 @@ def test_loss_in_script_demos_quick(tmp_path, script, replicas):
         value = evaluation.get("mean_reward", evaluation.get("rate"))
         assert low <= value <= high
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("mode,replicas", [("choose", 1), ("write", 2)])
+def test_textworld_demo_quick(tmp_path, mode, replicas):
+    """The multi-turn demo end to end with a tiny model, in both action modes: TextWorld games generated offline
+    into an empty cache, episodes played as chats, grpo_turns updates, greedy evaluations on held-out games."""
+    pytest.importorskip("textworld", reason="the textworld extra (setup.sh installs it)")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "textworld-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
+         os.path.join(ROOT, "examples", "textworld_agent.py"), "--quick", "--mode", mode, "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "LLMRL_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "textworld")) == sorted(
+        f"coin-L2-s{seed}.{ext}" for seed in (0, 1, 10000, 10001) for ext in ("json", "ni", "z8"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["update"] for e in summary["evaluations"]] == [0, 1, 2]
+    for evaluation in summary["evaluations"]:
+        low, high = evaluation["ci95"]
+        assert evaluation["episodes"] == 2 and low <= evaluation["success_rate"] <= high
+        turns = len(evaluation["actions"])  # a model turn after each generation prompt (one more when cut short)
+        assert turns >= 1 and evaluation["transcript"].count("<s>assistant\n") in (turns, turns + 1)
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["episodes"]) for r in rows] == [4, 8]  # 2 games x 2 episodes per update
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -104,18 +104,21 @@ def test_the_datum_trains_on_the_models_tokens_only(tokenizer):
         Trajectory(tokenizer, [1, 2, 3]).add_message("hi")
 
 
-def test_group_turn_advantages_by_hand():
-    from llmrl import Episode, group_turn_advantages
+def test_group_episode_advantages_by_hand():
+    from llmrl import Episode, group_episode_advantages
     from llmrl.engine.client.episodes import turn_returns
 
     assert turn_returns([1.0, 0.0, 2.0], gamma=0.5) == [1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0, 2.0]
     episodes = [Episode(trajectory=None, rewards=r) for r in ([1.0, 0.0, 2.0], [0.0, 0.0], [0.0, 1.0])]
-    # G_0 with gamma 0.5: 1.5, 0.0, 0.5; mean 2/3; unbiased std sqrt(((5/6)^2 + (2/3)^2 + (1/6)^2) / 2)
+    # returns with gamma 0.5: 1.5, 0.0, 0.5; mean 2/3; unbiased std sqrt(((5/6)^2 + (2/3)^2 + (1/6)^2) / 2)
     mean, std = 2 / 3, ((25 / 36 + 16 / 36 + 1 / 36) / 2) ** 0.5
-    got = group_turn_advantages(episodes, gamma=0.5, eps=0.0)
-    want = [[(g - mean) / std for g in r] for r in ([1.5, 1.0, 2.0], [0.0, 0.0], [0.5, 1.0])]
+    got = group_episode_advantages(episodes, gamma=0.5, eps=0.0)
+    want = [[(g - mean) / std] * n for g, n in ((1.5, 3), (0.0, 2), (0.5, 2))]
     for row, expected in zip(got, want):
         assert row == pytest.approx(expected, abs=1e-12)
-    assert group_turn_advantages(episodes, gamma=0.5, scale=False)[1] == pytest.approx([-2 / 3, -2 / 3])
+    assert group_episode_advantages(episodes, gamma=0.5, scale=False)[1] == pytest.approx([-2 / 3, -2 / 3])
+    # equal returns: 0 for every turn (a later turn's return-to-go is never set against the episode returns)
+    equal = [Episode(trajectory=None, rewards=[0.0, 0.0, 1.0]) for _ in range(3)]
+    assert group_episode_advantages(equal, gamma=0.9) == [[0.0] * 3] * 3
     with pytest.raises(ValueError, match="at least 2 episodes"):
-        group_turn_advantages(episodes[:1])
+        group_episode_advantages(episodes[:1])

@@ -4,8 +4,8 @@
   of the whole batch: values read at each turn's first token, GAE across turns by hand, advantages whitened over
   every turn of both replicas, the clipped policy loss on the model's tokens only, the KL estimator to the model with
   its adapters disabled, an entropy bonus, the clipped value loss at the turns' boundaries;
-- ``grpo_turns`` (1 replica, LoRA, 3 episodes per start): returns-to-go per turn against the group's episode
-  returns, by hand; one update equals a plain SGD step;
+- ``grpo_turns`` (1 replica, LoRA, 3 episodes per start): each episode's discounted return against its group's,
+  by hand, on every turn; one update equals a plain SGD step;
 - the environment's tokens weigh nothing: their old log-probs are far off, and the step still equals the plain one
   taken over the model's tokens alone;
 - a wrong number of turn rewards is refused naming the argument, and the servers keep serving.
@@ -144,17 +144,11 @@ def reference_grpo_turns(tiny, tok, before: dict, eps, old) -> dict:
     gamma, clip = GRPO_ARGS["gamma"], GRPO_ARGS["clip_eps"]
     losses = []
     for i, prompt in enumerate(PROMPTS):
-        returns = []
-        for _, _, rewards in eps[i]:
-            g, running = [], 0.0
-            for r in reversed(rewards):
-                running = r + gamma * running
-                g.insert(0, running)
-            returns.append(torch.tensor(g))
-        totals = torch.stack([g[0] for g in returns])
+        returns = torch.tensor([sum(r * gamma ** k for k, r in enumerate(rewards)) for _, _, rewards in eps[i]])
+        advantages = (returns - returns.mean()) / (returns.std() + 1e-4)
         group = []
         for j, (ids, mask, _) in enumerate(eps[i]):
-            token_adv = per_token((returns[j] - totals.mean()) / (totals.std() + 1e-4), spans(mask), len(ids))
+            token_adv = per_token([advantages[j]] * len(spans(mask)), spans(mask), len(ids))
             logp, _, _ = token_pass(peft, tok, prompt, ids)
             ratio = torch.exp(logp - torch.tensor(old[i][j]))
             pg = -torch.minimum(ratio * token_adv, torch.clamp(ratio, 1 - clip, 1 + clip) * token_adv)

@@ -16,7 +16,7 @@ the other half's environments step. Every episode ends when its environment says
 when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which).
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
 (``ppo_turns``, ``grpo_turns``); for client-owned steps, :meth:`Trajectory.datum` takes per-turn advantages, and
-:func:`group_turn_advantages` gives GRPO's over a group of episodes from the same start, per turn.
+:func:`group_episode_advantages` gives GRPO's over a group of episodes from the same start.
 
 :class:`EpisodeCalls` makes it ``Caller.run_episodes``. This module drives the Caller; it computes no loss and keeps
 no state between calls.
@@ -160,14 +160,15 @@ def turn_returns(rewards, gamma: float = 1.0) -> list[float]:
     return returns(torch.tensor([float(r) for r in rewards], dtype=torch.float64), gamma).tolist()
 
 
-def group_turn_advantages(episodes, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4) -> list[list[float]]:
-    """GRPO over episodes from the same start, per turn (:func:`llmrl.plugins.rl_math.group_turn_advantages`, the
-    one ``grpo_turns`` uses): turn ``t``'s advantage is ``(G_t - mean) / (std + eps)``, ``G_t`` its return from that
-    turn on, the mean and unbiased standard deviation those of the group's episode returns ``G_0`` (``scale=False``:
-    centred only). One list per episode, one value per turn; for client-owned steps (:meth:`Trajectory.datum`)."""
+def group_episode_advantages(episodes, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
+                             ) -> list[list[float]]:
+    """GRPO over episodes from the same start (:func:`llmrl.plugins.rl_math.group_episode_advantages`, the one
+    ``grpo_turns`` uses): each episode's ``(G - mean) / (std + eps)`` over the group's discounted returns
+    (``scale=False``: centred only), repeated for each of its turns; for client-owned steps
+    (:meth:`Trajectory.datum`)."""
     import torch
 
-    from llmrl.plugins.rl_math import group_turn_advantages as advantages
+    from llmrl.plugins.rl_math import group_episode_advantages as advantages
 
     rewards = [torch.tensor([float(r) for r in e.rewards], dtype=torch.float64) for e in episodes]
     return [a.tolist() for a in advantages(rewards, gamma, scale, eps)]
