@@ -39,14 +39,14 @@ SYSTEM = "You play a text adventure game. Reply with exactly one of the listed c
 class Args:
     mode: str = "choose"  # "choose": score the admissible commands; "write": generate the command
     levels: str = "2,3,4,5"  # coin collector levels (rooms in the chain)
-    train_games: int = 8  # training games per level (seeds 0, 1, ...)
+    train_games: int = 24  # training games per level (seeds 0, 1, ...)
     eval_games: int = 8  # held-out games per level (seeds 10000, 10001, ...)
     starts: int = 4  # games per update
     group: int = 4  # episodes per game per update (a GRPO group)
-    updates: int = 24
+    updates: int = 40
     max_turns: int = 8  # an episode fails after this many turns
     max_prompt_tokens: int = 4096  # or when its prompt grows longer (the tiny model of --quick reads 512 at most)
-    eval_every: int = 12  # held-out evaluation every this many updates (and before and after)
+    eval_every: int = 10  # held-out evaluation every this many updates (and before and after)
     temperature: float = 1.0  # sampling temperature while training (evaluation is greedy)
     objective: bool = True  # start with the game's objective, which names the way (quick: off, short prompts)
     seed: int = 0
@@ -135,9 +135,16 @@ def evaluate(caller: Caller, held_out: list[tuple[int, str]], args: Args, label:
               "per_level": {level: sum(w) / len(w) for level, w in per_level.items()},
               "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
               "transcript": transcript(caller, episodes[-1]), "actions": episodes[-1].actions}
-    print(f"{label}: greedy success {result['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}) over {len(wins)} "
+    _print(f"{label}: greedy success {result['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}) over {len(wins)} "
           f"held-out games, {result['mean_turns']:.1f} turns on average", flush=True)
     return result
+
+
+def _print(line: str) -> None:
+    """A line that leaves the progress bar intact."""
+    from tqdm import tqdm
+
+    tqdm.write(line)
 
 
 def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) -> list[dict]:
@@ -159,8 +166,9 @@ def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) 
                "success_rate": sum(map(won, episodes)) / len(episodes),
                "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
                "play_seconds": played, "update_seconds": time.time() - start - played}
+        row["skipped"] = int(any(s.get("skipped") for s in stats))  # no group had a signal: no step taken
         for key in ("policy_loss", "approx_kl", "clip_fraction"):
-            row[key] = sum(s[key] * s["samples"] for s in stats) / max(samples, 1)
+            row[key] = sum(s.get(key, 0.0) * s["samples"] for s in stats) / max(samples, 1)
         history.append(row)
         bar.set_postfix(success=f"{row['success_rate']:.0%}", turns=f"{row['mean_turns']:.1f}")
         if (update + 1) % args.eval_every == 0 and update + 1 < args.updates:

@@ -201,3 +201,17 @@ def test_a_wrong_number_of_turn_rewards_is_refused_by_name_and_the_servers_keep_
     after = run.state_dict(llm="grpo")
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
     assert len(run.score(PROMPTS[:1], [[" look"]], llm="grpo")) == 1
+
+
+def test_grpo_turns_takes_no_step_when_every_group_returned_alike(run, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = [[(ids, mask, [0.0] * (len(rewards) - 1) + [1.0]) for ids, mask, rewards in group]
+           for group in episodes(tok, per_prompt=2)]
+    eps = [[group[0], group[0]] for group in eps]  # two equal episodes per start: equal returns
+    before = run.state_dict(llm="grpo")
+    (stats,) = update(run, "grpo", eps, old_logprobs(run, "grpo", eps))
+    assert stats["skipped"] == 1 and "policy_loss" not in stats and stats["samples"] == len(PROMPTS)
+    after = run.state_dict(llm="grpo")
+    assert all(torch.equal(before[k], after[k]) for k in before)
