@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from textworld_games import TextWorldEnv, game_path  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from llmrl import Caller, episode_batch  # noqa: E402
 
@@ -135,21 +136,12 @@ def evaluate(caller: Caller, held_out: list[tuple[int, str]], args: Args, label:
               "per_level": {level: sum(w) / len(w) for level, w in per_level.items()},
               "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
               "transcript": transcript(caller, episodes[-1]), "actions": episodes[-1].actions}
-    _print(f"{label}: greedy success {result['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}) over {len(wins)} "
-          f"held-out games, {result['mean_turns']:.1f} turns on average", flush=True)
+    tqdm.write(f"{label}: greedy success {result['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}) over "
+               f"{len(wins)} held-out games, {result['mean_turns']:.1f} turns on average")
     return result
 
 
-def _print(line: str) -> None:
-    """A line that leaves the progress bar intact."""
-    from tqdm import tqdm
-
-    tqdm.write(line)
-
-
 def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) -> list[dict]:
-    from tqdm import tqdm
-
     rng = random.Random(args.seed)
     history = []
     bar = tqdm(range(args.updates), desc=f"grpo_turns ({args.mode})", unit="update")
