@@ -70,6 +70,9 @@ objective (which names the way to the coin) unless ``objective`` is False."""
         return self._observe(f"{state.objective.strip()}\n\n{text}" if self.objective else text, state)
 
     def step(self, action: str) -> tuple[str, float, bool, dict]:
+        # The Z-machine reads printable ASCII: a NUL or non-ASCII character (which a model may write) crashes the
+        # interpreter, and the whole process with it. Anything else is dropped, and the command kept short.
+        action = "".join(ch for ch in action if " " <= ch <= "~")[:200]
         state, score, done = self.env.step(action)
         reward = float(score) - float(self._score)
         self._score = score
