@@ -21,6 +21,7 @@ from llmrl.engine.config.checks import environment_problems, semantic_problems
 from llmrl.engine.config.types import (
     Config,
     LLMConfig,
+    LRSchedule,
     OptimizerConfig,
     PluginSpec,
     QuantizationConfig,
@@ -272,6 +273,8 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     optimizer = dict(training.pop("optimizer", None) or {})
     if "betas" in optimizer:
         optimizer["betas"] = tuple(optimizer["betas"])
+    if training.get("lr_schedule") is not None:
+        training["lr_schedule"] = LRSchedule(**training["lr_schedule"])
     fields["training"] = TrainingConfig(optimizer=OptimizerConfig(**optimizer), **training)
     quantization = fields.pop("quantization", None)
     if quantization:
