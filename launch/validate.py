@@ -1,7 +1,8 @@
 """``llmrl validate CONFIG [key=value ...] [--strict-devices]``: check a config without starting anything.
 
-Everything is checked as ``llmrl run`` would, except that GPUs the config names but this machine lacks
-are a note, not an error (configs are often checked on a login node without GPUs);
+Everything is checked as ``llmrl run`` would, and the merged config (the file with the overrides applied) is
+printed; GPUs the config names but this machine lacks
+are a note, not an error, though (configs are often checked on a login node without GPUs);
 ``--strict-devices`` makes them an error. ``llmrl run`` always refuses a config whose GPUs are missing.
 """
 
@@ -45,7 +46,20 @@ def main(args: argparse.Namespace) -> int:
               f"{llm.dtype}, heads {sorted(llm.heads) or 'none'}, {training}")
     for note in device_notes(config) if not args.strict_devices else []:
         print(f"  note: {note}")
+    print(merged(args.config, args.overrides), end="")
     return 0
+
+
+def merged(path: str, overrides: list[str]) -> str:
+    """The config file with the overrides applied, as YAML (what the run reads before defaults are filled)."""
+    import yaml
+
+    from llmrl.engine.config.loading import apply_overrides, load_yaml
+
+    data = apply_overrides(load_yaml(path), overrides, [])
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    return "merged config (the file and the overrides; unset keys take their defaults):\n" + "".join(
+        f"  {line}\n" for line in text.splitlines())
 
 
 def device_notes(config) -> list[str]:

@@ -1,9 +1,11 @@
 """Checkpoints: save mid-run with the built-in (stateful) PPO updater, resume into a new run, and the next three
 updates equal an uninterrupted run's exactly (Adam state, the updater's minibatch shuffling generator, heads,
-LoRA); the export loads with plain transformers / peft and scores the same; heads are exported too."""
+LoRA, the cosine learning-rate schedule, whose rates every update reports and are checked by hand); the export
+loads with plain transformers / peft and scores the same; heads are exported too."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -25,12 +27,24 @@ def ppo_batch(k: int) -> dict:
             "advantages": torch.randn(4, generator=g).tolist(), "returns": torch.randn(4, generator=g).tolist()}
 
 
+SCHEDULE = {"type": "cosine", "warmup_steps": 1, "total_steps": 7, "min_lr_ratio": 0.1}  # 2 optimizer steps an update
+
+
+def scheduled_lr(step: int) -> float:
+    """SCHEDULE's rate of optimizer step ``step`` (0-based), by hand."""
+    if step < 1:
+        return 0.0
+    progress = min(1.0, (step - 1) / 6)
+    return 0.01 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 FIRST = ppo_batch(0)
 AFTER = [ppo_batch(k) for k in (1, 2, 3)]
 
 
 def config(tiny, checkpoint=None):
-    training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 1, "gradient_accumulation_steps": 2}
+    training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 1, "gradient_accumulation_steps": 2,
+                "lr_schedule": SCHEDULE}
     updater = {"plugin": "ppo", "args": {"epochs": 2, "seed": 7}}  # shuffles its minibatches: state to resume
     heads = {"value": {"plugin": "value", "args": {"hidden": 8}}}
     llms = {
@@ -53,14 +67,18 @@ def saved(tiny, tmp_path_factory):
     out = {"path": path}
     with LiveRun(config(tiny)) as run:
         for name in ("adapter", "full"):
-            run.update(CONTEXTS, CANDIDATES, llm=name, **FIRST)
+            stats = run.update(CONTEXTS, CANDIDATES, llm=name, **FIRST)
+            assert [s["optimizer_steps"] for s in stats] == [2, 2]  # 2 epochs of 2 samples, 2 micro-steps a step
+            assert all(s["lr"] == pytest.approx(scheduled_lr(1), abs=1e-12) for s in stats)
         run.save(path)
         run.save(path)  # saving again over a checkpoint replaces it
         for name in ("adapter", "full"):
             out[name, "scores"] = run.score(CONTEXTS, CANDIDATES, llm=name)
             out[name, "values"] = run.custom_module_fns(["value"], CONTEXTS, llm=name)
-            for batch in AFTER:
+            for k, batch in enumerate(AFTER):
                 out[name, "stats"] = run.update(CONTEXTS, CANDIDATES, llm=name, **batch)
+                lr = scheduled_lr(2 * k + 3)  # the last step of update k + 2 (updates take 2 steps)
+                assert all(s["lr"] == pytest.approx(lr, abs=1e-12) for s in out[name, "stats"]), (k, lr)
             out[name, "final"] = run.state_dict(llm=name)
     return out
 

@@ -186,6 +186,28 @@ def test_overrides_are_typed_and_validated(base):
     assert "nonsense" in paths and "llms.main.replicass" in paths
 
 
+def test_overrides_reach_list_items_and_read_numbers_as_yaml_1_2(base, tmp_path):
+    from llmrl.engine.config.loading import yaml_load
+
+    base["llms"]["main"]["initializers"] = [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}]
+    base["llms"]["main"]["updater"] = "ppo"
+    config = load_config(raw=base, overrides=["llms.main.initializers.0.args.adapters.default.r=16",
+                                              "llms.main.training.optimizer.lr=1e-2"])
+    assert config.llms["main"].initializers[0].args["adapters"]["default"]["r"] == 16
+    assert config.llms["main"].training.optimizer.lr == 0.01
+    with pytest.raises(ConfigError) as err:
+        load_config(raw=base, overrides=["llms.main.initializers.3.args.x=1", "llms.main.initializers.a=1"])
+    messages = dict(err.value.problems)
+    assert "is a list of 1 item(s); index it with 0..0" in messages["llms.main.initializers.3.args.x"]
+    assert "index it with 0..0" in messages["llms.main.initializers.a"]
+    # YAML 1.2 numbers in files too; 1.1's strings and booleans are left as PyYAML reads them
+    assert yaml_load("lr: 1e-3\nb: 2.5E+2\nc: -.inf\nd: 1.0.0\ne: 7\nf: yes\ng: '1e-3'") == {
+        "lr": 1e-3, "b": 250.0, "c": float("-inf"), "d": "1.0.0", "e": 7, "f": True, "g": "1e-3"}
+    (tmp_path / "run.yaml").write_text(f"llms:\n  main:\n    model: {base['llms']['main']['model']}\n    updater: ppo\n"
+                                        "    training: {optimizer: {type: adam, lr: 3e-4}}\n")
+    assert load_config(tmp_path / "run.yaml").llms["main"].training.optimizer.lr == 3e-4
+
+
 def test_defaults_are_filled(base):
     llm = load_config(raw=base).llms["main"]
     assert (llm.type, llm.dtype, llm.replicas, llm.tensor_parallel, llm.devices) == ("causal", "float32", 1, 1, "cpu")

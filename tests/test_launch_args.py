@@ -244,6 +244,10 @@ def test_run_refuses_a_gpu_config_without_gpus_and_validate_notes_it(capsys, not
     assert main(["validate", gpu]) == 0
     out = capsys.readouterr().out
     assert "valid. The run needs 5 ranks" in out and "note: llms.policy.devices: auto asks for GPUs" in out
+    overrides = ["llms.policy.training.optimizer.lr=3e-5", "llms.policy.initializers.0.args.adapters.default.r=4"]
+    assert main(["validate", gpu, *overrides]) == 0  # the merged config is shown, list items and 1e-5 numbers set
+    shown = capsys.readouterr().out.split("merged config")[1]
+    assert "      lr: 3.0e-05\n" in shown and "            r: 4\n" in shown
     assert main(["validate", gpu, "--strict-devices", "seed=3"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
 

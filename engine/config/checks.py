@@ -70,6 +70,14 @@ def semantic_problems(data: dict) -> list[Problem]:
             problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "
                              "sharded layers no longer match their adapters' shapes); use replicas instead of "
                              "tensor_parallel, or train every weight"))
+        schedule = (llm.get("training") or {}).get("lr_schedule") or {}
+        if schedule.get("type") in ("linear", "cosine"):
+            total, warmup = schedule.get("total_steps"), schedule.get("warmup_steps", 0)
+            if total is None or total <= warmup:
+                problems.append((f"{at}.training.lr_schedule.total_steps",
+                                 f"a {schedule['type']} schedule decays until total_steps, which must exceed "
+                                 f"warmup_steps ({warmup}); got {total}: set it to the number of optimizer steps of "
+                                 "the run (each update reports its optimizer_steps)"))
         if llm.get("trunk_reuse_mb", 0):
             why = ("a seq2seq model" if llm.get("type", "causal") != "causal" else
                    "tensor-parallel ranks" if tp > 1 else

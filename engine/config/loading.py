@@ -10,8 +10,10 @@ This module does not start processes, build DeepSpeed configs or load models.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from llmrl.engine.config.checks import environment_problems, semantic_problems
 from llmrl.engine.config.types import (
     Config,
     LLMConfig,
+    LRSchedule,
     OptimizerConfig,
     PluginSpec,
     QuantizationConfig,
@@ -30,6 +33,10 @@ from llmrl.engine.errors import ConfigError, did_you_mean
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Problem = tuple[str, str]
+
+# YAML 1.2's core-schema floats (PyYAML resolves YAML 1.1's, which need a dot: 1e-3 would be a string)
+_YAML12_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                           r"|\.(?:nan|NaN|NAN))$")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
@@ -63,6 +70,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     return build_config(data, source)
 
 
+def yaml_load(text: str):
+    """YAML as PyYAML's safe loader reads it, except numbers, read as YAML 1.2 does: ``1e-3`` is a float (YAML 1.1,
+    PyYAML's, wants ``1.0e-3`` and would give the string ``"1e-3"``, which a learning rate must not be)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml12_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+@functools.cache
+def _yaml12_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """PyYAML's safe loader with YAML 1.2's floats resolved after its own."""
+
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+.0123456789"))
+    return Loader
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     import yaml
 
@@ -70,7 +97,7 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise ConfigError([("", f"config file {str(p)!r} does not exist")], str(p))
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml_load(p.read_text())
     except yaml.YAMLError as err:
         raise ConfigError([("", f"not valid YAML: {err}")], str(p)) from None
     if data is None:
@@ -81,7 +108,9 @@ def load_yaml(path: str | os.PathLike) -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -> dict:
-    """Apply ``a.b.c=value`` overrides to a copy of ``data``; malformed ones are added to ``problems``."""
+    """Apply ``a.b.c=value`` overrides to a copy of ``data``; malformed ones are added to ``problems``. A part that
+    meets a list is an index into it (``initializers.0.args.adapters.default.r=16``); values are YAML (1.2 numbers:
+    ``optimizer.lr=1e-2`` is a float)."""
     import yaml
 
     data = copy.deepcopy(data)
@@ -91,23 +120,32 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -
             problems.append((key or text, f"override {text!r} is not of the form dotted.key=value"))
             continue
         try:
-            value = yaml.safe_load(value_text) if value_text != "" else ""
+            value = yaml_load(value_text) if value_text != "" else ""
         except yaml.YAMLError as err:
             problems.append((key, f"override value {value_text!r} is not valid YAML: {err}"))
             continue
-        node = data
         parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                problems.append((".".join(parts[: i + 1]),
-                                 f"cannot set {key}: this key holds a {type(child).__name__}"))
+        node, problem = data, None
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not (part.isdigit() and int(part) < len(node)):
+                    problem = (f"cannot set {key}: {'.'.join(parts[:i]) or 'the config'} is a list of {len(node)} "
+                               f"item(s); index it with 0..{len(node) - 1}")
+                    break
+                part = int(part)
+            elif not isinstance(node, dict):
+                problem = (f"cannot set {key}: {'.'.join(parts[:i])} holds a {type(node).__name__}, not a mapping or "
+                           "a list")
                 break
-            node = child
-        else:
-            node[parts[-1]] = value
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        if problem:
+            problems.append((key, problem))
     return data
 
 
@@ -235,6 +273,8 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     optimizer = dict(training.pop("optimizer", None) or {})
     if "betas" in optimizer:
         optimizer["betas"] = tuple(optimizer["betas"])
+    if training.get("lr_schedule") is not None:
+        training["lr_schedule"] = LRSchedule(**training["lr_schedule"])
     fields["training"] = TrainingConfig(optimizer=OptimizerConfig(**optimizer), **training)
     quantization = fields.pop("quantization", None)
     if quantization:

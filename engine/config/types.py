@@ -58,6 +58,16 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class LRSchedule:
+    """``training.lr_schedule`` (the formulas: :mod:`llmrl.engine.model.training.lr_schedule`)."""
+
+    type: str = "constant"  # constant, linear or cosine
+    warmup_steps: int = 0
+    total_steps: int | None = None  # linear and cosine: the step where the decay ends
+    min_lr_ratio: float = 0.0  # linear and cosine: the floor, as a fraction of the optimizer's lr
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     zero_stage: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -66,6 +76,7 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int | None = None  # None: the LLM's token_budget
     gradient_checkpointing: bool | None = None  # None: on for CUDA devices, off on CPU
     gradient_clipping: float = 0.0
+    lr_schedule: LRSchedule | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
 

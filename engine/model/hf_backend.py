@@ -109,11 +109,13 @@ class HFBackend(ModelBackend):
     def build(self) -> dict:
         import deepspeed
 
+        from llmrl.engine.model.training.lr_schedule import make_scheduler
         from llmrl.engine.model.training.optimizer import AdapterSteps, make_optimizer
 
-        optimizer = adapter_steps = None
+        optimizer = adapter_steps = schedule = None
         if self.trainable:
             optimizer = make_optimizer(self.module, self.adapters, self.llm.training.optimizer)
+            schedule = make_scheduler(optimizer, self.llm.training.lr_schedule)  # (before AdapterSteps wraps step)
             adapter_steps = AdapterSteps(optimizer)
         else:
             self.module.requires_grad_(False)
@@ -121,7 +123,7 @@ class HFBackend(ModelBackend):
         if optimizer is None and self.llm.training.zero_stage in (1, 2):
             ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": 0}
         engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config,
-                                          dist_init_required=False)
+                                          lr_scheduler=schedule, dist_init_required=False)
         engine.eval()
         self.served = ServedModel(
             llm=self.llm, role=self.role, device=self.device, group=self.group, info=self.info,

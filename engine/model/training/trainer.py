@@ -67,6 +67,7 @@ class EngineTrainer(Trainer):
         self.optimizer_steps = 0
         self.calls = {FORWARD: 0, BACKWARD: 0, STEP: 0, SUM: 0}  # what this rank's updater has called so far
         self.pending_micro_steps = 0  # micro-steps since the last optimizer step
+        self.last_lr: float | None = None  # the learning rate of the last optimizer step
         self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
@@ -262,6 +263,7 @@ class EngineTrainer(Trainer):
                                   f"{self.optimizer_steps + 1} was skipped on every replica; "
                                   f"{self.optimizer_steps} step(s) of this update were taken")
         steps = self.served.adapter_steps
+        self.last_lr = float(self.engine.optimizer.param_groups[0]["lr"])  # the rate this step takes (lr_schedule)
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext():
             self.engine.step()
         clear_zero3_gradients(self.engine)
@@ -386,6 +388,6 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
             hint += slicing_note(batch.kwargs, list(keys) if keys is not None else None)
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
-    return {**plain_stats(stats or {}), "optimizer_steps": trainer.optimizer_steps,
+    return {**plain_stats(stats or {}), "optimizer_steps": trainer.optimizer_steps, "lr": trainer.last_lr,
             "passes_with_gradients": trainer.passes_with_gradients}
 

@@ -1,0 +1,62 @@
+"""``training.lr_schedule`` against Hugging Face's own schedulers (the independent reference), step by step, and the
+config's checks. (Live: ``test_checkpoint_live`` resumes a cosine schedule from a checkpoint.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrl.engine.config.types import LRSchedule
+from llmrl.engine.model.training.lr_schedule import make_scheduler
+
+
+def rates(make, steps: int = 14, lr: float = 0.5) -> list[float]:
+    """The learning rates of each of ``steps`` optimizer steps (its two groups', in turn) under the scheduler
+    ``make(optimizer)`` builds."""
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([{"params": [weight]}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr / 2}],
+                                lr=lr)
+    scheduler = make(optimizer)
+    out = []
+    for _ in range(steps):
+        out += [group["lr"] for group in optimizer.param_groups]
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_schedules_step_as_hugging_face_s(warmup):
+    import transformers
+
+    cases = [
+        (LRSchedule("constant", warmup), lambda o: transformers.get_constant_schedule_with_warmup(o, warmup)),
+        (LRSchedule("linear", warmup, 10), lambda o: transformers.get_linear_schedule_with_warmup(o, warmup, 10)),
+        (LRSchedule("cosine", warmup, 10), lambda o: transformers.get_cosine_schedule_with_warmup(o, warmup, 10)),
+        (LRSchedule("cosine", warmup, 10, 0.2), lambda o: transformers.get_cosine_with_min_lr_schedule_with_warmup(
+            o, warmup, 10, min_lr_rate=0.2)),
+    ]
+    for schedule, reference in cases:  # up to total_steps (after it, Hugging Face's cosine rises again; ours stays)
+        got, want = rates(lambda o, s=schedule: make_scheduler(o, s), 11), rates(reference, 11)
+        assert got == pytest.approx(want, abs=1e-12), schedule
+    after = rates(lambda o: make_scheduler(o, LRSchedule("cosine", warmup, 10, 0.2)), 14)[22:]
+    assert after == pytest.approx([0.1, 0.05] * 3, abs=1e-12)  # the floor: min_lr_ratio x each group's lr
+    linear = rates(lambda o: make_scheduler(o, LRSchedule("linear", 2, 6)))
+    assert linear[0:16:2] == pytest.approx([0.0, 0.25, 0.5, 0.375, 0.25, 0.125, 0.0, 0.0])
+    assert linear[1::2] == pytest.approx([x / 2 for x in linear[0::2]])  # every group: the same factor of its lr
+
+
+def test_schedules_are_checked_with_the_config(tiny):
+    from llmrl.engine.config import load_config
+    from llmrl.engine.errors import ConfigError
+
+    base = {"llms": {"main": {"model": tiny["llama"], "updater": "ppo"}}}
+    config = load_config(raw=base, overrides=["llms.main.training.lr_schedule.type=linear",
+                                              "llms.main.training.lr_schedule.total_steps=100"])
+    assert config.llms["main"].training.lr_schedule == LRSchedule("linear", 0, 100, 0.0)
+    with pytest.raises(ConfigError, match=r"lr_schedule.total_steps: a cosine schedule decays until total_steps, "
+                                          r"which must exceed warmup_steps \(5\); got 5"):
+        load_config(raw=base, overrides=["llms.main.training.lr_schedule={type: cosine, warmup_steps: 5, "
+                                         "total_steps: 5}"])
+    with pytest.raises(ConfigError, match="lr_schedule.type"):
+        load_config(raw=base, overrides=["llms.main.training.lr_schedule.type=step"])
