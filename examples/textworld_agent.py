@@ -49,6 +49,7 @@ class Args:
     max_prompt_tokens: int = 4096  # or when its prompt grows longer (the tiny model of --quick reads 512 at most)
     eval_every: int = 10  # held-out evaluation every this many updates (and before and after)
     temperature: float = 1.0  # sampling temperature while training (evaluation is greedy)
+    choose_first: int = 0  # write mode: play the first this many updates in choose mode (a warm start)
     objective: bool = True  # start with the game's objective, which names the way (quick: off, short prompts)
     seed: int = 0
     out: str = "runs/textworld"
@@ -103,11 +104,12 @@ def chat_template(caller: Caller) -> None:
         print(f"llmrl: the model's tokenizer has no chat template; using ChatML with {bos} and {eos}", flush=True)
 
 
-def play(caller: Caller, paths: list[str], args: Args, temperature: float, seed: int):
+def play(caller: Caller, paths: list[str], args: Args, temperature: float, seed: int, mode: str | None = None):
     envs = [TextWorldEnv(path, args.objective) for path in paths]
-    kwargs = {"max_new_tokens": 8, "stop": ["\n"]} if args.mode == "write" else None
+    mode = mode or args.mode
+    kwargs = {"max_new_tokens": 8, "stop": ["\n"]} if mode == "write" else None
     try:
-        return caller.run_episodes(envs, mode=args.mode, max_turns=args.max_turns, system=SYSTEM,
+        return caller.run_episodes(envs, mode=mode, max_turns=args.max_turns, system=SYSTEM,
                                    temperature=temperature, seed=seed, generate_kwargs=kwargs,
                                    max_prompt_tokens=args.max_prompt_tokens)
     finally:
@@ -149,12 +151,13 @@ def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) 
         start = time.time()
         chosen = rng.sample(train_games, args.starts)
         paths = [path for _, path in chosen for _ in range(args.group)]
-        episodes = play(caller, paths, args, args.temperature, seed=rng.randrange(2**31))
+        mode = "choose" if update < args.choose_first else args.mode
+        episodes = play(caller, paths, args, args.temperature, seed=rng.randrange(2**31), mode=mode)
         groups = [episodes[k * args.group:(k + 1) * args.group] for k in range(args.starts)]
         played = time.time() - start
         stats = caller.update(**episode_batch(groups))
         samples = sum(s["samples"] for s in stats)
-        row = {"update": update + 1, "episodes": (update + 1) * len(episodes),
+        row = {"update": update + 1, "mode": mode, "episodes": (update + 1) * len(episodes),
                "success_rate": sum(map(won, episodes)) / len(episodes),
                "mean_turns": sum(len(e.actions) for e in episodes) / len(episodes),
                "play_seconds": played, "update_seconds": time.time() - start - played}
