@@ -136,6 +136,12 @@ class TurnUpdater(ShufflingUpdater):
         if batch.candidates is None:
             raise ValueError(f"the {self.name} updater needs the episodes as candidates: caller.update(starts, "
                              "episodes, model_mask=..., turn_rewards=...) (llmrl.episode_batch builds them)")
+        text = next((i for i, c in zip(batch.indices, batch.candidates)
+                     if not all(isinstance(x, (list, tuple)) and all(isinstance(t, int) for t in x) for x in c)), None)
+        if text is not None:  # (a replica that raises here is voted out by the others at their next trainer call)
+            raise ValueError(f"the episodes of start {text} are not all token ids: {self.name} reads model_mask per "
+                             "token, which only ids scored exactly as given line up with (llmrl.episode_batch gives "
+                             "ids)")
         if self.kl_coef > 0 and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
             raise ValueError(f"the {self.name} updater's KL term needs a reference policy: add LoRA adapters, pass "
                              "ref_logprobs, or set kl_coef to 0")

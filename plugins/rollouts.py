@@ -130,15 +130,17 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
     log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
     ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
     would give nothing (old log-probs given, no value head, a reference pass to count the tokens); with
-    ``count_from_ids`` and candidates given as token ids, no pass runs when none is needed: each candidate's scored
-    tokens are its ids (a caller that sets it checks that against its training passes' masks)."""
+    ``count_from_ids`` (for a caller that has refused candidates other than token ids, on every replica alike, and
+    checks its training passes' masks) no pass runs when none is needed: each candidate's scored tokens are its
+    ids. Whether a pass runs depends only on the call's keyword names and the config, never on one replica's
+    share, so every replica makes the same passes."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
     run_reference = need_reference and not given_ref
     run_policy = bool(value_head) or not given_old or not run_reference  # the same on every replica
     position = {index: k for k, index in enumerate(batch.indices)}
-    if count_from_ids and given_old and not value_head and not run_reference and _all_ids(batch.candidates):
+    if count_from_ids and given_old and not value_head and not run_reference:
         lengths = torch.tensor([len(x) for c in batch.candidates for x in c], dtype=torch.long)
         mask = torch.arange(int(lengths.max()) if len(lengths) else 0)[None] < lengths[:, None]
         counts = [len(c) for c in batch.candidates]
@@ -176,12 +178,6 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
         mb_rewards = [rewards[position[i]] for i in mb.indices]
         prompts += split_by_prompt(rows, mask, torch.cat(mb_rewards) if mb_rewards else torch.zeros(0), counts)
     return prompts
-
-
-def _all_ids(candidates) -> bool:
-    """Every candidate is a list of token ids."""
-    return candidates is not None and all(isinstance(x, (list, tuple)) and all(isinstance(t, int) for t in x)
-                                          for c in candidates for x in c)
 
 
 def _is_number(x) -> bool:

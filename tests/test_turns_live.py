@@ -215,3 +215,24 @@ def test_grpo_turns_takes_no_step_when_every_group_returned_alike(run, tiny):
     assert stats["skipped"] == 1 and "policy_loss" not in stats and stats["samples"] == len(PROMPTS)
     after = run.state_dict(llm="grpo")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_episodes_given_as_text_on_one_replica_are_refused_and_no_rank_is_left_behind(run, tiny):
+    """The episode of start 2 (replica 1's share) is text: replica 1 refuses it, replica 0 (ids only) must not
+    wait for it; the call fails naming the start, and both replicas serve the next call."""
+    from transformers import AutoTokenizer
+
+    from llmrl.engine.errors import RequestError
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=2)
+    candidates = [[e[0] for e in g] for g in eps]
+    candidates[2][1] = tok.decode(candidates[2][1])
+    before = run.state_dict(llm="ppo")
+    with pytest.raises(RequestError, match="the episodes of start 2 are not all token ids"):
+        run.update(PROMPTS, candidates, llm="ppo", model_mask=[[e[1] for e in g] for g in eps],
+                   turn_rewards=[[e[2] for e in g] for g in eps])
+    after = run.state_dict(llm="ppo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
+    stats = update(run, "ppo", eps, old_logprobs(run, "ppo", eps))
+    assert sorted(s["samples"] for s in stats) == [1, 2]
