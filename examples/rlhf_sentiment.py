@@ -72,7 +72,7 @@ def parse_args() -> Args:
     for name, value in asdict(Args()).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)  # --x / --no-x
         else:
             parser.add_argument(flag, type=type(value), default=value)
     args = Args(**vars(parser.parse_args()))

@@ -31,7 +31,9 @@ class RunOptions:
     master_port: int | None = None
     no_ssh: bool = False
     node_rank: int | None = None
-    launcher_log_level: str = "warning"  # DeepSpeed's launcher chatter (per-process INFO lines) stays out of the way
+    # DeepSpeed's launcher chatter (per-process INFO lines) stays out of the way; None: "warning" with a hostfile,
+    # "error" without one (on one machine its only warning is "Unable to find hostfile", printed on every run).
+    launcher_log_level: str | None = None
     extra_launcher_args: list[str] = field(default_factory=list)
 
 
@@ -69,7 +71,7 @@ def deepspeed_command(options: RunOptions, world_size: int, executable: str = "d
         cmd += ["--master_addr", options.master_addr]
     if options.master_port:
         cmd += ["--master_port", str(options.master_port)]
-    cmd += ["--log_level", options.launcher_log_level]
+    cmd += ["--log_level", options.launcher_log_level or ("warning" if options.hostfile else "error")]
     cmd += list(options.extra_launcher_args)
     cmd += ["--module", "llmrl.launch", "--config", options.config, *options.overrides]
     cmd += ["-m", options.module] if options.module else [options.script]

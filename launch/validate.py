@@ -1,4 +1,5 @@
-"""``llmrl validate CONFIG [key=value ...] [--strict-devices]``: check a config without starting anything.
+"""``llmrl validate CONFIG [key=value ...] [--strict-devices]``: check a config without starting anything (``--config
+CONFIG`` works too, as in ``llmrl run``).
 
 Everything is checked as ``llmrl run`` would, and the merged config (the file with the overrides applied) is
 printed; GPUs the config names but this machine lacks
@@ -13,7 +14,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the YAML config to check")
+    parser.add_argument("config", nargs="?", help="the YAML config to check")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same, as llmrl run takes it")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("--strict-devices", "--strict_devices", dest="strict_devices", action="store_true",
                         help="fail if this machine lacks the GPUs the config names (default: a note)")
@@ -23,7 +25,13 @@ def parse_argv(argv: list[str]) -> argparse.Namespace:
     """Options and overrides in any order (plain argparse stops taking overrides after an option)."""
     parser = argparse.ArgumentParser(prog="llmrl validate", description="check a config without starting anything")
     add_arguments(parser)
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.config and args.config_option:  # a positional taken as the config was the first override
+        args.overrides, args.config = [args.config, *args.overrides], args.config_option
+    args.config = args.config or args.config_option
+    if not args.config:
+        parser.error("name the config: llmrl validate CONFIG (or --config CONFIG) [key=value ...]")
+    return args
 
 
 def main(args: argparse.Namespace) -> int:

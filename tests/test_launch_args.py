@@ -17,7 +17,7 @@ def test_single_machine_command_counts_the_ranks():
     options = RunOptions(config="c.yaml", script="train.py", script_args=["--lr", "3"], overrides=["seed=1"],
                          master_port=1234)
     assert deepspeed_command(options, 5) == [
-        "deepspeed", "--num_gpus", "5", "--master_port", "1234", "--log_level", "warning", "--module", "llmrl.launch",
+        "deepspeed", "--num_gpus", "5", "--master_port", "1234", "--log_level", "error", "--module", "llmrl.launch",
         "--config", "c.yaml",
         "seed=1", "train.py", "--lr", "3"]
 
@@ -250,6 +250,8 @@ def test_run_refuses_a_gpu_config_without_gpus_and_validate_notes_it(capsys, not
     assert "      lr: 3.0e-05\n" in shown and "            r: 4\n" in shown
     assert main(["validate", gpu, "--strict-devices", "seed=3"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["validate", "seed=5", "--config", gpu]) == 0  # --config as in llmrl run, overrides on either side
+    assert "\n  seed: 5\n" in capsys.readouterr().out.split("merged config")[1]
 
 
 # ----------------------------------------------------------------------------- the run's exit code

@@ -74,6 +74,9 @@ def test_llmrl_run(tmp_path, tiny, reference_models):
     assert report["closed"]["spare"].startswith("LLMClosedError: LLM 'spare' was closed with close_llm()")
     assert [s["closed"] for s in report["servers"].values()] == [False, False, True]
     assert "without a clean stop" not in result.stderr
+    # quiet: no warning that is not about the user's run (DeepSpeed's "Unable to find hostfile", bitsandbytes' CPU
+    # kernel note, Python warnings from the libraries)
+    assert [line for line in result.stderr.splitlines() if "warn" in line.lower()] == []
     assert leftovers(config) == []
 
 

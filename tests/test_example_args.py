@@ -1,0 +1,45 @@
+"""The examples' command lines keep the defaults their ``Args`` dataclasses state: a boolean field that defaults to
+True stays True unless ``--no-<name>`` is given (it was once a ``store_true`` flag that no run could turn on, so the
+BabyAI demo never described walls)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import asdict
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example(name: str):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+def parsed(module, argv: list[str], monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["script", *argv])
+    return module.parse_args()
+
+
+@pytest.mark.parametrize("name", ["ppo_babyai", "rlhf_sentiment", "rlhf_grpo_in_script", "textworld_agent"])
+def test_no_flags_give_the_stated_defaults(name, monkeypatch):
+    module = example(name)
+    assert asdict(parsed(module, [], monkeypatch)) == asdict(module.Args())
+
+
+def test_boolean_defaults_can_be_turned_either_way(monkeypatch):
+    module = example("ppo_babyai")
+    assert module.Args().walls is True and parsed(module, [], monkeypatch).walls is True
+    assert parsed(module, ["--no-walls"], monkeypatch).walls is False
+    assert parsed(module, ["--normalize-advantages"], monkeypatch).normalize_advantages is True
+    assert parsed(module, ["--walls", "--no-normalize-advantages"], monkeypatch).normalize_advantages is False
