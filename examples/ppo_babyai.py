@@ -40,7 +40,9 @@ class Args:
     steps_per_update: int = 16  # steps of every environment between two updates
     updates: int = 12  # PPO updates (this level is learnt in about 10)
     max_steps: int = 24  # an episode fails after this many steps
-    walls: bool = True  # describe the nearest walls (False: shorter prompts)
+    # describe the nearest walls too (--walls): longer prompts that this level does not need; measured with the
+    # config's 12 updates, greedy success 1.6% -> 25.8% with walls, against 0% -> 97% without
+    walls: bool = False
     gamma: float = 0.99  # discount
     gae_lambda: float = 0.95  # GAE's lambda
     temperature: float = 1.0  # the policy samples from softmax(scores / temperature); set the same in the updater

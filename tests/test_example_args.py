@@ -38,8 +38,9 @@ def test_no_flags_give_the_stated_defaults(name, monkeypatch):
 
 
 def test_boolean_defaults_can_be_turned_either_way(monkeypatch):
-    module = example("ppo_babyai")
-    assert module.Args().walls is True and parsed(module, [], monkeypatch).walls is True
-    assert parsed(module, ["--no-walls"], monkeypatch).walls is False
-    assert parsed(module, ["--normalize-advantages"], monkeypatch).normalize_advantages is True
-    assert parsed(module, ["--walls", "--no-normalize-advantages"], monkeypatch).normalize_advantages is False
+    babyai, textworld = example("ppo_babyai"), example("textworld_agent")
+    assert textworld.Args().objective is True and parsed(textworld, [], monkeypatch).objective is True
+    assert parsed(textworld, ["--no-objective"], monkeypatch).objective is False
+    assert babyai.Args().walls is False and parsed(babyai, ["--walls"], monkeypatch).walls is True
+    assert parsed(babyai, ["--walls", "--no-walls"], monkeypatch).walls is False
+    assert parsed(babyai, ["--normalize-advantages"], monkeypatch).normalize_advantages is True
