@@ -7,8 +7,9 @@ is refused with the back end's name and the install that provides it.
 - ``tensorboard``: event files in ``<run dir>`` (``torch.utils.tensorboard.SummaryWriter``), flushed at every write.
 - ``trackio``: trackio's local database under ``<dir>/trackio`` (``TRACKIO_DIR``, unless set), project and run name
   from the config; its own CPU/GPU sampling threads stay off.
-- ``wandb``: an offline run in ``<run dir>/wandb`` (``wandb sync`` uploads it later) unless ``WANDB_MODE`` is set;
-  every scalar is plotted against the llmrl step (the ``step`` metric), so steps may go back without being dropped.
+- ``wandb``: an offline run in ``<run dir>/wandb`` (``wandb sync`` uploads it later; W&B's error reports off) unless
+  ``WANDB_MODE`` is set; every scalar is plotted against the llmrl step (the ``step`` metric), so steps may go back
+  without being dropped. W&B's service writes the run file on its own, after ``close`` returns.
 - ``mlflow``: an MLflow run in the file store ``<dir>/mlruns`` (``mlflow ui --backend-store-uri <dir>/mlruns``),
   or in ``MLFLOW_TRACKING_URI`` when set; names MLflow refuses have their other characters replaced by ``_``.
 
@@ -105,15 +106,23 @@ class TrackioBackend:
         self.run.log(dict(scalars), step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        import trackio
+
+        current = getattr(getattr(trackio, "context_vars", None), "current_run", None)
+        if current is not None and current.get() is self.run:
+            trackio.finish()  # also forgets it as trackio's current run, which trackio would finish again at exit
+        else:
+            self.run.finish()
 
 
 class WandbBackend:
     name = "wandb"
 
     def __init__(self, run_dir: Path, project: str, run_name: str, config: dict, **_):
-        wandb = _require("wandb")
         mode = None if os.environ.get("WANDB_MODE") else "offline"  # never the network unless the user asks
+        if mode == "offline":
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # nor W&B's crash reports
+        wandb = _require("wandb")
         self.run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config or None,
                               reinit="create_new", settings=wandb.Settings(console="off"))
         self.run.define_metric("step")
