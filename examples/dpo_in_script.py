@@ -13,8 +13,10 @@ derivative with respect to each, and the servers back-propagate them (the exact 
 plugin). ``optim_step`` takes the step. Held-out pairs (other adjectives and subjects, never trained on) measure
 how often the policy prefers the chosen continuation, before and after, with 95% confidence intervals.
 
-Writes, in ``--out``: ``curve.png`` (loss and held-out preference), ``metrics.csv`` and ``summary.json``. It does
-not generate text: it trains and measures preferences between given continuations only.
+Writes, in ``--out``: ``curve.png`` (loss and held-out preference), ``metrics.csv``, ``summary.json``, and what the
+config's ``tracking`` back ends record (each ``optim_step``'s statistics, the loss's metrics through ``caller.log``)
+in a folder named after the run. It does not generate text: it trains and measures preferences between given
+continuations only.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def main() -> None:
     rng = random.Random(args.seed)
     held_out = pairs(HELD_OUT_SUBJECTS, HELD_OUT_GOOD, HELD_OUT_BAD, 16 if args.quick else 100, rng)
     start, history = time.time(), []
-    with Caller() as caller:
+    with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         before = preference(caller, held_out)
+        caller.log({"eval/preference_rate": before["rate"]})  # step 0: before any optim_step
         print(f"before: the policy prefers the chosen continuation in {before['rate']:.0%} of held-out pairs",
               flush=True)
         caller.snapshot("reference")
@@ -113,7 +116,9 @@ def main() -> None:
             out = caller.forward_backward_custom(data, dpo_loss(args.beta, lengths, reference))
             caller.optim_step({"learning_rate": args.lr * (1 - step / args.steps)})
             history.append({"step": step + 1, **out["metrics"]})
+            caller.log({f"train/{key}": value for key, value in out["metrics"].items()})  # at this optim_step's step
         after = preference(caller, held_out)
+        caller.log({"eval/preference_rate": after["rate"]})
     wall = time.time() - start
     print(f"held-out preference for the chosen continuation {before['rate']:.0%} "
           f"({before['ci95'][0]:.0%} to {before['ci95'][1]:.0%}) -> {after['rate']:.0%} "

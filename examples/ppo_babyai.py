@@ -9,7 +9,9 @@ forward pass; it steps several environments at once, computes GAE advantages, an
 which runs the built-in PPO updater on the LoRA adapters of every replica. Before and after training
 it evaluates the greedy policy on held-out seeds. It writes, in ``--out``: ``curve.png`` (the learning
 curve), ``metrics.csv`` (one row per update), ``summary.json`` (evaluations with 95% confidence
-intervals, timings, settings), and TensorBoard events when tensorboard is installed.
+intervals, timings, settings), and, in a folder named after the run, what the config's ``tracking`` back ends
+record (the shipped configs: ``scalars.csv`` and TensorBoard events): each update's PPO statistics and the servers'
+memory and cache, logged by ``update`` itself, and this script's episode scalars, logged with ``caller.log``.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def flatten(rows: list[list]) -> list:
     return [x for row in rows for x in row]
 
 
-def train(caller: Caller, args: Args, writer) -> list[dict]:
+def train(caller: Caller, args: Args) -> list[dict]:
     from tqdm import tqdm
 
     env = TextVecEnv(args.level, args.num_envs, seeds=[args.seed + k for k in range(args.num_envs)],
@@ -186,9 +188,8 @@ def train(caller: Caller, args: Args, writer) -> list[dict]:
         history.append(row)
         bar.set_postfix(success=f"{row['running_success_rate']:.0%}", reward=f"{row['mean_return']:.2f}",
                         entropy=f"{row['entropy']:.2f}")
-        if writer is not None:
-            for key, value in row.items():
-                writer.add_scalar(f"train/{key}", value, row["transitions"])
+        caller.log({f"train/{key}": row[key] for key in ("transitions", "episodes", "success_rate",
+                                                         "running_success_rate", "mean_return", "collect_seconds")})
     env.close()
     return history
 
@@ -240,19 +241,14 @@ def reuse_report(memory: dict) -> dict:
 def main() -> None:
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    writer = None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(os.path.join(args.out, "tensorboard"))
-    except ImportError:
-        pass
     start = time.time()
-    with Caller() as caller:
+    with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         print(f"llmrl: {caller.info}", flush=True)
         before = evaluate(caller, args, "before training")
-        history = train(caller, args, writer)
+        caller.log({"eval/success_rate": before["success_rate"]})  # step 0: before any update
+        history = train(caller, args)
         after = evaluate(caller, args, "after training")
+        caller.log({"eval/success_rate": after["success_rate"]})  # at the last update's step
         reuse = reuse_report(caller.server_memory())
     wall = time.time() - start
     if history:
@@ -266,8 +262,6 @@ def main() -> None:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(history, before, after, os.path.join(args.out, "curve.png"), f"PPO on {args.level}")
-    if writer is not None:
-        writer.close()
     print(f"success {before['success_rate']:.1%} -> {after['success_rate']:.1%} "
           f"({'significant' if significant else 'not significant'} at 95%); {wall / 60:.1f} minutes; "
           f"results in {args.out}/ (curve.png, metrics.csv, summary.json)", flush=True)

@@ -139,6 +139,7 @@ def main() -> None:
                                   old_logprobs=flat["logprobs"], advantages=advantages.flatten().tolist(),
                                   returns=returns.flatten().tolist())  # one dict per replica
             successes = sum(e.success for e in episodes)
+            caller.log({"train/success_rate": successes / max(1, len(episodes))})  # beside update's own statistics
             print(f"update {update + 1}: {successes}/{len(episodes)} episodes succeeded, policy loss "
                   f"{stats[0]['policy_loss']:.4f}, entropy {stats[0]['entropy']:.3f}", flush=True)
     env.close()

@@ -11,7 +11,9 @@ training, read with ``forward``), divided by its length and the batch size (a me
 continuations), take ``forward_backward`` with the ``importance_sampling`` loss against the log-probs the sampler
 returned, and ``optim_step`` with a learning rate that decays linearly, computed here.
 
-Writes, in ``--out``: ``curve.png``, ``metrics.csv`` and ``summary.json`` (as the RLHF demo). It does not define
+Writes, in ``--out``: ``curve.png``, ``metrics.csv`` and ``summary.json`` (as the RLHF demo), and what the
+config's ``tracking`` back ends record (each ``optim_step``'s statistics on their own, this script's scalars through
+``caller.log``) in a folder named after the run. It does not define
 the prompts, reward or evaluation (``examples/rlhf_sentiment.py`` does) and runs no updater plugin.
 """
 
@@ -81,6 +83,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
         history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
                         "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
                         "seconds": time.time() - start})
+        caller.log({f"train/{key}": history[-1][key] for key in ("reward", "kl", "loss", "learning_rate")})
         bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
     return history
 
@@ -114,10 +117,12 @@ def main() -> None:
     held_out = held_out[:args.eval_prompts]
     reward = Reward(args.short_penalty, args.repeat_penalty)
     start = time.time()
-    with Caller() as caller:
+    with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         before = evaluate(caller, held_out, reward, args, "before training")
+        caller.log({"eval/mean_reward": before["mean_reward"]})  # step 0: before any optim_step
         history = train(caller, train_prompts, reward, args)
         after = evaluate(caller, held_out, reward, args, "after training")
+        caller.log({"eval/mean_reward": after["mean_reward"]})  # at the last optim_step's step
     wall = time.time() - start
     with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(history[0]))

@@ -163,6 +163,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             if all(key in s for s in stats):
                 row[key] = sum(s[key] * s["samples"] for s in stats) / max(n, 1)
         history.append(row)
+        caller.log({f"train/{key}": row[key] for key in ("reward", "mean_tokens", "generate_seconds")})
         bar.set_postfix(reward=f"{row['reward']:+.2f}", kl=f"{row.get('kl', 0.0):.2f}")
     return history
 
@@ -217,11 +218,13 @@ def main() -> None:
     held_out = held_out[: args.eval_prompts]
     reward = Reward(args.short_penalty, args.repeat_penalty)
     start = time.time()
-    with Caller() as caller:
+    with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         print(f"llmrl: {caller.info}", flush=True)
         before = evaluate(caller, held_out, reward, args, "before training")
+        caller.log({"eval/mean_reward": before["mean_reward"]})  # step 0: before any update
         history = train(caller, train_prompts, reward, args)
         after = evaluate(caller, held_out, reward, args, "after training")
+        caller.log({"eval/mean_reward": after["mean_reward"]})  # at the last update's step
     wall = time.time() - start
     gflops = matmul_gflops()
     with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:

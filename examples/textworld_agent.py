@@ -11,7 +11,9 @@ admissible commands and samples one; in ``write`` mode it writes the command. Th
 and ``grpo_turns`` (the config's updater) trains on them: each turn's advantage is its return-to-go against the
 group's, on the model's own tokens only. Before, during and after training, the greedy policy plays held-out games
 (other seeds). It writes, in ``--out``: ``curve.png``, ``metrics.csv`` (one row per update), ``summary.json``
-(evaluations with 95% confidence intervals, transcripts of one held-out episode before and after, timings).
+(evaluations with 95% confidence intervals, transcripts of one held-out episode before and after, timings), and
+what the config's ``tracking`` back ends record (each update's statistics on their own, this script's scalars through
+``caller.log``) in a folder named after the run.
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ def train(caller: Caller, train_games, held_out, args: Args, evaluations: list) 
         for key in ("policy_loss", "approx_kl", "clip_fraction"):
             row[key] = sum(s.get(key, 0.0) * s["samples"] for s in stats) / max(samples, 1)
         history.append(row)
+        caller.log({f"train/{key}": row[key] for key in ("success_rate", "mean_turns", "play_seconds")})
         bar.set_postfix(success=f"{row['success_rate']:.0%}", turns=f"{row['mean_turns']:.1f}")
         if (update + 1) % args.eval_every == 0 and update + 1 < args.updates:
             evaluations.append({**evaluate(caller, held_out, args, f"after {update + 1} updates"),
                                 "update": update + 1})
+            caller.log({"eval/success_rate": evaluations[-1]["success_rate"]})
     return history
 
 
@@ -202,12 +206,14 @@ def main() -> None:
     start = time.time()
     train_games, held_out = games(args, held_out=False), games(args, held_out=True)
     generated = time.time() - start
-    with Caller() as caller:
+    with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         print(f"llmrl: {caller.info}", flush=True)
         chat_template(caller)
         evaluations = [{**evaluate(caller, held_out, args, "before training"), "update": 0}]
+        caller.log({"eval/success_rate": evaluations[0]["success_rate"]})  # step 0: before any update
         history = train(caller, train_games, held_out, args, evaluations)
         evaluations.append({**evaluate(caller, held_out, args, "after training"), "update": args.updates})
+        caller.log({"eval/success_rate": evaluations[-1]["success_rate"]})
     wall = time.time() - start
     before, after = evaluations[0], evaluations[-1]
     with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:

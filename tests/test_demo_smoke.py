@@ -1,5 +1,6 @@
 """The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 and 2 replicas, each
-on an empty model cache (as on a fresh machine)."""
+on an empty model cache (as on a fresh machine). Every demo's tracked scalars (the shipped configs' csv and
+TensorBoard back ends) agree with its own metrics.csv."""
 
 import csv
 import json
@@ -11,6 +12,15 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tracked(out, script: str) -> dict[tuple[int, str], float]:
+    """The scalars a demo's run tracked under ``--out`` (``<script>-<date>-<time>/scalars.csv``), by (step, key);
+    the TensorBoard events are beside them."""
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(script + "-")]
+    assert list(run_dir.glob("events.out.tfevents.*")), sorted(os.listdir(run_dir))
+    with open(run_dir / "scalars.csv") as f:
+        return {(int(r["step"]), r["key"]): float(r["value"]) for r in csv.DictReader(f)}
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -36,6 +46,12 @@ def test_ppo_demo_quick(tmp_path, replicas):
         rows = list(csv.DictReader(f))
     assert len(rows) == 2  # --quick: two PPO updates
     assert all(float(row["samples"]) == 16 for row in rows), rows  # 4 environments x 4 steps per update
+    scalars = tracked(out, "ppo_babyai")
+    for step, row in enumerate(rows, 1):  # update's statistics, written on their own, and the script's scalars
+        assert scalars[(step, "update/policy_loss")] == pytest.approx(float(row["policy_loss"]))  # equal shares
+        assert scalars[(step, "train/success_rate")] == float(row["success_rate"])
+    assert scalars[(2, "update/replicas")] == replicas and (2, "server/policy/kv_cache_hit_rate") in scalars
+    assert scalars[(0, "eval/success_rate")] == summary["before"]["success_rate"]
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reuse = summary["reuse"]  # the config's kv_cache_mb and trunk_reuse_mb at work on every replica
     assert len(reuse) == replicas, reuse
@@ -63,6 +79,9 @@ def test_rlhf_demo_quick(tmp_path, updater, replicas):
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and all(int(row["samples"]) == 8 for row in rows), rows  # 4 prompts x 2 continuations
     assert ("kl_coef" in rows[0]) == (updater == "ppo_tokens")
+    scalars = tracked(out, "rlhf_sentiment")
+    assert [scalars[(k, "train/reward")] for k in (1, 2)] == [float(row["reward"]) for row in rows]
+    assert scalars[(2, "update/samples")] == 4  # prompts, split over the replicas
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -83,6 +102,8 @@ def test_loss_in_script_demos_quick(tmp_path, script, replicas):
         low, high = evaluation["ci95"]
         value = evaluation.get("mean_reward", evaluation.get("rate"))
         assert low <= value <= high
+    scalars = tracked(out, script.removesuffix(".py"))
+    assert [scalars[(k, "update/optimizer_steps")] for k in (1, 2)] == [1, 1]  # each optim_step, tracked
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -110,4 +131,6 @@ def test_textworld_demo_quick(tmp_path, mode, replicas):
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["episodes"]) for r in rows] == [4, 8]  # 2 games x 2 episodes per update
+    scalars = tracked(out, "textworld_agent")
+    assert [scalars[(k, "train/success_rate")] for k in (1, 2)] == [float(r["success_rate"]) for r in rows]
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -116,7 +116,8 @@ def test_custom_lora_initializer_trains_adapters_only(tiny):
 
 @pytest.mark.slow
 def test_custom_example_runs(tmp_path, tiny):
-    """The doc's command on a tiny model: two updates through the hand-written plugins, a clean exit."""
+    """The doc's command on a tiny model: two updates through the hand-written plugins, a clean exit, the updates'
+    statistics and the script's scalars tracked."""
     result = subprocess.run(
         [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", CUSTOM_CONFIG,
          f"llms.policy.model={tiny['llama']}",
@@ -126,3 +127,6 @@ def test_custom_example_runs(tmp_path, tiny):
     lines = [line for line in result.stdout.splitlines() if line.startswith("update ")]
     assert [line.split(":")[0] for line in lines] == ["update 1", "update 2"], result.stdout[-3000:]
     assert all("policy loss" in line and "nan" not in line for line in lines)
+    (scalars,) = (tmp_path / "runs").glob("ppo_lora_custom-*/scalars.csv")  # the config's tracking, default folder
+    keys = {(line.split(",")[0], line.split(",")[1]) for line in scalars.read_text().splitlines()[1:]}
+    assert {("1", "train/success_rate"), ("2", "update/policy_loss")} <= keys

@@ -6,8 +6,9 @@ with an ``_async`` twin returning a future; calls to different LLMs run concurre
 the script (``forward_backward``, ``optim_step``...: :mod:`llmrl.engine.client.training_calls`), snapshots and
 adapters made at run time (:mod:`llmrl.engine.client.adapter_calls`), ``save``
 (:mod:`llmrl.engine.client.saving`), the served tokenizer and chat messages as contexts
-(:mod:`llmrl.engine.client.chat`), multi-turn episodes (:mod:`llmrl.engine.client.episodes`), and
-``state_dict``, ``tokenize``, ``ping``, ``servers``, ``server_memory``, ``close_llm`` and ``close``. A call to
+(:mod:`llmrl.engine.client.chat`), multi-turn episodes (:mod:`llmrl.engine.client.episodes`), experiment tracking
+(``log``, ``server_memory``: :mod:`llmrl.engine.client.tracking_calls`), and ``state_dict``, ``tokenize``, ``ping``,
+``servers``, ``close_llm`` and ``close``. A call to
 the servers checks its arguments and hands them to its request kind (:mod:`llmrl.engine.requests`), which splits
 them across the replicas of the target LLM and assembles the replies: results come back in order as CPU tensors and
 plain Python.
@@ -28,6 +29,7 @@ from llmrl.engine.client import chat
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.episodes import EpisodeCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
+from llmrl.engine.client.tracking_calls import TrackingCalls
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
     InvalidArgument,
@@ -39,7 +41,7 @@ from llmrl.engine.errors import (
 from llmrl.engine.requests import admin, generate, inputs, score, state_dict, tokenize, update
 
 
-class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
+class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
     """Your script's handle on the LLM servers of this run.
 
     Create it once, inside a script started by ``llmrl run`` (or ``deepspeed --module llmrl.launch``).
@@ -53,6 +55,8 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
         llm: which LLM ``heads``/``initializers``/``updater`` are for (default: the first in the config).
         timeout: seconds a call may take before :class:`RequestTimeoutError` (default ``timeouts.request``).
         progress: show a progress bar while the servers start.
+        tracking: the config's ``tracking`` keys to replace (a dict), back end names (``["csv", "tensorboard"]``),
+            or False for none; each ``update``'s statistics and :meth:`log`'s scalars go there.
 
     Example::
 
@@ -66,7 +70,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
         return super().__new__(cls)
 
     def __init__(self, *, heads: dict | None = None, initializers: list | None = None, updater=None,
-                 llm: str | None = None, timeout: float | None = None, progress: bool = True):
+                 llm: str | None = None, timeout: float | None = None, progress: bool = True, tracking=None):
         from llmrl.plugins import registry
         from llmrl.plugins.checks import given_plugins
 
@@ -86,6 +90,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
         self._closed = False
         self._rng = random.Random(self.config.seed)
         self._tokenizers = chat.Tokenizers(self.config)
+        self._start_tracking(tracking)
         target = self._llm(llm)
         plugins: dict[str, dict[str, Any]] = {target: given} if given else {}
         bar = startup_bar(progress, len(run.roles))
@@ -298,9 +303,9 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
         contexts are. The others reach every replica whole. NaN or infinite numbers anywhere are refused.
 
         Returns:
-            The updater's statistics, one dict per replica.
+            The updater's statistics, one dict per replica (also written by the run's tracking, see :meth:`log`).
         """
-        return self._wait(self.update_async(contexts, candidates, llm=llm, **kwargs))
+        return self._tracked(llm, contexts, lambda: self.update_async(contexts, candidates, llm=llm, **kwargs))
 
     # ------------------------------------------------------------------ checkpoints & misc
 
@@ -348,13 +353,6 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
                        "closed": h.llm in self._run.closed_llms}
                 for rank, h in sorted(self._run.links.hellos.items())}
 
-    def server_memory(self) -> dict[int, dict]:
-        """Memory use of every server rank still serving (resident set size, peak, CUDA allocations, parameter
-        bytes), and under ``"requests"`` how many requests of each kind (``"score"``, ``"generate"``, ...) the rank
-        received."""
-        self._open()
-        return self._wait(admin.send_stats(self._run))
-
     def close_llm(self, llm: str) -> None:
         """Stop one LLM's servers cleanly while the run's other LLMs go on serving (free its memory once it is no
         longer needed: a reward model after scoring, a reference policy).
@@ -386,6 +384,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
         if self._closed:
             return
         self._closed = True
+        self._close_tracking(quiet=True)
         self._run.shutdown(abort=False, reason="Caller.close()")
 
     def __enter__(self) -> Caller:
@@ -396,5 +395,6 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls):
             self.close()
         else:
             self._closed = True
+            self._close_tracking(quiet=True)
             self._run.shutdown(abort=True, reason=f"the script raised {exc_type.__name__}")
 

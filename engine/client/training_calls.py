@@ -168,6 +168,7 @@ class ClientTraining:
 
         Returns:
             ``{"optimizer_steps": 1 (0 when no gradient was pending), "adapters": [trained adapters],
-            "grad_norm": the global gradient norm before clipping, when DeepSpeed reports it}``.
+            "grad_norm": the global gradient norm before clipping, when DeepSpeed reports it}`` (also written by the
+            run's tracking, as ``update``'s statistics are).
         """
-        return self._wait(self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))
+        return self._tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))

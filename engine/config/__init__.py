@@ -16,8 +16,9 @@ from llmrl.engine.config.types import (
     PluginSpec,
     QuantizationConfig,
     Timeouts,
+    TrackingConfig,
     TrainingConfig,
 )
 
 __all__ = ["BUILTIN_MODEL_PREFIX", "Config", "LLMConfig", "OptimizerConfig", "PluginSpec", "QuantizationConfig",
-           "Timeouts", "TrainingConfig", "load_config", "world_size_problem"]
+           "Timeouts", "TrackingConfig", "TrainingConfig", "load_config", "world_size_problem"]

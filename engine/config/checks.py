@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from llmrl.engine.config.types import Config
+from llmrl.engine.config.types import TRACKING_PACKAGES, Config
 from llmrl.engine.errors import did_you_mean
 
 BUILTIN_MODEL_PREFIX = "builtin:"
@@ -161,6 +161,17 @@ def environment_problems(data: dict, check_devices: bool = True) -> list[Problem
         tp = llm.get("tensor_parallel", 1)
         if tp > 1:
             problems += _tensor_parallel_problems(at, llm, tp)
+    return problems + tracking_problems((data.get("tracking") or {}).get("backends") or ())
+
+
+def tracking_problems(backends) -> list[Problem]:
+    """The tracking back ends whose package is not installed on this machine (the client's: rank 0 writes)."""
+    problems = []
+    for name in backends:
+        module, install = TRACKING_PACKAGES.get(name, (None, ""))
+        if module and importlib.util.find_spec(module) is None:
+            problems.append(("tracking.backends", f"the {name} back end needs the {module} package, which is not "
+                             f"installed: {install}, or remove {name} from tracking.backends"))
     return problems
 
 

@@ -26,6 +26,7 @@ from llmrl.engine.config.types import (
     PluginSpec,
     QuantizationConfig,
     Timeouts,
+    TrackingConfig,
     TrainingConfig,
 )
 from llmrl.engine.errors import ConfigError, did_you_mean
@@ -196,18 +197,49 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
             "gpu": "auto", "cuda": "auto", "decoder": "causal", "encoder-decoder": "seq2seq", "adam_w": "adamw"}
 
 
-def schema_problems(data: dict) -> list[Problem]:
-    """Validate against the JSON Schema; one readable problem per schema error."""
+def schema_problems(data: dict, section: str | None = None) -> list[Problem]:
+    """Validate against the JSON Schema (or, with ``section``, the value of that top-level key against its
+    definition); one readable problem per schema error."""
     import jsonschema
 
     # JSON Schema counts 2.0 as an integer; a config means 2 or it is a mistake (replicas: 2.0 breaks later).
     strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
-    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(load_schema())
+    schema = load_schema()
+    if section is not None:
+        schema = {"$defs": schema["$defs"], **schema["properties"][section]}
+    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(schema)
     problems: list[Problem] = []
     for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.extend(_explain(error))
+    if section is not None:
+        problems = [(".".join(p for p in (section, path) if p), message) for path, message in problems]
     return problems
+
+
+def tracking_config(base: TrackingConfig, given) -> TrackingConfig:
+    """The tracking settings of a Caller: ``base`` (the config's) with the keys ``given`` names replaced. ``given`` is
+    None (``base``), False (no back end), a back end's name or a list of names, or a mapping of ``tracking`` keys.
+
+    Raises:
+        ValueError: ``given`` breaks the ``tracking`` section's schema (every problem, with its dotted path).
+    """
+    if given is None:
+        return base
+    if given is False:
+        given = {"backends": []}
+    elif isinstance(given, str):
+        given = {"backends": [given]}
+    elif isinstance(given, (list, tuple)):
+        given = {"backends": list(given)}
+    elif not isinstance(given, dict):
+        raise ValueError(f"tracking: expected a mapping of tracking keys, a back end's name, a list of them or False, "
+                         f"got {type(given).__name__}")
+    problems = schema_problems(given, "tracking")
+    if problems:
+        raise ValueError("; ".join(f"{path}: {message}" for path, message in problems))
+    fields = {**base.__dict__, **given}
+    return TrackingConfig(**{**fields, "backends": tuple(fields["backends"])})
 
 
 def _explain(error) -> list[Problem]:
@@ -245,6 +277,8 @@ def _explain(error) -> list[Problem]:
     if kind == "pattern" and "propertyNames" in error.schema_path:
         return [(path, f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a "
                        "letter or '_'")]
+    if kind == "pattern" and "x-hint" in schema:
+        return [(path, f"{error.instance!r} is not allowed here: write {schema['x-hint']}")]
     if kind == "propertyNames":
         return [(path,
                  f"name {error.instance!r} is not allowed: use letters, digits, '_' and '-', starting with a letter")]
@@ -264,7 +298,11 @@ def build_config(data: dict, source: str | None = None) -> Config:
     comes from :mod:`llmrl.engine.config.types`."""
     llms = {name: _llm_config(name, raw) for name, raw in data["llms"].items()}
     top = {key: data[key] for key in ("seed", "threads_per_rank", "log_level", "max_message_bytes") if key in data}
-    return Config(llms=llms, timeouts=Timeouts(**(data.get("timeouts") or {})), source=source, **top)
+    tracking = dict(data.get("tracking") or {})
+    if "backends" in tracking:
+        tracking["backends"] = tuple(tracking["backends"])
+    return Config(llms=llms, timeouts=Timeouts(**(data.get("timeouts") or {})), tracking=TrackingConfig(**tracking),
+                  source=source, **top)
 
 
 def _llm_config(name: str, raw: dict) -> LLMConfig:

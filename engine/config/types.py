@@ -135,6 +135,25 @@ class Timeouts:
     collective: float = 1800.0
 
 
+TRACKING_BACKENDS = ("csv", "tensorboard", "trackio", "wandb", "mlflow")
+# the module each tracking back end imports, and the install that provides it (csv needs none)
+TRACKING_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'llmrl[tracking]'"),
+                     "trackio": ("trackio", "pip install 'llmrl[tracking-all]' (or pip install trackio)"),
+                     "wandb": ("wandb", "pip install 'llmrl[tracking-all]' (or pip install wandb)"),
+                     "mlflow": ("mlflow", "pip install 'llmrl[tracking-all]' (or pip install mlflow-skinny)")}
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """``tracking``: where the run's scalars go (the writers: :mod:`llmrl.engine.client.tracking`)."""
+
+    backends: tuple[str, ...] = ()  # some of TRACKING_BACKENDS; none: nothing is written
+    dir: str = "runs"  # each run writes under <dir>/<run_name> (MLflow's store: <dir>/mlruns, trackio's: <dir>/trackio)
+    run_name: str | None = None  # None: <script name>-<date>-<time>
+    project: str = "llmrl"  # the W&B / MLflow (experiment) / trackio project
+    server_stats_every: int = 1  # updates between two reports of the servers' memory and cache; 0: never
+
+
 @dataclass(frozen=True)
 class Config:
     llms: dict[str, LLMConfig]
@@ -143,6 +162,7 @@ class Config:
     log_level: str = "info"
     max_message_bytes: int = 4 << 30
     timeouts: Timeouts = field(default_factory=Timeouts)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     source: str | None = None
 
     @property
