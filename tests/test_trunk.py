@@ -82,7 +82,7 @@ def test_replayed_passes_equal_whole_passes(lora_top, record, replay, packed):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
 
 
-def test_calls_whose_tokens_were_never_scored_run_whole(lora_top):
+def test_calls_whose_tokens_were_never_scored_run_whole_and_are_recorded(lora_top):
     model, tok = lora_top
     trunk = Trunk(model, 1, 2**30)
     with torch.no_grad():
@@ -90,8 +90,13 @@ def test_calls_whose_tokens_were_never_scored_run_whole(lora_top):
             candidates=CANDIDATES[:2])
     replayed = run(model, tok, Needs(), 8192, 64, trunk=trunk, mode="replay")
     whole = run(model, tok, Needs(), 8192, 64)
-    assert trunk.whole_calls > 0
+    assert trunk.whole_calls > 0 and trunk.replayed_calls == 0
     for (_, a), (_, b) in zip(replayed, whole):
+        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
+    # what that pass ran whole it recorded (an update's first pass over generated tokens): the next one replays
+    again = run(model, tok, Needs(), 8192, 64, trunk=trunk, mode="replay")
+    assert trunk.replayed_calls > 0
+    for (_, a), (_, b) in zip(again, whole):
         torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
 
 

@@ -9,7 +9,8 @@ during the updater's forward passes replaces the layers below ``depth`` by a pas
 layer ``depth`` is taken from the tree, so forward and backward run through the trainable top only.
 
 A model call is replayed only when the tree holds the state of *every* token the call computes; otherwise it
-runs whole, as without reuse. Replay is off for passes that ask for hidden states of the bottom layers
+runs whole, as without reuse, and what it computed is recorded: the trunk of an update over generated tokens is
+computed once, by its first pass. Replay is off for passes that ask for hidden states of the bottom layers
 (they are not computed), and the skipped layers still add a placeholder to the key/value cache so that the
 cache length the model derives positions and masks from stays right. The states never need invalidating: what
 they depend on never changes. Supported: decoder-only models whose layers sit in ``<model>.model.layers`` and
@@ -107,7 +108,8 @@ def trunk_depth(model) -> int:
 
 
 class Trunk:
-    """Hidden states entering layer ``depth``, recorded while scoring and replayed in the updater's passes."""
+    """Hidden states entering layer ``depth``, recorded by any call that runs whole and replayed in the updater's
+    passes."""
 
     def __init__(self, model, depth: int, cap_bytes: int):
         layers = decoder_layers(model)
@@ -118,7 +120,7 @@ class Trunk:
         hidden = model.config.get_text_config().hidden_size
         dtype = next(layers[depth].parameters()).dtype
         self.states = PrefixKVCache(cap_bytes, hidden * torch.tensor([], dtype=dtype).element_size())
-        self.mode: str | None = None  # "record" while scoring, "replay" in the updater's passes
+        self.mode: str | None = None  # "record" while scoring, "replay" in the updater's passes (recording too)
         self.replayed_calls = 0
         self.whole_calls = 0
         self._captured: torch.Tensor | None = None
@@ -138,7 +140,7 @@ class Trunk:
         if self._replacement is not None:
             hidden = self._replacement.to(hidden.dtype)
             return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-        if self.mode == "record":
+        if self.mode is not None:  # recorded while scoring, and by an updater's pass that runs whole
             self._captured = hidden.detach()
         return None
 
@@ -156,8 +158,10 @@ class Trunk:
                    if len(columns))
 
     def call(self, model, kwargs: dict, rows: Sequence[TrunkRow], replay: bool):
-        """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded
-        while scoring. A row of the call's input may hold several paths (packed contexts and candidates)."""
+        """``model(**kwargs)``: replayed (``replay``, checked :meth:`available` first), or run whole and recorded,
+        while scoring and in an updater's pass alike: an update's first pass over tokens no score call computed
+        (generated continuations) records them, and its later passes (the reference with the adapters off, every
+        epoch) replay. A row of the call's input may hold several paths (packed contexts and candidates)."""
         if replay:
             with self._replaying(rows, kwargs["input_ids"].shape):
                 out = model(**kwargs)
@@ -167,7 +171,7 @@ class Trunk:
             self.whole_calls += 1
         self._captured = None
         out = model(**kwargs)
-        if self.mode == "record" and self._captured is not None:
+        if self._captured is not None:
             self._record(rows, self._captured)
         self._captured = None
         return out

@@ -1,0 +1,67 @@
+"""The frozen trunk of a token-level update computed once, by its first pass (issue 33, item 2): ``ppo_tokens`` and
+``grpo`` on generated tokens that no ``score`` call ever computed, with LoRA on the top layer of two and
+``trunk_reuse_mb``, against the same LLM without it (its twin in the same run; both equal a plain PEFT step in
+``test_rlhf_live``): statistics and every weight after two SGD updates equal to 1e-5 (Adam would magnify float32
+rounding in near-zero gradients), and the servers report passes
+replayed through the top layer only. 1 and 2 replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Goal: go to the red ball", "You see a wall 2 steps forward.", "In the kitchen you see a fridge.",
+           "pick up the key", "open the door"]
+TOP_LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4, "last_layers": 1}}}}
+UPDATERS = {
+    "ppo_tokens": ({"epochs": 2, "clip_eps": 0.2, "value_clip": 0.05, "value_coef": 0.5, "entropy_coef": 0.01,
+                    "kl_coef": 0.1, "gamma": 0.95, "lam": 0.9},
+                   {"value": {"plugin": "token_value", "args": {"hidden": 16}}}),
+    "grpo": ({"epochs": 2, "clip_eps": 0.2, "kl_coef": 0.1}, {}),
+}
+CASES = [(updater, replicas) for updater in UPDATERS for replicas in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    llms = {}
+    for updater, replicas in CASES:
+        args, heads = UPDATERS[updater]
+        for kind in ("trunk", "whole"):
+            llms[f"{updater}-{replicas}-{kind}"] = {
+                "model": tiny["llama"], "replicas": replicas, "trunk_reuse_mb": 16 if kind == "trunk" else 0,
+                "initializers": [TOP_LORA], "heads": heads, "updater": {"plugin": updater, "args": args},
+                "training": {"zero_stage": 2, "optimizer": {"type": "sgd", "lr": 0.05}, "micro_batch_size": 2}}
+    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield live
+    assert live.close() == 0, live.log
+
+
+@pytest.mark.parametrize("updater,replicas", CASES)
+def test_an_update_computes_the_trunk_once_and_equals_the_whole_model(run, updater, replicas):
+    trunk, whole = f"{updater}-{replicas}-trunk", f"{updater}-{replicas}-whole"
+    start = run.state_dict(llm=whole)
+    for step in range(2):  # the second update's samples are new again: its first pass records them
+        samples = run.generate(PROMPTS, llm=whole, do_sample=True, num_return_sequences=3, max_new_tokens=5,
+                               seed=step)
+        conts = [[s["tokens"].tolist() for s in group] for group in samples]
+        rewards = [[float(len(c) % 3) - 0.5 * j + 0.1 * i for j, c in enumerate(group)]
+                   for i, group in enumerate(conts)]
+        got = run.update(PROMPTS, conts, llm=trunk, rewards=rewards)
+        want = run.update(PROMPTS, conts, llm=whole, rewards=rewards)
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys()
+            for key in w:
+                assert g[key] == pytest.approx(w[key], abs=1e-5), key
+    a, b = run.state_dict(llm=trunk), run.state_dict(llm=whole)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    moved = [k for k in b if not torch.equal(b[k], start[k])]
+    assert moved and all("lora_" in k or k.startswith("heads.") for k in moved), moved  # the top layer's adapter
+    ranks = [rank for rank, server in run.servers().items() if server["llm"] == trunk]
+    stats = [run.server_memory()[rank]["trunk"] for rank in ranks]
+    assert len(stats) == replicas and all(s["replayed_calls"] > 0 for s in stats), stats  # the top layer only
