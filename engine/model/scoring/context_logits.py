@@ -2,13 +2,13 @@
 scoring pass already keeps there, for heads that declare ``needs_context_logits`` (the built-in ``next_token``).
 
 A causal model's logits at a position are its output layer applied to the last layer's hidden state there; T5 with
-tied embeddings (``scale_decoder_outputs``) scales that state by ``d_model ** -0.5`` first. So the logits after a context cost one output-layer
-call on ``[n_contexts, H]``, whatever the candidates, and are those of ``model(ids).logits[:, -1]`` (seq2seq: of
-the decoder's first position). Models whose forward changes the logits after the output layer (soft-capping, a logit
-scale) or whose last hidden state is not the output layer's input are refused by name (:func:`context_logits_problem`)
-rather than served approximately: only the families listed in
-:data:`~llmrl.engine.model.scoring.vocab_chunks.PLAIN_OUTPUT_MODELS` are served, each tested against plain Hugging
-Face.
+tied embeddings (``scale_decoder_outputs``) scales that state by ``d_model ** -0.5`` first. So the logits after a
+context cost one output-layer call on ``[n_contexts, H]``, whatever the candidates, and are those of
+``model(ids).logits[:, -1]`` (seq2seq: of the decoder's first position). Models whose forward changes the logits
+after the output layer (soft-capping, a logit scale) or whose last hidden state is not the output layer's input are
+refused by name (:func:`context_logits_problem`) rather than served approximately: only the families listed in
+:data:`~llmrl.engine.model.scoring.vocab_chunks.PLAIN_OUTPUT_MODELS` are served (Llama, GPT-2 and T5 are tested against
+plain Hugging Face).
 
 This module makes one output-layer call and nothing else; which positions are the contexts' last is the scoring
 code's business.
@@ -43,7 +43,8 @@ def context_logits_problem(model) -> str | None:
                 f"not {kind!r} (its logits may not be its output layer applied to the last hidden state); score "
                 "candidates=[[\"\"]] with add_eos=True and a token-level head with needs_logits instead")
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return f"model type {kind!r} rescales its logits after the output layer; use a token-level head with needs_logits"
+        return (f"model type {kind!r} rescales its logits after the output layer; use a token-level head with "
+                "needs_logits")
     if output_layer(model) is None:
         return f"model type {kind!r} has no output embeddings (get_output_embeddings() is None)"
     return None
