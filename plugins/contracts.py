@@ -278,7 +278,8 @@ class Updater:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
         per_sample_args: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
             value per context; ``"candidate"``: per context, one per candidate; ``"token"``: per context, one
-            sequence per candidate, one value per scored token), e.g. ``{"rewards": "candidate"}``. The client
+            sequence per candidate, one value per scored token; ``"candidate_or_token"``: per candidate either),
+            e.g. ``{"rewards": "candidate"}``. The client
             refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
             (:mod:`llmrl.plugins.per_sample`). None keeps the length rule (an argument whose length is the number
             of contexts is sliced).
