@@ -249,7 +249,8 @@ def check_head_attributes(cls, name: str) -> str | None:
     level = getattr(cls, "level", None)
     if level not in HEAD_LEVELS:
         return f"{where}: level = {level!r}; the level attribute must be one of {', '.join(HEAD_LEVELS)}"
-    for attr in ("needs_context_hidden", "needs_candidate_hidden", "needs_token_hidden", "needs_logits"):
+    for attr in ("needs_context_hidden", "needs_candidate_hidden", "needs_token_hidden", "needs_logits",
+                 "needs_context_logits"):
         if not isinstance(getattr(cls, attr, False), bool):
             return f"{where}: {attr} = {getattr(cls, attr)!r}; it must be True or False"
     layers = getattr(cls, "hidden_layers", (-1,))

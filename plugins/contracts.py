@@ -83,6 +83,10 @@ class ForwardOutputs(NamedTuple):
         token_logits: ``[n_tokens, vocab]`` float32 logits at those same positions (``log_softmax`` of a row,
             taken at the token's id, is its ``token_logprobs`` entry). Present when a head asks
             (``Head.needs_logits``); costs ``n_tokens x vocab`` floats.
+        context_logits: ``[n_contexts, vocab]`` float32 logits of the token after each context (causal: at the last
+            token of the context tokenised alone, as ``model(ids).logits[:, -1]``; seq2seq: of the decoder's first
+            token), whether or not the call has candidates. Present when a head asks
+            (``Head.needs_context_logits``); costs ``n_contexts x vocab`` floats.
         Use :meth:`tokens_by_candidate` for padded ``[n_candidates, max_tokens]`` views of the per-token tensors.
     """
 
@@ -104,6 +108,7 @@ class ForwardOutputs(NamedTuple):
     token_hidden: torch.Tensor | None = None
     token_hidden_layers: dict[int, torch.Tensor] | None = None
     token_logits: torch.Tensor | None = None
+    context_logits: torch.Tensor | None = None
 
     def tokens_by_candidate(self, values: torch.Tensor | None = None, fill: float = 0.0
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +184,8 @@ class Head(torch.nn.Module):
             ``token_hidden_layers[i]``, keyed as declared. An index beyond the model's layers is refused at load.
         needs_logits: ``outputs.token_logits`` (``[n_tokens, vocab]`` float32, the logits at the positions that
             predict the scored tokens).
+        needs_context_logits: ``outputs.context_logits`` (``[n_contexts, vocab]`` float32, the logits of the next
+            token after each context: no candidate needed). The built-in ``next_token`` head returns them.
         args_schema: optional JSON Schema of the constructor's keyword arguments.
 
     Per-call keyword arguments: ``score(..., head_kwargs={...})``, ``custom_module_fns(..., head_kwargs=...)`` and
@@ -199,6 +206,7 @@ class Head(torch.nn.Module):
     needs_candidate_hidden: ClassVar[bool] = False
     needs_token_hidden: ClassVar[bool] = False
     needs_logits: ClassVar[bool] = False
+    needs_context_logits: ClassVar[bool] = False
     hidden_layers: ClassVar[tuple[int, ...]] = (-1,)
     args_schema: ClassVar[dict | None] = None
 
@@ -216,7 +224,8 @@ class Head(torch.nn.Module):
 
         Args:
             outputs: the pass's outputs; read ``outputs.context_hidden``, ``outputs.candidate_hidden``,
-                ``outputs.token_hidden``, the ``*_hidden_layers`` dicts, ``outputs.token_logits``.
+                ``outputs.token_hidden``, the ``*_hidden_layers`` dicts, ``outputs.token_logits``,
+                ``outputs.context_logits``.
             **kwargs: (when declared) the call's ``head_kwargs``.
 
         Returns:
@@ -269,7 +278,8 @@ class Updater:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
         per_sample_args: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
             value per context; ``"candidate"``: per context, one per candidate; ``"token"``: per context, one
-            sequence per candidate, one value per scored token), e.g. ``{"rewards": "candidate"}``. The client
+            sequence per candidate, one value per scored token; ``"candidate_or_token"``: per candidate either),
+            e.g. ``{"rewards": "candidate"}``. The client
             refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
             (:mod:`llmrl.plugins.per_sample`). None keeps the length rule (an argument whose length is the number
             of contexts is sliced).

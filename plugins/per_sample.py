@@ -7,7 +7,9 @@ level:
 - ``"sample"``: one value per context (``actions``, ``advantages``, ``margins``);
 - ``"candidate"``: per context, one value per candidate (``rewards`` of each continuation; a bare number when the
   context has one candidate);
-- ``"token"``: per context, one sequence per candidate with one value per scored token of it (``old_logprobs``).
+- ``"token"``: per context, one sequence per candidate with one value per scored token of it (``old_logprobs``);
+- ``"candidate_or_token"``: per context, one entry per candidate, each a value (of the whole candidate) or a
+  sequence with one value per scored token (``ppo_tokens``' ``rewards``: a score, or dense per-token rewards).
 
 A declared argument must have one entry per context: a wrong length is refused naming the argument, its length
 and the number of contexts; nested levels are checked against the call's candidates (per-token lengths where the
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 
 from llmrl.engine.errors import InvalidArgument
 
-LEVELS = ("sample", "candidate", "token")
+LEVELS = ("sample", "candidate", "token", "candidate_or_token")
 
 
 def is_per_sample(value, n: int) -> bool:
@@ -106,22 +108,27 @@ def check_per_sample(kwargs: dict, contexts: list, candidates: list | None, decl
 
 def _check_entry(key: str, level: str, i: int, entry, cands: list) -> None:
     k = len(cands)
-    if level == "candidate" and isinstance(entry, numbers.Number) and k == 1:
+    if level in ("candidate", "candidate_or_token") and isinstance(entry, numbers.Number) and k == 1:
         return
     length = _length(entry)
     if length != k:
         got = f"{length} values" if length is not None else f"a {type(entry).__name__}"
-        what = "value" if level == "candidate" else "sequence of per-token values"
+        what = {"candidate": "value", "token": "sequence of per-token values",
+                "candidate_or_token": "value (or sequence of per-token values)"}[level]
         raise InvalidArgument(f"update argument {key!r}[{i}] holds {got}, but context {i} has {k} candidate(s): "
                               f"pass one {what} per candidate; nothing was sent")
-    if level != "token":
+    if level == "candidate":
         return
     for j, (sequence, candidate) in enumerate(zip(entry, cands)):
+        if level == "candidate_or_token" and _length(sequence) is None:
+            continue  # a value of the whole candidate
         if isinstance(candidate, (list, tuple)) and all(isinstance(t, int) for t in candidate):
             if _length(sequence) != len(candidate):
+                hint = ("one value per token" if level == "token" else
+                        "one value per token (dense), or one value for the whole candidate")
                 raise InvalidArgument(f"update argument {key!r}[{i}][{j}] holds {_length(sequence)} values, but "
-                                      f"candidate {j} of context {i} has {len(candidate)} token ids: pass one value "
-                                      "per token; nothing was sent")
+                                      f"candidate {j} of context {i} has {len(candidate)} token ids: pass {hint}; "
+                                      "nothing was sent")
 
 
 def _length(value) -> int | None:

@@ -5,7 +5,9 @@ Each generated token is an action; the state is the prompt and the tokens before
 of ``caller.update(prompts, continuations, ...)`` (one sample = one prompt and the continuations generated for it,
 given as the ``tokens`` of ``generate``'s samples; see :mod:`llmrl.plugins.rollouts` for the shapes):
 
-    rewards: per prompt, one number per continuation (the reward model's or the task's score).
+    rewards: per prompt, one entry per continuation: a number (the reward model's or the task's score, counted on
+        the continuation's last token) or a list with one number per generated token (dense rewards, as trlX's
+        reward functions may return; added to the per-token rewards as given).
     old_logprobs: (optional) per continuation, the log-prob of each token under the policy that generated it
         (``generate``'s ``logprobs``); without it, one gradient-free pass before training computes it.
     ref_logprobs: (optional) per continuation, each token's log-prob under the reference policy, e.g. another LLM
@@ -16,10 +18,15 @@ What one update does, on every replica (its share of the prompts):
 
 1. A gradient-free pass computes the value head's V(s_t) per token, the reference log-probs and, when not given,
    the old log-probs.
-2. Per-token rewards: ``r_t = -beta * (old_logprob_t - ref_logprob_t)``, plus the continuation's reward on its
-   last token. ``beta`` is ``kl_coef``, adapted after each update when ``kl_target`` is set (the proportional
-   controller of Ziegler et al.: ``beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * samples / kl_horizon``,
-   KL being the batch's mean per-continuation sum of ``old_logprob - ref_logprob``).
+2. Per-token rewards: ``r_t = -beta * (old_logprob_t - ref_logprob_t)`` plus the task reward of token t: the
+   continuation's reward on its last token, or its dense reward of token t. Task rewards are first clipped to
+   ``[-reward_clip, reward_clip]``, then (``reward_scale``) divided by a standard deviation of the continuations'
+   total task rewards (trlX's ``cliprange_reward`` and ``scale_reward``, :mod:`llmrl.plugins.task_rewards`):
+   ``running``, over every update so far (this one's included; kept in checkpoints), or ``ref``, ``reward_ref_std``
+   or else the first update's. ``beta`` is ``kl_coef``, adapted after each update when ``kl_target`` is set (the
+   proportional controller of Ziegler et al.:
+   ``beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * samples / kl_horizon``, KL being the batch's mean
+   per-continuation sum of ``old_logprob - ref_logprob``).
 3. GAE over each continuation's tokens (``gamma``, ``lam``; the value after the last token is 0); returns are
    advantages + values. Advantages are whitened (mean 0, standard deviation 1) over every token of the whole
    batch, all replicas together (``whiten``).
@@ -30,14 +37,16 @@ What one update does, on every replica (its share of the prompts):
    x the entropy. Normalisation: each continuation's token losses are averaged (every continuation weighs the
    same whatever its length), then a prompt's continuations, then prompts (:meth:`UpdateBatch.mean`).
 
-Statistics returned per replica: ``reward`` (mean), ``kl`` (mean per-continuation KL to the reference at
-collection), ``kl_coef`` (the beta used), ``policy_loss``, ``value_loss``, ``value_error`` (mean squared error
-of the first pass's values against the returns), ``entropy``, ``approx_kl`` (old to new policy), ``clip_fraction``
-(tokens whose ratio was clipped), ``tokens``, ``samples``.
+Statistics returned per replica: ``reward`` (mean of the continuations' total task rewards as given, before clipping
+and scaling), ``reward_divisor`` (with ``reward_scale``: what task rewards were divided by), ``kl`` (mean per-
+continuation KL to the reference at collection), ``kl_coef`` (the beta used), ``policy_loss``, ``value_loss``,
+``value_error`` (mean squared error of the first pass's values against the returns), ``entropy``, ``approx_kl`` (old
+to new policy), ``clip_fraction`` (tokens whose ratio was clipped), ``tokens``, ``samples``.
 
 This module is the algorithm: the order of the steps above and the loss of a minibatch
 (:func:`token_ppo_losses`). The maths is in :mod:`llmrl.plugins.rl_math` (:func:`kl_penalised_rewards`,
-:func:`token_gae`, :func:`clipped_surrogate`, :func:`value_loss`, :class:`AdaptiveKL`, whitening), the input checks
+:func:`token_gae`, :func:`clipped_surrogate`, :func:`value_loss`, :class:`AdaptiveKL`, whitening) and
+:mod:`llmrl.plugins.task_rewards` (reward clipping and scaling), the input checks
 and the first pass in :mod:`llmrl.plugins.rollouts`; both are tested against hand-computed values.
 """
 
@@ -62,6 +71,7 @@ from llmrl.plugins.rl_math import (
     whiten_stats,
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
+from llmrl.plugins.task_rewards import SCALES, RewardScaler
 from llmrl.plugins.updater_args import updater_schema
 
 
@@ -96,50 +106,66 @@ class PPOTokensUpdater(ShufflingUpdater):
         kl_horizon: the controller's horizon in continuations (default 10000).
         gamma / lam: GAE discount and lambda over tokens (defaults 1.0 and 0.95).
         whiten: whiten advantages over the whole batch (default true).
+        reward_clip: clip every task reward (a score, or each dense reward) to [-reward_clip, reward_clip] (trlX's
+            cliprange_reward; default null: no clip).
+        reward_scale: null (default), "running" or "ref": divide task rewards by the running standard deviation
+            of the continuations' total rewards, or by reward_ref_std (default: the first update's) (trlX's
+            scale_reward).
+        reward_ref_std: the standard deviation "ref" divides by (trlX's ref_std; default null: the first update's).
         value_head: the token-level head giving V(s_t) (default "value"; null: no critic, advantages are the
             discounted per-token returns).
         peft_adapter: the LoRA adapter to train (default: the active one).
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
+    per_sample_args = {"rewards": "candidate_or_token", "old_logprobs": "token", "ref_logprobs": "token"}
     args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
                                  "value_head", "peft_adapter", "seed",
                                  kl_target={"type": ["number", "null"], "exclusiveMinimum": 0},
                                  kl_horizon={"type": "number", "exclusiveMinimum": 0},
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
                                  lam={"type": "number", "minimum": 0, "maximum": 1},
-                                 whiten={"type": "boolean"})
+                                 whiten={"type": "boolean"},
+                                 reward_clip={"type": ["number", "null"], "exclusiveMinimum": 0},
+                                 reward_scale={"enum": list(SCALES)},
+                                 reward_ref_std={"type": ["number", "null"], "exclusiveMinimum": 0})
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.05,
                  kl_target: float | None = None, kl_horizon: float = 10000.0, gamma: float = 1.0, lam: float = 0.95,
                  whiten: bool = True, value_head: str | None = "value", peft_adapter: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, reward_clip: float | None = None, reward_scale: str | None = None,
+                 reward_ref_std: float | None = None):
         self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
         self.value_coef, self.entropy_coef = value_coef, entropy_coef
         self.kl = AdaptiveKL(kl_coef, kl_target, kl_horizon)
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_head, self.peft_adapter = value_head, peft_adapter
+        self.task_rewards = RewardScaler(reward_clip, reward_scale, reward_ref_std)
         super().__init__(seed)
 
     def state_dict(self) -> dict:
-        """Saved in checkpoints: the shuffling generator and the adapted KL coefficient."""
-        return {**super().state_dict(), "kl_coef": self.kl.value}
+        """Saved in checkpoints: the shuffling generator, the adapted KL coefficient and the reward scaler's
+        statistics."""
+        return {**super().state_dict(), "kl_coef": self.kl.value, "task_rewards": self.task_rewards.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.kl.value = float(state["kl_coef"])
+        if "task_rewards" in state:  # checkpoints written before reward scaling have none
+            self.task_rewards.load_state_dict(state["task_rewards"])
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
-        rewards = check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0)
+        rewards = check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0, dense=True)
         beta = self.kl.value
-        prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0)
+        prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0,
+                             reward_rows=True)
+        divisor = self._shape_task_rewards(prompts, trainer)
         collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
         for p in prompts:  # per-token rewards, GAE
             t = p.tensors
             ref = t.get("ref_logprobs", t["old_logprobs"])
-            rewards = kl_penalised_rewards(p.rewards, t["old_logprobs"], ref, p.mask, beta)
+            rewards = kl_penalised_rewards(t["task_rewards"], t["old_logprobs"], ref, p.mask, beta)
             values = t["values"] if "values" in t else torch.zeros_like(rewards)
             t["advantages"], t["returns"] = token_gae(rewards, values, p.mask, self.gamma, self.lam)
             collected["kl"] += float(((t["old_logprobs"] - ref) * p.mask).sum())
@@ -194,5 +220,22 @@ class PPOTokensUpdater(ShufflingUpdater):
         stats.update(reward=collected["reward"] / n, kl=collected["kl"] / n, kl_coef=beta,
                      value_error=collected["value_error"] / max(collected["tokens"], 1.0),
                      tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl)
+        if self.task_rewards.scale is not None:
+            stats["reward_divisor"] = divisor
         self.kl.update(mean_kl, int(totals[1]))
         return stats
+
+    def _shape_task_rewards(self, prompts: list, trainer: Trainer) -> float:
+        """Clip each prompt's ``task_rewards`` rows in place and, with ``reward_scale``, divide them by the
+        scaler's divisor, computed from the whole batch's total rewards (one collective, on every replica alike:
+        whether it runs depends on the config only). Returns the divisor."""
+        for p in prompts:
+            p.tensors["task_rewards"] = self.task_rewards.clipped(p.tensors["task_rewards"])
+        if self.task_rewards.scale is None:
+            return 1.0
+        stats = trainer.sum_across_replicas(self.task_rewards.batch_stats([p.tensors["task_rewards"]
+                                                                           for p in prompts]))
+        divisor = self.task_rewards.divisor(stats)
+        for p in prompts:
+            p.tensors["task_rewards"] = p.tensors["task_rewards"] / divisor
+        return divisor

@@ -6,7 +6,9 @@ row of generated tokens, :func:`group_advantages` within a GRPO group; across a 
 (:func:`clipped_surrogate`, :func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new
 policy, :func:`kl_k3` to a reference per token, :func:`categorical_kl` between two distributions over the same
 candidates), the KL-penalised
-per-token rewards and their adaptive coefficient (:func:`kl_penalised_rewards`, :class:`AdaptiveKL`), whitening
+per-token rewards (a reward per continuation, or dense per-token rewards) and their adaptive coefficient
+(:func:`kl_penalised_rewards`, :class:`AdaptiveKL`; the task rewards' clipping and scaling are in
+:mod:`llmrl.plugins.task_rewards`), whitening
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
 per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
@@ -183,10 +185,14 @@ def categorical_kl(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.
 
 def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                          mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus ``scores[i]``
-    on row ``i``'s last real token (zeros after it)."""
+    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus the task's
+    rewards: with ``scores`` of shape ``[n]``, ``scores[i]`` on row ``i``'s last real token; with ``[n, T]`` (dense
+    rewards, one per token, as trlX's reward functions may return), ``scores[i, t]`` on token ``t``. Zeros after
+    each row's end."""
     mask_f = mask.float()
     rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
+    if scores.dim() == 2:
+        return rewards + scores * mask_f
     lengths = mask.sum(1)
     rows = torch.nonzero(lengths > 0).squeeze(1)
     rewards[rows, lengths[rows] - 1] += scores[rows]

@@ -2,7 +2,8 @@
 
 A sample of these updaters is one prompt (a context) with the continuations generated for it (its candidates,
 best given as the ``tokens`` that ``generate`` returned). Their per-sample keyword arguments hold, per prompt, one
-entry per continuation: ``rewards[i]`` a number per continuation (a bare number when there is one), and
+entry per continuation: ``rewards[i]`` a number per continuation (a bare number when there is one; for
+``ppo_tokens``, a continuation's reward may instead be a list of dense rewards, one per generated token), and
 ``old_logprobs[i]`` / ``ref_logprobs[i]`` one sequence of per-token log-probs per continuation (a bare sequence
 when there is one), each as long as the continuation's scored tokens. This module turns them into padded
 ``[continuations, tokens]`` float32 rows in the order of :class:`~llmrl.plugins.contracts.ForwardOutputs`
@@ -25,19 +26,54 @@ import torch
 from llmrl.plugins.contracts import Trainer, UpdateBatch
 
 
-def rewards_of(value, counts: list[int], indices: list[int], name: str = "rewards") -> torch.Tensor:
+def rewards_of(value, counts: list[int], indices: list[int], name: str = "rewards", dense: bool = False
+               ) -> torch.Tensor:
     """``[sum(counts)]`` float32: one reward per continuation, prompts in order (``counts[i]`` continuations of
-    local prompt ``i``, whose position in the call is ``indices[i]``)."""
+    local prompt ``i``, whose position in the call is ``indices[i]``). With ``dense``, a continuation's reward may
+    also be a sequence of per-token rewards, counted here by its sum (:func:`reward_rows_of` checks its length)."""
     rows = []
     for entry, k, where in zip(value, counts, indices):
-        numbers = [entry] if _is_number(entry) else _numbers(entry)
-        if numbers is None or len(numbers) != k:
-            got = "a number" if _is_number(entry) else f"{len(numbers)} numbers" if numbers is not None else repr(entry)
-            raise ValueError(f"{name}[{where}] must hold one number per continuation of prompt {where} ({k}), got "
-                             f"{got}; pass, per prompt, a list with one reward per continuation (a number when "
-                             "there is one)")
-        rows += numbers
+        items = _reward_items(entry, k, dense)
+        if items is None or len(items) != k:
+            got = ("a number" if _is_number(entry) else f"{len(items)} numbers" if items is not None
+                   else repr(entry))
+            what = "entry" if dense else "number"
+            each = "a number or a list with one number per generated token" if dense else "one reward"
+            raise ValueError(f"{name}[{where}] must hold one {what} per continuation of prompt {where} ({k}), got "
+                             f"{got}; pass, per prompt, a list with {each} per continuation (a number when there "
+                             "is one)")
+        rows += [float(sum(item)) if isinstance(item, list) else float(item) for item in items]
     out = torch.tensor(rows, dtype=torch.float32)
+    _check_finite(out, name, indices)
+    return out
+
+
+def reward_rows_of(value, counts: list[int], lengths: torch.Tensor, indices: list[int], name: str = "rewards"
+                   ) -> torch.Tensor:
+    """``[sum(counts), max(lengths)]`` float32 per-token task rewards: a continuation's number on its last scored
+    token, or its dense rewards (one per scored token) in place; zeros elsewhere. ``lengths`` are the
+    continuations' numbers of scored tokens. A dense sequence of another length is refused naming
+    ``name[prompt][continuation]``, the expected and the given lengths."""
+    width = int(lengths.max()) if lengths.numel() else 0
+    out = torch.zeros((len(lengths), width), dtype=torch.float32)
+    row = 0
+    for entry, k, where in zip(value, counts, indices):
+        items = _reward_items(entry, k, dense=True)
+        if items is None or len(items) != k:
+            raise ValueError(f"{name}[{where}] must hold one entry per continuation of prompt {where} ({k})")
+        for j, item in enumerate(items):
+            tokens = int(lengths[row])
+            if not isinstance(item, list):
+                if tokens:
+                    out[row, tokens - 1] = float(item)
+            elif len(item) != tokens:
+                raise ValueError(f"{name}[{where}][{j}] holds {len(item)} dense rewards but continuation {j} of prompt "
+                                 f"{where} has {tokens} generated tokens: pass one number per generated token (or "
+                                 "one number, counted on the last token); give the continuations as the token ids "
+                                 "that generate returned (text is tokenised again and may split differently)")
+            else:
+                out[row, :tokens] = torch.tensor(item, dtype=torch.float32)
+            row += 1
     _check_finite(out, name, indices)
     return out
 
@@ -107,9 +143,10 @@ def join_prompts(prompts: list[PromptRows], key: str, width: int, device) -> tor
     return torch.cat(parts).to(device)
 
 
-def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool) -> list[torch.Tensor]:
+def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference: bool, dense: bool = False
+                 ) -> list[torch.Tensor]:
     """Refuse, before any pass, a call these updaters cannot train on (the message names what to pass); returns
-    each local prompt's rewards, one per continuation."""
+    each local prompt's rewards, one per continuation (with ``dense``, a dense reward counts by its sum)."""
     if batch.candidates is None:
         raise ValueError(f"the {name} updater needs the continuations: caller.update(prompts, continuations, "
                          "rewards=...), continuations[i] a list of the token ids (or texts) generated for prompt i")
@@ -121,19 +158,22 @@ def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference
                          "initializer; the reference is then the model with them disabled), pass ref_logprobs in "
                          "caller.update(...), or set kl_coef to 0")
     counts = [len(c) for c in batch.candidates]
-    return list(rewards_of(batch.kwargs["rewards"], counts, batch.indices).split(counts))
+    return list(rewards_of(batch.kwargs["rewards"], counts, batch.indices, dense=dense).split(counts))
 
 
 def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
-               value_head: str | None, need_reference: bool, count_from_ids: bool = False) -> list[PromptRows]:
+               value_head: str | None, need_reference: bool, count_from_ids: bool = False,
+               reward_rows: bool = False) -> list[PromptRows]:
     """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
     log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
     ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
     would give nothing (old log-probs given, no value head, a reference pass to count the tokens); with
     ``count_from_ids`` (for a caller that has refused candidates other than token ids, on every replica alike, and
     checks its training passes' masks) no pass runs when none is needed: each candidate's scored tokens are its
-    ids. Whether a pass runs depends only on the call's keyword names and the config, never on one replica's
-    share, so every replica makes the same passes."""
+    ids. With ``reward_rows``, each prompt's ``tensors["task_rewards"]`` holds its per-token task rewards
+    (:func:`reward_rows_of`: numbers on the last token, dense rewards in place). Whether a pass runs depends only
+    on the call's keyword names and the config, never on one replica's share, so every replica makes the same
+    passes."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
@@ -146,6 +186,8 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
         counts = [len(c) for c in batch.candidates]
         rows = {"old_logprobs": token_rows_of(batch.kwargs["old_logprobs"], counts, lengths, batch.indices,
                                               "old_logprobs")}
+        if reward_rows:
+            rows["task_rewards"] = reward_rows_of(batch.kwargs["rewards"], counts, lengths, batch.indices)
         return split_by_prompt(rows, mask, torch.cat(rewards) if rewards else torch.zeros(0), counts)
     for mb in batch.minibatches(trainer.micro_batch_size):
         rows = {}
@@ -169,6 +211,8 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
         if given_ref:
             rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
                                                  "ref_logprobs")
+        if reward_rows:
+            rows["task_rewards"] = reward_rows_of(mb.kwargs["rewards"], counts, lengths, mb.indices)
         if value_head:
             if out.head_levels[value_head] != "token":
                 raise ValueError(f"value_head {value_head!r} is a {out.head_levels[value_head]}-level head; token-"
@@ -185,6 +229,31 @@ def _is_number(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.dim() == 0
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _reward_items(entry, k: int, dense: bool) -> list | None:
+    """One prompt's rewards, one item per continuation: a float, or (``dense``) a list of floats; None when the
+    entry is not of that shape (a bare number counts as the only continuation's)."""
+    if _is_number(entry):
+        return [float(entry)]
+    if not dense:
+        return _numbers(entry)
+    if isinstance(entry, torch.Tensor):
+        return entry.tolist() if entry.dim() == 1 else [row.tolist() for row in entry] if entry.dim() == 2 else None
+    try:
+        items = list(entry)
+    except TypeError:
+        return None
+    out = []
+    for item in items:
+        if _is_number(item):
+            out.append(float(item))
+        else:
+            numbers = _numbers(item)
+            if numbers is None:
+                return None
+            out.append(numbers)
+    return out
 
 
 def _numbers(entry) -> list[float] | None:

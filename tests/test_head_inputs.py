@@ -200,6 +200,7 @@ def test_a_dict_output_with_a_wrong_first_dimension_names_the_head_and_the_entry
     ({"hidden_layers": (-1, "2")}, ["'my.heads:Bad'", "hidden_layers", "tuple of ints"]),
     ({"hidden_layers": ()}, ["hidden_layers", "non-empty"]),
     ({"needs_logits": "yes"}, ["needs_logits = 'yes'", "True or False"]),
+    ({"needs_context_logits": 1}, ["needs_context_logits = 1", "True or False"]),
 ])
 def test_bad_declarations_are_refused_naming_the_plugin_and_the_attribute(attrs, words):
     bad = type("Bad", (Head,), {**attrs, "forward": lambda self, outputs: outputs.context_hidden})

@@ -72,6 +72,9 @@ def test_built_in_plugins_are_entry_points():
 
     assert registry.resolve("head", "token_value") is TokenValueHead
     assert registry.resolve("head", "reward") is RewardHead
+    from llmrl.plugins.next_token import NextTokenHead
+
+    assert registry.resolve("head", "next_token") is NextTokenHead
     assert registry.resolve("updater", "ppo_tokens") is PPOTokensUpdater
     assert registry.resolve("updater", "grpo") is GRPOUpdater
     assert registry.resolve("updater", "pairwise_reward") is PairwiseRewardUpdater

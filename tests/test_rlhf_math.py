@@ -39,6 +39,24 @@ def test_kl_penalised_rewards_put_the_score_on_the_last_real_token():
     close(rewards, [[-0.05, 0.0, 1.1], [-0.05, -2.0, 0.0]])
 
 
+def test_dense_rewards_are_added_token_by_token_and_train_another_advantage_than_their_sum():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0]])
+    ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    dense = torch.tensor([[0.5, 0.0, 0.5], [-1.0, -1.0, 7.0]])  # the 7 is after row 1's end: dropped
+    rewards = kl_penalised_rewards(dense, logp, ref, mask, 0.1)
+    close(rewards, [[0.45, 0.0, 0.6], [-1.05, -1.0, 0.0]])
+    # The same total on the last token is another reward sequence: with gamma < 1 its advantages differ.
+    scalar = kl_penalised_rewards(torch.tensor([1.0, -2.0]), logp, ref, mask, 0.1)
+    values = torch.zeros(2, 3)
+    dense_adv, _ = token_gae(rewards, values, mask, gamma=0.5, lam=1.0)
+    scalar_adv, _ = token_gae(scalar, values, mask, gamma=0.5, lam=1.0)
+    # row 0, dense: A2 = 0.6, A1 = 0 + 0.5 x 0.6 = 0.3, A0 = 0.45 + 0.5 x 0.3 = 0.6;
+    # scalar: rewards (-0.05, 0, 1.1): A2 = 1.1, A1 = 0.55, A0 = -0.05 + 0.275 = 0.225
+    close(dense_adv[0], [0.6, 0.3, 0.6])
+    close(scalar_adv[0], [0.225, 0.55, 1.1])
+
+
 def test_token_gae_by_hand():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
     values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 1.0, 7.0]])
@@ -132,6 +150,25 @@ def test_inputs_are_read_per_prompt_and_continuation_and_refused_by_name():
         token_rows_of([[[-1.0, -2.0]]], [2], lengths[:2], [4], "ref_logprobs")
     with pytest.raises(ValueError, match="non-finite"):
         rewards_of([float("nan")], [1], [0])
+
+
+def test_dense_rewards_are_read_per_token_and_refused_by_name_with_both_lengths():
+    from llmrl.plugins.rollouts import reward_rows_of
+
+    # prompt 4: one continuation given a dense list; prompt 5: a number and a dense tensor
+    value = [[[0.1, 0.2]], [1.5, torch.tensor([0.3, 0.0, -0.3])]]
+    close(rewards_of(value, [1, 2], [4, 5], dense=True), [0.3, 1.5, 0.0])  # dense ones count by their sum
+    lengths = torch.tensor([2, 4, 3])
+    close(reward_rows_of(value, [1, 2], lengths, [4, 5]),
+          [[0.1, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 1.5], [0.3, 0.0, -0.3, 0.0]])
+    with pytest.raises(ValueError, match=r"rewards\[5\]\[1\] holds 3 dense rewards but continuation 1 of prompt 5 "
+                                         r"has 4 generated tokens"):
+        reward_rows_of(value, [1, 2], torch.tensor([2, 4, 4]), [4, 5])
+    with pytest.raises(ValueError, match=r"rewards\[4\] must hold one entry per continuation of prompt 4 \(1\), got "
+                                         "2 numbers.*one number per generated token"):
+        rewards_of([[0.1, 0.2]], [1], [4], dense=True)  # a bare list is one entry per continuation, not dense
+    with pytest.raises(ValueError, match=r"rewards\[0\] must hold one number per continuation"):
+        rewards_of([[[0.1, 0.2]]], [1], [0])  # grpo: no dense rewards
 
 
 def test_ppo_tokens_refuses_a_value_head_that_is_not_token_level():

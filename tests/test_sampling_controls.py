@@ -56,6 +56,26 @@ def test_stop_strings_give_hugging_faces_texts(reference_models, sampling):
     assert stopped >= 2  # the stops were reached, not only the length limit
 
 
+def test_hugging_faces_own_stop_strings_argument_needs_no_tokenizer(reference_models):
+    """``generate(contexts, stop_strings=[...])``, as trlX's and Hugging Face's users write it: plain Hugging Face
+    needs ``tokenizer=`` with it (and fails without); llmrl has the tokenizer, and gives Hugging Face's texts."""
+    model, tok = reference_models["llama"]
+    options = {"max_new_tokens": 16, "do_sample": False}
+    stopped = 0
+    for prompt in PROMPTS:
+        stops = [s for s in stop_strings_in(model, tok, prompt) if s.strip()]
+        with pytest.raises(ValueError, match="tokenizer"):
+            hf_generate(model, tok, prompt, stop_strings=stops, **options)
+        (sample,) = generate(model, tok, [prompt], {**options, "stop_strings": stops})[0]
+        ids, text = hf_generate(model, tok, prompt, stop_strings=stops, tokenizer=tok, **options)
+        assert sample["text"] == text and sample["tokens"].tolist() == ids, (prompt, stops)
+        stopped += sample["stop"] is not None
+    assert stopped >= 2
+    (one,) = generate(model, tok, PROMPTS[:1], {**options, "stop_strings": "a"})[0]  # a single string
+    _, text = hf_generate(model, tok, PROMPTS[0], stop_strings="a", tokenizer=tok, **options)
+    assert one["text"] == text
+
+
 def test_stop_token_ids_end_the_sequence_on_them_and_length_is_reported(reference_models):
     model, tok = reference_models["llama"]
     (free,) = generate(model, tok, PROMPTS[:1], {"max_new_tokens": 10, "do_sample": False})[0]

@@ -105,3 +105,41 @@ def test_a_bad_declaration_is_refused_at_load():
 
     assert "per_sample_args" in contract_problem("updater", Bad, "bad") and "candidate" in contract_problem(
         "updater", Bad, "bad")
+
+
+def test_rewards_of_ppo_tokens_may_be_dense_and_their_lengths_are_checked_against_the_token_ids():
+    """``candidate_or_token``: per candidate a number, or one number per token id; a dense list of another length is
+    refused naming the argument, the context, the candidate and both lengths."""
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
+
+    declared = PPOTokensUpdater.per_sample_args
+    ids = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8]], [[9], [10], [11]]]
+    good = [[[0.5, 0.5], 1.0], [[0.0, 0.0, 2.0]], [0.0, [1.0]], [1.0, 2.0, [3.0]]]
+    got = shares({"rewards": good}, declared, candidates=ids)
+    assert [r.kwargs["rewards"] for r in got] == [good[:2], good[2:]]
+    shares({"rewards": [[1.0, 2.0], 3.0, [1.0, 2.0], [0.0, 0.0, 0.0]]}, declared, candidates=ids)  # numbers only
+    bad = [good[0], [[0.0, 2.0]], good[2], good[3]]
+    with pytest.raises(InvalidArgument, match=r"'rewards'\[1\]\[0\] holds 2 values, but candidate 0 of context 1 has "
+                                              r"3 token ids: pass one value per token \(dense\), or one value"):
+        shares({"rewards": bad}, declared, candidates=ids)
+    with pytest.raises(InvalidArgument, match=r"'rewards'\[0\] holds 3 values, but context 0 has 2 candidate"):
+        shares({"rewards": [[1.0, 2.0, 3.0]] + good[1:]}, declared, candidates=ids)
+
+
+@pytest.mark.parametrize("key, where", [
+    ("lr", r"llms\.m\.training\.optimizer\.lr \(a schedule: llms\.m\.training\.lr_schedule\)"),
+    ("learning_rate", r"llms\.m\.training\.optimizer\.lr"),
+    ("max_grad_norm", r"llms\.m\.training\.gradient_clipping"),
+    ("grad_clip", r"llms\.m\.training\.gradient_clipping"),
+    ("weight_decay", r"llms\.m\.training\.optimizer\.weight_decay"),
+    ("warmup_steps", r"llms\.m\.training\.lr_schedule\.warmup_steps"),
+])
+def test_optimizer_settings_passed_to_update_are_refused_saying_where_they_go(key, where):
+    """trlX and Lamorel scripts pass the learning rate or the clipping norm with the training call; here the
+    engine's optimizer reads the config, and an updater would ignore them without a word."""
+    for declared in ({"rewards": "candidate"}, None):
+        with pytest.raises(InvalidArgument, match=rf"update argument '{key}' would be ignored.*{where}.*nothing was "
+                                                  "sent"):
+            shares({key: 1e-4, "advantages": [0.0] * 4}, declared)
+    got = shares({key: [1.0] * 4}, {key: "sample"})  # an updater that declares it reads it
+    assert [r.kwargs[key] for r in got] == [[1.0, 1.0], [1.0, 1.0]]

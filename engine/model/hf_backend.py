@@ -54,6 +54,7 @@ class HFBackend(ModelBackend):
     def prepare(self, script_plugins: dict) -> None:
         from llmrl.engine.config import PluginSpec
         from llmrl.engine.model.module import ModelWithHeads
+        from llmrl.engine.model.scoring.context_logits import context_logits_problem
         from llmrl.plugins import registry
         from llmrl.plugins.checks import check_head_layers
         from llmrl.plugins.contracts import LLMInfo
@@ -83,6 +84,9 @@ class HFBackend(ModelBackend):
         depth = num_hidden_states(self.model, self.llm.type)
         for key, head in heads.items():
             problem = check_head_layers(type(head), self.head_specs[key].plugin, depth)
+            if problem is None and getattr(head, "needs_context_logits", False):
+                problem = context_logits_problem(self.model)
+                problem = problem and f"head {key!r} ({self.head_specs[key].plugin}) needs_context_logits: {problem}"
             if problem:
                 raise plugin_error(problem, self.head_specs[key].plugin)
             scalars = [name for name, p in head.named_parameters() if p.dim() == 0]

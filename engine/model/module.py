@@ -2,7 +2,8 @@
 
 :class:`ModelWithHeads` takes a token plan and its planned batches, runs them
 (:func:`llmrl.engine.model.scoring.run.run_batch`), puts candidates and contexts back in request order and
-runs the requested heads on the result (each with the per-call keyword arguments its ``forward`` accepts), checking
+runs the requested heads on the result (each with the per-call keyword arguments its ``forward`` accepts, and the
+logits after each context when one asks, :mod:`llmrl.engine.model.scoring.context_logits`), checking
 that each head's output has its level's first dimension. It returns one typed result, the
 :class:`~llmrl.plugins.contracts.ForwardOutputs` that heads and updaters read. One engine call covers
 one request batch or one training micro-batch, so DeepSpeed's hooks (ZeRO-3 gathering, gradient
@@ -20,6 +21,7 @@ import torch
 
 from llmrl.engine.errors import plugin_error
 from llmrl.engine.graph import graph_zero, plus_zero
+from llmrl.engine.model.scoring.context_logits import context_logits
 from llmrl.engine.model.scoring.planning import BatchSpec, Needs
 from llmrl.engine.model.scoring.results import cat_long
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
@@ -91,13 +93,16 @@ class ModelWithHeads(torch.nn.Module):
                             if needs.candidate_hidden else None)
         if anchor is not None:
             context_hidden, candidate_hidden = plus_zero(context_hidden, anchor), plus_zero(candidate_hidden, anchor)
+        logits = None
+        if any(getattr(self.heads[k], "needs_context_logits", False) for k in head_keys):
+            logits = context_logits(self.model, context_hidden[-1])
         outputs = ForwardOutputs(
             kind=self.kind, num_contexts=n_ctx, candidate_scores=scores, candidate_token_counts=counts,
             candidate_context=context_of.to(device),
             context_hidden=None if context_hidden is None else context_hidden[-1],
             candidate_hidden=None if candidate_hidden is None else candidate_hidden[-1],
             heads={}, head_levels={}, context_hidden_layers=context_hidden, candidate_hidden_layers=candidate_hidden,
-            **tokens)
+            context_logits=logits, **tokens)
         for key in head_keys:
             head = self.heads[key]
             plugin = self.head_plugins.get(key, type(head).__name__)

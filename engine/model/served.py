@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def needs_of(heads: list) -> Needs:
     """The union of the head classes' declarations (see :class:`~llmrl.plugins.contracts.Head`)."""
-    context = any(h.needs_context_hidden for h in heads)
+    context = any(h.needs_context_hidden or getattr(h, "needs_context_logits", False) for h in heads)
     candidate = any(h.needs_candidate_hidden for h in heads)
     token_hidden = any(h.needs_token_hidden for h in heads)
     logits = any(h.needs_logits for h in heads)

@@ -1,9 +1,11 @@
 """The ``update`` request kind, behind ``Caller.update``: the LLM's updater runs on every replica, each on its share.
 
-Client half: samples are split evenly across replicas. Keyword arguments are checked (every number finite,
-:mod:`llmrl.engine.requests.finite`; the updater's declared per-sample arguments shaped like the call,
-:mod:`llmrl.plugins.per_sample`) before anything is sent; the per-sample ones (declared, or by the length rule for
-an updater that declares nothing) are sliced like the contexts, the others reach every replica whole. Every replica
+Client half: samples are split evenly across replicas. Keyword arguments are checked (no optimizer setting such as
+``lr`` or ``max_grad_norm``, which the config owns and an updater would silently ignore,
+:func:`refuse_engine_settings`; every number finite, :mod:`llmrl.engine.requests.finite`; the updater's declared
+per-sample arguments shaped like the call, :mod:`llmrl.plugins.per_sample`) before anything is sent; the
+per-sample ones (declared, or by the length rule for an updater that declares nothing) are sliced like the
+contexts, the others reach every replica whole. Every replica
 takes part, even with no sample (its collectives must line up with the others'). Server half: the backend runs the
 updater on an :class:`~llmrl.plugins.contracts.UpdateBatch`; each replica's leader answers with its stats.
 """
@@ -13,12 +15,39 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
 from llmrl.engine.requests.finite import check_finite
 from llmrl.plugins.contracts import UpdateBatch
 from llmrl.plugins.per_sample import check_per_sample, per_sample_keys, take_samples
 
 NAME = "update"
+
+# Settings that trainer libraries take with each training call (trlX's and TRL's configs, Lamorel users' own
+# updaters) and that llmrl's config owns: where each one goes, under llms.<name>.
+_LR = "training.optimizer.lr (a schedule: training.lr_schedule)"
+_CLIP = "training.gradient_clipping"
+ENGINE_SETTINGS = {
+    "lr": _LR, "learning_rate": _LR, "max_grad_norm": _CLIP, "grad_clip": _CLIP, "clip_grad_norm": _CLIP,
+    "gradient_clipping": _CLIP, "max_norm": _CLIP, "weight_decay": "training.optimizer.weight_decay",
+    "betas": "training.optimizer.betas", "adam_epsilon": "training.optimizer.eps", "optimizer": "training.optimizer",
+    "scheduler": "training.lr_schedule", "lr_scheduler": "training.lr_schedule", "lr_schedule": "training.lr_schedule",
+    "warmup_steps": "training.lr_schedule.warmup_steps",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+}
+
+
+def refuse_engine_settings(kwargs: dict, llm: str, declared: dict | None, updater: str) -> None:
+    """Refuse (:class:`InvalidArgument`) an optimizer, clipping or schedule setting passed to ``update``, unless the
+    updater declares it: the engine's optimizer reads the config, so the updater would ignore it without a word. The
+    message says where it goes in the config."""
+    for key in kwargs:
+        if key in ENGINE_SETTINGS and key not in (declared or {}):
+            where = ENGINE_SETTINGS[key].replace("training.", f"llms.{llm}.training.")
+            raise InvalidArgument(f"update argument {key!r} would be ignored: the updater {updater or '(none)'!r} "
+                                  f"does not read it, and the optimizer, clipping and learning-rate schedule are "
+                                  f"set in the config: {where} (on the command line: llmrl run --config run.yaml "
+                                  f"{where.split(' ')[0]}=VALUE script.py); nothing was sent")
 
 
 @dataclass(frozen=True)
@@ -38,6 +67,7 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
          declared: dict | None = None, updater: str = "") -> Future:
     """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length
     rule)."""
+    refuse_engine_settings(kwargs, llm, declared, updater)
     check_finite(kwargs)
     check_per_sample(kwargs, contexts, candidates, declared, updater)
     n = len(contexts)

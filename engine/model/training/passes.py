@@ -46,7 +46,7 @@ from llmrl.plugins.contracts import ForwardOutputs
 FIELD_LEVELS = {"candidate_scores": "candidate", "context_hidden": "context", "candidate_hidden": "candidate",
                 "token_logprobs": "token", "token_entropy": "token", "token_hidden": "token", "token_logits": "token",
                 "context_hidden_layers": "context", "candidate_hidden_layers": "candidate",
-                "token_hidden_layers": "token"}
+                "token_hidden_layers": "token", "context_logits": "context"}
 
 PassRows = list[tuple[int, list[int]]]  # one pass: (context index in the request, its candidates in this pass)
 
