@@ -84,6 +84,7 @@ def main() -> None:
             stats = caller.update(prompts, [[t] for t in tokens], rewards=[[r] for r in rewards],
                                   old_logprobs=[[s["logprobs"]] for s in samples])  # one dict per replica
             score = sum(positive(texts)) / len(texts)
+            caller.log({"reward/positive": score})  # beside the update's own statistics (the config's tracking)
             print(f"round {k + 1}: positive {score:.3f}, kl {stats[0]['kl']:.3f}, policy loss "
                   f"{stats[0]['policy_loss']:.4f}, value loss {stats[0]['value_loss']:.4f}", flush=True)
         greedy = caller.generate(EVAL_PROMPTS, max_new_tokens=args.max_new_tokens, do_sample=False,
