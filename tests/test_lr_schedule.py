@@ -60,3 +60,23 @@ def test_schedules_are_checked_with_the_config(tiny):
                                          "total_steps: 5}"])
     with pytest.raises(ConfigError, match="lr_schedule.type"):
         load_config(raw=base, overrides=["llms.main.training.lr_schedule.type=step"])
+
+
+def test_the_adapter_steps_wrapper_keeps_the_scheduler_quiet():
+    """The scheduler is made before :class:`AdapterSteps` wraps ``step`` (DeepSpeed gets both); torch's scheduler
+    must still see its own wrapper, or it warns at its first step that ``optimizer.step()`` was overridden."""
+    import warnings
+
+    from llmrl.engine.model.training.optimizer import AdapterSteps
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    scheduler = make_scheduler(optimizer, LRSchedule("linear", 0, 4))
+    AdapterSteps(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            weight.grad = torch.ones(2)
+            optimizer.step()
+            scheduler.step()
+    assert weight.tolist() == [1 - 0.5 - 0.375] * 2  # the rates 0.5, then 0.5 x 3/4

@@ -74,6 +74,8 @@ class AdapterSteps:
             finally:
                 optimizer.param_groups = groups
 
+        if getattr(original, "_wrapped_by_lr_sched", False):  # torch's scheduler counts the steps in ``original``
+            step._wrapped_by_lr_sched = True  # (its check would otherwise warn that step was replaced after it)
         optimizer.step = step
 
     @contextlib.contextmanager
