@@ -14,6 +14,11 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def quiet(stderr: str) -> None:
+    """No warning that is not about the user's run: none from DeepSpeed's launcher, torch, bitsandbytes..."""
+    assert [line for line in stderr.splitlines() if "warn" in line.lower()] == [], stderr[-3000:]
+
+
 def tracked(out, script: str) -> dict[tuple[int, str], float]:
     """The scalars a demo's run tracked under ``--out`` (``<script>-<date>-<time>/scalars.csv``), by (step, key);
     the TensorBoard events are beside them."""
@@ -33,6 +38,7 @@ def test_ppo_demo_quick(tmp_path, replicas):
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         env={**os.environ, "LLMRL_CACHE": str(tmp_path / "cache")})  # empty: `llmrl run` prepares the model
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
     assert os.listdir(tmp_path / "cache" / "models") == ["tiny-random-llama"]
     built = result.stderr.find("llmrl: building builtin:tiny-random-llama")
     launched = result.stderr.find("llmrl: running")
@@ -69,6 +75,7 @@ def test_rlhf_demo_quick(tmp_path, updater, replicas):
          "threads_per_rank=1", os.path.join(ROOT, "examples", "rlhf_sentiment.py"), "--quick", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
     for evaluation in (summary["before"], summary["after"]):
         low, high = evaluation["ci95"]
@@ -96,6 +103,7 @@ def test_loss_in_script_demos_quick(tmp_path, script, replicas):
          os.path.join(ROOT, "examples", script), "--quick", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["history"]) == 2
     for evaluation in (summary["before"], summary["after"]):
@@ -119,6 +127,7 @@ def test_textworld_demo_quick(tmp_path, mode, replicas):
          os.path.join(ROOT, "examples", "textworld_agent.py"), "--quick", "--mode", mode, "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "LLMRL_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
     assert sorted(os.listdir(tmp_path / "textworld")) == sorted(
         f"coin-L2-s{seed}.{ext}" for seed in (0, 1, 10000, 10001) for ext in ("json", "ni", "z8"))
     summary = json.loads((out / "summary.json").read_text())
