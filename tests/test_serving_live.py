@@ -164,6 +164,23 @@ def test_tensor_parallel_shards_the_weights(llama_layouts):
     assert memory[sharded[0]]["parameter_bytes"] < memory[replicated[0]]["parameter_bytes"]
 
 
+def test_zero3_gathers_the_weights_once_per_call_and_partitions_them_again(llama_layouts, reference_models):
+    """``score`` and ``generate`` under ZeRO-3 gather every weight once per call on each rank of the group (not layer
+    by layer at each forward and decoding step), give plain Hugging Face's results, and leave the weights
+    partitioned after (half the replicated copy's bytes on each rank)."""
+    servers, model_tok = llama_layouts.servers(), reference_models["llama"]
+    ranks = [r for r, s in servers.items() if s["llm"] == "zero3"]
+    replicated = [r for r, s in servers.items() if s["llm"] == "replicated"]
+    before = llama_layouts.server_memory()
+    assert_scores(llama_layouts.score(CONTEXTS, CANDIDATES, llm="zero3"), reference_scores(*model_tok, CONTEXTS,
+                                                                                           CANDIDATES))
+    check_generation(llama_layouts, "zero3", *model_tok, seq2seq=False)
+    after = llama_layouts.server_memory()
+    calls = [after[r]["zero3_gathered_calls"] - before[r]["zero3_gathered_calls"] for r in ranks]
+    assert calls[0] == calls[1] and calls[0] >= 2, calls  # the score call, and check_generation's generate calls
+    assert all(after[r]["parameter_bytes"] < 0.75 * after[replicated[0]]["parameter_bytes"] for r in ranks)
+
+
 def test_async_heads(llama_layouts):
     calls = [((["value"], CONTEXTS), {"llm": llm}) for llm in ("single", "sharded")]
     for (args, kwargs), got in zip(calls, llama_layouts.many("custom_module_fns", calls)):

@@ -70,6 +70,7 @@ class LRSchedule:
 @dataclass(frozen=True)
 class TrainingConfig:
     zero_stage: int = 0
+    zero3_gather_mb: int = 4096  # ZeRO-3: weights gathered once per inference call up to this size (0: per layer)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1

@@ -23,6 +23,7 @@ from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
 from llmrl.engine.model.forward import forget_zero3_trace, plan_and_agree, plan_forward, run_forward
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.zero3_gather import gathered_weights
 
 
 class HFBackend(ModelBackend):
@@ -178,7 +179,7 @@ class HFBackend(ModelBackend):
     def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
         plan, extra = plan_and_agree(self.served, contexts, candidates, heads, adapter, minibatch_size,
                                      must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
-        with torch.no_grad():
+        with torch.no_grad(), gathered_weights(self.served.engine, self.llm.training.zero3_gather_mb):
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 
     def tokenize(self, contexts, candidates):
@@ -204,7 +205,7 @@ class HFBackend(ModelBackend):
             extra = most - count
         if error is not None:
             raise error
-        with torch.no_grad(), served.adapter(adapter):
+        with torch.no_grad(), served.adapter(adapter), gathered_weights(served.engine, llm.training.zero3_gather_mb):
             if llm.lockstep:
                 forget_zero3_trace(served.engine)
             use = None
@@ -295,6 +296,8 @@ class HFBackend(ModelBackend):
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
         out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
+        if self.served is not None and self.llm.training.zero_stage == 3:
+            out["zero3_gathered_calls"] = getattr(self.served.engine, "llmrl_gathered_calls", 0)
         if self.served is not None and (self.served.snapshots or self.served.created_adapters):
             from llmrl.engine.model.snapshots import snapshots_report
 

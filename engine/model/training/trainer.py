@@ -45,6 +45,7 @@ from llmrl.engine.model.training.passes import (
     refuse_too_long,
     sub_plan,
 )
+from llmrl.engine.model.zero3_gather import gathered_weights
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
 from llmrl.plugins.per_sample import slicing_note
@@ -126,8 +127,10 @@ class EngineTrainer(Trainer):
             split = bool(self._agree(FORWARD, int(too_long)))
         if split:
             out = self._deferred_forward(plan, extra)
-        else:
-            out = run_forward(served, plan, extra, trunk_mode="replay", update_pass=True)
+        else:  # a gradient-free pass under ZeRO-3 gathers the weights once (every replica makes the same passes)
+            with contextlib.nullcontext() if torch.is_grad_enabled() else gathered_weights(
+                    served.engine, served.llm.training.zero3_gather_mb):
+                out = run_forward(served, plan, extra, trunk_mode="replay", update_pass=True)
             self.passes_with_gradients += int(torch.is_grad_enabled())
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:

@@ -1,0 +1,80 @@
+"""ZeRO-3 weights gathered once per inference call, instead of layer by layer at every forward.
+
+Under ZeRO-3 each rank holds a shard of every weight; DeepSpeed's hooks gather a submodule's weights before its
+forward and free them after, at every model call: in a decoding loop, every layer at every new token. For a call
+that computes no gradient (``score``, ``generate``, an update's gradient-free passes), :func:`gathered_weights`
+gathers every weight once (``deepspeed.zero.GatheredParameters``, a collective every rank of the LLM's group enters
+once per call, as each takes part in every call), removes the hooks for the call's duration, so that the model runs
+as a plain module (with torch's own ``linear``, which ZeRO-3 replaces process-wide), and puts them back after, even
+when the call fails (DeepSpeed's own ``unwrap_model_for_generation`` and TRL's do the same, without the
+``finally``). The weights are then freed (nothing was modified: no broadcast). Results are those of the per-layer
+path: the same weights, the same code. ``server_memory()`` reports, per rank, how many calls gathered
+(``zero3_gathered_calls``).
+
+A model whose gathered weights exceed ``training.zero3_gather_mb`` on each rank keeps the per-layer path (the full
+model must fit beside the shards). This module runs no request; it does not gather for training passes, whose
+backward needs DeepSpeed's hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _offload(engine):
+    """DeepSpeed's ZeRO-3 parameter-offload object holding the module hooks, or None (not ZeRO-3)."""
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    return offload if offload is not None and hasattr(offload, "forward_hooks") else None
+
+
+def gathered_bytes(module: torch.nn.Module) -> int:
+    """The bytes every weight of ``module`` takes once gathered (its full size on one rank)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered_weights(engine, cap_mb: int):
+    """Inside, ``engine.module`` runs with every weight whole and no ZeRO-3 hook; yields whether it gathered (False:
+    not ZeRO-3, ``cap_mb`` 0, or the model larger than ``cap_mb``: the per-layer path, untouched). Every rank of the
+    group must enter it for the same call (a collective)."""
+    offload = _offload(engine)
+    if offload is None or cap_mb <= 0 or gathered_bytes(offload.module) > cap_mb * 2**20:
+        yield False
+        return
+    import deepspeed
+
+    params = list(offload.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for param in params:  # nothing is in flight between calls; cleared as DeepSpeed's users do
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        engine.llmrl_gathered_calls = getattr(engine, "llmrl_gathered_calls", 0) + 1  # server_memory reports it
+        try:
+            with _plain_linear():
+                yield True
+        finally:
+            offload._register_deepspeed_module(offload.module, count=[0])  # the same ids as at setup
+
+
+@contextlib.contextmanager
+def _plain_linear():
+    """``torch.nn.functional.linear`` as torch defines it, inside. ZeRO-3 replaces it process-wide (its
+    ``memory_efficient_linear``: an autograd function that keeps the partitioned weight for the backward); with
+    whole weights and no backward that only costs time (a third of a decoding step's, measured on CPU), and the
+    results are the same."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    original, patched = getattr(Patcher, "linear_bk", None), torch.nn.functional.linear
+    if original is None or patched is original:
+        yield
+        return
+    torch.nn.functional.linear = original
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = patched
