@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from testkit import LiveRun
-from testkit.plain import check_step, peft_model, token_pass, trainable, value_head
+from testkit.plain import check_step, peft_model, ppo_tokens_step, token_pass, trainable
 
 pytestmark = pytest.mark.slow
 
@@ -70,52 +70,10 @@ def perturbed(logp: torch.Tensor, i: int, j: int) -> list[float]:
 
 
 def reference_ppo_tokens(tiny, before: dict, conts, rewards, old, beta: float) -> tuple[dict, float]:
-    """One ppo_tokens update (PPO_ARGS) as plain PyTorch: the weights after it, and the batch's mean KL."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny["llama"])
-    peft = peft_model(tiny, before)
-    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
-    head = value_head(head_state, "heads.value")
-    gamma, lam, a = PPO_ARGS["gamma"], PPO_ARGS["lam"], PPO_ARGS
-    rows = []  # (i, j, old, values, advantages, returns)
-    with torch.no_grad():
-        for i, prompt in enumerate(PROMPTS):
-            for j, cont in enumerate(conts[i]):
-                _, _, h = token_pass(peft, tok, prompt, cont, hidden=True)
-                values = head(h)
-                with peft.disable_adapter():
-                    ref, _, _ = token_pass(peft, tok, prompt, cont)
-                o = torch.tensor(old[i][j])
-                r = -beta * (o - ref)
-                r[-1] += rewards[i][j]
-                adv, running = torch.zeros(len(cont)), 0.0
-                for t in reversed(range(len(cont))):
-                    next_v = values[t + 1] if t + 1 < len(cont) else 0.0
-                    running = r[t] + gamma * next_v - values[t] + gamma * lam * running
-                    adv[t] = running
-                rows.append([i, j, o, values, adv, adv + values, float((o - ref).sum())])
-    flat = torch.cat([row[4] for row in rows])
-    mean, std = flat.mean(), flat.std()
-    for row in rows:
-        row[4] = (row[4] - mean) / (std + 1e-8)
-    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
-    params.update(head_state)
-    per_prompt = [[] for _ in PROMPTS]
-    for i, j, o, old_v, adv, ret, _ in rows:
-        logp, entropy, h = token_pass(peft, tok, PROMPTS[i], conts[i][j], hidden=True)
-        ratio = torch.exp(logp - o)
-        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - a["clip_eps"], 1 + a["clip_eps"]) * adv)
-        v = head(h)
-        v_clipped = old_v + torch.clamp(v - old_v, -a["value_clip"], a["value_clip"])
-        vf = 0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2)
-        per_prompt[i].append((pg + a["value_coef"] * vf - a["entropy_coef"] * entropy).mean())
-    loss = torch.stack([torch.stack(x).mean() for x in per_prompt]).mean()
-    opt = torch.optim.SGD(list(params.values()), lr=LR)
-    loss.backward()
-    opt.step()
-    kl = sum(row[6] for row in rows) / len(rows)
-    return {k: p.detach().clone() for k, p in params.items()}, kl
+    """One ppo_tokens update (PPO_ARGS) as plain PyTorch: the weights after it, and the batch's mean KL. Each
+    continuation's reward arrives at its last token."""
+    last = [[[0.0] * (len(c) - 1) + [r] for c, r in zip(per, rs)] for per, rs in zip(conts, rewards)]
+    return ppo_tokens_step(tiny, before, PROMPTS, conts, last, old, beta, PPO_ARGS, LR)
 
 
 def reference_grpo(tiny, before: dict, conts, rewards, old) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from testkit import LiveRun
-from testkit.plain import check_step, peft_model, token_pass, trainable, value_head
+from testkit.plain import check_step, peft_model, ppo_tokens_step
 
 pytestmark = pytest.mark.slow
 
@@ -73,47 +73,7 @@ def clipped_totals(rewards) -> list[float]:
 def reference_step(tiny, before: dict, conts, rows, old) -> dict:
     """One ppo_tokens update (PPO_ARGS, beta fixed) as plain PyTorch, ``rows[i][j]`` being the task rewards of each
     token (already clipped and scaled): the trained weights after it."""
-    peft = peft_model(tiny, before)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny["llama"])
-    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
-    head = value_head(head_state, "heads.value")
-    a = PPO_ARGS
-    kept = []  # (i, j, old, values, advantages, returns)
-    with torch.no_grad():
-        for i, prompt in enumerate(PROMPTS):
-            for j, cont in enumerate(conts[i]):
-                _, _, h = token_pass(peft, tok, prompt, cont, hidden=True)
-                values = head(h)
-                with peft.disable_adapter():
-                    ref, _, _ = token_pass(peft, tok, prompt, cont)
-                o = torch.tensor(old[i][j])
-                r = -a["kl_coef"] * (o - ref) + rows[i][j]
-                adv, running = torch.zeros(len(cont)), 0.0
-                for t in reversed(range(len(cont))):
-                    next_v = values[t + 1] if t + 1 < len(cont) else 0.0
-                    running = r[t] + a["gamma"] * next_v - values[t] + a["gamma"] * a["lam"] * running
-                    adv[t] = running
-                kept.append([i, j, o, values, adv, adv + values])
-    flat = torch.cat([row[4] for row in kept])
-    for row in kept:
-        row[4] = (row[4] - flat.mean()) / (flat.std() + 1e-8)
-    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
-    params.update(head_state)
-    per_prompt = [[] for _ in PROMPTS]
-    for i, j, o, old_v, adv, ret in kept:
-        logp, entropy, h = token_pass(peft, tok, PROMPTS[i], conts[i][j], hidden=True)
-        ratio = torch.exp(logp - o)
-        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - a["clip_eps"], 1 + a["clip_eps"]) * adv)
-        v = head(h)
-        v_clipped = old_v + torch.clamp(v - old_v, -a["value_clip"], a["value_clip"])
-        vf = 0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2)
-        per_prompt[i].append((pg + a["value_coef"] * vf - a["entropy_coef"] * entropy).mean())
-    loss = torch.stack([torch.stack(x).mean() for x in per_prompt]).mean()
-    loss.backward()
-    torch.optim.SGD(list(params.values()), lr=LR).step()
-    return {k: p.detach().clone() for k, p in params.items()}
+    return ppo_tokens_step(tiny, before, PROMPTS, conts, rows, old, PPO_ARGS["kl_coef"], PPO_ARGS, LR)[0]
 
 
 def test_dense_clipped_running_scaled_rewards_equal_a_plain_sgd_step_and_are_checkpointed(run, tiny, tok, tmp_path):

@@ -53,3 +53,55 @@ def check_step(after: dict, expected: dict, before: dict) -> None:
     assert moved >= len(expected) // 2, f"only {moved} of {len(expected)} trained tensors moved"
     frozen = [k for k in before if k not in expected]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen), "the base model is frozen"
+
+
+def ppo_tokens_step(tiny, before: dict, prompts: list[str], conts, task_rewards, old, beta: float, args: dict,
+                    lr: float) -> tuple[dict, float]:
+    """One ``ppo_tokens`` update (one epoch, the whole batch, value head ``heads.value``) as plain PyTorch on a plain
+    PEFT model, then one SGD step at ``lr``: the trained weights after it, and the batch's mean KL to the reference.
+    ``task_rewards[i][j]`` is continuation j of prompt i's task reward per token (a scalar reward: zeros but the last
+    token), added to ``-beta * (old - ref)``; GAE per continuation, advantages whitened over every token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    peft = peft_model(tiny, before)
+    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
+    head = value_head(head_state, "heads.value")
+    gamma, lam = args["gamma"], args["lam"]
+    rows = []  # (i, j, old, values, advantages, returns, kl)
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            for j, cont in enumerate(conts[i]):
+                _, _, h = token_pass(peft, tok, prompt, cont, hidden=True)
+                values = head(h)
+                with peft.disable_adapter():
+                    ref, _, _ = token_pass(peft, tok, prompt, cont)
+                o = torch.tensor(old[i][j])
+                r = -beta * (o - ref) + torch.as_tensor(task_rewards[i][j], dtype=torch.float32)
+                adv, running = torch.zeros(len(cont)), 0.0
+                for t in reversed(range(len(cont))):
+                    next_v = values[t + 1] if t + 1 < len(cont) else 0.0
+                    running = r[t] + gamma * next_v - values[t] + gamma * lam * running
+                    adv[t] = running
+                rows.append([i, j, o, values, adv, adv + values, float((o - ref).sum())])
+    flat = torch.cat([row[4] for row in rows])
+    mean, std = flat.mean(), flat.std()
+    for row in rows:
+        row[4] = (row[4] - mean) / (std + 1e-8)
+    params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
+    params.update(head_state)
+    per_prompt = [[] for _ in prompts]
+    for i, j, o, old_v, adv, ret, _ in rows:
+        logp, entropy, h = token_pass(peft, tok, prompts[i], conts[i][j], hidden=True)
+        ratio = torch.exp(logp - o)
+        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args["clip_eps"], 1 + args["clip_eps"]) * adv)
+        v = head(h)
+        v_clipped = old_v + torch.clamp(v - old_v, -args["value_clip"], args["value_clip"])
+        vf = 0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2)
+        per_prompt[i].append((pg + args["value_coef"] * vf - args["entropy_coef"] * entropy).mean())
+    loss = torch.stack([torch.stack(x).mean() for x in per_prompt]).mean()
+    opt = torch.optim.SGD(list(params.values()), lr=lr)
+    loss.backward()
+    opt.step()
+    kl = sum(row[6] for row in rows) / len(rows)
+    return {k: p.detach().clone() for k, p in params.items()}, kl
