@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmrl", description="Hugging Face LLMs as RL agents, on DeepSpeed ranks.")
     sub = parser.add_subparsers(dest="verb", required=True)
     for name, (module, help_text) in VERBS.items():
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if hasattr(module, "add_arguments"):  # the verbs with parse_argv were dispatched above
+            module.add_arguments(verb_parser)
     args = parser.parse_args(argv)
     return VERBS[args.verb][0].main(args)
 

@@ -317,3 +317,21 @@ def test_llmrl_tinker_hands_its_own_options_to_the_service_and_the_rest_to_llmrl
     request = parse_argv(["--config", "c.yaml", "--port", "0", "llms.main.replicas=2"])
     assert request.options.module == MODULE and request.options.script_args == ["--port", "0"]
     assert request.options.overrides == ["llms.main.replicas=2"]
+
+
+def test_every_verb_without_a_parser_of_its_own_runs_from_the_command(capsys):
+    """`llmrl plugins`, `env` and `--help` go through the one argparse parser, which lists every verb."""
+    from llmrl.launch.cli import VERBS, main
+
+    assert main(["plugins"]) == 0
+    listed = capsys.readouterr().out
+    for updater in ("ppo_tokens", "grpo", "lora", "token_value"):
+        assert updater in listed
+    assert main(["env"]) == 0
+    assert "deepspeed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    usage = capsys.readouterr().out
+    for verb in VERBS:
+        assert verb in usage
