@@ -137,7 +137,12 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(plain_child(args.child, args)))
         return 0
-    folder = narrow_model(tempfile.mkdtemp(prefix="llmrl-bench-narrow-"), args.shape)
+    with tempfile.TemporaryDirectory(prefix="llmrl-bench-narrow-") as work:  # the model is removed afterwards
+        return compare(narrow_model(work, args.shape), args, argv)
+
+
+def compare(folder: str, args, argv) -> int:
+    """Run the plain loop in a child process and each llmrl path on the model in ``folder``; print the table."""
     tokenizer = testkit().tiny_model("llama")
     tokens = args.prompts * args.samples * (args.prompt_tokens + args.new_tokens)
     command = [sys.executable, "-m", "benchmarks.update_memory", "--child", folder] + (argv or sys.argv[1:])

@@ -15,6 +15,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def live_runs_in_pytests_basetemp(tmp_path_factory):
+    """Each live run's folder (config, log) under pytest's basetemp, which pytest prunes, not loose in /tmp."""
+    from testkit import live
+
+    live.WORK_ROOT = str(tmp_path_factory.mktemp("live-runs"))
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"], and the variants tiny["llama-eos"] (its

@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+WORK_ROOT: str | None = None  # where runs' folders go; the suite's conftest points it into pytest's own basetemp
+
 
 class LiveRun:
     """A real run (DeepSpeed launcher, every rank a process) whose client obeys this process.
@@ -32,7 +34,7 @@ class LiveRun:
 
         import yaml
 
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llmrl-live-"))
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llmrl-live-", dir=WORK_ROOT))
         if isinstance(config, (str, os.PathLike)):
             self.config_path = str(config)
             with open(config) as f:
