@@ -20,6 +20,7 @@ from typing import Any
 from llmrl.engine.config.checks import environment_problems, semantic_problems
 from llmrl.engine.config.types import (
     Config,
+    GenerationSettings,
     LLMConfig,
     LRSchedule,
     OptimizerConfig,
@@ -314,6 +315,7 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     if training.get("lr_schedule") is not None:
         training["lr_schedule"] = LRSchedule(**training["lr_schedule"])
     fields["training"] = TrainingConfig(optimizer=OptimizerConfig(**optimizer), **training)
+    fields["generation"] = GenerationSettings(**(fields.get("generation") or {}))
     quantization = fields.pop("quantization", None)
     if quantization:
         fields["quantization"] = QuantizationConfig(**quantization)

@@ -82,6 +82,17 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class GenerationSettings:
+    """``llms.<name>.generation``: the loop that runs ``generate`` (:mod:`llmrl.engine.model.decoding`)."""
+
+    decoder: str = "auto"  # auto: llmrl's loop where it applies, else Hugging Face's; hf; llmrl (refuse the rest)
+    merge_adapter: bool | str = "auto"  # the active LoRA adapter merged into sampling weights; auto: on CUDA
+    compile: bool | str = "auto"  # capture the decode step (torch.compile, CUDA graphs); auto: on CUDA
+    static_cache: bool | str = "auto"  # a preallocated cache of bucketed shape; auto: when compiling
+    length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
+
+
+@dataclass(frozen=True)
 class LLMConfig:
     name: str
     model: str
@@ -109,6 +120,7 @@ class LLMConfig:
     updater: PluginSpec | None = None
     trainable: bool | None = None  # None: trained when it has an updater
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
     checkpoint: str | None = None
 
     @property

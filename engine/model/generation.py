@@ -109,24 +109,29 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
 
 
 def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
-             extra_batches: int = 0, prefix_cache=None) -> list[list[dict]]:
+             extra_batches: int = 0, prefix_cache=None, decoder=None) -> list[list[dict]]:
     """Per prompt, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
 
     ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
     group must call generate the same number of times). ``prefix_cache`` (a
     :class:`~llmrl.engine.model.reuse.prefix_cache.CacheUse`) is the cache across calls: causal greedy decoding and
     sampling read held prompt prefixes from it and hold what they encoded and generated
-    (:mod:`llmrl.engine.model.reuse.generation_prefix`); not under lockstep.
+    (:mod:`llmrl.engine.model.reuse.generation_prefix`); not under lockstep. ``decoder`` (a
+    :class:`~llmrl.engine.model.decoding.runtime.Decoder`) runs the batches in llmrl's own loop where it takes the
+    request; otherwise Hugging Face's ``generate`` runs them.
     """
     use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced else None
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
+    stepwise = _reads_logprobs_stepwise(model, kwargs)
+    loop = decoder if decoder is not None and decoder.takes(
+        kind, kwargs, stepwise, synced, use is not None and stepwise, _partitioned(model)) else None
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)
     for batch in plan.batches:
         _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                        plan.num_return, [results[i] for i in batch], plan.stop, use)
+                        plan.num_return, [results[i] for i in batch], plan.stop, use, loop)
     dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
     for _ in range(extra_batches):
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
@@ -161,8 +166,13 @@ def prompt_token_logprobs(model, prompts: list[list[int]], pad_id: int, device) 
     return out
 
 
+def _partitioned(model) -> bool:
+    """Whether ZeRO-3 partitions the weights (a partitioned parameter carries DeepSpeed's ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop,
-                    use=None) -> None:
+                    use=None, loop=None) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -173,6 +183,14 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         else:
             ids[r, : len(p)] = torch.tensor(p)
             mask[r, : len(p)] = 1
+    if loop is not None:  # llmrl's own decoding loop (causal models: generation starts at the padded width)
+        recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return, start=width) \
+            if stop[0] or stop[1] else None
+        decoded = loop.decode(model, cache_kwarg(model), ids.to(device), mask.to(device), num_return, kwargs,
+                              tokenizer.pad_token_id, eos, recorder)
+        _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens, decoded.logprobs,
+                      decoded.sampling_logprobs, None)
+        return
     stepwise = _reads_logprobs_stepwise(model, kwargs)
     use = use if stepwise else None
     past = cached_past(use, prompts, num_return)[0] if use is not None else None
@@ -208,6 +226,16 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         sampled = None
     sequences = sequences.cpu()
     beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
+    kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, sequences, logprobs, sampled,
+                         beam_scores)
+    if use is not None and cache_of(out) is not None:
+        keep_generated(use, kept, cache_of(out), width)
+
+
+def _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, sequences, logprobs, sampled,
+                  beam_scores) -> list[tuple]:
+    """Cut each row at its EOS or stop, append its sample dict to its prompt's sink; the (row, prompt, tokens)
+    kept."""
     kept = []
     for row in range(sequences.shape[0]):
         tokens = sequences[row].tolist()
@@ -229,8 +257,7 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
             sample["beam_score"] = float(beam_scores[row])
         sinks[row // num_return].append(sample)
         kept.append((row, prompts[row // num_return], tokens[:end]))
-    if use is not None and cache_of(out) is not None:
-        keep_generated(use, kept, cache_of(out), width)
+    return kept
 
 
 def _logprobs_from_logits(logits: tuple, sequences: torch.Tensor, beam_indices, steps: int) -> torch.Tensor:

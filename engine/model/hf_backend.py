@@ -214,7 +214,15 @@ class HFBackend(ModelBackend):
 
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
             return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                            seed=seed, extra_batches=extra, prefix_cache=use)
+                            seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder())
+
+    def decoder(self):
+        """The LLM's decoding loop (:class:`~llmrl.engine.model.decoding.runtime.Decoder`), made at first use."""
+        if getattr(self, "_decoder", None) is None:
+            from llmrl.engine.model.decoding.runtime import Decoder
+
+            self._decoder = Decoder(self.llm.generation, torch.device(self.device).type)
+        return self._decoder
 
     def update(self, batch):
         from llmrl.engine.model.training.trainer import run_update
@@ -296,6 +304,8 @@ class HFBackend(ModelBackend):
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
         out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
+        if getattr(self, "_decoder", None) is not None:  # generate batches per loop, merges and compiled shapes
+            out["decoding"] = self._decoder.stats()
         if self.served is not None and self.llm.training.zero_stage == 3:
             out["zero3_gathered_calls"] = getattr(self.served.engine, "llmrl_gathered_calls", 0)
         if self.served is not None and (self.served.snapshots or self.served.created_adapters):

@@ -1,0 +1,265 @@
+"""Generation paths side by side, in one process, on one device: llmrl's decoding loop against plain Hugging Face.
+
+Run from the repository root::
+
+    python -m benchmarks.decoding --device cuda                 # SmolLM2-1.7B's shape, bf16, LoRA r=16 everywhere
+    python -m benchmarks.decoding --device cpu --shape tiny     # a smoke run of every path
+
+Each row generates the same prompts with the same settings and prints seconds and the ratio to plain Hugging Face
+``generate`` on the model without its adapter:
+  - plain HF ``generate`` (the adapter disabled); HF ``generate`` with the LoRA adapter unmerged (PEFT), which is
+    what llmrl ran before its own loop (``generation.decoder: hf``);
+  - llmrl's ``generate`` code (the server's, called in-process) with its loop: one prefill per prompt, the adapter
+    merged, on CUDA a static cache and the decode step captured (the first call of a shape compiles; its time is
+    printed apart);
+  - HF ``generate`` with a static cache, which compiles its forward (on the plain model);
+  - the memory-bandwidth limit: the weights and the key/value cache read once per decode step, at the copy rate
+    measured here.
+It also reports exactness on this device: greedy tokens against HF with the adapter unmerged, and the largest
+difference between the loop's log-probs and a plain forward over prompt + continuation (what ``score`` computes).
+The models have random weights of real architectures (speed does not depend on the weights), and ``min_new_tokens``
+fixes every sequence's length. Results go to ``--out`` as JSON. This module benchmarks; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+
+SHAPES = {  # LlamaConfig fields
+    "smollm2-1.7b": dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True),
+    "smollm2-135m": dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(shape: str, dtype: torch.dtype, device: str, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS)).eval()
+    with torch.no_grad():  # a trained-looking adapter: B away from its zero start
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    return model
+
+
+def tokenizer_from(path: str | None):
+    from transformers import AutoTokenizer
+
+    if path:
+        return AutoTokenizer.from_pretrained(path)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from testkit.models import tiny_model
+
+    return AutoTokenizer.from_pretrained(tiny_model("llama"))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str):
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def prompt_ids(tokenizer, count: int, length: int) -> list[list[int]]:
+    base = tokenizer.encode("Write a short review of a film you watched recently, and say why you liked it: ")
+    return [(base * (length // len(base) + 1))[: length - (i % 4)] for i in range(count)]
+
+
+def llmrl_generate(model, tokenizer, prompts, kwargs, device, settings: dict, decoder=None):
+    from llmrl.engine.config.types import GenerationSettings
+    from llmrl.engine.model.decoding.runtime import Decoder
+    from llmrl.engine.model.generation import generate, plan_generate
+
+    if decoder is None and settings is not None:
+        decoder = Decoder(GenerationSettings(**settings), torch.device(device).type)
+    plan = plan_generate(model, tokenizer, "causal", prompts, kwargs, 1 << 22, 4096, 8192)
+    return generate(model, tokenizer, "causal", plan, device, seed=0, decoder=decoder), decoder
+
+
+def hf_generate(model, prompts, kwargs, device, adapter: bool, **extra):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        if adapter:
+            return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=2, **kwargs, **extra)
+        with model.disable_adapter():
+            return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=2, **kwargs, **extra)
+
+
+def copy_rate(device: str) -> float:
+    """Bytes per second a device-to-device copy of 1 GiB moves (read + write), the best of five."""
+    size = (1 << 30) if device.startswith("cuda") else (1 << 27)
+    a = torch.empty(size, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        _, seconds = timed(lambda: b.copy_(a), device)
+        best = min(best, seconds)
+    return 2 * size / best
+
+
+def bandwidth_limit(model, rows: int, prompt: int, new: int, rate: float) -> float:
+    """Seconds to read every weight once per decode step plus the key/value cache as it grows."""
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    cache = sum(rows * (prompt + t) * per_token for t in range(new))
+    return (new * weights + cache) / rate
+
+
+def exactness(model, tokenizer, prompts, device) -> dict:
+    """Greedy tokens of llmrl's loop vs HF with the adapter unmerged; loop log-probs vs a plain forward."""
+    kwargs = {"max_new_tokens": 32, "do_sample": False}
+    ours, _ = llmrl_generate(model, tokenizer, prompts, kwargs, device, {})
+    reference, _ = llmrl_generate(model, tokenizer, prompts, kwargs, device, None)
+    same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(ours, reference))
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, (sample,) in zip(prompts, ours):
+            tokens = sample["tokens"].tolist()
+            logits = model(input_ids=torch.tensor([prompt + tokens], device=device)).logits[0].float()
+            rows = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+            plain = rows.log_softmax(-1).gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0].cpu()
+            worst = max(worst, float((plain - sample["logprobs"]).abs().max()))
+    return {"greedy sequences equal to HF (adapter unmerged)": f"{same}/{len(prompts)}",
+            "largest |loop log-prob - plain forward log-prob|": worst}
+
+
+def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit) -> dict:
+    """Plain HF, HF with the adapter unmerged, llmrl's loop (first call apart), the limit; ratios to plain HF."""
+    row: dict = {}
+    timed(lambda: hf_generate(model, prompts, kwargs, device, adapter=False), device)  # warm-up
+    plain = row["plain HF generate, no adapter"] = timed(
+        lambda: hf_generate(model, prompts, kwargs, device, adapter=False), device)[1]
+    row["HF generate, LoRA unmerged (llmrl before: decoder hf)"] = timed(
+        lambda: hf_generate(model, prompts, kwargs, device, adapter=True), device)[1]
+    (_, decoder), row["llmrl loop, first call (compiles)"] = timed(
+        lambda: llmrl_generate(model, tokenizer, prompts, kwargs, device, settings), device)
+    row["llmrl loop"] = min(timed(lambda: llmrl_generate(model, tokenizer, prompts, kwargs, device, settings,
+                                                         decoder), device)[1] for _ in range(2))
+    row["llmrl decoder stats"] = decoder.stats()
+    row["bandwidth limit"] = limit
+    for key in list(row):
+        if isinstance(row[key], float):
+            row[key.split(" (")[0] + " / plain"] = row[key] / plain
+    return row
+
+
+def hf_static_row(model, prompts, kwargs, device, ours: float) -> dict:
+    """HF generate with a static cache (it compiles its forward), plain model: first call, then a timed one."""
+    static = dict(cache_implementation="static")
+    first = timed(lambda: hf_generate(model, prompts, kwargs, device, adapter=False, **static), device)[1]
+    again = timed(lambda: hf_generate(model, prompts, kwargs, device, adapter=False, **static), device)[1]
+    return {"first call": first, "seconds": again, "llmrl loop / this": ours / again}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", default="smollm2-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", default="128", help="comma-separated: a row set per length")
+    parser.add_argument("--batch1-shape", default="smollm2-135m", help="the batch-1 decoding row's model ('' skips)")
+    parser.add_argument("--skip-hf-compile", action="store_true")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--settings", default="{}", help="llms.<name>.generation for llmrl's loop, as JSON")
+    parser.add_argument("--out", default="decoding.json")
+    args = parser.parse_args(argv)
+    device = args.device
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    tokenizer = tokenizer_from(args.tokenizer)
+    results: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                     "shape": args.shape, "dtype": str(dtype), "torch": torch.__version__}
+    rate = copy_rate(device)
+    results["copy GB/s"] = rate / 1e9
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    def stage(name, fn):
+        print(f"== {name}", flush=True)
+        try:
+            value = fn()
+        except Exception as err:  # noqa: BLE001 - a benchmark goes on to its next row
+            value = {"error": f"{type(err).__name__}: {err}"[:2000]}
+        results[name] = value
+        print(json.dumps(value, indent=1), flush=True)
+        save()
+        return value
+
+    model = build(args.shape, dtype, device)
+    prompts = prompt_ids(tokenizer, args.prompts, args.prompt_tokens)
+    stage("exactness", lambda: exactness(model, tokenizer, prompts, device))
+    settings = json.loads(args.settings)
+    for new in [int(n) for n in args.new_tokens.split(",")]:
+        kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": True,
+                  "num_return_sequences": args.samples}
+        rows = args.prompts * args.samples
+        limit = bandwidth_limit(model, rows, args.prompt_tokens, new, rate)
+        row = stage(f"{rows} x {new} tokens", functools.partial(
+            paths_row, model, tokenizer, prompts, kwargs, device, settings, limit))
+        if not args.skip_hf_compile:
+            stage(f"{rows} x {new} tokens, HF static cache + compile, no adapter", functools.partial(
+                hf_static_row, model, prompts, kwargs, device, row.get("llmrl loop", float("nan"))))
+    if args.batch1_shape:
+        small = build(args.batch1_shape, torch.float32, device)
+        one = prompt_ids(tokenizer, 1, 32)
+        kwargs = {"max_new_tokens": 128, "min_new_tokens": 128, "do_sample": False}
+
+        def batch1():
+            out = {}
+            hf_generate(small, one, kwargs, device, adapter=True)
+            out["HF, LoRA unmerged, ms/token"] = timed(lambda: hf_generate(small, one, kwargs, device, True),
+                                                       device)[1] / 128 * 1e3
+            out["plain HF, ms/token"] = timed(lambda: hf_generate(small, one, kwargs, device, False),
+                                              device)[1] / 128 * 1e3
+            (_, decoder), first = timed(lambda: llmrl_generate(small, tokenizer, one, kwargs, device, settings), device)
+            out["llmrl first call (compiles), s"] = first
+            out["llmrl loop, ms/token"] = min(
+                timed(lambda: llmrl_generate(small, tokenizer, one, kwargs, device, settings, decoder), device)[1]
+                for _ in range(2)) / 128 * 1e3
+            out["speed-up over HF unmerged"] = out["HF, LoRA unmerged, ms/token"] / out["llmrl loop, ms/token"]
+            return out
+
+        stage(f"batch 1, {args.batch1_shape} float32, 128 greedy tokens", batch1)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Which ``generate`` requests llmrl's decoding loop takes, and why it declines the others.
+
+The loop runs greedy decoding and sampling of causal models, with every logits processor Hugging Face would apply
+for the request's arguments (it builds them with Hugging Face's own code), ``stop`` strings and token ids, and any
+number of return sequences. It declines beam search and the other decoding modes, seq2seq models, user-supplied
+``logits_processor`` / ``stopping_criteria`` objects, ZeRO-3 groups in lockstep, and calls that read the key/value
+cache across calls. :func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
+``auto``) or refuses the request (decoder ``llmrl``).
+
+This module decides nothing else; it runs no model.
+"""
+
+from __future__ import annotations
+
+# Arguments whose meaning the loop reproduces: the length limits, the sampling settings (applied by Hugging Face's
+# own processors, built from them), the special tokens and the row count.
+TAKEN = frozenset({
+    "max_new_tokens", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "min_p",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "num_return_sequences", "pad_token_id",
+    "eos_token_id", "bos_token_id", "use_cache", "renormalize_logits", "remove_invalid_values",
+})
+
+
+def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, cache_across_calls: bool,
+            zero3: bool) -> str | None:
+    """None when llmrl's loop can run this request; else the reason it cannot, in a phrase."""
+    if kind != "causal":
+        return "the model is seq2seq (the loop decodes causal models)"
+    if not stepwise:
+        return "the request is not greedy decoding or sampling (beam search and the other modes run in Hugging Face)"
+    if synced:
+        return "the replicas of a ZeRO-3 group decode in lockstep"
+    if zero3:
+        return "the weights are partitioned by ZeRO-3"
+    if cache_across_calls:
+        return "kv_cache_mb is set (prompts read the key/value cache across calls)"
+    other = sorted(k for k in kwargs if k not in TAKEN)
+    if other:
+        return f"argument(s) {other} (the loop takes {', '.join(sorted(TAKEN))})"
+    return None

@@ -1,0 +1,126 @@
+"""llmrl's decoding loop: greedy decoding or sampling of a batch of left-padded prompts, with raw log-probs.
+
+For each batch: one prefill of the prompts (each prompt once, however many sequences it returns), then the cache
+rows are repeated for ``num_return_sequences`` and each step feeds one token per row. Tokens are chosen exactly as
+Hugging Face's ``generate`` chooses them: the logits processors are Hugging Face's own, built from the same
+arguments (temperature, top-k, top-p, min_new_tokens, penalties...), sampling draws with ``torch.multinomial`` from
+their softmax, and rows that ended go on with the pad token. So greedy outputs equal Hugging Face's, and with the
+same seed so do samples wherever the logits agree to the bit. Each token's raw log-prob (before any processing:
+what ``score`` returns) and its log-prob under the processed distribution it was drawn from are read as it is chosen;
+one step's logits are held at a time.
+
+The cache is Hugging Face's ``DynamicCache`` (grown each step: the CPU default), or, with a
+:class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured.
+This module runs the model; it does not plan batches, merge adapters or build responses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Decoded:
+    """Per row (prompt-major: prompt i's samples are rows i*n .. i*n+n-1), the generated tokens and log-probs."""
+
+    tokens: torch.Tensor  # (rows, steps) long, on the CPU
+    logprobs: torch.Tensor  # (rows, steps) raw log-probs
+    sampling_logprobs: torch.Tensor  # (rows, steps) log-probs under the processed distribution
+
+
+def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device):
+    """The generation config and logits processors Hugging Face's ``generate`` would build for these arguments."""
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    model._prepare_special_tokens(config, True, device=device)
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
+                                             encoder_input_ids=ids, device=device, model_kwargs={})
+    return config, processors
+
+
+def _keeps_last_logits_only(model) -> dict:
+    accepted = inspect.signature(type(model).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+
+
+@torch.no_grad()
+def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
+           pad_id: int, eos: set[int], recorder=None, static=None) -> Decoded:
+    """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
+
+    ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
+    :class:`~llmrl.engine.model.stops.StopRecorder` or None; ``static`` a
+    :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture)."""
+    from transformers import DynamicCache
+
+    device = ids.device
+    config, processors = _hf_setup(model, ids, {k: v for k, v in kwargs.items() if k != "num_return_sequences"},
+                                   device)
+    prompts, width = ids.shape
+    rows, max_new = prompts * num_return, int(config.max_new_tokens)
+    source = torch.arange(prompts, device=device).repeat_interleave(num_return)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    prefill = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{cache_name: prefill}, **_keeps_last_logits_only(model))
+    logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[source]
+    del out
+    if static is not None:
+        padded, length = _bucketed(static, rows, width + max_new)
+        into = torch.cat([source, source.new_zeros(padded - rows)])  # extra rows: copies of the first prompt
+        cache = static.cache(model, padded, length)
+        for index, layer in enumerate(prefill.layers):
+            cache.update(layer.keys[into], layer.values[into], index)
+        del prefill
+        attention = torch.ones((padded, length), dtype=mask.dtype, device=device)
+        attention[:, :width] = mask[into]
+        step_positions = positions[into, -1:].clone()
+    else:
+        padded, into, cache = rows, source, prefill
+        if num_return > 1:
+            cache.batch_repeat_interleave(num_return)
+        attention = mask[source]
+        step_positions = positions[source, -1:].clone()
+    sequences = torch.full((rows, width + max_new), pad_id, dtype=torch.long, device=device)
+    sequences[:, :width] = ids[source]
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    raw, sampled = [], []
+    for step in range(max_new):
+        # processors get a copy: the raw logits must stay as the model gave them
+        scores = processors(sequences[:, :width + step], logits.clone()) if len(processors) else logits
+        if config.do_sample:
+            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            chosen = torch.argmax(scores, dim=-1)
+        chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)  # Hugging Face's padding of ended rows
+        column = chosen[:, None]
+        raw.append(logits.gather(-1, column).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        sampled.append(scores.gather(-1, column).squeeze(-1) - torch.logsumexp(scores, dim=-1))
+        sequences[:, width + step] = chosen
+        finished |= torch.isin(chosen, eos_ids)
+        if recorder is not None:
+            finished |= recorder(sequences[:, :width + step + 1], None).to(device)
+        if step + 1 == max_new or bool(finished.all()):
+            break
+        step_positions += 1
+        feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
+        if static is not None:
+            logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention)[:rows]
+        else:
+            attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=1)
+            out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention, use_cache=True,
+                        **{cache_name: cache})
+            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+            del out
+    steps = len(raw)
+    return Decoded(sequences[:, width:width + steps].cpu(), torch.stack(raw, dim=1).cpu(),
+                   torch.stack(sampled, dim=1).cpu())
+
+
+def _bucketed(static, rows: int, length: int) -> tuple[int, int]:
+    from llmrl.engine.model.decoding.static_step import bucket
+
+    return bucket(rows, length, static.length_bucket)

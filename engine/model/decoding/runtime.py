@@ -1,0 +1,79 @@
+"""One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
+
+:class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
+``compile``, ``static_cache``, ``length_bucket``), keeps the :class:`~.merged_lora.MergedLora` buffers and the
+:class:`~.static_step.StaticDecoder` between calls, and counts which loop ran (``server_memory`` reports it).
+``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
+bound by the weight matmuls: merging saves little, and a cache padded to its bucket only adds attention work.
+
+This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+from llmrl.engine.model.decoding.eligibility import why_not
+from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, why_not_mergeable
+
+
+def _on(value, on_cuda: bool) -> bool:
+    return on_cuda if value == "auto" else bool(value)
+
+
+class Decoder:
+    """The decoding loop of one served LLM (see the module's docstring)."""
+
+    def __init__(self, settings, device_type: str):
+        from llmrl.engine.model.decoding.static_step import StaticDecoder
+
+        self.settings = settings
+        cuda = device_type == "cuda"
+        self.compiled = _on(settings.compile, cuda)
+        self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
+        static = self.compiled or _on(settings.static_cache, cuda)
+        self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
+        self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
+
+    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, cache_across_calls: bool,
+              zero3: bool) -> bool:
+        """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
+        cannot."""
+        if self.settings.decoder == "hf":
+            self.counts["hf: configured"] += 1
+            return False
+        reason = why_not(kind, kwargs, stepwise, synced, cache_across_calls, zero3)
+        if reason is not None and self.settings.decoder == "llmrl":
+            raise ValueError(f"generation.decoder is 'llmrl' but this request cannot use it: {reason}; set "
+                             "llms.<name>.generation.decoder to auto (Hugging Face's generate takes such requests) "
+                             "or change the request")
+        self.counts["llmrl" if reason is None else "hf: " + reason.split(" (")[0]] += 1
+        return reason is None
+
+    def decode(self, model, cache_name: str, ids, mask, num_return: int, kwargs: dict, pad_id: int, eos: set,
+               recorder):
+        """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be."""
+        from llmrl.engine.model.decoding.loop import decode
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        merging = contextlib.nullcontext()
+        adapter = getattr(model, "active_adapter", None) if hasattr(model, "get_base_model") else None
+        if self.merged is not None and isinstance(adapter, str):
+            layers = lora_layers(inner)
+            if layers and why_not_mergeable(layers, adapter) is None:
+                merging = self.merged.swapped_in(layers, adapter)
+        with merging:
+            return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static)
+
+    def stats(self) -> dict:
+        """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes."""
+        return {"calls": dict(self.counts), "merges": self.merged.builds if self.merged is not None else 0,
+                "compiled_shapes": sorted(self.static.compiled_shapes) if self.static is not None else []}
+
+    def release(self) -> None:
+        """Free the merged weights and static caches (rebuilt by the next call that needs them)."""
+        if self.merged is not None:
+            self.merged.release()
+        if self.static is not None:
+            self.static.release()
