@@ -138,22 +138,29 @@ def bandwidth_limit(model, rows: int, prompt: int, new: int, rate: float) -> flo
     return (new * weights + cache) / rate
 
 
-def exactness(model, tokenizer, prompts, device) -> dict:
+def exactness(model, tokenizer, prompts, device, settings=None) -> dict:
     """Greedy tokens of llmrl's loop vs HF with the adapter unmerged; loop log-probs vs a plain forward."""
     kwargs = {"max_new_tokens": 32, "do_sample": False}
-    ours, _ = llmrl_generate(model, tokenizer, prompts, kwargs, device, {})
+    ours, _ = llmrl_generate(model, tokenizer, prompts, kwargs, device, settings or {})
     reference, _ = llmrl_generate(model, tokenizer, prompts, kwargs, device, None)
     same = sum(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(ours, reference))
+    return {"greedy sequences equal to HF (adapter unmerged)": f"{same}/{len(prompts)}",
+            "largest |loop log-prob - plain forward log-prob|": _worst_gap(model, prompts, ours, device),
+            "the same for HF generate (adapter unmerged): the dtype's floor": _worst_gap(model, prompts, reference,
+                                                                                          device)}
+
+
+def _worst_gap(model, prompts, results, device) -> float:
+    """The largest difference between generated log-probs and a plain forward over prompt + continuation."""
     worst = 0.0
     with torch.no_grad():
-        for prompt, (sample,) in zip(prompts, ours):
+        for prompt, (sample,) in zip(prompts, results):
             tokens = sample["tokens"].tolist()
             logits = model(input_ids=torch.tensor([prompt + tokens], device=device)).logits[0].float()
             rows = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
             plain = rows.log_softmax(-1).gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0].cpu()
             worst = max(worst, float((plain - sample["logprobs"]).abs().max()))
-    return {"greedy sequences equal to HF (adapter unmerged)": f"{same}/{len(prompts)}",
-            "largest |loop log-prob - plain forward log-prob|": worst}
+    return worst
 
 
 def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit) -> dict:
@@ -198,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--settings", default="{}", help="llms.<name>.generation for llmrl's loop, as JSON")
     parser.add_argument("--out", default="decoding.json")
+    parser.add_argument("--exactness", default=None,
+                        help='only exactness rows, as JSON [[dtype, settings], ...], e.g. [["float32", {}]]')
     args = parser.parse_args(argv)
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
@@ -222,8 +231,15 @@ def main(argv=None) -> int:
         save()
         return value
 
-    model = build(args.shape, dtype, device)
     prompts = prompt_ids(tokenizer, args.prompts, args.prompt_tokens)
+    if args.exactness:
+        for dtype_name, settings in json.loads(args.exactness):
+            model = build(args.shape, getattr(torch, dtype_name), device)
+            stage(f"exactness, {dtype_name}, {json.dumps(settings)}", functools.partial(
+                exactness, model, tokenizer, prompts, device, settings))
+            del model
+        return 0
+    model = build(args.shape, dtype, device)
     stage("exactness", lambda: exactness(model, tokenizer, prompts, device))
     settings = json.loads(args.settings)
     for new in [int(n) for n in args.new_tokens.split(",")]:

@@ -1,0 +1,195 @@
+"""llmrl's decoding loop against Hugging Face's generate: the same tokens, the raw model's log-probs, the same
+seeded samples, and LoRA sampling weights that never touch the trained ones."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llmrl.engine.config.types import GenerationSettings
+from llmrl.engine.model.decoding.runtime import Decoder
+from llmrl.engine.model.generation import generate, plan_generate
+
+PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
+SETTINGS = {  # the loop on a CPU by default, with the adapter merged, and with a static cache and bucketed rows
+    "default": {},
+    "merged": {"merge_adapter": True},
+    "static": {"merge_adapter": True, "static_cache": True, "length_bucket": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def lora_llama(reference_models):
+    """The tiny Llama with a LoRA adapter whose B is not zero (so that it changes the outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = reference_models["llama"]
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                                 init_lora_weights=False)).eval()
+    return peft_model, tok
+
+
+def run(model, tok, kwargs, settings=None, seed=None, decoder=None, prompts=PROMPTS):
+    if decoder is None and settings is not None:
+        decoder = Decoder(GenerationSettings(**settings), "cpu")
+    plan = plan_generate(model, tok, "causal", prompts, kwargs, 8192, 64, 512)
+    return generate(model, tok, "causal", plan, "cpu", seed=seed, decoder=decoder), decoder
+
+
+def plain_logprobs(model, tok, prompt: str, tokens: list[int]) -> torch.Tensor:
+    """The raw log-probs of ``tokens`` after ``prompt``: one plain forward, what ``score`` computes."""
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def same_samples(a, b) -> bool:
+    return all(x["tokens"].tolist() == y["tokens"].tolist() and x["text"] == y["text"]
+               and x["stop_reason"] == y["stop_reason"] for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "lora"])
+def test_greedy_tokens_equal_hugging_face_and_logprobs_equal_a_plain_forward(reference_models, lora_llama, kind,
+                                                                            name):
+    model, tok = lora_llama if kind == "lora" else reference_models[kind]
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+    reference, _ = run(model, tok, kwargs)  # Hugging Face's generate
+    ours, decoder = run(model, tok, kwargs, SETTINGS[name])
+    assert decoder.stats()["calls"] == {"llmrl": 1}
+    assert same_samples(ours, reference)
+    merged = kind == "lora" and SETTINGS[name].get("merge_adapter")
+    assert decoder.stats()["merges"] == (1 if merged else 0)
+    for prompt, (sample,) in zip(PROMPTS, ours):
+        expected = plain_logprobs(model, tok, prompt, sample["tokens"].tolist())
+        # unmerged: the model's own arithmetic; merged: (W + BA)x rounds differently from Wx + B(Ax) in float32
+        torch.testing.assert_close(sample["logprobs"], expected, atol=3e-5 if merged else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_seeded_samples_equal_hugging_faces_and_reproduce(lora_llama, name):
+    model, tok = lora_llama
+    kwargs = {"max_new_tokens": 10, "do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9,
+              "num_return_sequences": 3, "min_new_tokens": 4, "repetition_penalty": 1.3}
+    reference, _ = run(model, tok, kwargs, seed=7)
+    ours, _ = run(model, tok, kwargs, SETTINGS[name], seed=7)
+    again, _ = run(model, tok, kwargs, SETTINGS[name], seed=7)
+    other, _ = run(model, tok, kwargs, SETTINGS[name], seed=8)
+    assert same_samples(ours, reference) and same_samples(ours, again) and not same_samples(ours, other)
+    assert all(len(s["tokens"]) >= 4 for samples in ours for s in samples)  # min_new_tokens held EOS back
+    for mine, theirs in zip(ours, reference):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=3e-5, rtol=0)
+            torch.testing.assert_close(a["sampling_logprobs"], b["sampling_logprobs"], atol=3e-5, rtol=0)
+            assert not torch.allclose(a["logprobs"], a["sampling_logprobs"])  # raw and processed differ
+
+
+def test_stops_and_eos_end_sequences_as_in_hugging_face(reference_models):
+    model, tok = reference_models["llama-eos"]
+    kwargs = {"max_new_tokens": 16, "do_sample": True, "num_return_sequences": 4}
+    reference, _ = run(model, tok, kwargs, seed=1)
+    ours, _ = run(model, tok, kwargs, {}, seed=1)
+    assert same_samples(ours, reference)
+    assert any(s["stop_reason"] == "stop" for samples in ours for s in samples)  # EOS reached somewhere
+    greedy = {"max_new_tokens": 12, "do_sample": False}
+    free, _ = run(*reference_models["llama"], greedy, {})
+    tokens = free[0][0]["tokens"].tolist()
+    stopped, _ = run(*reference_models["llama"], {**greedy, "stop": [tokens[4:6]]}, {})
+    hf_stopped, _ = run(*reference_models["llama"], {**greedy, "stop": [tokens[4:6]]})
+    assert same_samples(stopped, hf_stopped) and stopped[0][0]["tokens"].tolist() == tokens[:6]
+    assert stopped[0][0]["stop"] == tokens[4:6]
+
+
+def _trained_state(model) -> dict:
+    return {n: (p.data_ptr(), p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+
+
+def test_merged_weights_never_touch_the_trained_ones_and_follow_the_adapter(lora_llama):
+    from llmrl.engine.model.decoding.merged_lora import lora_layers
+
+    model, tok = lora_llama
+    kwargs = {"max_new_tokens": 8, "do_sample": False}
+    decoder = Decoder(GenerationSettings(merge_adapter=True), "cpu")
+    before = _trained_state(model)
+    run(model, tok, kwargs, decoder=decoder)
+    after = _trained_state(model)
+    for name, (ptr, value, grad) in before.items():
+        assert after[name][0] == ptr and torch.equal(after[name][1], value) and after[name][2] == grad, name
+    assert not any(layer._disable_adapters for layer in lora_layers(model))
+    # an in-place change of the adapter (what an optimizer step does) is seen by the next call
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(3.0)
+    try:
+        ours, _ = run(model, tok, kwargs, decoder=decoder)
+        unmerged, _ = run(model, tok, kwargs)
+        assert decoder.stats()["merges"] == 2 and same_samples(ours, unmerged)
+        run(model, tok, kwargs, decoder=decoder)
+        assert decoder.stats()["merges"] == 2  # unchanged adapter: the buffers are reused
+    finally:
+        with torch.no_grad():
+            model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.div_(3.0)
+
+
+def test_an_error_while_decoding_puts_the_trained_weights_back(lora_llama, monkeypatch):
+    from llmrl.engine.model.decoding import loop
+    from llmrl.engine.model.decoding.merged_lora import lora_layers
+
+    model, tok = lora_llama
+    before = _trained_state(model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(loop, "decode", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(model, tok, {"max_new_tokens": 4}, {"merge_adapter": True})
+    after = _trained_state(model)
+    assert all(after[n][0] == ptr and torch.equal(after[n][1], v) for n, (ptr, v, _) in before.items())
+    assert not any(layer._disable_adapters for layer in lora_layers(model))
+
+
+def test_requests_the_loop_cannot_run_go_to_hugging_face_or_are_refused(reference_models):
+    model, tok = reference_models["llama"]
+    beams = {"max_new_tokens": 6, "do_sample": False, "num_beams": 2}
+    reference, _ = run(model, tok, beams)
+    auto, decoder = run(model, tok, beams, {})
+    assert same_samples(auto, reference) and list(decoder.stats()["calls"]) == [
+        "hf: the request is not greedy decoding or sampling"]
+    with pytest.raises(ValueError, match="generation.decoder is 'llmrl'.*not greedy decoding or sampling"):
+        run(model, tok, beams, {"decoder": "llmrl"})
+    _, forced_hf = run(model, tok, {"max_new_tokens": 4}, {"decoder": "hf"})
+    assert forced_hf.stats()["calls"] == {"hf: configured": 1}
+    t5, t5_tok = reference_models["t5"]
+    plan = plan_generate(t5, t5_tok, "seq2seq", PROMPTS[:1], {"max_new_tokens": 4}, 8192, 64, 512)
+    decoder = Decoder(GenerationSettings(), "cpu")
+    generate(t5, t5_tok, "seq2seq", plan, "cpu", decoder=decoder)
+    assert list(decoder.stats()["calls"]) == ["hf: the model is seq2seq"]
+
+
+def test_shapes_are_bucketed():
+    from llmrl.engine.model.decoding.static_step import bucket
+
+    assert bucket(1, 10, 256) == (8, 256)
+    assert bucket(9, 257, 256) == (16, 512)
+    assert bucket(64, 600, 128) == (64, 640)
+    assert bucket(65, 600, 128) == (128, 640)
+    assert bucket(130, 600, 128) == (192, 640)
+
+
+def test_generation_settings_are_validated():
+    from llmrl.engine.config import load_config
+    from llmrl.engine.errors import ConfigError
+
+    base = {"llms": {"main": {"model": "m"}}}
+    config = load_config(raw={"llms": {"main": {"model": "m", "generation": {"decoder": "hf", "compile": False}}}},
+                         check_environment=False, check_plugins=False)
+    assert config.llms["main"].generation == GenerationSettings(decoder="hf", compile=False)
+    assert load_config(raw=base, check_environment=False, check_plugins=False).llms["main"].generation == \
+        GenerationSettings()
+    with pytest.raises(ConfigError, match="decoder"):
+        load_config(raw={"llms": {"main": {"model": "m", "generation": {"decoder": "fast"}}}},
+                    check_environment=False, check_plugins=False)
