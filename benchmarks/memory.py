@@ -28,6 +28,8 @@ import sys
 SHAPES = {  # LlamaConfig arguments; every shape has SmolLM2's 49,152-entry vocabulary
     "narrow": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 4},
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "tie_word_embeddings": True},
     "smollm2-1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
                      "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": True},
 }

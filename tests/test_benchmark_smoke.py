@@ -61,3 +61,18 @@ def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights()
         "log-probs)", "llmrl defaults + gradient_checkpointing", "plain HF + PEFT, checkpointing, 8 sequences per pass"]
     for line in lines[1:4]:  # every llmrl path trains the same weights
         assert float(line.rsplit("by ", 1)[1]) < 1e-6, line
+
+
+def test_decoding_benchmark_runs_every_path_on_a_tiny_model(tmp_path):
+    out = tmp_path / "decoding.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decoding", "--device", "cpu", "--shape", "tiny",
+                             "--batch1-shape", "tiny", "--new-tokens", "8", "--prompts", "2", "--samples", "2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert rows["exactness"]["greedy sequences equal to HF (adapter unmerged)"] == "2/2"
+    assert rows["exactness"]["largest |loop log-prob - plain forward log-prob|"] < 1e-5
+    row = rows["4 x 8 tokens"]
+    assert "error" not in row and row["llmrl decoder stats"]["calls"] == {"llmrl": 3}
+    assert "error" not in rows["4 x 8 tokens, HF static cache + compile, no adapter"]
+    assert "error" not in rows["batch 1, tiny float32, 128 greedy tokens"]

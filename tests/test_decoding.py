@@ -193,3 +193,31 @@ def test_generation_settings_are_validated():
     with pytest.raises(ConfigError, match="decoder"):
         load_config(raw={"llms": {"main": {"model": "m", "generation": {"decoder": "fast"}}}},
                     check_environment=False, check_plugins=False)
+
+
+def test_the_loop_batches_by_prefill_rows_and_cache_not_by_rows_times_length():
+    from llmrl.engine.model.decoding.batches import cache_bytes_per_token, decode_batches
+
+    # a GRPO group on a GPU: 8 prompts of 64 tokens x 8 samples x 512 new tokens. Hugging Face's bound (rows x
+    # (prompt + new) within 8192 tokens) ran it as 8 batches of 8 rows; the loop's prefill is 8 x 64 tokens.
+    assert decode_batches([64] * 8, 512, 8, 8192, 64, 10**6) == [list(range(8))]
+    assert len(decode_batches([64] * 8, 512, 8, 8192, 64, 64 * 576 // 2)) == 2  # the cache bound
+    assert len(decode_batches([64] * 8, 512, 8, 8192, 32, 10**6)) == 2  # the rows bound
+    assert len(decode_batches([64] * 8, 512, 8, 256, 64, 10**6)) == 2  # the prefill bound
+    assert decode_batches([3, 900, 5], 4, 2, 100, 64, 10**6) == [[1], [2, 0]]  # longest first; alone if too long
+
+    class Config:  # SmolLM2-135M: 30 layers, 3 key/value heads of 64
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 30, 9, 3, 576
+
+    assert cache_bytes_per_token(Config(), 4) == 2 * 30 * 3 * 64 * 4
+
+
+def test_small_cache_budgets_split_the_request_and_change_nothing(lora_llama):
+    model, tok = lora_llama
+    kwargs = {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": 2}
+    plan = plan_generate(model, tok, "causal", PROMPTS, kwargs, 8192, 64, 512)
+    whole = Decoder(GenerationSettings(), "cpu")
+    split = Decoder(GenerationSettings(cache_mb=0.001), "cpu")  # a batch per prompt
+    assert len(whole.batches(model, plan, 8192, 64)) == 1 and len(split.batches(model, plan, 8192, 64)) == 4
+    greedy = {"max_new_tokens": 8, "do_sample": False}
+    assert same_samples(run(model, tok, greedy, decoder=whole)[0], run(model, tok, greedy, decoder=split)[0])

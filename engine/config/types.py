@@ -90,6 +90,7 @@ class GenerationSettings:
     compile: bool | str = "auto"  # capture the decode step (torch.compile, CUDA graphs); auto: on CUDA
     static_cache: bool | str = "auto"  # a preallocated cache of bucketed shape; auto: when compiling
     length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
+    cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class GenerationPlan:
     num_return: int
     stop: tuple[list[str], list[list[int]]] = ([], [])  # strings, token-id sequences (engine/model/stops.py)
     prompt_logprobs: bool = False
+    token_budget: int = 8192  # the bounds the batches were planned within (llmrl's loop plans its own from them)
+    max_rows: int = 64
 
 
 def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, token_budget: int, max_rows: int,
@@ -105,7 +107,7 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
     batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows)
-    return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs)
+    return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs, token_budget, max_rows)
 
 
 def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
@@ -129,7 +131,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)
-    for batch in plan.batches:
+    batches = loop.batches(model, plan, plan.token_budget, plan.max_rows) if loop is not None else plan.batches
+    for batch in batches:
         _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
                         plan.num_return, [results[i] for i in batch], plan.stop, use, loop)
     dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]

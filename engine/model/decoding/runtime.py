@@ -51,6 +51,18 @@ class Decoder:
         self.counts["llmrl" if reason is None else "hf: " + reason.split(" (")[0]] += 1
         return reason is None
 
+    def batches(self, model, plan, token_budget: int, max_rows: int) -> list[list[int]]:
+        """The loop's batches for a planned request (:mod:`.batches`): prefill within ``token_budget``, rows
+        within ``max_rows``, the cache within ``generation.cache_mb``."""
+        from llmrl.engine.model.decoding.batches import cache_bytes_per_token, decode_batches
+
+        element = next(model.parameters()).element_size()
+        per_token = cache_bytes_per_token(model.config, element)
+        cache_tokens = max(1, int(self.settings.cache_mb * 2**20 // per_token))
+        new_tokens = int(plan.kwargs["max_new_tokens"])
+        return decode_batches([len(p) for p in plan.prompts], new_tokens, plan.num_return, token_budget, max_rows,
+                              cache_tokens)
+
     def decode(self, model, cache_name: str, ids, mask, num_return: int, kwargs: dict, pad_id: int, eos: set,
                recorder):
         """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be."""
