@@ -12,7 +12,8 @@ per-token rewards (a reward per continuation, or dense per-token rewards) and th
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
 per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
-``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions).
+``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions), and the preference losses of the ``dpo``
+updater (:func:`preference_loss`: DPO's sigmoid loss with label smoothing, robust DPO and IPO).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
@@ -346,3 +347,31 @@ def token_loss_settings(name: str, config: dict | None) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{key!r}] to be a finite number, got {value!r}")
     return settings
+
+
+# ---- preferences -------------------------------------------------------------------------------------------------
+
+
+def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                    beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the loss, and the implicit rewards ``beta * (logp - ref_logp)`` of the chosen and the rejected.
+
+    With ``h = (chosen - ref_chosen) - (rejected - ref_rejected)`` and ``e = label_smoothing``:
+    ``sigmoid`` (DPO, Rafailov et al. 2023; with ``e > 0`` conservative DPO)
+    ``-(1 - e) log s(beta h) - e log s(-beta h)``;
+    ``robust`` (Chowdhury et al. 2024, preferences flipped with probability ``e``)
+    ``(-(1 - e) log s(beta h) + e log s(-beta h)) / (1 - 2e)``; ``ipo`` (Azar et al. 2023) ``(h - 1 / (2 beta))^2``,
+    given per-token mean log-probs as IPO defines it."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if kind == "sigmoid":
+        loss = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(beta * h) \
+            - label_smoothing * torch.nn.functional.logsigmoid(-beta * h)
+    elif kind == "robust":
+        loss = (-(1 - label_smoothing) * torch.nn.functional.logsigmoid(beta * h)
+                + label_smoothing * torch.nn.functional.logsigmoid(-beta * h)) / (1 - 2 * label_smoothing)
+    elif kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown preference loss {kind!r}: sigmoid, robust or ipo")
+    return loss, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach()
