@@ -4,8 +4,9 @@
     python -m benchmarks.grpo_step --shape smollm2-1.7b --devices 0 --dtype bfloat16 --new-tokens 128,512
 
 Paths, each on the same random-weight model (a real architecture: speed does not depend on the weights), LoRA r=16 on
-every linear layer, the same prompts, ``min_new_tokens`` = ``max_new_tokens`` (fixed lengths), seeded rewards, no KL
-term (TRL's default ``beta`` is 0):
+every linear layer, the same prompts (English text of ``--prompt-tokens`` tokens: llmrl and the plain loop get the
+token ids, TRL the text, and the JSON records how many tokens TRL made of it), ``min_new_tokens`` =
+``max_new_tokens`` (fixed lengths), seeded rewards, no KL term (TRL's default ``beta`` is 0):
   - **llmrl now**: a live run (one server); ``generate`` runs llmrl's decoding loop, and the update receives the
     sampled log-probs as ``old_logprobs`` (no old-policy pass);
   - **llmrl before**: the same run with ``generation.decoder: hf`` (Hugging Face's generate with the adapter
@@ -52,10 +53,19 @@ def random_model(folder: str, shape: str, devices: str, dtype: str) -> str:
     return folder
 
 
-def workload(args, new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Prompts (token ids) and, per step, seeded rewards for every continuation (prompt-major)."""
-    prompts = [[1] + [(7 * i + 13 * j) % 48000 + 300 for j in range(args.prompt_tokens - 1)]
-               for i in range(args.prompts)]
+SENTENCES = ["Write a short review of a film you watched recently and say why you liked it.",
+             "Describe the weather in your town today, and what you plan to do this afternoon.",
+             "Explain to a friend how to cook rice, step by step, without a rice cooker.",
+             "Tell a story about a cat who finds a key in the garden and opens an old door."]
+
+
+def workload(args, new_tokens: int, tokenizer) -> tuple[list[list[int]], list[list[float]]]:
+    """Prompts (token ids of English text, ``--prompt-tokens`` each, which TRL's path gets back as text) and, per
+    step, seeded rewards for every continuation (prompt-major)."""
+    prompts = []
+    for i in range(args.prompts):
+        text = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(args.prompt_tokens))
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"][:args.prompt_tokens])
     rng = random.Random(new_tokens)
     rewards = [[rng.random() for _ in range(args.prompts * args.samples)] for _ in range(args.steps)]
     return prompts, rewards
@@ -74,7 +84,9 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
            "updater": {"plugin": "grpo", "args": {"epochs": 1, "kl_coef": 0.0}},
            "training": {"micro_batch_size": args.samples, "optimizer": {"type": "adam", "lr": 1e-5}},
            "generation": {"decoder": "hf" if before else "auto"}}
-    prompts, rewards = workload(args, new_tokens)
+    from transformers import AutoTokenizer
+
+    prompts, rewards = workload(args, new_tokens, AutoTokenizer.from_pretrained(tokenizer))
     times, stats = [], None
     with testkit().LiveRun({"llms": {"main": llm}, "threads_per_rank": args.threads}, startup_timeout=900) as run:
         for step in range(args.steps):
@@ -102,11 +114,11 @@ def child(path: str, model: str, tokenizer: str, args, new_tokens: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def plain_steps(model_path: str, args, new_tokens: int) -> dict:
+def plain_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> dict:
     """The plain HF + PEFT GRPO loop (see the module's docstring)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     device = torch.device("cpu" if args.devices == "cpu" else f"cuda:{args.devices}")
@@ -115,7 +127,7 @@ def plain_steps(model_path: str, args, new_tokens: int) -> dict:
     if device.type == "cuda":
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
-    prompts, rewards = workload(args, new_tokens)
+    prompts, rewards = workload(args, new_tokens, AutoTokenizer.from_pretrained(tokenizer_path))
     ids = torch.tensor(prompts, device=device)
     times = []
     for step in range(args.steps):
@@ -156,8 +168,8 @@ def trl_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> di
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    prompts, rewards = workload(args, new_tokens)
-    texts = [tokenizer.decode(p[1:]) for p in prompts]
+    prompts, rewards = workload(args, new_tokens, tokenizer)
+    texts = [tokenizer.decode(p) for p in prompts]
     calls = {"n": 0}
 
     def reward(completions, **kwargs):
@@ -194,7 +206,10 @@ def trl_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> di
                               peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                      task_type="CAUSAL_LM"))
         trainer.train()
-    return {"seconds": clock.times}
+    logged = trainer.state.log_history[-2] if len(trainer.state.log_history) > 1 else {}
+    prompt_lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    return {"seconds": clock.times, "prompt tokens (TRL tokenises the prompts' text)": prompt_lengths,
+            "TRL's last log": {k: v for k, v in logged.items() if "length" in k or k in ("loss", "reward")}}
 
 
 def summary(result: dict) -> dict:
@@ -223,7 +238,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         new = int(args.new_tokens)
-        result = plain_steps(args.child_model, args, new) if args.child == "plain" else \
+        result = plain_steps(args.child_model, args.tokenizer, args, new) if args.child == "plain" else \
             trl_steps(args.child_model, args.tokenizer, args, new)
         print(json.dumps(result))
         return 0
