@@ -22,7 +22,6 @@ continuations only.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS  # noqa: E402
+from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS, before_after_bars, write_metrics  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
 
@@ -124,10 +123,7 @@ def main() -> None:
           f"({before['ci95'][0]:.0%} to {before['ci95'][1]:.0%}) -> {after['rate']:.0%} "
           f"({after['ci95'][0]:.0%} to {after['ci95'][1]:.0%}); {wall / 60:.1f} minutes; results in {args.out}/",
           flush=True)
-    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
+    write_metrics(history, os.path.join(args.out, "metrics.csv"))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"args": vars(args), "before": before, "after": after, "wall_seconds": wall, "history": history},
                   f, indent=2)
@@ -146,10 +142,7 @@ def plot(history: list[dict], before: dict, after: dict, path: str) -> None:
     left.set_ylabel("loss")
     left.set_title("DPO written in the script")
     left.legend()
-    rates = [before["rate"], after["rate"]]
-    errors = [[r - e["ci95"][0] for r, e in zip(rates, (before, after))],
-              [e["ci95"][1] - r for r, e in zip(rates, (before, after))]]
-    right.bar(["before", "after"], rates, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+    before_after_bars(right, before, after, key="rate")
     right.set_title(f"held-out preference\n({before['pairs']} pairs, 95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -21,7 +21,6 @@ what the config's ``tracking`` back ends record. It shows a progress bar.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -29,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rlhf_sentiment import Reward, build_prompts, mean_ci  # noqa: E402
+from rlhf_sentiment import Reward, before_after_bars, build_prompts, mean_ci, write_metrics  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
 
@@ -124,10 +123,7 @@ def plot(history: list[dict], before: dict, after: dict, path: str) -> None:
     accuracy.legend(loc="lower right")
     left.legend(loc="upper left")
     left.set_title("Offline DPO on sampled, reward-ranked pairs")
-    means = [before["mean_reward"], after["mean_reward"]]
-    errors = [[m - e["ci95"][0] for m, e in zip(means, (before, after))],
-              [e["ci95"][1] - m for m, e in zip(means, (before, after))]]
-    right.bar(["before", "after"], means, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+    before_after_bars(right, before, after)
     right.set_title(f"greedy, {before['prompts']} held-out\nprompts (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -152,10 +148,7 @@ def main() -> None:
         after = evaluate(caller, held_out, reward, args, "after training")
         caller.log({"eval/mean_reward": after["mean_reward"]})
     wall = time.time() - start
-    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
+    write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = after["ci95"][0] > before["ci95"][1]
     summary = {"args": vars(args), "pairs": pair_stats, "before": before, "after": after,
                "improvement_significant": significant, "wall_seconds": wall, "history": history}

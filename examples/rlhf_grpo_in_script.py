@@ -20,7 +20,6 @@ the prompts, reward or evaluation (``examples/rlhf_sentiment.py`` does) and runs
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -29,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the RLHF demo's prompts, reward and evaluation
-from rlhf_sentiment import Reward, build_prompts, evaluate, plot  # noqa: E402
+from rlhf_sentiment import Reward, build_prompts, evaluate, plot, write_metrics  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
 
@@ -124,10 +123,7 @@ def main() -> None:
         after = evaluate(caller, held_out, reward, args, "after training")
         caller.log({"eval/mean_reward": after["mean_reward"]})  # at the last optim_step's step
     wall = time.time() - start
-    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
+    write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = after["ci95"][0] > before["ci95"][1]
     summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
                "wall_seconds": wall, "history": history}

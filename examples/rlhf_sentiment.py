@@ -186,14 +186,27 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
         kl_axis.set_ylabel("KL (nats per continuation)")
         kl_axis.legend(loc="lower right")
     left.legend(loc="upper left")
-    means = [before["mean_reward"], after["mean_reward"]]
-    errors = [[m - e["ci95"][0] for m, e in zip(means, (before, after))],
-              [e["ci95"][1] - m for m, e in zip(means, (before, after))]]
-    right.bar(["before", "after"], means, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+    before_after_bars(right, before, after)
     right.set_title(f"greedy, {before['prompts']} held-out\nprompts (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def before_after_bars(axis, before: dict, after: dict, key: str = "mean_reward") -> None:
+    """A held-out measure (``key``) before and after training as two bars, with their 95% intervals."""
+    values = [before[key], after[key]]
+    errors = [[v - e["ci95"][0] for v, e in zip(values, (before, after))],
+              [e["ci95"][1] - v for v, e in zip(values, (before, after))]]
+    axis.bar(["before", "after"], values, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+
+
+def write_metrics(history: list[dict], path: str) -> None:
+    """``metrics.csv``: one row per update, the columns of the first row."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(history[0]))
+        writer.writeheader()
+        writer.writerows(history)
 
 
 def matmul_gflops(threads: int = 2, size: int = 1536) -> float:
@@ -227,10 +240,7 @@ def main() -> None:
         caller.log({"eval/mean_reward": after["mean_reward"]})  # at the last update's step
     wall = time.time() - start
     gflops = matmul_gflops()
-    with open(os.path.join(args.out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
+    write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = after["ci95"][0] > before["ci95"][1]
     kls = [row["kl"] for row in history if "kl" in row]
     pairs = [{"prompt": p, "before": b, "after": a}

@@ -17,14 +17,11 @@ import torch
 
 from testkit import LiveRun
 from testkit.plain import check_step, peft_model, token_pass
+from testkit.texts import LORA, PROMPTS, WORDS
 
 pytestmark = pytest.mark.slow
 
 LR = 0.05
-PROMPTS = ["Goal: go to the red ball", "You see a wall 2 steps forward.", "In the kitchen you see a fridge.",
-           "pick up the key", "open the door"]
-WORDS = [" go to the red ball", " the key", " open the door", " turn left", " a wall", " pick up", " fridge"]
-LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 
 
 def sgd() -> dict:
@@ -73,7 +70,7 @@ def test_dpo_update_equals_a_plain_sgd_step_with_the_base_model_as_reference(run
         losses.append(-torch.nn.functional.logsigmoid(0.5 * h))
         margins.append(float(0.5 * h.detach()))
     mean_loss = torch.stack(losses).mean()
-    assert stats[0]["loss"] * 3 / 5 + stats[1]["loss"] * 2 / 5 == pytest.approx(float(mean_loss), abs=1e-5)
+    assert stats[0]["loss"] * 3 / 5 + stats[1]["loss"] * 2 / 5 == pytest.approx(float(mean_loss.detach()), abs=1e-5)
     mine = (stats[0]["reward_margin"] * 3 + stats[1]["reward_margin"] * 2) / 5
     assert mine == pytest.approx(sum(margins) / len(margins), abs=1e-5)
     assert stats[0]["reward_accuracy"] * 3 + stats[1]["reward_accuracy"] * 2 == sum(m > 0 for m in margins)

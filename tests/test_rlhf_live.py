@@ -22,14 +22,11 @@ import torch
 
 from testkit import LiveRun
 from testkit.plain import check_step, peft_model, ppo_tokens_step, token_pass, trainable
+from testkit.texts import LORA, PROMPTS, WORDS
 
 pytestmark = pytest.mark.slow
 
 LR = 0.05
-PROMPTS = ["Goal: go to the red ball", "You see a wall 2 steps forward.", "In the kitchen you see a fridge.",
-           "pick up the key", "open the door"]
-WORDS = [" go to the red ball", " the key", " open the door", " turn left", " a wall", " pick up", " fridge"]
-LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 PPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "value_clip": 0.05, "value_coef": 0.5, "entropy_coef": 0.01,
             "kl_coef": 0.1, "kl_target": 0.5, "kl_horizon": 20, "gamma": 0.95, "lam": 0.9}
 GRPO_ARGS = {"epochs": 1, "clip_eps": 0.2, "kl_coef": 0.1, "loss": "token"}
