@@ -170,6 +170,30 @@ def test_requests_the_loop_cannot_run_go_to_hugging_face_or_are_refused(referenc
     assert list(decoder.stats()["calls"]) == ["hf: the model is seq2seq"]
 
 
+@pytest.mark.slow
+def test_the_compiled_step_decodes_as_hugging_face_and_compiles_once_per_bucket(lora_llama):
+    """The captured-step path (``compile``: torch.compile; on CUDA it replays CUDA graphs) run on the CPU, where
+    inductor compiles the same graph: greedy tokens equal Hugging Face's, a second call of the same bucket reuses
+    the compiled step and the static cache, and the held memory is reported."""
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on the CPU needs a C compiler")
+    model, tok = lora_llama
+    kwargs = {"max_new_tokens": 6, "do_sample": False}
+    reference, _ = run(model, tok, kwargs)
+    decoder = Decoder(GenerationSettings(compile=True, merge_adapter=True, length_bucket=16), "cpu")
+    first, _ = run(model, tok, kwargs, decoder=decoder)
+    again, _ = run(model, tok, kwargs, decoder=decoder)
+    assert same_samples(first, reference) and same_samples(again, reference)
+    stats = decoder.stats()
+    assert stats["compiled_shapes"] == [(8, 32)] and stats["merges"] == 1  # 4 prompts -> 8 rows; 16 + 6 tokens -> 32
+    assert stats["static_cache_mb"] > 0 and stats["merged_weights_mb"] > 0
+    for prompt, (sample,) in zip(PROMPTS, first):
+        torch.testing.assert_close(sample["logprobs"], plain_logprobs(model, tok, prompt, sample["tokens"].tolist()),
+                                   atol=3e-5, rtol=0)
+
+
 def test_shapes_are_bucketed():
     from llmrl.engine.model.decoding.static_step import bucket
 

@@ -126,7 +126,18 @@ def test_sft_update_equals_a_plain_sgd_step_of_the_token_mean_nll(run, tiny):
                                              sum(len(t[0]) + 1 for t in targets[3:])]
     loss = nll / count  # every target token of both replicas weighs the same
     assert (stats[0]["loss"] * stats[0]["tokens"] + stats[1]["loss"] * stats[1]["tokens"]) / count == \
-        pytest.approx(float(loss), abs=1e-5)
+        pytest.approx(float(loss.detach()), abs=1e-5)
     loss.backward()
     expected = {f"model.{k}": (p - LR * p.grad).detach() for k, p in model.named_parameters() if p.requires_grad}
     check_step(run.state_dict(llm="sft"), expected, before)
+
+
+def test_sft_refuses_a_prompt_without_a_target_and_keeps_serving(run):
+    from llmrl.engine.errors import RequestError
+
+    before = run.state_dict(llm="sft")
+    with pytest.raises(RequestError, match="at least one target per prompt"):
+        run.update(PROMPTS[:2], [[[5, 6]], []], llm="sft")  # the second replica's prompt has none
+    after = run.state_dict(llm="sft")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
+    assert len(run.score(PROMPTS[:1], [[" a"]], llm="sft")) == 1

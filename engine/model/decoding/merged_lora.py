@@ -91,6 +91,10 @@ class MergedLora:
         self.adapter, self._layers, self._merged, self._seen = adapter, list(layers), merged, seen
         self.builds += 1
 
+    def held_bytes(self) -> int:
+        """The memory the merged weights hold between calls."""
+        return sum(t.numel() * t.element_size() for t in self._merged)
+
     def release(self) -> None:
         """Free the buffers (they are rebuilt at the next decoding call that merges)."""
         self.adapter, self._layers, self._merged, self._seen = None, [], [], []

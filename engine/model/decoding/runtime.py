@@ -79,9 +79,12 @@ class Decoder:
             return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static)
 
     def stats(self) -> dict:
-        """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes."""
+        """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes, and the memory
+        the merged weights and static caches hold between calls."""
         return {"calls": dict(self.counts), "merges": self.merged.builds if self.merged is not None else 0,
-                "compiled_shapes": sorted(self.static.compiled_shapes) if self.static is not None else []}
+                "compiled_shapes": sorted(self.static.compiled_shapes) if self.static is not None else [],
+                "merged_weights_mb": self.merged.held_bytes() / 2**20 if self.merged is not None else 0.0,
+                "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
     def release(self) -> None:
         """Free the merged weights and static caches (rebuilt by the next call that needs them)."""

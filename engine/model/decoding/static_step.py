@@ -58,6 +58,11 @@ class StaticDecoder:
         """Free every cache (they are allocated again by the next call)."""
         self._caches.clear()
 
+    def held_bytes(self) -> int:
+        """The memory the kept caches hold between calls (they keep their addresses for the captured steps)."""
+        return sum(t.numel() * t.element_size() for cache in self._caches.values() for layer in cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
     def step(self, model, cache_name: str, cache, input_ids, position_ids, attention_mask) -> torch.Tensor:
         """The next-token logits (rows x vocabulary, float32, a fresh tensor) of one decode step."""
         if not self.compile_step:
