@@ -21,6 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from llmrl.engine.graph import keep_in_graph
+from llmrl.plugins.trainer_api import Trainer
 from llmrl.plugins.update_batch import UpdateBatch
 
 __all__ = ["ForwardOutputs", "Head", "Initializer", "LLMInfo", "ShufflingUpdater", "Trainer", "UpdateBatch",
@@ -274,6 +275,11 @@ class Updater:
     An updater with state of its own (a random generator, running statistics) may define
     ``state_dict()`` and ``load_state_dict(state)``; checkpoints then save and restore it.
 
+    An updater whose policy is not the model's plain distribution (``nlpo``'s masked policy, ``ilql``'s
+    advantage-steered one) may define ``steering(self, view, **options)`` returning a Hugging Face
+    ``LogitsProcessor``; ``generate(..., steer=True)`` (or a dict of ``options``) then samples from that policy
+    (:mod:`llmrl.plugins.steering` gives ``view``: the model, heads and adapters).
+
     Class attributes:
         args_schema: optional JSON Schema of the constructor's keyword arguments.
         per_sample_args: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
@@ -318,67 +324,3 @@ class ShufflingUpdater(Updater):
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
 
-
-class Trainer:
-    """What an updater uses to train (implemented by the engine; documented here for plugin authors).
-
-    Attributes:
-        llm: the LLM's description.
-        engine: the DeepSpeed engine (for advanced use).
-        micro_batch_size / gradient_accumulation_steps: from ``llms.<name>.training``.
-    """
-
-    llm: LLMInfo
-    engine: Any
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-
-    def forward(self, contexts: list, candidates: list[list] | None = None, heads=(),
-                peft_adapter: str | None = None, *, per_token: bool = False, entropy: bool = False,
-                add_eos: bool = False, head_kwargs: dict | None = None) -> ForwardOutputs:
-        """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none).
-
-        Args:
-            contexts: strings, or lists of token ids used exactly as given (as in ``Caller.score``).
-            candidates: per context, strings or lists of token ids (ids when the context is ids), or None.
-            heads: the head keys to run in the same pass.
-            peft_adapter: the LoRA adapter to use (None: the active one).
-            per_token: also keep every scored token's log-prob apart (``token_logprobs``, ``token_candidate``,
-                ``token_ids``), for token-level losses: a per-token PPO ratio
-                ``exp(out.token_logprobs - old_token_logprobs)``, a per-token KL to the base model (a second
-                forward inside ``trainer.adapters_disabled()``), GRPO's per-token objective. Costs nothing
-                when False.
-            entropy: also compute ``token_entropy`` (needs ``per_token``), for an entropy bonus.
-            add_eos: candidates end with the EOS token (as ``Caller.score(..., add_eos=True)``).
-            head_kwargs: keyword arguments for the heads' ``forward`` (see :class:`Head`), passed as given.
-
-        Returns:
-            The pass's :class:`ForwardOutputs`; per-token tensors in candidate order, with gradients.
-        """
-        raise NotImplementedError
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate one micro-step's ``loss`` (a scalar; reduce per-sample losses with ``batch.mean``, which
-        weights every sample of the optimizer step equally)."""
-        raise NotImplementedError
-
-    def step(self) -> None:
-        """End one micro-step. Every ``gradient_accumulation_steps`` micro-steps, at the end of each pass over
-        ``batch.minibatches()`` and at the end of the update, the optimizer steps (and clips)."""
-        raise NotImplementedError
-
-    def adapters_disabled(self):
-        """Context manager: forward passes inside use the base model without LoRA adapters."""
-        raise NotImplementedError
-
-    @property
-    def has_adapters(self) -> bool:
-        """Whether the model has LoRA adapters (then ``adapters_disabled()`` gives the frozen base model)."""
-        raise NotImplementedError
-
-    def sum_across_replicas(self, values) -> torch.Tensor:
-        """The sum of ``values`` (a number, list or tensor; the same shape on every replica) over all replicas of the
-        LLM, as a float64 CPU tensor, identical on every replica: for statistics of the whole batch (the mean and
-        variance used to whiten advantages, the mean KL that adapts a KL coefficient). Every replica must call it
-        the same number of times, like ``backward``."""
-        raise NotImplementedError

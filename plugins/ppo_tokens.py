@@ -158,8 +158,9 @@ class PPOTokensUpdater(ShufflingUpdater):
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         rewards = check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0, dense=True)
         beta = self.kl.value
+        self.prepare(batch, trainer)
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0,
-                             reward_rows=True)
+                             reward_rows=True, policy_pass=self.first_policy_pass())
         divisor = self._shape_task_rewards(prompts, trainer)
         collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
         for p in prompts:  # per-token rewards, GAE
@@ -189,9 +190,7 @@ class PPOTokensUpdater(ShufflingUpdater):
         for _ in range(self.epochs):
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 rows = [prompts[position[i]] for i in mb.indices]
-                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
-                                      per_token=True, entropy=True)  # reported even without a bonus
-                logp, mask = out.tokens_by_candidate()
+                out, logp, mask, entropy = self.policy_pass(trainer, mb, heads)
                 width, device = logp.shape[1], logp.device
 
                 def take(key, rows=rows, width=width, device=device):
@@ -202,7 +201,6 @@ class PPOTokensUpdater(ShufflingUpdater):
                                          take("values") if self.value_head else None, take("returns"),
                                          self.clip_eps, self.value_clip)
                 per_token = terms.policy + self.value_coef * terms.value
-                entropy = out.tokens_by_candidate(out.token_entropy)[0].float()
                 if self.entropy_coef != 0:
                     per_token = per_token - self.entropy_coef * entropy
                 per_prompt = per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
@@ -224,6 +222,21 @@ class PPOTokensUpdater(ShufflingUpdater):
             stats["reward_divisor"] = divisor
         self.kl.update(mean_kl, int(totals[1]))
         return stats
+
+    def prepare(self, batch: UpdateBatch, trainer: Trainer) -> None:
+        """Before the first pass (``nlpo`` makes sure its masking policy exists); nothing here."""
+
+    def first_policy_pass(self):
+        """The first pass's policy pass (:func:`~llmrl.plugins.rollouts.first_pass`): None, the plain one."""
+        return None
+
+    def policy_pass(self, trainer: Trainer, mb: UpdateBatch, heads: list) -> tuple:
+        """One training pass of the policy: its outputs, ``[n, T]`` log-probs, mask and entropies (reported even
+        without an entropy bonus)."""
+        out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter, per_token=True,
+                              entropy=True)
+        logp, mask = out.tokens_by_candidate()
+        return out, logp, mask, out.tokens_by_candidate(out.token_entropy)[0].float()
 
     def _shape_task_rewards(self, prompts: list, trainer: Trainer) -> float:
         """Clip each prompt's ``task_rewards`` rows in place and, with ``reward_scale``, divide them by the

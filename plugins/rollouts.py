@@ -163,7 +163,7 @@ def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference
 
 def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
                value_head: str | None, need_reference: bool, count_from_ids: bool = False,
-               reward_rows: bool = False) -> list[PromptRows]:
+               reward_rows: bool = False, policy_pass=None) -> list[PromptRows]:
     """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
     log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
     ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
@@ -173,7 +173,8 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
     ids. With ``reward_rows``, each prompt's ``tensors["task_rewards"]`` holds its per-token task rewards
     (:func:`reward_rows_of`: numbers on the last token, dense rewards in place). Whether a pass runs depends only
     on the call's keyword names and the config, never on one replica's share, so every replica makes the same
-    passes."""
+    passes. ``policy_pass(trainer, minibatch, heads)``, when given, runs the policy's pass and returns its outputs,
+    ``[n, T]`` log-probs and mask (``nlpo``: the masked policy's log-probs)."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
@@ -192,7 +193,10 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
     for mb in batch.minibatches(trainer.micro_batch_size):
         rows = {}
         with torch.no_grad():
-            if run_policy:
+            if run_policy and policy_pass is not None:
+                out, logp, mask = policy_pass(trainer, mb, heads)
+                rows["old_logprobs"] = logp.float().cpu()
+            elif run_policy:
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
                 logp, mask = out.tokens_by_candidate()
                 rows["old_logprobs"] = logp.float().cpu()

@@ -52,10 +52,8 @@ class SFTUpdater(ShufflingUpdater):
                     per_prompt = per_prompt_mean(sequence_mean(nll, mask), out.candidate_context, out.num_contexts)
                     loss = mb.mean(per_prompt)
                 else:  # every token of the micro-step weighs the same, whatever replica it fell in
-                    local = (nll * mask).sum()
                     count = float(trainer.sum_across_replicas([float(mask.sum())])[0])
-                    step = mb.step_size if mb.step_size is not None else mb.global_size
-                    loss = local * (mb.num_replicas / max(count, 1.0)) * (mb.global_size / max(step, 1))
+                    loss = mb.token_mean((nll * mask).sum(), count)
                 trainer.backward(loss)
                 trainer.step()
                 nll_sum += float((nll.detach() * mask).sum())

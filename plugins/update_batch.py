@@ -67,6 +67,13 @@ class UpdateBatch:
             return values.sum() * 0.0
         return values.sum() * (self.num_replicas / total)
 
+    def token_mean(self, token_sum: torch.Tensor, all_tokens: float) -> torch.Tensor:
+        """The mean over every token of the optimizer step of a per-token loss whose sum over this replica's tokens
+        is ``token_sum``; ``all_tokens`` counts the tokens of every replica's share of this minibatch (sum it with
+        ``trainer.sum_across_replicas``). Each token then weighs the same whatever replica it fell in."""
+        step = self.step_size if self.step_size is not None else self.global_size
+        return token_sum * (self.num_replicas / max(all_tokens, 1.0)) * (self.global_size / max(step, 1))
+
     def select(self, positions: list[int], sizes: list[int], step_size: int | None = None) -> UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}

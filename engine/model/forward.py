@@ -45,9 +45,11 @@ class ForwardPlan:
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
                  minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
-                 add_eos: bool = False, head_kwargs: dict | None = None, prefix_cache=None) -> ForwardPlan:
+                 add_eos: bool = False, head_kwargs: dict | None = None, prefix_cache=None, logits: bool = False
+                 ) -> ForwardPlan:
     """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
-    ``entropy`` keep per-token log-probs / entropies (they change no model call); ``add_eos`` ends candidates
+    ``entropy`` keep per-token log-probs / entropies (they change no model call); ``logits`` keeps each scored token's
+    logits (``token_logits``); ``add_eos`` ends candidates
     with the EOS token; ``head_kwargs`` go to the heads; ``prefix_cache`` (the cache across calls the pass will read)
     lets the planner drop a pass over a common prefix the cache already holds."""
     keys = served.check_heads(heads)
@@ -57,7 +59,8 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     if entropy and not per_token:
         raise ValueError("entropy=True needs per_token=True (entropies are given per token)")
     needs = served.needs_for(keys)
-    needs = replace(needs, per_token=per_token or needs.per_token, entropy=entropy)
+    needs = replace(needs, per_token=per_token or logits or needs.per_token, entropy=entropy,
+                    token_logits=logits or needs.token_logits)
     llm = served.llm
     # Under lockstep a seq2seq model re-encodes per chunk: every call must be a whole-model call.
     reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")

@@ -189,13 +189,20 @@ class HFBackend(ModelBackend):
         from llmrl.engine.model.generation import generate, plan_generate
 
         served, llm = self.served, self.llm
+        kwargs, steering = dict(kwargs or {}), None
         try:
             served.check_adapter(adapter)
-            plan, error = plan_generate(served.model, self.tokenizer, llm.type, contexts, kwargs or {},
+            if kwargs.get("steer") not in (None, False):  # the updater's own policy (plugins/steering.py)
+                steering = self._steering(kwargs.pop("steer"), adapter)
+                kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), steering]
+            kwargs.pop("steer", None)
+            plan, error = plan_generate(served.model, self.tokenizer, llm.type, contexts, kwargs,
                                         llm.token_budget, minibatch_size or llm.minibatch_size, self.max_length,
                                         vocab_size=self.info.vocab_size), None
         except Exception as err:  # noqa: BLE001 - under lockstep, voted on first
             plan, error = None, err
+            if steering is not None:
+                steering.close()
         extra = 0
         if llm.lockstep:  # every replica calls generate as often as the busiest, or none does
             count = len(plan.batches) if plan is not None else 0
@@ -209,12 +216,28 @@ class HFBackend(ModelBackend):
             if llm.lockstep:
                 forget_zero3_trace(served.engine)
             use = None
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and steering is None:  # a steered step reads the whole prompt
                 from llmrl.engine.model.reuse.prefix_cache import CacheUse
 
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
-            return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                            seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder())
+            try:
+                return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
+                                seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder())
+            finally:
+                if steering is not None:
+                    steering.close()
+
+    def _steering(self, steer, adapter):
+        from llmrl.engine.model.snapshots import take_snapshot
+        from llmrl.plugins.steering import SteeringView, steering_processor
+
+        s = self.served
+        if self.llm.lockstep:
+            raise ValueError("steer needs ZeRO 0-2: under ZeRO-3 the heads and snapshots it reads are partitioned")
+        view = SteeringView(s.model, self.llm.type, dict(s.module.heads), self.tokenizer, s.adapter,
+                            lambda name: name in s.snapshots or name in s.weight_snapshots,
+                            lambda name, source: take_snapshot(s, name, source, self.prefix_cache), adapter)
+        return steering_processor(self.updater, view, steer)
 
     def decoder(self):
         """The LLM's decoding loop (:class:`~llmrl.engine.model.decoding.runtime.Decoder`), made at first use."""

@@ -36,6 +36,7 @@ from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
+from llmrl.engine.model.training.model_access import ModelAccess
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
@@ -57,7 +58,7 @@ _DOING = {FORWARD: "about to call trainer.forward", BACKWARD: "about to call tra
           END: "at the end of the update"}
 
 
-class EngineTrainer(Trainer):
+class EngineTrainer(ModelAccess, Trainer):
     def __init__(self, served: ServedModel):
         self.served = served
         self.engine = served.engine
@@ -99,7 +100,7 @@ class EngineTrainer(Trainer):
                               f"{_DOING.get(doing, 'at its next step')}")
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
-                add_eos=False, head_kwargs=None) -> ForwardOutputs:
+                add_eos=False, head_kwargs=None, logits=False) -> ForwardOutputs:
         served = self.served
         if torch.is_grad_enabled() and (peft_adapter in served.snapshots or peft_adapter in served.weight_snapshots):
             raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
@@ -109,7 +110,7 @@ class EngineTrainer(Trainer):
             contexts, candidates = self._throwaway_inputs(candidates is not None)
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
-                                         per_token=per_token, entropy=entropy, add_eos=add_eos,
+                                         per_token=per_token, entropy=entropy, add_eos=add_eos, logits=logits,
                                          head_kwargs=head_kwargs, position=self._position(FORWARD))
         except OutOfStep as err:
             self.failed_vote_cast = True

@@ -12,8 +12,11 @@ per-token rewards (a reward per continuation, or dense per-token rewards) and th
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
 per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
-``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions), and the preference losses of the ``dpo``
-updater (:func:`preference_loss`: DPO's sigmoid loss with label smoothing, robust DPO and IPO).
+``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions). Three submodules hold the maths of one
+family each, re-exported here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO,
+robust DPO, IPO), :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and
+:func:`polyak_update`) and :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and
+:func:`masked_logprobs`).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
@@ -349,29 +352,6 @@ def token_loss_settings(name: str, config: dict | None) -> dict:
     return settings
 
 
-# ---- preferences -------------------------------------------------------------------------------------------------
-
-
-def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                    beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per pair: the loss, and the implicit rewards ``beta * (logp - ref_logp)`` of the chosen and the rejected.
-
-    With ``h = (chosen - ref_chosen) - (rejected - ref_rejected)`` and ``e = label_smoothing``:
-    ``sigmoid`` (DPO, Rafailov et al. 2023; with ``e > 0`` conservative DPO)
-    ``-(1 - e) log s(beta h) - e log s(-beta h)``;
-    ``robust`` (Chowdhury et al. 2024, preferences flipped with probability ``e``)
-    ``(-(1 - e) log s(beta h) + e log s(-beta h)) / (1 - 2e)``; ``ipo`` (Azar et al. 2023) ``(h - 1 / (2 beta))^2``,
-    given per-token mean log-probs as IPO defines it."""
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    if kind == "sigmoid":
-        loss = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(beta * h) \
-            - label_smoothing * torch.nn.functional.logsigmoid(-beta * h)
-    elif kind == "robust":
-        loss = (-(1 - label_smoothing) * torch.nn.functional.logsigmoid(beta * h)
-                + label_smoothing * torch.nn.functional.logsigmoid(-beta * h)) / (1 - 2 * label_smoothing)
-    elif kind == "ipo":
-        loss = (h - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown preference loss {kind!r}: sigmoid, robust or ipo")
-    return loss, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach()
+from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update  # noqa: E402,F401
+from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask  # noqa: E402,F401
+from llmrl.plugins.rl_math.preference import preference_loss  # noqa: E402,F401
