@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.plugins.rl_math.ilql import steered_logits
 from llmrl.plugins.rl_math.masking import top_p_mask
 
@@ -108,7 +109,10 @@ class MaskSteering(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         kwargs = dict(self.tap.kwargs)
-        kwargs["past_key_values"] = self.cache
+        name = cache_kwarg(self.view.base)  # never the policy's own cache: the masking policy keeps its own
+        kwargs.pop("past_key_values", None)
+        kwargs.pop("cache", None)
+        kwargs[name] = self.cache
         kwargs["use_cache"] = True
         self.tap.paused = True
         try:
@@ -116,7 +120,7 @@ class MaskSteering(LogitsProcessor):
                 out = self.view.base(**kwargs)
         finally:
             self.tap.paused = False
-        self.cache = out.past_key_values
+        self.cache = cache_of(out)
         allowed = top_p_mask(out.logits[:, -1].float(), self.top_p, self.always)
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
 
