@@ -1,5 +1,5 @@
 """Seq2seq policies (a tiny T5: the encoder reads the prompt, the decoder writes the continuation) in the ``sft``,
-``dpo`` and ``grpo`` updaters: one update equals a plain SGD step on a plain PEFT T5, whose decoder reads the
+``dpo``, ``grpo`` and ``ppo_tokens`` (with a token value head on the decoder's hidden states) updaters: one update equals a plain SGD step on a plain PEFT T5, whose decoder reads the
 model's decoder start token and then the continuation's tokens (what ``score`` does for seq2seq models), and
 ``generate`` (Hugging Face's loop for seq2seq) feeds ``grpo`` its samples.
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 LR = 0.05
 PROMPTS = ["translate: the red ball", "translate: open the door", "translate: a wall ahead"]
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+PPO = {"kl_coef": 0.1, "whiten": False, "gamma": 1.0, "lam": 1.0, "epochs": 1, "value_clip": None, "value_coef": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,10 @@ def run(tiny):
                 "updater": {"plugin": plugin, "args": args},
                 "training": {"zero_stage": 2, "optimizer": {"type": "sgd", "lr": LR}, "micro_batch_size": 8}}
 
+    ppo = {**llm("ppo_tokens", PPO), "heads": {"value": {"plugin": "token_value", "args": {"hidden": 8}}}}
     live = LiveRun({"llms": {"sft": llm("sft", {}), "dpo": llm("dpo", {"beta": 0.5}),
-                             "grpo": llm("grpo", {"kl_coef": 0.1, "loss": "token"})}, "threads_per_rank": 1})
+                             "grpo": llm("grpo", {"kl_coef": 0.1, "loss": "token"}), "ppo": ppo},
+                    "threads_per_rank": 1})
     yield live
     assert live.close() == 0
 
@@ -48,11 +51,13 @@ def plain_t5(tiny, state: dict):
     return peft
 
 
-def token_logprobs(model, tok, prompt: str, cont: list[int]) -> torch.Tensor:
+def token_logprobs(model, tok, prompt: str, cont: list[int], hidden: bool = False):
+    """Each token's log-prob (and, with ``hidden``, the decoder's last hidden state at the position predicting it)."""
     enc = tok(prompt, return_tensors="pt")
     decoder = torch.tensor([[decoder_start(model)] + cont[:-1]])
-    logits = model(**enc, decoder_input_ids=decoder).logits[0].float()
-    return torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)]
+    out = model(**enc, decoder_input_ids=decoder, output_hidden_states=hidden)
+    logp = torch.log_softmax(out.logits[0].float(), -1)[torch.arange(len(cont)), torch.tensor(cont)]
+    return (logp, out.decoder_hidden_states[-1][0]) if hidden else logp
 
 
 def stepped(model) -> dict:
@@ -113,6 +118,48 @@ def test_grpo_on_t5_samples_from_generate_and_equals_a_plain_step(run, tiny):
     loss = _grpo_token_loss(model, tok, conts, rewards, old)
     loss.backward()
     check_step(run.state_dict(llm="grpo"), stepped(model), before)
+
+
+def test_ppo_tokens_on_t5_with_a_token_value_head_equals_a_plain_step(run, tiny):
+    """KL-penalised per-token rewards against the adapters-off model, the token value head on the decoder's hidden
+    states, GAE with gamma = lambda = 1 (advantage: the rewards still to come minus V), unwhitened."""
+    from testkit.plain import value_head
+
+    tok = t5_tokenizer(tiny)
+    rewards = [[1.0, -0.5], [0.3, 0.8], [-1.0, 0.2]]
+    conts = [[[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[14], [15, 16]]]
+    run.update(PROMPTS, conts, llm="ppo", rewards=[[-r for r in rs] for rs in rewards])  # away from the reference
+    before = run.state_dict(llm="ppo")
+    model = plain_t5(tiny, before)
+    with torch.no_grad():
+        old = [[token_logprobs(model, tok, p, c).tolist() for c in group] for p, group in zip(PROMPTS, conts)]
+    run.update(PROMPTS, conts, llm="ppo", rewards=rewards, old_logprobs=old)
+    head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
+    head = value_head(head_state, "heads.value")
+    per_prompt = []
+    for prompt, group, rs, olds in zip(PROMPTS, conts, rewards, old):
+        per_cont = []
+        for cont, reward, o in zip(group, rs, olds):
+            logp, h = token_logprobs(model, tok, prompt, cont, hidden=True)
+            with torch.no_grad(), model.disable_adapter():
+                ref = token_logprobs(model, tok, prompt, cont)
+            r = -0.1 * (torch.tensor(o) - ref)
+            r[-1] += reward
+            values = head(h)
+            returns = r.flip(0).cumsum(0).flip(0)
+            advantages = returns - values.detach()
+            ratio = torch.exp(logp - torch.tensor(o))
+            per_cont.append((-ratio * advantages + 0.5 * 0.5 * (values - returns) ** 2).mean())
+        per_prompt.append(torch.stack(per_cont).mean())
+    torch.stack(per_prompt).mean().backward()
+    expected = {**stepped(model), **{k: (p - LR * p.grad).detach() for k, p in head_state.items()}}
+    check_step(run.state_dict(llm="ppo"), expected, before)
+
+
+def t5_tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny["t5"])
 
 
 def _grpo_token_loss(model, tok, conts, rewards, old) -> torch.Tensor:
