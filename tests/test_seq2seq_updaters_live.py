@@ -1,7 +1,8 @@
 """Seq2seq policies (a tiny T5: the encoder reads the prompt, the decoder writes the continuation) in the ``sft``,
-``dpo``, ``grpo`` and ``ppo_tokens`` (with a token value head on the decoder's hidden states) updaters: one update equals a plain SGD step on a plain PEFT T5, whose decoder reads the
-model's decoder start token and then the continuation's tokens (what ``score`` does for seq2seq models), and
-``generate`` (Hugging Face's loop for seq2seq) feeds ``grpo`` its samples.
+``dpo``, ``grpo`` and ``ppo_tokens`` (with a token value head on the decoder's hidden states) updaters: one update
+equals a plain SGD step on a plain PEFT T5, whose decoder reads the model's decoder start token and then the
+continuation's tokens (what ``score`` does for seq2seq models), and ``generate`` (Hugging Face's loop for seq2seq)
+feeds ``grpo`` its samples.
 
 Tolerance: 1e-5 on parameters after SGD steps; most trained parameters must move by more than 1e-4.
 """
