@@ -2,6 +2,7 @@
 
     llmrl run --config configs/rlhf-sentiment.yaml examples/rlhf_sentiment.py        # SmolLM2-135M, ppo_tokens
     llmrl run --config configs/rlhf-sentiment-grpo.yaml examples/rlhf_sentiment.py   # the same with grpo
+    llmrl run --config configs/rlhf-sentiment-nlpo.yaml examples/rlhf_sentiment.py --steer   # nlpo, masked sampling
     llmrl run --config configs/rlhf-sentiment-quick.yaml examples/rlhf_sentiment.py --quick   # tiny model, CI
 
 The script is the client of an llmrl run. Each update it samples ``samples_per_prompt`` continuations of
@@ -12,8 +13,10 @@ trigrams that repeat an earlier one: "I love it. I love it. I love it." is posit
 calls ``update`` with the prompts, the
 continuations' token ids, the rewards and the old log-probs. The config's updater does the rest on the servers:
 ``ppo_tokens`` (KL penalty to the starting model, a per-token value head, GAE, clipped PPO) or ``grpo``
-(group-relative advantages, no critic); the script does not change. Before and after training it generates greedy
-continuations of the held-out prompts and reports their mean reward with a 95% confidence interval.
+(group-relative advantages, no critic) or ``nlpo`` (``ppo_tokens`` within a masking policy's top-p set; with
+``--steer`` the script samples, and evaluates, with the updater's own policy: ``generate(..., steer=True)``); the
+script does not change otherwise. Before and after training it generates greedy continuations of the held-out
+prompts and reports their mean reward with a 95% confidence interval.
 
 Writes, in ``--out``: ``curve.png`` (training reward and KL to the starting model per update, and the held-out
 reward before and after), ``metrics.csv`` (one row per update), ``summary.json`` (evaluations, confidence
@@ -64,6 +67,7 @@ class Args:
     eval_prompts: int = 72  # held-out prompts in each evaluation (at most 72)
     seed: int = 0
     out: str = "runs/rlhf_sentiment"  # where the curve, metrics and summary go
+    steer: bool = False  # sample and evaluate with the updater's own policy (nlpo: the masked one)
     quick: bool = False  # a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts
 
 
@@ -119,7 +123,8 @@ def mean_ci(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
 
 def evaluate(caller: Caller, prompts: list[str], reward: Reward, args: Args, label: str) -> dict:
     """Greedy continuations of the held-out prompts and their mean reward."""
-    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False)
+    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False,
+                              **({"steer": True} if args.steer else {}))
     texts = [group[0]["text"] for group in samples]
     rewards = [reward(t) for t in texts]
     mean, low, high = mean_ci(rewards)
@@ -148,18 +153,19 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
         batch, pool = pool[: args.prompts_per_update], pool[args.prompts_per_update:]
         samples = caller.generate(batch, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
                                   temperature=1.0, num_return_sequences=args.samples_per_prompt,
-                                  seed=args.seed * 100003 + update)
+                                  seed=args.seed * 100003 + update, **({"steer": True} if args.steer else {}))
         rewards = [[reward(s["text"]) for s in group] for group in samples]
         generate_seconds = time.time() - start
-        stats = caller.update(batch, [[s["tokens"] for s in group] for group in samples], rewards=rewards,
-                              old_logprobs=[[s["logprobs"] for s in group] for group in samples])
+        # the sampler's log-probs, unless it sampled a steered policy (nlpo computes the masked policy's itself)
+        old = {} if args.steer else {"old_logprobs": [[s["logprobs"] for s in group] for group in samples]}
+        stats = caller.update(batch, [[s["tokens"] for s in group] for group in samples], rewards=rewards, **old)
         flat = [r for group in rewards for r in group]
         row = {"update": update + 1, "samples": len(flat), "reward": sum(flat) / len(flat),
                "generate_seconds": generate_seconds, "update_seconds": time.time() - start - generate_seconds,
                "mean_tokens": sum(len(s["tokens"]) for g in samples for s in g) / len(flat)}
         n = sum(s["samples"] for s in stats)
         for key in ("kl", "kl_coef", "policy_loss", "value_loss", "value_error", "entropy", "approx_kl",
-                    "clip_fraction"):
+                    "clip_fraction", "mask_size", "mask_misses"):
             if all(key in s for s in stats):
                 row[key] = sum(s[key] * s["samples"] for s in stats) / max(n, 1)
         history.append(row)

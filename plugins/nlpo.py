@@ -98,6 +98,9 @@ class NLPOUpdater(PPOTokensUpdater):
         return out, padded, mask, out.tokens_by_candidate(entropy)[0]
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
+        if "old_logprobs" in batch.kwargs:  # generate's log-probs are the unmasked model's: silently wrong ratios
+            raise ValueError("the nlpo updater computes the masked policy's old log-probs itself: leave old_logprobs "
+                             "out of caller.update(...) (generate's logprobs are the unmasked model's)")
         stats = super().update(batch, trainer)
         self.updates_done += 1
         if self.updates_done % self.mask_sync_every == 0:

@@ -168,3 +168,46 @@ def test_offline_dpo_demo_quick(tmp_path):
     assert scalars[(1, "train/loss")] == pytest.approx(float(rows[0]["loss"]))
     assert scalars[(1, "update/samples")] >= 1
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nlpo_demo_quick(tmp_path):
+    """The RLHF demo with nlpo and steered sampling: every sampled token lies in the masking policy's set (no
+    miss), the masking policy is snapshotted after each update (mask_sync_every 1)."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "rlhf-sentiment-nlpo-quick.yaml"), "threads_per_rank=1", os.path.join(ROOT, "examples", "rlhf_sentiment.py"),
+         "--quick", "--steer", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(float(row["mask_misses"]) == 0.0 for row in rows), rows
+    assert all(0 < float(row["mask_size"]) < 320 for row in rows), rows  # the tiny model's vocabulary: 320
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(e["prompts"] == 8 for e in (summary["before"], summary["after"]))
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offline_ilql_demo_quick(tmp_path):
+    """The offline ILQL demo end to end with a tiny model: a sampled dataset, the ilql updater, the evaluations
+    (base, language model alone, steered), the files and the tracked scalars."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
+         "ilql-sentiment-quick.yaml"), "threads_per_rank=1", os.path.join(ROOT, "examples", "ilql_sentiment.py"),
+         "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    quiet(result.stderr)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dataset"]["continuations"] == 16  # 8 prompts x 2
+    assert [e["label"] for e in summary["after"]] == ["after, language model alone", "after, steered, beta 1"]
+    for evaluation in (summary["before"], *summary["after"]):
+        low, high = evaluation["ci95"]
+        assert evaluation["prompts"] == 8 and low <= evaluation["mean_reward"] <= high
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(summary["history"]) == 2  # 8 prompts, 4 per update, one epoch
+    scalars = tracked(out, "ilql_sentiment")
+    assert scalars[(1, "train/loss_q")] == pytest.approx(float(rows[0]["loss_q"]))
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -208,11 +208,17 @@ def test_nlpo_steered_sampling_stays_in_the_masking_policys_set(run, tiny, tok):
     assert outside, "unsteered samples never left the set: the test would not see the mask missing"
 
 
-def test_steer_refuses_bad_options_and_keeps_serving(run):
+def test_steer_and_nlpo_refuse_bad_input_and_keep_serving(run):
     from llmrl.engine.errors import RequestError
 
     with pytest.raises(RequestError, match="steer must be true or a dict"):
         run.generate(PROMPTS[:1], llm="nlpo", steer="yes", max_new_tokens=2)
     with pytest.raises(RequestError, match="steer=.*unexpected keyword argument 'bogus'"):
         run.generate(PROMPTS[:1], llm="ilql", steer={"bogus": 1}, max_new_tokens=2)
+    before = run.state_dict(llm="nlpo")
+    with pytest.raises(RequestError, match="leave old_logprobs out"):
+        run.update(PROMPTS[:2], [[[5, 6]], [[7]]], llm="nlpo", rewards=[[1.0], [0.0]], old_logprobs=[[[-1.0, -1.0]],
+                                                                                                    [[-1.0]]])
+    after = run.state_dict(llm="nlpo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
     assert len(run.generate(PROMPTS[:1], llm="ilql", max_new_tokens=2)[0]) == 1
