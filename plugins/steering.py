@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.plugins.rl_math.ilql import steered_logits
 from llmrl.plugins.rl_math.masking import top_p_mask
 
@@ -42,6 +41,7 @@ class SteeringView:
     has_snapshot: Callable[[str], bool]
     snapshot: Callable[[str, str | None], None]  # take snapshot ``name`` of adapter ``source`` (None: the active)
     policy_adapter: str | None = None  # the adapter the request generates with (None: the active one)
+    cache_argument: str = "past_key_values"  # the model's key/value cache argument ("cache" from transformers 5.24)
 
     @property
     def base(self):
@@ -109,10 +109,9 @@ class MaskSteering(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         kwargs = dict(self.tap.kwargs)
-        name = cache_kwarg(self.view.base)  # never the policy's own cache: the masking policy keeps its own
-        kwargs.pop("past_key_values", None)
+        kwargs.pop("past_key_values", None)  # never the policy's own cache: the masking policy keeps its own
         kwargs.pop("cache", None)
-        kwargs[name] = self.cache
+        kwargs[self.view.cache_argument] = self.cache
         kwargs["use_cache"] = True
         self.tap.paused = True
         try:
@@ -120,7 +119,7 @@ class MaskSteering(LogitsProcessor):
                 out = self.view.base(**kwargs)
         finally:
             self.tap.paused = False
-        self.cache = cache_of(out)
+        self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         allowed = top_p_mask(out.logits[:, -1].float(), self.top_p, self.always)
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
 

@@ -6,12 +6,9 @@ It holds no implementation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from llmrl.plugins.contracts import ForwardOutputs, LLMInfo
 
 
 class Trainer:
@@ -23,14 +20,14 @@ class Trainer:
         micro_batch_size / gradient_accumulation_steps: from ``llms.<name>.training``.
     """
 
-    llm: LLMInfo
+    llm: Any  # the LLM's LLMInfo (llmrl.plugins.contracts; not imported here: contracts imports this module)
     engine: Any
     micro_batch_size: int
     gradient_accumulation_steps: int
 
     def forward(self, contexts: list, candidates: list[list] | None = None, heads=(),
                 peft_adapter: str | None = None, *, per_token: bool = False, entropy: bool = False,
-                add_eos: bool = False, head_kwargs: dict | None = None, logits: bool = False) -> ForwardOutputs:
+                add_eos: bool = False, head_kwargs: dict | None = None, logits: bool = False) -> Any:
         """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none).
 
         Args:

@@ -228,16 +228,9 @@ class HFBackend(ModelBackend):
                     steering.close()
 
     def _steering(self, steer, adapter):
-        from llmrl.engine.model.snapshots import take_snapshot
-        from llmrl.plugins.steering import SteeringView, steering_processor
+        from llmrl.engine.model.steered import steering_for
 
-        s = self.served
-        if self.llm.lockstep:
-            raise ValueError("steer needs ZeRO 0-2: under ZeRO-3 the heads and snapshots it reads are partitioned")
-        view = SteeringView(s.model, self.llm.type, dict(s.module.heads), self.tokenizer, s.adapter,
-                            lambda name: name in s.snapshots or name in s.weight_snapshots,
-                            lambda name, source: take_snapshot(s, name, source, self.prefix_cache), adapter)
-        return steering_processor(self.updater, view, steer)
+        return steering_for(self.served, self.prefix_cache, steer, adapter)
 
     def decoder(self):
         """The LLM's decoding loop (:class:`~llmrl.engine.model.decoding.runtime.Decoder`), made at first use."""
