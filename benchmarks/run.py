@@ -7,6 +7,8 @@ From the repository root (the servers it starts import :mod:`benchmarks.hooks` f
     python -m benchmarks.run --workload my.json   # your own workload: [{"context": ..., "candidates": [...]}, ...]
     python -m benchmarks.run --episodes-only      # the cache across calls: on vs off vs naive (about 20 minutes)
     python -m benchmarks.run --update-only        # the demo's update: every layer vs trunk reuse and twins (about 12)
+    python -m benchmarks.run decoding --help      # the other suites, each from this entry: decoding, grpo-step,
+                                                  # zero3, trunk-update (CPU, or --device cuda where they take it)
 
 In one run on one machine it measures, each as a ratio to its baseline:
   - ``score`` through llmrl (one server) vs the plain Hugging Face code a user would write (concatenate
@@ -203,8 +205,29 @@ def model_path(name: str) -> str:
     return name
 
 
+SUITES = {  # python -m benchmarks.run SUITE [its arguments]: the other benchmarks, from this one entry
+    "decoding": "benchmarks.decoding",  # generation: llmrl's loop vs plain HF, HF static + compile, the limit
+    "grpo-step": "benchmarks.grpo_step",  # one GRPO step: llmrl now / before vs a plain HF + PEFT loop vs TRL
+    "zero3": "benchmarks.zero3_serving",  # score and generate under ZeRO-3 (gathered once) vs ZeRO-2
+    "trunk-update": "benchmarks.trunk_update",  # a token-level update: every layer vs the frozen trunk once
+}
+
+
+def run_suite(argv: list[str]) -> int:
+    """``python -m benchmarks.run SUITE ...``: the suite's own ``main`` with the remaining arguments."""
+    import importlib
+
+    module = importlib.import_module(SUITES[argv[0]])
+    sys.argv = [f"benchmarks.run {argv[0]}", *argv[1:]]
+    return int(module.main() or 0)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if len(sys.argv) > 1 and sys.argv[1] in SUITES:
+        return run_suite(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="other suites: python -m benchmarks.run {" + ",".join(SUITES) + "} "
+                                            "[--help]")
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a local model folder")
     parser.add_argument("--workload",
                         help="a JSON list of {context, candidates} to measure instead of the built-in ones")

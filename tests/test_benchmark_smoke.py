@@ -65,7 +65,7 @@ def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights()
 
 def test_decoding_benchmark_runs_every_path_on_a_tiny_model(tmp_path):
     out = tmp_path / "decoding.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.decoding", "--device", "cpu", "--shape", "tiny",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "decoding", "--device", "cpu", "--shape", "tiny",
                              "--batch1-shape", "tiny", "--new-tokens", "8", "--prompts", "2", "--samples", "2",
                              "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
