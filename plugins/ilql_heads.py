@@ -3,7 +3,11 @@
 For every scored token ``t`` it reads the hidden state of the state ``s_t`` (the position predicting ``t``) and
 gives ``Q_i(s_t, .)`` over the whole vocabulary for each Q head, the same from each target Q head (copies that the
 ``ilql`` updater moves towards the Q heads by Polyak averaging; never trained by the optimizer) and ``V(s_t)``.
-Each head is trlX's: ``Linear(H, hidden)``, ReLU, ``Linear(hidden, out)`` (``hidden`` 0: one linear layer).
+Each head is trlX's: ``Linear(H, hidden)``, ReLU, ``Linear(hidden, out)`` (``hidden`` 0: one linear layer), except
+that the output layers start at zero: every Q and V starts at 0, so that sampling steered by ``Q - V`` starts as
+the model's own distribution. (With PyTorch's default initialisation, trlX's, a hidden state of norm ~40, as
+SmolLM2's, gives every token a random Q of about one nat, which steering then follows wherever the data never
+taught otherwise.)
 
 It computes outputs only; the losses are in :mod:`llmrl.plugins.rl_math.ilql`, the training in
 :mod:`llmrl.plugins.ilql`, the steered sampling in :mod:`llmrl.plugins.steering`.
@@ -19,9 +23,13 @@ from llmrl.plugins.contracts import ForwardOutputs, Head, LLMInfo
 
 
 def _head(width: int, hidden: int, out: int) -> torch.nn.Module:
+    """trlX's head, its output layer starting at zero (see :class:`ILQLHeads`)."""
+    last = torch.nn.Linear(width if hidden == 0 else hidden, out)
+    torch.nn.init.zeros_(last.weight)
+    torch.nn.init.zeros_(last.bias)
     if hidden == 0:
-        return torch.nn.Linear(width, out)
-    return torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out))
+        return last
+    return torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), last)
 
 
 class ILQLHeads(Head):

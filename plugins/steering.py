@@ -99,7 +99,8 @@ class AdvantageSteering(LogitsProcessor):
 
 class MaskSteering(LogitsProcessor):
     """``nlpo``: tokens outside the top-p set of the masking policy (adapter or snapshot ``mask``) get ``-inf``.
-    The masking policy reads the same inputs as the policy at every step, with its own key/value cache."""
+    The masking policy reads the same inputs as the policy at every step, with its own key/value cache (started
+    afresh at each batch's prefill, when the policy reads every token)."""
 
     def __init__(self, view: SteeringView, mask: str, top_p: float, always: list[int]):
         self.view, self.mask, self.top_p = view, mask, float(top_p)
@@ -109,6 +110,8 @@ class MaskSteering(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         kwargs = dict(self.tap.kwargs)
+        if kwargs["input_ids"].shape[1] == input_ids.shape[1]:  # the policy read every token: a new batch's prefill
+            self.cache = None
         kwargs.pop("past_key_values", None)  # never the policy's own cache: the masking policy keeps its own
         kwargs.pop("cache", None)
         kwargs[self.view.cache_argument] = self.cache

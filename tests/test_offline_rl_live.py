@@ -69,7 +69,11 @@ def plain_head(state: dict, prefix: str, requires_grad: bool = True):
 def test_ilql_update_equals_a_plain_sgd_step_and_moves_the_targets_by_polyak(run, tiny, tok):
     data = continuations(tok)
     rewards = [[1.0 - 0.3 * i, -0.5 + 0.2 * i] for i in range(len(PROMPTS))]
-    before = run.state_dict(llm="ilql")
+    fresh = run.state_dict(llm="ilql")
+    assert all(float(fresh[k].abs().max()) == 0 for k in fresh if k.startswith("heads.ilql.") and ".2." in k), \
+        "every Q and V starts at 0"
+    run.update(PROMPTS, data, llm="ilql", rewards=[[-r for r in rs] for rs in rewards])  # LoRA's B and the heads
+    before = run.state_dict(llm="ilql")  # leave zero: every trained tensor has a gradient next
     stats = run.update(PROMPTS, data, llm="ilql", rewards=rewards)
     assert [s["samples"] for s in stats] == [3, 2]
     model = peft_model(tiny, before)
@@ -110,7 +114,8 @@ def test_ilql_steered_greedy_tokens_follow_the_advantages(run, tiny, tok):
     model = peft_model(tiny, state)
     target = [plain_head(state, f"heads.ilql.target_q_heads.{i}", False)[0] for i in range(2)]
     v, _ = plain_head(state, "heads.ilql.v_head", False)
-    out = run.generate(PROMPTS[:3], llm="ilql", steer=True, max_new_tokens=5, do_sample=False)
+    beta = 300.0  # the heads have had two small steps from zero: a large weight makes their advantages count
+    out = run.generate(PROMPTS[:3], llm="ilql", steer={"beta": beta}, max_new_tokens=5, do_sample=False)
     plain_greedy = run.generate(PROMPTS[:3], llm="ilql", max_new_tokens=5, do_sample=False)
     differs = 0
     for prompt, samples, plain in zip(PROMPTS, out, plain_greedy):
@@ -120,7 +125,7 @@ def test_ilql_steered_greedy_tokens_follow_the_advantages(run, tiny, tok):
                 o = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
                 h = o.hidden_states[-1][0, -1]
                 adv = torch.minimum(target[0](h), target[1](h)) - v(h).squeeze(-1)
-                ids = ids + [int((torch.log_softmax(o.logits[0, -1], -1) + 2.0 * adv).argmax())]
+                ids = ids + [int((torch.log_softmax(o.logits[0, -1], -1) + beta * adv).argmax())]
         assert [int(x) for x in samples[0]["tokens"]] == ids[-5:]
         differs += [int(x) for x in plain[0]["tokens"]] != ids[-5:]
     assert differs, "steering changed no greedy choice: the test would not see it missing"
@@ -184,6 +189,9 @@ def test_nlpo_steered_sampling_stays_in_the_masking_policys_set(run, tiny, tok):
     assert any("nlpo_mask" in k for k in state), "the masking snapshot is served"
     policy, masking = peft_model(tiny, state), peft_model(tiny, masking_state(state))
     greedy = run.generate(PROMPTS[:3], llm="nlpo", steer={"top_p": 0.3}, max_new_tokens=4, do_sample=False)
+    one_by_one = run.generate(PROMPTS[:3], llm="nlpo", steer={"top_p": 0.3}, max_new_tokens=4, do_sample=False,
+                              minibatch_size=1)  # batches of one row: the masking policy's cache starts afresh
+    assert [[int(x) for x in g[0]["tokens"]] for g in one_by_one] == [[int(x) for x in g[0]["tokens"]] for g in greedy]
     for prompt, samples in zip(PROMPTS, greedy):
         tokens = [int(x) for x in samples[0]["tokens"]]
         with torch.no_grad():
