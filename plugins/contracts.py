@@ -289,10 +289,15 @@ class Updater:
             refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
             (:mod:`llmrl.plugins.per_sample`). None keeps the length rule (an argument whose length is the number
             of contexts is sliced).
+        whole_args: the other keyword arguments ``update`` reads (each replica receives them whole). A tuple (even
+            empty) next to ``per_sample_args`` closes the list: the client refuses any other keyword argument by
+            name, before sending (a misspelt ``old_logprob`` would otherwise be ignored without a word). None
+            (the default) accepts any.
     """
 
     args_schema: ClassVar[dict | None] = None
     per_sample_args: ClassVar[dict[str, str] | None] = None
+    whole_args: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, **args):
         """Receive the ``args`` given in the config."""

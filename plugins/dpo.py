@@ -57,6 +57,7 @@ class DPOUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"ref_logprobs": "candidate"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema(
         "epochs", "peft_adapter", "seed", beta={"type": "number", "exclusiveMinimum": 0},
         loss={"enum": ["sigmoid", "robust", "ipo"]},

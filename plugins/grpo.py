@@ -70,6 +70,7 @@ class GRPOUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
                                  scale_rewards={"type": "boolean"}, loss={"enum": ["sequence", "token"]})
 

@@ -57,6 +57,7 @@ class ILQLUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"rewards": "candidate_or_token"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema(
         "epochs", "peft_adapter", "seed", head={"type": "string", "minLength": 1},
         tau={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},

@@ -37,6 +37,7 @@ class NLPOUpdater(PPOTokensUpdater):
     """
 
     per_sample_args = {"rewards": "candidate_or_token", "ref_logprobs": "token"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema(
         **{k: v for k, v in PPOTokensUpdater.args_schema["properties"].items()},
         top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1},

@@ -69,7 +69,11 @@ def take_samples(value, positions: Sequence[int]):
 
 
 def declaration_problem(cls, name: str) -> str | None:
-    """Why an updater class's ``per_sample_args`` declaration is invalid, or None."""
+    """Why an updater class's ``per_sample_args`` (or ``whole_args``) declaration is invalid, or None."""
+    whole = getattr(cls, "whole_args", None)
+    if whole is not None and (not isinstance(whole, (tuple, list)) or not all(isinstance(k, str) for k in whole)):
+        return (f"updater {name!r} ({cls.__qualname__}): whole_args = {whole!r}; it must be a tuple of keyword "
+                "argument names (or None to accept any)")
     declared = getattr(cls, "per_sample_args", None)
     if declared is None:
         return None

@@ -76,6 +76,7 @@ class PPOUpdater(ShufflingUpdater):
 
     per_sample_args = {"actions": "sample", "old_logprobs": "sample", "advantages": "sample", "returns": "sample",
                   "old_values": "sample"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
                                  "value_head", "peft_adapter", "seed",
                                  temperature={"type": "number", "exclusiveMinimum": 0})

@@ -119,6 +119,7 @@ class PPOTokensUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"rewards": "candidate_or_token", "old_logprobs": "token", "ref_logprobs": "token"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
                                  "value_head", "peft_adapter", "seed",
                                  kl_target={"type": ["number", "null"], "exclusiveMinimum": 0},

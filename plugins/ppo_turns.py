@@ -121,6 +121,7 @@ class TurnUpdater(ShufflingUpdater):
     name = "turns"
     per_sample_args = {"model_mask": "token", "turn_rewards": "candidate", "old_logprobs": "token",
                        "ref_logprobs": "token"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     value_head: str | None = None
 
     def __init__(self, epochs: int, clip_eps: float, kl_coef: float, entropy_coef: float, gamma: float,

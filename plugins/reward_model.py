@@ -64,6 +64,7 @@ class PairwiseRewardUpdater(ShufflingUpdater):
     """
 
     per_sample_args = {"margins": "sample"}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema("epochs", "seed", head={"type": "string"})
 
     def __init__(self, epochs: int = 1, head: str = "reward", seed: int = 0):

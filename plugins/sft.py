@@ -31,6 +31,7 @@ class SFTUpdater(ShufflingUpdater):
     args_schema = updater_schema("epochs", "peft_adapter", "seed", loss={"enum": ["token", "sequence"]},
                                  add_eos={"type": "boolean"})
     per_sample_args: dict = {}
+    whole_args: tuple = ()  # nothing else: any other keyword argument is refused
 
     def __init__(self, loss: str = "token", add_eos: bool = True, epochs: int = 1, peft_adapter: str | None = None,
                  seed: int = 0):

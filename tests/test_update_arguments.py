@@ -43,7 +43,7 @@ def test_finite_arguments_of_every_shape_pass():
 # ----------------------------------------------------------------------------- per-sample arguments
 
 
-def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None):
+def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None, whole=None):
     """What each of 2 replicas receives from update.send (no process: the client half only)."""
     from test_replica_split import FakeRun
 
@@ -51,7 +51,7 @@ def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None):
 
     run = FakeRun(2, lambda request: request)
     contexts = [f"c{i}" for i in range(n)]
-    return update.send(run, "m", contexts, candidates, kwargs, declared, "u").result()
+    return update.send(run, "m", contexts, candidates, kwargs, declared, "u", whole).result()
 
 
 def test_a_declared_argument_of_the_wrong_length_is_refused_naming_it():
@@ -81,6 +81,24 @@ def test_declared_arguments_are_sliced_by_the_declaration_and_the_others_go_whol
     rule = shares({"advantages": [0.0, 1.0, 2.0, 3.0], "table": [9, 9, 9]}, None)  # no declaration: length rule
     assert [r.kwargs["advantages"] for r in rule] == [[0.0, 1.0], [2.0, 3.0]]
     assert [r.kwargs["table"] for r in rule] == [[9, 9, 9]] * 2 and rule[0].per_sample == ["advantages"]
+
+
+def test_an_argument_the_updater_does_not_read_is_refused_when_it_lists_what_it_reads():
+    """The built-in updaters list every argument they read (per_sample_args and whole_args): a misspelt one is
+    refused by name instead of being ignored; an updater that lists nothing (whole_args None) accepts any."""
+    declared = {"rewards": "candidate", "old_logprobs": "sample"}
+    with pytest.raises(InvalidArgument, match=r"\['old_logprob'\] are not read by the updater 'u': it reads rewards, "
+                                              r"old_logprobs, beta; check the spelling; nothing was sent"):
+        shares({"old_logprob": [0.0] * 4}, declared, whole=("beta",))
+    assert [r.kwargs["beta"] for r in shares({"beta": 0.5}, declared, whole=("beta",))] == [0.5, 0.5]
+    assert [r.kwargs["extra"] for r in shares({"extra": 1}, declared)] == [1, 1]  # whole_args None: accepted
+    from llmrl.plugins import dpo, ilql, nlpo, ppo, ppo_tokens, ppo_turns, reward_model, sft
+    from llmrl.plugins import grpo as grpo_module
+
+    builtin = [dpo.DPOUpdater, grpo_module.GRPOUpdater, ilql.ILQLUpdater, nlpo.NLPOUpdater, ppo.PPOUpdater,
+               ppo_tokens.PPOTokensUpdater, ppo_turns.PPOTurnsUpdater, ppo_turns.GRPOTurnsUpdater,
+               reward_model.PairwiseRewardUpdater, sft.SFTUpdater]
+    assert all(cls.whole_args == () and cls.per_sample_args is not None for cls in builtin)
 
 
 def test_minibatches_cut_the_arguments_the_client_cut_not_those_of_the_local_length():

@@ -291,7 +291,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
         contexts, candidates = self._inputs(name, contexts, candidates)
         info = self.info.get(name, {})
         return update.send(self._run, name, contexts, candidates, kwargs, info.get("per_sample"),
-                           info.get("updater") or "")
+                           info.get("updater") or "", info.get("whole_args"))
 
     def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
         """Run the LLM's updater on every replica, each on its share of the batch. Contexts and candidates are

@@ -170,6 +170,7 @@ class HFBackend(ModelBackend):
             "dtype": self.llm.dtype,
             "updater": type(self.updater).__name__ if self.updater else None,
             "per_sample": getattr(self.updater, "per_sample_args", None),
+            "whole_args": getattr(self.updater, "whole_args", None),
             "kv_cache_mb": self.llm.kv_cache_mb,
             "checkpointed_layers": self.checkpointed_layers,
         }

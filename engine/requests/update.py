@@ -50,6 +50,19 @@ def refuse_engine_settings(kwargs: dict, llm: str, declared: dict | None, update
                                   f"{where.split(' ')[0]}=VALUE script.py); nothing was sent")
 
 
+def refuse_unknown(kwargs: dict, declared: dict | None, whole, updater: str) -> None:
+    """Refuse (:class:`InvalidArgument`) a keyword argument the updater does not read, when it lists what it reads
+    (``per_sample_args`` and ``whole_args`` both declared): ignored without a word, a misspelt ``old_logprob`` would
+    train on something else than the caller meant."""
+    if declared is None or whole is None:
+        return
+    known = [*declared, *whole]
+    unknown = [key for key in kwargs if key not in known]
+    if unknown:
+        raise InvalidArgument(f"update argument(s) {unknown} are not read by the updater {updater!r}: it reads "
+                              f"{', '.join(known) or 'no keyword argument'}; check the spelling; nothing was sent")
+
+
 @dataclass(frozen=True)
 class UpdateRequest:
     """One replica's share of an update call."""
@@ -64,10 +77,11 @@ class UpdateRequest:
 
 
 def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwargs: dict,
-         declared: dict | None = None, updater: str = "") -> Future:
+         declared: dict | None = None, updater: str = "", whole: list | tuple | None = None) -> Future:
     """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length
-    rule)."""
+    rule); ``whole``: its ``whole_args`` (None: any other argument is accepted)."""
     refuse_engine_settings(kwargs, llm, declared, updater)
+    refuse_unknown(kwargs, declared, whole, updater)
     check_finite(kwargs)
     check_per_sample(kwargs, contexts, candidates, declared, updater)
     n = len(contexts)
