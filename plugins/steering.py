@@ -18,6 +18,7 @@ with a key/value cache of its own). This module holds the views and the two proc
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,9 @@ def steering_processor(updater, view: SteeringView, steer) -> LogitsProcessor:
         options = dict(steer)
     else:
         raise ValueError(f"steer must be true or a dict of the updater's steering options, got {steer!r}")
-    try:
-        return updater.steering(view, **options)
+    try:  # the options are checked against the hook's signature (a TypeError inside the hook stays one)
+        inspect.signature(updater.steering).bind(view, **options)
     except TypeError as err:
-        raise ValueError(f"steer={steer!r}: {err}") from None
+        raise ValueError(f"steer={steer!r}: {err}; the updater's steering options: "
+                         f"{list(inspect.signature(updater.steering).parameters)[1:]}") from None
+    return updater.steering(view, **options)
