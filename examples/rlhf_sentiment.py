@@ -124,7 +124,7 @@ def mean_ci(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
 def evaluate(caller: Caller, prompts: list[str], reward: Reward, args: Args, label: str) -> dict:
     """Greedy continuations of the held-out prompts and their mean reward."""
     samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False,
-                              **({"steer": True} if args.steer else {}))
+                              **({"steer": True} if getattr(args, "steer", False) else {}))  # shared: other Args
     texts = [group[0]["text"] for group in samples]
     rewards = [reward(t) for t in texts]
     mean, low, high = mean_ci(rewards)

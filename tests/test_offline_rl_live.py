@@ -224,7 +224,7 @@ def test_steer_and_nlpo_refuse_bad_input_and_keep_serving(run):
     with pytest.raises(RequestError, match="steer=.*unexpected keyword argument 'bogus'"):
         run.generate(PROMPTS[:1], llm="ilql", steer={"bogus": 1}, max_new_tokens=2)
     before = run.state_dict(llm="nlpo")
-    with pytest.raises(RequestError, match="leave old_logprobs out"):
+    with pytest.raises(RequestError, match=r"\['old_logprobs'\] are not read by the updater 'NLPOUpdater'"):
         run.update(PROMPTS[:2], [[[5, 6]], [[7]]], llm="nlpo", rewards=[[1.0], [0.0]], old_logprobs=[[[-1.0, -1.0]],
                                                                                                     [[-1.0]]])
     after = run.state_dict(llm="nlpo")

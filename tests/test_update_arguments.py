@@ -161,3 +161,16 @@ def test_optimizer_settings_passed_to_update_are_refused_saying_where_they_go(ke
             shares({key: 1e-4, "advantages": [0.0] * 4}, declared)
     got = shares({key: [1.0] * 4}, {key: "sample"})  # an updater that declares it reads it
     assert [r.kwargs[key] for r in got] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_nlpo_refuses_old_logprobs_however_they_reach_it():
+    """The client refuses them first (nlpo does not list them); an updater called another way still refuses them:
+    they would be the unmasked model's log-probs, and the ratios silently wrong."""
+    from llmrl.plugins.contracts import UpdateBatch
+    from llmrl.plugins.nlpo import NLPOUpdater
+
+    batch = UpdateBatch(contexts=["a"], candidates=[[[1, 2]]], kwargs={"rewards": [[1.0]],
+                                                                        "old_logprobs": [[[-1.0, -1.0]]]},
+                        indices=[0], global_size=1, replica=0, num_replicas=1, replica_sizes=[1])
+    with pytest.raises(ValueError, match="leave old_logprobs out"):
+        NLPOUpdater().update(batch, trainer=None)
