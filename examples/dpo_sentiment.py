@@ -52,8 +52,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def evaluate(caller: Caller, prompts: list[str], reward: Reward, args, label: str) -> dict:
-    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False)
+def evaluate(caller: Caller, prompts: list[str], reward: Reward, args, label: str, **generate_kwargs) -> dict:
+    """Greedy continuations of the held-out prompts (``generate_kwargs`` added, e.g. ``steer``), their mean reward
+    with its 95% confidence interval."""
+    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False, **generate_kwargs)
     texts = [group[0]["text"] for group in samples]
     rewards = [reward(t) for t in texts]
     mean, low, high = mean_ci(rewards)

@@ -28,6 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dpo_sentiment import evaluate  # noqa: E402
 from rlhf_sentiment import Reward, build_prompts, mean_ci, write_metrics  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
@@ -51,17 +52,6 @@ def parse_args() -> argparse.Namespace:
         args.eval_prompts, args.max_new_tokens, args.betas = 8, 8, "1"
     args.betas = [float(b) for b in str(args.betas).split(",") if b.strip()]
     return args
-
-
-def evaluate(caller: Caller, prompts: list[str], reward: Reward, args, label: str, **steer) -> dict:
-    samples = caller.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=False, **steer)
-    texts = [group[0]["text"] for group in samples]
-    rewards = [reward(t) for t in texts]
-    mean, low, high = mean_ci(rewards)
-    print(f"{label}: held-out reward {mean:+.3f} (95% CI {low:+.3f} to {high:+.3f}) over {len(prompts)} prompts",
-          flush=True)
-    return {"label": label, "prompts": len(prompts), "mean_reward": mean, "ci95": [low, high],
-            "continuations": texts, "rewards": rewards}
 
 
 def make_dataset(caller: Caller, prompts: list[str], reward: Reward, args) -> tuple[list[tuple], dict]:

@@ -58,14 +58,16 @@ class ILQLHeads(Head):
         self.target_q_heads = copy.deepcopy(self.q_heads).requires_grad_(False)
         self.v_head = _head(llm.hidden_size, hidden, 1)
 
-    def values(self, hidden: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """For hidden states ``[n, H]``: the Q heads' and the target Q heads' ``[n, vocab]`` and V ``[n]``."""
+    def steering_terms(self, hidden: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What steered sampling reads, for hidden states ``[n, H]``: the target Q heads' ``[n, vocab]`` and V
+        ``[n]`` (not the Q heads: one vocabulary-wide matmul per head less at every sampling step)."""
         hidden = hidden.to(next(self.v_head.parameters()).dtype)
-        return ([q(hidden).float() for q in self.q_heads], [q(hidden).float() for q in self.target_q_heads],
-                self.v_head(hidden).squeeze(-1).float())
+        return [q(hidden).float() for q in self.target_q_heads], self.v_head(hidden).squeeze(-1).float()
 
     def forward(self, outputs: ForwardOutputs) -> dict[str, torch.Tensor]:
-        qs, targets, v = self.values(outputs.token_hidden)
+        targets, v = self.steering_terms(outputs.token_hidden)
+        hidden = outputs.token_hidden.to(next(self.v_head.parameters()).dtype)
+        qs = [q(hidden).float() for q in self.q_heads]
         out = {f"q{i}": q for i, q in enumerate(qs)}
         out.update({f"target_q{i}": q for i, q in enumerate(targets)})
         out["v"] = v

@@ -91,7 +91,7 @@ class AdvantageSteering(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
-            _, targets, values = self.head.values(self.tap.last)
+            targets, values = self.head.steering_terms(self.tap.last)
         return steered_logits(scores, targets, values, self.beta).to(scores.dtype)
 
     def close(self) -> None:
