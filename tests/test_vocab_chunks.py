@@ -67,7 +67,8 @@ def test_only_one_chunk_of_logits_is_alive_at_a_time(reference_models, monkeypat
     saved = []
 
     def pack(t):
-        saved.append(t.numel())
+        if t.data_ptr() not in (hidden.data_ptr(), layer.weight.data_ptr()):  # the inputs themselves are kept
+            saved.append(t.numel())
         return t
 
     hidden = torch.randn(40, model.config.hidden_size, requires_grad=True)
@@ -88,3 +89,31 @@ def test_models_whose_logits_are_not_the_plain_output_layer_keep_their_logits(re
     capped.config.final_logit_softcapping = 30.0
     assert not vocab_chunks.applies(capped, token_logits=False)
     assert not vocab_chunks.applies(model, token_logits=True), "a head reading the logits gets them"
+
+
+@pytest.mark.parametrize("use_entropy", [False, True])
+def test_gradients_of_hidden_weight_and_bias_equal_plain_autograd(monkeypatch, use_entropy):
+    """Several targets per row, a trainable output layer with a bias, the entropy in the loss or only reported."""
+    torch.manual_seed(0)
+    vocab, width, n = 50, 16, 9
+    monkeypatch.setattr(vocab_chunks, "LOGITS_PER_CHUNK", 4 * vocab)  # chunks of 4 rows
+    layer = torch.nn.Linear(width, vocab).double()
+    hidden = torch.randn(n, width, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([0, 0, 2, 3, 3, 3, 5, 8, 8, 6])
+    targets = torch.randint(0, vocab, (len(index),))
+    weights = torch.linspace(0.5, 1.5, len(index), dtype=torch.float64)
+
+    def loss_of(logp, entropy):
+        return (logp * weights).sum() + (entropy * torch.arange(n) / n).sum() if use_entropy else (logp * weights).sum()
+
+    logp, entropy = vocab_chunks.scored_logprobs_from_hidden(layer, hidden, targets, True, index)
+    loss_of(logp, entropy).backward()
+    got = [hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+    hidden.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    full = torch.log_softmax(layer(hidden), -1)  # the plain reference
+    want_logp, want_entropy = full[index, targets], -(full.exp() * full).sum(-1)
+    torch.testing.assert_close(logp, want_logp, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-12, rtol=1e-12)
+    loss_of(want_logp, want_entropy).backward()
+    for g, want in zip(got, [hidden.grad, layer.weight.grad, layer.bias.grad]):
+        torch.testing.assert_close(g, want, atol=1e-12, rtol=1e-10)

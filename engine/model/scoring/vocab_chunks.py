@@ -7,9 +7,9 @@ updater's pass runs (:func:`hidden_instead_of_logits`), the model's output layer
 states, instead of logits; the scoring code keeps the rows it scores as it would keep logits, and
 :func:`scored_logprobs_from_hidden` turns them into log-probs:
 
-- each row's normaliser (logsumexp) and entropy are computed a chunk of rows at a time, each chunk under
-  ``torch.utils.checkpoint`` when gradients are on: only the chunk's hidden states are kept, its logits are computed
-  again in the backward pass, one chunk at a time;
+- each row's normaliser (logsumexp) and entropy are computed a chunk of rows at a time; with gradients
+  (:class:`ChunkedLogprobs`) only the hidden states and each row's normaliser and entropy are kept, and the
+  backward pass computes each chunk's logits again and writes their gradient out directly;
 - each target's logit is taken from its row's chunk of logits, as it was from the full logits.
 
 The values are those of the full logits, to float32 rounding (a chunk's matrix product adds in its own order).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from llmrl.engine.model.scoring.normalise import at_least_float32, entropy_of
 
@@ -86,33 +85,107 @@ def scored_logprobs_from_hidden(layer: torch.nn.Module, hidden: torch.Tensor, ta
                                 index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What :func:`~llmrl.engine.model.scoring.results.scored_logprobs` returns for the logits ``layer(hidden)``: the
     log-prob of each target (``targets[i]`` predicted by row ``index[i]``, or row ``i``) and, with ``entropy``, every
-    row's entropy; float32 (or wider)."""
+    row's entropy; float32 (or wider). With gradients, :class:`ChunkedLogprobs` keeps only ``hidden`` and two numbers
+    per row for the backward pass."""
     rows = torch.arange(len(targets), device=targets.device) if index is None else index
     weight, bias = layer.weight, layer.bias
     step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        logp, entropies, _ = chunked_values(hidden, weight, bias, rows, targets, entropy, step)
+        return logp, entropies
+    logp, entropies = ChunkedLogprobs.apply(hidden, weight, bias, rows, targets, entropy, step)
+    return logp, entropies if entropy else None
 
-    def normalise(chunk: torch.Tensor, local_rows: torch.Tensor, chunk_targets: torch.Tensor):
-        logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
-        norm = torch.logsumexp(logits, dim=-1)
-        stats = torch.stack([norm, entropy_of(logits, norm)]) if entropy else norm[None]
-        return stats, logits[local_rows, chunk_targets]
 
-    order = torch.argsort(rows)
-    bounds = torch.searchsorted(rows[order], torch.arange(0, hidden.shape[0] + step, step, device=rows.device))
-    stats, chosen, taken = [], [], []
+def chunked_values(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor,
+                   targets: torch.Tensor, entropy: bool, step: int):
+    """Each target's log-prob, each row's entropy (with ``entropy``, else None) and each row's normaliser, computed
+    ``step`` rows of logits at a time."""
+    order, bounds = _targets_by_chunk(rows, hidden.shape[0], step)
+    norms, entropies, chosen, taken = [], [], [], []
     for k, first in enumerate(range(0, hidden.shape[0], step)):
         mine = order[bounds[k]:bounds[k + 1]]
-        inputs = (hidden[first:first + step], rows[mine] - first, targets[mine])
-        part, picked = checkpoint(normalise, *inputs, use_reentrant=False) if torch.is_grad_enabled() else \
-            normalise(*inputs)
-        stats.append(part)
-        chosen.append(picked)
+        logits = at_least_float32(torch.nn.functional.linear(hidden[first:first + step], weight, bias))
+        norms.append(torch.logsumexp(logits, dim=-1))
+        if entropy:
+            entropies.append(entropy_of(logits, norms[-1]))
+        chosen.append(logits[rows[mine] - first, targets[mine]])
         taken.append(mine)
-    if not stats:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty if entropy else None
-    stats = torch.cat(stats, dim=1)
+    if not norms:
+        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        return empty, empty if entropy else None, empty
+    norm = torch.cat(norms)
     where = torch.empty_like(order)
     where[torch.cat(taken)] = torch.arange(len(order), device=order.device)
     target_logits = torch.cat(chosen)[where]
-    return target_logits - stats[0][rows], stats[1] if entropy else None
+    return target_logits - norm[rows], torch.cat(entropies) if entropy else None, norm
+
+
+def _targets_by_chunk(rows: torch.Tensor, n_rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The targets sorted by row, and where each chunk of ``step`` rows starts and ends in that order."""
+    order = torch.argsort(rows)
+    bounds = torch.searchsorted(rows[order], torch.arange(0, n_rows + step, step, device=rows.device))
+    return order, bounds
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """Log-probs of targets and entropies of rows from hidden states and the output layer, a chunk of rows at a time.
+
+    Forward: :func:`chunked_values`. Backward: each chunk's logits are computed again and the gradient of the
+    logits is written out directly, ``-p * (g_row + g_entropy * (log p + H))`` plus each target's own gradient at
+    its token (``p`` the softmax from the kept normaliser, ``g_row`` the sum of the row's targets' gradients), then
+    sent through the output layer. This is the gradient autograd derives through ``logsumexp``, the gather and
+    :func:`entropy_of`, without keeping or recomputing their intermediates; the entropy term is skipped when no
+    loss reads the entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, targets, entropy: bool, step: int):
+        logp, entropies, norm = chunked_values(hidden, weight, bias, rows, targets, entropy, step)
+        if entropies is None:
+            entropies = norm.new_zeros(0)
+            ctx.mark_non_differentiable(entropies)
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, norm, entropies)
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        return logp, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, rows, targets, norm, entropies = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        if grad_entropy is not None and grad_entropy.numel() == 0:
+            grad_entropy = None
+        step = ctx.step
+        order, bounds = _targets_by_chunk(rows, hidden.shape[0], step)
+        for k, first in enumerate(range(0, hidden.shape[0], step)):
+            if grad_logp is None and grad_entropy is None:
+                break
+            chunk = hidden[first:first + step]
+            logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
+            logq = logits - norm[first:first + step, None]
+            p = logq.exp()
+            weight_per_row = logits.new_zeros(logits.shape[0])
+            mine = order[bounds[k]:bounds[k + 1]]
+            local, picked = rows[mine] - first, targets[mine]
+            if grad_logp is not None:
+                weight_per_row.index_add_(0, local, grad_logp[mine].to(logits.dtype))
+            if grad_entropy is not None:
+                g_entropy = grad_entropy[first:first + step].to(logits.dtype)[:, None]
+                grad = p * (logq + entropies[first:first + step, None]) * g_entropy
+                grad.add_(p * weight_per_row[:, None]).neg_()
+            else:
+                grad = (p * weight_per_row[:, None]).neg_()
+            if grad_logp is not None:
+                grad.index_put_((local, picked), grad_logp[mine].to(logits.dtype), accumulate=True)
+            grad = grad.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[first:first + step] = grad @ weight
+            if need_weight:
+                grad_weight.addmm_(grad.T, chunk.to(weight.dtype))
+            if need_bias:
+                grad_bias.add_(grad.sum(0))
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
