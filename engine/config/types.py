@@ -91,6 +91,7 @@ class GenerationSettings:
     static_cache: bool | str = "auto"  # a preallocated cache of bucketed shape; auto: when compiling
     length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
     cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
+    sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
 
 
 @dataclass(frozen=True)

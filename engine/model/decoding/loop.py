@@ -4,8 +4,9 @@ For each batch: one prefill of the prompts (each prompt once, however many seque
 rows are repeated for ``num_return_sequences`` and each step feeds one token per row. Tokens are chosen exactly as
 Hugging Face's ``generate`` chooses them: the logits processors are Hugging Face's own, built from the same
 arguments (temperature, top-k, top-p, min_new_tokens, penalties...), sampling draws with ``torch.multinomial`` from
-their softmax, and rows that ended go on with the pad token. So greedy outputs equal Hugging Face's, and with the
-same seed so do samples wherever the logits agree to the bit. Each token's raw log-prob (before any processing:
+their softmax (unless ``generation.sampler`` says otherwise: :mod:`.sampling`), and rows that ended go on with the
+pad token. So greedy outputs equal Hugging Face's, and with the same seed and sampler so do samples wherever the
+logits agree to the bit. Each token's raw log-prob (before any processing:
 what ``score`` returns) and its log-prob under the processed distribution it was drawn from are read as it is chosen;
 one step's logits are held at a time.
 
@@ -20,6 +21,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+
+from llmrl.engine.model.decoding.sampling import draw
 
 
 @dataclass
@@ -47,12 +50,13 @@ def _keeps_last_logits_only(model) -> dict:
 
 @torch.no_grad()
 def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
-           pad_id: int, eos: set[int], recorder=None, static=None) -> Decoded:
+           pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial") -> Decoded:
     """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
 
     ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
     :class:`~llmrl.engine.model.stops.StopRecorder` or None; ``static`` a
-    :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture)."""
+    :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture); ``sampler`` how samples are drawn
+    (:mod:`.sampling`)."""
     from transformers import DynamicCache
 
     device = ids.device
@@ -92,7 +96,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
         # processors get a copy: the raw logits must stay as the model gave them
         scores = processors(sequences[:, :width + step], logits.clone()) if len(processors) else logits
         if config.do_sample:
-            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            chosen = draw(torch.softmax(scores, dim=-1), sampler)
         else:
             chosen = torch.argmax(scores, dim=-1)
         chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)  # Hugging Face's padding of ended rows

@@ -1,10 +1,10 @@
 """One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
 
 :class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
-``compile``, ``static_cache``, ``length_bucket``), keeps the :class:`~.merged_lora.MergedLora` buffers and the
-:class:`~.static_step.StaticDecoder` between calls, and counts which loop ran (``server_memory`` reports it).
+``compile``, ``static_cache``, ``length_bucket``, ``sampler``), keeps the :class:`~.merged_lora.MergedLora` buffers
+and the :class:`~.static_step.StaticDecoder` between calls, and counts which loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
-bound by the weight matmuls: merging saves little, and a cache padded to its bucket only adds attention work.
+bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work.
 
 This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
 """
@@ -76,7 +76,8 @@ class Decoder:
             if layers and why_not_mergeable(layers, adapter) is None:
                 merging = self.merged.swapped_in(layers, adapter)
         with merging:
-            return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static)
+            return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
+                          self.settings.sampler)
 
     def stats(self) -> dict:
         """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes, and the memory
