@@ -140,8 +140,8 @@ def test_generation_reads_and_fills_the_cache_across_turns(twins, tiny, layout):
     turn's prompt is the previous prompt, the first sample's tokens and an observation, as token ids. The cached
     twin returns the plain twin's tokens and log-probs (1e-5), also after an update mid-episode (with the frozen
     trunk, the cache's entries are then stale: generation reads none of them). With one replica, from the second
-    turn on, a prompt's encoded tokens are its batch's longest observation and the last sampled token: its history
-    is never encoded again (with two, each replica holds what it generated, and rows are split by position)."""
+    turn on, a prompt's encoded tokens are its batch's longest observation and the last sampled token, once for all
+    its samples: its history is never encoded again (with two, each replica holds what it generated, and rows are split by position)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
@@ -161,8 +161,10 @@ def test_generation_reads_and_fills_the_cache_across_turns(twins, tiny, layout):
         encoded = added["encoded_tokens"] - counts["encoded_tokens"]
         rows = len(prompts) * kwargs["num_return_sequences"]
         assert added["prompt_tokens"] - counts["prompt_tokens"] == sum(map(len, prompts)) * rows // len(prompts)
-        if t in (1, 2) and layout == "r1":  # one batch: every row encodes the longest observation, plus one token
-            assert encoded == rows * (max(len(observations[(t - 1 + e) % 4]) for e in range(3)) + 1), (t, encoded)
+        if t in (1, 2) and layout == "r1":  # one batch: every prompt encodes the longest observation plus one token,
+            # once for all its samples (llmrl's loop prefills a prompt once)
+            assert encoded == len(prompts) * (max(len(observations[(t - 1 + e) % 4]) for e in range(3)) + 1), \
+                (t, encoded)
         elif t in (1, 2):  # replicas split the rows by position: a prompt may land where its history is not held
             assert encoded < added["prompt_tokens"] - counts["prompt_tokens"], (t, encoded)
         if t == 3:  # after the update: nothing held is valid

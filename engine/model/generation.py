@@ -126,8 +126,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
     stepwise = _reads_logprobs_stepwise(model, kwargs)
-    loop = decoder if decoder is not None and decoder.takes(
-        kind, kwargs, stepwise, synced, use is not None and stepwise, _partitioned(model)) else None
+    loop = decoder if decoder is not None and decoder.takes(kind, kwargs, stepwise, synced, _partitioned(model)) \
+        else None
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)
@@ -189,10 +189,13 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
     if loop is not None:  # llmrl's own decoding loop (causal models: generation starts at the padded width)
         recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return, start=width) \
             if stop[0] or stop[1] else None
+        past = cached_past(use, prompts, num_return, repeat_rows=False)[0] if use is not None else None
         decoded = loop.decode(model, cache_kwarg(model), ids.to(device), mask.to(device), num_return, kwargs,
-                              tokenizer.pad_token_id, eos, recorder)
-        _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens, decoded.logprobs,
-                      decoded.sampling_logprobs, None)
+                              tokenizer.pad_token_id, eos, recorder, past, keep_cache=use is not None)
+        kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens,
+                             decoded.logprobs, decoded.sampling_logprobs, None)
+        if use is not None:
+            keep_generated(use, kept, decoded.cache, width)
         return
     stepwise = _reads_logprobs_stepwise(model, kwargs)
     use = use if stepwise else None

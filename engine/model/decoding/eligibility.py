@@ -3,8 +3,9 @@
 The loop runs greedy decoding and sampling of causal models, with every logits processor Hugging Face would apply
 for the request's arguments (it builds them with Hugging Face's own code), ``stop`` strings and token ids, and any
 number of return sequences. It declines beam search and the other decoding modes, seq2seq models, user-supplied
-``logits_processor`` / ``stopping_criteria`` objects, ZeRO-3 groups in lockstep, and calls that read the key/value
-cache across calls. :func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
+``logits_processor`` / ``stopping_criteria`` objects and ZeRO-3 groups in lockstep. Prompts that read the key/value
+cache across calls (``kv_cache_mb``) run in the loop too: it prefills only what the cache does not hold.
+:func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
 ``auto``) or refuses the request (decoder ``llmrl``).
 
 This module decides nothing else; it runs no model.
@@ -22,8 +23,7 @@ TAKEN = frozenset({
 })
 
 
-def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, cache_across_calls: bool,
-            zero3: bool) -> str | None:
+def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> str | None:
     """None when llmrl's loop can run this request; else the reason it cannot, in a phrase."""
     if kind != "causal":
         return "the model is seq2seq (the loop decodes causal models)"
@@ -33,8 +33,6 @@ def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, cache_across_
         return "the replicas of a ZeRO-3 group decode in lockstep"
     if zero3:
         return "the weights are partitioned by ZeRO-3"
-    if cache_across_calls:
-        return "kv_cache_mb is set (prompts read the key/value cache across calls)"
     other = sorted(k for k in kwargs if k not in TAKEN)
     if other:
         return f"argument(s) {other} (the loop takes {', '.join(sorted(TAKEN))})"

@@ -32,6 +32,7 @@ class Decoded:
     tokens: torch.Tensor  # (rows, steps) long, on the CPU
     logprobs: torch.Tensor  # (rows, steps) raw log-probs
     sampling_logprobs: torch.Tensor  # (rows, steps) log-probs under the processed distribution
+    cache: object = None  # with keep_cache: the cache after the last step (row r of the batch is row r here)
 
 
 def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device):
@@ -50,13 +51,16 @@ def _keeps_last_logits_only(model) -> dict:
 
 @torch.no_grad()
 def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
-           pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial") -> Decoded:
+           pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial", past=None,
+           keep_cache: bool = False) -> Decoded:
     """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
 
     ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
     :class:`~llmrl.engine.model.stops.StopRecorder` or None; ``static`` a
     :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture); ``sampler`` how samples are drawn
-    (:mod:`.sampling`)."""
+    (:mod:`.sampling`). ``past``: a Hugging Face cache holding the first columns of every prompt row (the cache
+    across calls, :func:`~llmrl.engine.model.reuse.generation_prefix.cached_past`); only the columns after them are
+    prefilled. ``keep_cache`` returns the final cache in :attr:`Decoded.cache`."""
     from transformers import DynamicCache
 
     device = ids.device
@@ -66,8 +70,9 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     rows, max_new = prompts * num_return, int(config.max_new_tokens)
     source = torch.arange(prompts, device=device).repeat_interleave(num_return)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    prefill = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+    prefill = DynamicCache(config=model.config) if past is None else past
+    covered = past.get_seq_length() if past is not None else 0
+    out = model(input_ids=ids[:, covered:], attention_mask=mask, position_ids=positions[:, covered:], use_cache=True,
                 **{cache_name: prefill}, **_keeps_last_logits_only(model))
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[source]
     del out
@@ -121,7 +126,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
             del out
     steps = len(raw)
     return Decoded(sequences[:, width:width + steps].cpu(), torch.stack(raw, dim=1).cpu(),
-                   torch.stack(sampled, dim=1).cpu())
+                   torch.stack(sampled, dim=1).cpu(), cache if keep_cache else None)
 
 
 def _bucketed(static, rows: int, length: int) -> tuple[int, int]:

@@ -36,14 +36,13 @@ class Decoder:
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
 
-    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, cache_across_calls: bool,
-              zero3: bool) -> bool:
+    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> bool:
         """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
         cannot."""
         if self.settings.decoder == "hf":
             self.counts["hf: configured"] += 1
             return False
-        reason = why_not(kind, kwargs, stepwise, synced, cache_across_calls, zero3)
+        reason = why_not(kind, kwargs, stepwise, synced, zero3)
         if reason is not None and self.settings.decoder == "llmrl":
             raise ValueError(f"generation.decoder is 'llmrl' but this request cannot use it: {reason}; set "
                              "llms.<name>.generation.decoder to auto (Hugging Face's generate takes such requests) "
@@ -64,7 +63,7 @@ class Decoder:
                               cache_tokens)
 
     def decode(self, model, cache_name: str, ids, mask, num_return: int, kwargs: dict, pad_id: int, eos: set,
-               recorder):
+               recorder, past=None, keep_cache: bool = False):
         """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be."""
         from llmrl.engine.model.decoding.loop import decode
 
@@ -77,7 +76,7 @@ class Decoder:
                 merging = self.merged.swapped_in(layers, adapter)
         with merging:
             return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                          self.settings.sampler)
+                          self.settings.sampler, past, keep_cache)
 
     def stats(self) -> dict:
         """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes, and the memory

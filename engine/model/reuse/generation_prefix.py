@@ -21,9 +21,10 @@ from __future__ import annotations
 from llmrl.engine.model.reuse.hf_kv import as_cache, empty_layers, lay_pieces
 
 
-def cached_past(use, prompts: list[list[int]], repeat: int):
+def cached_past(use, prompts: list[list[int]], repeat: int, repeat_rows: bool = True):
     """``(cache, covered)``: a Hugging Face cache holding the first ``covered`` columns of every row of the
-    left-padded batch of ``prompts`` (each row repeated ``repeat`` times, in order), or ``(None, 0)`` when no
+    left-padded batch of ``prompts`` (each row repeated ``repeat`` times, in order; with ``repeat_rows`` False,
+    each prompt once, for a loop that prefills a prompt once for its ``repeat`` samples), or ``(None, 0)`` when no
     column can be reused. Counts the prompt tokens that will be encoded."""
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]
@@ -32,7 +33,8 @@ def cached_past(use, prompts: list[list[int]], repeat: int):
     counts = use.cache.generation
     counts["prompts"] += len(prompts) * repeat
     counts["prompt_tokens"] += sum(len(p) for p in prompts) * repeat
-    counts["encoded_tokens"] += sum(len(p) - max(0, covered - pad) for p, pad in zip(prompts, pads)) * repeat
+    counts["encoded_tokens"] += sum(len(p) - max(0, covered - pad) for p, pad in zip(prompts, pads)) * \
+        (repeat if repeat_rows else 1)
     if covered == 0:
         return None, 0
     sample = next(pieces[0] for hit, pieces in held if hit)
@@ -41,7 +43,7 @@ def cached_past(use, prompts: list[list[int]], repeat: int):
         for row, (pad, (_, pieces)) in enumerate(zip(pads, held)):
             if covered > pad:
                 lay_pieces(keys, values, row, pad, covered, pieces, layer)
-    if repeat > 1:
+    if repeat > 1 and repeat_rows:
         layers = [(k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)) for k, v in layers]
     return as_cache(layers), covered
 
