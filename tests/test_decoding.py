@@ -245,3 +245,29 @@ def test_small_cache_budgets_split_the_request_and_change_nothing(lora_llama):
     assert len(whole.batches(model, plan, 8192, 64)) == 1 and len(split.batches(model, plan, 8192, 64)) == 4
     greedy = {"max_new_tokens": 8, "do_sample": False}
     assert same_samples(run(model, tok, greedy, decoder=whole)[0], run(model, tok, greedy, decoder=split)[0])
+
+
+@pytest.mark.parametrize("window,static_used", [(20, False), (64, True)])
+def test_a_sliding_window_shorter_than_the_static_cache_decodes_with_a_growing_cache(reference_models, window,
+                                                                                     static_used):
+    """Mistral's shape with a sliding window: Hugging Face's static sliding layers hold only the window, so where the
+    bucketed cache is longer (32 here) the loop grows a cache instead; greedy tokens equal Hugging Face's either way
+    (with the static cache they did not: 2 of 3 sequences differed)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    _, tok = reference_models["llama"]
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=window, max_position_embeddings=256, attn_implementation="sdpa",
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    prompts = ["You see a wall and a long corridor with doors", "x", "Goal: go to the red ball now please"]
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+    reference, _ = run(model, tok, kwargs, prompts=prompts)
+    ours, decoder = run(model, tok, kwargs, {"static_cache": True, "length_bucket": 16}, prompts=prompts)
+    assert decoder.stats()["calls"] == {"llmrl": 1}
+    assert (decoder.stats()["static_cache_mb"] > 0) == static_used
+    assert same_samples(ours, reference)
+    for prompt, (sample,) in zip(prompts, ours):
+        torch.testing.assert_close(sample["logprobs"], plain_logprobs(model, tok, prompt, sample["tokens"].tolist()),
+                                   atol=1e-5, rtol=0)

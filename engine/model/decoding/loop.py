@@ -11,7 +11,9 @@ what ``score`` returns) and its log-prob under the processed distribution it was
 one step's logits are held at a time.
 
 The cache is Hugging Face's ``DynamicCache`` (grown each step: the CPU default), or, with a
-:class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured.
+:class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured;
+not for a model with a sliding window shorter than the bucketed length (Mistral, Gemma 2...), whose static sliding
+layers keep only the window: such a call grows a dynamic cache.
 This module runs the model; it does not plan batches, merge adapters or build responses.
 """
 
@@ -76,6 +78,8 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
                 **{cache_name: prefill}, **_keeps_last_logits_only(model))
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[source]
     del out
+    if static is not None and _slides_within(model.config, _bucketed(static, rows, width + max_new)[1]):
+        static = None  # Hugging Face's static sliding layers hold only the window: this call grows a cache instead
     if static is not None:
         padded, length = _bucketed(static, rows, width + max_new)
         into = torch.cat([source, source.new_zeros(padded - rows)])  # extra rows: copies of the first prompt
@@ -133,3 +137,13 @@ def _bucketed(static, rows: int, length: int) -> tuple[int, int]:
     from llmrl.engine.model.decoding.static_step import bucket
 
     return bucket(rows, length, static.length_bucket)
+
+
+def _slides_within(config, length: int) -> bool:
+    """Whether some attention layer of the model sees only a sliding window shorter than ``length`` tokens."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or not getattr(text, "use_sliding_window", True):
+        return False
+    kinds = getattr(text, "layer_types", None)
+    return (kinds is None or "sliding_attention" in kinds) and window < length
