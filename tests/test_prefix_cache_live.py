@@ -141,7 +141,8 @@ def test_generation_reads_and_fills_the_cache_across_turns(twins, tiny, layout):
     twin returns the plain twin's tokens and log-probs (1e-5), also after an update mid-episode (with the frozen
     trunk, the cache's entries are then stale: generation reads none of them). With one replica, from the second
     turn on, a prompt's encoded tokens are its batch's longest observation and the last sampled token, once for all
-    its samples: its history is never encoded again (with two, each replica holds what it generated, and rows are split by position)."""
+    its samples: its history is never encoded again (with two, each replica holds what it generated, and rows are
+    split by position)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
