@@ -7,8 +7,8 @@ Paths, each on the same random-weight model (a real architecture: speed does not
 every linear layer, the same prompts (English text of ``--prompt-tokens`` tokens: llmrl and the plain loop get the
 token ids, TRL the text, and the JSON records how many tokens TRL made of it), ``min_new_tokens`` =
 ``max_new_tokens`` (fixed lengths), seeded rewards, no KL term (TRL's default ``beta`` is 0):
-  - **llmrl now**: a live run (one server); ``generate`` runs llmrl's decoding loop, and the update receives the
-    sampled log-probs as ``old_logprobs`` (no old-policy pass);
+  - **llmrl now**: a live run (one server); ``generate`` runs llmrl's decoding loop (with ``--generation``'s
+    settings), and the update receives the sampled log-probs as ``old_logprobs`` (no old-policy pass);
   - **llmrl before**: the same run with ``generation.decoder: hf`` (Hugging Face's generate with the adapter
     unmerged) and the update computing its own old-policy pass, as llmrl ran before its loop;
   - **plain HF + PEFT**: the loop a trainer library's user writes (``model.generate`` on the PEFT model, a
@@ -83,7 +83,7 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
            "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 16, "alpha": 32}}}}],
            "updater": {"plugin": "grpo", "args": {"epochs": 1, "kl_coef": 0.0}},
            "training": {"micro_batch_size": args.samples, "optimizer": {"type": "adam", "lr": 1e-5}},
-           "generation": {"decoder": "hf" if before else "auto"}}
+           "generation": {"decoder": "hf"} if before else {"decoder": "auto", **json.loads(args.generation)}}
     from transformers import AutoTokenizer
 
     prompts, rewards = workload(args, new_tokens, AutoTokenizer.from_pretrained(tokenizer))
@@ -230,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", default="20")
     parser.add_argument("--steps", type=int, default=3, help="the first warms up; the median of the rest is reported")
     parser.add_argument("--paths", default="now,before,plain,trl")
+    parser.add_argument("--generation", default="{}",
+                        help='llms.<name>.generation for "llmrl now", as JSON, e.g. \'{"sampler": "inverse_cdf"}\'')
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the tests' tiny Llama's)")
     parser.add_argument("--out", default="grpo-step.json")
