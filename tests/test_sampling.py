@@ -47,6 +47,11 @@ def test_the_same_seed_draws_the_same_tokens_and_an_unknown_sampler_is_refused()
     assert torch.equal(a, draw(probs, "inverse_cdf"))
     with pytest.raises(ValueError, match="generation.sampler"):
         draw(probs, "gumbel")
+    for bad in (float("nan"), 0.0):  # a row of nan, or of zeros: refused, as torch.multinomial refuses it
+        broken = probs.clone()
+        broken[3] = bad
+        with pytest.raises(ValueError, match="not finite or sum to zero"):
+            draw(broken, "inverse_cdf")
 
 
 def test_generate_samples_the_processed_distribution(reference_models):

@@ -27,6 +27,9 @@ def draw(probs: torch.Tensor, sampler: str) -> torch.Tensor:
         raise ValueError(f"generation.sampler {sampler!r} is not one of {', '.join(SAMPLERS)}")
     running = probs.double().cumsum(dim=-1)
     total = running[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # torch.multinomial refuses such rows too
+        raise ValueError("generation.sampler inverse_cdf: a row's probabilities are not finite or sum to zero (the "
+                         "logits, or a processor's output, hold nan/inf everywhere)")
     point = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
     point = torch.minimum(point, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
     # the first token whose running sum exceeds the point: a token of probability zero adds nothing, so never
