@@ -78,10 +78,10 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
                 **{cache_name: prefill}, **_keeps_last_logits_only(model))
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[source]
     del out
-    if static is not None and _slides_within(model.config, _bucketed(static, rows, width + max_new)[1]):
+    padded, length = _bucketed(static, rows, width + max_new) if static is not None else (rows, 0)
+    if static is not None and _slides_within(model.config, length):
         static = None  # Hugging Face's static sliding layers hold only the window: this call grows a cache instead
     if static is not None:
-        padded, length = _bucketed(static, rows, width + max_new)
         into = torch.cat([source, source.new_zeros(padded - rows)])  # extra rows: copies of the first prompt
         cache = static.cache(model, padded, length)
         for index, layer in enumerate(prefill.layers):

@@ -161,9 +161,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_entropy = None
         step = ctx.step
         order, bounds = _targets_by_chunk(rows, hidden.shape[0], step)
-        for k, first in enumerate(range(0, hidden.shape[0], step)):
-            if grad_logp is None and grad_entropy is None:
-                break
+        chunks = range(0, hidden.shape[0], step) if grad_logp is not None or grad_entropy is not None else ()
+        for k, first in enumerate(chunks):
             chunk = hidden[first:first + step]
             logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
             logq = logits - norm[first:first + step, None]
