@@ -62,6 +62,9 @@ from benchmarks.baselines import (
 from benchmarks.kit import testkit
 from benchmarks.limits import BestRate, necessary_flops, rebase_limits, unique_tokens
 from benchmarks.workloads import babyai_rollout, make_episodes, make_workload
+from llmrl.engine.server.host_memory import keep_freed_memory
+
+HOST_MALLOC = ["reuse"]  # --host-malloc: the servers' setting, and this process's
 
 
 def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, repeats: int, naive_budget: float,
@@ -79,7 +82,8 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
         calls = calls or make_episodes(tokenizer, seed=next(seeds), **shape)
         return [run.score(contexts, options, llm=llm) for contexts, options in calls]
 
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the two servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads,  # the two servers never compute at once
+                                "host_malloc": HOST_MALLOC[0]}) as run:
         on = play(run, "cache-on", sample)
         off = play(run, "cache-off", sample)
         (on_time, _), (off_time, _) = interleaved(lambda: play(run, "cache-on"), lambda: play(run, "cache-off"),
@@ -143,7 +147,8 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
     times: dict[str, list[float]] = {name: [] for name in llms}
     stats: dict[str, list] = {}
     tokens = distinct = 0
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads}) as run:  # the servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads,  # the servers never compute at once
+                                "host_malloc": HOST_MALLOC[0]}) as run:
         for round_ in range(repeats):
             if rollout == "babyai":
                 contexts, candidates = babyai_rollout(transitions, seed=100 + 1000 * round_)
@@ -245,8 +250,12 @@ def main() -> int:
                         help="only the episodes workload (the cache across calls on vs off vs naive)")
     parser.add_argument("--update-only", action="store_true",
                         help="only the demo's update step (every layer vs frozen-trunk reuse and twins computed once)")
+    parser.add_argument("--host-malloc", choices=("reuse", "default"), default="reuse",
+                        help="the servers' host_malloc setting; this process (in-process and naive rows) gets the same")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
+    HOST_MALLOC[0] = args.host_malloc
+    print(keep_freed_memory(args.host_malloc), file=sys.stderr)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -268,7 +277,7 @@ def main() -> int:
         workloads = {"6 candidates": make_workload(tokenizer, n, length, 6),
                      "64 candidates": make_workload(tokenizer, n, length, 8 if args.quick else 64, seed=1)}
     rows: list[dict] = []
-    config = {"llms": {"main": {"model": path, "token_budget": args.token_budget}}}
+    config = {"llms": {"main": {"model": path, "token_budget": args.token_budget}}, "host_malloc": args.host_malloc}
     print(f"model {args.model}: {params / 1e6:.1f}M parameters; matmul {rate / 1e9:.1f} GFLOP/s on {threads} threads; "
           f"compute limit {per_token * 1e3:.2f} ms per token", file=sys.stderr)
     if args.episodes_only or args.update_only:
@@ -360,7 +369,7 @@ def memory_row(path: str, quick: bool) -> dict:
     """Weights' memory and peak resident memory of one server per loading mode."""
     llms = {"float32": {"model": path}, "bfloat16": {"model": path, "dtype": "bfloat16"},
             "int4": {"model": path, "quantization": {"bits": 4, "quant_type": "nf4"}}}
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": 1, "host_malloc": HOST_MALLOC[0]}) as run:
         memory = run.server_memory()
         servers = run.servers()
     by_llm = {servers[r]["llm"]: m for r, m in memory.items()}

@@ -174,6 +174,7 @@ class Config:
     llms: dict[str, LLMConfig]
     seed: int = 0
     threads_per_rank: int | None = None
+    host_malloc: str = "reuse"  # reuse: server ranks keep freed host memory for the next tensor (server/host_memory)
     log_level: str = "info"
     max_message_bytes: int = 4 << 30
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -33,6 +33,7 @@ from llmrl.engine.errors import PeerAborted
 from llmrl.engine.log import configure, logger
 from llmrl.engine.processes import exit_with_parent, leave
 from llmrl.engine.requests import KINDS
+from llmrl.engine.server.host_memory import keep_freed_memory
 from llmrl.engine.transport import frames, messages, rendezvous
 from llmrl.engine.transport.secret import server_secret
 
@@ -250,6 +251,7 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_ex
     import torch
 
     torch.set_num_threads(threads_for_server(config, node_rank))
+    logger.debug(keep_freed_memory(config.host_malloc))
     server = Server(config, role_of(config, rank))
     server.connect()
     server.start(local_rank, node_rank)
