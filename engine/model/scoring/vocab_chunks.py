@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 
-from llmrl.engine.model.scoring.normalise import at_least_float32, entropy_of
+from llmrl.engine.model.scoring.normalise import at_least_float32
 
 # Model types whose forward returns lm_head(last hidden state) as the logits, unchanged.
 PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5")
@@ -107,9 +107,10 @@ def chunked_values(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     for k, first in enumerate(range(0, hidden.shape[0], step)):
         mine = order[bounds[k]:bounds[k + 1]]
         logits = at_least_float32(torch.nn.functional.linear(hidden[first:first + step], weight, bias))
-        norms.append(torch.logsumexp(logits, dim=-1))
+        norm, entropies_here = normaliser_and_entropy(logits, entropy)
+        norms.append(norm)
         if entropy:
-            entropies.append(entropy_of(logits, norms[-1]))
+            entropies.append(entropies_here)
         chosen.append(logits[rows[mine] - first, targets[mine]])
         taken.append(mine)
     if not norms:
@@ -120,6 +121,21 @@ def chunked_values(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     where[torch.cat(taken)] = torch.arange(len(order), device=order.device)
     target_logits = torch.cat(chosen)[where]
     return target_logits - norm[rows], torch.cat(entropies) if entropy else None, norm
+
+
+def normaliser_and_entropy(logits: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's logsumexp and, with ``entropy``, the entropy of its softmax, written ``H = logsumexp - sum(p *
+    logits)``: a maximum, one exponential, a sum and a row-wise dot product over the chunk, where
+    :func:`~llmrl.engine.model.scoring.normalise.entropy_of` makes about ten passes and five chunk-sized copies
+    (measured at 256 x 49,152 on a CPU: 33 ms against 98 ms, the matrix product of the logits 58 ms; the same float32
+    error against float64, 5e-6). For an output layer's logits (finite), outside autograd."""
+    if not entropy:
+        return torch.logsumexp(logits, dim=-1), None
+    top = logits.amax(dim=-1, keepdim=True)
+    scaled = torch.sub(logits, top).exp_()
+    total = scaled.sum(-1)
+    norm = top.squeeze(-1) + total.log()
+    return norm, norm - torch.linalg.vecdot(scaled, logits) / total
 
 
 def _targets_by_chunk(rows: torch.Tensor, n_rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,19 +181,20 @@ class ChunkedLogprobs(torch.autograd.Function):
         for k, first in enumerate(chunks):
             chunk = hidden[first:first + step]
             logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
-            logq = logits - norm[first:first + step, None]
-            p = logq.exp()
             weight_per_row = logits.new_zeros(logits.shape[0])
             mine = order[bounds[k]:bounds[k + 1]]
             local, picked = rows[mine] - first, targets[mine]
             if grad_logp is not None:
                 weight_per_row.index_add_(0, local, grad_logp[mine].to(logits.dtype))
+            logq = logits.sub_(norm[first:first + step, None])  # in place: the chunk's logits are not needed after
             if grad_entropy is not None:
+                p = logq.exp()
                 g_entropy = grad_entropy[first:first + step].to(logits.dtype)[:, None]
-                grad = p * (logq + entropies[first:first + step, None]) * g_entropy
-                grad.add_(p * weight_per_row[:, None]).neg_()
+                # -p ((log p + H) g_H + g_row), in place on log p
+                grad = logq.add_(entropies[first:first + step, None]).mul_(g_entropy).add_(weight_per_row[:, None])
+                grad.mul_(p).neg_()
             else:
-                grad = (p * weight_per_row[:, None]).neg_()
+                grad = logq.exp_().mul_(weight_per_row[:, None]).neg_()  # -p g_row
             if grad_logp is not None:
                 grad.index_put_((local, picked), grad_logp[mine].to(logits.dtype), accumulate=True)
             grad = grad.to(weight.dtype)
