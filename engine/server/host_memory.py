@@ -4,8 +4,9 @@ A forward pass on a CPU allocates and frees tensors of tens of MB at every layer
 tokens are 22 MB each). glibc's defaults serve such blocks with ``mmap`` and give them back to the system when
 they are freed (its dynamic threshold adapts, but the heap's top is trimmed again whenever 64 MB of it are free),
 so the next layer's tensor is page-faulted in afresh: every page zeroed by the kernel, on one core. Measured on
-the benchmark's "6 candidates" scoring call (benchmarks/run.py, in-process): 3.70 s with glibc's defaults, 3.18 s
-with the settings below; an elementwise op (SiLU over 16 x 227 x 1536) took 5.5 ms instead of 1.9 ms.
+the benchmark's "6 candidates" scoring call, ``benchmarks/run.py --score-only --host-malloc default`` then
+``reuse`` in one sitting: 3.00 s against 2.83 s served (a quick in-process script had shown 3.70 s against 3.18 s);
+in that script's profile an element-wise op (SiLU over 16 x 227 x 1536) took 5.5 ms instead of 1.9 ms.
 
 :func:`keep_freed_memory` sets, with ``mallopt``: blocks up to 32 MB (glibc's largest ``mmap`` threshold) come
 from the heap, and the heap's top is given back only when more than 1 GB of it is free. A rank's resident memory
