@@ -64,11 +64,9 @@ from benchmarks.limits import BestRate, necessary_flops, rebase_limits, unique_t
 from benchmarks.workloads import babyai_rollout, make_episodes, make_workload
 from llmrl.engine.server.host_memory import keep_freed_memory
 
-HOST_MALLOC = ["reuse"]  # --host-malloc: the servers' setting, and this process's
-
 
 def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, repeats: int, naive_budget: float,
-                 skip_naive: bool) -> dict:
+                 host_malloc: str, skip_naive: bool) -> dict:
     """Cache across calls on vs off vs naive Hugging Face on whole episodes (each repeat a fresh set of episodes, so
     the cache starts cold every time); scores compared on one set; the compute limit of the unique work."""
     envs, steps = (4, 4) if quick else (16, 12)
@@ -82,8 +80,8 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
         calls = calls or make_episodes(tokenizer, seed=next(seeds), **shape)
         return [run.score(contexts, options, llm=llm) for contexts, options in calls]
 
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads,  # the two servers never compute at once
-                                "host_malloc": HOST_MALLOC[0]}) as run:
+    # the two servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads, "host_malloc": host_malloc}) as run:
         on = play(run, "cache-on", sample)
         off = play(run, "cache-off", sample)
         (on_time, _), (off_time, _) = interleaved(lambda: play(run, "cache-on"), lambda: play(run, "cache-off"),
@@ -118,7 +116,8 @@ def episodes_row(path: str, model, tokenizer, per_token: float, quick: bool, rep
     return row
 
 
-def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int, rollout: str) -> dict:
+def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: int, rollout: str,
+               host_malloc: str) -> dict:
     """The demo's PPO update (256 transitions of ~44-token prompts and 3 actions, LoRA on the top 8 layers, a value
     head, one epoch in minibatches of 32) after the rollout scored those transitions, as in
     ``examples/ppo_babyai.py``, each repeat on a fresh rollout; the stats of the paths compared.
@@ -147,8 +146,8 @@ def update_row(path: str, model, tokenizer, rate: float, quick: bool, repeats: i
     times: dict[str, list[float]] = {name: [] for name in llms}
     stats: dict[str, list] = {}
     tokens = distinct = 0
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads,  # the servers never compute at once
-                                "host_malloc": HOST_MALLOC[0]}) as run:
+    # the servers never compute at once
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": threads, "host_malloc": host_malloc}) as run:
         for round_ in range(repeats):
             if rollout == "babyai":
                 contexts, candidates = babyai_rollout(transitions, seed=100 + 1000 * round_)
@@ -254,7 +253,6 @@ def main() -> int:
                         help="the servers' host_malloc setting; this process (in-process and naive rows) gets the same")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
-    HOST_MALLOC[0] = args.host_malloc
     print(keep_freed_memory(args.host_malloc), file=sys.stderr)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -323,17 +321,17 @@ def main() -> int:
     if not args.score_only and not args.update_only:
         rate = rates()
         rows.append(episodes_row(path, model, tokenizer, 2 * params / rate, args.quick, repeats, args.naive_budget,
-                                 skip_naive=False))
+                                 args.host_malloc, skip_naive=False))
         rows[-1]["matmul GFLOP/s (best so far)"] = rate / 1e9
         print_row(rows[-1])
     if not args.score_only and not args.episodes_only:
         for rollout in ("synthetic", "babyai"):
             rate = rates()
-            rows.append(update_row(path, model, tokenizer, rate, args.quick, repeats, rollout))
+            rows.append(update_row(path, model, tokenizer, rate, args.quick, repeats, rollout, args.host_malloc))
             rows[-1]["matmul GFLOP/s (best so far)"] = rate / 1e9
             print_row(rows[-1])
     if not args.skip_memory and not args.score_only and not args.episodes_only and not args.update_only:
-        rows.append(memory_row(path, args.quick))
+        rows.append(memory_row(path, args.quick, args.host_malloc))
         print_row(rows[-1])
     best = rates()
     rebase_limits(rows, best)
@@ -365,11 +363,11 @@ def generate_rows(run, model, tokenizer, gen_contexts: list[str], quick: bool, r
     return rows
 
 
-def memory_row(path: str, quick: bool) -> dict:
+def memory_row(path: str, quick: bool, host_malloc: str) -> dict:
     """Weights' memory and peak resident memory of one server per loading mode."""
     llms = {"float32": {"model": path}, "bfloat16": {"model": path, "dtype": "bfloat16"},
             "int4": {"model": path, "quantization": {"bits": 4, "quant_type": "nf4"}}}
-    with testkit().LiveRun({"llms": llms, "threads_per_rank": 1, "host_malloc": HOST_MALLOC[0]}) as run:
+    with testkit().LiveRun({"llms": llms, "threads_per_rank": 1, "host_malloc": host_malloc}) as run:
         memory = run.server_memory()
         servers = run.servers()
     by_llm = {servers[r]["llm"]: m for r, m in memory.items()}

@@ -3,6 +3,7 @@ pass's size reuse freed memory instead of being page-faulted in afresh; with ``d
 Each case runs in a fresh interpreter (mallopt changes the process for good)."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -37,11 +38,8 @@ print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 """
 
 
-def _faults(setting: str, env_extra: dict | None = None) -> dict:
-    import os
-
+def _faults(setting: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(env_extra or {})
     out = subprocess.run([sys.executable, "-c", CHILD, setting], capture_output=True, text=True, env=env,
                          check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])

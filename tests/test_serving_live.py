@@ -7,6 +7,7 @@ per-token log-probs, give generate's log-probs exactly (where the text, re-token
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -162,6 +163,14 @@ def test_tensor_parallel_shards_the_weights(llama_layouts):
     replicated = [r for r, s in servers.items() if s["llm"] == "replicated"]
     assert [servers[r]["tp_rank"] for r in sharded] == [0, 1]
     assert memory[sharded[0]]["parameter_bytes"] < memory[replicated[0]]["parameter_bytes"]
+
+
+def test_every_rank_reports_its_host_allocator(llama_layouts):
+    """The config's default ``host_malloc: reuse`` reached every server rank's start-up (run_server), on glibc."""
+    memory = llama_layouts.server_memory()
+    expected = ("host allocator: blocks up to 32 MB reuse freed memory (host_malloc: reuse)"
+                if platform.libc_ver()[0] == "glibc" else "host allocator left as it is: the C library is not glibc")
+    assert memory and all(m["host_allocator"] == expected for m in memory.values())
 
 
 def test_zero3_gathers_the_weights_once_per_call_and_partitions_them_again(llama_layouts, reference_models):

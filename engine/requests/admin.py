@@ -1,5 +1,6 @@
 """Small request kinds that need no model: ``setup`` (build every rank's engine with the script's plugins),
-``ping`` (a minimal round trip) and ``stats`` (memory per rank, and how many requests of each kind it received).
+``ping`` (a minimal round trip) and ``stats`` (memory per rank, what its host allocator was told, and how many
+requests of each kind it received).
 
 ``setup`` is sent once, by the Caller's constructor, to every server rank; each LLM's first rank answers with
 the LLM's description. ``ping`` and ``stats`` are served even before setup.
@@ -11,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llmrl.engine.requests.base import Kind, Run, every_rank
+from llmrl.engine.server import host_memory
 
 SETUP, PING, STATS = "setup", "ping", "stats"
 
@@ -52,7 +54,7 @@ def handle_ping(replica, request: PingRequest):
 
 
 def handle_stats(replica, request: StatsRequest):
-    return {**replica.backend.memory(), "requests": dict(replica.handled)}
+    return {**replica.backend.memory(), "host_allocator": host_memory.report(), "requests": dict(replica.handled)}
 
 
 KINDS = (Kind(SETUP, SetupRequest, handle_setup, needs_setup=False),

@@ -30,6 +30,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc refuses a larger one on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 1 << 30
 
+_done: list[str] = []  # what keep_freed_memory did in this process (mallopt's settings are process-wide too)
+
 
 def why_left_alone(setting: str) -> str | None:
     """None when :func:`keep_freed_memory` may tune this process's allocator; else the reason it leaves it."""
@@ -47,11 +49,20 @@ def why_left_alone(setting: str) -> str | None:
 
 
 def keep_freed_memory(setting: str = "reuse") -> str:
-    """Tune glibc's malloc as the module's docstring says; returns what was done, for the rank's log."""
+    """Tune glibc's malloc as the module's docstring says; returns what was done (also kept for :func:`report`)."""
     reason = why_left_alone(setting)
-    if reason is not None:
-        return f"host allocator left as it is: {reason}"
-    libc = ctypes.CDLL(None)
-    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "host allocator left as it is: glibc refused the settings"
-    return f"host allocator: blocks up to {MMAP_THRESHOLD >> 20} MB reuse freed memory (host_malloc: reuse)"
+    if reason is None:
+        libc = ctypes.CDLL(None)
+        if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+            said = f"host allocator: blocks up to {MMAP_THRESHOLD >> 20} MB reuse freed memory (host_malloc: reuse)"
+        else:
+            said = "host allocator: glibc refused the settings"
+    else:
+        said = f"host allocator left as it is: {reason}"
+    _done[:] = [said]
+    return said
+
+
+def report() -> str | None:
+    """What :func:`keep_freed_memory` did in this process (``server_memory`` reports it), or None."""
+    return _done[0] if _done else None
