@@ -50,10 +50,29 @@ def test_reuse_keeps_a_layers_activations_out_of_page_faults():
     plain = _faults("default")
     pages = (16 << 20) // 4096  # the smallest activation, in 4 KB pages
     assert "32 MB" in tuned["said"] and "left as it is" in plain["said"]
-    # Measured: 88,000-400,000 faults under glibc's defaults, 0 under reuse (11,000 in one run in five: the host's
-    # memory reclaim took back pages of the idle heap once).
-    assert plain["faults"] > 16 * pages  # glibc's defaults fault at least one activation in again every round
-    assert tuned["faults"] < 4 * pages  # reused: at most a few activations' pages come back, not one per round
+    # Measured: 54,000-400,000 faults under glibc's defaults; under reuse 0, or 11,000-18,000 when the host's memory
+    # reclaim took back the idle heap's pages once (a bounded, one-off cost, where the defaults pay round after round).
+    # Both depend on the host, so the bounds are loose; the next test checks the mechanism exactly.
+    assert plain["faults"] > 4 * pages
+    assert tuned["faults"] < plain["faults"] / 2
+
+
+def test_reuse_serves_a_layer_sized_tensor_from_the_heap():
+    """The mechanism, without the host's page reclaim in the way: a fresh process's first 20 MB tensor lies in the
+    heap under reuse, and in a mapping of its own under glibc's defaults."""
+    child = """
+import sys, torch
+from llmrl.engine.server.host_memory import keep_freed_memory
+keep_freed_memory(sys.argv[1])
+x = torch.empty(5 << 20)
+with open("/proc/self/maps") as f:
+    heap = [line.split()[0].split("-") for line in f if line.rstrip().endswith("[heap]")]
+print(any(int(a, 16) <= x.data_ptr() < int(b, 16) for a, b in heap))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    where = {setting: subprocess.run([sys.executable, "-c", child, setting], capture_output=True, text=True, env=env,
+                                     check=True, timeout=120).stdout.split()[-1] for setting in ("reuse", "default")}
+    assert where == {"reuse": "True", "default": "False"}
 
 
 def test_the_users_choice_is_left_alone(monkeypatch):
