@@ -163,8 +163,9 @@ def _worst_gap(model, prompts, results, device) -> float:
     return worst
 
 
-def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit) -> dict:
-    """Plain HF, HF with the adapter unmerged, llmrl's loop (first call apart), the limit; ratios to plain HF."""
+def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit, keep: dict | None = None) -> dict:
+    """Plain HF, HF with the adapter unmerged, llmrl's loop (first call apart), the limit; ratios to plain HF.
+    ``keep`` receives the loop's decoder (its compiled steps), for a later profile."""
     row: dict = {}
     timed(lambda: hf_generate(model, prompts, kwargs, device, adapter=False), device)  # warm-up
     plain = row["plain HF generate, no adapter"] = timed(
@@ -176,11 +177,35 @@ def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit) -> dic
     row["llmrl loop"] = min(timed(lambda: llmrl_generate(model, tokenizer, prompts, kwargs, device, settings,
                                                          decoder), device)[1] for _ in range(2))
     row["llmrl decoder stats"] = decoder.stats()
+    if keep is not None:
+        keep["decoder"] = decoder
     row["bandwidth limit"] = limit
     for key in list(row):
         if isinstance(row[key], float):
             row[key.split(" (")[0] + " / plain"] = row[key] / plain
     return row
+
+
+def profile_loop(model, tokenizer, prompts, kwargs, device, settings, decoder=None) -> dict:
+    """One warm call of llmrl's loop under torch's profiler: the operations that take the most device time and the
+    most host time, as text tables (without a ``decoder`` that has run this shape, a first call compiles,
+    unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if decoder is None:
+        _, decoder = llmrl_generate(model, tokenizer, prompts, kwargs, device, settings)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        llmrl_generate(model, tokenizer, prompts, kwargs, device, settings, decoder)
+        sync(device)
+    out = {"seconds under the profiler": time.perf_counter() - start}
+    events = prof.key_averages()
+    sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.startswith("cuda") else [])
+    for key in sorts:
+        out[key] = events.table(sort_by=key, row_limit=30, max_name_column_width=60).splitlines()
+    return out
 
 
 def hf_static_row(model, prompts, kwargs, device, ours: float) -> dict:
@@ -204,6 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf-compile", action="store_true")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--settings", default="{}", help="llms.<name>.generation for llmrl's loop, as JSON")
+    parser.add_argument("--profile", action="store_true", help="also profile one warm call of llmrl's loop")
     parser.add_argument("--out", default="decoding.json")
     parser.add_argument("--exactness", default=None,
                         help='only exactness rows, as JSON [[dtype, settings], ...], e.g. [["float32", {}]]')
@@ -247,8 +273,12 @@ def main(argv=None) -> int:
                   "num_return_sequences": args.samples}
         rows = args.prompts * args.samples
         limit = bandwidth_limit(model, rows, args.prompt_tokens, new, rate)
+        keep: dict = {}
         row = stage(f"{rows} x {new} tokens", functools.partial(
-            paths_row, model, tokenizer, prompts, kwargs, device, settings, limit))
+            paths_row, model, tokenizer, prompts, kwargs, device, settings, limit, keep))
+        if args.profile:
+            stage(f"{rows} x {new} tokens, llmrl loop profiled", functools.partial(
+                profile_loop, model, tokenizer, prompts, kwargs, device, settings, keep.get("decoder")))
         if not args.skip_hf_compile:
             stage(f"{rows} x {new} tokens, HF static cache + compile, no adapter", functools.partial(
                 hf_static_row, model, prompts, kwargs, device, row.get("llmrl loop", float("nan"))))

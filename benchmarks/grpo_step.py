@@ -97,8 +97,20 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
             extra = {} if before else {"old_logprobs": [[s["logprobs"] for s in group] for group in groups]}
             stats = run.update(prompts, continuations, rewards=per, **extra, timeout=3600)[0]
             times.append(time.perf_counter() - start)
-        decoding = run.server_memory()[1].get("decoding")
-    return {"seconds": times, "update stats": stats, "decoding": decoding}
+        memory = run.server_memory()[1]
+    return {"seconds": times, "update stats": stats, "decoding": memory.get("decoding"),
+            **peak_mib(memory.get("cuda_peak"))}
+
+
+def peak_mib(peak_bytes) -> dict:
+    """The path's peak CUDA memory (allocated by torch), where it ran on a GPU."""
+    return {} if peak_bytes is None else {"peak CUDA MiB": round(peak_bytes / 2**20)}
+
+
+def cuda_peak():
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
 def child(path: str, model: str, tokenizer: str, args, new_tokens: int) -> dict:
@@ -154,7 +166,7 @@ def plain_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> 
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return {"seconds": times}
+    return {"seconds": times, **peak_mib(cuda_peak())}
 
 
 def trl_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> dict:
@@ -208,7 +220,8 @@ def trl_steps(model_path: str, tokenizer_path: str, args, new_tokens: int) -> di
         trainer.train()
     logged = trainer.state.log_history[-2] if len(trainer.state.log_history) > 1 else {}
     prompt_lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
-    return {"seconds": clock.times, "prompt tokens (TRL tokenises the prompts' text)": prompt_lengths,
+    return {"seconds": clock.times, **peak_mib(cuda_peak()),
+            "prompt tokens (TRL tokenises the prompts' text)": prompt_lengths,
             "TRL's last log": {k: v for k, v in logged.items() if "length" in k or k in ("loss", "reward")}}
 
 
@@ -234,10 +247,14 @@ def main(argv=None) -> int:
                         help='llms.<name>.generation for "llmrl now", as JSON, e.g. \'{"sampler": "inverse_cdf"}\'')
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the tests' tiny Llama's)")
+    parser.add_argument("--profile", default=None, help="a folder: the server profiles its second generate and update "
+                        "there (LLMRL_PROFILE)")
     parser.add_argument("--out", default="grpo-step.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.profile:
+        os.environ["LLMRL_PROFILE"] = args.profile
     if args.child:
         new = int(args.new_tokens)
         result = plain_steps(args.child_model, args.tokenizer, args, new) if args.child == "plain" else \

@@ -4,6 +4,8 @@ run.
 
     .venv/bin/python -m benchmarks.zero3_serving                  # SmolLM2-135M-Instruct with LoRA, 1 rank each
     .venv/bin/python -m benchmarks.zero3_serving --model tiny     # the tiny random model (a smoke run)
+    python -m benchmarks.zero3_serving --shape smollm2-1.7b --devices 0 --dtype bfloat16 --tokenizer TOKENIZER_DIR
+                                                                  # a random model of that shape on a GPU
 
 Three LLMs of one run load the same weights with the same LoRA adapter: ``zero2``, ``zero3`` (gathered once per
 call, the default) and ``zero3-per-layer``. Each repetition times, on each LLM in turn, ``score`` of 24 contexts
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 from benchmarks.kit import ROOT, load_module, testkit
@@ -26,9 +29,23 @@ NAMES = ["zero2", "zero3", "zero3-per-layer"]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct", help="a model, or 'tiny'")
+    parser.add_argument("--shape", default=None, help="a random model of this shape (benchmarks.memory.SHAPES)")
+    parser.add_argument("--devices", default="cpu", help="cpu, or the GPU id every LLM uses")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder, for --shape")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--names", default=",".join(NAMES), help="the LLMs to time, of " + ", ".join(NAMES))
     args = parser.parse_args()
     kit = testkit()
+    with tempfile.TemporaryDirectory(prefix="llmrl-zero3-") as work:
+        if args.shape:
+            from benchmarks.grpo_step import random_model
+
+            args.model = random_model(work, args.shape, args.devices, args.dtype)
+        run_benchmark(args, kit)
+
+
+def run_benchmark(args, kit) -> None:
     model = kit.tiny_model("llama") if args.model == "tiny" else args.model
     lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 8, "last_layers": 8 if args.model != "tiny"
                                                                 else 1}}}}
@@ -36,19 +53,24 @@ def main() -> None:
         training = {"zero_stage": stage, "optimizer": {"type": "adam", "lr": 1e-4}}
         if gather_mb is not None:
             training["zero3_gather_mb"] = gather_mb
-        return {"model": model, "initializers": [lora], "trainable": True, "training": training}
+        where = {"dtype": args.dtype, "devices": "cpu" if args.devices == "cpu" else [int(args.devices)]}
+        if args.tokenizer:
+            where["tokenizer"] = args.tokenizer
+        return {"model": model, "initializers": [lora], "trainable": True, "training": training, **where}
 
-    llms = {"zero2": llm(2), "zero3": llm(3), "zero3-per-layer": llm(3, 0)}
+    names = args.names.split(",")
+    llms = {name: spec for name, spec in {"zero2": llm(2), "zero3": llm(3), "zero3-per-layer": llm(3, 0)}.items()
+            if name in names}
     demo = load_module("rlhf_sentiment", ROOT / "examples" / "rlhf_sentiment.py")
     train, held_out = demo.build_prompts()
     contexts = train[:24]
     candidates = [[" was great", " was terrible", " happened", " is over"]] * len(contexts)
     prompts = held_out[:8]
-    times = {(name, call): [] for name in NAMES for call in ("score", "generate")}
+    times = {(name, call): [] for name in names for call in ("score", "generate")}
     results = {}
     with kit.LiveRun({"llms": llms, "threads_per_rank": 2}) as run:
         for _ in range(args.repeats):
-            for name in NAMES:
+            for name in names:
                 start = time.perf_counter()
                 scores = run.score(contexts, candidates, llm=name)
                 times[(name, "score")].append(time.perf_counter() - start)
@@ -57,15 +79,15 @@ def main() -> None:
                 times[(name, "generate")].append(time.perf_counter() - start)
                 results[name] = (scores, samples)
         gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in run.server_memory().items()
-                              if run.servers()[r]["llm"] == name) for name in NAMES}
+                              if run.servers()[r]["llm"] == name) for name in names}
     base_scores, base_samples = results["zero2"]
-    print(f"{args.model}, 1 rank per LLM, median of {args.repeats}:")
+    print(f"{args.shape or args.model}, {args.dtype} on {args.devices}, 1 rank per LLM, median of {args.repeats}:")
     for call in ("score", "generate"):
         base = statistics.median(times[("zero2", call)])
-        for name in NAMES:
+        for name in names:
             t = statistics.median(times[(name, call)])
             print(f"  {call:8s} {name:16s} {t:7.3f} s   {t / base:6.2f}x ZeRO-2's")
-    for name in NAMES[1:]:
+    for name in names[1:]:
         scores, samples = results[name]
         score_diff = max(float((a - b).abs().max()) for a, b in zip(scores, base_scores))
         same_tokens = all(a[0]["tokens"].tolist() == b[0]["tokens"].tolist() for a, b in zip(samples, base_samples))

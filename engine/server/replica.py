@@ -33,6 +33,7 @@ class Replica:
         self.llm = config.llms[role.llm]
         self.role = role
         self.group = group
+        self.device = device
         self.backend = create_backend(config, role, device, group)
         self.load_error: BaseException | None = None
         self.load_traceback = ""

@@ -34,6 +34,7 @@ from llmrl.engine.log import configure, logger
 from llmrl.engine.processes import exit_with_parent, leave
 from llmrl.engine.requests import KINDS
 from llmrl.engine.server.host_memory import keep_freed_memory
+from llmrl.engine.server.request_profile import profiled
 from llmrl.engine.transport import frames, messages, rendezvous
 from llmrl.engine.transport.secret import server_secret
 
@@ -207,7 +208,9 @@ class Server:
         self.replica.handled[request.kind] += 1
         if kind.needs_setup and not self.replica.ready:
             raise RuntimeError("the server is not set up: create the Caller first")
-        return kind.handle(self.replica, request.payload)
+        with profiled(request.kind, self.replica.handled[request.kind], self.role.global_rank,
+                      self.replica.device.type):
+            return kind.handle(self.replica, request.payload)
 
     def close(self) -> None:
         """Hang up on the client. The process groups are left to the exit: tearing them down rank by rank

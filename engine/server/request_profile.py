@@ -1,0 +1,45 @@
+"""Optional profiling of a server rank's requests, for developers: ``LLMRL_PROFILE=DIR`` in the server's environment.
+
+With the variable set, each server rank runs the *second* request of every kind (the first one warms up: it
+compiles, allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes two
+tables of the operations that took the most time to ``DIR/rank{R}-{kind}.txt``. Without the variable nothing is
+imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+PROFILED_CALL = 2  # the second request of each kind
+
+
+@contextlib.contextmanager
+def profiled(kind: str, count: int, rank: int, device_type: str):
+    """Runs the body under torch's profiler when ``LLMRL_PROFILE`` names a folder and this is the ``count``-th
+    request of ``kind`` that is profiled (see the module's docstring); else runs it as is."""
+    folder = os.environ.get("LLMRL_PROFILE")
+    if not folder or count != PROFILED_CALL:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    events = prof.key_averages()
+    sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else [])
+    tables = [f"{kind} request {count} on rank {rank}: {seconds:.3f} s under the profiler"]
+    tables += [f"sorted by {key}:\n" + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+               for key in sorts]
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rank{rank}-{kind}.txt").write_text("\n\n".join(tables) + "\n")
