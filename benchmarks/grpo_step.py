@@ -119,10 +119,11 @@ def child(path: str, model: str, tokenizer: str, args, new_tokens: int) -> dict:
                "--tokenizer", tokenizer, "--new-tokens", str(new_tokens),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("prompts", "samples", "prompt_tokens", "steps", "devices", "dtype", "threads")]]
-    done = subprocess.run(command, capture_output=True, text=True,
+    # its standard error goes to ours (progress, and the traceback of a failure); its result is its last line
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True,
                           env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     if done.returncode:
-        return {"error": done.stderr[-3000:]}
+        return {"error": f"the {path} child exited with {done.returncode}: see the standard error above"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -26,6 +26,7 @@ from llmrl.engine.model.scoring.prefixes import cached_starts, encode_common, in
 from llmrl.engine.model.scoring.results import (
     BatchPass,
     BatchResult,
+    KeptPositions,
     Pick,
     batch_result,
     prefix_outputs,
@@ -66,12 +67,9 @@ def run_causal(model, plan, batch, needs, pad_id, device, keep_logits, prefix_ca
             cand = ctxs[a].candidates[j]
             scored += scored_tokens(cand, r, 0, offsets[a] + j)
             state.counts[offsets[a] + j] += scored_in_call(cand)
-        kept = sorted({(s.row, s.column) for s in scored})
-        flat = {rc: i for i, rc in enumerate(kept)}  # boolean selection is row-major
-        keep = torch.zeros((len(chunk), width), dtype=torch.bool)
-        for r, t in kept:
-            keep[r, t] = True
-        keep = keep.to(device)
+        flat = KeptPositions(torch.zeros((len(chunk), width), dtype=torch.bool), [s.row for s in scored],
+                             [s.column for s in scored])
+        keep = flat.mask.to(device)
         kwargs = {"input_ids": ids, "position_ids": position, "output_hidden_states": needs.hidden}
         if cache is not None:
             kwargs["cache"] = select_rows(cache, row_ctx)

@@ -39,6 +39,7 @@ from llmrl.engine.model.scoring.planning import COMPLETION, context_offsets, row
 from llmrl.engine.model.scoring.prefixes import cached_starts, encode_common, insert_row
 from llmrl.engine.model.scoring.results import (
     BatchPass,
+    KeptPositions,
     Pick,
     Scored,
     batch_result,
@@ -285,9 +286,7 @@ def _packed_call(call, model, packing: _Packing, scored: list[Scored], shared_pa
             s, e = place.segments[k]
             ids[place.row, s:e] = torch.tensor(inputs)
             position[place.row, s:e] = torch.arange(len(c.prefix), len(c.prefix) + len(inputs))
-    for token in scored:
-        keep[token.row, token.column] = True
-    flat = {tuple(rc): i for i, rc in enumerate(keep.nonzero().tolist())}  # boolean selection is row-major
+    flat = KeptPositions(keep, [token.row for token in scored], [token.column for token in scored])
     allowed = _mask(layout).to(device)
     if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager adds the mask to the scores
         allowed = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(

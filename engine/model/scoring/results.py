@@ -113,6 +113,25 @@ class Scored(NamedTuple):
     position: int  # its place among the candidate's scored tokens
 
 
+class KeptPositions:
+    """The positions of a model call whose outputs are kept: ``mask`` (``[rows, width]`` boolean, on the CPU) and,
+    for a kept ``(row, column)``, its place among the kept rows (boolean selection is row-major):
+    ``kept[row, column]`` for one, :meth:`places_of` for many at once (no per-token Python indexing)."""
+
+    def __init__(self, mask: torch.Tensor, rows: list[int] | None = None, columns: list[int] | None = None):
+        if rows:
+            mask[torch.tensor(rows), torch.tensor(columns)] = True
+        self.mask = mask
+        self.place = torch.full(mask.shape, -1, dtype=torch.long)
+        self.place[mask] = torch.arange(int(mask.sum()))
+
+    def __getitem__(self, row_column: tuple[int, int]) -> int:
+        return int(self.place[row_column])
+
+    def places_of(self, scored: list[Scored]) -> torch.Tensor:
+        return self.place[torch.tensor([s.row for s in scored]), torch.tensor([s.column for s in scored])]
+
+
 def scored_tokens(cand, row: int, first_column: int, candidate: int) -> list[Scored]:
     """The tokens candidate ``cand`` (:class:`~llmrl.engine.model.scoring.tokenization.CandidateTokens`) scores in a
     call whose row ``row`` holds its inputs from column ``first_column``: input ``t`` predicts ``rest[t + 1]``, token
@@ -127,14 +146,14 @@ def scored_in_call(cand) -> int:
     return len(cand.rest) - max(cand.first_scored, 1)
 
 
-def score_positions(sink: TokenSink, logits: torch.Tensor, flat: dict, scored: list[Scored], hidden_states,
+def score_positions(sink: TokenSink, logits: torch.Tensor, kept: KeptPositions, scored: list[Scored], hidden_states,
                     device) -> None:
-    """Add ``scored`` to ``sink``: their log-probs from ``logits`` (the call's kept rows; ``flat[row, column]`` is the
-    kept row of a position) and, with ``Needs.token_hidden``, the hidden states at their positions."""
+    """Add ``scored`` to ``sink``: their log-probs from ``logits`` (the call's kept rows, placed by ``kept``) and,
+    with ``Needs.token_hidden``, the hidden states at their positions."""
     if not scored:
         return
     needs = sink.needs
-    index = torch.tensor([flat[s.row, s.column] for s in scored], device=device)
+    index = kept.places_of(scored).to(device)
     targets = torch.tensor([s.target for s in scored], device=device)
     logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
     hidden = None
