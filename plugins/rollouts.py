@@ -167,19 +167,19 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
     """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
     log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
     ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
-    would give nothing (old log-probs given, no value head, a reference pass to count the tokens); with
-    ``count_from_ids`` (for a caller that has refused candidates other than token ids, on every replica alike, and
-    checks its training passes' masks) no pass runs when none is needed: each candidate's scored tokens are its
-    ids. With ``reward_rows``, each prompt's ``tensors["task_rewards"]`` holds its per-token task rewards
-    (:func:`reward_rows_of`: numbers on the last token, dense rewards in place). Whether a pass runs depends only
-    on the call's keyword names and the config, never on one replica's share, so every replica makes the same
-    passes. ``policy_pass(trainer, minibatch, heads)``, when given, runs the policy's pass and returns its outputs,
-    ``[n, T]`` log-probs and mask (``nlpo``: the masked policy's log-probs)."""
+    would give nothing (old log-probs given, no value head). When no pass is needed at all, the scored tokens are
+    counted from the tokenisation (:meth:`Trainer.scored_token_counts`); with ``count_from_ids`` (for a caller
+    that has refused candidates other than token ids, on every replica alike, and checks its training passes'
+    masks), from the ids themselves. With ``reward_rows``, each prompt's ``tensors["task_rewards"]`` holds its
+    per-token task rewards (:func:`reward_rows_of`: numbers on the last token, dense rewards in place). Whether a
+    pass runs depends only on the call's keyword names and the config, never on one replica's share, so every
+    replica makes the same passes. ``policy_pass(trainer, minibatch, heads)``, when given, runs the policy's pass
+    and returns its outputs, ``[n, T]`` log-probs and mask (``nlpo``: the masked policy's log-probs)."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
     run_reference = need_reference and not given_ref
-    run_policy = bool(value_head) or not given_old or not run_reference  # the same on every replica
+    run_policy = bool(value_head) or not given_old  # the same on every replica
     position = {index: k for k, index in enumerate(batch.indices)}
     if count_from_ids and given_old and not value_head and not run_reference:
         lengths = torch.tensor([len(x) for c in batch.candidates for x in c], dtype=torch.long)
@@ -191,7 +191,7 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
             rows["task_rewards"] = reward_rows_of(batch.kwargs["rewards"], counts, lengths, batch.indices)
         return split_by_prompt(rows, mask, torch.cat(rewards) if rewards else torch.zeros(0), counts)
     for mb in batch.minibatches(trainer.micro_batch_size):
-        rows = {}
+        rows, out = {}, None
         with torch.no_grad():
             if run_policy and policy_pass is not None:
                 out, logp, mask = policy_pass(trainer, mb, heads)
@@ -207,8 +207,13 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
                 rows["ref_logprobs"] = logp.float().cpu()
                 if not run_policy:
                     out = ref  # counts the tokens
-        counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
-        lengths = mask.sum(1).cpu()
+        if out is None:  # no pass needed: the scored tokens are counted from the tokenisation alone
+            lengths = trainer.scored_token_counts(mb.contexts, mb.candidates)
+            counts = [len(c) for c in mb.candidates]
+            mask = torch.arange(int(lengths.max()) if len(lengths) else 0)[None] < lengths[:, None]
+        else:
+            counts = torch.bincount(out.candidate_context.cpu(), minlength=out.num_contexts).tolist()
+            lengths = mask.sum(1).cpu()
         if given_old:
             rows["old_logprobs"] = token_rows_of(mb.kwargs["old_logprobs"], counts, lengths, mb.indices,
                                                  "old_logprobs")

@@ -52,6 +52,13 @@ class Trainer:
         """
         raise NotImplementedError
 
+    def scored_token_counts(self, contexts: list, candidates: list[list], add_eos: bool = False) -> torch.Tensor:
+        """Each candidate's number of scored tokens (long, CPU, in candidate order), as
+        ``forward(contexts, candidates, per_token=True, add_eos=add_eos)`` counts them, from the tokenisation
+        alone: no model call. For per-token inputs the client gives (old log-probs) when no pass is otherwise
+        needed. Every replica may call it or not independently (it is no collective)."""
+        raise NotImplementedError
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-step's ``loss`` (a scalar; reduce per-sample losses with ``batch.mean``, which
         weights every sample of the optimizer step equally)."""

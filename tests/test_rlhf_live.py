@@ -44,6 +44,9 @@ def run(tiny):
                 "updater": {"plugin": "ppo_tokens", "args": PPO_ARGS}, "training": sgd(2)},
         "grpo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                  "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3)},
+        # no KL term: given old log-probs, the update runs no gradient-free pass (it counts tokens from the ids)
+        "grpo-nokl": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                      "updater": {"plugin": "grpo", "args": {**GRPO_ARGS, "kl_coef": 0.0}}, "training": sgd(2)},
         "rm": {"model": tiny["llama"], "heads": {"reward": "reward"}, "updater": "pairwise_reward",
                "training": sgd(0, micro=8)},
     }
@@ -73,14 +76,15 @@ def reference_ppo_tokens(tiny, before: dict, conts, rewards, old, beta: float) -
     return ppo_tokens_step(tiny, before, PROMPTS, conts, last, old, beta, PPO_ARGS, LR)
 
 
-def reference_grpo(tiny, before: dict, conts, rewards, old) -> dict:
-    """One grpo update (GRPO_ARGS: token normalisation, KL estimator to the base model) as plain PyTorch."""
+def reference_grpo(tiny, before: dict, conts, rewards, old, beta: float = GRPO_ARGS["kl_coef"]) -> dict:
+    """One grpo update (GRPO_ARGS: token normalisation, KL estimator to the base model, weighed by ``beta``) as
+    plain PyTorch."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
     peft = peft_model(tiny, before)
     params = trainable({f"model.{k}": p for k, p in peft.named_parameters()})
-    eps, beta = GRPO_ARGS["clip_eps"], GRPO_ARGS["kl_coef"]
+    eps = GRPO_ARGS["clip_eps"]
     losses = []
     for i, prompt in enumerate(PROMPTS):
         r = torch.tensor(rewards[i])
@@ -130,18 +134,23 @@ def test_ppo_tokens_update_equals_a_plain_sgd_step_and_adapts_its_kl_coefficient
     check_step(run.state_dict(llm="ppo"), expected, before)
 
 
-def test_grpo_update_equals_a_plain_sgd_step(run, tiny):
+@pytest.mark.parametrize("llm", ["grpo", "grpo-nokl"])
+def test_grpo_update_equals_a_plain_sgd_step(run, tiny, llm):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
     rewards = [[1.0, 0.0, 0.5], [0.2, 0.8, 0.8], [-1.0, 0.3, 2.0], [0.0, 2.0, 1.0], [0.5, -0.7, 0.1]]
-    run.update(PROMPTS, continuations(tok, 3, offset=2), llm="grpo", rewards=rewards)  # away from the base model
+    run.update(PROMPTS, continuations(tok, 3, offset=2), llm=llm, rewards=rewards)  # away from the base model
     conts = continuations(tok, 3, offset=0)
-    old = old_logprobs(run, "grpo", conts)
-    before = run.state_dict(llm="grpo")
-    stats = run.update(PROMPTS, conts, llm="grpo", rewards=rewards, old_logprobs=old)
-    assert [s["samples"] for s in stats] == [3, 2] and all(s["kl_penalty"] > 0 for s in stats)
-    check_step(run.state_dict(llm="grpo"), reference_grpo(tiny, before, conts, rewards, old), before)
+    old = old_logprobs(run, llm, conts)
+    before = run.state_dict(llm=llm)
+    stats = run.update(PROMPTS, conts, llm=llm, rewards=rewards, old_logprobs=old)
+    assert [s["samples"] for s in stats] == [3, 2]
+    assert all(s["kl_penalty"] > 0 for s in stats) if llm == "grpo" else all(s["kl_penalty"] == 0 for s in stats)
+    if llm == "grpo-nokl":  # one pass with gradients per minibatch, and no gradient-free pass before them
+        assert all(s["passes_with_gradients"] == 1 for s in stats)
+    expected = reference_grpo(tiny, before, conts, rewards, old, GRPO_ARGS["kl_coef"] if llm == "grpo" else 0.0)
+    check_step(run.state_dict(llm=llm), expected, before)
 
 
 def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):

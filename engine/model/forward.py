@@ -111,6 +111,15 @@ def packs(served: ServedModel) -> bool:
     return served.llm.type == "causal" and attention in PACKABLE_ATTENTION
 
 
+def scored_token_counts(served: ServedModel, contexts, candidates, add_eos: bool = False) -> torch.Tensor:
+    """Each candidate's number of scored tokens, as a forward pass with ``per_token`` counts them, from the
+    tokenisation alone: no model call and no collective (long, CPU)."""
+    if not contexts:
+        return torch.zeros(0, dtype=torch.long)
+    plan = plan_forward(served, contexts, candidates, per_token=True, add_eos=add_eos).plan
+    return torch.tensor(plan.scored_counts(), dtype=torch.long)
+
+
 def plan_and_agree(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
             minibatch_size: int | None = None, *, must_agree: bool, position: tuple[int, ...] = (),
             **options) -> tuple[ForwardPlan, int]:

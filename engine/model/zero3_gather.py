@@ -78,3 +78,13 @@ def _plain_linear():
         yield
     finally:
         torch.nn.functional.linear = patched
+
+
+def clear_zero3_gradients(engine) -> None:
+    """Zero ZeRO-3's gradient partitions after an optimizer step. DeepSpeed copies a weight's gradient into its
+    partition at the first backward of a step and adds later ones to it: a weight that first gets a gradient in a
+    later backward (adapter b trained in the second micro-step, a head used only there) would add it to what the
+    previous step left, and train on that silently. Zeroed, every gradient adds up from zero."""
+    buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None:
+        buffer.zero_()

@@ -52,6 +52,11 @@ class TokenPlan:
     kind: str  # "causal" or "seq2seq"
     contexts: list[ContextTokens]
 
+    def scored_counts(self) -> list[int]:
+        """Each candidate's number of scored tokens (its own tokens, ``rest[first_scored:]``), in order: what a
+        forward pass of this plan counts (``candidate_token_counts``), known before any model call."""
+        return [max(len(c.rest) - c.first_scored, 0) for ctx in self.contexts for c in ctx.candidates]
+
 
 def common_prefix_length(*seqs: list[int]) -> int:
     """Length of the prefix shared by every sequence (0 for fewer than two)."""

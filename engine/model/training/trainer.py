@@ -46,7 +46,7 @@ from llmrl.engine.model.training.passes import (
     refuse_too_long,
     sub_plan,
 )
-from llmrl.engine.model.zero3_gather import gathered_weights
+from llmrl.engine.model.zero3_gather import clear_zero3_gradients, gathered_weights
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
 from llmrl.plugins.per_sample import slicing_note
@@ -138,6 +138,11 @@ class EngineTrainer(ModelAccess, Trainer):
                 self.trained_adapters.add(peft_adapter or served.active_adapter())
             out = guarded(out, self._check_inside_backward)
         return nothing_of(out) if empty else out
+
+    def scored_token_counts(self, contexts, candidates, add_eos: bool = False) -> torch.Tensor:
+        from llmrl.engine.model.forward import scored_token_counts
+
+        return scored_token_counts(self.served, contexts, candidates, add_eos)
 
     def _throwaway_inputs(self, with_candidates: bool) -> tuple[list[str], list[list[str]] | None]:
         tokenizer = self.served.tokenizer
@@ -332,16 +337,6 @@ class NonFiniteUpdate(FloatingPointError):
 
 class DirectBackward(RuntimeError):
     """``loss.backward()`` was called on the trainer's outputs instead of ``trainer.backward(loss)``."""
-
-
-def clear_zero3_gradients(engine) -> None:
-    """Zero ZeRO-3's gradient partitions after an optimizer step. DeepSpeed copies a weight's gradient into its
-    partition at the first backward of a step and adds later ones to it: a weight that first gets a gradient in a
-    later backward (adapter b trained in the second micro-step, a head used only there) would add it to what the
-    previous step left, and train on that silently. Zeroed, every gradient adds up from zero."""
-    buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
-    if buffer is not None:
-        buffer.zero_()
 
 
 def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -> str:
