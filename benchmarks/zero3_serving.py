@@ -78,8 +78,11 @@ def run_benchmark(args, kit) -> None:
                 samples = run.generate(prompts, llm=name, max_new_tokens=16, do_sample=False)
                 times[(name, "generate")].append(time.perf_counter() - start)
                 results[name] = (scores, samples)
-        gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in run.server_memory().items()
-                              if run.servers()[r]["llm"] == name) for name in names}
+        memory, servers = run.server_memory(), run.servers()
+        gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in memory.items()
+                              if servers[r]["llm"] == name) for name in names}
+        loops = {name: [m.get("decoding", {}).get("calls") for r, m in memory.items() if servers[r]["llm"] == name]
+                 for name in names}
     base_scores, base_samples = results["zero2"]
     print(f"{args.shape or args.model}, {args.dtype} on {args.devices}, 1 rank per LLM, median of {args.repeats}:")
     for call in ("score", "generate"):
@@ -96,6 +99,8 @@ def run_benchmark(args, kit) -> None:
         print(f"  {name}: scores within {score_diff:.1e} of ZeRO-2's, greedy tokens "
               f"{'equal' if same_tokens else 'DIFFERENT'}, log-probs within {logprob_diff:.1e}; "
               f"{gathered[name]} calls gathered the weights")
+    for name in names:
+        print(f"  {name}: generate calls by loop {loops[name]}")
 
 
 if __name__ == "__main__":

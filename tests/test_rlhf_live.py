@@ -43,7 +43,8 @@ def run(tiny):
                 "heads": {"value": {"plugin": "token_value", "args": {"hidden": 16}}},
                 "updater": {"plugin": "ppo_tokens", "args": PPO_ARGS}, "training": sgd(2)},
         "grpo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
-                 "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3)},
+                 "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3),
+                 "generation": {"merge_adapter": True}},  # ZeRO-3: merged on the weights gathered for the call
         # no KL term: given old log-probs, the update runs no gradient-free pass (it counts tokens from the ids)
         "grpo-nokl": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                       "updater": {"plugin": "grpo", "args": {**GRPO_ARGS, "kl_coef": 0.0}}, "training": sgd(2)},
@@ -151,6 +152,31 @@ def test_grpo_update_equals_a_plain_sgd_step(run, tiny, llm):
         assert all(s["passes_with_gradients"] == 1 for s in stats)
     expected = reference_grpo(tiny, before, conts, rewards, old, GRPO_ARGS["kl_coef"] if llm == "grpo" else 0.0)
     check_step(run.state_dict(llm=llm), expected, before)
+
+
+def test_zero3_samples_from_its_gathered_weights_with_the_adapter_merged(run, tiny):
+    """Under ZeRO-3 (2 replicas), generate runs llmrl's loop on the weights gathered for the call, the trained
+    adapter merged into a copy freed after the call: its log-probs are score's, and no weight changes."""
+    from transformers import AutoTokenizer
+
+    from testkit.serving import assert_scored_back
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    rewards = [[1.0, 0.0, 0.5], [0.2, 0.8, 0.8], [-1.0, 0.3, 2.0], [0.0, 2.0, 1.0], [0.5, -0.7, 0.1]]
+    run.update(PROMPTS, continuations(tok, 3, offset=1), llm="grpo", rewards=rewards)  # a trained adapter
+    ranks = [r for r, s in run.servers().items() if s["llm"] == "grpo"]
+    before, weights = run.server_memory(), run.state_dict(llm="grpo")
+    for sampled in (False, True):
+        results = run.generate(PROMPTS, llm="grpo", max_new_tokens=6, do_sample=sampled,
+                               num_return_sequences=2 if sampled else 1, seed=5)
+        assert_scored_back(run, "grpo", PROMPTS, results)
+    after = run.server_memory()
+    for r in ranks:
+        was, now = before[r].get("decoding") or {"calls": {}, "merges": 0}, after[r]["decoding"]
+        assert now["calls"].get("llmrl", 0) - was["calls"].get("llmrl", 0) >= 2, now
+        assert now["merges"] - was["merges"] >= 2 and now["merged_weights_mb"] == 0.0, now
+        assert now["compiled_shapes"] == [] and now["static_cache_mb"] == 0.0
+    assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo").items())
 
 
 def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):

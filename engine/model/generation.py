@@ -111,7 +111,8 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
 
 
 def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
-             extra_batches: int = 0, prefix_cache=None, decoder=None) -> list[list[dict]]:
+             extra_batches: int = 0, prefix_cache=None, decoder=None, whole_weights: bool = False
+             ) -> list[list[dict]]:
     """Per prompt, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
 
     ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
@@ -120,13 +121,18 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     sampling read held prompt prefixes from it and hold what they encoded and generated
     (:mod:`llmrl.engine.model.reuse.generation_prefix`); not under lockstep. ``decoder`` (a
     :class:`~llmrl.engine.model.decoding.runtime.Decoder`) runs the batches in llmrl's own loop where it takes the
-    request; otherwise Hugging Face's ``generate`` runs them.
+    request; otherwise Hugging Face's ``generate`` runs them. ``whole_weights``: ZeRO-3's weights are gathered for
+    the call (:func:`~llmrl.engine.model.zero3_gather.gathered_weights`), so the model runs as a plain module: no
+    layer gathers anything, replicas need no lockstep (nor throw-away batches), and llmrl's loop takes the request.
     """
     use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced else None
+    if whole_weights:
+        synced, extra_batches = False, 0
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
     stepwise = _reads_logprobs_stepwise(model, kwargs)
-    loop = decoder if decoder is not None and decoder.takes(kind, kwargs, stepwise, synced, _partitioned(model)) \
+    loop = decoder if decoder is not None and decoder.takes(kind, kwargs, stepwise, synced,
+                                                                      _partitioned(model) and not whole_weights) \
         else None
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:

@@ -213,8 +213,9 @@ class HFBackend(ModelBackend):
             extra = most - count
         if error is not None:
             raise error
-        with torch.no_grad(), served.adapter(adapter), gathered_weights(served.engine, llm.training.zero3_gather_mb):
-            if llm.lockstep:
+        with torch.no_grad(), served.adapter(adapter), \
+                gathered_weights(served.engine, llm.training.zero3_gather_mb) as whole:
+            if llm.lockstep and not whole:
                 forget_zero3_trace(served.engine)
             use = None
             if self.prefix_cache is not None and steering is None:  # a steered step reads the whole prompt
@@ -223,7 +224,8 @@ class HFBackend(ModelBackend):
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
             try:
                 return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                                seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder())
+                                seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder(),
+                                whole_weights=whole)
             finally:
                 if steering is not None:
                     steering.close()
@@ -238,7 +240,8 @@ class HFBackend(ModelBackend):
         if getattr(self, "_decoder", None) is None:
             from llmrl.engine.model.decoding.runtime import Decoder
 
-            self._decoder = Decoder(self.llm.generation, torch.device(self.device).type)
+            self._decoder = Decoder(self.llm.generation, torch.device(self.device).type,
+                                    zero3=self.llm.training.zero_stage == 3)
         return self._decoder
 
     def update(self, batch):

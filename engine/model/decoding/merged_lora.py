@@ -13,8 +13,9 @@ base weight that is another tensor. In float32 the merged weights give log-probs
 in bfloat16 each merged weight is rounded once to bfloat16, so log-probs differ from ``score``'s by bfloat16's
 rounding (measured figures: README, Generation).
 
-Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, quantized or ZeRO-3-partitioned base
-weights, LoRA on embeddings or convolutions, and several adapters active at once. This module does not decode.
+Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, quantized base weights, ZeRO-3's
+outside a call that gathered them, LoRA on embeddings or convolutions, and several adapters active at once. This
+module does not decode.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def lora_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
-def why_not_mergeable(layers: list, adapter: str) -> str | None:
-    """None when every layer holding ``adapter`` can be merged; else the reason."""
+def why_not_mergeable(layers: list, adapter: str, gathered: bool = False) -> str | None:
+    """None when every layer holding ``adapter`` can be merged; else the reason. ``gathered``: ZeRO-3's weights are
+    whole for this call (the caller releases the merged copy after it)."""
     from peft.tuners.lora import Linear
 
     for layer in layers:
@@ -45,7 +47,7 @@ def why_not_mergeable(layers: list, adapter: str) -> str | None:
         if adapter in getattr(layer, "lora_variant", {}):
             return "a LoRA variant (DoRA or another) that merges differently"
         weight = layer.get_base_layer().weight
-        if not weight.is_floating_point() or hasattr(weight, "ds_id"):
+        if not weight.is_floating_point() or (hasattr(weight, "ds_id") and not gathered):
             return "base weights that are quantized or partitioned by ZeRO-3"
     return None
 

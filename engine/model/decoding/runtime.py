@@ -5,6 +5,9 @@
 and the :class:`~.static_step.StaticDecoder` between calls, and counts which loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work.
+Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
+decodes without a static cache or a captured step, and merges the adapter for the call alone (the merged copy,
+the size of the adapted weights, is not kept between calls).
 
 This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
 """
@@ -25,14 +28,14 @@ def _on(value, on_cuda: bool) -> bool:
 class Decoder:
     """The decoding loop of one served LLM (see the module's docstring)."""
 
-    def __init__(self, settings, device_type: str):
+    def __init__(self, settings, device_type: str, zero3: bool = False):
         from llmrl.engine.model.decoding.static_step import StaticDecoder
 
-        self.settings = settings
+        self.settings, self.zero3 = settings, zero3
         cuda = device_type == "cuda"
-        self.compiled = _on(settings.compile, cuda)
+        self.compiled = _on(settings.compile, cuda) and not zero3
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
-        static = self.compiled or _on(settings.static_cache, cuda)
+        static = self.compiled or (_on(settings.static_cache, cuda) and not zero3)
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
 
@@ -72,11 +75,15 @@ class Decoder:
         adapter = getattr(model, "active_adapter", None) if hasattr(model, "get_base_model") else None
         if self.merged is not None and isinstance(adapter, str):
             layers = lora_layers(inner)
-            if layers and why_not_mergeable(layers, adapter) is None:
+            if layers and why_not_mergeable(layers, adapter, gathered=self.zero3) is None:
                 merging = self.merged.swapped_in(layers, adapter)
-        with merging:
-            return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                          self.settings.sampler, past, keep_cache)
+        try:
+            with merging:
+                return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
+                              self.settings.sampler, past, keep_cache)
+        finally:
+            if self.zero3 and self.merged is not None:  # the gathered weights are freed after the call
+                self.merged.release()
 
     def stats(self) -> dict:
         """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes, and the memory
