@@ -104,6 +104,38 @@ def test_stops_and_eos_end_sequences_as_in_hugging_face(reference_models):
     assert stopped[0][0]["stop"] == tokens[4:6]
 
 
+def test_checking_for_ended_rows_every_few_steps_changes_no_sample(reference_models, monkeypatch):
+    """On CUDA the loop reads back whether every row ended only every few steps; the steps it then runs past the
+    last EOS are cut with the rows. Forced on here, the samples are those of a check at every step, and the loop
+    did run past the end."""
+    from llmrl.engine.model.decoding import loop
+
+    model, tok = reference_models["llama"]
+    # a third of the vocabulary ends a sequence: every row ends within a few steps, at different steps
+    kwargs = {"max_new_tokens": 40, "do_sample": True, "num_return_sequences": 3,
+              "eos_token_id": list(range(3, model.config.vocab_size // 3))}
+    widths = []
+    original = loop.decode
+
+    def recorded(*args, **kw):
+        out = original(*args, **kw)
+        widths.append(out.tokens.shape[1])
+        return out
+
+    monkeypatch.setattr(loop, "decode", recorded)
+    every_step, _ = run(model, tok, kwargs, {}, seed=2)
+    every = widths[0] + 1  # the first check after every row ended comes one step late
+    monkeypatch.setattr(loop, "finish_interval", lambda device, recorder, keep_cache: every)
+    every_five, _ = run(model, tok, kwargs, {}, seed=2)
+    assert same_samples(every_five, every_step)
+    for a, b in zip(every_step, every_five):
+        for x, y in zip(a, b):
+            assert torch.equal(x["logprobs"], y["logprobs"]) and torch.equal(x["sampling_logprobs"],
+                                                                           y["sampling_logprobs"])
+    assert all(s["stop_reason"] == "stop" for samples in every_step for s in samples), "every row ends at EOS"
+    assert widths[0] < 40 and widths[1] == every
+
+
 def _trained_state(model) -> dict:
     return {n: (p.data_ptr(), p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
 

@@ -14,6 +14,10 @@ The cache is Hugging Face's ``DynamicCache`` (grown each step: the CPU default),
 :class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured;
 not for a model with a sliding window shorter than the bucketed length (Mistral, Gemma 2...), whose static sliding
 layers keep only the window: such a call grows a dynamic cache.
+On CUDA, whether every row has ended is read back every :data:`CUDA_FINISH_CHECK` steps, not at every step: a
+read-back waits for the device, so the host could not queue the next step while the current one runs. Steps run
+after every row ended feed pad tokens and are cut with the rows (each row ends at its EOS), so results are the same.
+With stop strings (checked on the host at every step anyway) or a cache kept across calls, it reads every step.
 This module runs the model; it does not plan batches, merge adapters or build responses.
 """
 
@@ -35,6 +39,14 @@ class Decoded:
     logprobs: torch.Tensor  # (rows, steps) raw log-probs
     sampling_logprobs: torch.Tensor  # (rows, steps) log-probs under the processed distribution
     cache: object = None  # with keep_cache: the cache after the last step (row r of the batch is row r here)
+
+
+CUDA_FINISH_CHECK = 8  # steps between read-backs of "has every row ended?" on CUDA (see the module's docstring)
+
+
+def finish_interval(device: torch.device, recorder, keep_cache: bool) -> int:
+    """Steps between checks that every row has ended (1: every step)."""
+    return CUDA_FINISH_CHECK if device.type == "cuda" and recorder is None and not keep_cache else 1
 
 
 def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device):
@@ -101,6 +113,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     raw, sampled = [], []
+    check = finish_interval(device, recorder, keep_cache)
     for step in range(max_new):
         # processors get a copy: the raw logits must stay as the model gave them
         scores = processors(sequences[:, :width + step], logits.clone()) if len(processors) else logits
@@ -116,7 +129,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
         finished |= torch.isin(chosen, eos_ids)
         if recorder is not None:
             finished |= recorder(sequences[:, :width + step + 1], None).to(device)
-        if step + 1 == max_new or bool(finished.all()):
+        if step + 1 == max_new or ((step + 1) % check == 0 and bool(finished.all())):
             break
         step_positions += 1
         feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
