@@ -8,7 +8,7 @@
 # first (see ../shared/notes/gpu.md in the developers' workspace). Stages, in order of value: a GRPO step llmrl vs TRL at 128 new tokens (the server
 # profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2 serving, the decoding paths at 128 new
 # tokens, then a GRPO step at 512. Limits: T1..T4 seconds (environment). A smoke run of the plumbing on CPU:
-#   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 TOKENIZER=DIR bash benchmarks/gpu_check.sh
+#   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
@@ -17,8 +17,10 @@ if [ -n "${WHEELS:-}" ]; then  # WHEELS=.gpu/whl: install the carried wheels fir
   python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl > "$OUT/setup.log" 2>&1
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}  # the project's venv, if any
 export TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-TOK=${TOKENIZER:-.gpu/tok}
+TOK=()  # a tokenizer folder (SmolLM2's for real prompt lengths); default: the tests' tiny Llama's
+[ -n "${TOKENIZER:-}" ] && TOK=(--tokenizer "$TOKENIZER")
 DEVICE=${DEVICE:-0} SHAPE=${SHAPE:-smollm2-1.7b} DTYPE=${DTYPE:-bfloat16} NEW=${NEW:-128,512}
 SHORT=${NEW%,*} LONG=${NEW#*,}
 DECODER_DEVICE=$([ "$DEVICE" = cpu ] && echo cpu || echo "cuda:$DEVICE")
@@ -29,13 +31,13 @@ stage() {  # name, limit, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.log"
 }
-stage grpo-short "${T1:-200}" python3 -m benchmarks.grpo_step $S --tokenizer "$TOK" --steps 3 --new-tokens "$SHORT" \
+stage grpo-short "${T1:-200}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 3 --new-tokens "$SHORT" \
   --paths now,trl --profile "$OUT/prof" --out "$OUT/grpo-short.json"
-stage zero3 "${T2:-120}" python3 -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
-  --tokenizer "$TOK" --names zero2,zero3 --repeats 3
-stage decoding "${T3:-150}" python3 -m benchmarks.decoding --device "$DECODER_DEVICE" --tokenizer "$TOK" \
+stage zero3 "${T2:-120}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
+  "${TOK[@]}" --names zero2,zero3 --repeats 3
+stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVICE" "${TOK[@]}" \
   --shape "${DECODING_SHAPE:-smollm2-1.7b}" \
   --new-tokens "$SHORT" --batch1-shape "" --skip-hf-compile --out "$OUT/decoding.json"
-stage grpo-long "${T4:-170}" python3 -m benchmarks.grpo_step $S --tokenizer "$TOK" --steps 2 --new-tokens "$LONG" \
+stage grpo-long "${T4:-170}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
   --paths now,trl --out "$OUT/grpo-long.json"
 grep -h "median\|\"now\"\|\"trl\"\|ZeRO-2's\|calls by loop" "$OUT"/*.log | cut -c1-200

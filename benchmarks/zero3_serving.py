@@ -42,6 +42,7 @@ def main() -> None:
             from benchmarks.grpo_step import random_model
 
             args.model = random_model(work, args.shape, args.devices, args.dtype)
+            args.tokenizer = args.tokenizer or kit.tiny_model("llama")  # the tests' tiny Llama's tokenizer
         run_benchmark(args, kit)
 
 
