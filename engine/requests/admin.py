@@ -54,7 +54,10 @@ def handle_ping(replica, request: PingRequest):
 
 
 def handle_stats(replica, request: StatsRequest):
-    return {**replica.backend.memory(), "host_allocator": host_memory.report(), "requests": dict(replica.handled)}
+    import torch
+
+    return {**replica.backend.memory(), "host_allocator": host_memory.report(), "requests": dict(replica.handled),
+            "threads": torch.get_num_threads()}
 
 
 KINDS = (Kind(SETUP, SetupRequest, handle_setup, needs_setup=False),
