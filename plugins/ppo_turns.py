@@ -148,7 +148,7 @@ class TurnUpdater(ShufflingUpdater):
                              "ref_logprobs, or set kl_coef to 0")
         zeros = [torch.zeros(len(c)) for c in batch.candidates]
         prompts = first_pass(batch, trainer, zeros, self.peft_adapter, self.value_head,
-                             need_reference=self.kl_coef > 0, count_from_ids=True)
+                             need_reference=self.kl_coef > 0)
         rewards = read_turns(batch, prompts, self.name)
         self.advantages(prompts, rewards, trainer)
         episodes = sum(len(r) for r in rewards)

@@ -162,34 +162,24 @@ def check_inputs(batch: UpdateBatch, trainer: Trainer, name: str, need_reference
 
 
 def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor], adapter: str | None,
-               value_head: str | None, need_reference: bool, count_from_ids: bool = False,
-               reward_rows: bool = False, policy_pass=None) -> list[PromptRows]:
+               value_head: str | None, need_reference: bool, reward_rows: bool = False, policy_pass=None
+               ) -> list[PromptRows]:
     """A gradient-free pass over this replica's prompts (``rewards``: each one's, from :func:`check_inputs`): old
     log-probs (unless given), values (with a value head) and reference log-probs (unless given, when
     ``need_reference``), one :class:`PromptRows` per prompt in order. The policy's forward is skipped when it
     would give nothing (old log-probs given, no value head). When no pass is needed at all, the scored tokens are
-    counted from the tokenisation (:meth:`Trainer.scored_token_counts`); with ``count_from_ids`` (for a caller
-    that has refused candidates other than token ids, on every replica alike, and checks its training passes'
-    masks), from the ids themselves. With ``reward_rows``, each prompt's ``tensors["task_rewards"]`` holds its
-    per-token task rewards (:func:`reward_rows_of`: numbers on the last token, dense rewards in place). Whether a
-    pass runs depends only on the call's keyword names and the config, never on one replica's share, so every
-    replica makes the same passes. ``policy_pass(trainer, minibatch, heads)``, when given, runs the policy's pass
-    and returns its outputs, ``[n, T]`` log-probs and mask (``nlpo``: the masked policy's log-probs)."""
+    counted from the tokenisation (:meth:`Trainer.scored_token_counts`: no model call). With ``reward_rows``, each
+    prompt's ``tensors["task_rewards"]`` holds its per-token task rewards (:func:`reward_rows_of`: numbers on the
+    last token, dense rewards in place). Whether a pass runs depends only on the call's keyword names and the
+    config, never on one replica's share, so every replica makes the same passes. ``policy_pass(trainer,
+    minibatch, heads)``, when given, runs the policy's pass and returns its outputs, ``[n, T]`` log-probs and mask
+    (``nlpo``: the masked policy's log-probs)."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
     run_reference = need_reference and not given_ref
     run_policy = bool(value_head) or not given_old  # the same on every replica
     position = {index: k for k, index in enumerate(batch.indices)}
-    if count_from_ids and given_old and not value_head and not run_reference:
-        lengths = torch.tensor([len(x) for c in batch.candidates for x in c], dtype=torch.long)
-        mask = torch.arange(int(lengths.max()) if len(lengths) else 0)[None] < lengths[:, None]
-        counts = [len(c) for c in batch.candidates]
-        rows = {"old_logprobs": token_rows_of(batch.kwargs["old_logprobs"], counts, lengths, batch.indices,
-                                              "old_logprobs")}
-        if reward_rows:
-            rows["task_rewards"] = reward_rows_of(batch.kwargs["rewards"], counts, lengths, batch.indices)
-        return split_by_prompt(rows, mask, torch.cat(rewards) if rewards else torch.zeros(0), counts)
     for mb in batch.minibatches(trainer.micro_batch_size):
         rows, out = {}, None
         with torch.no_grad():

@@ -191,3 +191,43 @@ def test_ppo_tokens_refuses_a_value_head_that_is_not_token_level():
     batch = UpdateBatch(["a prompt"], [[[5, 6]]], {"rewards": [1.0]}, [0], 1, 0, 1, [1])
     with pytest.raises(ValueError, match="'value' is a context-level head.*token_value"):
         PPOTokensUpdater().update(batch, OneContextTrainer())
+
+
+def test_given_old_logprobs_without_a_reference_or_value_head_run_no_pass():
+    """grpo without a KL term, given old log-probs: the first pass makes no model call, the rows are the given
+    log-probs, masked by the counts from the tokenisation; a value head or a reference pass still runs it."""
+    from llmrl.plugins.contracts import UpdateBatch
+    from llmrl.plugins.rollouts import first_pass
+
+    class CountingTrainer:
+        micro_batch_size, has_adapters = 8, True
+
+        def __init__(self):
+            self.forwards = 0
+
+        def forward(self, *args, **kwargs):
+            self.forwards += 1
+            raise AssertionError("no model call was expected")
+
+        def scored_token_counts(self, contexts, candidates, add_eos=False):
+            return torch.tensor([len(x) for c in candidates for x in c])
+
+        def adapters_disabled(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    old = [[[-0.5, -1.0], [-2.0]], [[-0.1, -0.2, -0.3], [-0.4]]]
+    batch = UpdateBatch(["a", "b"], [[[5, 6], [7]], [[8, 9, 10], [11]]], {"rewards": [[1.0, 0.0], [0.5, 0.2]],
+                                                                         "old_logprobs": old}, [0, 1], 1, 0, 1, [2])
+    trainer = CountingTrainer()
+    rewards = [torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.2])]
+    prompts = first_pass(batch, trainer, rewards, None, None, need_reference=False)
+    assert trainer.forwards == 0
+    for p, given in zip(prompts, old):
+        for k, values in enumerate(given):
+            assert p.mask[k].sum() == len(values)
+            assert p.tensors["old_logprobs"][k, :len(values)].tolist() == pytest.approx(values)
+    for value_head, reference in (("value", False), (None, True)):
+        with pytest.raises(AssertionError, match="no model call"):
+            first_pass(batch, trainer, rewards, None, value_head, need_reference=reference)

@@ -6,8 +6,8 @@ and the :class:`~.static_step.StaticDecoder` between calls, and counts which loo
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work.
 Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
-decodes without a static cache or a captured step, and merges the adapter for the call alone (the merged copy,
-the size of the adapted weights, is not kept between calls).
+decodes without a static cache or a captured step, and merges the adapter for each batch alone (the merged copy,
+the size of the adapted weights, is not kept after it).
 
 This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
 """
