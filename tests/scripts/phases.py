@@ -10,8 +10,11 @@ from llmrl import Caller
 
 
 def mark(name: str) -> None:
-    with open(f"{sys.argv[1]}.{name}", "w") as f:
+    """Written whole, then renamed into place: the test sees the file only once it holds the pid."""
+    path = f"{sys.argv[1]}.{name}"
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
