@@ -23,6 +23,7 @@ This module runs the model; it does not plan batches, merge adapters or build re
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ def _keeps_last_logits_only(model) -> dict:
 @torch.no_grad()
 def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
            pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial", past=None,
-           keep_cache: bool = False) -> Decoded:
+           keep_cache: bool = False, packer=None, owners: dict | None = None) -> Decoded:
     """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
 
     ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
@@ -74,7 +75,9 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture); ``sampler`` how samples are drawn
     (:mod:`.sampling`). ``past``: a Hugging Face cache holding the first columns of every prompt row (the cache
     across calls, :func:`~llmrl.engine.model.reuse.generation_prefix.cached_past`); only the columns after them are
-    prefilled. ``keep_cache`` returns the final cache in :attr:`Decoded.cache`."""
+    prefilled. ``keep_cache`` returns the final cache in :attr:`Decoded.cache`. ``packer``: a
+    :class:`~.packed_linears.PackedWeights` whose packs the decode steps multiply with (``owners``: the memory it is
+    told of, :meth:`~.packed_linears.PackedWeights.for_rows`), or None."""
     from transformers import DynamicCache
 
     device = ids.device
@@ -88,7 +91,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     covered = past.get_seq_length() if past is not None else 0
     out = model(input_ids=ids[:, covered:], attention_mask=mask, position_ids=positions[:, covered:], use_cache=True,
                 **{cache_name: prefill}, **_keeps_last_logits_only(model))
-    logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[source]
+    logits = out.logits[:, -1].float()[source]  # indexing copies
     del out
     padded, length = _bucketed(static, rows, width + max_new) if static is not None else (rows, 0)
     if static is not None and _slides_within(model.config, length):
@@ -114,33 +117,38 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     raw, sampled = [], []
     check = finish_interval(device, recorder, keep_cache)
-    for step in range(max_new):
-        # processors get a copy: the raw logits must stay as the model gave them
-        scores = processors(sequences[:, :width + step], logits.clone()) if len(processors) else logits
-        if config.do_sample:
-            chosen = draw(torch.softmax(scores, dim=-1), sampler)
-        else:
-            chosen = torch.argmax(scores, dim=-1)
-        chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)  # Hugging Face's padding of ended rows
-        column = chosen[:, None]
-        raw.append(logits.gather(-1, column).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-        sampled.append(scores.gather(-1, column).squeeze(-1) - torch.logsumexp(scores, dim=-1))
-        sequences[:, width + step] = chosen
-        finished |= torch.isin(chosen, eos_ids)
-        if recorder is not None:
-            finished |= recorder(sequences[:, :width + step + 1], None).to(device)
-        if step + 1 == max_new or ((step + 1) % check == 0 and bool(finished.all())):
-            break
-        step_positions += 1
-        feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
-        if static is not None:
-            logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention)[:rows]
-        else:
-            attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=1)
-            out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention, use_cache=True,
-                        **{cache_name: cache})
-            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-            del out
+    with packer.for_rows(model, padded, owners) if packer is not None else contextlib.nullcontext():
+        for step in range(max_new):
+            # processors get a copy: the raw logits must stay as the model gave them
+            scores = processors(sequences[:, :width + step], logits.clone()) if len(processors) else logits
+            if config.do_sample:
+                chosen = draw(torch.softmax(scores, dim=-1), sampler)
+            else:
+                chosen = torch.argmax(scores, dim=-1)
+            # Hugging Face's padding of ended rows
+            chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)
+            column = chosen[:, None]
+            normaliser = torch.logsumexp(logits, dim=-1)
+            raw.append(logits.gather(-1, column).squeeze(-1) - normaliser)
+            if scores is not logits:  # without processors the two distributions are one
+                normaliser = torch.logsumexp(scores, dim=-1)
+            sampled.append(scores.gather(-1, column).squeeze(-1) - normaliser)
+            sequences[:, width + step] = chosen
+            finished |= torch.isin(chosen, eos_ids)
+            if recorder is not None:
+                finished |= recorder(sequences[:, :width + step + 1], None).to(device)
+            if step + 1 == max_new or ((step + 1) % check == 0 and bool(finished.all())):
+                break
+            step_positions += 1
+            feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
+            if static is not None:
+                logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention)[:rows]
+            else:
+                attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=1)
+                out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention,
+                            use_cache=True, **{cache_name: cache})
+                logits = out.logits[:, -1].float()  # a view of this step's own logits (no copy in float32)
+                del out
     steps = len(raw)
     return Decoded(sequences[:, width:width + steps].cpu(), torch.stack(raw, dim=1).cpu(),
                    torch.stack(sampled, dim=1).cpu(), cache if keep_cache else None)

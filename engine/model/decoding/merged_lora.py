@@ -97,6 +97,10 @@ class MergedLora:
         """The memory the merged weights hold between calls."""
         return sum(t.numel() * t.element_size() for t in self._merged)
 
+    def owners(self) -> dict[int, torch.Tensor]:
+        """The merged buffers by address: their version counters count their rebuilds (for packed copies)."""
+        return {buffer.data_ptr(): buffer for buffer in self._merged}
+
     def release(self) -> None:
         """Free the buffers (they are rebuilt at the next decoding call that merges)."""
         self.adapter, self._layers, self._merged, self._seen = None, [], [], []
@@ -114,7 +118,7 @@ class MergedLora:
             for layer, buffer in zip(layers, self._merged):
                 layer.get_base_layer().weight.data = buffer
                 layer._disable_adapters = True  # the flag only: requires_grad flags are left as they are
-            yield
+            yield self
         finally:
             for layer, weight, flag in zip(layers, originals, flags):
                 layer.get_base_layer().weight.data = weight

@@ -1,10 +1,12 @@
 """One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
 
 :class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
-``compile``, ``static_cache``, ``length_bucket``, ``sampler``), keeps the :class:`~.merged_lora.MergedLora` buffers
-and the :class:`~.static_step.StaticDecoder` between calls, and counts which loop ran (``server_memory`` reports it).
+``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``), keeps the
+:class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder` between calls, and counts which
+loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
-bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work.
+bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
+``pack_weights`` (``auto``: on CPU devices) packs the weights for the step's row count (:mod:`.packed_linears`).
 Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
 decodes without a static cache or a captured step, and merges the adapter for each batch alone (the merged copy,
 the size of the adapted weights, is not kept after it).
@@ -29,6 +31,7 @@ class Decoder:
     """The decoding loop of one served LLM (see the module's docstring)."""
 
     def __init__(self, settings, device_type: str, zero3: bool = False):
+        from llmrl.engine.model.decoding.packed_linears import PackedWeights
         from llmrl.engine.model.decoding.static_step import StaticDecoder
 
         self.settings, self.zero3 = settings, zero3
@@ -37,6 +40,8 @@ class Decoder:
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
         static = self.compiled or (_on(settings.static_cache, cuda) and not zero3)
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
+        packing = _on(settings.pack_weights, device_type == "cpu") and not zero3 and not self.compiled
+        self.packed = PackedWeights() if packing else None  # a compiled step packs what its compiler packs
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
 
     def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> bool:
@@ -78,9 +83,10 @@ class Decoder:
             if layers and why_not_mergeable(layers, adapter, gathered=self.zero3) is None:
                 merging = self.merged.swapped_in(layers, adapter)
         try:
-            with merging:
+            with merging as merged:
+                owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
                 return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                              self.settings.sampler, past, keep_cache)
+                              self.settings.sampler, past, keep_cache, self.packed, owners)
         finally:
             if self.zero3 and self.merged is not None:  # the gathered weights are freed after the call
                 self.merged.release()
@@ -91,11 +97,15 @@ class Decoder:
         return {"calls": dict(self.counts), "merges": self.merged.builds if self.merged is not None else 0,
                 "compiled_shapes": sorted(self.static.compiled_shapes) if self.static is not None else [],
                 "merged_weights_mb": self.merged.held_bytes() / 2**20 if self.merged is not None else 0.0,
+                "packed_weights_mb": self.packed.held_bytes() / 2**20 if self.packed is not None else 0.0,
+                "weights_packed": self.packed.packs if self.packed is not None else 0,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
     def release(self) -> None:
-        """Free the merged weights and static caches (rebuilt by the next call that needs them)."""
+        """Free the merged weights, packed weights and static caches (rebuilt by the next call that needs them)."""
         if self.merged is not None:
             self.merged.release()
+        if self.packed is not None:
+            self.packed.release()
         if self.static is not None:
             self.static.release()

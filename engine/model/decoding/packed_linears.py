@@ -1,0 +1,135 @@
+"""Linear layers packed for the decode step's row count, on a CPU with Intel MKL (``generation.pack_weights``).
+
+On a CPU a decode step of a small model is mostly matmuls of a few dozen rows against each weight, and at 32 rows
+MKL's ``sgemm`` spends about a third of its time re-packing the weight for its kernel at every call. MKL can pack a
+weight once for a given row count (``cblas_sgemm_pack``, through torch's ``mkl._mkl_reorder_linear_weight`` and
+``mkl._mkl_linear``, the ops Inductor's CPU freezing uses); a matmul of exactly that many rows then skips the
+re-packing: 1.3x-1.9x faster for a 135M model's shapes at 32 rows. Its kernel may round a dot product differently
+(decoded log-probs 2.4e-6 apart at most in ``tests/test_packed_linears.py``, 0 in the benchmark's 32-row shape).
+
+:meth:`PackedWeights.for_rows` points the ``forward`` of each float32 ``torch.nn.Linear`` of a model at the packed
+product for the duration of one decoding batch; inputs of any other row count (the prefill) run the layer's own
+``forward``. A layer is packed the first time it multiplies that many rows, and on exit (an error included) every
+layer's own ``forward`` is back.
+
+Packing costs about as much as a decode step's matmuls, so packs are kept across calls, and only where it is known
+when their weight changes:
+  - a frozen weight (``requires_grad`` False): kept while the layer's weight is the same memory (the pack holds a
+    view of it, so that memory cannot be reused by another tensor) and its version counter (bumped by every in-place
+    write through the parameter, as ``load_state_dict`` writes) is unchanged;
+  - a weight whose memory belongs to an *owner* the caller names (the merged LoRA buffers of
+    :mod:`.merged_lora`, swapped in through ``.data``): kept while the owner's version counter is unchanged;
+  - a trainable weight is not packed: optimizers and DeepSpeed write such weights in ways no counter sees.
+A frozen weight written in place through ``.data`` (bypassing the parameter's version counter) would be read stale;
+nothing in llmrl writes frozen weights so. Not packed either: other dtypes and devices, weights that are not 2-D
+(ZeRO-3's partitions), torch builds without MKL. This module does not decode; :mod:`.loop` runs the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+def available() -> bool:
+    """Whether this torch build can pack weights (an x86 build with MKL)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@dataclass
+class _Pack:
+    module: weakref.ref
+    source: torch.Tensor  # a view of the weight packed (its memory stays allocated) or its owner
+    version: int  # the source's version counter when packed
+    rows: int
+    packed: torch.Tensor
+    nbytes: int  # the weight's size: what the pack holds in memory (MKL reserves more address space than it fills)
+
+    def fits(self, module, source: torch.Tensor, rows: int) -> bool:
+        weight = module.weight
+        return (self.module() is module and self.rows == rows and self.version == source._version
+                and self.source.data_ptr() == weight.data_ptr() and self.source.shape == weight.shape
+                and self.source.dtype == weight.dtype)
+
+
+class PackedWeights:
+    """The packs of one served model, kept across decoding calls (see the module's docstring)."""
+
+    def __init__(self, keep_row_counts: int = 2):
+        self._kept: dict[tuple[int, int], _Pack] = {}  # (id of the layer, rows) -> its pack
+        self._recent_rows: list[int] = []  # the last few row counts packed for, the newest last
+        self.keep_row_counts = keep_row_counts
+        self.packs = 0  # how many weights were packed (for tests and statistics)
+
+    def held_bytes(self) -> int:
+        """The memory the kept packs hold between calls."""
+        return sum(p.nbytes for p in self._kept.values())
+
+    def release(self) -> None:
+        """Free every pack (packed again by the next call that needs them)."""
+        self._kept.clear()
+        self._recent_rows.clear()
+
+    @contextlib.contextmanager
+    def for_rows(self, model, rows: int, owners: dict[int, torch.Tensor] | None = None):
+        """Within the block, linear layers of ``model`` multiply inputs of ``rows`` rows with packed weights.
+        ``owners``: for weights whose memory another object swapped in and writes (by ``data_ptr``), the tensor
+        whose version counter tracks those writes."""
+        if rows < 1 or not available():
+            yield
+            return
+        owners = owners or {}
+        if rows in self._recent_rows:
+            self._recent_rows.remove(rows)
+        self._recent_rows = (self._recent_rows + [rows])[-self.keep_row_counts:]
+        self._kept = {key: pack for key, pack in self._kept.items()
+                      if key[1] in self._recent_rows and pack.module() is not None}
+        patched = []
+        try:
+            for module in model.modules():
+                source = self._source(module, owners)
+                if source is not None:
+                    module.forward = self._forward(module, source, rows)
+                    patched.append(module)
+            yield
+        finally:
+            for module in patched:
+                del module.forward
+
+    @staticmethod
+    def _source(module, owners: dict) -> torch.Tensor | None:
+        """What a pack of this layer's weight is kept against, or None where the layer is not packed."""
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.numel() > 0):
+            return None
+        if "forward" in vars(module):
+            return None  # a forward already replaced (by a hook library) is left alone
+        owner = owners.get(weight.data_ptr())
+        if owner is not None:
+            return owner
+        return None if weight.requires_grad else weight.detach()  # detach shares the parameter's version counter
+
+    def _forward(self, layer: torch.nn.Linear, source: torch.Tensor, rows: int):
+        own = type(layer).forward.__get__(layer)
+        key = (id(layer), rows)
+        checked = []  # the pack, once checked in this call
+
+        def forward(x):
+            if x.dtype != torch.float32 or x.numel() != rows * x.shape[-1]:
+                return own(x)  # another row count (the prefill), or a dtype the pack does not take
+            if not checked:
+                pack = self._kept.get(key)
+                if pack is None or not pack.fits(layer, source, rows):
+                    weight = layer.weight.detach()
+                    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                    pack = self._kept[key] = _Pack(weakref.ref(layer), source, source._version, rows, packed,
+                                                   weight.numel() * weight.element_size())
+                    self.packs += 1
+                checked.append(pack)
+            return torch.ops.mkl._mkl_linear(x, checked[0].packed, layer.weight, layer.bias, rows)
+
+        return forward

@@ -1,0 +1,167 @@
+"""Decoding with weights packed for the step's row count (``generation.pack_weights``): the same tokens and
+log-probs as without packing, and packs that follow every change of the weights they were made from."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llmrl.engine.config.types import GenerationSettings
+from llmrl.engine.model.decoding import loop
+from llmrl.engine.model.decoding.packed_linears import available
+from llmrl.engine.model.decoding.runtime import Decoder
+from llmrl.engine.model.generation import generate, plan_generate
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no MKL to pack weights with")
+
+PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café"]
+SAMPLED = {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": 2, "top_k": 0}
+
+
+@pytest.fixture()
+def lora_llama(reference_models):
+    """A fresh copy (the tests change its weights) of the tiny Llama with a LoRA adapter whose B is not zero."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = reference_models["llama"]
+    torch.manual_seed(0)
+    return get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                           init_lora_weights=False)).eval(), tok
+
+
+def decoder(pack: bool, **settings) -> Decoder:
+    return Decoder(GenerationSettings(pack_weights=pack, **settings), "cpu")
+
+
+def run(model, tok, decoding: Decoder, kwargs=None, seed=3, prompts=PROMPTS):
+    plan = plan_generate(model, tok, "causal", prompts, kwargs or SAMPLED, 8192, 64, 512)
+    return generate(model, tok, "causal", plan, "cpu", seed=seed, decoder=decoding)
+
+
+GAPS: list[float] = []  # the largest log-prob differences seen (printed by -s: MKL's packed kernel rounds its own way)
+
+
+def assert_same(a, b) -> None:
+    """The same tokens; log-probs within float32 rounding (1e-5, the loop's tolerance against ``score``)."""
+    for row_a, row_b in zip(a, b, strict=True):
+        for x, y in zip(row_a, row_b, strict=True):
+            assert x["tokens"].tolist() == y["tokens"].tolist()
+            for key in ("logprobs", "sampling_logprobs"):
+                torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0)
+                GAPS.append(float((x[key] - y[key]).abs().max()))
+
+
+def no_forward_left(model) -> bool:
+    return not any("forward" in vars(module) for module in model.modules())
+
+
+def base(model, index: int, name: str) -> torch.nn.Linear:
+    """Layer ``index``'s linear ``name`` (its base layer where LoRA wraps it)."""
+    layer = model.base_model.model.model.layers[index]
+    module = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+@pytest.mark.parametrize("settings", [{}, {"merge_adapter": True}, {"sampler": "inverse_cdf"},
+                                      {"merge_adapter": True, "static_cache": True, "length_bucket": 16}],
+                         ids=["unmerged", "merged", "inverse_cdf", "static"])
+@pytest.mark.parametrize("kwargs", [SAMPLED, {"max_new_tokens": 8, "do_sample": False}], ids=["sampled", "greedy"])
+def test_packed_decoding_gives_the_same_tokens_and_logprobs_as_unpacked(lora_llama, settings, kwargs):
+    model, tok = lora_llama
+    packed = decoder(True, **settings)
+    ours, reference = run(model, tok, packed, kwargs), run(model, tok, decoder(False, **settings), kwargs)
+    assert_same(ours, reference)
+    stats = packed.stats()
+    assert stats["weights_packed"] > 0 and stats["packed_weights_mb"] > 0, stats
+    assert no_forward_left(model)
+    assert_same(run(model, tok, packed, kwargs), reference)  # the kept packs give the same again
+    print(f"largest log-prob gap, packed vs unpacked: {max(GAPS):.2e}")
+    assert packed.stats()["weights_packed"] == stats["weights_packed"], "nothing changed: nothing packed again"
+
+
+def test_a_frozen_weight_written_in_place_is_packed_again(lora_llama):
+    model, tok = lora_llama
+    packed = decoder(True)
+    run(model, tok, packed)
+    count = packed.stats()["weights_packed"]
+    with torch.no_grad():  # what load_state_dict does: an in-place copy through the parameter
+        base(model, 1, "up_proj").weight.mul_(1.5)
+    assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+    assert packed.stats()["weights_packed"] == count + 1  # that layer alone
+
+
+def test_a_weight_swapped_through_data_is_packed_again(lora_llama):
+    model, tok = lora_llama
+    packed = decoder(True)
+    run(model, tok, packed)
+    count = packed.stats()["weights_packed"]
+    weight = base(model, 0, "o_proj").weight
+    original = weight.data
+    weight.data = original * 0.5  # what snapshots and twins do: another tensor behind the same parameter
+    try:
+        assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+        assert packed.stats()["weights_packed"] == count + 1
+    finally:
+        weight.data = original
+    assert_same(run(model, tok, packed), run(model, tok, decoder(False)))  # back: the original weight's values
+
+
+def test_an_adapter_update_packs_the_merged_layers_again(lora_llama):
+    model, tok = lora_llama
+    packed = decoder(True, merge_adapter=True)
+    run(model, tok, packed)
+    count = packed.stats()["weights_packed"]
+    with torch.no_grad():  # an optimizer step on the adapter: the merged buffers are rebuilt in place
+        base_layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        base_layer.lora_B["default"].weight.mul_(3.0)
+    assert_same(run(model, tok, packed), run(model, tok, decoder(False, merge_adapter=True)))
+    merged_layers = 3 * len(model.base_model.model.model.layers)  # q_proj, v_proj, down_proj in every layer
+    assert packed.stats()["merges"] == 2
+    assert packed.stats()["weights_packed"] == count + merged_layers  # the merged layers alone
+
+
+def test_trainable_weights_are_not_packed(reference_models):
+    model, tok = reference_models["llama"]
+    model = copy.deepcopy(model).eval()
+    assert all(p.requires_grad for p in model.parameters())
+    packed = decoder(True)
+    assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+    assert packed.stats()["weights_packed"] == 0
+    model.lm_head.weight.requires_grad_(False)  # tied to the embedding: the one frozen weight
+    run(model, tok, packed)
+    assert packed.stats()["weights_packed"] == 1
+
+
+def test_two_row_counts_keep_their_packs_and_a_third_drops_the_oldest(lora_llama):
+    model, tok = lora_llama
+    packed = decoder(True)
+    counts, held = [], []
+    for samples in (2, 3, 2, 3, 1, 2):
+        run(model, tok, packed, {**SAMPLED, "num_return_sequences": samples})
+        counts.append(packed.stats()["weights_packed"])
+        held.append(packed.stats()["packed_weights_mb"])
+    per_rows = counts[0]
+    assert counts == [per_rows, 2 * per_rows, 2 * per_rows, 2 * per_rows, 3 * per_rows, 4 * per_rows], counts
+    assert held[1:] == [2 * held[0]] * 5, held  # the packs of the last two row counts are kept, no more
+
+
+def test_an_error_while_decoding_puts_every_layer_back(lora_llama, monkeypatch):
+    model, tok = lora_llama
+    packed = decoder(True)
+    reference = run(model, tok, decoder(False))
+    calls = []
+
+    def failing(probs, sampler):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a failure mid-decode (simulated)")
+        return torch.multinomial(probs, 1).squeeze(1)
+
+    monkeypatch.setattr(loop, "draw", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(model, tok, packed)
+    assert no_forward_left(model)
+    monkeypatch.undo()
+    assert_same(run(model, tok, packed), reference)
