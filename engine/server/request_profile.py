@@ -1,8 +1,8 @@
 """Optional profiling of a server rank's requests, for developers: ``LLMRL_PROFILE=DIR`` in the server's environment.
 
 With the variable set, each server rank runs the *second* request of every kind (the first one warms up: it
-compiles, allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes two
-tables of the operations that took the most time to ``DIR/rank{R}-{kind}.txt``. Without the variable nothing is
+compiles, allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes tables
+of the operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt``. Without the variable nothing is
 imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
 """
 
@@ -30,7 +30,7 @@ def profiled(kind: str, count: int, rank: int, device_type: str):
     cuda = device_type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         yield
         if cuda:
             torch.cuda.synchronize()
@@ -39,6 +39,10 @@ def profiled(kind: str, count: int, rank: int, device_type: str):
     sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else [])
     tables = [f"{kind} request {count} on rank {rank}: {seconds:.3f} s under the profiler"]
     tables += [f"sorted by {key}:\n" + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+               for key in sorts]
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    tables += [f"by input shapes, sorted by {key}:\n"
+               + by_shape.table(sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=90)
                for key in sorts]
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
