@@ -62,6 +62,7 @@ def test_only_one_chunk_of_logits_is_alive_at_a_time(reference_models, monkeypat
     model = copy.deepcopy(model).float().requires_grad_(True)
     vocab = model.config.vocab_size
     monkeypatch.setattr(vocab_chunks, "LOGITS_PER_CHUNK", 4 * vocab)
+    monkeypatch.setattr(vocab_chunks, "KEEP_FOR_BACKWARD", 40 * vocab * 4 - 1)  # just too large to keep
     layer = vocab_chunks.output_layer(model)
     widest = []
     saved = []
@@ -91,12 +92,27 @@ def test_models_whose_logits_are_not_the_plain_output_layer_keep_their_logits(re
     assert not vocab_chunks.applies(model, token_logits=True), "a head reading the logits gets them"
 
 
+def _counting_output_products(monkeypatch) -> list:
+    """Counts the calls of ``torch.nn.functional.linear`` (the chunks' output-layer products) from now on."""
+    calls, linear = [], torch.nn.functional.linear
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return linear(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    return calls
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
 @pytest.mark.parametrize("use_entropy", [False, True])
-def test_gradients_of_hidden_weight_and_bias_equal_plain_autograd(monkeypatch, use_entropy):
-    """Several targets per row, a trainable output layer with a bias, the entropy in the loss or only reported."""
+def test_gradients_of_hidden_weight_and_bias_equal_plain_autograd(monkeypatch, use_entropy, keep):
+    """Several targets per row, a trainable output layer with a bias, the entropy in the loss or only reported; the
+    chunks' logits computed again in the backward pass, or kept from the forward pass (and then not computed)."""
     torch.manual_seed(0)
     vocab, width, n = 50, 16, 9
     monkeypatch.setattr(vocab_chunks, "LOGITS_PER_CHUNK", 4 * vocab)  # chunks of 4 rows
+    monkeypatch.setattr(vocab_chunks, "KEEP_FOR_BACKWARD", n * vocab * 8 if keep else n * vocab * 8 - 1)
     layer = torch.nn.Linear(width, vocab).double()
     hidden = torch.randn(n, width, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([0, 0, 2, 3, 3, 3, 5, 8, 8, 6])
@@ -107,7 +123,10 @@ def test_gradients_of_hidden_weight_and_bias_equal_plain_autograd(monkeypatch, u
         return (logp * weights).sum() + (entropy * torch.arange(n) / n).sum() if use_entropy else (logp * weights).sum()
 
     logp, entropy = vocab_chunks.scored_logprobs_from_hidden(layer, hidden, targets, True, index)
+    products = _counting_output_products(monkeypatch)
     loss_of(logp, entropy).backward()
+    monkeypatch.undo()
+    assert len(products) == (0 if keep else 3)  # 9 rows in chunks of 4
     got = [hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
     hidden.grad, layer.weight.grad, layer.bias.grad = None, None, None
     full = torch.log_softmax(layer(hidden), -1)  # the plain reference
@@ -117,3 +136,21 @@ def test_gradients_of_hidden_weight_and_bias_equal_plain_autograd(monkeypatch, u
     loss_of(want_logp, want_entropy).backward()
     for g, want in zip(got, [hidden.grad, layer.weight.grad, layer.bias.grad]):
         torch.testing.assert_close(g, want, atol=1e-12, rtol=1e-10)
+
+
+def test_kept_logits_serve_one_backward_pass_and_a_second_one_computes_them_again(monkeypatch):
+    """The kept logits are overwritten by the first backward pass: a second one (retain_graph) must not read them."""
+    torch.manual_seed(1)
+    vocab, width, n = 40, 8, 7
+    monkeypatch.setattr(vocab_chunks, "LOGITS_PER_CHUNK", 3 * vocab)
+    layer = torch.nn.Linear(width, vocab).double()
+    hidden = torch.randn(n, width, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,))
+    logp, entropy = vocab_chunks.scored_logprobs_from_hidden(layer, hidden, targets, True)
+    loss = logp.sum() + 0.5 * entropy.sum()
+    loss.backward(retain_graph=True, inputs=[hidden])
+    first = hidden.grad.clone()
+    products = _counting_output_products(monkeypatch)
+    loss.backward(inputs=[hidden])
+    assert len(products) == 3  # computed again: 7 rows in chunks of 3
+    torch.testing.assert_close(hidden.grad, 2 * first, atol=1e-12, rtol=1e-12)

@@ -1,9 +1,9 @@
 """Optional profiling of a server rank's requests, for developers: ``LLMRL_PROFILE=DIR`` in the server's environment.
 
-With the variable set, each server rank runs the *second* request of every kind (the first one warms up: it
-compiles, allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes tables
-of the operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt``. Without the variable nothing is
-imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
+With the variable set, each server rank runs the *second* request of every kind (the first one warms up: it compiles,
+allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes tables of the
+operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt``. Without the variable
+nothing is imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
 """
 
 from __future__ import annotations

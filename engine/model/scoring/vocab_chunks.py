@@ -9,7 +9,8 @@ states, instead of logits; the scoring code keeps the rows it scores as it would
 
 - each row's normaliser (logsumexp) and entropy are computed a chunk of rows at a time; with gradients
   (:class:`ChunkedLogprobs`) only the hidden states and each row's normaliser and entropy are kept, and the
-  backward pass computes each chunk's logits again and writes their gradient out directly;
+  backward pass computes each chunk's logits again and writes their gradient out directly; a pass small enough
+  (:data:`KEEP_FOR_BACKWARD`, 128 MB of logits) keeps its chunks' logits instead of computing them again;
 - each target's logit is taken from its row's chunk of logits, as it was from the full logits.
 
 The values are those of the full logits, to float32 rounding (a chunk's matrix product adds in its own order).
@@ -36,6 +37,10 @@ PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5
 # allocator keeps for reuse (host_malloc: reuse), so a chunk's logits are not page-faulted in afresh at every chunk
 # (benchmarks.trunk_update, the demo's update: 2.78 s against 2.94 s with 64 MiB chunks, one after the other)
 LOGITS_PER_CHUNK = 1 << 23
+# a pass with gradients whose rows' logits take at most this many bytes keeps its chunks' logits for its backward pass
+# instead of computing them again there (the demo's update: 260 rows x 49,152, 51 MB, saves one output-layer matrix
+# product of three per pass); a larger pass keeps only the hidden states and two numbers per row
+KEEP_FOR_BACKWARD = 128 << 20
 
 _active: list[torch.nn.Module] = []  # the output layer while a pass hands back hidden states (at most one)
 
@@ -102,15 +107,17 @@ def scored_logprobs_from_hidden(layer: torch.nn.Module, hidden: torch.Tensor, ta
 
 
 def chunked_values(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor,
-                   targets: torch.Tensor, entropy: bool, step: int):
+                   targets: torch.Tensor, entropy: bool, step: int, kept: list | None = None):
     """Each target's log-prob, each row's entropy (with ``entropy``, else None) and each row's normaliser, computed
-    ``step`` rows of logits at a time."""
+    ``step`` rows of logits at a time; ``kept``, when given, receives each chunk's logits."""
     order, bounds = _targets_by_chunk(rows, hidden.shape[0], step)
     norms, entropies, chosen, taken = [], [], [], []
     for k, first in enumerate(range(0, hidden.shape[0], step)):
         mine = order[bounds[k]:bounds[k + 1]]
         logits = at_least_float32(torch.nn.functional.linear(hidden[first:first + step], weight, bias))
         norm, entropies_here = normaliser_and_entropy(logits, entropy)
+        if kept is not None:
+            kept.append(logits)
         norms.append(norm)
         if entropy:
             entropies.append(entropies_here)
@@ -151,16 +158,18 @@ def _targets_by_chunk(rows: torch.Tensor, n_rows: int, step: int) -> tuple[torch
 class ChunkedLogprobs(torch.autograd.Function):
     """Log-probs of targets and entropies of rows from hidden states and the output layer, a chunk of rows at a time.
 
-    Forward: :func:`chunked_values`. Backward: each chunk's logits are computed again and the gradient of the
-    logits is written out directly, ``-p * (g_row + g_entropy * (log p + H))`` plus each target's own gradient at
-    its token (``p`` the softmax from the kept normaliser, ``g_row`` the sum of the row's targets' gradients), then
-    sent through the output layer. This is the gradient autograd derives through ``logsumexp``, the gather and
-    :func:`entropy_of`, without keeping or recomputing their intermediates; the entropy term is skipped when no
-    loss reads the entropy."""
+    Forward: :func:`chunked_values`. Backward: each chunk's logits (kept from the forward pass when all of them fit in
+    :data:`KEEP_FOR_BACKWARD`, else computed again) give the gradient of the logits, written out directly, ``-p * (g_row
+    + g_entropy * (log p + H))`` plus each target's own gradient at its token (``p`` the softmax from the kept
+    normaliser, ``g_row`` the sum of the row's targets' gradients), then sent through the output layer. This is the
+    gradient autograd derives through ``logsumexp``, the gather and :func:`entropy_of`, without keeping or recomputing
+    their intermediates; the entropy term is skipped when no loss reads the entropy."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, targets, entropy: bool, step: int):
-        logp, entropies, norm = chunked_values(hidden, weight, bias, rows, targets, entropy, step)
+        width = torch.promote_types(hidden.dtype, torch.float32).itemsize
+        ctx.kept = [] if hidden.shape[0] * weight.shape[0] * width <= KEEP_FOR_BACKWARD else None
+        logp, entropies, norm = chunked_values(hidden, weight, bias, rows, targets, entropy, step, ctx.kept)
         if entropies is None:
             entropies = norm.new_zeros(0)
             ctx.mark_non_differentiable(entropies)
@@ -178,12 +187,16 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if need_bias else None
         if grad_entropy is not None and grad_entropy.numel() == 0:
             grad_entropy = None
-        step = ctx.step
+        step, kept = ctx.step, ctx.kept
+        ctx.kept = None  # written over below: a second backward pass (retain_graph) computes the logits again
         order, bounds = _targets_by_chunk(rows, hidden.shape[0], step)
         chunks = range(0, hidden.shape[0], step) if grad_logp is not None or grad_entropy is not None else ()
         for k, first in enumerate(chunks):
             chunk = hidden[first:first + step]
-            logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
+            if kept is not None:
+                logits, kept[k] = kept[k], None  # freed as it is used
+            else:
+                logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
             weight_per_row = logits.new_zeros(logits.shape[0])
             mine = order[bounds[k]:bounds[k + 1]]
             local, picked = rows[mine] - first, targets[mine]
