@@ -18,7 +18,9 @@ Each row generates the same prompts with the same settings and prints seconds an
 It also reports exactness on this device: greedy tokens against HF with the adapter unmerged, and the largest
 difference between the loop's log-probs and a plain forward over prompt + continuation (what ``score`` computes).
 The models have random weights of real architectures (speed does not depend on the weights), and ``min_new_tokens``
-fixes every sequence's length. Results go to ``--out`` as JSON. This module benchmarks; it asserts nothing.
+fixes every sequence's length. Samples are drawn with Hugging Face's default processors (top-k 50), or with
+``--sampling demo`` the RLHF demo's (top-k 0, top-p 1, temperature 1). Every path runs under the same host
+allocator setting, the servers' default (``--host-malloc``). Results go to ``--out`` as JSON. This module benchmarks; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -230,6 +232,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--settings", default="{}", help="llms.<name>.generation for llmrl's loop, as JSON")
     parser.add_argument("--profile", action="store_true", help="also profile one warm call of llmrl's loop")
+    parser.add_argument("--sampling", choices=("hf-defaults", "demo"), default="hf-defaults",
+                        help="hf-defaults: Hugging Face's (top_k 50); demo: the RLHF demo's (top_k 0, top_p 1, "
+                             "temperature 1)")
     parser.add_argument("--host-malloc", choices=("reuse", "default"), default="reuse",
                         help="this process's allocator, for every path: what llmrl's server ranks set (host_malloc)")
     parser.add_argument("--out", default="decoding.json")
@@ -244,7 +249,7 @@ def main(argv=None) -> int:
     tokenizer = tokenizer_from(args.tokenizer)
     results: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                      "shape": args.shape, "dtype": str(dtype), "torch": torch.__version__,
-                     "host_malloc": args.host_malloc}
+                     "host_malloc": args.host_malloc, "sampling": args.sampling}
     rate = copy_rate(device)
     results["copy GB/s"] = rate / 1e9
 
@@ -277,6 +282,8 @@ def main(argv=None) -> int:
     for new in [int(n) for n in args.new_tokens.split(",")]:
         kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": True,
                   "num_return_sequences": args.samples}
+        if args.sampling == "demo":
+            kwargs.update(top_k=0, top_p=1.0, temperature=1.0)
         rows = args.prompts * args.samples
         limit = bandwidth_limit(model, rows, args.prompt_tokens, new, rate)
         keep: dict = {}
