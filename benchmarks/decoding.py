@@ -15,12 +15,12 @@ Each row generates the same prompts with the same settings and prints seconds an
   - HF ``generate`` with a static cache, which compiles its forward (on the plain model);
   - the memory-bandwidth limit: the weights and the key/value cache read once per decode step, at the copy rate
     measured here.
-It also reports exactness on this device: greedy tokens against HF with the adapter unmerged, and the largest
-difference between the loop's log-probs and a plain forward over prompt + continuation (what ``score`` computes).
-The models have random weights of real architectures (speed does not depend on the weights), and ``min_new_tokens``
-fixes every sequence's length. Samples are drawn with Hugging Face's default processors (top-k 50), or with
-``--sampling demo`` the RLHF demo's (top-k 0, top-p 1, temperature 1). Every path runs under the same host
-allocator setting, the servers' default (``--host-malloc``). Results go to ``--out`` as JSON. This module benchmarks; it asserts nothing.
+It also reports exactness on this device: greedy tokens against HF with the adapter unmerged, and the largest difference
+between the loop's log-probs and a plain forward over prompt + continuation (what ``score`` computes). The models have
+random weights of real architectures (speed does not depend on the weights), and ``min_new_tokens`` fixes every
+sequence's length. Samples are drawn with Hugging Face's default processors (top-k 50), or with ``--sampling demo`` the
+RLHF demo's (top-k 0, top-p 1, temperature 1). Every path runs under the same host allocator setting, the servers'
+default (``--host-malloc``). Results go to ``--out`` as JSON. This module benchmarks; it asserts nothing.
 """
 
 from __future__ import annotations
