@@ -195,3 +195,30 @@ def test_packed_rows_of_any_span_give_plain_hf_results(reference_models, monkeyp
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
     assert_hidden_at_last_tokens(model, tok, SHARED_CONTEXTS + CONTEXTS, SHARED_CANDIDATES + CANDIDATES,
                                  ctx_hidden, cand_hidden)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["chunked", "packed"])
+def test_each_prefix_scores_its_candidates_first_tokens_from_one_row(reference_models, monkeypatch, packed):
+    """The first token of every candidate that starts right after a shared prefix is scored from that prefix's last
+    logits: one row per prefix (its normaliser computed once), not one copy per candidate; the scores stay plain
+    Hugging Face's."""
+    import sys
+
+    from llmrl.engine.model.scoring import results
+
+    model, tok = reference_models["llama"]
+    rows_scored, original = [], results.scored_logprobs
+
+    def recording(logits, targets, entropy, index=None):
+        if sys._getframe(1).f_code.co_name == "prefix_outputs":
+            rows_scored.append((logits.shape[0], len(targets)))
+        return original(logits, targets, entropy, index)
+
+    monkeypatch.setattr(results, "scored_logprobs", recording)
+    contexts = ["x x x", "Goal: go to the red ball"]
+    candidates = [[f" c{i}" for i in range(6)], [" now", " then", " a"]]
+    got, _, _ = run_plan(model, tok, "causal", contexts, candidates, Needs(per_token=True, entropy=True),
+                         packed=packed)
+    assert rows_scored == [(2, 9)], rows_scored  # two prefixes' rows for the nine first tokens
+    for g, e in zip(got, reference_scores(model, tok, contexts, candidates)):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)

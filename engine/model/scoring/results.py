@@ -212,13 +212,18 @@ def prefix_outputs(ctxs, offsets, state: BatchPass, device):
     firsts = [(a, j) for a, c in enumerate(ctxs) for j, cand in enumerate(c.candidates)
               if cand.first_scored == 0 and cand.rest]
     if firsts:
-        logits = take([state.last_logits[a] for a, _ in firsts])
+        # each prefix's last logits once, however many of its candidates they score (their normaliser and, in an
+        # updater's pass, their output-layer product are computed once per context, not once per candidate)
+        prefixes = sorted({a for a, _ in firsts})
+        row_of = {a: k for k, a in enumerate(prefixes)}
+        logits = take([state.last_logits[a] for a in prefixes])
+        index = torch.tensor([row_of[a] for a, _ in firsts], device=device)
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
         hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
-        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy)
+        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
         sink.add(logprobs, [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets, logits, entropy,
-                 hidden=hidden)
+                 index=index, hidden=hidden)
         for a, j in firsts:
             counts[offsets[a] + j] += 1
 
