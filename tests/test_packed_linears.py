@@ -165,3 +165,53 @@ def test_an_error_while_decoding_puts_every_layer_back(lora_llama, monkeypatch):
     assert no_forward_left(model)
     monkeypatch.undo()
     assert_same(run(model, tok, packed), reference)
+
+
+def test_a_weight_made_trainable_loses_its_packs(lora_llama):
+    """A weight trained for a while (written through ``.data``, as DeepSpeed writes, no version bump) and frozen
+    again is packed again: its packs were dropped when it stopped being packed."""
+    model, tok = lora_llama
+    packed = decoder(True)
+    run(model, tok, packed)
+    weight = base(model, 1, "gate_proj").weight
+    weight.requires_grad_(True)
+    try:
+        assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+        weight.data.mul_(1.5)  # invisible to the parameter's version counter
+    finally:
+        weight.requires_grad_(False)
+    assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+
+
+def test_another_parameter_over_the_same_memory_is_packed_again(lora_llama):
+    model, tok = lora_llama
+    packed = decoder(True)
+    run(model, tok, packed)
+    count = packed.stats()["weights_packed"]
+    layer = base(model, 0, "up_proj")
+    layer.weight = torch.nn.Parameter(layer.weight.data, requires_grad=False)  # a counter of its own
+    run(model, tok, packed)
+    assert packed.stats()["weights_packed"] == count + 1
+
+
+def test_linear_subclasses_with_a_forward_of_their_own_are_not_packed(lora_llama):
+    model, tok = lora_llama
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = model.base_model.model.model.layers[1].mlp
+    old = layer.up_proj
+    layer.up_proj = Scaled(old.in_features, old.out_features, bias=False)
+    layer.up_proj.weight = torch.nn.Parameter(old.weight.detach().clone(), requires_grad=False)
+    assert_same(run(model, tok, decoder(True)), run(model, tok, decoder(False)))
+
+
+def test_an_adapter_over_a_trainable_base_weight_decodes_unmerged(lora_llama):
+    """The merged copy is rebuilt when the adapter changes; a trained base weight under it would go unseen."""
+    model, tok = lora_llama
+    base(model, 0, "q_proj").weight.requires_grad_(True)
+    merging = decoder(True, merge_adapter=True)
+    assert_same(run(model, tok, merging), run(model, tok, decoder(False)))
+    assert merging.stats()["merges"] == 0

@@ -13,9 +13,9 @@ base weight that is another tensor. In float32 the merged weights give log-probs
 in bfloat16 each merged weight is rounded once to bfloat16, so log-probs differ from ``score``'s by bfloat16's
 rounding (measured figures: README, Generation).
 
-Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, quantized base weights, ZeRO-3's
-outside a call that gathered them, LoRA on embeddings or convolutions, and several adapters active at once. This
-module does not decode.
+Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, quantized base weights, trainable base
+weights (the ``freeze`` plugin's ``unfreeze`` under LoRA), ZeRO-3's outside a call that gathered them, LoRA on
+embeddings or convolutions, and several adapters active at once. This module does not decode.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def why_not_mergeable(layers: list, adapter: str, gathered: bool = False) -> str
         weight = layer.get_base_layer().weight
         if not weight.is_floating_point() or (hasattr(weight, "ds_id") and not gathered):
             return "base weights that are quantized or partitioned by ZeRO-3"
+        if weight.requires_grad:  # the copy is rebuilt when the adapter changes; a trained base weight is not watched
+            return "a trainable base weight under the adapter"
     return None
 
 

@@ -19,10 +19,14 @@ when their weight changes:
     write through the parameter, as ``load_state_dict`` writes) is unchanged;
   - a weight whose memory belongs to an *owner* the caller names (the merged LoRA buffers of
     :mod:`.merged_lora`, swapped in through ``.data``): kept while the owner's version counter is unchanged;
-  - a trainable weight is not packed: optimizers and DeepSpeed write such weights in ways no counter sees.
-A frozen weight written in place through ``.data`` (bypassing the parameter's version counter) would be read stale;
-nothing in llmrl writes frozen weights so. Not packed either: other dtypes and devices, weights that are not 2-D
-(ZeRO-3's partitions), torch builds without MKL. This module does not decode; :mod:`.loop` runs the steps.
+  - a trainable weight is not packed: optimizers and DeepSpeed write such weights in ways no counter sees, and a
+    layer not packed in a call (a weight made trainable) loses the packs it had.
+A pack is kept against the parameter (or owner) object itself: another parameter over the same memory is packed again.
+Packs of the last two row counts are kept, so they can hold up to twice the weights' size. A frozen weight written in
+place through ``.data`` (bypassing the parameter's version counter) would be read stale; nothing in llmrl writes frozen
+weights so. Not packed either: subclasses of ``nn.Linear`` with a ``forward`` of their own, other dtypes and devices,
+weights that are not 2-D (ZeRO-3's partitions), torch builds without MKL. This module does not decode; :mod:`.loop` runs
+the steps.
 """
 
 from __future__ import annotations
@@ -42,17 +46,18 @@ def available() -> bool:
 @dataclass
 class _Pack:
     module: weakref.ref
-    source: torch.Tensor  # a view of the weight packed (its memory stays allocated) or its owner
-    version: int  # the source's version counter when packed
+    identity: weakref.ref  # the parameter (frozen weights) or the owner whose version counter is read
+    holder: torch.Tensor  # the memory packed, kept allocated so that no other tensor can take its address
+    version: int  # the version counter when packed
     rows: int
     packed: torch.Tensor
     nbytes: int  # the weight's size: what the pack holds in memory (MKL reserves more address space than it fills)
 
-    def fits(self, module, source: torch.Tensor, rows: int) -> bool:
+    def fits(self, module, counter: torch.Tensor, identity, rows: int) -> bool:
         weight = module.weight
-        return (self.module() is module and self.rows == rows and self.version == source._version
-                and self.source.data_ptr() == weight.data_ptr() and self.source.shape == weight.shape
-                and self.source.dtype == weight.dtype)
+        return (self.module() is module and self.identity() is identity and self.rows == rows
+                and self.version == counter._version and self.holder.data_ptr() == weight.data_ptr()
+                and self.holder.shape == weight.shape and self.holder.dtype == weight.dtype)
 
 
 class PackedWeights:
@@ -92,28 +97,33 @@ class PackedWeights:
             for module in model.modules():
                 source = self._source(module, owners)
                 if source is not None:
-                    module.forward = self._forward(module, source, rows)
+                    module.forward = self._forward(module, *source, rows)
                     patched.append(module)
+            mine = {id(module) for module in patched}  # a layer not packed now (trainable now) loses its old packs
+            self._kept = {key: pack for key, pack in self._kept.items() if key[0] in mine}
             yield
         finally:
             for module in patched:
-                del module.forward
+                vars(module).pop("forward", None)
 
     @staticmethod
-    def _source(module, owners: dict) -> torch.Tensor | None:
-        """What a pack of this layer's weight is kept against, or None where the layer is not packed."""
+    def _source(module, owners: dict) -> tuple | None:
+        """What a pack of this layer's weight is kept against: the tensor whose version counter counts the writes
+        to it, and the object that counter belongs to; None where the layer is not packed."""
         weight = getattr(module, "weight", None)
-        if not (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2
-                and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.numel() > 0):
-            return None
+        if not (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+                and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
+                and weight.device.type == "cpu" and weight.numel() > 0):
+            return None  # (a subclass with a forward of its own computes something else than x W^T + b)
         if "forward" in vars(module):
             return None  # a forward already replaced (by a hook library) is left alone
         owner = owners.get(weight.data_ptr())
         if owner is not None:
-            return owner
-        return None if weight.requires_grad else weight.detach()  # detach shares the parameter's version counter
+            return owner, owner
+        # detach shares the parameter's version counter
+        return None if weight.requires_grad else (weight.detach(), weight)
 
-    def _forward(self, layer: torch.nn.Linear, source: torch.Tensor, rows: int):
+    def _forward(self, layer: torch.nn.Linear, counter: torch.Tensor, identity, rows: int):
         own = type(layer).forward.__get__(layer)
         key = (id(layer), rows)
         checked = []  # the pack, once checked in this call
@@ -123,10 +133,11 @@ class PackedWeights:
                 return own(x)  # another row count (the prefill), or a dtype the pack does not take
             if not checked:
                 pack = self._kept.get(key)
-                if pack is None or not pack.fits(layer, source, rows):
+                if pack is None or not pack.fits(layer, counter, identity, rows):
                     weight = layer.weight.detach()
                     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-                    pack = self._kept[key] = _Pack(weakref.ref(layer), source, source._version, rows, packed,
+                    pack = self._kept[key] = _Pack(weakref.ref(layer), weakref.ref(identity), weight,
+                                                   counter._version, rows, packed,
                                                    weight.numel() * weight.element_size())
                     self.packs += 1
                 checked.append(pack)

@@ -37,9 +37,10 @@ PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5
 # allocator keeps for reuse (host_malloc: reuse), so a chunk's logits are not page-faulted in afresh at every chunk
 # (benchmarks.trunk_update, the demo's update: 2.78 s against 2.94 s with 64 MiB chunks, one after the other)
 LOGITS_PER_CHUNK = 1 << 23
-# a pass with gradients whose rows' logits take at most this many bytes keeps its chunks' logits for its backward pass
-# instead of computing them again there (the demo's update: 260 rows x 49,152, 51 MB, saves one output-layer matrix
-# product of three per pass); a larger pass keeps only the hidden states and two numbers per row
+# an output-layer call with gradients whose rows' logits take at most this many bytes keeps its chunks' logits for its
+# backward pass (a pass making several model calls before its backward keeps this much per call) instead of computing
+# them again there (the demo's update: 260 rows x 49,152, 51 MB, saves one output-layer matrix product of three per
+# pass); a larger pass keeps only the hidden states and two numbers per row
 KEEP_FOR_BACKWARD = 128 << 20
 
 _active: list[torch.nn.Module] = []  # the output layer while a pass hands back hidden states (at most one)
@@ -179,6 +180,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         return logp, entropies
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradient is written out directly: no graph of its own
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, rows, targets, norm, entropies = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
