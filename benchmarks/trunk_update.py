@@ -5,15 +5,16 @@ layer run in every pass, on the RLHF demo's batch, in one run.
     .venv/bin/python -m benchmarks.trunk_update --updater grpo     # the demo's grpo config instead of ppo_tokens
     .venv/bin/python -m benchmarks.trunk_update --model tiny       # the tiny random model (a smoke run)
 
-Two LLMs of one run start from the same weights and differ only in ``trunk_reuse_mb``: ``whole`` (0) and
-``trunk``. Their updater is the RLHF demo's (``configs/rlhf-sentiment.yaml``: ``ppo_tokens`` with a token value
-head, 2 epochs of 2 minibatches, KL to the adapters-off reference; or ``configs/rlhf-sentiment-grpo.yaml``'s
-``grpo``). Each repetition samples a fresh batch (8 prompts x 4 continuations of 16 tokens, as one demo update:
-no ``score`` call ever computed these tokens, so the trunk's update records them in its first pass and replays
-them in the reference pass and every epoch), then times ``update`` on ``whole`` and on ``trunk`` with the same
-batch, one after the other. It prints the median times, their ratio, the largest difference of the two LLMs'
-statistics and trained weights (float32 rounding, magnified by Adam where a gradient is near zero), and the
-trunk's replayed and whole model calls. It writes nothing.
+Two LLMs of one run start from the same weights and differ only in ``trunk_reuse_mb``: ``whole`` (0) and ``trunk``.
+Their updater is the RLHF demo's (``configs/rlhf-sentiment.yaml``: ``ppo_tokens`` with a token value head, 2 epochs of 2
+minibatches, KL to the adapters-off reference; or ``configs/rlhf-sentiment-grpo.yaml``'s ``grpo``). Each repetition
+samples a fresh batch (8 prompts x 4 continuations of 16 tokens, as one demo update), by default from ``trunk`` itself,
+as the demo samples from the LLM it trains: its decoding loop keeps the trunk of what it samples, and the update replays
+it in every pass. With ``--sample-from whole`` no call of ``trunk`` ever computed these tokens: its update records them
+in its first pass and replays them in the reference pass and every epoch. Then it times ``update`` on ``whole`` and on
+``trunk`` with the same batch, one after the other. It prints the median times, their ratio, the largest difference of
+the two LLMs' statistics and trained weights (float32 rounding, magnified by Adam where a gradient is near zero), and
+the trunk's replayed and whole model calls. It writes nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sample-from", choices=("trunk", "whole"), default="trunk",
+                        help="the LLM that samples each batch (trunk: its loop keeps the trunk for the update)")
     args = parser.parse_args()
     kit = testkit()
     tiny = args.model == "tiny"
@@ -59,7 +62,8 @@ def main() -> None:
     with kit.LiveRun({"llms": llms, "threads_per_rank": 2}) as run:
         for repeat in range(args.repeats):
             prompts = train_prompts[repeat * args.prompts:(repeat + 1) * args.prompts]
-            groups = run.generate(prompts, llm="whole", max_new_tokens=args.new_tokens, do_sample=True, top_k=0,
+            groups = run.generate(prompts, llm=args.sample_from, max_new_tokens=args.new_tokens, do_sample=True,
+                                  top_k=0,
                                   num_return_sequences=args.samples, seed=repeat)
             rewards = [[reward(s["text"]) for s in group] for group in groups]
             continuations = [[s["tokens"] for s in group] for group in groups]
@@ -81,7 +85,7 @@ def main() -> None:
     print(f"  every layer in every pass:          {whole:7.3f} s per update")
     print(f"  the trunk computed once per update: {reused:7.3f} s per update   ({whole / reused:.2f}x faster)")
     print(f"  trunk: depth {trunk['depth']}, {trunk['replayed_calls']} model calls replayed, {trunk['whole_calls']} "
-          "run whole (each update's first pass)")
+          "run whole (each update's first pass over tokens it did not sample)")
     print(f"  largest difference: statistics {stat_difference:.2e}, trained weights {weight_difference:.2e}")
 
 

@@ -65,3 +65,28 @@ def test_an_update_computes_the_trunk_once_and_equals_the_whole_model(run, updat
     ranks = [rank for rank, server in run.servers().items() if server["llm"] == trunk]
     stats = [run.server_memory()[rank]["trunk"] for rank in ranks]
     assert len(stats) == replicas and all(s["replayed_calls"] > 0 for s in stats), stats  # the top layer only
+
+
+@pytest.mark.parametrize("updater,replicas", CASES)
+def test_samples_the_llm_generated_leave_it_their_trunk(run, updater, replicas):
+    """Samples from the trunk LLM's own ``generate``: its decoding loop kept their states below the adapted layer,
+    so the update's first pass replays too (no call runs whole), and the update still equals the whole model's.
+    Four prompts of three samples: ``generate`` shares the 12 samples among replicas as ``update`` shares the four
+    prompts (a replica updating a sample another replica generated runs that call whole, as before)."""
+    trunk, whole = f"{updater}-{replicas}-trunk", f"{updater}-{replicas}-whole"
+    prompts = PROMPTS[:4]
+    ranks = [rank for rank, server in run.servers().items() if server["llm"] == trunk]
+    before = [run.server_memory()[rank]["trunk"]["whole_calls"] for rank in ranks]
+    samples = run.generate(prompts, llm=trunk, do_sample=True, num_return_sequences=3, max_new_tokens=5, seed=11)
+    conts = [[s["tokens"].tolist() for s in group] for group in samples]
+    rewards = [[float(len(c) % 3) - 0.4 * j + 0.1 * i for j, c in enumerate(group)] for i, group in enumerate(conts)]
+    got = run.update(prompts, conts, llm=trunk, rewards=rewards)
+    want = run.update(prompts, conts, llm=whole, rewards=rewards)
+    for g, w in zip(got, want):
+        for key in w:
+            assert g[key] == pytest.approx(w[key], abs=1e-5), key
+    a, b = run.state_dict(llm=trunk), run.state_dict(llm=whole)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    after = [run.server_memory()[rank]["trunk"]["whole_calls"] for rank in ranks]
+    assert after == before, (before, after)

@@ -241,7 +241,7 @@ class HFBackend(ModelBackend):
             from llmrl.engine.model.decoding.runtime import Decoder
 
             self._decoder = Decoder(self.llm.generation, torch.device(self.device).type,
-                                    zero3=self.llm.training.zero_stage == 3)
+                                    zero3=self.llm.training.zero_stage == 3, trunk=self.module.trunk)
         return self._decoder
 
     def update(self, batch):

@@ -18,6 +18,9 @@ On CUDA, whether every row has ended is read back every :data:`CUDA_FINISH_CHECK
 read-back waits for the device, so the host could not queue the next step while the current one runs. Steps run
 after every row ended feed pad tokens and are cut with the rows (each row ends at its EOS), so results are the same.
 With stop strings (checked on the host at every step anyway) or a cache kept across calls, it reads every step.
+With a frozen trunk (``trunk_reuse_mb``) and a dynamic cache, the states entering the trunk's depth of the prompts
+and of each token fed back are kept for the update of these samples
+(:meth:`~llmrl.engine.model.reuse.trunk.Trunk.record_decoded`).
 This module runs the model; it does not plan batches, merge adapters or build responses.
 """
 
@@ -67,7 +70,7 @@ def _keeps_last_logits_only(model) -> dict:
 @torch.no_grad()
 def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
            pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial", past=None,
-           keep_cache: bool = False, packer=None, owners: dict | None = None) -> Decoded:
+           keep_cache: bool = False, packer=None, owners: dict | None = None, trunk=None) -> Decoded:
     """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
 
     ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
@@ -77,7 +80,9 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     across calls, :func:`~llmrl.engine.model.reuse.generation_prefix.cached_past`); only the columns after them are
     prefilled. ``keep_cache`` returns the final cache in :attr:`Decoded.cache`. ``packer``: a
     :class:`~.packed_linears.PackedWeights` whose packs the decode steps multiply with (``owners``: the memory it is
-    told of, :meth:`~.packed_linears.PackedWeights.for_rows`), or None."""
+    told of, :meth:`~.packed_linears.PackedWeights.for_rows`), or None. ``trunk``: a
+    :class:`~llmrl.engine.model.reuse.trunk.Trunk` that keeps the states this batch computes below its depth for the
+    update that will score these samples (with a dynamic cache and no ``past`` only), or None."""
     from transformers import DynamicCache
 
     device = ids.device
@@ -89,8 +94,12 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     prefill = DynamicCache(config=model.config) if past is None else past
     covered = past.get_seq_length() if past is not None else 0
-    out = model(input_ids=ids[:, covered:], attention_mask=mask, position_ids=positions[:, covered:], use_cache=True,
-                **{cache_name: prefill}, **_keeps_last_logits_only(model))
+    keeping = trunk if trunk is not None and past is None and static is None else None
+    with keeping.active("record") if keeping is not None else contextlib.nullcontext():
+        out = model(input_ids=ids[:, covered:], attention_mask=mask, position_ids=positions[:, covered:],
+                    use_cache=True, **{cache_name: prefill}, **_keeps_last_logits_only(model))
+        prefill_states = keeping.take_captured() if keeping is not None else None
+    fed_states: list[torch.Tensor] = []
     logits = out.logits[:, -1].float()[source]  # indexing copies
     del out
     padded, length = _bucketed(static, rows, width + max_new) if static is not None else (rows, 0)
@@ -145,11 +154,17 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
                 logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention)[:rows]
             else:
                 attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=1)
-                out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention,
-                            use_cache=True, **{cache_name: cache})
+                with keeping.active("record") if keeping is not None else contextlib.nullcontext():
+                    out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention,
+                                use_cache=True, **{cache_name: cache})
+                    if keeping is not None:
+                        fed_states.append(keeping.take_captured())
                 logits = out.logits[:, -1].float()  # a view of this step's own logits (no copy in float32)
                 del out
     steps = len(raw)
+    if prefill_states is not None and all(state is not None for state in fed_states):
+        keeping.record_decoded([ids[p][mask[p].bool()].tolist() for p in range(prompts)], prefill_states, fed_states,
+                               sequences[:, width:width + steps], num_return, eos)
     return Decoded(sequences[:, width:width + steps].cpu(), torch.stack(raw, dim=1).cpu(),
                    torch.stack(sampled, dim=1).cpu(), cache if keep_cache else None)
 

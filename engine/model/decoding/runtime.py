@@ -30,11 +30,12 @@ def _on(value, on_cuda: bool) -> bool:
 class Decoder:
     """The decoding loop of one served LLM (see the module's docstring)."""
 
-    def __init__(self, settings, device_type: str, zero3: bool = False):
+    def __init__(self, settings, device_type: str, zero3: bool = False, trunk=None):
         from llmrl.engine.model.decoding.packed_linears import PackedWeights
         from llmrl.engine.model.decoding.static_step import StaticDecoder
 
         self.settings, self.zero3 = settings, zero3
+        self.trunk = trunk  # a frozen trunk (trunk_reuse_mb) keeps the states each batch computes below its depth
         cuda = device_type == "cuda"
         self.compiled = _on(settings.compile, cuda) and not zero3
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
@@ -86,7 +87,7 @@ class Decoder:
             with merging as merged:
                 owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
                 return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                              self.settings.sampler, past, keep_cache, self.packed, owners)
+                              self.settings.sampler, past, keep_cache, self.packed, owners, self.trunk)
         finally:
             if self.zero3 and self.merged is not None:  # the gathered weights are freed after the call
                 self.merged.release()

@@ -8,14 +8,14 @@ keeps, per token path (the token ids from the start of the sequence), the hidden
 during the updater's forward passes replaces the layers below ``depth`` by a pass-through: the state entering
 layer ``depth`` is taken from the tree, so forward and backward run through the trainable top only.
 
-A model call is replayed only when the tree holds the state of *every* token the call computes; otherwise it
-runs whole, as without reuse, and what it computed is recorded: the trunk of an update over generated tokens is
-computed once, by its first pass. Replay is off for passes that ask for hidden states of the bottom layers
-(they are not computed), and the skipped layers still add a placeholder to the key/value cache so that the
-cache length the model derives positions and masks from stays right. The states never need invalidating: what
-they depend on never changes. Supported: decoder-only models whose layers sit in ``<model>.model.layers`` and
-take the hidden states as first argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor
-parallelism (checked by the backend).
+A model call is replayed only when the tree holds the state of *every* token the call computes; otherwise it runs whole,
+as without reuse, and what it computed is recorded: the trunk of an update over generated tokens is computed once, by
+its first pass, or not at all when this LLM generated them: llmrl's decoding loop keeps the states of its prompts and
+sampled tokens (:meth:`Trunk.record_decoded`). Replay is off for passes that ask for hidden states of the bottom layers
+(they are not computed), and the skipped layers still add a placeholder to the key/value cache so that the cache length
+the model derives positions and masks from stays right. The states never need invalidating: what they depend on never
+changes. Supported: decoder-only models whose layers sit in ``<model>.model.layers`` and take the hidden states as first
+argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor parallelism (checked by the backend).
 
 Every model call of a scoring pass goes through :func:`make_caller`, told which token paths each row of the call
 computes (:class:`TrunkRow`, built by :func:`common_rows`, :func:`own_rows`, :func:`candidate_rows`); without a
@@ -143,6 +143,33 @@ class Trunk:
         if self.mode is not None:  # recorded while scoring, and by an updater's pass that runs whole
             self._captured = hidden.detach()
         return None
+
+    def take_captured(self) -> torch.Tensor | None:
+        """The states entering layer ``depth`` of the last model call made inside :meth:`active` (then forgotten)."""
+        captured, self._captured = self._captured, None
+        return captured
+
+    def record_decoded(self, prompts: list[list[int]], prefill: torch.Tensor, fed: list[torch.Tensor],
+                       generated: torch.Tensor, num_return: int, eos: set[int]) -> None:
+        """Keep the states a decoding batch computed (llmrl's loop): ``prefill`` (prompts x width x hidden, left-padded:
+        prompt ``p``'s states are its last ``len(prompts[p])`` columns), ``fed`` (per decode step, rows x 1 x hidden:
+        the state of ``generated[r, k]`` fed back at step ``k``; row ``r`` continues prompt ``r // num_return``).
+        Each row is kept up to its first EOS: the tokens an update scores after the prompt."""
+        for p, prompt in enumerate(prompts):
+            states = prefill[p, prefill.shape[1] - len(prompt):]
+            self.states.insert(None, prompt, lambda i, j, states=states: [(states[None, i:j],)])
+        if not fed:
+            return
+        steps = torch.cat(fed, dim=1)
+        for r, tokens in enumerate(generated[:, :steps.shape[1]].tolist()):
+            prompt = prompts[r // num_return]
+            end = next((k + 1 for k, token in enumerate(tokens) if token in eos), len(tokens))
+            start = len(prompt)
+            if end == 0 or self.states.held(None, prompt) < start:
+                continue
+            row = steps[r, :end]
+            self.states.insert(None, prompt + tokens[:end],
+                               lambda i, j, row=row, start=start: [(row[None, i - start:j - start],)])
 
     # ------------------------------------------------------------------ one model call
 
