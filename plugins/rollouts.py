@@ -186,8 +186,9 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
             if run_policy and policy_pass is not None:
                 out, logp, mask = policy_pass(trainer, mb, heads)
                 rows["old_logprobs"] = logp.float().cpu()
-            elif run_policy:
-                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True)
+            elif run_policy:  # with the old log-probs given, only the value head is read: no log-prob computed
+                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True,
+                                      logprobs=not given_old)
                 logp, mask = out.tokens_by_candidate()
                 rows["old_logprobs"] = logp.float().cpu()
             if run_reference:

@@ -27,7 +27,8 @@ class Trainer:
 
     def forward(self, contexts: list, candidates: list[list] | None = None, heads=(),
                 peft_adapter: str | None = None, *, per_token: bool = False, entropy: bool = False,
-                add_eos: bool = False, head_kwargs: dict | None = None, logits: bool = False) -> Any:
+                add_eos: bool = False, head_kwargs: dict | None = None, logits: bool = False,
+                logprobs: bool = True) -> Any:
         """Score the candidates and run the named heads, with gradients (wrap in ``torch.no_grad()`` for none).
 
         Args:
@@ -46,6 +47,10 @@ class Trainer:
             logits: also keep ``token_logits`` (``[n_tokens, vocab]`` float32, the logits at the positions predicting
                 the scored tokens; implies ``per_token``), for losses over the whole distribution (``nlpo``'s
                 masked policy). Costs ``n_tokens x vocab`` floats.
+            logprobs: False computes no log-prob (NaN where they would be; with neither ``entropy`` nor
+                ``logits``), for a pass read only for its heads and token counts: where the model allows, its output
+                layer does not run over the vocabulary (``ppo_tokens``' first pass when the client gave the old
+                log-probs: only the value head is read).
 
         Returns:
             The pass's :class:`ForwardOutputs`; per-token tensors in candidate order, with gradients.

@@ -45,11 +45,12 @@ class ForwardPlan:
 
 def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: str | None = None,
                  minibatch_size: int | None = None, *, per_token: bool = False, entropy: bool = False,
-                 add_eos: bool = False, head_kwargs: dict | None = None, prefix_cache=None, logits: bool = False
-                 ) -> ForwardPlan:
+                 add_eos: bool = False, head_kwargs: dict | None = None, prefix_cache=None, logits: bool = False,
+                 logprobs: bool = True) -> ForwardPlan:
     """Tokenise and plan a forward pass; raises ValueError on bad input (nothing has run yet). ``per_token`` /
     ``entropy`` keep per-token log-probs / entropies (they change no model call); ``logits`` keeps each scored token's
-    logits (``token_logits``); ``add_eos`` ends candidates
+    logits (``token_logits``); ``logprobs=False`` computes no log-prob (NaN in their place: a pass read for its heads
+    and token counts only); ``add_eos`` ends candidates
     with the EOS token; ``head_kwargs`` go to the heads; ``prefix_cache`` (the cache across calls the pass will read)
     lets the planner drop a pass over a common prefix the cache already holds."""
     keys = served.check_heads(heads)
@@ -58,9 +59,11 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     served.check_adapter(adapter)
     if entropy and not per_token:
         raise ValueError("entropy=True needs per_token=True (entropies are given per token)")
+    if not logprobs and (entropy or logits):
+        raise ValueError("logprobs=False computes no distribution: it cannot give entropy or logits")
     needs = served.needs_for(keys)
     needs = replace(needs, per_token=per_token or logits or needs.per_token, entropy=entropy,
-                    token_logits=logits or needs.token_logits)
+                    token_logits=logits or needs.token_logits, logprobs=logprobs)
     llm = served.llm
     # Under lockstep a seq2seq model re-encodes per chunk: every call must be a whole-model call.
     reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")

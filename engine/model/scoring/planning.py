@@ -41,6 +41,7 @@ class Needs:
     entropy: bool = False  # the entropy of the model's distribution at each scored position (with per_token)
     token_hidden: bool = False  # hidden states at the position predicting each scored token (with per_token)
     token_logits: bool = False  # float32 logits at the position predicting each scored token (with per_token)
+    logprobs: bool = True  # False: the scored tokens' log-probs are not computed (NaN in their place; heads only)
     layers: tuple[int, ...] = (-1,)  # indices into Hugging Face's hidden_states kept wherever hidden states are
 
     @property

@@ -55,6 +55,11 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, 
     return at_least_float32(logits[rows, targets]) - norm[rows], torch.cat(entropies) if entropy else None
 
 
+def unscored(targets: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """What stands for the log-probs of ``targets`` in a pass that computes none (``Needs.logprobs`` False): NaN."""
+    return torch.full(targets.shape, float("nan"), device=targets.device), None
+
+
 @dataclass
 class Tokens:
     """Per-token outputs of one batch, in no particular order: candidate (batch-local index) and position within
@@ -155,7 +160,8 @@ def score_positions(sink: TokenSink, logits: torch.Tensor, kept: KeptPositions, 
     needs = sink.needs
     index = kept.places_of(scored).to(device)
     targets = torch.tensor([s.target for s in scored], device=device)
-    logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
+    logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index) \
+        if needs.logprobs else unscored(targets)
     hidden = None
     if needs.token_hidden:
         rows = torch.tensor([s.row for s in scored], device=device)
@@ -221,7 +227,8 @@ def prefix_outputs(ctxs, offsets, state: BatchPass, device):
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
         hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
-        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
+        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index) \
+            if needs.logprobs else unscored(targets)
         sink.add(logprobs, [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets, logits, entropy,
                  index=index, hidden=hidden)
         for a, j in firsts:

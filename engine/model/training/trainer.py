@@ -100,7 +100,7 @@ class EngineTrainer(ModelAccess, Trainer):
                               f"{_DOING.get(doing, 'at its next step')}")
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
-                add_eos=False, head_kwargs=None, logits=False) -> ForwardOutputs:
+                add_eos=False, head_kwargs=None, logits=False, logprobs=True) -> ForwardOutputs:
         served = self.served
         if torch.is_grad_enabled() and (peft_adapter in served.snapshots or peft_adapter in served.weight_snapshots):
             raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
@@ -111,7 +111,8 @@ class EngineTrainer(ModelAccess, Trainer):
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
                                          per_token=per_token, entropy=entropy, add_eos=add_eos, logits=logits,
-                                         head_kwargs=head_kwargs, position=self._position(FORWARD))
+                                         logprobs=logprobs, head_kwargs=head_kwargs,
+                                         position=self._position(FORWARD))
         except OutOfStep as err:
             self.failed_vote_cast = True
             raise ReplicasOutOfStep(out_of_step_message(served, err.positions)) from None
