@@ -231,3 +231,33 @@ def test_given_old_logprobs_without_a_reference_or_value_head_run_no_pass():
     for value_head, reference in (("value", False), (None, True)):
         with pytest.raises(AssertionError, match="no model call"):
             first_pass(batch, trainer, rewards, None, value_head, need_reference=reference)
+
+
+def test_a_value_head_pass_with_given_old_logprobs_computes_no_logprobs():
+    """ppo_tokens with the client's old log-probs: the first pass runs only for the value head, asks the engine
+    for no log-prob (``logprobs=False``), and the rows hold the given log-probs; without them it asks for them."""
+    from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
+    from llmrl.plugins.rollouts import first_pass
+
+    class RecordingTrainer:  # one prompt, one 2-token continuation, a token-level value head
+        micro_batch_size, has_adapters = 4, True
+
+        def __init__(self):
+            self.asked = []
+
+        def forward(self, contexts, candidates, heads=(), **kwargs):
+            self.asked.append(kwargs.get("logprobs", True))
+            lp = torch.tensor([-1.0, -2.0]) if self.asked[-1] else torch.full((2,), float("nan"))
+            return ForwardOutputs("causal", 1, lp.sum()[None], torch.tensor([2]), torch.tensor([0]),
+                                  heads={"value": torch.tensor([0.5, 0.25])}, head_levels={"value": "token"},
+                                  token_logprobs=lp, token_candidate=torch.tensor([0, 0]))
+
+    rewards = [torch.tensor([1.0])]
+    for given, asked, want in ((True, False, [-0.3, -0.4]), (False, True, [-1.0, -2.0])):
+        kwargs = {"rewards": [1.0], **({"old_logprobs": [[[-0.3, -0.4]]]} if given else {})}
+        trainer = RecordingTrainer()
+        (prompt,) = first_pass(UpdateBatch(["a prompt"], [[[5, 6]]], kwargs, [0], 1, 0, 1, [1]), trainer, rewards,
+                               None, "value", need_reference=False)
+        assert trainer.asked == [asked]
+        assert prompt.tensors["old_logprobs"][0].tolist() == pytest.approx(want)
+        assert prompt.tensors["values"][0].tolist() == pytest.approx([0.5, 0.25])

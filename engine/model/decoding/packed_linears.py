@@ -90,8 +90,6 @@ class PackedWeights:
         if rows in self._recent_rows:
             self._recent_rows.remove(rows)
         self._recent_rows = (self._recent_rows + [rows])[-self.keep_row_counts:]
-        self._kept = {key: pack for key, pack in self._kept.items()
-                      if key[1] in self._recent_rows and pack.module() is not None}
         patched = []
         try:
             for module in model.modules():
@@ -99,8 +97,10 @@ class PackedWeights:
                 if source is not None:
                     module.forward = self._forward(module, *source, rows)
                     patched.append(module)
-            mine = {id(module) for module in patched}  # a layer not packed now (trainable now) loses its old packs
-            self._kept = {key: pack for key, pack in self._kept.items() if key[0] in mine}
+            # dropped: packs of an older row count, and of a layer not packed now (made trainable, or gone)
+            mine = {id(module) for module in patched}
+            self._kept = {key: pack for key, pack in self._kept.items()
+                          if key[1] in self._recent_rows and key[0] in mine}
             yield
         finally:
             for module in patched:
