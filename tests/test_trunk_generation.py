@@ -58,14 +58,17 @@ def score_pass(model, tok, contexts, candidates, trunk=None):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("llama_step", [True, False], ids=["llama-step", "hf-step"])
 @pytest.mark.parametrize("eos_early", [False, True], ids=["full-length", "ended-early"])
-def test_generate_keeps_the_trunk_and_the_update_replays_it(lora_top, eos_early):
+def test_generate_keeps_the_trunk_and_the_update_replays_it(lora_top, eos_early, llama_step):
     model, tok = lora_top
     depth = trunk_depth(model)
     assert depth == 1
     trunk = Trunk(model, depth, 1 << 24)
-    samples = sample(model, tok, Decoder(GenerationSettings(), "cpu", trunk=trunk), eos_early)
-    without = sample(model, tok, Decoder(GenerationSettings(), "cpu"), eos_early)
+    decoder = Decoder(GenerationSettings(llama_step=llama_step), "cpu", trunk=trunk)
+    samples = sample(model, tok, decoder, eos_early)
+    assert decoder.stats()["llama_step_batches"] == (1 if llama_step else 0)  # the trunk's hook is handed over
+    without = sample(model, tok, Decoder(GenerationSettings(llama_step=False), "cpu"), eos_early)
     assert [[s["tokens"].tolist() for s in g] for g in without] == [[s["tokens"].tolist() for s in g] for g in samples]
     ended = 0
     for prompt, group in zip(PROMPTS, samples):

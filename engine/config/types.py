@@ -93,6 +93,7 @@ class GenerationSettings:
     cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
     sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
     pack_weights: bool | str = "auto"  # decode steps multiply with weights packed for their row count; auto: on CPU
+    llama_step: bool | str = "auto"  # Llama-shaped models' decode steps as plain tensor code; auto: on CPU
 
 
 @dataclass(frozen=True)

@@ -37,3 +37,13 @@ def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) 
     if other:
         return f"argument(s) {other} (the loop takes {', '.join(sorted(TAKEN))})"
     return None
+
+
+def slides_within(config, length: int) -> bool:
+    """Whether some attention layer of the model sees only a sliding window shorter than ``length`` tokens."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or not getattr(text, "use_sliding_window", True):
+        return False
+    kinds = getattr(text, "layer_types", None)
+    return (kinds is None or "sliding_attention" in kinds) and window < length

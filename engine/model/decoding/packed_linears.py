@@ -128,9 +128,7 @@ class PackedWeights:
         key = (id(layer), rows)
         checked = []  # the pack, once checked in this call
 
-        def forward(x):
-            if x.dtype != torch.float32 or x.numel() != rows * x.shape[-1]:
-                return own(x)  # another row count (the prefill), or a dtype the pack does not take
+        def pack() -> _Pack:
             if not checked:
                 pack = self._kept.get(key)
                 if pack is None or not pack.fits(layer, counter, identity, rows):
@@ -141,6 +139,17 @@ class PackedWeights:
                                                    weight.numel() * weight.element_size())
                     self.packs += 1
                 checked.append(pack)
-            return torch.ops.mkl._mkl_linear(x, checked[0].packed, layer.weight, layer.bias, rows)
+            return checked[0]
 
+        def forward(x):
+            if x.dtype != torch.float32 or x.numel() != rows * x.shape[-1]:
+                return own(x)  # another row count (the prefill), or a dtype the pack does not take
+            return torch.ops.mkl._mkl_linear(x, pack().packed, layer.weight, layer.bias, rows)
+
+        def product():
+            """The packed product alone, for a caller whose every input is ``rows`` float32 rows (packed now)."""
+            packed, weight, bias, op = pack().packed, layer.weight, layer.bias, torch.ops.mkl._mkl_linear.default
+            return lambda x: op(x, packed, weight, bias, rows)
+
+        forward.product = product
         return forward

@@ -43,6 +43,8 @@ class Decoder:
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
         packing = _on(settings.pack_weights, device_type == "cpu") and not zero3 and not self.compiled
         self.packed = PackedWeights() if packing else None  # a compiled step packs what its compiler packs
+        self.llama_step = _on(settings.llama_step, device_type == "cpu")
+        self.llama_step_batches = 0  # batches whose steps ran as llama_step.LlamaStep
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
 
     def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> bool:
@@ -86,8 +88,11 @@ class Decoder:
         try:
             with merging as merged:
                 owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
-                return decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                              self.settings.sampler, past, keep_cache, self.packed, owners, self.trunk)
+                decoded = decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
+                                 self.settings.sampler, past, keep_cache, self.packed, owners, self.trunk,
+                                 self.llama_step)
+                self.llama_step_batches += decoded.llama_step
+                return decoded
         finally:
             if self.zero3 and self.merged is not None:  # the gathered weights are freed after the call
                 self.merged.release()
@@ -100,6 +105,7 @@ class Decoder:
                 "merged_weights_mb": self.merged.held_bytes() / 2**20 if self.merged is not None else 0.0,
                 "packed_weights_mb": self.packed.held_bytes() / 2**20 if self.packed is not None else 0.0,
                 "weights_packed": self.packed.packs if self.packed is not None else 0,
+                "llama_step_batches": self.llama_step_batches,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
     def release(self) -> None:

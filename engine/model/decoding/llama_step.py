@@ -1,0 +1,201 @@
+"""The decode step of Llama-shaped models written out as plain tensor code (``generation.llama_step``).
+
+On a CPU a decode step of a small model is its weight matmuls plus, around them, Hugging Face's module machinery:
+per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
+key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
+(:data:`LAYERS`: Llama, Mistral, Qwen2), :class:`LlamaStep` runs each decode step (one token per row) as the same
+operations in the same order, over the model's own modules' weights:
+  - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
+    rotation ``x cos + rotate_half(x) sin``, the MLP ``down(act(gate(x)) * up(x))``, the residual adds;
+  - attention by ``scaled_dot_product_attention`` with the query heads of each key/value head grouped as Hugging
+    Face groups them for one query token, under the padding mask, with the layer's own scale;
+  - the key/value cache preallocated for the batch's whole length and written in place, one column a step;
+  - each linear layer called without ``nn.Module``'s call machinery where that computes the same thing: a plain
+    ``nn.Linear`` (its packed ``forward`` of :mod:`.packed_linears` where there is one), and a PEFT LoRA layer whose
+    adapter is off (the merged adapter of :mod:`.merged_lora`) through its base layer; anything else (an unmerged
+    adapter) is called as a module.
+The results are those of Hugging Face's step within float32 rounding (the tests hold tokens equal and log-probs to
+1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another layer class, another attention
+implementation than ``sdpa``, a sliding window shorter than the batch, or a hook on a module the step would skip
+(ZeRO-3's, a user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden
+states, which record only inside its own forward); the frozen trunk's own hook (:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing
+back the states entering its depth. The prefill runs through Hugging Face's forward. This module computes steps; it
+does not choose tokens or plan batches (:mod:`.loop`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmrl.engine.model.decoding.eligibility import slides_within
+
+LAYERS = {  # decoder layer class -> its attention, MLP and norm classes, whose decode step this module computes
+    "LlamaDecoderLayer": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
+    "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+}
+
+
+# Hugging Face installs these on decoder layers the first time a forward returns hidden states or attentions: they
+# record only inside such a forward (a context variable names what to record), never in this module's steps
+_INERT_HOOKS = "transformers.utils.output_capturing"
+
+
+def _hooked(module, allowed=()) -> bool:
+    """Whether ``module`` has a forward hook that skipping its ``__call__`` would skip (other than ``allowed``
+    objects' bound methods and Hugging Face's inert output-capturing hooks)."""
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    return any(getattr(hook, "__self__", None) not in allowed and getattr(hook, "__module__", None) != _INERT_HOOKS
+               for hook in hooks)
+
+
+def _linear(module, float32: bool):
+    """A callable computing ``module(x)``, skipping ``nn.Module.__call__`` where that computes the same thing.
+    ``float32``: every input is float32 with the batch's row count (a packed layer's product is then called
+    directly)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        LoraLayer = ()
+    if isinstance(module, LoraLayer) and module.disable_adapters and not module.merged and not _hooked(module):
+        module = module.get_base_layer()  # PEFT's forward with the adapter off: the base layer alone
+    if isinstance(module, torch.nn.Linear) and not _hooked(module) and (
+            "forward" in vars(module) or type(module).forward is torch.nn.Linear.forward):
+        packed = vars(module).get("forward")
+        if packed is not None and float32 and hasattr(packed, "product"):
+            return packed.product()  # the packed product (:mod:`.packed_linears`)
+        if packed is not None:
+            return packed
+        weight, bias = module.weight, module.bias
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
+    return module
+
+
+def _norm(module):
+    weight, eps = module.weight, module.variance_epsilon
+    if weight.dtype == torch.float32:  # torch's fused norm: one call (equal to the steps in float32 in the tests)
+        shape = tuple(weight.shape)
+        return lambda x: torch.nn.functional.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 \
+            else _norm_steps(x, weight, eps)
+    return lambda x: _norm_steps(x, weight, eps)
+
+
+def _norm_steps(x, weight, eps):
+    """Hugging Face's RMSNorm."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def _rotated(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    """One decoder layer's callables and shapes, resolved once per batch."""
+
+    def __init__(self, layer, float32: bool):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.q, self.k, self.v, self.o = (_linear(getattr(attention, name), float32)
+                                          for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.gate, self.up, self.down = (_linear(getattr(mlp, name), float32)
+                                         for name in ("gate_proj", "up_proj", "down_proj"))
+        act = mlp.act_fn
+        self.act = act.forward if isinstance(act, torch.nn.Module) and not _hooked(act) else act
+        self.head_dim, self.groups, self.scale = attention.head_dim, attention.num_key_value_groups, attention.scaling
+
+
+class LlamaStep:
+    """The decode steps of one batch (see the module's docstring): its key/value cache and resolved layers."""
+
+    @staticmethod
+    def why_not(model, length: int, trunk=None) -> str | None:
+        """None when this module computes ``model``'s decode steps for a batch of ``length`` positions; else why
+        not. ``trunk``: the frozen trunk whose hook on its depth's layer is expected."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0 or not all(
+                hasattr(inner, n) for n in ("embed_tokens", "norm", "rotary_emb")):
+            return "not a Llama-shaped model (model.layers, embed_tokens, norm, rotary_emb)"
+        for layer in layers:
+            expected = LAYERS.get(type(layer).__name__)
+            found = tuple(type(m).__name__ for m in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None),
+                                                      getattr(layer, "input_layernorm", None)))
+            if expected is None or found != expected or type(layer.post_attention_layernorm).__name__ != expected[2]:
+                return f"decoder layers of class {type(layer).__name__} (this step computes {', '.join(LAYERS)})"
+        config = model.config
+        if getattr(config, "_attn_implementation", None) != "sdpa":
+            return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (this step: sdpa)"
+        if slides_within(config, length):
+            return "a sliding attention window shorter than the batch"
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return "global module hooks"
+        allowed = (trunk,) if trunk is not None else ()
+        modules = (model, inner, inner.norm, *layers, *(m for layer in layers for m in layer.children()))
+        for module in modules:
+            if _hooked(module, allowed):
+                return f"a forward hook on {type(module).__name__}"
+        return None
+
+    def __init__(self, model, prefill, source: torch.Tensor, length: int, capture_at: int | None = None):
+        """``prefill``: the Hugging Face cache of the batch's prompts (one row per prompt); ``source``: for each
+        decoded row, its prompt's row; ``length``: the positions the batch holds; ``capture_at``: the layer whose
+        input states :meth:`step` hands back (the frozen trunk's depth), or None."""
+        inner = model.model
+        float32 = inner.embed_tokens.weight.dtype == torch.float32
+        self.layers = [_Layer(layer, float32) for layer in inner.layers[: model.config.num_hidden_layers]]
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, _norm(inner.norm)
+        self.head = _linear(model.get_output_embeddings(), float32)
+        self.capture_at = capture_at
+        self.keys, self.values = [], []
+        for index in range(len(self.layers)):
+            done_keys, done_values = prefill.layers[index].keys, prefill.layers[index].values
+            rows, heads, filled, dim = len(source), done_keys.shape[1], done_keys.shape[2], done_keys.shape[3]
+            keys = done_keys.new_empty((rows, heads, length, dim))
+            values = done_values.new_empty((rows, heads, length, dim))
+            keys[:, :, :filled] = done_keys[source]
+            values[:, :, :filled] = done_values[source]
+            self.keys.append(keys)
+            self.values.append(values)
+        self.filled = filled
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor):
+        """Feed one token per row (``tokens``: rows; ``positions``: rows x 1; ``attention``: rows x length, true
+        where a row attends, this token's column included): float32 logits (rows x vocabulary), and the states
+        entering layer ``capture_at`` (rows x 1 x hidden, or None)."""
+        rows, column = tokens.shape[0], self.filled
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden[:, None], positions)  # rows x 1 x head_dim: broadcast over the heads
+        mask = attention[:, None, None, :column + 1].bool()
+        captured = None
+        for index, layer in enumerate(self.layers):
+            if index == self.capture_at:
+                captured = hidden[:, None]
+            x = layer.norm_in(hidden)
+            dim = layer.head_dim
+            q = _rotated(layer.q(x).view(rows, -1, dim), cos, sin)
+            k = _rotated(layer.k(x).view(rows, -1, dim), cos, sin)
+            keys, values = self.keys[index], self.values[index]
+            keys[:, :, column] = k
+            values[:, :, column] = layer.v(x).view(rows, -1, dim)
+            heads = keys.shape[1]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.view(rows, heads, layer.groups, dim), keys[:, :, :column + 1], values[:, :, :column + 1],
+                attn_mask=mask, scale=layer.scale)
+            hidden = hidden + layer.o(out.reshape(rows, -1))
+            x = layer.norm_post(hidden)
+            hidden = hidden + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+        self.filled += 1
+        return self.head(self.norm(hidden)).float(), captured
+
+    def hf_cache(self, config):
+        """The cache as Hugging Face's ``DynamicCache`` holding every column filled (for the cache kept across
+        calls)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=config)
+        for index, (keys, values) in enumerate(zip(self.keys, self.values)):
+            cache.update(keys[:, :, :self.filled].contiguous(), values[:, :, :self.filled].contiguous(), index)
+        return cache
