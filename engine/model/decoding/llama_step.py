@@ -19,8 +19,9 @@ The results are those of Hugging Face's step within float32 rounding (the tests 
 implementation than ``sdpa``, a sliding window shorter than the batch, or a hook on a module the step would skip
 (ZeRO-3's, a user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden
 states, which record only inside its own forward); the frozen trunk's own hook
-(:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing back the states entering its depth. The prefill runs through Hugging Face's forward. This module computes steps; it
-does not choose tokens or plan batches (:mod:`.loop`).
+(:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing back the states entering its depth. The prefill
+runs through Hugging Face's forward. This module computes steps; it does not choose tokens or plan batches
+(:mod:`.loop`).
 """
 
 from __future__ import annotations
