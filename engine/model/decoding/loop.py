@@ -10,7 +10,8 @@ logits agree to the bit. Each token's raw log-prob (before any processing:
 what ``score`` returns) and its log-prob under the processed distribution it was drawn from are read as it is chosen;
 one step's logits are held at a time.
 
-The cache is Hugging Face's ``DynamicCache`` (grown each step: the CPU default), or, with a
+The cache is Hugging Face's ``DynamicCache`` (grown each step), or with ``llama_step`` (the CPU default) one
+preallocated for the batch that :class:`~.llama_step.LlamaStep`'s written-out steps fill in place, or, with a
 :class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured;
 not for a model with a sliding window shorter than the bucketed length (Mistral, Gemma 2...), whose static sliding
 layers keep only the window: such a call grows a dynamic cache.

@@ -1,12 +1,14 @@
 """One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
 
 :class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
-``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``), keeps the
+``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``, ``llama_step``), keeps the
 :class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder` between calls, and counts which
 loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
-``pack_weights`` (``auto``: on CPU devices) packs the weights for the step's row count (:mod:`.packed_linears`).
+``pack_weights`` (``auto``: on CPU devices) packs the weights for the step's row count (:mod:`.packed_linears`);
+``llama_step`` (``auto``: on CPU devices) runs the decode steps of Llama-shaped models as plain tensor code
+(:mod:`.llama_step`).
 Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
 decodes without a static cache or a captured step, and merges the adapter for each batch alone (the merged copy,
 the size of the adapted weights, is not kept after it).
