@@ -73,10 +73,28 @@ def plain_logprobs(model, tok, prompt: str, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
-def test_each_layer_family_decodes_as_hugging_faces_step(reference_models, name):
+VARIANTS = {  # family, config fields
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),  # with query/key/value biases
+    "llama-biased-llama3-rope-head-dim": ("llama", {  # biases everywhere, another head size, scaled rotary angles
+        "attention_bias": True, "mlp_bias": True, "head_dim": 24,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen2-window-off": ("qwen2", {"sliding_window": 4, "use_sliding_window": False}),  # no layer slides
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_each_layer_family_decodes_as_hugging_faces_step(reference_models, variant):
     tok = reference_models["llama"][1]
-    model = family(name, len(tok))
+    name, extra = VARIANTS[variant]
+    model = family(name, len(tok), **extra)
+    if extra.get("mlp_bias"):
+        with torch.no_grad():
+            for module_name, param in model.named_parameters():
+                if module_name.endswith("bias"):
+                    param.normal_(0, 0.5)
     with torch.no_grad():  # Hugging Face then leaves output-capturing hooks on the layers (inert in the step)
         assert len(model(input_ids=torch.tensor([[1, 5, 6]]), output_hidden_states=True).hidden_states) == 4
     assert any(layer._forward_hooks for layer in model.model.layers)
@@ -112,7 +130,7 @@ def test_an_adapter_unmerged_merged_or_packed_decodes_as_hugging_faces_step(refe
 def test_models_it_does_not_take_decode_through_hugging_faces_step(reference_models):
     tok = reference_models["llama"][1]
     gpt2 = reference_models["gpt2"][0]
-    assert "not a Llama-shaped model" in LlamaStep.why_not(gpt2, 64)
+    assert "a model of class GPT2LMHeadModel" in LlamaStep.why_not(gpt2, 64)
     assert decode(gpt2, reference_models["gpt2"][1], GREEDY, llama_step=True)[1]["llama_step_batches"] == 0
 
     eager = family("llama", len(tok), attn_implementation="eager")
@@ -123,6 +141,24 @@ def test_models_it_does_not_take_decode_through_hugging_faces_step(reference_mod
     ours, stats = decode(sliding, tok, GREEDY, llama_step=True)
     assert stats["llama_step_batches"] == 0
     assert_same(ours, decode(sliding, tok, GREEDY, llama_step=False)[0])
+
+    for window_fields in ({"use_sliding_window": False}, {"layer_types": ["full_attention"] * 3}):
+        ignored = family("mistral", len(tok), sliding_window=4, **window_fields)  # Mistral slides whatever they say
+        assert "sliding attention window" in LlamaStep.why_not(ignored, 64)
+
+    training = family("llama", len(tok)).train()
+    assert "training mode" in LlamaStep.why_not(training, 64)
+
+    class Subclassed(type(training.model.layers[0].mlp)):
+        pass
+
+    subclassed = family("llama", len(tok))
+    subclassed.model.layers[2].mlp.__class__ = Subclassed
+    assert "replaced by other classes" in LlamaStep.why_not(subclassed, 64)
+
+    patched = family("llama", len(tok))
+    patched.model.layers[0].self_attn.forward = lambda *args, **kwargs: None
+    assert "a forward replaced on LlamaAttention" in LlamaStep.why_not(patched, 64)
 
     hooked = family("llama", len(tok))
     calls = []
@@ -200,3 +236,19 @@ def test_bfloat16_steps_follow_hugging_faces_within_its_rounding(reference_model
                     len(a["tokens"]))
         assert same >= 3  # greedy paths may part where two tokens tie within bfloat16's rounding
         torch.testing.assert_close(a["logprobs"][:same], b["logprobs"][:same], atol=0.05, rtol=0)
+
+
+def test_activation_checkpointing_leaves_the_step_in_use(reference_models):
+    """Checkpointing wraps the trained layers' forward; without gradients the wrapper is the layer's own forward."""
+    from peft import LoraConfig, get_peft_model
+
+    from llmrl.engine.model.training.checkpointing import enable_checkpointing
+
+    tok = reference_models["llama"][1]
+    model = get_peft_model(family("llama", len(tok)), LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                               init_lora_weights=False)).eval()
+    reference, _ = decode(model, tok, SAMPLED, llama_step=False)
+    assert enable_checkpointing(model) == 3
+    ours, stats = decode(model, tok, SAMPLED, llama_step=True)
+    assert stats["llama_step_batches"] == 1
+    assert_same(ours, reference)

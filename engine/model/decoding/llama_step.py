@@ -3,7 +3,7 @@
 On a CPU a decode step of a small model is its weight matmuls plus, around them, Hugging Face's module machinery:
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
-(:data:`LAYERS`: Llama, Mistral, Qwen2), :class:`LlamaStep` runs each decode step (one token per row) as the same
+(:data:`FAMILIES`: Llama, Mistral and Qwen2, their own classes), :class:`LlamaStep` runs each decode step (one token per row) as the same
 operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
     rotation ``x cos + rotate_half(x) sin``, the MLP ``down(act(gate(x)) * up(x))``, the residual adds;
@@ -15,10 +15,12 @@ operations in the same order, over the model's own modules' weights:
     adapter is off (the merged adapter of :mod:`.merged_lora`) through its base layer; anything else (an unmerged
     adapter) is called as a module.
 The results are those of Hugging Face's step within float32 rounding (the tests hold tokens equal and log-probs to
-1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another layer class, another attention
-implementation than ``sdpa``, a sliding window shorter than the batch, or a hook on a module the step would skip
-(ZeRO-3's, a user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden
-states, which record only inside its own forward); the frozen trunk's own hook
+1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another model or module class (a subclass
+included), training mode, another attention implementation than ``sdpa``, a sliding window shorter than the batch,
+a ``forward`` replaced on a module (but a linear layer's, called as it is, and activation checkpointing's, the
+layer's own without gradients), or a forward hook on any module (ZeRO-3's, a user's; not the output-capturing hooks
+Hugging Face leaves on the layers once a forward returned hidden states, which record only inside its own forward);
+the frozen trunk's own hook
 (:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing back the states entering its depth. The prefill
 runs through Hugging Face's forward. This module computes steps; it does not choose tokens or plan batches
 (:mod:`.loop`).
@@ -30,11 +32,20 @@ import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
 
-LAYERS = {  # decoder layer class -> its attention, MLP and norm classes, whose decode step this module computes
-    "LlamaDecoderLayer": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
-    "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
-    "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
-}
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers.models.<key>: class prefix
+
+
+def _families() -> dict:
+    """Each family's ``ForCausalLM`` class -> its base model, decoder layer, attention, MLP and norm classes: the
+    classes (not names) whose computation this module writes out."""
+    import importlib
+
+    out = {}
+    for key, prefix in FAMILIES.items():
+        module = importlib.import_module(f"transformers.models.{key}.modeling_{key}")
+        out[getattr(module, prefix + "ForCausalLM")] = tuple(
+            getattr(module, prefix + suffix) for suffix in ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
+    return out
 
 
 # Hugging Face installs these on decoder layers the first time a forward returns hidden states or attentions: they
@@ -115,17 +126,19 @@ class LlamaStep:
     def why_not(model, length: int, trunk=None) -> str | None:
         """None when this module computes ``model``'s decode steps for a batch of ``length`` positions; else why
         not. ``trunk``: the frozen trunk whose hook on its depth's layer is expected."""
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0 or not all(
-                hasattr(inner, n) for n in ("embed_tokens", "norm", "rotary_emb")):
-            return "not a Llama-shaped model (model.layers, embed_tokens, norm, rotary_emb)"
-        for layer in layers:
-            expected = LAYERS.get(type(layer).__name__)
-            found = tuple(type(m).__name__ for m in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None),
-                                                      getattr(layer, "input_layernorm", None)))
-            if expected is None or found != expected or type(layer.post_attention_layernorm).__name__ != expected[2]:
-                return f"decoder layers of class {type(layer).__name__} (this step computes {', '.join(LAYERS)})"
+        classes = _families().get(type(model))
+        if classes is None:
+            return (f"a model of class {type(model).__name__} (this step computes "
+                    f"{', '.join(p + 'ForCausalLM' for p in FAMILIES.values())})")
+        base, decoder_layer, attention, mlp, norm = classes
+        inner = model.model
+        if type(inner) is not base or type(inner.norm) is not norm or any(
+                type(layer) is not decoder_layer or type(layer.self_attn) is not attention or type(layer.mlp) is not mlp
+                or type(layer.input_layernorm) is not norm or type(layer.post_attention_layernorm) is not norm
+                for layer in inner.layers):
+            return f"modules of {type(model).__name__} replaced by other classes"
+        if model.training:
+            return "a model in training mode (attention dropout)"
         config = model.config
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (this step: sdpa)"
@@ -134,10 +147,13 @@ class LlamaStep:
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
             return "global module hooks"
         allowed = (trunk,) if trunk is not None else ()
-        modules = (model, inner, inner.norm, *layers, *(m for layer in layers for m in layer.children()))
-        for module in modules:
+        for module in model.modules():
             if _hooked(module, allowed):
                 return f"a forward hook on {type(module).__name__}"
+            replaced = vars(module).get("forward")  # (a linear layer's: called as it is, see _linear)
+            if replaced is not None and not isinstance(module, torch.nn.Linear) \
+                    and not getattr(replaced, "same_without_grad", False):
+                return f"a forward replaced on {type(module).__name__}"
         return None
 
     def __init__(self, model, prefill, source: torch.Tensor, length: int, capture_at: int | None = None):

@@ -63,6 +63,7 @@ def _checkpointed(forward):
 
         return checkpoint(compute, *args, use_reentrant=False)
 
+    run.same_without_grad = True  # without gradients, the layer's own forward (decoding.llama_step may skip it)
     return run
 
 
