@@ -3,8 +3,8 @@
 On a CPU a decode step of a small model is its weight matmuls plus, around them, Hugging Face's module machinery:
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
-(:data:`FAMILIES`: Llama, Mistral and Qwen2, their own classes), :class:`LlamaStep` runs each decode step (one token per row) as the same
-operations in the same order, over the model's own modules' weights:
+(:data:`FAMILIES`: Llama, Mistral and Qwen2, their own classes), :class:`LlamaStep` runs each decode step (one token
+per row) as the same operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
     rotation ``x cos + rotate_half(x) sin``, the MLP ``down(act(gate(x)) * up(x))``, the residual adds;
   - attention by ``scaled_dot_product_attention`` with the query heads of each key/value head grouped as Hugging
