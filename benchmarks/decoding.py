@@ -11,7 +11,8 @@ Each row generates the same prompts with the same settings and prints seconds an
     what llmrl ran before its own loop (``generation.decoder: hf``);
   - llmrl's ``generate`` code (the server's, called in-process) with its loop: one prefill per prompt, the adapter
     merged, on CUDA a static cache and the decode step captured (the first call of a shape compiles; its time is
-    printed apart);
+    printed apart), on a CPU weights packed for the step's row count and the step of Llama-shaped models written out
+    (``llama_step``; the same loop with Hugging Face's step is timed too, in the same run);
   - HF ``generate`` with a static cache, which compiles its forward (on the plain model);
   - the memory-bandwidth limit: the weights and the key/value cache read once per decode step, at the copy rate
     measured here.
@@ -179,6 +180,11 @@ def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit, keep: 
     row["llmrl loop"] = min(timed(lambda: llmrl_generate(model, tokenizer, prompts, kwargs, device, settings,
                                                          decoder), device)[1] for _ in range(2))
     row["llmrl decoder stats"] = decoder.stats()
+    if device.startswith("cpu") and settings.get("llama_step", "auto") in ("auto", True):  # its share, in this run
+        hf_step = {**settings, "llama_step": False}
+        _, hf_decoder = llmrl_generate(model, tokenizer, prompts, kwargs, device, hf_step)  # packs its weights
+        row["llmrl loop, Hugging Face's step (llama_step false)"] = min(timed(lambda: llmrl_generate(
+            model, tokenizer, prompts, kwargs, device, hf_step, hf_decoder), device)[1] for _ in range(2))
     if keep is not None:
         keep["decoder"] = decoder
     row["bandwidth limit"] = limit
