@@ -121,7 +121,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
         attention = torch.ones((padded, length), dtype=mask.dtype, device=device)
         attention[:, :width] = mask[into]
         step_positions = positions[into, -1:].clone()
-    elif llama_step and LlamaStep.why_not(model, width + max_new, trunk) is None:
+    elif llama_step and max_new > 1 and LlamaStep.why_not(model, width + max_new, trunk) is None:  # (steps to run)
         padded, into, cache = rows, source, prefill  # the steps' cache: built from the prefill's below
         attention = torch.zeros((rows, width + max_new), dtype=torch.bool, device=device)
         attention[:, :width] = mask[source].bool()
