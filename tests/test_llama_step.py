@@ -1,6 +1,6 @@
 """The decode step written out for Llama-shaped models (``generation.llama_step``, engine/model/decoding/llama_step.py)
 against Hugging Face's own step (``llama_step: false``) and a plain forward: the same tokens (greedy and seeded
-samples), log-probs within float32 rounding, for Llama, Mistral and Qwen2 layers, with a LoRA adapter unmerged,
+samples), log-probs within float32 rounding, for Llama, Mistral, Qwen2 and Qwen3 layers, with a LoRA adapter unmerged,
 merged and packed, and the cache kept across calls equal to Hugging Face's. Models it does not take decode through
 Hugging Face's step."""
 
@@ -31,10 +31,12 @@ def family(name: str, vocab: int, **extra):
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[name]
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[name]
     torch.manual_seed(0)
     config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -82,6 +84,7 @@ VARIANTS = {  # family, config fields
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2-window-off": ("qwen2", {"sliding_window": 4, "use_sliding_window": False}),  # no layer slides
+    "qwen3": ("qwen3", {}),  # each query and key head normalised (random norm weights)
 }
 
 

@@ -3,10 +3,11 @@
 On a CPU a decode step of a small model is its weight matmuls plus, around them, Hugging Face's module machinery:
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
-(:data:`FAMILIES`: Llama, Mistral and Qwen2, their own classes), :class:`LlamaStep` runs each decode step (one token
-per row) as the same operations in the same order, over the model's own modules' weights:
+(:data:`FAMILIES`: Llama, Mistral, Qwen2 and Qwen3, their own classes), :class:`LlamaStep` runs each decode step
+(one token per row) as the same operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
-    rotation ``x cos + rotate_half(x) sin``, the MLP ``down(act(gate(x)) * up(x))``, the residual adds;
+    rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head), the MLP
+    ``down(act(gate(x)) * up(x))``, the residual adds;
   - attention by ``scaled_dot_product_attention`` with the query heads of each key/value head grouped as Hugging
     Face groups them for one query token, under the padding mask, with the layer's own scale;
   - the key/value cache preallocated for the batch's whole length and written in place, one column a step;
@@ -32,7 +33,8 @@ import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
 
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers.models.<key>: class prefix
+# transformers.models.<key>: class prefix (Qwen3's attention also normalises each query and key head)
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 def _families() -> dict:
@@ -117,6 +119,8 @@ class _Layer:
         act = mlp.act_fn
         self.act = act.forward if isinstance(act, torch.nn.Module) and not _hooked(act) else act
         self.head_dim, self.groups, self.scale = attention.head_dim, attention.num_key_value_groups, attention.scaling
+        self.q_norm, self.k_norm = (_norm(getattr(attention, name)) if hasattr(attention, name) else None
+                                    for name in ("q_norm", "k_norm"))  # per head, before the rotation (Qwen3)
 
 
 class LlamaStep:
@@ -192,8 +196,10 @@ class LlamaStep:
                 captured = hidden[:, None]
             x = layer.norm_in(hidden)
             dim = layer.head_dim
-            q = _rotated(layer.q(x).view(rows, -1, dim), cos, sin)
-            k = _rotated(layer.k(x).view(rows, -1, dim), cos, sin)
+            q, k = layer.q(x).view(rows, -1, dim), layer.k(x).view(rows, -1, dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
             keys, values = self.keys[index], self.values[index]
             keys[:, :, column] = k
             values[:, :, column] = layer.v(x).view(rows, -1, dim)
