@@ -190,7 +190,8 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True,
                                       logprobs=not given_old)
                 logp, mask = out.tokens_by_candidate()
-                rows["old_logprobs"] = logp.float().cpu()
+                if not given_old:  # (given ones are laid out below)
+                    rows["old_logprobs"] = logp.float().cpu()
             if run_reference:
                 with trainer.adapters_disabled():
                     ref = trainer.forward(mb.contexts, mb.candidates, per_token=True)

@@ -210,7 +210,7 @@ def test_each_prefix_scores_its_candidates_first_tokens_from_one_row(reference_m
     rows_scored, original = [], results.scored_logprobs
 
     def recording(logits, targets, entropy, index=None):
-        if sys._getframe(1).f_code.co_name == "prefix_outputs":
+        if sys._getframe(2).f_code.co_name == "prefix_outputs":  # (through results.needed_logprobs)
             rows_scored.append((logits.shape[0], len(targets)))
         return original(logits, targets, entropy, index)
 

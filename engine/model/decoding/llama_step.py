@@ -29,6 +29,8 @@ runs through Hugging Face's forward. This module computes steps; it does not cho
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
@@ -37,6 +39,7 @@ from llmrl.engine.model.decoding.eligibility import slides_within
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
+@functools.cache
 def _families() -> dict:
     """Each family's ``ForCausalLM`` class -> its base model, decoder layer, attention, MLP and norm classes: the
     classes (not names) whose computation this module writes out."""

@@ -138,7 +138,8 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     raw, sampled = [], []
     check = finish_interval(device, recorder, keep_cache)
-    copy = not all(type(processor) in _out_of_place() for processor in processors)
+    known = _out_of_place()
+    copy = not all(type(processor) in known for processor in processors)
     with packer.for_rows(model, padded, owners) if packer is not None else contextlib.nullcontext():
         stepper = None
         if static is None and llama_step:  # resolved within the packs' block: its linear layers call the packs

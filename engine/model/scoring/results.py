@@ -55,9 +55,13 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool, 
     return at_least_float32(logits[rows, targets]) - norm[rows], torch.cat(entropies) if entropy else None
 
 
-def unscored(targets: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """What stands for the log-probs of ``targets`` in a pass that computes none (``Needs.logprobs`` False): NaN."""
-    return torch.full(targets.shape, float("nan"), device=targets.device), None
+def needed_logprobs(needs, logits: torch.Tensor, targets: torch.Tensor,
+                    index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`scored_logprobs` as a pass's ``needs`` ask (entropies with ``per_token`` and ``entropy``); a pass that
+    computes no log-prob (``Needs.logprobs`` False) gets NaN in their place, and its output layer never runs."""
+    if not needs.logprobs:
+        return torch.full(targets.shape, float("nan"), device=targets.device), None
+    return scored_logprobs(logits, targets, needs.per_token and needs.entropy, index)
 
 
 @dataclass
@@ -160,8 +164,7 @@ def score_positions(sink: TokenSink, logits: torch.Tensor, kept: KeptPositions, 
     needs = sink.needs
     index = kept.places_of(scored).to(device)
     targets = torch.tensor([s.target for s in scored], device=device)
-    logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index) \
-        if needs.logprobs else unscored(targets)
+    logprobs, entropy = needed_logprobs(needs, logits, targets, index)
     hidden = None
     if needs.token_hidden:
         rows = torch.tensor([s.row for s in scored], device=device)
@@ -227,8 +230,7 @@ def prefix_outputs(ctxs, offsets, state: BatchPass, device):
         targets = torch.tensor([ctxs[a].candidates[j].rest[0] for a, j in firsts], device=device)
         hidden = (take_layers([last_hidden[a] for a, _ in firsts], layers)
                   if needs.token_hidden else None)  # the prefix's last position predicts these tokens
-        logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy, index) \
-            if needs.logprobs else unscored(targets)
+        logprobs, entropy = needed_logprobs(needs, logits, targets, index)
         sink.add(logprobs, [offsets[a] + j for a, j in firsts], [0] * len(firsts), targets, logits, entropy,
                  index=index, hidden=hidden)
         for a, j in firsts:

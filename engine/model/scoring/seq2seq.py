@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.scoring.planning import COMPLETION, context_offsets, pad_rows, row_inputs
-from llmrl.engine.model.scoring.results import BatchResult, Pick, TokenSink, at, batch_result, scored_logprobs, unscored
+from llmrl.engine.model.scoring.results import BatchResult, Pick, TokenSink, at, batch_result, needed_logprobs
 
 
 def run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchResult:
@@ -55,8 +55,7 @@ def run_seq2seq(model, plan, batch, needs, pad_id, device, start_id) -> BatchRes
             # Decoder position t (reading the start token and rest[:t]) predicts rest[t].
             hidden = (at(out.decoder_hidden_states, layers, torch.tensor(rows, device=device),
                           torch.tensor(positions, device=device)) if needs.token_hidden else None)
-            logprobs, entropy = scored_logprobs(logits, targets, needs.per_token and needs.entropy) \
-                if needs.logprobs else unscored(targets)
+            logprobs, entropy = needed_logprobs(needs, logits, targets)
             sink.add(logprobs, cand_of_token, positions, targets, logits, entropy, hidden=hidden)
         if want_hidden:
             hidden = out.decoder_hidden_states
