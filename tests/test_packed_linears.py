@@ -1,5 +1,6 @@
-"""Decoding with weights packed for the step's row count (``generation.pack_weights``): the same tokens and
-log-probs as without packing, and packs that follow every change of the weights they were made from."""
+"""Decoding with weights packed for a CPU kernel (``generation.pack_weights``: MKL's packs per row count, oneDNN's one
+reordered weight): the same tokens and log-probs as without packing, and packs that follow every change of the weights
+they were made from. Each test runs with each kernel this torch build has."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import torch
 
 from llmrl.engine.config.types import GenerationSettings
 from llmrl.engine.model.decoding import loop
-from llmrl.engine.model.decoding.packed_linears import available
+from llmrl.engine.model.decoding.packed_linears import KERNELS, available, cpu_vendor, default_kernel
 from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no MKL to pack weights with")
+
+@pytest.fixture(params=[pytest.param(k, marks=pytest.mark.skipif(not available(k), reason=f"no {k} in this torch"))
+                        for k in KERNELS])
+def kernel(request) -> str:
+    return request.param
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café"]
 SAMPLED = {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": 2, "top_k": 0}
@@ -31,7 +36,7 @@ def lora_llama(reference_models):
                                                            init_lora_weights=False)).eval(), tok
 
 
-def decoder(pack: bool, **settings) -> Decoder:
+def decoder(pack, **settings) -> Decoder:
     return Decoder(GenerationSettings(pack_weights=pack, **settings), "cpu")
 
 
@@ -68,9 +73,9 @@ def base(model, index: int, name: str) -> torch.nn.Linear:
                                       {"merge_adapter": True, "static_cache": True, "length_bucket": 16}],
                          ids=["unmerged", "merged", "inverse_cdf", "static"])
 @pytest.mark.parametrize("kwargs", [SAMPLED, {"max_new_tokens": 8, "do_sample": False}], ids=["sampled", "greedy"])
-def test_packed_decoding_gives_the_same_tokens_and_logprobs_as_unpacked(lora_llama, settings, kwargs):
+def test_packed_decoding_gives_the_same_tokens_and_logprobs_as_unpacked(kernel, lora_llama, settings, kwargs):
     model, tok = lora_llama
-    packed = decoder(True, **settings)
+    packed = decoder(kernel, **settings)
     ours, reference = run(model, tok, packed, kwargs), run(model, tok, decoder(False, **settings), kwargs)
     assert_same(ours, reference)
     stats = packed.stats()
@@ -81,9 +86,9 @@ def test_packed_decoding_gives_the_same_tokens_and_logprobs_as_unpacked(lora_lla
     assert packed.stats()["weights_packed"] == stats["weights_packed"], "nothing changed: nothing packed again"
 
 
-def test_a_frozen_weight_written_in_place_is_packed_again(lora_llama):
+def test_a_frozen_weight_written_in_place_is_packed_again(kernel, lora_llama):
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder(kernel)
     run(model, tok, packed)
     count = packed.stats()["weights_packed"]
     with torch.no_grad():  # what load_state_dict does: an in-place copy through the parameter
@@ -92,9 +97,9 @@ def test_a_frozen_weight_written_in_place_is_packed_again(lora_llama):
     assert packed.stats()["weights_packed"] == count + 1  # that layer alone
 
 
-def test_a_weight_swapped_through_data_is_packed_again(lora_llama):
+def test_a_weight_swapped_through_data_is_packed_again(kernel, lora_llama):
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder(kernel)
     run(model, tok, packed)
     count = packed.stats()["weights_packed"]
     weight = base(model, 0, "o_proj").weight
@@ -108,9 +113,9 @@ def test_a_weight_swapped_through_data_is_packed_again(lora_llama):
     assert_same(run(model, tok, packed), run(model, tok, decoder(False)))  # back: the original weight's values
 
 
-def test_an_adapter_update_packs_the_merged_layers_again(lora_llama):
+def test_an_adapter_update_packs_the_merged_layers_again(kernel, lora_llama):
     model, tok = lora_llama
-    packed = decoder(True, merge_adapter=True)
+    packed = decoder(kernel, merge_adapter=True)
     run(model, tok, packed)
     count = packed.stats()["weights_packed"]
     with torch.no_grad():  # an optimizer step on the adapter: the merged buffers are rebuilt in place
@@ -122,11 +127,11 @@ def test_an_adapter_update_packs_the_merged_layers_again(lora_llama):
     assert packed.stats()["weights_packed"] == count + merged_layers  # the merged layers alone
 
 
-def test_trainable_weights_are_not_packed(reference_models):
+def test_trainable_weights_are_not_packed(kernel, reference_models):
     model, tok = reference_models["llama"]
     model = copy.deepcopy(model).eval()
     assert all(p.requires_grad for p in model.parameters())
-    packed = decoder(True)
+    packed = decoder(kernel)
     assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
     assert packed.stats()["weights_packed"] == 0
     model.lm_head.weight.requires_grad_(False)  # tied to the embedding: the one frozen weight
@@ -136,7 +141,7 @@ def test_trainable_weights_are_not_packed(reference_models):
 
 def test_two_row_counts_keep_their_packs_and_a_third_drops_the_oldest(lora_llama):
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder("mkl")
     counts, held = [], []
     for samples in (2, 3, 2, 3, 1, 2):
         run(model, tok, packed, {**SAMPLED, "num_return_sequences": samples})
@@ -147,9 +152,46 @@ def test_two_row_counts_keep_their_packs_and_a_third_drops_the_oldest(lora_llama
     assert held[1:] == [2 * held[0]] * 5, held  # the packs of the last two row counts are kept, no more
 
 
-def test_an_error_while_decoding_puts_every_layer_back(lora_llama, monkeypatch):
+@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
+def test_onednn_packs_once_for_every_row_count_and_the_prefill_multiplies_with_it(lora_llama, monkeypatch):
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder("onednn")
+    rows_seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:  # counts the rows of each packed product (prefill: the prompts' tokens; steps: one per row)
+        default = real.default
+
+        def __call__(self, x, *args):
+            rows_seen.append(x.numel() // x.shape[-1])
+            return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    for samples in (2, 3, 1):
+        assert_same(run(model, tok, packed, {**SAMPLED, "num_return_sequences": samples}),
+                    run(model, tok, decoder(False), {**SAMPLED, "num_return_sequences": samples}))
+    frozen = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
+    assert packed.stats()["weights_packed"] == frozen  # one pack each, whatever the row count
+    assert packed.stats()["packed_for"] == "onednn"
+    assert max(rows_seen) > 2 * len(PROMPTS)  # a prefill's product: every prompt token at once
+
+
+def test_auto_packs_for_onednn_on_amd_cpus_and_mkl_on_others(monkeypatch):
+    from llmrl.engine.model.decoding import packed_linears
+
+    for vendor, expected in (("AuthenticAMD", "onednn"), ("GenuineIntel", "mkl")):
+        monkeypatch.setattr(packed_linears, "cpu_vendor", lambda vendor=vendor: vendor)
+        if available(expected):
+            assert default_kernel() == expected
+            assert Decoder(GenerationSettings(), "cpu").stats()["packed_for"] == expected
+    assert Decoder(GenerationSettings(pack_weights="mkl"), "cpu").stats()["packed_for"] == "mkl"
+    assert Decoder(GenerationSettings(), "cuda").stats()["packed_for"] is None
+    print("this machine's CPU:", cpu_vendor.__wrapped__() or "unknown")
+
+
+def test_an_error_while_decoding_puts_every_layer_back(kernel, lora_llama, monkeypatch):
+    model, tok = lora_llama
+    packed = decoder(kernel)
     reference = run(model, tok, decoder(False))
     calls = []
 
@@ -167,11 +209,11 @@ def test_an_error_while_decoding_puts_every_layer_back(lora_llama, monkeypatch):
     assert_same(run(model, tok, packed), reference)
 
 
-def test_a_weight_made_trainable_loses_its_packs(lora_llama):
+def test_a_weight_made_trainable_loses_its_packs(kernel, lora_llama):
     """A weight trained for a while (written through ``.data``, as DeepSpeed writes, no version bump) and frozen
     again is packed again: its packs were dropped when it stopped being packed."""
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder(kernel)
     run(model, tok, packed)
     weight = base(model, 1, "gate_proj").weight
     weight.requires_grad_(True)
@@ -183,9 +225,9 @@ def test_a_weight_made_trainable_loses_its_packs(lora_llama):
     assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
 
 
-def test_another_parameter_over_the_same_memory_is_packed_again(lora_llama):
+def test_another_parameter_over_the_same_memory_is_packed_again(kernel, lora_llama):
     model, tok = lora_llama
-    packed = decoder(True)
+    packed = decoder(kernel)
     run(model, tok, packed)
     count = packed.stats()["weights_packed"]
     layer = base(model, 0, "up_proj")
@@ -194,7 +236,7 @@ def test_another_parameter_over_the_same_memory_is_packed_again(lora_llama):
     assert packed.stats()["weights_packed"] == count + 1
 
 
-def test_linear_subclasses_with_a_forward_of_their_own_are_not_packed(lora_llama):
+def test_linear_subclasses_with_a_forward_of_their_own_are_not_packed(kernel, lora_llama):
     model, tok = lora_llama
 
     class Scaled(torch.nn.Linear):
@@ -205,13 +247,13 @@ def test_linear_subclasses_with_a_forward_of_their_own_are_not_packed(lora_llama
     old = layer.up_proj
     layer.up_proj = Scaled(old.in_features, old.out_features, bias=False)
     layer.up_proj.weight = torch.nn.Parameter(old.weight.detach().clone(), requires_grad=False)
-    assert_same(run(model, tok, decoder(True)), run(model, tok, decoder(False)))
+    assert_same(run(model, tok, decoder(kernel)), run(model, tok, decoder(False)))
 
 
-def test_an_adapter_over_a_trainable_base_weight_decodes_unmerged(lora_llama):
+def test_an_adapter_over_a_trainable_base_weight_decodes_unmerged(kernel, lora_llama):
     """The merged copy is rebuilt when the adapter changes; a trained base weight under it would go unseen."""
     model, tok = lora_llama
     base(model, 0, "q_proj").weight.requires_grad_(True)
-    merging = decoder(True, merge_adapter=True)
+    merging = decoder(kernel, merge_adapter=True)
     assert_same(run(model, tok, merging), run(model, tok, decoder(False)))
     assert merging.stats()["merges"] == 0

@@ -92,7 +92,7 @@ class GenerationSettings:
     length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
     cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
     sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
-    pack_weights: bool | str = "auto"  # decode steps multiply with weights packed for their row count; auto: on CPU
+    pack_weights: bool | str = "auto"  # decode steps multiply with packed weights (mkl, onednn; auto: by CPU) on CPU
     llama_step: bool | str = "auto"  # Llama-shaped models' decode steps as plain tensor code; auto: on CPU
 
 

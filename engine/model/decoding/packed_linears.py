@@ -1,4 +1,4 @@
-"""Linear layers packed for the decode step's row count, on a CPU with Intel MKL (``generation.pack_weights``).
+"""Linear layers packed once for a CPU's matmul kernel, for decoding (``generation.pack_weights``).
 
 On a CPU a decode step of a small model is mostly matmuls of a few dozen rows against each weight, and at 32 rows
 MKL's ``sgemm`` spends about a third of its time re-packing the weight for its kernel at every call. MKL can pack a
@@ -6,6 +6,13 @@ weight once for a given row count (``cblas_sgemm_pack``, through torch's ``mkl._
 ``mkl._mkl_linear``, the ops Inductor's CPU freezing uses); a matmul of exactly that many rows then skips the
 re-packing: 1.3x-1.9x faster for a 135M model's shapes at 32 rows. Its kernel may round a dot product differently
 (decoded log-probs 2.4e-6 apart at most in ``tests/test_packed_linears.py``, 0 in the benchmark's 32-row shape).
+
+On AMD CPUs MKL's ``sgemm`` takes a slower generic path: on an AMD EPYC (Zen 4) machine of this project's kind, a
+32-row product with a 135M model's weights ran at 70-140 GFLOP/s through MKL, packed or not, and at 180-210 through
+oneDNN with the weight reordered once (``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``, again the
+ops of Inductor's CPU freezing); at 4 rows 3x faster. oneDNN's reordered weight serves every row count, so there the
+prefill multiplies with it too. ``kernel``: ``mkl`` (packs per row count) or ``onednn`` (one pack);
+:func:`default_kernel` picks oneDNN on AMD CPUs and MKL on others. Both compute x W^T + b; they round differently.
 
 :meth:`PackedWeights.for_rows` points the ``forward`` of each float32 ``torch.nn.Linear`` of a model at the packed
 product for the duration of one decoding batch; inputs of any other row count (the prefill) run the layer's own
@@ -32,15 +39,39 @@ the steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+KERNELS = ("mkl", "onednn")
 
-def available() -> bool:
-    """Whether this torch build can pack weights (an x86 build with MKL)."""
+
+def available(kernel: str = "mkl") -> bool:
+    """Whether this torch build can pack weights for ``kernel`` (an x86 build with MKL, or with oneDNN)."""
+    if kernel == "onednn":
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``), or '' where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_kernel() -> str | None:
+    """The kernel ``pack_weights: auto`` packs for: oneDNN on AMD CPUs, MKL on others; None where neither exists."""
+    preferred = ("onednn", "mkl") if cpu_vendor() == "AuthenticAMD" else ("mkl", "onednn")
+    return next((kernel for kernel in preferred if available(kernel)), None)
 
 
 @dataclass
@@ -63,7 +94,10 @@ class _Pack:
 class PackedWeights:
     """The packs of one served model, kept across decoding calls (see the module's docstring)."""
 
-    def __init__(self, keep_row_counts: int = 2):
+    def __init__(self, kernel: str = "mkl", keep_row_counts: int = 2):
+        if kernel not in KERNELS:
+            raise ValueError(f"pack_weights kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+        self.kernel = kernel  # mkl: a pack per row count; onednn: one pack for every row count (kept as rows 0)
         self._kept: dict[tuple[int, int], _Pack] = {}  # (id of the layer, rows) -> its pack
         self._recent_rows: list[int] = []  # the last few row counts packed for, the newest last
         self.keep_row_counts = keep_row_counts
@@ -83,9 +117,11 @@ class PackedWeights:
         """Within the block, linear layers of ``model`` multiply inputs of ``rows`` rows with packed weights.
         ``owners``: for weights whose memory another object swapped in and writes (by ``data_ptr``), the tensor
         whose version counter tracks those writes."""
-        if rows < 1 or not available():
+        if rows < 1 or not available(self.kernel):
             yield
             return
+        if self.kernel == "onednn":
+            rows = 0  # its pack serves every row count
         owners = owners or {}
         if rows in self._recent_rows:
             self._recent_rows.remove(rows)
@@ -126,6 +162,7 @@ class PackedWeights:
     def _forward(self, layer: torch.nn.Linear, counter: torch.Tensor, identity, rows: int):
         own = type(layer).forward.__get__(layer)
         key = (id(layer), rows)
+        onednn = self.kernel == "onednn"
         checked = []  # the pack, once checked in this call
 
         def pack() -> _Pack:
@@ -133,7 +170,8 @@ class PackedWeights:
                 pack = self._kept.get(key)
                 if pack is None or not pack.fits(layer, counter, identity, rows):
                     weight = layer.weight.detach()
-                    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                    packed = (torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn
+                              else torch.ops.mkl._mkl_reorder_linear_weight(weight, rows))
                     pack = self._kept[key] = _Pack(weakref.ref(layer), weakref.ref(identity), weight,
                                                    counter._version, rows, packed,
                                                    weight.numel() * weight.element_size())
@@ -142,13 +180,21 @@ class PackedWeights:
             return checked[0]
 
         def forward(x):
-            if x.dtype != torch.float32 or x.numel() != rows * x.shape[-1]:
-                return own(x)  # another row count (the prefill), or a dtype the pack does not take
+            if x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
+                return own(x)  # a dtype the pack does not take, or a product to differentiate (the packed ops cannot)
+            if onednn:
+                return torch.ops.mkldnn._linear_pointwise(x, pack().packed, layer.bias, "none", [], "")
+            if x.numel() != rows * x.shape[-1]:
+                return own(x)  # another row count (the prefill)
             return torch.ops.mkl._mkl_linear(x, pack().packed, layer.weight, layer.bias, rows)
 
         def product():
             """The packed product alone, for a caller whose every input is ``rows`` float32 rows (packed now)."""
-            packed, weight, bias, op = pack().packed, layer.weight, layer.bias, torch.ops.mkl._mkl_linear.default
+            packed, weight, bias = pack().packed, layer.weight, layer.bias
+            if onednn:
+                op = torch.ops.mkldnn._linear_pointwise.default
+                return lambda x: op(x, packed, bias, "none", [], "")
+            op = torch.ops.mkl._mkl_linear.default
             return lambda x: op(x, packed, weight, bias, rows)
 
         forward.product = product

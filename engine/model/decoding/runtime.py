@@ -6,7 +6,8 @@
 loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
-``pack_weights`` (``auto``: on CPU devices) packs the weights for the step's row count (:mod:`.packed_linears`);
+``pack_weights`` (``auto``: on CPU devices) packs the weights once for the CPU's matmul kernel, MKL's or oneDNN's
+(:mod:`.packed_linears`);
 ``llama_step`` (``auto``: on CPU devices) runs the decode steps of Llama-shaped models as plain tensor code
 (:mod:`.llama_step`).
 Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
@@ -33,7 +34,7 @@ class Decoder:
     """The decoding loop of one served LLM (see the module's docstring)."""
 
     def __init__(self, settings, device_type: str, zero3: bool = False, trunk=None):
-        from llmrl.engine.model.decoding.packed_linears import PackedWeights
+        from llmrl.engine.model.decoding.packed_linears import KERNELS, PackedWeights, default_kernel
         from llmrl.engine.model.decoding.static_step import StaticDecoder
 
         self.settings, self.zero3 = settings, zero3
@@ -44,7 +45,9 @@ class Decoder:
         static = self.compiled or (_on(settings.static_cache, cuda) and not zero3)
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
         packing = _on(settings.pack_weights, device_type == "cpu") and not zero3 and not self.compiled
-        self.packed = PackedWeights() if packing else None  # a compiled step packs what its compiler packs
+        kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
+        # (a compiled step packs what its compiler packs)
+        self.packed = PackedWeights(kernel) if packing and kernel is not None else None
         self.llama_step = _on(settings.llama_step, device_type == "cpu")
         self.llama_step_batches = 0  # batches whose steps ran as llama_step.LlamaStep
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
@@ -107,6 +110,7 @@ class Decoder:
                 "merged_weights_mb": self.merged.held_bytes() / 2**20 if self.merged is not None else 0.0,
                 "packed_weights_mb": self.packed.held_bytes() / 2**20 if self.packed is not None else 0.0,
                 "weights_packed": self.packed.packs if self.packed is not None else 0,
+                "packed_for": self.packed.kernel if self.packed is not None else None,
                 "llama_step_batches": self.llama_step_batches,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
