@@ -11,8 +11,9 @@ Each row generates the same prompts with the same settings and prints seconds an
     what llmrl ran before its own loop (``generation.decoder: hf``);
   - llmrl's ``generate`` code (the server's, called in-process) with its loop: one prefill per prompt, the adapter
     merged, on CUDA a static cache and the decode step captured (the first call of a shape compiles; its time is
-    printed apart), on a CPU weights packed for the step's row count and the step of Llama-shaped models written out
-    (``llama_step``; the same loop with Hugging Face's step is timed too, in the same run);
+    printed apart), on a CPU weights packed for the CPU's kernel (MKL's, or oneDNN's on AMD CPUs; the other kernel is
+    timed too, in the same run) and the step of Llama-shaped models written out (``llama_step``; the same loop with
+    Hugging Face's step is timed too);
   - HF ``generate`` with a static cache, which compiles its forward (on the plain model);
   - the memory-bandwidth limit: the weights and the key/value cache read once per decode step, at the copy rate
     measured here.
@@ -185,6 +186,15 @@ def paths_row(model, tokenizer, prompts, kwargs, device, settings, limit, keep: 
         _, hf_decoder = llmrl_generate(model, tokenizer, prompts, kwargs, device, hf_step)  # packs its weights
         row["llmrl loop, Hugging Face's step (llama_step false)"] = min(timed(lambda: llmrl_generate(
             model, tokenizer, prompts, kwargs, device, hf_step, hf_decoder), device)[1] for _ in range(2))
+    from llmrl.engine.model.decoding.packed_linears import KERNELS, available
+
+    used = row["llmrl decoder stats"].get("packed_for")
+    for kernel in [k for k in KERNELS if device.startswith("cpu") and used is not None and k != used and available(k)]:
+        other = {**settings, "pack_weights": kernel}  # the other CPU kernel, in this run (auto picks by CPU vendor)
+        _, other_decoder = llmrl_generate(model, tokenizer, prompts, kwargs, device, other)  # packs its weights
+        call = functools.partial(llmrl_generate, model, tokenizer, prompts, kwargs, device, other, other_decoder)
+        row[f"llmrl loop, weights packed for {kernel} (pack_weights {kernel})"] = min(
+            timed(call, device)[1] for _ in range(2))
     if keep is not None:
         keep["decoder"] = decoder
     row["bandwidth limit"] = limit
