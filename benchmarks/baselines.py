@@ -37,7 +37,9 @@ def naive_scores(model, tokenizer, workload: list[dict], rows_per_forward: int =
 
 
 def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: int) -> list[torch.Tensor]:
-    """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it."""
+    """llmrl's own pipeline (prefix reuse, token budget), run here without the engine around it (with the server's
+    default ``cpu_matmul``: oneDNN's products for frozen weights on AMD CPUs)."""
+    from llmrl.engine.model.cpu_matmul import frozen_linears
     from llmrl.engine.model.scoring.planning import Needs, plan_batches
     from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
     from llmrl.engine.model.scoring.tokenization import tokenize
@@ -46,7 +48,7 @@ def inprocess_scores(model, tokenizer, workload, token_budget: int, minibatch: i
                     max_length=None)
     out = [None] * len(workload)
     keep = accepts_logits_to_keep(model)
-    with torch.no_grad():
+    with torch.no_grad(), frozen_linears(model):
         for batch in plan_batches(plan, token_budget, minibatch, Needs(), packed=True):
             res = run_batch(model, plan, batch, Needs(), tokenizer.pad_token_id, "cpu", keep)
             offset = 0

@@ -46,6 +46,7 @@ def main() -> None:
     path = str(builtin_model_path("smollm2-135m-instruct"))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.requires_grad_(False)  # frozen, as a scoring-only LLM is on its server (cpu_matmul applies to it)
     cfg = model.config
     work = make_workload(tok, 16, 200, 6)
 

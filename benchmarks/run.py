@@ -262,6 +262,7 @@ def main() -> int:
     path = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.requires_grad_(False)  # frozen, as a scoring-only LLM is on its server (cpu_matmul applies to it)
     params = sum(p.numel() for p in model.parameters())
     rates = BestRate(threads)
     rate = rates()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmrl.engine.errors import InvalidArgument, RequestError
+from llmrl.engine.model.decoding.packed_linears import available
 from testkit import LiveRun, reference_scores
 from testkit.serving import (
     CANDIDATES,
@@ -51,7 +52,7 @@ def llama_layouts(tiny):
     config = {"llms": {"single": layout(), "noreuse": layout(prefix_reuse=False), "replicated": layout(replicas=2),
                        "sharded": layout(tensor_parallel=2),
                        "zero3": layout(replicas=2, training={"zero_stage": 3})},
-              "threads_per_rank": 1}
+              "threads_per_rank": 1, "cpu_matmul": "onednn" if available("onednn") else "auto"}
     run = LiveRun(config, env={"PYTHONPATH": os.pathsep.join([EXAMPLE_PLUGINS, os.environ.get("PYTHONPATH", "")])})
     yield run
     assert run.close() == 0
@@ -171,6 +172,17 @@ def test_every_rank_reports_its_host_allocator(llama_layouts):
     expected = ("host allocator: blocks up to 32 MB reuse freed memory (host_malloc: reuse)"
                 if platform.libc_ver()[0] == "glibc" else "host allocator left as it is: the C library is not glibc")
     assert memory and all(m["host_allocator"] == expected for m in memory.values())
+
+
+@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
+def test_every_rank_multiplies_frozen_weights_through_onednn_as_configured(llama_layouts):
+    """``cpu_matmul: onednn`` reached every rank; its scoring passes (whose scores equal plain HF's in the tests above)
+    ran their frozen products through oneDNN (tensor-parallel layers are DeepSpeed's own and keep theirs)."""
+    llama_layouts.score(CONTEXTS, CANDIDATES, llm="single")
+    memory = llama_layouts.server_memory()
+    assert memory and all(m["cpu_matmul"]["onednn"] for m in memory.values())
+    single = [r for r, s in llama_layouts.servers().items() if s["llm"] == "single"]
+    assert memory[single[0]]["cpu_matmul"]["onednn_products"] > 0
 
 
 def test_zero3_gathers_the_weights_once_per_call_and_partitions_them_again(llama_layouts, reference_models):

@@ -3,13 +3,15 @@
 ``trunk_reuse_mb``, against the same LLM without it (its twin in the same run; both equal a plain PEFT step in
 ``test_rlhf_live``): statistics and every weight after two SGD updates equal to 1e-5 (Adam would magnify float32
 rounding in near-zero gradients), and the servers report passes
-replayed through the top layer only: ``ppo_tokens`` on 2 replicas, ``grpo`` on 1."""
+replayed through the top layer only: ``ppo_tokens`` on 2 replicas, ``grpo`` on 1. The frozen layers multiply through
+oneDNN (``cpu_matmul``) where this torch has it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from llmrl.engine.model.decoding.packed_linears import available
 from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
@@ -36,7 +38,8 @@ def run(tiny):
                 "model": tiny["llama"], "replicas": replicas, "trunk_reuse_mb": 16 if kind == "trunk" else 0,
                 "initializers": [TOP_LORA], "heads": heads, "updater": {"plugin": updater, "args": args},
                 "training": {"zero_stage": 2, "optimizer": {"type": "sgd", "lr": 0.05}, "micro_batch_size": 2}}
-    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    # oneDNN's products for the frozen layers where this torch has it (cpu_matmul; auto takes it on AMD CPUs only)
+    live = LiveRun({"llms": llms, "threads_per_rank": 1, "cpu_matmul": "onednn" if available("onednn") else "auto"})
     yield live
     assert live.close() == 0, live.log
 
@@ -65,6 +68,8 @@ def test_an_update_computes_the_trunk_once_and_equals_the_whole_model(run, updat
     ranks = [rank for rank, server in run.servers().items() if server["llm"] == trunk]
     stats = [run.server_memory()[rank]["trunk"] for rank in ranks]
     assert len(stats) == replicas and all(s["replayed_calls"] > 0 for s in stats), stats  # the top layer only
+    if available("onednn"):  # the frozen layers' products and input gradients ran through oneDNN
+        assert all(run.server_memory()[rank]["cpu_matmul"]["onednn_products"] > 0 for rank in ranks)
 
 
 @pytest.mark.parametrize("updater,replicas", CASES)

@@ -298,7 +298,8 @@ def build_config(data: dict, source: str | None = None) -> Config:
     """Turn a validated mapping into frozen, typed objects. Only the keys present are passed on: every default
     comes from :mod:`llmrl.engine.config.types`."""
     llms = {name: _llm_config(name, raw) for name, raw in data["llms"].items()}
-    top = {key: data[key] for key in ("seed", "threads_per_rank", "host_malloc", "log_level", "max_message_bytes")
+    top = {key: data[key] for key in ("seed", "threads_per_rank", "host_malloc", "cpu_matmul", "log_level",
+                                        "max_message_bytes")
            if key in data}
     tracking = dict(data.get("tracking") or {})
     if "backends" in tracking:

@@ -177,6 +177,7 @@ class Config:
     seed: int = 0
     threads_per_rank: int | None = None
     host_malloc: str = "reuse"  # reuse: server ranks keep freed host memory for the next tensor (server/host_memory)
+    cpu_matmul: str = "auto"  # frozen float32 products of passes on a CPU: torch's (MKL) or oneDNN's; auto: by vendor
     log_level: str = "info"
     max_message_bytes: int = 4 << 30
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from llmrl.engine.errors import PeerAborted
+from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.scoring.planning import BatchSpec, Needs, plan_batches
 from llmrl.engine.model.scoring.tokenization import TokenPlan, tokenize
 from llmrl.engine.model.served import ServedModel
@@ -168,7 +169,8 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, pr
         served.module.prefix_cache = prefix_cache
         served.module.update_pass = update_pass
         try:
-            with trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext():
+            with (trunk.active(trunk_mode) if trunk is not None and trunk_mode else contextlib.nullcontext(),
+                  frozen_linears(served.module)):  # oneDNN's products where this rank uses it (cpu_matmul)
                 return served.engine(plan=plan.computed or plan.plan, batches=plan.batches, needs=plan.needs,
                                      head_keys=plan.heads, extra_calls=extra_calls, anchor=anchor,
                                      head_kwargs=plan.head_kwargs, source=plan.source)

@@ -312,6 +312,8 @@ class HFBackend(ModelBackend):
 
         import psutil
 
+        from llmrl.engine.model import cpu_matmul
+
         info = psutil.Process().memory_info()
         out = {"rss": info.rss, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.device.type == "cuda":
@@ -324,6 +326,7 @@ class HFBackend(ModelBackend):
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
         out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
+        out["cpu_matmul"] = cpu_matmul.stats()  # whether frozen products run through oneDNN, and how many did
         if getattr(self, "_decoder", None) is not None:  # generate batches per loop, merges and compiled shapes
             out["decoding"] = self._decoder.stats()
         if self.served is not None and self.llm.training.zero_stage == 3:

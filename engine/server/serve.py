@@ -255,6 +255,9 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_ex
 
     torch.set_num_threads(threads_for_server(config, node_rank))
     logger.debug(keep_freed_memory(config.host_malloc))
+    from llmrl.engine.model import cpu_matmul
+
+    cpu_matmul.configure(config.cpu_matmul)
     server = Server(config, role_of(config, rank))
     server.connect()
     server.start(local_rank, node_rank)

@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+from llmrl.engine.model import cpu_matmul
 from llmrl.engine.model.scoring.normalise import at_least_float32
 
 # Model types whose forward returns lm_head(last hidden state) as the logits, unchanged.
@@ -115,7 +116,7 @@ def chunked_values(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     norms, entropies, chosen, taken = [], [], [], []
     for k, first in enumerate(range(0, hidden.shape[0], step)):
         mine = order[bounds[k]:bounds[k + 1]]
-        logits = at_least_float32(torch.nn.functional.linear(hidden[first:first + step], weight, bias))
+        logits = at_least_float32(cpu_matmul.linear(hidden[first:first + step], weight, bias))
         norm, entropies_here = normaliser_and_entropy(logits, entropy)
         if kept is not None:
             kept.append(logits)
@@ -198,7 +199,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             if kept is not None:
                 logits, kept[k] = kept[k], None  # freed as it is used
             else:
-                logits = at_least_float32(torch.nn.functional.linear(chunk, weight, bias))
+                logits = at_least_float32(cpu_matmul.linear(chunk, weight, bias))
             weight_per_row = logits.new_zeros(logits.shape[0])
             mine = order[bounds[k]:bounds[k + 1]]
             local, picked = rows[mine] - first, targets[mine]
@@ -217,7 +218,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad.index_put_((local, picked), grad_logp[mine].to(logits.dtype), accumulate=True)
             grad = grad.to(weight.dtype)
             if need_hidden:
-                grad_hidden[first:first + step] = grad @ weight
+                grad_hidden[first:first + step] = cpu_matmul.times_weight(grad, weight)
             if need_weight:
                 grad_weight.addmm_(grad.T, chunk.to(weight.dtype))
             if need_bias:

@@ -25,6 +25,7 @@ import torch
 
 from llmrl.engine.errors import PeerAborted
 from llmrl.engine.graph import keep_in_graph
+from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.trainer import END, EngineTrainer
 from llmrl.plugins.rl_math import token_loss
@@ -64,7 +65,7 @@ def forward_backward(served: ServedModel, request) -> dict:
     contexts = [seq.tokens[:1] for seq in request.sequences]
     candidates = [[seq.tokens[1:]] for seq in request.sequences]
     try:
-        with torch.set_grad_enabled(request.backward):
+        with torch.set_grad_enabled(request.backward), frozen_linears(served.module):  # its backward pass too
             out = trainer.forward(contexts, candidates, peft_adapter=request.adapter, per_token=True)
             logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
             losses = [token_loss(request.loss_fn, lp, _tensors(seq.inputs, lp.device), request.loss_fn_config)

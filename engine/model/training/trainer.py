@@ -33,6 +33,7 @@ import torch
 
 from llmrl.engine.errors import PeerAborted, plugin_error
 from llmrl.engine.graph import graph_zero
+from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
@@ -368,7 +369,8 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     name = served.updater_name or type(served.updater).__name__
     try:
         refuse_too_long(served, batch)
-        stats = served.updater.update(batch, trainer)
+        with frozen_linears(served.module):  # forward passes, backward passes and recomputed layers alike
+            stats = served.updater.update(batch, trainer)
         trainer.finish()
     except PeerAborted:
         trainer.discard_partial_accumulation()

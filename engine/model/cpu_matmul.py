@@ -1,0 +1,121 @@
+"""Float32 products with frozen weights on a CPU, through oneDNN where it beats torch's default (``cpu_matmul``).
+
+torch multiplies float32 matrices on a CPU with MKL's ``sgemm``. On AMD CPUs MKL takes a generic path: on an AMD EPYC
+(Zen 4) machine of this project's kind the products of a 135M model's passes (300-600 rows) ran at 120-190 GFLOP/s
+through MKL and at 190-215 through oneDNN (``mkldnn._linear_pointwise``, the op of Inductor's CPU freezing, called on
+the weight as it is: nothing is copied or kept), and the output layer's 2x faster at a few dozen rows. So on a server
+rank whose ``cpu_matmul`` is ``onednn`` (``auto``: on AMD CPUs), the frozen float32 ``nn.Linear`` layers of the model
+multiply through oneDNN in scoring passes (:func:`llmrl.engine.model.forward.run_forward`) and throughout ``update``
+and ``forward_backward`` calls (forward and backward passes, and layers recomputed by activation checkpointing), and
+so does the chunked output layer (:mod:`llmrl.engine.model.scoring.vocab_chunks`) wherever it runs: the forward
+product, and in a backward pass the input's gradient (the gradient times the weight, again through oneDNN). Both
+kernels compute the same sums and round differently (float32 rounding: a relative 1e-6).
+
+It does not touch: trainable weights (their own gradient is torch's), other dtypes and devices, subclasses of
+``nn.Linear`` with a forward of their own, layers whose forward another library replaced, weights that are not 2-D
+(ZeRO-3's partitions). Decoding packs its weights itself (:mod:`llmrl.engine.model.decoding.packed_linears`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CHOICES = ("auto", "torch", "onednn")
+_choice = ["auto"]  # this process's setting (a server rank sets its config's cpu_matmul at start)
+_products = [0]  # products run through oneDNN in this process
+
+
+def configure(choice: str) -> None:
+    """Set this process's kernel for frozen float32 products: ``auto``, ``torch`` or ``onednn``."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_matmul {choice!r}: expected one of {', '.join(CHOICES)}")
+    _choice[0] = choice
+
+
+def onednn_active() -> bool:
+    """Whether frozen float32 products on a CPU run through oneDNN in this process."""
+    from llmrl.engine.model.decoding.packed_linears import available, cpu_vendor
+
+    choice = _choice[0]
+    if choice == "torch" or not available("onednn"):
+        return False
+    return choice == "onednn" or cpu_vendor() == "AuthenticAMD"
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and not weight.requires_grad)
+
+
+def stats() -> dict:
+    """Whether this process multiplies frozen float32 weights through oneDNN, and how many such products ran
+    (``server_memory()[rank]["cpu_matmul"]``)."""
+    return {"onednn": onednn_active(), "onednn_products": _products[0]}
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _products[0] += 1
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """x W^T + b with W and b frozen: the input's gradient is the output's gradient times W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return _product(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return _product(grad.contiguous(), weight.t(), None), None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear``, through oneDNN where this process uses it and the weight is frozen."""
+    if not (onednn_active() and _applies(x, weight) and (bias is None or not bias.requires_grad)):
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenLinear.apply(x, weight, bias)
+    return _product(x, weight, bias)
+
+
+def times_weight(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad @ weight`` (an input's gradient through a frozen linear layer), through oneDNN where this process uses
+    it."""
+    if onednn_active() and _applies(grad, weight) and not torch.is_grad_enabled():
+        return _product(grad.contiguous(), weight.t(), None)
+    return grad @ weight
+
+
+@contextlib.contextmanager
+def frozen_linears(model: torch.nn.Module):
+    """Within the block, the frozen float32 linear layers of ``model`` multiply through :func:`linear` (nothing
+    changes where this process does not use oneDNN). Every layer's own ``forward`` is back on exit."""
+    if not onednn_active():
+        yield
+        return
+    patched = []
+    try:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+                    and "forward" not in vars(module) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                    and weight.dtype == torch.float32 and weight.device.type == "cpu" and not weight.requires_grad):
+                module.forward = _forward(module)
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            vars(module).pop("forward", None)
+
+
+def _forward(layer: torch.nn.Linear):
+    def forward(x):
+        return linear(x, layer.weight, layer.bias)
+
+    return forward
