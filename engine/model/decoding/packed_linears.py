@@ -15,8 +15,8 @@ prefill multiplies with it too. ``kernel``: ``mkl`` (packs per row count) or ``o
 :func:`default_kernel` picks oneDNN on AMD CPUs and MKL on others. Both compute x W^T + b; they round differently.
 
 :meth:`PackedWeights.for_rows` points the ``forward`` of each float32 ``torch.nn.Linear`` of a model at the packed
-product for the duration of one decoding batch; inputs of any other row count (the prefill) run the layer's own
-``forward``. A layer is packed the first time it multiplies that many rows, and on exit (an error included) every
+product for the duration of one decoding batch; with MKL, inputs of any other row count (the prefill) run the layer's
+own ``forward``. A layer is packed the first time it multiplies that many rows, and on exit (an error included) every
 layer's own ``forward`` is back.
 
 Packing costs about as much as a decode step's matmuls, so packs are kept across calls, and only where it is known
@@ -29,11 +29,11 @@ when their weight changes:
   - a trainable weight is not packed: optimizers and DeepSpeed write such weights in ways no counter sees, and a
     layer not packed in a call (a weight made trainable) loses the packs it had.
 A pack is kept against the parameter (or owner) object itself: another parameter over the same memory is packed again.
-Packs of the last two row counts are kept, so they can hold up to twice the weights' size. A frozen weight written in
-place through ``.data`` (bypassing the parameter's version counter) would be read stale; nothing in llmrl writes frozen
-weights so. Not packed either: subclasses of ``nn.Linear`` with a ``forward`` of their own, other dtypes and devices,
-weights that are not 2-D (ZeRO-3's partitions), torch builds without MKL. This module does not decode; :mod:`.loop` runs
-the steps.
+MKL's packs of the last two row counts are kept, so they can hold up to twice the weights' size (oneDNN's pack: once).
+A frozen weight written in place through ``.data`` (bypassing the parameter's version counter) would be read stale;
+nothing in llmrl writes frozen weights so. Not packed either: subclasses of ``nn.Linear`` with a ``forward`` of their
+own, other dtypes and devices, weights that are not 2-D (ZeRO-3's partitions), torch builds without the kernel. This
+module does not decode; :mod:`.loop` runs the steps.
 """
 
 from __future__ import annotations
