@@ -65,11 +65,9 @@ def test_trainable_weights_other_dtypes_and_the_torch_setting_use_torch(onednn_c
 
 
 def test_auto_uses_onednn_on_amd_cpus_only(monkeypatch):
-    from llmrl.engine.model.decoding import packed_linears
-
     monkeypatch.setattr(cpu_matmul, "_choice", ["auto"])
     for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
-        monkeypatch.setattr(packed_linears, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda vendor=vendor: vendor)
         assert cpu_matmul.onednn_active() is expected
 
 
@@ -102,3 +100,20 @@ def test_a_lora_model_scores_and_trains_the_same_through_frozen_linears(referenc
     for name, grad in reference_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert not any("forward" in vars(m) for m in model.modules())  # every layer's own forward is back
+
+
+def test_a_block_within_another_leaves_the_outer_blocks_layers_patched(reference_models, onednn_calls):
+    """The passes of an update each enter frozen_linears inside the update's own block: the inner block patches
+    nothing, and its exit leaves every layer on oneDNN until the outer block ends."""
+    model, _ = reference_models["llama"]
+    model = copy.deepcopy(model).requires_grad_(False)
+    ids = torch.randint(5, 200, (1, 6))
+    frozen = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad(), cpu_matmul.frozen_linears(model):
+        with cpu_matmul.frozen_linears(model):
+            model(input_ids=ids)
+        assert len(onednn_calls) == frozen
+        model(input_ids=ids)  # after the inner block: still oneDNN
+        assert len(onednn_calls) == 2 * frozen
+    model(input_ids=ids)
+    assert len(onednn_calls) == 2 * frozen and not any("forward" in vars(m) for m in model.modules())

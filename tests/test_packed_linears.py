@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from llmrl.engine.config.types import GenerationSettings
+from llmrl.engine.model import cpu_matmul
 from llmrl.engine.model.decoding import loop
-from llmrl.engine.model.decoding.packed_linears import KERNELS, available, cpu_vendor, default_kernel
+from llmrl.engine.model.decoding.packed_linears import KERNELS, available, default_kernel
 from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
 
@@ -177,16 +178,15 @@ def test_onednn_packs_once_for_every_row_count_and_the_prefill_multiplies_with_i
 
 
 def test_auto_packs_for_onednn_on_amd_cpus_and_mkl_on_others(monkeypatch):
-    from llmrl.engine.model.decoding import packed_linears
-
     for vendor, expected in (("AuthenticAMD", "onednn"), ("GenuineIntel", "mkl")):
-        monkeypatch.setattr(packed_linears, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda vendor=vendor: vendor)
         if available(expected):
             assert default_kernel() == expected
             assert Decoder(GenerationSettings(), "cpu").stats()["packed_for"] == expected
     assert Decoder(GenerationSettings(pack_weights="mkl"), "cpu").stats()["packed_for"] == "mkl"
     assert Decoder(GenerationSettings(), "cuda").stats()["packed_for"] is None
-    print("this machine's CPU:", cpu_vendor.__wrapped__() or "unknown")
+    monkeypatch.undo()
+    print("this machine's CPU:", cpu_matmul.cpu_vendor() or "unknown")
 
 
 def test_an_error_while_decoding_puts_every_layer_back(kernel, lora_llama, monkeypatch):

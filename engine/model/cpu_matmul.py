@@ -13,18 +13,21 @@ kernels compute the same sums and round differently (float32 rounding: a relativ
 
 It does not touch: trainable weights (their own gradient is torch's), other dtypes and devices, subclasses of
 ``nn.Linear`` with a forward of their own, layers whose forward another library replaced, weights that are not 2-D
-(ZeRO-3's partitions). Decoding packs its weights itself (:mod:`llmrl.engine.model.decoding.packed_linears`).
+(ZeRO-3's partitions). Decoding packs its weights itself (:mod:`llmrl.engine.model.decoding.packed_linears`), and
+reads which CPU this is (:func:`cpu_vendor`) and whether oneDNN exists (:func:`onednn_available`) from here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 CHOICES = ("auto", "torch", "onednn")
 _choice = ["auto"]  # this process's setting (a server rank sets its config's cpu_matmul at start)
 _products = [0]  # products run through oneDNN in this process
+_patched_models: set[int] = set()  # models whose layers frozen_linears patched, for the block's duration
 
 
 def configure(choice: str) -> None:
@@ -34,19 +37,40 @@ def configure(choice: str) -> None:
     _choice[0] = choice
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``), or '' where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def onednn_active() -> bool:
     """Whether frozen float32 products on a CPU run through oneDNN in this process."""
-    from llmrl.engine.model.decoding.packed_linears import available, cpu_vendor
-
     choice = _choice[0]
-    if choice == "torch" or not available("onednn"):
+    if choice == "torch" or not onednn_available():
         return False
     return choice == "onednn" or cpu_vendor() == "AuthenticAMD"
 
 
+def _frozen_cpu_float32(weight) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and not weight.requires_grad)
+
+
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and not weight.requires_grad)
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _frozen_cpu_float32(weight)
 
 
 def stats() -> dict:
@@ -77,7 +101,14 @@ class _FrozenLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear``, through oneDNN where this process uses it and the weight is frozen."""
-    if not (onednn_active() and _applies(x, weight) and (bias is None or not bias.requires_grad)):
+    if not onednn_active():
+        return torch.nn.functional.linear(x, weight, bias)
+    return _onednn_linear(x, weight, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` once oneDNN is known to be in use: its product where the operands allow it."""
+    if not (_applies(x, weight) and (bias is None or not bias.requires_grad)):
         return torch.nn.functional.linear(x, weight, bias)
     if torch.is_grad_enabled() and x.requires_grad:
         return _FrozenLinear.apply(x, weight, bias)
@@ -95,27 +126,28 @@ def times_weight(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def frozen_linears(model: torch.nn.Module):
     """Within the block, the frozen float32 linear layers of ``model`` multiply through :func:`linear` (nothing
-    changes where this process does not use oneDNN). Every layer's own ``forward`` is back on exit."""
-    if not onednn_active():
+    changes where this process does not use oneDNN). Every layer's own ``forward`` is back on exit. A block within
+    another over the same model (the passes of an update) finds its layers patched already and does nothing."""
+    if not onednn_active() or id(model) in _patched_models:
         yield
         return
     patched = []
+    _patched_models.add(id(model))
     try:
         for module in model.modules():
-            weight = getattr(module, "weight", None)
             if (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
-                    and "forward" not in vars(module) and isinstance(weight, torch.Tensor) and weight.dim() == 2
-                    and weight.dtype == torch.float32 and weight.device.type == "cpu" and not weight.requires_grad):
+                    and "forward" not in vars(module) and _frozen_cpu_float32(getattr(module, "weight", None))):
                 module.forward = _forward(module)
                 patched.append(module)
         yield
     finally:
+        _patched_models.discard(id(model))
         for module in patched:
             vars(module).pop("forward", None)
 
 
 def _forward(layer: torch.nn.Linear):
-    def forward(x):
-        return linear(x, layer.weight, layer.bias)
+    def forward(x):  # patched only while oneDNN is in use: its operands alone are checked
+        return _onednn_linear(x, layer.weight, layer.bias)
 
     return forward

@@ -39,11 +39,12 @@ module does not decode; :mod:`.loop` runs the steps.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from llmrl.engine.model import cpu_matmul
 
 KERNELS = ("mkl", "onednn")
 
@@ -51,26 +52,13 @@ KERNELS = ("mkl", "onednn")
 def available(kernel: str = "mkl") -> bool:
     """Whether this torch build can pack weights for ``kernel`` (an x86 build with MKL, or with oneDNN)."""
     if kernel == "onednn":
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        return cpu_matmul.onednn_available()
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``), or '' where /proc/cpuinfo does not say."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def default_kernel() -> str | None:
     """The kernel ``pack_weights: auto`` packs for: oneDNN on AMD CPUs, MKL on others; None where neither exists."""
-    preferred = ("onednn", "mkl") if cpu_vendor() == "AuthenticAMD" else ("mkl", "onednn")
+    preferred = ("onednn", "mkl") if cpu_matmul.cpu_vendor() == "AuthenticAMD" else ("mkl", "onednn")
     return next((kernel for kernel in preferred if available(kernel)), None)
 
 
