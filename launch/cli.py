@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from llmrl.launch import cache, env, plugins_list, run, tinker, validate
 
@@ -37,5 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     return VERBS[args.verb][0].main(args)
 
 
+def command() -> NoReturn:
+    """The ``llmrl`` command itself: :func:`main`, then leave without tearing down the modules (torch's take half a
+    second on our CPUs, on every command; a run's work is all done by then) once ``atexit`` handlers ran and the
+    output is flushed."""
+    from llmrl.engine.processes import leave
+
+    leave(main(), run_atexit=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

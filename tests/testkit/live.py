@@ -1,7 +1,8 @@
 """Live runs for tests: :class:`LiveRun` starts a real run (every rank a process) whose client script
 (:mod:`testkit.proxy`) obeys the test process. Ranks are started by :mod:`testkit.ranks` (the environment
-DeepSpeed's launcher gives them, without importing DeepSpeed twice first) or, with ``launcher="deepspeed"``, by
-the DeepSpeed launcher itself, for tests whose subject is what the launcher does.
+DeepSpeed's launcher gives them, without importing DeepSpeed twice first), forked by the session's server
+(:mod:`testkit.zygote`) where the run's environment allows, or, with ``launcher="deepspeed"``, by the DeepSpeed
+launcher itself, for tests whose subject is what the launcher does.
 """
 
 from __future__ import annotations
@@ -72,8 +73,15 @@ class LiveRun:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         kit_parent = str(Path(__file__).resolve().parent.parent)  # every rank imports testkit (and test plugins)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                        start_new_session=True, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+        self.process = None
+        if launcher == "direct":  # forked by this session's server where it can be (testkit.zygote)
+            from testkit import zygote
+
+            self.process = zygote.start(self.command[3:], full_env, os.getcwd(), str(self.log_path),
+                                        str(self.workdir / "launcher.exit"))
+        if self.process is None:
+            self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                            start_new_session=True, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
         self._conn = self._accept(startup_timeout)
         self._conn.send(caller_kwargs or {})
         status, value = self._recv(startup_timeout)
@@ -224,7 +232,8 @@ class LiveRun:
         alive = []
         for proc in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
-                if self.config_path in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+                in_command = self.config_path in " ".join(proc.info["cmdline"] or [])
+                if (in_command or _session(proc.pid) == self.process.pid) and proc.info["status"] != "zombie":
                     alive.append(proc.info["pid"])
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
@@ -247,3 +256,12 @@ class LiveRun:
             return
         code = self.close(timeout=60)
         assert code == 0, f"the run exited with {code} when its Caller closed (a crash at shutdown); log:\n{self.log}"
+
+
+def _session(pid: int) -> int | None:
+    """The session of process ``pid`` (a run's launcher leads its own; ranks forked from a server keep no trace of
+    the run in their command line)."""
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None

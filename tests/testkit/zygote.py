@@ -1,0 +1,203 @@
+"""A fork server for :class:`testkit.LiveRun`: one process per test session imports torch, DeepSpeed, transformers
+and llmrl's rank code once (:data:`testkit.ranks.PRELOAD`), then forks a fresh :mod:`testkit.ranks` launcher for
+each run. Without it every run's launcher imports them again first: about 4 CPU-seconds, on one core, before any
+rank starts; the suite starts some forty such runs.
+
+A forked launcher is what ``python -m testkit.ranks ...`` started by :class:`subprocess.Popen` would be: its own
+session (``start_new_session``), the run's environment, working folder and log as stdout and stderr, stdin from
+``/dev/null``, a fresh interpreter's signal dispositions and unbuffered output; it exits with ``testkit.ranks``'s
+code. The server writes each launcher's exit status (``Popen.returncode``'s convention: ``-N`` when killed by signal
+N) to a file the test process reads (:class:`ForkedLauncher`).
+
+Modules read some environment variables when they are imported. So a run is forked only when its environment and
+working folder are those the server started with (``PYTEST_CURRENT_TEST`` aside, which the launcher gets as it is);
+any other run (a test's own ``env=...``, a changed ``os.environ``) is started the plain way, and :func:`start`
+returns None for it. The server's own output goes to ``zygote.log`` beside the first run's log. When the test
+process ends, the server's stdin closes: it kills what is left of its launchers' sessions and exits.
+
+Test code, never shipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+class ForkedLauncher:
+    """A launcher forked by the server: the part of :class:`subprocess.Popen` that LiveRun and the tests use."""
+
+    def __init__(self, pid: int, status_path: str):
+        self.pid = pid
+        self.returncode = None
+        self._status_path = status_path
+
+    def poll(self):
+        if self.returncode is None and os.path.exists(self._status_path):
+            with open(self._status_path) as f:
+                self.returncode = int(f.read())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"testkit.ranks (pid {self.pid})", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest's note of the test running now: no module reads it on import
+
+
+def _comparable(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k not in _VOLATILE}
+
+
+_lock = threading.Lock()
+_server: dict | None = None  # {"process", "env", "cwd"} of this test process's server, once started
+
+
+def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str) -> ForkedLauncher | None:
+    """Fork ``python -m testkit.ranks ARGV`` with ``env`` in ``cwd``, output to ``log_path``; None where this
+    run cannot be forked (another environment or folder than the server's, or no server)."""
+    global _server
+    with _lock:
+        if _server is None:
+            with open(os.path.join(os.path.dirname(log_path), "zygote.log"), "w") as server_log:
+                process = subprocess.Popen([sys.executable, "-m", "testkit.zygote"], env=env, cwd=cwd,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=server_log,
+                                           start_new_session=True)
+            _server = {"process": process, "env": dict(env), "cwd": cwd}
+        process = _server["process"]
+        if _comparable(_server["env"]) != _comparable(env) or _server["cwd"] != cwd or process.poll() is not None:
+            return None
+        request = {"argv": argv, "env": env, "log": log_path, "status": status_path}
+        try:
+            process.stdin.write((json.dumps(request) + "\n").encode())
+            process.stdin.flush()
+            answer = process.stdout.readline()  # the launcher's pid, once the server has preloaded and forked
+        except (BrokenPipeError, OSError):
+            return None
+        if not answer.strip().isdigit():
+            return None
+        return ForkedLauncher(int(answer), status_path)
+
+
+def _launcher(request: dict, reply: int) -> None:
+    """In the forked child: become ``python -m testkit.ranks ARGV`` and leave with its exit code."""
+    code = 1
+    try:
+        os.close(reply)
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(null)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for name, fd in (("stdout", 1), ("stderr", 2)):  # python -u
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True))
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        from testkit import ranks
+
+        sys.argv = [ranks.__file__, *request["argv"]]
+        code = ranks.main(request["argv"])
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as an uncaught exception would be
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - nothing left to report to
+                pass
+        os._exit(code)
+
+
+def _write_status(path: str, code: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(code))
+    os.replace(path + ".tmp", path)  # whole or absent: the test process never reads half of it
+
+
+def serve() -> None:
+    """The server's loop: a request (one JSON line) on stdin forks a launcher and answers its pid on stdout;
+    finished launchers are reaped and their status written. Single-threaded, so that every fork is clean."""
+    from testkit.ranks import PRELOAD
+
+    reply = os.dup(1)  # answers go there; anything printed while preloading goes to the server's log
+    os.dup2(2, 1)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    importlib.import_module("testkit.ranks")
+    assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process ends the server by closing its stdin
+    running: dict[int, str] = {}
+    pending, open_ = b"", True
+    while open_ or running:
+        if open_ and select.select([0], [], [], 0.02)[0]:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                open_ = False
+                for pid in running:  # the test process is gone: nothing of its runs may outlive it
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _launcher(request, reply)  # never returns
+                running[pid] = request["status"]
+                os.write(reply, f"{pid}\n".encode())
+        elif not open_:
+            time.sleep(0.02)
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _write_status(running.pop(pid), os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    serve()
