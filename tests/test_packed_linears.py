@@ -189,6 +189,20 @@ def test_auto_packs_for_onednn_on_amd_cpus_and_mkl_on_others(monkeypatch):
     print("this machine's CPU:", cpu_matmul.cpu_vendor() or "unknown")
 
 
+def test_auto_packs_for_the_kernel_cpu_matmul_names(monkeypatch):
+    """A server whose cpu_matmul is torch decodes with MKL's packs on any CPU, one whose cpu_matmul is onednn with
+    oneDNN's; an explicit pack_weights kernel wins over both."""
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda vendor=vendor: vendor)
+        for setting, expected in (("torch", "mkl"), ("onednn", "onednn")):
+            monkeypatch.setattr(cpu_matmul, "_choice", [setting])
+            if available(expected):
+                assert default_kernel() == expected, (vendor, setting)
+                assert Decoder(GenerationSettings(), "cpu").stats()["packed_for"] == expected
+        if available("mkl"):
+            assert Decoder(GenerationSettings(pack_weights="mkl"), "cpu").stats()["packed_for"] == "mkl"
+
+
 def test_an_error_while_decoding_puts_every_layer_back(kernel, lora_llama, monkeypatch):
     model, tok = lora_llama
     packed = decoder(kernel)

@@ -37,6 +37,11 @@ def configure(choice: str) -> None:
     _choice[0] = choice
 
 
+def setting() -> str:
+    """This process's ``cpu_matmul`` setting (``auto`` until a server rank configures it)."""
+    return _choice[0]
+
+
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``), or '' where /proc/cpuinfo does not say."""

@@ -10,7 +10,7 @@ code. The server writes each launcher's exit status (``Popen.returncode``'s conv
 N) to a file the test process reads (:class:`ForkedLauncher`).
 
 Modules read some environment variables when they are imported. So a run is forked only when its environment and
-working folder are those the server started with (``PYTEST_CURRENT_TEST`` aside, which the launcher gets as it is);
+working folder are those the server started with (but for :data:`_VOLATILE`'s, which the launcher gets as they are);
 any other run (a test's own ``env=...``, a changed ``os.environ``) is started the plain way, and :func:`start`
 returns None for it. The server's own output goes to ``zygote.log`` beside the first run's log. When the test
 process ends, the server's stdin closes: it kills what is left of its launchers' sessions and exits.
@@ -68,7 +68,9 @@ class ForkedLauncher:
         self.send_signal(signal.SIGKILL)
 
 
-_VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest's note of the test running now: no module reads it on import
+# Variables the test process sets as it goes, which no module reads on import: pytest's note of the test running
+# now, and the folder torch's Inductor sets once it compiled something (read when compiling, as its default is).
+_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _comparable(env: dict) -> dict:

@@ -57,8 +57,11 @@ def available(kernel: str = "mkl") -> bool:
 
 
 def default_kernel() -> str | None:
-    """The kernel ``pack_weights: auto`` packs for: oneDNN on AMD CPUs, MKL on others; None where neither exists."""
-    preferred = ("onednn", "mkl") if cpu_matmul.cpu_vendor() == "AuthenticAMD" else ("mkl", "onednn")
+    """The kernel ``pack_weights: auto`` packs for: the one ``cpu_matmul`` names (MKL for ``torch``, whose default
+    kernel it is), or, under ``auto``, oneDNN on AMD CPUs and MKL on others; None where neither exists."""
+    setting = cpu_matmul.setting()
+    onednn_first = setting == "onednn" or (setting == "auto" and cpu_matmul.cpu_vendor() == "AuthenticAMD")
+    preferred = ("onednn", "mkl") if onednn_first else ("mkl", "onednn")
     return next((kernel for kernel in preferred if available(kernel)), None)
 
 
