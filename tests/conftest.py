@@ -23,6 +23,16 @@ def live_runs_in_pytests_basetemp(tmp_path_factory):
     live.WORK_ROOT = str(tmp_path_factory.mktemp("live-runs"))
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How the session's live runs started: forked by testkit.zygote's server, or afresh and why (a run given its own
+    environment, say), so that a change that stops runs from forking shows."""
+    from testkit import zygote
+
+    if zygote.STARTS:
+        counts = ", ".join(f"{n} {how}" for how, n in zygote.STARTS.most_common())
+        terminalreporter.write_line(f"live runs: {counts}")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """Paths of the tiny models: tiny["llama"], tiny["gpt2"], tiny["t5"], and the variants tiny["llama-eos"] (its

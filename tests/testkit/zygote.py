@@ -20,6 +20,7 @@ Test code, never shipped.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import io
 import json
@@ -68,9 +69,10 @@ class ForkedLauncher:
         self.send_signal(signal.SIGKILL)
 
 
-# Variables the test process sets as it goes, which no module reads on import: pytest's note of the test running
-# now, and the folder torch's Inductor sets once it compiled something (read when compiling, as its default is).
-_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Variables that no module reads on import: pytest's note of the test running now; the two that torch's Inductor sets
+# in the test process once it compiled something (its cache folder, as its default is, and a pointer of its own);
+# llmrl's model cache (read when a builtin model is prepared; tests of that preparation give each run its own).
+_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "LLMRL_CACHE")
 
 
 def _comparable(env: dict) -> dict:
@@ -78,6 +80,7 @@ def _comparable(env: dict) -> dict:
 
 
 _lock = threading.Lock()
+STARTS: collections.Counter = collections.Counter()  # how this process's runs started: forked, or afresh and why
 _server: dict | None = None  # {"process", "env", "cwd"} of this test process's server, once started
 
 
@@ -93,7 +96,9 @@ def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str)
                                            start_new_session=True)
             _server = {"process": process, "env": dict(env), "cwd": cwd}
         process = _server["process"]
-        if _comparable(_server["env"]) != _comparable(env) or _server["cwd"] != cwd or process.poll() is not None:
+        reason = _why_not(env, cwd)
+        if reason:
+            STARTS[f"started afresh ({reason})"] += 1
             return None
         request = {"argv": argv, "env": env, "log": log_path, "status": status_path}
         try:
@@ -103,8 +108,21 @@ def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str)
         except (BrokenPipeError, OSError):
             return None
         if not answer.strip().isdigit():
+            STARTS["started afresh (the server did not answer)"] += 1
             return None
+        STARTS["forked"] += 1
         return ForkedLauncher(int(answer), status_path)
+
+
+def _why_not(env: dict, cwd: str) -> str | None:
+    """Why a run with ``env`` in ``cwd`` cannot be forked by the server, or None."""
+    if _server["process"].poll() is not None:
+        return f"the server exited with code {_server['process'].returncode}"
+    if _server["cwd"] != cwd:
+        return "another working folder"
+    ours, theirs = _comparable(_server["env"]), _comparable(env)
+    changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    return f"environment: {', '.join(changed)}" if changed else None
 
 
 def _launcher(request: dict, reply: int) -> None:
