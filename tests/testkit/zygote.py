@@ -9,11 +9,12 @@ session (``start_new_session``), the run's environment, working folder and log a
 code. The server writes each launcher's exit status (``Popen.returncode``'s convention: ``-N`` when killed by signal
 N) to a file the test process reads (:class:`ForkedLauncher`).
 
-Modules read some environment variables when they are imported. So a run is forked only when its environment and
-working folder are those the server started with (but for :data:`_VOLATILE`'s, which the launcher gets as they are);
-any other run (a test's own ``env=...``, a changed ``os.environ``) is started the plain way, and :func:`start`
-returns None for it. The server's own output goes to ``zygote.log`` beside the first run's log. When the test
-process ends, the server's stdin closes: it kills what is left of its launchers' sessions and exits.
+The interpreter and the libraries read some environment variables when they start or are imported. So a run is
+forked only when its working folder is the server's and its environment agrees with the server's in every such
+variable (:data:`_READ_ON_IMPORT`); any other run (a test's own ``PYTHONPATH``, say) is started the plain way, and
+:func:`start` returns None for it. A forked launcher takes the run's whole environment. The server's own output
+goes to ``zygote.log`` beside the first run's log. When the test process ends, the server's stdin closes: it kills
+what is left of its launchers' sessions and exits.
 
 Test code, never shipped.
 """
@@ -69,14 +70,16 @@ class ForkedLauncher:
         self.send_signal(signal.SIGKILL)
 
 
-# Variables that no module reads on import: pytest's note of the test running now; the two that torch's Inductor sets
-# in the test process once it compiled something (its cache folder, as its default is, and a pointer of its own);
-# llmrl's model cache (read when a builtin model is prepared; tests of that preparation give each run its own).
-_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "LLMRL_CACHE")
+# What the interpreter and the preloaded libraries read when they start or are imported: a run whose environment
+# differs from the server's in one of these is started afresh. Any other variable the run gets as it is (the forked
+# launcher takes the run's whole environment), as it would in a fresh process.
+_READ_ON_IMPORT = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "CUDA", "NCCL_", "DS_",
+                   "DEEPSPEED", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS")
+_SET_BY_TORCH = ("PYTORCH_NVML_BASED_CUDA_CHECK",)  # set in the test process by torch itself once it looked for CUDA
 
 
-def _comparable(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k not in _VOLATILE}
+def _read_on_import(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(_READ_ON_IMPORT) and k not in _SET_BY_TORCH}
 
 
 _lock = threading.Lock()
@@ -120,7 +123,7 @@ def _why_not(env: dict, cwd: str) -> str | None:
         return f"the server exited with code {_server['process'].returncode}"
     if _server["cwd"] != cwd:
         return "another working folder"
-    ours, theirs = _comparable(_server["env"]), _comparable(env)
+    ours, theirs = _read_on_import(_server["env"]), _read_on_import(env)
     changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     return f"environment: {', '.join(changed)}" if changed else None
 
