@@ -82,6 +82,7 @@ def _read_on_import(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(_READ_ON_IMPORT) and k not in _SET_BY_TORCH}
 
 
+_ANSWER_TIMEOUT = 300.0  # seconds for the server's answer, its imports included (LiveRun's startup_timeout)
 _lock = threading.Lock()
 STARTS: collections.Counter = collections.Counter()  # how this process's runs started: forked, or afresh and why
 _server: dict | None = None  # {"process", "env", "cwd"} of this test process's server, once started
@@ -104,14 +105,17 @@ def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str)
             STARTS[f"started afresh ({reason})"] += 1
             return None
         request = {"argv": argv, "env": env, "log": log_path, "status": status_path}
+        answer = b""
         try:
             process.stdin.write((json.dumps(request) + "\n").encode())
             process.stdin.flush()
-            answer = process.stdout.readline()  # the launcher's pid, once the server has preloaded and forked
-        except (BrokenPipeError, OSError):
-            return None
-        if not answer.strip().isdigit():
+            if select.select([process.stdout], [], [], _ANSWER_TIMEOUT)[0]:
+                answer = process.stdout.readline()  # the launcher's pid, once the server has preloaded and forked
+        except OSError:
+            pass
+        if not answer.strip().isdigit():  # gone or stuck: this run and the next start the plain way
             STARTS["started afresh (the server did not answer)"] += 1
+            process.kill()
             return None
         STARTS["forked"] += 1
         return ForkedLauncher(int(answer), status_path)
