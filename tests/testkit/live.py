@@ -78,7 +78,7 @@ class LiveRun:
             from testkit import zygote
 
             self.process = zygote.start(self.command[3:], full_env, os.getcwd(), str(self.log_path),
-                                        str(self.workdir / "launcher.exit"))
+                                        str(self.workdir / "launcher.exit"), start_server=not env)
         if self.process is None:
             self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                             start_new_session=True, cwd=os.getcwd(), stdin=subprocess.DEVNULL)

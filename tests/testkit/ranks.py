@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 # Not PEFT: importing it turns torch.distributions' argument validation off for the whole process, which a rank
 # that serves no LoRA adapter never does (an updater's Categorical over an empty minibatch must still raise there).
@@ -72,22 +73,37 @@ class ForkedRank:
 
 def _run_child(command: list[str], env: dict, sigint) -> None:
     """In the forked child: become the rank (``[-m module | script] args``) and leave with its exit code."""
-    code = 1
-    try:
+    def become_rank() -> None:
         os.environ.clear()
         os.environ.update(env)
         # what a fresh interpreter has: Python's Ctrl-C handler (or an inherited "ignore"), default SIGTERM
         signal.signal(signal.SIGINT, signal.default_int_handler if sigint is not signal.SIG_IGN else sigint)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for name, fd in (("stdout", 1), ("stderr", 2)):  # python -u
-            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True))
+        unbuffered_output()
         if command[0] == "-m":
             sys.argv = ["-m", *command[2:]]
             runpy.run_module(command[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(command)
             runpy.run_path(command[0], run_name="__main__")
-        code = 0
+
+    leave_as_main(become_rank)
+
+
+def unbuffered_output() -> None:
+    """``sys.stdout`` and ``sys.stderr`` on file descriptors 1 and 2, written through, as ``python -u`` has them."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True))
+
+
+def leave_as_main(body) -> NoReturn:
+    """Run ``body()`` in a forked child as an interpreter runs ``__main__``, then leave with the exit code a fresh
+    process would have (its return value or SystemExit's, 130 for Ctrl-C, 1 for an uncaught exception, which is
+    printed) once the ``atexit`` handlers ran and the output is flushed; never returns to the forking code."""
+    code = 1
+    try:
+        result = body()
+        code = 0 if result is None else result
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):

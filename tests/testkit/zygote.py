@@ -37,15 +37,19 @@ import time
 class ForkedLauncher:
     """A launcher forked by the server: the part of :class:`subprocess.Popen` that LiveRun and the tests use."""
 
-    def __init__(self, pid: int, status_path: str):
+    def __init__(self, pid: int, status_path: str, server: subprocess.Popen):
         self.pid = pid
         self.returncode = None
         self._status_path = status_path
+        self._server = server
 
     def poll(self):
-        if self.returncode is None and os.path.exists(self._status_path):
-            with open(self._status_path) as f:
-                self.returncode = int(f.read())
+        if self.returncode is None:
+            if os.path.exists(self._status_path):
+                with open(self._status_path) as f:
+                    self.returncode = int(f.read())
+            elif self._server.poll() is not None and not _exists(self.pid):
+                self.returncode = 1  # its status was lost with the server (which reaps it) before it was written
         return self.returncode
 
     def wait(self, timeout: float | None = None):
@@ -88,11 +92,17 @@ STARTS: collections.Counter = collections.Counter()  # how this process's runs s
 _server: dict | None = None  # {"process", "env", "cwd"} of this test process's server, once started
 
 
-def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str) -> ForkedLauncher | None:
+def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str,
+          start_server: bool = True) -> ForkedLauncher | None:
     """Fork ``python -m testkit.ranks ARGV`` with ``env`` in ``cwd``, output to ``log_path``; None where this
-    run cannot be forked (another environment or folder than the server's, or no server)."""
+    run cannot be forked (another environment or folder than the server's, or no server). Without
+    ``start_server`` (a run given an environment of its own) no server is started for this run: the server takes
+    the environment of the run that starts it, and later plain runs must match it."""
     global _server
     with _lock:
+        if _server is None and not start_server:
+            STARTS["started afresh (its own environment, before any server)"] += 1
+            return None
         if _server is None:
             with open(os.path.join(os.path.dirname(log_path), "zygote.log"), "w") as server_log:
                 process = subprocess.Popen([sys.executable, "-m", "testkit.zygote"], env=env, cwd=cwd,
@@ -118,7 +128,17 @@ def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str)
             process.kill()
             return None
         STARTS["forked"] += 1
-        return ForkedLauncher(int(answer), status_path)
+        return ForkedLauncher(int(answer), status_path, process)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _why_not(env: dict, cwd: str) -> str | None:
@@ -132,11 +152,15 @@ def _why_not(env: dict, cwd: str) -> str | None:
     return f"environment: {', '.join(changed)}" if changed else None
 
 
-def _launcher(request: dict, reply: int) -> None:
+def _launcher(request: dict, server_fds: tuple[int, ...]) -> None:
     """In the forked child: become ``python -m testkit.ranks ARGV`` and leave with its exit code."""
-    code = 1
-    try:
-        os.close(reply)
+    from testkit import ranks
+
+    def become_launcher() -> int:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in server_fds:
+            os.close(fd)
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -149,29 +173,12 @@ def _launcher(request: dict, reply: int) -> None:
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for name, fd in (("stdout", 1), ("stderr", 2)):  # python -u
-            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True))
+        ranks.unbuffered_output()
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        from testkit import ranks
-
         sys.argv = [ranks.__file__, *request["argv"]]
-        code = ranks.main(request["argv"])
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as an uncaught exception would be
-        import traceback
+        return ranks.main(request["argv"])
 
-        traceback.print_exc()
-    finally:
-        import atexit
-
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - nothing left to report to
-                pass
-        os._exit(code)
+    ranks.leave_as_main(become_launcher)
 
 
 def _write_status(path: str, code: int) -> None:
@@ -192,10 +199,17 @@ def serve() -> None:
     importlib.import_module("testkit.ranks")
     assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process ends the server by closing its stdin
+    wake, woken = os.pipe()  # a launcher's exit (SIGCHLD) wakes the loop through this pipe
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     running: dict[int, str] = {}
     pending, open_ = b"", True
     while open_ or running:
-        if open_ and select.select([0], [], [], 0.02)[0]:
+        ready = select.select([0, wake] if open_ else [wake], [], [])[0]
+        if wake in ready:
+            os.read(wake, 1 << 12)
+        if 0 in ready:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 open_ = False
@@ -211,11 +225,9 @@ def serve() -> None:
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _launcher(request, reply)  # never returns
+                    _launcher(request, (reply, wake, woken))  # never returns
                 running[pid] = request["status"]
                 os.write(reply, f"{pid}\n".encode())
-        elif not open_:
-            time.sleep(0.02)
         while running:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -224,7 +236,6 @@ def serve() -> None:
             if pid == 0:
                 break
             _write_status(running.pop(pid), os.waitstatus_to_exitcode(status))
-
 
 if __name__ == "__main__":
     serve()
