@@ -45,6 +45,10 @@ def run(tiny):
         "grpo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                  "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3),
                  "generation": {"merge_adapter": True}},  # ZeRO-3: merged on the weights gathered for the call
+        # ZeRO-3 with a compiled step: the weights it reads kept at the same addresses from call to call
+        "grpo-kept": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                      "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3),
+                      "generation": {"merge_adapter": True, "compile": True, "length_bucket": 16}},
         # no KL term: given old log-probs, the update runs no gradient-free pass (it counts tokens from the ids)
         "grpo-nokl": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                       "updater": {"plugin": "grpo", "args": {**GRPO_ARGS, "kl_coef": 0.0}}, "training": sgd(2)},
@@ -175,6 +179,41 @@ def test_zero3_samples_from_its_gathered_weights_with_the_adapter_merged(run, ti
         assert now["merges"] - was["merges"] >= 2 and now["merged_weights_mb"] == 0.0, now
         assert now["compiled_shapes"] == [] and now["static_cache_mb"] == 0.0
     assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo").items())
+
+
+def test_zero3_with_a_compiled_step_decodes_from_kept_weights_that_never_move(run, tiny):
+    """Under ZeRO-3 (2 replicas) with ``compile`` on, ``keep_gathered`` (auto) copies each call's gathered weights
+    into buffers kept between calls and merges the trained adapter in place: two rounds of calls decode through the
+    static cache and the compiled step, the step's weights never move (a CUDA graph would replay, not re-record),
+    log-probs are score's, and no trained weight changes."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from testkit.serving import assert_scored_back
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on the CPU needs a C compiler")
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    rewards = [[1.0, 0.0, 0.5], [0.2, 0.8, 0.8], [-1.0, 0.3, 2.0], [0.0, 2.0, 1.0], [0.5, -0.7, 0.1]]
+    run.update(PROMPTS, continuations(tok, 3, offset=1), llm="grpo-kept", rewards=rewards)  # a trained adapter
+    ranks = [r for r, s in run.servers().items() if s["llm"] == "grpo-kept"]
+    weights = run.state_dict(llm="grpo-kept")
+    rounds = []
+    for _ in range(2):
+        for sampled in (False, True):
+            results = run.generate(PROMPTS, llm="grpo-kept", max_new_tokens=6, do_sample=sampled,
+                                   num_return_sequences=2 if sampled else 1, seed=5)
+            assert_scored_back(run, "grpo-kept", PROMPTS, results)
+        rounds.append(run.server_memory())
+    for r in ranks:
+        first, now = rounds[0][r]["decoding"], rounds[1][r]["decoding"]
+        assert now["calls"].get("llmrl", 0) - first["calls"].get("llmrl", 0) == 2, now
+        assert now["compiled_shapes"] and now["compiled_shapes"] == first["compiled_shapes"], now
+        assert now["weight_moves"] == 0, now
+        assert now["kept_weights_mb"] > 0 and now["merged_weights_mb"] > 0 and now["static_cache_mb"] > 0, now
+        assert now["merges"] - first["merges"] == 2, now  # the base weights are gathered anew: merged in place
+    assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo-kept").items())
 
 
 def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):

@@ -94,6 +94,7 @@ class GenerationSettings:
     sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
     pack_weights: bool | str = "auto"  # decode steps multiply with packed weights (mkl, onednn; auto: by CPU) on CPU
     llama_step: bool | str = "auto"  # Llama-shaped models' decode steps as plain tensor code; auto: on CPU
+    keep_gathered: bool | str = "auto"  # ZeRO-3: the weights a decode step reads kept between calls; auto: if compiled
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
 """One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
 
 :class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
-``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``, ``llama_step``), keeps the
-:class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder` between calls, and counts which
-loop ran (``server_memory`` reports it).
+``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``, ``llama_step``, ``keep_gathered``),
+keeps the :class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder` between calls,
+counts which loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
 ``pack_weights`` (``auto``: on CPU devices) packs the weights once for the CPU's matmul kernel, MKL's or oneDNN's
 (:mod:`.packed_linears`);
 ``llama_step`` (``auto``: on CPU devices) runs the decode steps of Llama-shaped models as plain tensor code
 (:mod:`.llama_step`).
-Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call: it
-decodes without a static cache or a captured step, and merges the adapter for each batch alone (the merged copy,
-the size of the adapted weights, is not kept after it).
+Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call. With
+``keep_gathered`` (``auto``: when the step is compiled) the weights the step reads are copied into buffers kept
+between calls (:mod:`.kept_weights`) and the adapter is merged in place into its kept buffers, so the static cache
+and the captured step run as under ZeRO-2. Without it, the loop decodes without a static cache or a captured step,
+and merges the adapter for each batch alone (the merged copy, the size of the adapted weights, is freed after it).
+Where the weights' addresses matter (a static cache or a captured step), ``weight_moves`` counts the calls whose
+weights lay elsewhere than in the call before (a CUDA graph is then captured again).
 
 This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
 """
@@ -23,6 +27,7 @@ import contextlib
 from collections import Counter
 
 from llmrl.engine.model.decoding.eligibility import why_not
+from llmrl.engine.model.decoding.kept_weights import KeptWeights, weights_read
 from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, why_not_mergeable
 
 
@@ -40,9 +45,13 @@ class Decoder:
         self.settings, self.zero3 = settings, zero3
         self.trunk = trunk  # a frozen trunk (trunk_reuse_mb) keeps the states each batch computes below its depth
         cuda = device_type == "cuda"
-        self.compiled = _on(settings.compile, cuda) and not zero3
+        compiling = _on(settings.compile, cuda)
+        # under ZeRO-3 the captured step and static cache need the weights kept at fixed addresses
+        self.kept = KeptWeights() if zero3 and _on(settings.keep_gathered, compiling) else None
+        movable = zero3 and self.kept is None
+        self.compiled = compiling and not movable
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
-        static = self.compiled or (_on(settings.static_cache, cuda) and not zero3)
+        static = self.compiled or (_on(settings.static_cache, cuda) and not movable)
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
         packing = _on(settings.pack_weights, device_type == "cpu") and not zero3 and not self.compiled
         kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
@@ -51,6 +60,8 @@ class Decoder:
         self.llama_step = _on(settings.llama_step, device_type == "cpu")
         self.llama_step_batches = 0  # batches whose steps ran as llama_step.LlamaStep
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over
+        self._addresses: tuple | None = None  # where the last batch's weights lay (with a static cache)
+        self.weight_moves = 0  # batches whose weights lay elsewhere than the batch before's
 
     def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> bool:
         """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
@@ -84,14 +95,19 @@ class Decoder:
         from llmrl.engine.model.decoding.loop import decode
 
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        merging = contextlib.nullcontext()
+        merging, merged_layers = contextlib.nullcontext(), []
         adapter = getattr(model, "active_adapter", None) if hasattr(model, "get_base_model") else None
         if self.merged is not None and isinstance(adapter, str):
             layers = lora_layers(inner)
             if layers and why_not_mergeable(layers, adapter, gathered=self.zero3) is None:
                 merging = self.merged.swapped_in(layers, adapter)
+                merged_layers = [layer for layer in layers if adapter in layer.lora_A]
+        read = weights_read(inner, merged_layers)
+        keeping = self.kept.swapped_in(read) if self.kept is not None else contextlib.nullcontext()
         try:
-            with merging as merged:
+            with merging as merged, keeping:
+                if self.static is not None:
+                    self._note_addresses(read, merged_layers)
                 owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
                 decoded = decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
                                  self.settings.sampler, past, keep_cache, self.packed, owners, self.trunk,
@@ -99,8 +115,15 @@ class Decoder:
                 self.llama_step_batches += decoded.llama_step
                 return decoded
         finally:
-            if self.zero3 and self.merged is not None:  # the gathered weights are freed after the call
+            if self.zero3 and self.kept is None and self.merged is not None:  # built on weights freed after the call
                 self.merged.release()
+
+    def _note_addresses(self, read: list, merged_layers: list) -> None:
+        addresses = tuple(p.data_ptr() for p in read) + tuple(
+            layer.get_base_layer().weight.data_ptr() for layer in merged_layers)
+        if self._addresses is not None and addresses != self._addresses:
+            self.weight_moves += 1
+        self._addresses = addresses
 
     def stats(self) -> dict:
         """Calls run by each loop (and why llmrl's was passed over), adapter merges, compiled shapes, and the memory
@@ -112,6 +135,8 @@ class Decoder:
                 "weights_packed": self.packed.packs if self.packed is not None else 0,
                 "packed_for": self.packed.kernel if self.packed is not None else None,
                 "llama_step_batches": self.llama_step_batches,
+                "kept_weights_mb": self.kept.held_bytes() / 2**20 if self.kept is not None else 0.0,
+                "weight_moves": self.weight_moves,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
     def release(self) -> None:
@@ -122,3 +147,5 @@ class Decoder:
             self.packed.release()
         if self.static is not None:
             self.static.release()
+        if self.kept is not None:
+            self.kept.release()
