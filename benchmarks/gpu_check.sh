@@ -33,11 +33,11 @@ stage() {  # name, limit, command...
 }
 stage grpo-short "${T1:-200}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 3 --new-tokens "$SHORT" \
   --paths now,trl --profile "$OUT/prof" --out "$OUT/grpo-short.json"
-stage zero3 "${T2:-120}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
+stage zero3 "${T2:-150}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
   "${TOK[@]}" --names zero2,zero3 --repeats 3
 stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVICE" "${TOK[@]}" \
   --shape "${DECODING_SHAPE:-smollm2-1.7b}" \
   --new-tokens "$SHORT" --batch1-shape "" --skip-hf-compile --out "$OUT/decoding.json"
 stage grpo-long "${T4:-170}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
   --paths now,trl --out "$OUT/grpo-long.json"
-grep -h "median\|\"now\"\|\"trl\"\|ZeRO-2's\|calls by loop" "$OUT"/*.log | cut -c1-200
+grep -h "median\|\"now\"\|\"trl\"\|ZeRO-2's\|decoding per rank" "$OUT"/*.log | cut -c1-200

@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder, for --shape")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds first (on a GPU the first generate compiles the decode step)")
     parser.add_argument("--names", default=",".join(NAMES), help="the LLMs to time, of " + ", ".join(NAMES))
     args = parser.parse_args()
     kit = testkit()
@@ -70,22 +72,26 @@ def run_benchmark(args, kit) -> None:
     times = {(name, call): [] for name in names for call in ("score", "generate")}
     results = {}
     with kit.LiveRun({"llms": llms, "threads_per_rank": 2}) as run:
-        for _ in range(args.repeats):
+        for repeat in range(args.warmup + args.repeats):
             for name in names:
                 start = time.perf_counter()
                 scores = run.score(contexts, candidates, llm=name)
-                times[(name, "score")].append(time.perf_counter() - start)
+                score_seconds = time.perf_counter() - start
                 start = time.perf_counter()
                 samples = run.generate(prompts, llm=name, max_new_tokens=16, do_sample=False)
-                times[(name, "generate")].append(time.perf_counter() - start)
+                if repeat >= args.warmup:
+                    times[(name, "score")].append(score_seconds)
+                    times[(name, "generate")].append(time.perf_counter() - start)
                 results[name] = (scores, samples)
         memory, servers = run.server_memory(), run.servers()
         gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in memory.items()
                               if servers[r]["llm"] == name) for name in names}
-        loops = {name: [m.get("decoding", {}).get("calls") for r, m in memory.items() if servers[r]["llm"] == name]
-                 for name in names}
+        loops = {name: [{key: m.get("decoding", {}).get(key) for key in ("calls", "compiled_shapes", "weight_moves",
+                                                                            "kept_weights_mb")}
+                        for r, m in memory.items() if servers[r]["llm"] == name] for name in names}
     base_scores, base_samples = results["zero2"]
-    print(f"{args.shape or args.model}, {args.dtype} on {args.devices}, 1 rank per LLM, median of {args.repeats}:")
+    print(f"{args.shape or args.model}, {args.dtype} on {args.devices}, 1 rank per LLM, median of {args.repeats} "
+          f"after {args.warmup} untimed:")
     for call in ("score", "generate"):
         base = statistics.median(times[("zero2", call)])
         for name in names:
@@ -101,7 +107,7 @@ def run_benchmark(args, kit) -> None:
               f"{'equal' if same_tokens else 'DIFFERENT'}, log-probs within {logprob_diff:.1e}; "
               f"{gathered[name]} calls gathered the weights")
     for name in names:
-        print(f"  {name}: generate calls by loop {loops[name]}")
+        print(f"  {name}: decoding per rank {loops[name]}")
 
 
 if __name__ == "__main__":
