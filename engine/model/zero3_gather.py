@@ -30,9 +30,9 @@ def _offload(engine):
     return offload if offload is not None and hasattr(offload, "forward_hooks") else None
 
 
-def gathered_bytes(module: torch.nn.Module) -> int:
-    """The bytes every weight of ``module`` takes once gathered (its full size on one rank)."""
-    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+def gathered_bytes(params) -> int:
+    """The bytes ``params`` take once gathered (their full size on one rank)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
 
 
 @contextlib.contextmanager
@@ -41,12 +41,12 @@ def gathered_weights(engine, cap_mb: int):
     not ZeRO-3, ``cap_mb`` 0, or the model larger than ``cap_mb``: the per-layer path, untouched). Every rank of the
     group must enter it for the same call (a collective)."""
     offload = _offload(engine)
-    if offload is None or cap_mb <= 0 or gathered_bytes(offload.module) > cap_mb * 2**20:
+    params = list(offload.module.parameters()) if offload is not None and cap_mb > 0 else []
+    if not params or gathered_bytes(params) > cap_mb * 2**20:
         yield False
         return
     import deepspeed
 
-    params = list(offload.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         for param in params:  # nothing is in flight between calls; cleared as DeepSpeed's users do
             param.ds_active_sub_modules.clear()
@@ -71,8 +71,7 @@ def _without_hooks(module: torch.nn.Module, handles: list):
     back the very functions DeepSpeed registered, with the same handles, instead of registering them anew (which
     walked the module tree: 80 ms a call for SmolLM2-135M on CPU, most of the gathered call's overhead)."""
     ours = {handle.id for handle in handles}
-    saved = [(hooks, list(hooks.items())) for m in module.modules() for name in _HOOK_DICTS
-             if (hooks := getattr(m, name, None)) and any(key in ours for key in hooks)]
+    saved = [(hooks, list(hooks.items())) for hooks in _dicts_holding(module, handles, ours)]
     for handle in handles:
         handle.remove()
     try:
@@ -83,6 +82,23 @@ def _without_hooks(module: torch.nn.Module, handles: list):
             hooks.clear()
             hooks.update((key, now.get(key, fn)) for key, fn in before if key in now or key in ours)
             hooks.update((key, fn) for key, fn in now.items() if key not in hooks)
+
+
+def _dicts_holding(module: torch.nn.Module, handles: list, ours: set) -> list[dict]:
+    """The hook dicts that hold any of ``handles``. torch's handles keep weak references to the dicts they were
+    registered in, so those are read from the handles (a 135M model's ~4,000 hook dicts are not walked at every
+    call); a handle without them makes this walk ``module``'s submodules instead."""
+    found: dict[int, dict] = {}
+    for handle in handles:
+        refs = getattr(handle, "hooks_dict_ref", None), *getattr(handle, "extra_dict_ref", ())
+        if refs[0] is None:
+            return [hooks for m in module.modules() for name in _HOOK_DICTS
+                    if (hooks := getattr(m, name, None)) and any(key in ours for key in hooks)]
+        for ref in refs:
+            hooks = ref()
+            if hooks is not None and handle.id in hooks:
+                found[id(hooks)] = hooks
+    return list(found.values())
 
 
 @contextlib.contextmanager
