@@ -183,9 +183,10 @@ def test_zero3_samples_from_its_gathered_weights_with_the_adapter_merged(run, ti
 
 def test_zero3_with_a_compiled_step_decodes_from_kept_weights_that_never_move(run, tiny):
     """Under ZeRO-3 (2 replicas) with ``compile`` on, ``keep_gathered`` (auto) copies each call's gathered weights
-    into buffers kept between calls and merges the trained adapter in place: two rounds of calls decode through the
-    static cache and the compiled step, the step's weights never move (a CUDA graph would replay, not re-record),
-    log-probs are score's, and no trained weight changes."""
+    into buffers kept between calls and merges the trained adapter in place: two rounds of calls, each after an
+    update, decode through the static cache and the compiled step, the step's weights never move (a CUDA graph would
+    replay, not re-record), log-probs are score's (so the second round reads the newly trained weights), and no
+    trained weight changes."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -196,16 +197,17 @@ def test_zero3_with_a_compiled_step_decodes_from_kept_weights_that_never_move(ru
         pytest.skip("torch.compile on the CPU needs a C compiler")
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
     rewards = [[1.0, 0.0, 0.5], [0.2, 0.8, 0.8], [-1.0, 0.3, 2.0], [0.0, 2.0, 1.0], [0.5, -0.7, 0.1]]
-    run.update(PROMPTS, continuations(tok, 3, offset=1), llm="grpo-kept", rewards=rewards)  # a trained adapter
     ranks = [r for r, s in run.servers().items() if s["llm"] == "grpo-kept"]
-    weights = run.state_dict(llm="grpo-kept")
     rounds = []
-    for _ in range(2):
+    for offset in (1, 2):  # an update before each round: the second round must decode the newly trained adapter
+        run.update(PROMPTS, continuations(tok, 3, offset=offset), llm="grpo-kept", rewards=rewards)
+        weights = run.state_dict(llm="grpo-kept")
         for sampled in (False, True):
             results = run.generate(PROMPTS, llm="grpo-kept", max_new_tokens=6, do_sample=sampled,
                                    num_return_sequences=2 if sampled else 1, seed=5)
             assert_scored_back(run, "grpo-kept", PROMPTS, results)
         rounds.append(run.server_memory())
+        assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo-kept").items())
     for r in ranks:
         first, now = rounds[0][r]["decoding"], rounds[1][r]["decoding"]
         assert now["calls"].get("llmrl", 0) - first["calls"].get("llmrl", 0) == 2, now
@@ -213,7 +215,6 @@ def test_zero3_with_a_compiled_step_decodes_from_kept_weights_that_never_move(ru
         assert now["weight_moves"] == 0, now
         assert now["kept_weights_mb"] > 0 and now["merged_weights_mb"] > 0 and now["static_cache_mb"] > 0, now
         assert now["merges"] - first["merges"] == 2, now  # the base weights are gathered anew: merged in place
-    assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo-kept").items())
 
 
 def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):

@@ -138,6 +138,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     if seed is not None:
         torch.manual_seed(seed)
     batches = loop.batches(model, plan, plan.token_budget, plan.max_rows) if loop is not None else plan.batches
+    if loop is not None:
+        loop.new_call()
     for batch in batches:
         _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
                         plan.num_return, [results[i] for i in batch], plan.stop, use, loop)

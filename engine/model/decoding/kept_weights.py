@@ -4,14 +4,18 @@ Under ZeRO-3 a ``generate`` call gathers every weight (:mod:`llmrl.engine.model.
 after the call; the next call's gather puts them at other addresses. A captured decode step (a CUDA graph) reads its
 inputs where it was captured, so with weights that move it must be captured again at every call, or not used at all.
 :class:`KeptWeights` keeps one buffer per weight the decode step reads, copies the call's gathered values into it
-(``copy_``: the same bits) and points the parameter at it for the call's duration, then puts back the gathered
-tensor, an error included, so that DeepSpeed partitions and frees what it gathered as before. The adapter's merged
+(``copy_``: the same bits, once per call: :meth:`KeptWeights.new_call`) and points the parameter at it for each
+batch's duration, then puts back the gathered tensor, an error included, so that DeepSpeed partitions and frees what
+it gathered as before. In a ZeRO-3 group of one rank the gathered weights are the rank's own shards, which do not
+move: those are not copied. The adapter's merged
 weights (:class:`~.merged_lora.MergedLora`) are rebuilt in place into buffers of their own, so the weights they
 replace are not copied here.
 
-The buffers cost, on each rank, the memory of the weights they hold (about the whole model, beside its ZeRO-3
-shard): ``generation.keep_gathered`` turns them on (``auto``: when the decode step is compiled). This module gathers
-nothing and decodes nothing.
+The buffers cost, on each rank, the memory of the weights they hold (the weights the merged adapter does not
+replace, beside the rank's ZeRO-3 shard); like the merged weights and static caches, they stay allocated between
+calls and are not counted in ``training.zero3_gather_mb``. ``generation.keep_gathered`` turns them on (``auto``:
+when the decode step is compiled; only with a static cache, since nothing else reads the addresses). This module
+gathers nothing and decodes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ class KeptWeights:
 
     def __init__(self):
         self._buffers: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._copied: dict[int, int] = {}  # parameter -> its source's address when copied in this call (new_call)
         self.allocations = 0  # buffers allocated (a buffer is allocated again only when its weight's shape changes)
+        self.copies = 0  # parameters copied into their buffers
+
+    def new_call(self) -> None:
+        """A new gathered call begins: each weight is copied in again at its first batch (the weights may have
+        changed since the last call; within a call they do not)."""
+        self._copied.clear()
 
     def _buffer(self, param: torch.Tensor) -> torch.Tensor:
         ref, buffer = self._buffers.get(id(param), (None, None))
@@ -35,21 +46,26 @@ class KeptWeights:
                 or buffer.dtype != param.dtype or buffer.device != param.device:
             buffer = torch.empty_like(param.data)
             self._buffers[id(param)] = (weakref.ref(param), buffer)
+            self._copied.pop(id(param), None)
             self.allocations += 1
         return buffer
 
     @contextlib.contextmanager
     def swapped_in(self, params: list):
-        """Inside, each of ``params`` holds its current values in its kept buffer; on exit (an error included)
-        each holds the very tensor it held before. Buffers of parameters not in ``params`` are freed."""
-        wanted = {id(param) for param in params}
-        for key in [key for key in self._buffers if key not in wanted]:
-            del self._buffers[key]
+        """Inside, each of ``params`` holds its current values in its kept buffer (copied at the call's first
+        batch); on exit (an error included) each holds the very tensor it held before. A parameter whose gathered
+        values are its own ZeRO-3 shard (a group of one rank: DeepSpeed's gather then copies nothing) lies at a fixed
+        address already and is left as it is."""
         swapped = []
         try:
             for param in params:
+                if _is_its_shard(param):
+                    continue
                 buffer = self._buffer(param)
-                buffer.copy_(param.data)
+                if self._copied.get(id(param)) != param.data_ptr():  # a new call, or gathered anew
+                    buffer.copy_(param.data)
+                    self._copied[id(param)] = param.data_ptr()
+                    self.copies += 1
                 swapped.append((param, param.data))
                 param.data = buffer
             yield self
@@ -64,6 +80,13 @@ class KeptWeights:
     def release(self) -> None:
         """Free the buffers (allocated again by the next call that keeps weights)."""
         self._buffers.clear()
+        self._copied.clear()
+
+
+def _is_its_shard(param: torch.Tensor) -> bool:
+    shard = getattr(param, "ds_tensor", None)
+    return isinstance(shard, torch.Tensor) and shard.numel() == param.numel() and shard.device == param.device \
+        and shard.data_ptr() == param.data_ptr()
 
 
 def weights_read(model: torch.nn.Module, merged_layers: list) -> list:

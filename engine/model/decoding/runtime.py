@@ -15,8 +15,8 @@ Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at n
 between calls (:mod:`.kept_weights`) and the adapter is merged in place into its kept buffers, so the static cache
 and the captured step run as under ZeRO-2. Without it, the loop decodes without a static cache or a captured step,
 and merges the adapter for each batch alone (the merged copy, the size of the adapted weights, is freed after it).
-Where the weights' addresses matter (a static cache or a captured step), ``weight_moves`` counts the calls whose
-weights lay elsewhere than in the call before (a CUDA graph is then captured again).
+Where the weights' addresses matter (a static cache or a captured step), ``weight_moves`` counts the batches whose
+weights lay elsewhere than in the batch before (a CUDA graph is then captured again).
 
 This module decides and delegates; the loop is :mod:`.loop`, the request's shape :mod:`llmrl.engine.model.generation`.
 """
@@ -47,7 +47,8 @@ class Decoder:
         cuda = device_type == "cuda"
         compiling = _on(settings.compile, cuda)
         # under ZeRO-3 the captured step and static cache need the weights kept at fixed addresses
-        self.kept = KeptWeights() if zero3 and _on(settings.keep_gathered, compiling) else None
+        keeping = compiling or _on(settings.static_cache, cuda)
+        self.kept = KeptWeights() if zero3 and keeping and _on(settings.keep_gathered, compiling) else None
         movable = zero3 and self.kept is None
         self.compiled = compiling and not movable
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
@@ -76,6 +77,11 @@ class Decoder:
                              "or change the request")
         self.counts["llmrl" if reason is None else "hf: " + reason.split(" (")[0]] += 1
         return reason is None
+
+    def new_call(self) -> None:
+        """A ``generate`` call begins (its batches run on one gather of ZeRO-3's weights)."""
+        if self.kept is not None:
+            self.kept.new_call()
 
     def batches(self, model, plan, token_budget: int, max_rows: int) -> list[list[int]]:
         """The loop's batches for a planned request (:mod:`.batches`): prefill within ``token_budget``, rows
