@@ -71,6 +71,19 @@ def test_buffers_hold_each_calls_values_at_the_same_addresses_and_the_tensors_co
     assert kept.held_bytes() == 0
 
 
+def test_a_weight_that_is_its_own_zero3_shard_is_not_copied():
+    """In a ZeRO-3 group of one rank, DeepSpeed's gather hands each parameter its own shard (which does not move):
+    nothing to copy. A parameter holding half of its values in its shard (two ranks) is copied."""
+    whole, half = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4, 3))
+    whole.ds_tensor = whole.data.view(-1)  # as DeepSpeed's NoGatherHandle leaves it: the shard, viewed whole
+    half.ds_tensor = torch.randn(6)
+    kept = KeptWeights()
+    at = whole.data_ptr(), half.data_ptr()
+    with kept.swapped_in([whole, half]):
+        assert whole.data_ptr() == at[0] and half.data_ptr() != at[1]
+    assert kept.allocations == 1 and kept.copies == 1 and (whole.data_ptr(), half.data_ptr()) == at
+
+
 def test_the_weights_read_leave_out_merged_layers_base_and_lora_weights(lora_llama):
     from llmrl.engine.model.decoding.merged_lora import lora_layers
 
