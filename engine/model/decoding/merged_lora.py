@@ -13,9 +13,11 @@ base weight that is another tensor. In float32 the merged weights give log-probs
 in bfloat16 each merged weight is rounded once to bfloat16, so log-probs differ from ``score``'s by bfloat16's
 rounding (measured figures: README, Generation).
 
-Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, quantized base weights, trainable base
-weights (the ``freeze`` plugin's ``unfreeze`` under LoRA), ZeRO-3's outside a call that gathered them, LoRA on
-embeddings or convolutions, and several adapters active at once. This module does not decode.
+Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, adapters with a bias (``lora_bias``),
+base weights tied to another layer's (an output layer tied to the embeddings: its merged copy would stand in for the
+embeddings too), quantized base weights, trainable base weights (the ``freeze`` plugin's ``unfreeze`` under LoRA),
+ZeRO-3's outside a call that gathered them, LoRA on embeddings or convolutions, and several adapters active at once.
+This module does not decode.
 """
 
 from __future__ import annotations
@@ -34,9 +36,19 @@ def lora_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
-def why_not_mergeable(layers: list, adapter: str, gathered: bool = False) -> str | None:
+def shared_weights(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters that more than one module of ``model`` holds (tied weights: an output layer tied to
+    the embeddings)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (shared if id(param) in seen else seen).add(id(param))
+    return shared
+
+
+def why_not_mergeable(layers: list, adapter: str, gathered: bool = False, shared: set[int] = frozenset()) -> str | None:
     """None when every layer holding ``adapter`` can be merged; else the reason. ``gathered``: ZeRO-3's weights are
-    whole for this call (the caller releases the merged copy after it)."""
+    whole for this call. ``shared``: the ids of weights other modules hold too (:func:`shared_weights`)."""
     from peft.tuners.lora import Linear
 
     for layer in layers:
@@ -46,7 +58,11 @@ def why_not_mergeable(layers: list, adapter: str, gathered: bool = False) -> str
             return f"a LoRA layer of type {type(layer).__name__} over {type(layer.get_base_layer()).__name__}"
         if adapter in getattr(layer, "lora_variant", {}):
             return "a LoRA variant (DoRA or another) that merges differently"
+        if getattr(layer, "lora_bias", {}).get(adapter, False):  # PEFT adds B's bias to the output: not in B @ A
+            return "a LoRA adapter with a bias (lora_bias), which the merged weight would leave out"
         weight = layer.get_base_layer().weight
+        if id(weight) in shared:  # the merged copy would stand in for the other module's weight too
+            return "a base weight shared with another layer (tied embeddings)"
         if not weight.is_floating_point() or (hasattr(weight, "ds_id") and not gathered):
             return "base weights that are quantized or partitioned by ZeRO-3"
         if weight.requires_grad:  # the copy is rebuilt when the adapter changes; a trained base weight is not watched

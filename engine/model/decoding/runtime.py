@@ -28,7 +28,7 @@ from collections import Counter
 
 from llmrl.engine.model.decoding.eligibility import why_not
 from llmrl.engine.model.decoding.kept_weights import KeptWeights, weights_read
-from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, why_not_mergeable
+from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, shared_weights, why_not_mergeable
 
 
 def _on(value, on_cuda: bool) -> bool:
@@ -105,7 +105,8 @@ class Decoder:
         adapter = getattr(model, "active_adapter", None) if hasattr(model, "get_base_model") else None
         if self.merged is not None and isinstance(adapter, str):
             layers = lora_layers(inner)
-            if layers and why_not_mergeable(layers, adapter, gathered=self.zero3) is None:
+            if layers and why_not_mergeable(layers, adapter, gathered=self.zero3,
+                                            shared=shared_weights(inner)) is None:
                 merging = self.merged.swapped_in(layers, adapter)
                 merged_layers = [layer for layer in layers if adapter in layer.lora_A]
         read = weights_read(inner, merged_layers)
