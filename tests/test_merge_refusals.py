@@ -1,8 +1,9 @@
 """Adapters whose merge into a copy of the base weight would decode from another model are decoded unmerged:
 a LoRA with a bias (``lora_bias``: PEFT adds B's bias to the output, which ``W + s * B @ A`` leaves out), a LoRA on
 a weight tied to another layer (the output layer tied to the embeddings: the merged copy would also replace the
-embeddings), and DoRA. Each is checked against Hugging Face's own ``generate`` on the PEFT model: the same tokens,
-and log-probs within float32 rounding of a plain forward (what ``score`` computes)."""
+embeddings), an adapter PEFT merged into the base weights itself (merging again would add it twice), and DoRA.
+Each is checked against Hugging Face's own ``generate`` on the PEFT model: the same tokens, and log-probs within
+float32 rounding of a plain forward (what ``score`` computes)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ CASES = {
     "lora_bias": ({"target_modules": ["q_proj", "v_proj", "down_proj"], "lora_bias": True}, False, "bias"),
     "tied lm_head": ({"target_modules": ["q_proj", "lm_head"]}, True, "shared"),
     "dora": ({"target_modules": ["q_proj", "v_proj"], "use_dora": True}, False, "variant"),
+    "merged by peft": ({"target_modules": ["q_proj", "v_proj"]}, False, "merged into the base weight by PEFT"),
 }
 
 
@@ -47,6 +49,8 @@ def test_an_adapter_that_cannot_merge_exactly_decodes_unmerged_as_hugging_face(r
 
     lora, tied, reason = CASES[case]
     model, tok = adapted(reference_models, tied, **lora)
+    if case == "merged by peft":
+        model.merge_adapter()  # W + B A written into the base weights; PEFT's forward then skips the branch
     inner = model.get_base_model()
     assert reason in why_not_mergeable(lora_layers(inner), "default", shared=shared_weights(inner))
     kwargs = {"max_new_tokens": 8, "do_sample": False}

@@ -14,8 +14,9 @@ in bfloat16 each merged weight is rounded once to bfloat16, so log-probs differ 
 rounding (measured figures: README, Generation).
 
 Not merged (the adapter then runs unmerged): DoRA and the other LoRA variants, adapters with a bias (``lora_bias``),
-base weights tied to another layer's (an output layer tied to the embeddings: its merged copy would stand in for the
-embeddings too), quantized base weights, trainable base weights (the ``freeze`` plugin's ``unfreeze`` under LoRA),
+layers PEFT merged itself (``merge_adapter()``: the delta is in the base weight already), base weights tied to
+another layer's (an output layer tied to the embeddings: its merged copy would stand in for the embeddings too),
+quantized base weights, trainable base weights (the ``freeze`` plugin's ``unfreeze`` under LoRA),
 ZeRO-3's outside a call that gathered them, LoRA on embeddings or convolutions, and several adapters active at once.
 This module does not decode.
 """
@@ -58,6 +59,8 @@ def why_not_mergeable(layers: list, adapter: str, gathered: bool = False, shared
             return f"a LoRA layer of type {type(layer).__name__} over {type(layer.get_base_layer()).__name__}"
         if adapter in getattr(layer, "lora_variant", {}):
             return "a LoRA variant (DoRA or another) that merges differently"
+        if getattr(layer, "merged_adapters", None):  # PEFT's own merge (merge_adapter()): in W already
+            return "an adapter merged into the base weight by PEFT (merge_adapter)"
         if getattr(layer, "lora_bias", {}).get(adapter, False):  # PEFT adds B's bias to the output: not in B @ A
             return "a LoRA adapter with a bias (lora_bias), which the merged weight would leave out"
         weight = layer.get_base_layer().weight
