@@ -173,6 +173,45 @@ def test_models_it_does_not_take_decode_through_hugging_faces_step(reference_mod
     assert_same(ours, decode(plain, tok, GREEDY, llama_step=True)[0])
 
 
+def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step_to_hugging_face(
+        reference_models, monkeypatch):
+    """Attention-patching libraries replace a class's ``forward``, the rotation helper or the ``sdpa`` function;
+    Hugging Face's step then runs their code, so the written-out step must not run: the tokens are the patched
+    model's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama
+
+    tok = reference_models["llama"][1]
+    model = family("llama", len(tok))
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: 2 * original(self, x))
+    assert "LlamaMLP.forward patched" in LlamaStep.why_not(model, 64)
+    ours, stats = decode(model, tok, GREEDY, llama_step=True)
+    reference, _ = decode(model, tok, GREEDY, llama_step=False)
+    assert stats["llama_step_batches"] == 0
+    assert_same(ours, reference)
+    monkeypatch.undo()
+    assert ours[0][0]["tokens"].tolist() != decode(model, tok, GREEDY, llama_step=True)[0][0][0]["tokens"].tolist()
+
+    rotation = modeling_llama.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda *args, **kwargs: rotation(*args, **kwargs))
+    assert "apply_rotary_pos_emb patched" in LlamaStep.why_not(model, 64)
+    monkeypatch.undo()
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *args, **kwargs: sdpa(*args, **kwargs))
+    assert "'sdpa' attention function patched" in LlamaStep.why_not(model, 64)
+    monkeypatch.undo()
+    assert LlamaStep.why_not(model, 64) is None
+
+    model.model.layers[1].self_attn.train()  # the model itself in eval mode
+    assert "LlamaAttention in training mode" in LlamaStep.why_not(model, 64)
+    model.eval()
+    qwen3 = family("qwen3", len(tok))
+    qwen3.model.layers[0].self_attn.q_norm.__class__ = type("OtherNorm", (torch.nn.Module,), {})
+    assert "replaced by other classes" in LlamaStep.why_not(qwen3, 64)
+
+
 def test_the_cache_kept_across_calls_is_hugging_faces(reference_models):
     tok = reference_models["llama"][1]
     model = family("llama", len(tok))

@@ -17,10 +17,12 @@ key/value cache copied by ``torch.cat`` at every step). For decoder layers whose
     adapter) is called as a module.
 The results are those of Hugging Face's step within float32 rounding (the tests hold tokens equal and log-probs to
 1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another model or module class (a subclass
-included), training mode, another attention implementation than ``sdpa``, a sliding window shorter than the batch,
-a ``forward`` replaced on a module (but a linear layer's, called as it is, and activation checkpointing's, the
-layer's own without gradients), or a forward hook on any module (ZeRO-3's, a user's; not the output-capturing hooks
-Hugging Face leaves on the layers once a forward returned hidden states, which record only inside its own forward);
+included), any module in training mode, another attention implementation than ``sdpa``, a sliding window shorter
+than the batch, code patched into the family's classes or modeling module (a ``forward``, the rotation helpers, the
+registered ``sdpa`` attention function), a ``forward`` replaced on a module (but a linear layer's, called as it is,
+and activation checkpointing's, the layer's own without gradients), or a forward hook on any module (ZeRO-3's, a
+user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden states,
+which record only inside its own forward);
 the frozen trunk's own hook
 (:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing back the states entering its depth. The prefill
 runs through Hugging Face's forward. This module computes steps; it does not choose tokens or plan batches
@@ -51,6 +53,33 @@ def _families() -> dict:
         out[getattr(module, prefix + "ForCausalLM")] = tuple(
             getattr(module, prefix + suffix) for suffix in ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
     return out
+
+
+def _head_norms(attention) -> list:
+    """Qwen3's norms of each query and key head (none in the other families)."""
+    return [norm for name in ("q_norm", "k_norm") if (norm := getattr(attention, name, None)) is not None]
+
+
+def _patched_code(model_class, classes: tuple) -> str | None:
+    """What of the code Hugging Face's step runs is not transformers' own (a class's ``forward``, the rotation
+    helpers or the ``sdpa`` attention function replaced, as attention-patching libraries do), or None."""
+    import inspect
+    import sys
+
+    for cls in (model_class, *classes):
+        if inspect.unwrap(cls.forward).__module__ != cls.__module__:
+            return f"{cls.__name__}.forward"
+    module = sys.modules[model_class.__module__]
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        helper = getattr(module, name, None)
+        if helper is not None and getattr(helper, "__module__", None) != module.__name__:
+            return f"{module.__name__}.{name}"
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward:
+        return "the 'sdpa' attention function"
+    return None
 
 
 # Hugging Face installs these on decoder layers the first time a forward returns hidden states or attentions: they
@@ -142,8 +171,12 @@ class LlamaStep:
         if type(inner) is not base or type(inner.norm) is not norm or any(
                 type(layer) is not decoder_layer or type(layer.self_attn) is not attention or type(layer.mlp) is not mlp
                 or type(layer.input_layernorm) is not norm or type(layer.post_attention_layernorm) is not norm
+                or any(type(head_norm) is not norm for head_norm in _head_norms(layer.self_attn))
                 for layer in inner.layers):
             return f"modules of {type(model).__name__} replaced by other classes"
+        patched = _patched_code(type(model), classes)
+        if patched is not None:
+            return f"{patched} patched (Hugging Face's step would run other code than transformers' own)"
         if model.training:
             return "a model in training mode (attention dropout)"
         config = model.config
@@ -157,6 +190,8 @@ class LlamaStep:
         for module in model.modules():
             if _hooked(module, allowed):
                 return f"a forward hook on {type(module).__name__}"
+            if module.training:
+                return f"a {type(module).__name__} in training mode (attention dropout)"
             replaced = vars(module).get("forward")  # (a linear layer's: called as it is, see _linear)
             if replaced is not None and not isinstance(module, torch.nn.Linear) \
                     and not getattr(replaced, "same_without_grad", False):
