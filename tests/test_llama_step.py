@@ -204,8 +204,10 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
     monkeypatch.undo()
     assert LlamaStep.why_not(model, 64) is None
 
-    model.model.layers[1].self_attn.train()  # the model itself in eval mode
-    assert "LlamaAttention in training mode" in LlamaStep.why_not(model, 64)
+    model.model.layers[1].self_attn.train()  # the model itself in eval mode: Hugging Face drops attention out
+    assert LlamaStep.why_not(model, 64) is None  # (at attention_dropout 0, training mode changes nothing)
+    model.config.attention_dropout = 0.1
+    assert "attention dropout in a layer left in training mode" in LlamaStep.why_not(model, 64)
     model.eval()
     qwen3 = family("qwen3", len(tok))
     qwen3.model.layers[0].self_attn.q_norm.__class__ = type("OtherNorm", (torch.nn.Module,), {})

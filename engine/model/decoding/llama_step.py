@@ -17,8 +17,8 @@ key/value cache copied by ``torch.cat`` at every step). For decoder layers whose
     adapter) is called as a module.
 The results are those of Hugging Face's step within float32 rounding (the tests hold tokens equal and log-probs to
 1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another model or module class (a subclass
-included), any module in training mode, another attention implementation than ``sdpa``, a sliding window shorter
-than the batch, code patched into the family's classes or modeling module (a ``forward``, the rotation helpers, the
+included), training mode (the model's, or a layer's with attention dropout), another attention implementation than
+``sdpa``, a sliding window shorter than the batch, code patched into the family's classes or modeling module (a ``forward``, the rotation helpers, the
 registered ``sdpa`` attention function), a ``forward`` replaced on a module (but a linear layer's, called as it is,
 and activation checkpointing's, the layer's own without gradients), or a forward hook on any module (ZeRO-3's, a
 user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden states,
@@ -180,6 +180,8 @@ class LlamaStep:
         if model.training:
             return "a model in training mode (attention dropout)"
         config = model.config
+        if getattr(config, "attention_dropout", 0.0) and any(layer.self_attn.training for layer in inner.layers):
+            return "attention dropout in a layer left in training mode"
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (this step: sdpa)"
         if slides_within(config, length):
@@ -190,8 +192,6 @@ class LlamaStep:
         for module in model.modules():
             if _hooked(module, allowed):
                 return f"a forward hook on {type(module).__name__}"
-            if module.training:
-                return f"a {type(module).__name__} in training mode (attention dropout)"
             replaced = vars(module).get("forward")  # (a linear layer's: called as it is, see _linear)
             if replaced is not None and not isinstance(module, torch.nn.Linear) \
                     and not getattr(replaced, "same_without_grad", False):
