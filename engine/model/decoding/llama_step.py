@@ -18,11 +18,11 @@ key/value cache copied by ``torch.cat`` at every step). For decoder layers whose
 The results are those of Hugging Face's step within float32 rounding (the tests hold tokens equal and log-probs to
 1e-5). :meth:`LlamaStep.why_not` names what rules a model out: another model or module class (a subclass
 included), training mode (the model's, or a layer's with attention dropout), another attention implementation than
-``sdpa``, a sliding window shorter than the batch, code patched into the family's classes or modeling module (a ``forward``, the rotation helpers, the
-registered ``sdpa`` attention function), a ``forward`` replaced on a module (but a linear layer's, called as it is,
-and activation checkpointing's, the layer's own without gradients), or a forward hook on any module (ZeRO-3's, a
-user's; not the output-capturing hooks Hugging Face leaves on the layers once a forward returned hidden states,
-which record only inside its own forward);
+``sdpa``, a sliding window shorter than the batch, code patched into the family's classes or modeling module (a
+``forward``, the rotation helpers, the registered ``sdpa`` attention function), a ``forward`` replaced on a module
+(but a linear layer's, called as it is, and activation checkpointing's, the layer's own without gradients), or a
+forward hook on any module (ZeRO-3's, a user's; not the output-capturing hooks Hugging Face leaves on the layers
+once a forward returned hidden states, which record only inside its own forward);
 the frozen trunk's own hook
 (:mod:`~llmrl.engine.model.reuse.trunk`) is replaced by handing back the states entering its depth. The prefill
 runs through Hugging Face's forward. This module computes steps; it does not choose tokens or plan batches
