@@ -296,3 +296,19 @@ def test_activation_checkpointing_leaves_the_step_in_use(reference_models):
     ours, stats = decode(model, tok, SAMPLED, llama_step=True)
     assert stats["llama_step_batches"] == 1
     assert_same(ours, reference)
+    assert enable_checkpointing(model) == 3  # wrapped again: still the layers' own forward
+    assert LlamaStep.why_not(model.get_base_model(), 64) is None
+
+
+def test_checkpointing_a_layer_whose_forward_was_replaced_keeps_the_step_away(reference_models):
+    from llmrl.engine.model.training.checkpointing import enable_checkpointing
+
+    tok = reference_models["llama"][1]
+    model = family("llama", len(tok))
+    for p in model.model.layers[2].parameters():
+        p.requires_grad_(True)
+    for layer in model.model.layers[:2]:
+        layer.requires_grad_(False)
+    model.model.layers[2].forward = model.model.layers[2].forward  # someone else's forward (the same, here)
+    assert enable_checkpointing(model) == 1
+    assert "a forward replaced on LlamaDecoderLayer" in LlamaStep.why_not(model, 64)

@@ -47,11 +47,14 @@ def enable_checkpointing(model) -> int:
     """Checkpoint the trained layers of ``model`` in every forward pass with gradients; returns how many."""
     layers = trained_layers(model)
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward)
+        replaced = vars(layer).get("forward")
+        layer.forward = _checkpointed(layer.forward, own=getattr(replaced, "same_without_grad", replaced is None))
     return len(layers)
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, own: bool = True):
+    """``forward`` checkpointed when gradients are on. ``own``: it is the layer's class's forward (not one replaced
+    on the instance), so that without gradients the layer computes what its class does."""
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -63,7 +66,7 @@ def _checkpointed(forward):
 
         return checkpoint(compute, *args, use_reentrant=False)
 
-    run.same_without_grad = True  # without gradients, the layer's own forward (decoding.llama_step may skip it)
+    run.same_without_grad = own  # without gradients, the layer's own forward (decoding.llama_step may skip it)
     return run
 
 
