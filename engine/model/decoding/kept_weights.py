@@ -13,9 +13,9 @@ replace are not copied here.
 
 The buffers cost, on each rank, the memory of the weights they hold (the weights the merged adapter does not
 replace, beside the rank's ZeRO-3 shard); like the merged weights and static caches, they stay allocated between
-calls and are not counted in ``training.zero3_gather_mb``. ``generation.keep_gathered`` turns them on (``auto``:
-when the decode step is compiled; only with a static cache, since nothing else reads the addresses). This module
-gathers nothing and decodes nothing.
+calls, through updates too (a model is gathered only when its whole size is within ``training.zero3_gather_mb``,
+which so bounds them). ``generation.keep_gathered`` turns them on (``auto``: when the decode step is compiled; only
+with a static cache, since nothing else reads the addresses). This module gathers nothing and decodes nothing.
 """
 
 from __future__ import annotations
