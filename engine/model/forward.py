@@ -108,11 +108,14 @@ def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | No
 
 def packs(served: ServedModel) -> bool:
     """Whether this LLM's passes pack contexts and candidates into one call (:mod:`llmrl.engine.model.scoring.packed`):
-    causal models whose attention takes a custom 4-D mask."""
+    causal models whose attention takes a custom 4-D mask, over the whole context on every layer
+    (:func:`~llmrl.engine.model.attention_span.why_not_whole_context`)."""
+    from llmrl.engine.model.attention_span import why_not_whole_context
     from llmrl.engine.model.scoring.packed import PACKABLE_ATTENTION
 
     attention = getattr(served.model.config, "_attn_implementation", None)
-    return served.llm.type == "causal" and attention in PACKABLE_ATTENTION
+    return served.llm.type == "causal" and attention in PACKABLE_ATTENTION \
+        and why_not_whole_context(served.model.config) is None
 
 
 def scored_token_counts(served: ServedModel, contexts, candidates, add_eos: bool = False) -> torch.Tensor:

@@ -340,17 +340,17 @@ class HFBackend(ModelBackend):
 
 
 def make_prefix_cache(model, llm):
-    """The cache across calls for ``llms.<name>.kv_cache_mb``; refuses models whose attention is not over the
-    whole context (sliding windows, chunked attention): their caches do not keep every key."""
+    """The cache across calls for ``llms.<name>.kv_cache_mb``; refuses models whose layers do not all attend over
+    the whole context, or whose keys depend on the call (:mod:`llmrl.engine.model.attention_span`)."""
     from llmrl.engine.errors import ConfigError
+    from llmrl.engine.model.attention_span import why_not_whole_context
     from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache, model_bytes_per_token
 
-    text = model.config.get_text_config()
-    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(text, "use_sliding_window", False):
+    reason = why_not_whole_context(model.config, across_calls=True)
+    if reason is not None:
         raise ConfigError([(f"llms.{llm.name}.kv_cache_mb",
-                            f"this model's attention is not over the whole context (layer types {sorted(kinds)}); "
-                            "the cache across calls needs full attention: set it to 0")])
+                            f"this model's keys cannot be kept across calls: {reason}; the cache across calls needs "
+                            "full attention over the whole context on every layer: set it to 0")])
     return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
 
 
