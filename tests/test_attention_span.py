@@ -2,8 +2,9 @@
 (``engine/model/attention_span.py``). For each kind of model refused (a sliding window, chunked attention, layers
 that are not attention, ALiBi), tiny random models show why: llmrl's packed rows score otherwise than plain Hugging
 Face scoring each candidate alone, while its unpacked rows score the same; ``packs`` now sends them unpacked, and
-the cache across calls refuses them (a hybrid's unpacked rows fail loudly instead: its cache cannot repeat a
-context's rows). Models it accepts score packed as plain Hugging Face does."""
+the cache across calls refuses them; a model with layers that are not attention also encodes each context with
+each candidate (its cache cannot repeat a context's rows: Hugging Face raised there). Models it accepts score
+packed as plain Hugging Face does."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import transformers
 
 from llmrl.engine.model.attention_span import why_not_whole_context
-from llmrl.engine.model.forward import packs
+from llmrl.engine.model.forward import packs, shares_contexts
 from llmrl.engine.model.scoring.planning import Needs, plan_batches
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import tokenize
@@ -35,10 +36,10 @@ MODELS = {  # name: (config class, model class, fields, the refusal's words or N
 }
 
 
-def sums(model, contexts, candidates, packed: bool) -> list[torch.Tensor]:
-    plan = tokenize(None, "causal", contexts, candidates, max_length=512, prefix_reuse=True)
+def sums(model, contexts, candidates, packed: bool, reuse: bool = True) -> list[torch.Tensor]:
+    plan = tokenize(None, "causal", contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
-    for batch in plan_batches(plan, 8192, 64, Needs(), packed=packed):
+    for batch in plan_batches(plan, 8192, 64, Needs(), packed=packed, encoder_reuse=reuse):
         assert batch.packed == packed
         result = run_batch(model, plan, batch, Needs(), 0, "cpu", accepts_logits_to_keep(model))
         offset = 0
@@ -69,18 +70,16 @@ def test_packed_rows_only_where_every_layer_attends_over_the_whole_context(name)
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.3)
-    served = SimpleNamespace(llm=SimpleNamespace(type="causal"), model=model)
+    served = SimpleNamespace(llm=SimpleNamespace(type="causal", prefix_reuse=True, lockstep=False), model=model)
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()  # noqa: E731
     contexts, candidates = [ids(12), ids(3), ids(6)], [[ids(2), ids(4), ids(1)], [ids(3), ids(5)], [ids(4), ids(2)]]
     with torch.no_grad():
         expected = plain(model, contexts, candidates)
         packed = sums(model, contexts, candidates, packed=True)
-        try:
-            unpacked = sums(model, contexts, candidates, packed=False)
-        except AttributeError as error:  # a hybrid's cache cannot repeat a context's rows: loud, not wrong
-            assert refusal == "not attention" and "batch_select_indices" in str(error)
-            unpacked = expected
+        unpacked = sums(model, contexts, candidates, packed=False, reuse=shares_contexts(served))
+    # (a hybrid's cache cannot repeat a context's rows: its contexts are encoded with each candidate)
+    assert shares_contexts(served) == (refusal != "not attention")
     for got, want in zip(unpacked, expected):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     packed_error = max(float((got - want).abs().max()) for got, want in zip(packed, expected))

@@ -19,8 +19,9 @@ names the reason for:
 - and, for the cache across calls only, rotary frequencies that depend on the longest position in a call
   (``longrope``, ``dynamic``): keys kept from one call would be reused under other frequencies.
 
-Such models score unpacked, each row as Hugging Face computes it, and refuse ``kv_cache_mb``. This module reads
-configs; it runs nothing.
+Such models score unpacked, each row as Hugging Face computes it, and refuse ``kv_cache_mb``; a model that keeps
+state outside attention also encodes each context with each candidate (:func:`keeps_state_outside_attention`: its
+cache cannot repeat a context's rows). This module reads configs; it runs nothing.
 """
 
 from __future__ import annotations
@@ -32,16 +33,33 @@ _RECURRENT_TYPES = ("mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "jamba"
 _ALIBI_TYPES = ("mpt", "bloom")
 
 
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _layer_kinds(text) -> set[str]:
+    kinds = set(getattr(text, "layer_types", None) or []) | set(getattr(text, "layers_block_type", None) or [])
+    return kinds | {kind for entry in getattr(text, "attention_types", None) or [] for kind in entry[0]}  # GPT-Neo
+
+
+def keeps_state_outside_attention(config) -> bool:
+    """Whether some layer carries state along the sequence outside attention (Mamba, convolution, linear attention,
+    recurrent layers): such a cache cannot repeat a context's rows for its candidates, so contexts are not shared."""
+    text = _text(config)
+    model_type = str(getattr(text, "model_type", "") or "")
+    return any(part in model_type for part in _RECURRENT_TYPES) \
+        or bool(_layer_kinds(text) - _ATTENTION_LAYERS - _WINDOWED_LAYERS)
+
+
 def why_not_whole_context(config, *, across_calls: bool = False) -> str | None:
     """None when every layer attends over the whole context and reads positions from the inputs; else the reason
     (see the module's docstring). ``across_calls``: keys are also kept from one call to the next."""
     from llmrl.engine.model.decoding.eligibility import slides_within
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text(config)
     model_type = str(getattr(text, "model_type", "") or "")
-    kinds = set(getattr(text, "layer_types", None) or []) | set(getattr(text, "layers_block_type", None) or [])
-    kinds |= {kind for entry in getattr(text, "attention_types", None) or [] for kind in entry[0]}  # GPT-Neo
-    if any(part in model_type for part in _RECURRENT_TYPES) or kinds - _ATTENTION_LAYERS - _WINDOWED_LAYERS:
+    kinds = _layer_kinds(text)
+    if keeps_state_outside_attention(text):
         return f"layers that are not attention over the context ({model_type}: {sorted(kinds) or 'recurrent'})"
     if slides_within(text, 2**62) or kinds & _WINDOWED_LAYERS or getattr(text, "attention_chunk_size", None):
         return "attention over a sliding window or chunks on some layers"

@@ -66,8 +66,7 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     needs = replace(needs, per_token=per_token or logits or needs.per_token, entropy=entropy,
                     token_logits=logits or needs.token_logits, logprobs=logprobs)
     llm = served.llm
-    # Under lockstep a seq2seq model re-encodes per chunk: every call must be a whole-model call.
-    reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
+    reuse = shares_contexts(served)
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
                     prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
     cached = None
@@ -84,7 +83,7 @@ def plan_part(served: ServedModel, whole: ForwardPlan, part: TokenPlan) -> Forwa
     """The plan of a part of an already planned pass (``part``: some of its contexts and candidates, tokenised as
     in ``whole``), batched as :func:`plan_forward` batches, every context computed (no twin shared)."""
     llm = served.llm
-    reuse = llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq")
+    reuse = shares_contexts(served)
     batches = plan_batches(part, llm.token_budget, llm.minibatch_size, whole.needs, encoder_reuse=reuse,
                            packed=packs(served))
     return ForwardPlan(part, batches, whole.needs, whole.heads, whole.adapter, whole.head_kwargs)
@@ -104,6 +103,17 @@ def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | No
         return None, None
     first = {u: i for i, u in reversed(list(enumerate(source)))}
     return TokenPlan(plan.kind, [plan.contexts[first[u]] for u in range(len(index))]), source
+
+
+def shares_contexts(served: ServedModel) -> bool:
+    """Whether a context is encoded once for all its candidates (``prefix_reuse``): not under lockstep for a seq2seq
+    model (it re-encodes per chunk: every call must be a whole-model call), nor for a model whose cache cannot repeat
+    a context's rows (:func:`~llmrl.engine.model.attention_span.keeps_state_outside_attention`)."""
+    from llmrl.engine.model.attention_span import keeps_state_outside_attention
+
+    llm = served.llm
+    return llm.prefix_reuse and not (llm.lockstep and llm.type == "seq2seq") \
+        and not keeps_state_outside_attention(served.model.config)
 
 
 def packs(served: ServedModel) -> bool:
