@@ -106,3 +106,26 @@ def test_the_cache_across_calls_refuses_what_packing_refuses_and_call_dependent_
         assert why_not_whole_context(config, across_calls=True) is not None
     assert why_not_whole_context(longrope) is None  # within one call, every row uses the call's frequencies
     assert make_prefix_cache(SimpleNamespace(config=transformers.LlamaConfig(**SMALL)), llm) is not None
+
+
+def test_a_model_with_layers_that_are_not_attention_samples_through_hugging_faces_generate(reference_models):
+    """llmrl's decoding loop repeats and grows attention caches; LFM2's convolution layers' cache has neither (the
+    loop raised AttributeError): such a model samples through Hugging Face's generate, seeded samples equal."""
+    from llmrl.engine.config.types import GenerationSettings
+    from llmrl.engine.model.decoding.runtime import Decoder
+    from llmrl.engine.model.generation import generate, plan_generate
+
+    tok = reference_models["llama"][1]
+    config_class, model_class, fields, _ = MODELS["lfm2-conv-layers"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{
+        **fields, "vocab_size": len(tok)})).eval()
+    kwargs = {"max_new_tokens": 5, "do_sample": True, "num_return_sequences": 2}
+    samples = {}
+    for decoder in ("hf", "auto"):
+        plan = plan_generate(model, tok, "causal", ["hello there", "x"], kwargs, 8192, 64, 512)
+        loop = Decoder(GenerationSettings(decoder=decoder), "cpu")
+        results = generate(model, tok, "causal", plan, "cpu", decoder=loop, seed=4)
+        samples[decoder] = [s["tokens"].tolist() for group in results for s in group]
+    assert samples["auto"] == samples["hf"]
+    assert loop.stats()["calls"] == {"hf: the model has layers that are not attention": 1}

@@ -30,6 +30,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
+from llmrl.engine.model.attention_span import keeps_state_outside_attention
 from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.engine.model.scoring.planning import group_greedily
@@ -131,9 +132,9 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
     stepwise = _reads_logprobs_stepwise(model, kwargs)
-    loop = decoder if decoder is not None and decoder.takes(kind, kwargs, stepwise, synced,
-                                                                      _partitioned(model) and not whole_weights) \
-        else None
+    loop = decoder if decoder is not None and decoder.takes(
+        kind, kwargs, stepwise, synced, _partitioned(model) and not whole_weights,
+        recurrent=keeps_state_outside_attention(model.config)) else None
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)

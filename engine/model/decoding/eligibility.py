@@ -2,7 +2,8 @@
 
 The loop runs greedy decoding and sampling of causal models, with every logits processor Hugging Face would apply
 for the request's arguments (it builds them with Hugging Face's own code), ``stop`` strings and token ids, and any
-number of return sequences. It declines beam search and the other decoding modes, seq2seq models, user-supplied
+number of return sequences. It declines beam search and the other decoding modes, seq2seq models, models with
+layers that are not attention (Mamba, convolution: hybrids such as LFM2 or Jamba), user-supplied
 ``logits_processor`` / ``stopping_criteria`` objects and ZeRO-3 groups in lockstep. Prompts that read the key/value
 cache across calls (``kv_cache_mb``) run in the loop too: it prefills only what the cache does not hold.
 :func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
@@ -23,10 +24,13 @@ TAKEN = frozenset({
 })
 
 
-def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> str | None:
-    """None when llmrl's loop can run this request; else the reason it cannot, in a phrase."""
+def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool, recurrent: bool = False) -> str | None:
+    """None when llmrl's loop can run this request; else the reason it cannot, in a phrase. ``recurrent``: the model
+    keeps state outside attention (:func:`~llmrl.engine.model.attention_span.keeps_state_outside_attention`)."""
     if kind != "causal":
         return "the model is seq2seq (the loop decodes causal models)"
+    if recurrent:
+        return "the model has layers that are not attention (the loop repeats and grows attention caches only)"
     if not stepwise:
         return "the request is not greedy decoding or sampling (beam search and the other modes run in Hugging Face)"
     if synced:

@@ -64,13 +64,14 @@ class Decoder:
         self._addresses: tuple | None = None  # where the last batch's weights lay (with a static cache)
         self.weight_moves = 0  # batches whose weights lay elsewhere than the batch before's
 
-    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool) -> bool:
+    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool,
+              recurrent: bool = False) -> bool:
         """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
         cannot."""
         if self.settings.decoder == "hf":
             self.counts["hf: configured"] += 1
             return False
-        reason = why_not(kind, kwargs, stepwise, synced, zero3)
+        reason = why_not(kind, kwargs, stepwise, synced, zero3, recurrent)
         if reason is not None and self.settings.decoder == "llmrl":
             raise ValueError(f"generation.decoder is 'llmrl' but this request cannot use it: {reason}; set "
                              "llms.<name>.generation.decoder to auto (Hugging Face's generate takes such requests) "
