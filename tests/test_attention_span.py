@@ -129,3 +129,30 @@ def test_a_model_with_layers_that_are_not_attention_samples_through_hugging_face
         samples[decoder] = [s["tokens"].tolist() for group in results for s in group]
     assert samples["auto"] == samples["hf"]
     assert loop.stats()["calls"] == {"hf: the model has layers that are not attention": 1}
+
+
+CONFIGS = {  # config class, fields, the refusal's words for packing (None: packed), and for the cache across calls
+    "qwen2 defaults (window set, not used)": ("Qwen2Config", {}, None, None),
+    "qwen3 defaults": ("Qwen3Config", {}, None, None),
+    "mistral v0.2+ (no window)": ("MistralConfig", {"sliding_window": None}, None, None),
+    "phi-3.5 (a window longer than any input)": ("Phi3Config", {"sliding_window": 262144,
+                                                                "max_position_embeddings": 131072}, None, None),
+    "phi-3-mini-4k (window 2047)": ("Phi3Config", {"sliding_window": 2047, "max_position_embeddings": 4096},
+                                    "sliding window", "sliding window"),
+    "gpt-neo local layers": ("GPTNeoConfig", {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+                             "sliding window", "sliding window"),
+    "llama 4 chunks": ("Llama4TextConfig", {"attention_chunk_size": 8192}, "sliding window or chunks", "chunks"),
+    "jamba": ("JambaConfig", {}, "not attention", "not attention"),
+    "falcon alibi": ("FalconConfig", {"alibi": True}, "ALiBi", "ALiBi"),
+    "llama dynamic rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None,
+                           "dynamic rotary"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_kind_of_config_is_classified(name):
+    config_class, fields, packing, across_calls = CONFIGS[name]
+    config = getattr(transformers, config_class)(**fields)
+    for words, reason in ((packing, why_not_whole_context(config)),
+                          (across_calls, why_not_whole_context(config, across_calls=True))):
+        assert (reason is None) if words is None else (reason is not None and words in reason), (name, reason)

@@ -178,8 +178,12 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
     """Attention-patching libraries replace a class's ``forward``, the rotation helper or the ``sdpa`` function;
     Hugging Face's step then runs their code, so the written-out step must not run: the tokens are the patched
     model's."""
+    import functools
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
+
+    from llmrl.engine.model.decoding import llama_step
 
     tok = reference_models["llama"][1]
     model = family("llama", len(tok))
@@ -192,6 +196,26 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
     assert_same(ours, reference)
     monkeypatch.undo()
     assert ours[0][0]["tokens"].tolist() != decode(model, tok, GREEDY, llama_step=True)[0][0][0]["tokens"].tolist()
+
+    @functools.wraps(original)  # a wrapper that copies the wrapped forward's name, module and __wrapped__
+    def wrapped(self, x):
+        return 2 * original(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", wrapped)
+    assert "LlamaMLP.forward patched" in LlamaStep.why_not(model, 64)
+    monkeypatch.undo()
+
+    class Fused(torch.nn.Module):  # a whole class swapped into the modeling module (as fused-kernel libraries do)
+        forward = original
+
+    monkeypatch.setattr(modeling_llama, "LlamaMLP", Fused)
+    monkeypatch.setattr(llama_step, "_families", functools.cache(llama_step._families.__wrapped__))
+    for layer in model.model.layers:
+        layer.mlp.__class__ = Fused
+    assert "Fused (a class of test_llama_step) patched" in LlamaStep.why_not(model, 64)
+    monkeypatch.undo()
+    for layer in model.model.layers:
+        layer.mlp.__class__ = modeling_llama.LlamaMLP
 
     rotation = modeling_llama.apply_rotary_pos_emb
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda *args, **kwargs: rotation(*args, **kwargs))

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 _ATTENTION_LAYERS = {"full_attention", "attention", "global"}
 _WINDOWED_LAYERS = {"sliding_attention", "chunked_attention", "local"}
-_RECURRENT_TYPES = ("mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "jamba", "zamba", "falcon_h1", "bamba",
-                    "granitemoehybrid", "qwen3_next", "nemotron_h", "plamo2", "minimax")
+_RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe",
+                    "jamba", "zamba", "zamba2", "falcon_h1", "bamba", "granitemoehybrid", "qwen3_next", "nemotron_h",
+                    "plamo2", "minimax"}
 _ALIBI_TYPES = ("mpt", "bloom")
 
 
@@ -38,8 +39,21 @@ def _text(config):
 
 
 def _layer_kinds(text) -> set[str]:
-    kinds = set(getattr(text, "layer_types", None) or []) | set(getattr(text, "layers_block_type", None) or [])
-    return kinds | {kind for entry in getattr(text, "attention_types", None) or [] for kind in entry[0]}  # GPT-Neo
+    kinds = set()
+    for name in ("layer_types", "layers_block_type", "attention_layers"):  # (GPT-Neo's: "global" / "local")
+        value = getattr(text, name, None)
+        if isinstance(value, (list, tuple)):
+            kinds |= {kind for kind in value if isinstance(kind, str)}
+    return kinds
+
+
+def _rope_types(text) -> set:
+    """The rotary types of the config, also where they are given per layer type (Gemma 3's nested parameters)."""
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return set()
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return {part.get("rope_type", part.get("type")) for part in [rope, *nested]}
 
 
 def keeps_state_outside_attention(config) -> bool:
@@ -47,8 +61,7 @@ def keeps_state_outside_attention(config) -> bool:
     recurrent layers): such a cache cannot repeat a context's rows for its candidates, so contexts are not shared."""
     text = _text(config)
     model_type = str(getattr(text, "model_type", "") or "")
-    return any(part in model_type for part in _RECURRENT_TYPES) \
-        or bool(_layer_kinds(text) - _ATTENTION_LAYERS - _WINDOWED_LAYERS)
+    return model_type in _RECURRENT_TYPES or bool(_layer_kinds(text) - _ATTENTION_LAYERS - _WINDOWED_LAYERS)
 
 
 def why_not_whole_context(config, *, across_calls: bool = False) -> str | None:
@@ -61,12 +74,12 @@ def why_not_whole_context(config, *, across_calls: bool = False) -> str | None:
     kinds = _layer_kinds(text)
     if keeps_state_outside_attention(text):
         return f"layers that are not attention over the context ({model_type}: {sorted(kinds) or 'recurrent'})"
-    if slides_within(text, 2**62) or kinds & _WINDOWED_LAYERS or getattr(text, "attention_chunk_size", None):
+    longest = getattr(text, "max_position_embeddings", None) or 2**62  # (Phi-3.5's 262,144 window never bites)
+    if slides_within(text, longest) or kinds & _WINDOWED_LAYERS or getattr(text, "attention_chunk_size", None):
         return "attention over a sliding window or chunks on some layers"
     if model_type in _ALIBI_TYPES or getattr(text, "alibi", False):
         return "ALiBi position biases"
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if across_calls and rope_type in ("longrope", "dynamic"):
-        return f"{rope_type} rotary frequencies, which depend on the longest position in a call"
+    varying = _rope_types(text) & {"longrope", "dynamic"}
+    if across_calls and varying:
+        return f"{'/'.join(sorted(varying))} rotary frequencies, which depend on the longest position in a call"
     return None

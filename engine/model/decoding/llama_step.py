@@ -60,19 +60,30 @@ def _head_norms(attention) -> list:
     return [norm for name in ("q_norm", "k_norm") if (norm := getattr(attention, name, None)) is not None]
 
 
+def _foreign(function) -> bool:
+    """Whether ``function``, or a function it wraps (``__wrapped__``: a wrapper copies the wrapped one's name and
+    module), was written outside transformers: read from the module whose globals each one runs in."""
+    while function is not None:
+        if not str(getattr(function, "__globals__", {}).get("__name__", "")).startswith("transformers."):
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
 def _patched_code(model_class, classes: tuple) -> str | None:
     """What of the code Hugging Face's step runs is not transformers' own (a class's ``forward``, the rotation
     helpers or the ``sdpa`` attention function replaced, as attention-patching libraries do), or None."""
-    import inspect
     import sys
 
-    for cls in (model_class, *classes):
-        if inspect.unwrap(cls.forward).__module__ != cls.__module__:
-            return f"{cls.__name__}.forward"
     module = sys.modules[model_class.__module__]
+    for cls in (model_class, *classes):
+        if cls.__module__ != module.__name__:  # the class itself replaced in the modeling module
+            return f"{cls.__name__} (a class of {cls.__module__})"
+        if _foreign(cls.forward):
+            return f"{cls.__name__}.forward"
     for name in ("apply_rotary_pos_emb", "rotate_half"):
         helper = getattr(module, name, None)
-        if helper is not None and getattr(helper, "__module__", None) != module.__name__:
+        if helper is not None and _foreign(helper):
             return f"{module.__name__}.{name}"
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
