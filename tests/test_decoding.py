@@ -3,8 +3,6 @@ seeded samples, and LoRA sampling weights that never touch the trained ones."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -23,13 +21,10 @@ SETTINGS = {  # the loop on a CPU by default, with the adapter merged, and with 
 @pytest.fixture(scope="module")
 def lora_llama(reference_models):
     """The tiny Llama with a LoRA adapter whose B is not zero (so that it changes the outputs)."""
-    from peft import LoraConfig, get_peft_model
+    from testkit.models import adapted_llama
 
     model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                                 init_lora_weights=False)).eval()
-    return peft_model, tok
+    return adapted_llama(model), tok
 
 
 def run(model, tok, kwargs, settings=None, seed=None, decoder=None, prompts=PROMPTS):

@@ -5,8 +5,6 @@ the observation): its history is read from the cache, never encoded again."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -22,12 +20,10 @@ SETTINGS = {"dynamic": {}, "merged-static": {"merge_adapter": True, "static_cach
 
 @pytest.fixture(scope="module")
 def lora_llama(reference_models):
-    from peft import LoraConfig, get_peft_model
+    from testkit.models import adapted_llama
 
     model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    return get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                           init_lora_weights=False)).eval(), tok
+    return adapted_llama(model, targets=("q_proj", "v_proj")), tok
 
 
 def run(model, tok, prompts, kwargs, decoder=None, cache=None, seed=None):

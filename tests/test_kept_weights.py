@@ -39,13 +39,10 @@ def gathered(model, held: list):
 @pytest.fixture(scope="module")
 def lora_llama(reference_models):
     """The tiny Llama with a LoRA adapter whose B is not zero."""
-    from peft import LoraConfig, get_peft_model
+    from testkit.models import adapted_llama
 
     model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                              init_lora_weights=False)).eval()
-    return adapted, tok
+    return adapted_llama(model), tok
 
 
 def test_buffers_hold_each_calls_values_at_the_same_addresses_and_the_tensors_come_back():

@@ -29,12 +29,10 @@ SAMPLED = {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": 2, "t
 @pytest.fixture()
 def lora_llama(reference_models):
     """A fresh copy (the tests change its weights) of the tiny Llama with a LoRA adapter whose B is not zero."""
-    from peft import LoraConfig, get_peft_model
+    from testkit.models import adapted_llama
 
     model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    return get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                           init_lora_weights=False)).eval(), tok
+    return adapted_llama(model), tok
 
 
 def decoder(pack, **settings) -> Decoder:

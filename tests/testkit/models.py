@@ -3,7 +3,8 @@
 ``tiny_model("llama" | "gpt2" | "t5")`` saves a tiny random model (:mod:`llmrl.engine.model.store.tiny_models`) as a
 normal Hugging Face folder and returns its path; folders are cached per (kind, seed) under
 ``$LLMRL_TEST_MODELS``. ``reference_scores`` computes what ``score`` must return the plain way: one full
-forward per (context, candidate) pair, no padding, no cache.
+forward per (context, candidate) pair, no padding, no cache. ``adapted_llama`` gives the decoding tests their LoRA
+model.
 """
 
 from __future__ import annotations
@@ -91,3 +92,16 @@ def reference_scores(model, tokenizer, contexts: list[str], candidates: list[lis
                 row.append(sum(lp[t - 1, full[t]].item() for t in range(p, len(full))))
             results.append(torch.tensor(row, dtype=torch.promote_types(model.dtype, torch.float32)))
     return results
+
+
+def adapted_llama(model, targets=("q_proj", "v_proj", "down_proj")):
+    """A copy of ``model`` (the tiny Llama) with a LoRA adapter (r 4) whose B is not zero, so that it changes the
+    outputs; seeded, so every copy holds the same adapter."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=list(targets),
+                                                           init_lora_weights=False)).eval()

@@ -7,9 +7,8 @@ inputs where it was captured, so with weights that move it must be captured agai
 (``copy_``: the same bits, once per call: :meth:`KeptWeights.new_call`) and points the parameter at it for each
 batch's duration, then puts back the gathered tensor, an error included, so that DeepSpeed partitions and frees what
 it gathered as before. In a ZeRO-3 group of one rank the gathered weights are the rank's own shards, which do not
-move: those are not copied. The adapter's merged
-weights (:class:`~.merged_lora.MergedLora`) are rebuilt in place into buffers of their own, so the weights they
-replace are not copied here.
+move: those are not copied. The adapter's merged weights (:class:`~.merged_lora.MergedLora`) are rebuilt in place
+into buffers of their own, so the weights they replace are not copied here.
 
 The buffers cost, on each rank, the memory of the weights they hold (the weights the merged adapter does not
 replace, beside the rank's ZeRO-3 shard); like the merged weights and static caches, they stay allocated between

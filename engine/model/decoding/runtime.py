@@ -110,7 +110,9 @@ class Decoder:
                                             shared=shared_weights(inner)) is None:
                 merging = self.merged.swapped_in(layers, adapter)
                 merged_layers = [layer for layer in layers if adapter in layer.lora_A]
-        read = weights_read(inner, merged_layers)
+        # the weights the step reads matter only where their addresses do (5.6 ms a batch for SmolLM2-135M: not
+        # walked on the other paths)
+        read = weights_read(inner, merged_layers) if self.static is not None else []
         keeping = self.kept.swapped_in(read) if self.kept is not None else contextlib.nullcontext()
         try:
             with merging as merged, keeping:
