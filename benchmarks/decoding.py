@@ -245,6 +245,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", default="128", help="comma-separated: a row set per length")
     parser.add_argument("--batch1-shape", default="smollm2-135m", help="the batch-1 decoding row's model ('' skips)")
     parser.add_argument("--skip-hf-compile", action="store_true")
+    parser.add_argument("--skip-exactness", action="store_true", help="no exactness row (it compiles another shape)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--settings", default="{}", help="llms.<name>.generation for llmrl's loop, as JSON")
     parser.add_argument("--profile", action="store_true", help="also profile one warm call of llmrl's loop")
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
             del model
         return 0
     model = build(args.shape, dtype, device)
-    stage("exactness", lambda: exactness(model, tokenizer, prompts, device))
+    if not args.skip_exactness:
+        stage("exactness", lambda: exactness(model, tokenizer, prompts, device))
     settings = json.loads(args.settings)
     for new in [int(n) for n in args.new_tokens.split(",")]:
         kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": True,

@@ -79,9 +79,12 @@ def run_benchmark(args, kit) -> None:
                 score_seconds = time.perf_counter() - start
                 start = time.perf_counter()
                 samples = run.generate(prompts, llm=name, max_new_tokens=16, do_sample=False)
+                generate_seconds = time.perf_counter() - start
                 if repeat >= args.warmup:
                     times[(name, "score")].append(score_seconds)
-                    times[(name, "generate")].append(time.perf_counter() - start)
+                    times[(name, "generate")].append(generate_seconds)
+                print(f"  round {repeat}{' (untimed)' if repeat < args.warmup else ''}: {name} score "
+                      f"{score_seconds:.3f} s, generate {generate_seconds:.3f} s", flush=True)
                 results[name] = (scores, samples)
         memory, servers = run.server_memory(), run.servers()
         gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in memory.items()
