@@ -8,7 +8,8 @@
 # first (see ../shared/notes/gpu.md in the developers' workspace). Stages, in order of value: a GRPO step llmrl vs TRL at 128 new tokens (the server
 # profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2 serving, the decoding paths at 128 new
 # tokens (no exactness row: it compiles another shape), then a GRPO step at 512. Limits: T1..T4 seconds (environment);
-# STAGES=zero3,grpo-long runs only those (a device session too short for all four). A smoke run of the plumbing on CPU:
+# STAGES=zero3,grpo-long runs only those. The four need about 11 minutes on an H100, more than one call may take: run
+# STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short. A smoke run of the plumbing on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
@@ -34,13 +35,13 @@ stage() {  # name, limit, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.log"
 }
-stage grpo-short "${T1:-200}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 3 --new-tokens "$SHORT" \
+stage grpo-short "${T1:-200}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 4 --new-tokens "$SHORT" \
   --paths now,trl --profile "$OUT/prof" --out "$OUT/grpo-short.json"
 stage zero3 "${T2:-150}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
-  "${TOK[@]}" --names zero2,zero3 --repeats 3
+  "${TOK[@]}" --names zero2,zero3 --repeats 4 --profile "$OUT/prof-zero3"
 stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVICE" "${TOK[@]}" \
   --shape "${DECODING_SHAPE:-smollm2-1.7b}" \
   --new-tokens "$SHORT" --batch1-shape "" --skip-hf-compile --skip-exactness --out "$OUT/decoding.json"
-stage grpo-long "${T4:-170}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
+stage grpo-long "${T4:-260}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
   --paths now,trl --out "$OUT/grpo-long.json"
 grep -h "round\|median\|\"now\"\|\"trl\"\|ZeRO-2's\|decoding per rank" "$OUT"/*.log | cut -c1-200

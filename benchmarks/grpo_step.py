@@ -87,18 +87,19 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
     from transformers import AutoTokenizer
 
     prompts, rewards = workload(args, new_tokens, AutoTokenizer.from_pretrained(tokenizer))
-    times, stats = [], None
+    times, generating, stats = [], [], None
     with testkit().LiveRun({"llms": {"main": llm}, "threads_per_rank": args.threads}, startup_timeout=900) as run:
         for step in range(args.steps):
             start = time.perf_counter()
             groups = run.generate(prompts, **sampling(args, new_tokens), timeout=3600)
+            generating.append(time.perf_counter() - start)
             continuations = [[s["tokens"].tolist() for s in group] for group in groups]
             per = [rewards[step][i * args.samples:(i + 1) * args.samples] for i in range(len(prompts))]
             extra = {} if before else {"old_logprobs": [[s["logprobs"] for s in group] for group in groups]}
             stats = run.update(prompts, continuations, rewards=per, **extra, timeout=3600)[0]
             times.append(time.perf_counter() - start)
         memory = run.server_memory()[1]
-    return {"seconds": times, "update stats": stats, "decoding": memory.get("decoding"),
+    return {"seconds": times, "generate seconds": generating, "update stats": stats, "decoding": memory.get("decoding"),
             **peak_mib(memory.get("cuda_peak"))}
 
 

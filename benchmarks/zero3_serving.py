@@ -17,6 +17,7 @@ three LLMs' scores and generated log-probs (greedy: the same tokens). It writes 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -37,7 +38,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds first (on a GPU the first generate compiles the decode step)")
     parser.add_argument("--names", default=",".join(NAMES), help="the LLMs to time, of " + ", ".join(NAMES))
+    parser.add_argument("--profile", default=None, help="a folder: each server profiles its second score and generate "
+                        "(the first timed round; LLMRL_PROFILE)")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["LLMRL_PROFILE"] = args.profile
     kit = testkit()
     with tempfile.TemporaryDirectory(prefix="llmrl-zero3-") as work:
         if args.shape:
