@@ -3,6 +3,7 @@ rows with identical results on CPU (no timing or memory figure is asserted here)
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,14 @@ def test_decoding_benchmark_runs_every_path_on_a_tiny_model(tmp_path):
     assert "error" not in row and row["llmrl decoder stats"]["calls"] == {"llmrl": 3}
     assert "error" not in rows["4 x 8 tokens, HF static cache + compile, no adapter"]
     assert "error" not in rows["batch 1, tiny float32, 128 greedy tokens"]
+
+
+def test_packing_choice_benchmark_unpacks_long_continuations_with_the_same_results():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.packing_choice", "--shape", "narrow", "--samples", "4",
+                             "--new-tokens", "48", "--prompt-tokens", "8", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].strip().startswith("planned (unpacked,") and "packed always" in lines[2]
+    found = re.search(r"log-probs (\S+), LoRA gradients (\S+) ", lines[3])
+    assert found and float(found[1]) < 1e-5 and float(found[2]) < 1e-4, lines[3]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from llmrl.engine.model.hf_backend import decoder_start_id
-from llmrl.engine.model.scoring.planning import Needs, plan_batches
+from llmrl.engine.model.scoring.packed import attention_per_column
+from llmrl.engine.model.scoring.planning import Needs, packing_pays, plan_batches
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import tokenize
 from testkit import reference_scores
@@ -27,7 +28,7 @@ CANDIDATES = [[" turn left", " turn right", " go forward", "", "Ünïcödé 🙂
 
 
 def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, rows=64, reuse=True, kv_cache=None,
-             packed=False, trunk=None):
+             packed=False, trunk=None, attention=0.0):
     needs = needs or Needs()
     plan = tokenize(tok, kind, contexts, candidates, max_length=512, prefix_reuse=reuse)
     scores = [None] * len(contexts)
@@ -35,7 +36,8 @@ def run_plan(model, tok, kind, contexts, candidates, needs=None, budget=8192, ro
     cand_hidden = {}
     with torch.no_grad():
         cached = None if kv_cache is None else (lambda ids: kv_cache.cache.held(kv_cache.namespace, ids))
-        for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse, packed=packed, cached=cached):
+        for batch in plan_batches(plan, budget, rows, needs, encoder_reuse=reuse, packed=packed, cached=cached,
+                                  attention=attention):
             res = run_batch(model, plan, batch, needs, tok.pad_token_id, "cpu",
                             kind == "causal" and accepts_logits_to_keep(model), decoder_start_id(model),
                             prefix_cache=kv_cache, trunk=trunk)
@@ -220,5 +222,35 @@ def test_each_prefix_scores_its_candidates_first_tokens_from_one_row(reference_m
     got, _, _ = run_plan(model, tok, "causal", contexts, candidates, Needs(per_token=True, entropy=True),
                          packed=packed)
     assert rows_scored == [(2, 9)], rows_scored  # two prefixes' rows for the nine first tokens
+    for g, e in zip(got, reference_scores(model, tok, contexts, candidates)):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+
+
+def test_packing_pays_by_the_cost_model():
+    """Hand-computed costs, tokens x (1 + attention x attended columns): a context of 10 tokens with two 3-token
+    rows costs 16 x 1.16 = 18.56 packed, and 64 (the prefix's call) + 10 x 1.1 + 2 x 3 x 1.13 = 81.78 unpacked; a
+    context of 4 tokens with four 100-token rows costs 404 x 5.04 = 2036.16 packed and 64 + 4 x 1.04 + 400 x 2.04 =
+    884.16 unpacked. Without an attention cost, packing always pays."""
+    assert packing_pays([10], [[3, 3]], 0.01)
+    assert not packing_pays([4], [[100] * 4], 0.01)
+    assert packing_pays([4], [[100] * 4], 0.0) and packing_pays([10], [[3, 3]], 0.0)
+    assert not packing_pays([10, 4], [[3, 3], [100] * 4], 0.01)  # 2054.72 against 965.94: the request unpacks
+
+
+def test_long_candidates_run_unpacked_with_plain_hf_scores(reference_models):
+    """Continuations of 40 tokens side by side would cost the packed row more attention than sharing the prompt
+    saves (the tiny Llama's attention cost per column is large): the planner runs them unpacked, with plain Hugging
+    Face's scores; the demo's short actions stay packed."""
+    model, tok = reference_models["llama"]
+    alpha = attention_per_column(model.config)
+    words = "the red ball is near the green box and the agent turns left then right again".split()
+    contexts = ["Goal: go to the red ball.", "You see a wall."]
+    candidates = [[" " + " ".join(words[k:] + words[:k]) for k in range(4)] for _ in contexts]
+    long_plan = tokenize(tok, "causal", contexts, candidates, max_length=512)
+    short_plan = tokenize(tok, "causal", CONTEXTS, CANDIDATES, max_length=512)
+    assert not any(b.packed for b in plan_batches(long_plan, 8192, 64, Needs(), packed=True, attention=alpha))
+    assert all(b.packed for b in plan_batches(short_plan, 8192, 64, Needs(), packed=True, attention=alpha))
+    assert all(b.packed for b in plan_batches(long_plan, 8192, 64, Needs(), packed=True))  # no attention cost given
+    got, _, _ = run_plan(model, tok, "causal", contexts, candidates, packed=True, attention=alpha)
     for g, e in zip(got, reference_scores(model, tok, contexts, candidates)):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=0)

@@ -25,10 +25,12 @@ import torch
 from llmrl.engine.model.scoring.tokenization import TokenPlan, common_prefix_length
 
 COMPLETION = -1  # row index of a context's completion row (the hidden state of its last token)
-# Packed, a pass over the common prefix is kept only if it saves re-encoding at least this many tokens in the packed
-# call: a model call reads every weight once, which on a CPU costs as much as encoding dozens of tokens (measured
-# with SmolLM2-135M on 2 cores: a 3-token pass took 125 ms, the time of ~90 tokens).
-COMMON_PASS_MIN_SAVING = 64
+# A model call reads every weight once, which on a CPU costs as much as encoding dozens of tokens (measured with
+# SmolLM2-135M on 2 cores: a 3-token pass took 125 ms, the time of ~90 tokens). Packed, a pass over the common prefix
+# is kept only if it saves re-encoding at least this many tokens in the packed call; and the choice between packing
+# and the unpacked passes counts each of the latter's prefix passes as this many tokens.
+MODEL_CALL_TOKENS = 64
+COMMON_PASS_MIN_SAVING = MODEL_CALL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -120,20 +122,26 @@ def _needs_row(plan: TokenPlan, ctx_index: int, cand: int, needs: Needs) -> bool
 
 
 def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs, encoder_reuse: bool = True,
-                 packed: bool = False, cached: Callable[[list[int]], int] | None = None) -> list[BatchSpec]:
+                 packed: bool = False, cached: Callable[[list[int]], int] | None = None,
+                 attention: float = 0.0) -> list[BatchSpec]:
     """Group contexts into batches and their candidate rows into chunks within the budget.
 
     ``encoder_reuse`` (seq2seq): encode each batch's contexts once and reuse the output for every chunk.
     ``packed`` (causal): one call per batch for its contexts and candidates (see the module's docstring);
     ``max_rows`` then caps the contexts of a batch, and a common prefix gets a pass of its own only when that saves
     :data:`COMMON_PASS_MIN_SAVING` tokens. ``cached`` (packed, with the cache across calls) says how many leading
-    tokens of a sequence the cache holds: what it holds needs no encoding.
+    tokens of a sequence the cache holds: what it holds needs no encoding. ``attention`` (packed): a layer's attention
+    work per token and attended column relative to its linear work per token
+    (:func:`~llmrl.engine.model.scoring.packed.attention_per_column`); with it, a request whose candidates are long
+    enough that packing costs more attention than it saves runs unpacked (:func:`packing_pays`).
     """
     order = sorted(range(len(plan.contexts)), key=lambda i: -_prefix_len(plan, i))
     widths = [_prefix_len(plan, i) for i in order]
     if packed and plan.kind == "causal":
-        widths = [w + _candidate_tokens(plan, i, needs) for w, i in zip(widths, order)]
-        packed = max(widths, default=0) <= token_budget
+        rows = [_candidate_rows(plan, i, needs) for i in order]
+        widths = [w + sum(r) for w, r in zip(widths, rows)]
+        packed = max(widths, default=0) <= token_budget and packing_pays(
+            [_prefix_len(plan, i) for i in order], rows, attention)
         if not packed:
             widths = [_prefix_len(plan, i) for i in order]
     groups = group_greedily(widths, token_budget, max_rows)
@@ -157,15 +165,33 @@ def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs
     return batches
 
 
-def _candidate_tokens(plan: TokenPlan, i: int, needs: Needs) -> int:
-    """Tokens the candidate rows of context ``i`` feed when packed (rows shared between candidates counted once)."""
+def packing_pays(prefixes: list[int], rows: list[list[int]], attention: float) -> bool:
+    """Whether packing costs no more than the unpacked passes, for contexts of ``prefixes`` tokens whose candidate
+    rows feed ``rows[i]`` tokens each, by the packed layout's cost model: tokens x (1 + ``attention`` x attended
+    columns). Packed, a context's rows sit side by side in its row, and every token is scored against all of it (the
+    mask throws most away); unpacked, each candidate row, padded to the context's widest, attends to its context's
+    prefix and itself, and the prefix takes a call of its own (:data:`MODEL_CALL_TOKENS`). So actions of a few tokens
+    pack, and a GRPO update's continuations of hundreds of tokens do not (on SmolLM2-135M's shape on a CPU, an update
+    of 2 prompts x 8 continuations of 256 tokens took 19 s unpacked and 33 s packed). With ``attention`` 0, packing
+    always pays (it never feeds more tokens)."""
+    packed = unpacked = 0.0
+    for prefix, lengths in zip(prefixes, rows):
+        tokens = prefix + sum(lengths)
+        widest = max(lengths, default=0)
+        packed += tokens * (1 + attention * tokens)
+        unpacked += MODEL_CALL_TOKENS + prefix * (1 + attention * prefix) \
+            + len(lengths) * widest * (1 + attention * (prefix + widest))
+    return packed <= unpacked
+
+
+def _candidate_rows(plan: TokenPlan, i: int, needs: Needs) -> list[int]:
+    """The tokens each candidate row of context ``i`` feeds (rows shared between candidates counted once)."""
     ctx = plan.contexts[i]
     wanted = [j for j in range(len(ctx.candidates)) if _needs_row(plan, i, j, needs)]
-    rows = _cover_rows(plan, i, 0, wanted, needs, {})
-    total = sum(len(row_inputs(plan, i, k, needs)) for k in rows)
+    lengths = [len(row_inputs(plan, i, k, needs)) for k in _cover_rows(plan, i, 0, wanted, needs, {})]
     if needs.context_hidden and ctx.shared < len(ctx.ids):
-        total += len(row_inputs(plan, i, COMPLETION, needs))
-    return total
+        lengths.append(len(row_inputs(plan, i, COMPLETION, needs)))
+    return lengths
 
 
 def _cover_rows(plan: TokenPlan, i: int, a: int, wanted: list[int], needs: Needs, cover: dict) -> list[int]:
