@@ -8,9 +8,10 @@
 # first (see ../shared/notes/gpu.md in the developers' workspace). Stages, in order of value: a GRPO step llmrl vs
 # TRL at 128 new tokens (the server profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2
 # serving, the decoding paths at 128 new tokens (no exactness row: it compiles another shape), a GRPO step at 512,
-# then packing. Limits: T1..T5 seconds; STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes on an H100, more than one call takes: run
-# STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short,packing (the planner's choice of
-# unpacked passes for long continuations, against packing them, on an update's pass). A smoke run on CPU:
+# then packing. Limits: T1..T5 seconds; STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes
+# on an H100, more than one call takes: run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then
+# STAGES=grpo-short,packing (the planner's choice of unpacked passes for long continuations, against packing them, on
+# an update's pass). A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
