@@ -171,9 +171,9 @@ def packing_pays(prefixes: list[int], rows: list[list[int]], attention: float) -
     columns). Packed, a context's rows sit side by side in its row, and every token is scored against all of it (the
     mask throws most away); unpacked, each candidate row, padded to the context's widest, attends to its context's
     prefix and itself, and the prefix takes a call of its own (:data:`MODEL_CALL_TOKENS`). So actions of a few tokens
-    pack, and a GRPO update's continuations of hundreds of tokens do not (on SmolLM2-135M's shape on a CPU, an update
-    of 2 prompts x 8 continuations of 256 tokens took 19 s unpacked and 33 s packed). With ``attention`` 0, packing
-    always pays (it never feeds more tokens)."""
+    pack, and a GRPO update's continuations of hundreds of tokens do not (``benchmarks/packing_choice.py``: an update's
+    pass over 2 prompts x 8 continuations of 256 tokens, SmolLM2-135M's shape on a CPU, took 25 s unpacked and 40 s
+    packed). With ``attention`` 0, packing always pays (it never feeds more tokens)."""
     packed = unpacked = 0.0
     for prefix, lengths in zip(prefixes, rows):
         tokens = prefix + sum(lengths)
