@@ -8,7 +8,8 @@ token, and a candidate whose inputs are a prefix of another's reads that row (ca
 the shared positions identical). With ``packed`` (causal models whose attention takes a 4-D mask), a batch's
 contexts and all their candidate rows go into a single model call (:mod:`llmrl.engine.model.scoring.packed`), and
 batches are formed by the tokens of contexts and candidates together; a context too wide for the budget with
-its candidates turns packing off for the request. The number of model calls of each batch is decided here, once:
+its candidates, or candidates long enough that packing them costs more attention than it saves
+(:func:`packing_pays`), turn packing off for the request. The number of model calls of each batch is decided here, once:
 :mod:`llmrl.engine.model.scoring.run` makes exactly those calls, and ranks in lockstep pad to the maximum.
 
 It also lays token rows out as tensors (:func:`pad_rows`) and numbers a batch's candidates
