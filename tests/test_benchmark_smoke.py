@@ -13,11 +13,17 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_benchmark(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.<module> args...`` from the repository root; asserts it exited 0."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_benchmark_runs_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--model", "tiny", "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("run", "--model", "tiny", "--quick", "--out", str(out))
     rows = {row["workload"]: row for row in json.loads(out.read_text())["rows"]}
     assert {"6 candidates", "64 candidates", "minimal request round trip", "memory per server (MB)"} <= set(rows)
     for name in ("6 candidates", "64 candidates"):
@@ -37,10 +43,7 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
 
 
 def test_memory_benchmark_runs_both_rows_on_small_inputs():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--prompts", "2", "--rows", "4",
-                             "--prompt-tokens", "8", "--new-tokens", "6"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("memory", "--prompts", "2", "--rows", "4", "--prompt-tokens", "8", "--new-tokens", "6")
     lines = result.stdout.splitlines()
     assert lines[0].startswith("generate: 4 rows x 6 tokens") and "plain HF with output_logits" in lines[1]
     assert lines[4].startswith("score per_token + entropy: 4 rows x 6 tokens")
@@ -50,10 +53,8 @@ def test_memory_benchmark_runs_both_rows_on_small_inputs():
 
 
 def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.update_memory", "--prompts", "1", "--samples", "2",
-                             "--prompt-tokens", "8", "--new-tokens", "8", "--updaters", "grpo"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("update_memory", "--prompts", "1", "--samples", "2", "--prompt-tokens", "8",
+                           "--new-tokens", "8", "--updaters", "grpo")
     lines = result.stdout.splitlines()
     lines = lines[next(k for k, line in enumerate(lines) if line.startswith("grpo update")):]  # after DeepSpeed's note
     assert lines[0].startswith("grpo update: 1 prompts x 2 continuations x 8 new tokens (32 tokens)")
@@ -66,10 +67,8 @@ def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights()
 
 def test_decoding_benchmark_runs_every_path_on_a_tiny_model(tmp_path):
     out = tmp_path / "decoding.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "decoding", "--device", "cpu", "--shape", "tiny",
-                             "--batch1-shape", "tiny", "--new-tokens", "8", "--prompts", "2", "--samples", "2",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_benchmark("run", "decoding", "--device", "cpu", "--shape", "tiny", "--batch1-shape", "tiny", "--new-tokens",
+                  "8", "--prompts", "2", "--samples", "2", "--out", str(out))
     rows = json.loads(out.read_text())
     assert rows["exactness"]["greedy sequences equal to HF (adapter unmerged)"] == "2/2"
     assert rows["exactness"]["largest |loop log-prob - plain forward log-prob|"] < 1e-5
@@ -80,10 +79,8 @@ def test_decoding_benchmark_runs_every_path_on_a_tiny_model(tmp_path):
 
 
 def test_packing_choice_benchmark_unpacks_long_continuations_with_the_same_results():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.packing_choice", "--shape", "narrow", "--samples", "4",
-                             "--new-tokens", "48", "--prompt-tokens", "8", "--repeats", "1"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("packing_choice", "--shape", "narrow", "--samples", "4", "--new-tokens", "48",
+                           "--prompt-tokens", "8", "--repeats", "1")
     lines = result.stdout.splitlines()
     assert lines[1].strip().startswith("planned (unpacked,") and "packed always" in lines[2]
     found = re.search(r"log-probs (\S+), LoRA gradients (\S+) ", lines[3])

@@ -3,9 +3,12 @@ Hugging Face forward passes on unpadded single sequences, for Llama, GPT-2 and T
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from llmrl.engine.model.forward import packing
 from llmrl.engine.model.hf_backend import decoder_start_id
 from llmrl.engine.model.scoring.packed import attention_per_column
 from llmrl.engine.model.scoring.planning import Needs, packing_pays, plan_batches
@@ -242,7 +245,9 @@ def test_long_candidates_run_unpacked_with_plain_hf_scores(reference_models):
     saves (the tiny Llama's attention cost per column is large): the planner runs them unpacked, with plain Hugging
     Face's scores; the demo's short actions stay packed."""
     model, tok = reference_models["llama"]
-    alpha = attention_per_column(model.config)
+    served = SimpleNamespace(llm=SimpleNamespace(type="causal"), model=model)
+    assert packing(served) == {"packed": True, "attention": attention_per_column(model.config)}  # what servers pass
+    alpha = packing(served)["attention"]
     words = "the red ball is near the green box and the agent turns left then right again".split()
     contexts = ["Goal: go to the red ball.", "You see a wall."]
     candidates = [[" " + " ".join(words[k:] + words[:k]) for k in range(4)] for _ in contexts]

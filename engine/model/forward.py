@@ -75,7 +75,7 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
         cached = lambda ids: prefix_cache.held(namespace, ids)  # noqa: E731
     computed, source = distinct_contexts(plan) if not served.model.training else (None, None)  # see its docstring
     batches = plan_batches(computed or plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs,
-                           encoder_reuse=reuse, packed=packs(served), cached=cached, attention=attention_work(served))
+                           encoder_reuse=reuse, cached=cached, **packing(served))
     return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source)
 
 
@@ -85,7 +85,7 @@ def plan_part(served: ServedModel, whole: ForwardPlan, part: TokenPlan) -> Forwa
     llm = served.llm
     reuse = shares_contexts(served)
     batches = plan_batches(part, llm.token_budget, llm.minibatch_size, whole.needs, encoder_reuse=reuse,
-                           packed=packs(served), attention=attention_work(served))
+                           **packing(served))
     return ForwardPlan(part, batches, whole.needs, whole.heads, whole.adapter, whole.head_kwargs)
 
 
@@ -128,15 +128,15 @@ def packs(served: ServedModel) -> bool:
         and why_not_whole_context(served.model.config) is None
 
 
-def attention_work(served: ServedModel) -> float:
-    """A layer's attention work per token and attended column relative to its linear work per token, for the
-    planner's choice between packed and unpacked passes (:func:`~llmrl.engine.model.scoring.planning.packing_pays`);
-    0 where this LLM does not pack."""
+def packing(served: ServedModel) -> dict:
+    """:func:`~llmrl.engine.model.scoring.planning.plan_batches`'s ``packed`` and ``attention`` for this LLM: whether it
+    may pack (:func:`packs`) and, where it may, a layer's attention work per token and attended column relative to its
+    linear work per token, with which the planner chooses between packed and unpacked passes (``packing_pays``)."""
     if not packs(served):
-        return 0.0
+        return {"packed": False, "attention": 0.0}
     from llmrl.engine.model.scoring.packed import attention_per_column
 
-    return attention_per_column(served.model.config)
+    return {"packed": True, "attention": attention_per_column(served.model.config)}
 
 
 def scored_token_counts(served: ServedModel, contexts, candidates, add_eos: bool = False) -> torch.Tensor:

@@ -171,7 +171,8 @@ def packing_pays(prefixes: list[int], rows: list[list[int]], attention: float) -
     rows feed ``rows[i]`` tokens each, by the packed layout's cost model: tokens x (1 + ``attention`` x attended
     columns). Packed, a context's rows sit side by side in its row, and every token is scored against all of it (the
     mask throws most away); unpacked, each candidate row, padded to the context's widest, attends to its context's
-    prefix and itself, and the prefix takes a call of its own (:data:`MODEL_CALL_TOKENS`). So actions of a few tokens
+    prefix and itself, and the prefix takes a call of its own (:data:`MODEL_CALL_TOKENS`, counted per context although
+    one call encodes a batch's prefixes: an estimate that leans towards packing). So actions of a few tokens
     pack, and a GRPO update's continuations of hundreds of tokens do not (``benchmarks/packing_choice.py``: an update's
     pass over 2 prompts x 8 continuations of 256 tokens, SmolLM2-135M's shape on a CPU, took 25 s unpacked and 40 s
     packed). With ``attention`` 0, packing always pays (it never feeds more tokens)."""
