@@ -94,8 +94,8 @@ def run_benchmark(args, kit) -> None:
         memory, servers = run.server_memory(), run.servers()
         gathered = {name: sum(m.get("zero3_gathered_calls", 0) for r, m in memory.items()
                               if servers[r]["llm"] == name) for name in names}
-        loops = {name: [{key: m.get("decoding", {}).get(key) for key in ("calls", "compiled_shapes", "weight_moves",
-                                                                            "kept_weights_mb")}
+        shown = ("calls", "llama_step_batches", "weights_packed", "compiled_shapes", "weight_moves", "kept_weights_mb")
+        loops = {name: [{key: m.get("decoding", {}).get(key) for key in shown}
                         for r, m in memory.items() if servers[r]["llm"] == name] for name in names}
     base_scores, base_samples = results["zero2"]
     print(f"{args.shape or args.model}, {args.dtype} on {args.devices}, 1 rank per LLM, median of {args.repeats} "

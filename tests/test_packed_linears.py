@@ -269,3 +269,24 @@ def test_an_adapter_over_a_trainable_base_weight_decodes_unmerged(kernel, lora_l
     merging = decoder(kernel, merge_adapter=True)
     assert_same(run(model, tok, merging), run(model, tok, decoder(False)))
     assert merging.stats()["merges"] == 0
+
+
+def test_under_zero3_only_the_packs_of_weights_that_are_their_own_shard_outlive_the_call(kernel, lora_llama):
+    """Under ZeRO-3 a generate call's weights are gathered for it. In a group of one rank each gathered weight is its
+    own shard, which stays allocated: its pack is kept for the next call. In a group of several ranks the gathered
+    weight is freed after the call: its pack, which would hold that memory, is dropped at the call's end."""
+    model, tok = lora_llama
+    own_shard, half_shard = base(model, 0, "up_proj").weight, base(model, 1, "up_proj").weight
+    own_shard.ds_tensor = own_shard.data.view(-1)  # as DeepSpeed's gather leaves a one-rank group's weight
+    half_shard.ds_tensor = torch.zeros(half_shard.numel() // 2)  # two ranks: this rank holds half
+    try:
+        packed = Decoder(GenerationSettings(pack_weights=kernel), "cpu", zero3=True)
+        assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+        kept = {pack.holder.data_ptr() for pack in packed.packed._kept.values()}
+        assert own_shard.data_ptr() in kept and half_shard.data_ptr() not in kept
+        assert packed.stats()["packed_weights_mb"] == own_shard.numel() * 4 / 2**20
+        count = packed.stats()["weights_packed"]
+        assert_same(run(model, tok, packed), run(model, tok, decoder(False)))
+        assert packed.stats()["weights_packed"] == count + (count - 1), "all but the own shard's packed again"
+    finally:
+        del own_shard.ds_tensor, half_shard.ds_tensor

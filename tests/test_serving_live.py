@@ -188,7 +188,8 @@ def test_every_rank_multiplies_frozen_weights_through_onednn_as_configured(llama
 def test_zero3_gathers_the_weights_once_per_call_and_partitions_them_again(llama_layouts, reference_models):
     """``score`` and ``generate`` under ZeRO-3 gather every weight once per call on each rank of the group (not layer
     by layer at each forward and decoding step), give plain Hugging Face's results, and leave the weights
-    partitioned after (half the replicated copy's bytes on each rank)."""
+    partitioned after (half the replicated copy's bytes on each rank), with no packed copy of the gathered weights
+    kept."""
     servers, model_tok = llama_layouts.servers(), reference_models["llama"]
     ranks = [r for r, s in servers.items() if s["llm"] == "zero3"]
     replicated = [r for r, s in servers.items() if s["llm"] == "replicated"]
@@ -200,6 +201,9 @@ def test_zero3_gathers_the_weights_once_per_call_and_partitions_them_again(llama
     calls = [after[r]["zero3_gathered_calls"] - before[r]["zero3_gathered_calls"] for r in ranks]
     assert calls[0] == calls[1] and calls[0] >= 2, calls  # the score call, and check_generation's generate calls
     assert all(after[r]["parameter_bytes"] < 0.75 * after[replicated[0]]["parameter_bytes"] for r in ranks)
+    if available("onednn") or available("mkl"):  # decoded with packed weights, whose packs went with the gather
+        decoding = [after[r]["decoding"] for r in ranks]
+        assert all(d["weights_packed"] > 0 and d["packed_weights_mb"] == 0 for d in decoding), decoding
 
 
 def test_async_heads(llama_layouts):

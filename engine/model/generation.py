@@ -141,9 +141,13 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     batches = loop.batches(model, plan, plan.token_budget, plan.max_rows) if loop is not None else plan.batches
     if loop is not None:
         loop.new_call()
-    for batch in batches:
-        _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                        plan.num_return, [results[i] for i in batch], plan.stop, use, loop)
+    try:
+        for batch in batches:
+            _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
+                            plan.num_return, [results[i] for i in batch], plan.stop, use, loop)
+    finally:
+        if loop is not None:
+            loop.end_call()
     dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
     for _ in range(extra_batches):
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,

@@ -31,7 +31,9 @@ when their weight changes:
 A pack is kept against the parameter (or owner) object itself: another parameter over the same memory is packed again.
 MKL's packs of the last two row counts are kept, so they can hold up to twice the weights' size (oneDNN's pack: once).
 A frozen weight written in place through ``.data`` (bypassing the parameter's version counter) would be read stale;
-nothing in llmrl writes frozen weights so. Not packed either: subclasses of ``nn.Linear`` with a ``forward`` of their
+nothing in llmrl writes frozen weights so. Under ZeRO-3 the weights are gathered for each call into memory freed
+after it: :meth:`PackedWeights.keep_only` lets the caller drop those packs at the call's end (kept, a pack would hold
+the gathered weight's memory between calls). Not packed either: subclasses of ``nn.Linear`` with a ``forward`` of their
 own, other dtypes and devices, weights that are not 2-D (ZeRO-3's partitions), torch builds without the kernel. This
 module does not decode; :mod:`.loop` runs the steps.
 """
@@ -102,6 +104,12 @@ class PackedWeights:
         """Free every pack (packed again by the next call that needs them)."""
         self._kept.clear()
         self._recent_rows.clear()
+
+    def keep_only(self, kept) -> None:
+        """Drop every pack but those for which ``kept(layer, memory packed)`` is true (the caller knows which memory
+        outlives a call: ZeRO-3's gathered weights do not)."""
+        self._kept = {key: pack for key, pack in self._kept.items()
+                      if (layer := pack.module()) is not None and kept(layer, pack.holder)}
 
     @contextlib.contextmanager
     def for_rows(self, model, rows: int, owners: dict[int, torch.Tensor] | None = None):

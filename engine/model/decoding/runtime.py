@@ -7,7 +7,7 @@ counts which loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
 ``pack_weights`` (``auto``: on CPU devices) packs the weights once for the CPU's matmul kernel, MKL's or oneDNN's
-(:mod:`.packed_linears`);
+(:mod:`.packed_linears`; under ZeRO-3 the packs of weights gathered for a call are dropped at its end);
 ``llama_step`` (``auto``: on CPU devices) runs the decode steps of Llama-shaped models as plain tensor code
 (:mod:`.llama_step`).
 Under ZeRO-3 the loop runs only on weights gathered for the call, which lie at new addresses at every call. With
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+
+import torch
 
 from llmrl.engine.model.decoding.eligibility import why_not
 from llmrl.engine.model.decoding.kept_weights import KeptWeights, weights_read
@@ -54,7 +56,7 @@ class Decoder:
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
         static = self.compiled or (_on(settings.static_cache, cuda) and not movable)
         self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
-        packing = _on(settings.pack_weights, device_type == "cpu") and not zero3 and not self.compiled
+        packing = _on(settings.pack_weights, device_type == "cpu") and not self.compiled
         kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
         # (a compiled step packs what its compiler packs)
         self.packed = PackedWeights(kernel) if packing and kernel is not None else None
@@ -83,6 +85,13 @@ class Decoder:
         """A ``generate`` call begins (its batches run on one gather of ZeRO-3's weights)."""
         if self.kept is not None:
             self.kept.new_call()
+
+    def end_call(self) -> None:
+        """A ``generate`` call ended. Under ZeRO-3, the packs of weights gathered into memory that is freed with the
+        call (a group of several ranks; the merged adapter's buffers, rebuilt at each batch) are dropped; in a group
+        of one rank each weight is its own shard, whose packs are kept as under ZeRO-2."""
+        if self.zero3 and self.packed is not None:
+            self.packed.keep_only(lambda layer, memory: _is_shard_memory(layer.weight, memory))
 
     def batches(self, model, plan, token_budget: int, max_rows: int) -> list[list[int]]:
         """The loop's batches for a planned request (:mod:`.batches`): prefill within ``token_budget``, rows
@@ -159,3 +168,10 @@ class Decoder:
             self.static.release()
         if self.kept is not None:
             self.kept.release()
+
+
+def _is_shard_memory(weight, memory) -> bool:
+    """Whether ``memory`` is ``weight``'s ZeRO-3 shard, which stays allocated between calls."""
+    shard = getattr(weight, "ds_tensor", None)
+    return isinstance(shard, torch.Tensor) and shard.data_ptr() == memory.data_ptr() \
+        and shard.numel() == memory.numel()
