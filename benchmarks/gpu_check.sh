@@ -8,10 +8,11 @@
 # first (see ../shared/notes/gpu.md in the developers' workspace). Stages, in order of value: a GRPO step llmrl vs
 # TRL at 128 new tokens (the server profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2
 # serving, the decoding paths at 128 new tokens (no exactness row: it compiles another shape), a GRPO step at 512,
-# then packing. Limits: T1..T5 seconds; STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes
-# on an H100, more than one call takes: run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then
-# STAGES=grpo-short,packing (the planner's choice of unpacked passes for long continuations, against packing them, on
-# an update's pass). A smoke run on CPU:
+# then packing, then the attention window (static-cache steps over windows of the cache vs over all of it, at the
+# long length; its windowed row compiles a step per window). Limits: T1..T6 seconds; STAGES=zero3,grpo-long runs only
+# those. The first four need about 11 minutes on an H100, more than one call takes: run STAGES=zero3,decoding,grpo-long
+# first (about 8 minutes), then STAGES=grpo-short,packing,window (the planner's choice of unpacked passes for long
+# continuations, against packing them, on an update's pass). A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
@@ -30,7 +31,7 @@ SHORT=${NEW%,*} LONG=${NEW#*,}
 DECODER_DEVICE=$([ "$DEVICE" = cpu ] && echo cpu || echo "cuda:$DEVICE")
 [ "$DEVICE" = cpu ] || export DS_ACCELERATOR=cuda  # a DeepSpeed wheel built on a CPU machine records "cpu"
 S="--shape $SHAPE --devices $DEVICE --dtype $DTYPE --prompts 8 --samples 8 --prompt-tokens 64 --threads 8"
-STAGES=${STAGES:-grpo-short,zero3,decoding,grpo-long,packing}  # which stages run, in their fixed order
+STAGES=${STAGES:-grpo-short,zero3,decoding,grpo-long,packing,window}  # which stages run, in their fixed order
 stage() {  # name, limit, command...
   local name=$1 limit=$2; shift 2
   case ",$STAGES," in *",$name,"*) ;; *) return ;; esac
@@ -48,5 +49,8 @@ stage grpo-long "${T4:-260}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --step
   --paths now,trl --out "$OUT/grpo-long.json"
 stage packing "${T5:-120}" "$PY" -m benchmarks.packing_choice --device "$DECODER_DEVICE" --shape "$SHAPE" \
   --dtype "$DTYPE" --prompts 8 --samples 8 --new-tokens "$LONG"
-grep -h "planned\|packed always\|round\|median\|\"now\"\|\"trl\"\|ZeRO-2's\|decoding per rank" "$OUT"/*.log \
+stage window "${T6:-280}" "$PY" -m benchmarks.attention_window --device "$DECODER_DEVICE" "${TOK[@]}" \
+  --shape "${DECODING_SHAPE:-smollm2-1.7b}" --dtype "$DTYPE" --prompts 8 --samples 8 --prompt-tokens 64 \
+  --new-tokens "$LONG" --length-bucket "${WINDOW_BUCKET:-256}"
+grep -h "planned\|packed always\|round\|median\|\"now\"\|\"trl\"\|ZeRO-2's\|decoding per rank\|windowed\|whole cache" "$OUT"/*.log \
   | cut -c1-200

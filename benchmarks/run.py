@@ -211,6 +211,7 @@ def model_path(name: str) -> str:
 
 SUITES = {  # python -m benchmarks.run SUITE [its arguments]: the other benchmarks, from this one entry
     "decoding": "benchmarks.decoding",  # generation: llmrl's loop vs plain HF, HF static + compile, the limit
+    "attention-window": "benchmarks.attention_window",  # static-cache steps over windows vs over the whole cache
     "grpo-step": "benchmarks.grpo_step",  # one GRPO step: llmrl now / before vs a plain HF + PEFT loop vs TRL
     "zero3": "benchmarks.zero3_serving",  # score and generate under ZeRO-3 (gathered once) vs ZeRO-2
     "trunk-update": "benchmarks.trunk_update",  # a token-level update: every layer vs the frozen trunk once

@@ -85,3 +85,10 @@ def test_packing_choice_benchmark_unpacks_long_continuations_with_the_same_resul
     assert lines[1].strip().startswith("planned (unpacked,") and "packed always" in lines[2]
     found = re.search(r"log-probs (\S+), LoRA gradients (\S+) ", lines[3])
     assert found and float(found[1]) < 1e-5 and float(found[2]) < 1e-4, lines[3]
+
+
+def test_attention_window_benchmark_windows_the_cache_with_the_same_tokens():
+    result = run_benchmark("run", "attention-window", "--shape", "tiny", "--new-tokens", "40", "--length-bucket", "16")
+    assert "whole cache / windowed:" in result.stdout and "same greedy tokens" in result.stdout, result.stdout
+    found = re.search(r"log-probs within (\S+)", result.stdout)
+    assert found and float(found[1]) < 1e-5, result.stdout

@@ -201,20 +201,22 @@ def test_requests_the_loop_cannot_run_go_to_hugging_face_or_are_refused(referenc
 def test_the_compiled_step_decodes_as_hugging_face_and_compiles_once_per_bucket(lora_llama):
     """The captured-step path (``compile``: torch.compile; on CUDA it replays CUDA graphs) run on the CPU, where
     inductor compiles the same graph: greedy tokens equal Hugging Face's, a second call of the same bucket reuses
-    the compiled step and the static cache, and the held memory is reported."""
+    the compiled steps and the static cache, and the held memory is reported. The steps attend over windows of the
+    cache: the first 32 of its 48 columns while they hold the keys, then all 48."""
     import shutil
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile on the CPU needs a C compiler")
     model, tok = lora_llama
-    kwargs = {"max_new_tokens": 6, "do_sample": False}
+    kwargs = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False}
     reference, _ = run(model, tok, kwargs)
     decoder = Decoder(GenerationSettings(compile=True, merge_adapter=True, length_bucket=16), "cpu")
     first, _ = run(model, tok, kwargs, decoder=decoder)
     again, _ = run(model, tok, kwargs, decoder=decoder)
     assert same_samples(first, reference) and same_samples(again, reference)
     stats = decoder.stats()
-    assert stats["compiled_shapes"] == [(8, 32)] and stats["merges"] == 1  # 4 prompts -> 8 rows; 16 + 6 tokens -> 32
+    # 4 prompts -> 8 rows; 16 + 20 tokens -> 48 columns, of which the steps fill 17 to 35
+    assert stats["compiled_shapes"] == [(8, 48, 32), (8, 48, 48)] and stats["merges"] == 1
     assert stats["static_cache_mb"] > 0 and stats["merged_weights_mb"] > 0
     for prompt, (sample,) in zip(PROMPTS, first):
         torch.testing.assert_close(sample["logprobs"], plain_logprobs(model, tok, prompt, sample["tokens"].tolist()),
@@ -298,3 +300,44 @@ def test_a_sliding_window_shorter_than_the_static_cache_decodes_with_a_growing_c
     for prompt, (sample,) in zip(prompts, ours):
         torch.testing.assert_close(sample["logprobs"], plain_logprobs(model, tok, prompt, sample["tokens"].tolist()),
                                    atol=1e-5, rtol=0)
+
+
+def test_attention_windows_are_the_filled_columns_rounded_up_to_the_bucket():
+    from llmrl.engine.model.decoding.static_step import window
+
+    assert window(17, 48, 16) == 32 and window(32, 48, 16) == 32 and window(33, 48, 16) == 48
+    assert window(65, 768, 256) == 256 and window(257, 768, 256) == 512 and window(576, 768, 256) == 768
+    assert window(40, 40, 256) == 40  # never past the cache's length
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 30, "min_new_tokens": 30, "do_sample": False},
+                                    {"max_new_tokens": 30, "do_sample": True, "num_return_sequences": 2, "top_k": 0}],
+                         ids=["greedy", "sampled"])
+def test_static_steps_attending_over_windows_decode_as_over_the_whole_cache(lora_llama, monkeypatch, kwargs):
+    """Short prompts and 30 new tokens in a 48-column cache: the steps attend over its first 16, then 32, then all 48
+    columns. Tokens equal those of steps over the whole cache (and, greedy, Hugging Face's); log-probs agree to float32
+    rounding and equal a plain forward's."""
+    from llmrl.engine.model.decoding import static_step
+
+    model, tok = lora_llama
+    prompts = ["x", "café", "You see"]
+    seen = []
+    real_window = static_step.window
+    monkeypatch.setattr(static_step, "window", lambda *args: seen.append(real_window(*args)) or seen[-1])
+    static = {"merge_adapter": True, "static_cache": True, "length_bucket": 16}
+    windowed, decoder = run(model, tok, kwargs, static, seed=5, prompts=prompts)
+    assert sorted(set(seen)) == [16, 32, 48] and decoder.stats()["static_cache_mb"] > 0
+    if not kwargs["do_sample"]:
+        assert len(seen) == 29  # one batch: a window per token fed back (all but the last of 30)
+    steps = len(seen)
+    whole, _ = run(model, tok, kwargs, {**static, "attention_window": False}, seed=5, prompts=prompts)
+    assert len(seen) == steps, "attention_window: false attends over the whole cache"
+    for row_windowed, row_whole, prompt in zip(windowed, whole, prompts):
+        for a, b in zip(row_windowed, row_whole, strict=True):
+            assert a["tokens"].tolist() == b["tokens"].tolist()
+            torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-6, rtol=0)
+            torch.testing.assert_close(a["logprobs"], plain_logprobs(model, tok, prompt, a["tokens"].tolist()),
+                                       atol=1e-5, rtol=0)
+    if not kwargs["do_sample"]:
+        reference, _ = run(model, tok, kwargs, prompts=prompts)  # Hugging Face's generate
+        assert same_samples(windowed, reference)

@@ -132,7 +132,7 @@ def test_zero3_decodes_from_kept_weights_with_a_compiled_step_that_never_sees_th
     reference = generate(model, tok, "causal", plan, "cpu")  # Hugging Face's generate, on the trained weights
     assert same_samples(again, reference) and not same_samples(first, reference)
     stats = decoder.stats()
-    assert stats["calls"] == {"llmrl": 2} and stats["compiled_shapes"] == [(8, 16), (8, 32)]  # 2 batches a call
+    assert stats["calls"] == {"llmrl": 2} and stats["compiled_shapes"] == [(8, 16, 16), (8, 32, 32)]  # 2 batches a call
     assert stats["weight_moves"] == 0, "the compiled step read weights at other addresses in a later batch"
     assert stats["kept_weights_mb"] > 0 and stats["merged_weights_mb"] > 0 and stats["static_cache_mb"] > 0
     assert stats["merges"] == 2  # once per call (the base weights are gathered anew), in place

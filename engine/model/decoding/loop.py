@@ -175,7 +175,8 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
             step_positions += 1
             feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
             if static is not None:
-                logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention)[:rows]
+                logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention,
+                                     width + step + 1)[:rows]
             elif stepper is not None:
                 attention[:, stepper.filled] = True
                 logits, state = stepper.step(feed, step_positions, attention)

@@ -1,9 +1,9 @@
 """One LLM's decoding setup: which loop runs each ``generate`` batch, with its merged weights and static caches.
 
 :class:`Decoder` reads ``llms.<name>.generation`` (decoder ``auto`` / ``hf`` / ``llmrl``, ``merge_adapter``,
-``compile``, ``static_cache``, ``length_bucket``, ``sampler``, ``pack_weights``, ``llama_step``, ``keep_gathered``),
-keeps the :class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder` between calls,
-counts which loop ran (``server_memory`` reports it).
+``compile``, ``static_cache``, ``length_bucket``, ``attention_window``, ``sampler``, ``pack_weights``, ``llama_step``,
+``keep_gathered``), keeps the :class:`~.merged_lora.MergedLora` buffers and the :class:`~.static_step.StaticDecoder`
+between calls, counts which loop ran (``server_memory`` reports it).
 ``merge_adapter``, ``compile`` and ``static_cache`` default to ``auto``: on CUDA devices. On a CPU a decode step is
 bound by the weight matmuls: merging saves about a tenth, and a cache padded to its bucket only adds attention work;
 ``pack_weights`` (``auto``: on CPU devices) packs the weights once for the CPU's matmul kernel, MKL's or oneDNN's
@@ -55,7 +55,8 @@ class Decoder:
         self.compiled = compiling and not movable
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
         static = self.compiled or (_on(settings.static_cache, cuda) and not movable)
-        self.static = StaticDecoder(self.compiled, settings.length_bucket) if static else None
+        self.static = StaticDecoder(self.compiled, settings.length_bucket, windowed=settings.attention_window) \
+            if static else None
         packing = _on(settings.pack_weights, device_type == "cpu") and not self.compiled
         kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
         # (a compiled step packs what its compiler packs)

@@ -8,14 +8,31 @@ step needs) and, when compiling, one ``torch.compile(mode="reduce-overhead")`` s
 step as a CUDA graph. The first call of a bucket compiles (tens of seconds for a billion-parameter model); later
 calls replay. Only the last ``keep`` buckets' caches are kept.
 
+A step attends over a *window* of the cache, not its whole length: the filled columns rounded up to a multiple of
+``length_bucket`` (:func:`window`). A static cache's step otherwise reads every column at every step, filled or not:
+at 512 new tokens after a 64-token prompt, 768 columns from the first step on, where the steps need 64 to 576
+(on SmolLM2-1.7B's shape at 64 rows, 9.7 GB of keys and values a step against 3.4 GB of weights). The window is read
+from the cache's own tensors (a view of their first columns: the same addresses, which a captured step needs), and
+the attention mask is cut to it; the columns left out are masked anyway, so the results are those of the whole
+length, to rounding. Each window of a bucket is a shape of its own: a run at 512 new tokens compiles three steps per
+row bucket instead of one. ``windowed=False`` (``generation.attention_window: false``) attends over the whole length.
+Only caches whose every layer is Hugging Face's plain ``StaticLayer`` are windowed.
+
 This module does not choose tokens or read log-probs (:mod:`.loop` does).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
+
+
+def window(filled: int, length: int, length_bucket: int) -> int:
+    """The columns a step attends over when ``filled`` columns of a ``length``-column cache hold keys (its own token's
+    included)."""
+    return min(length, -(-filled // length_bucket) * length_bucket)
 
 
 def bucket(rows: int, length: int, length_bucket: int) -> tuple[int, int]:
@@ -30,17 +47,19 @@ def bucket(rows: int, length: int, length_bucket: int) -> tuple[int, int]:
 class StaticDecoder:
     """Static caches and compiled decode steps, per bucket (see the module's docstring)."""
 
-    def __init__(self, compile_step: bool, length_bucket: int = 256, keep: int = 2):
+    def __init__(self, compile_step: bool, length_bucket: int = 256, keep: int = 2, windowed: bool = True):
         self.compile_step = compile_step
         self.length_bucket = length_bucket
+        self.windowed = windowed
         self.keep = keep
         self._caches: OrderedDict = OrderedDict()
         self._compiled = None
-        self.compiled_shapes: set[tuple[int, int]] = set()
+        self.compiled_shapes: set[tuple[int, int, int]] = set()  # (rows, cache length, window)
 
     def cache(self, model, rows: int, length: int):
         """A reset StaticCache for ``rows`` x ``length`` (from this bucket's pool)."""
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         key = (rows, length)
         if key in self._caches:
@@ -51,6 +70,9 @@ class StaticDecoder:
         while len(self._caches) >= self.keep:
             self._caches.popitem(last=False)
         cache = StaticCache(config=model.config, max_cache_len=length)
+        if self.windowed and all(type(layer) is StaticLayer for layer in cache.layers):
+            shared, windowed_layer = _Window(length), _windowed_layer_class()
+            cache.layers = [windowed_layer(length, shared) for _ in cache.layers]
         self._caches[key] = cache
         return cache
 
@@ -63,8 +85,15 @@ class StaticDecoder:
         return sum(t.numel() * t.element_size() for cache in self._caches.values() for layer in cache.layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
-    def step(self, model, cache_name: str, cache, input_ids, position_ids, attention_mask) -> torch.Tensor:
-        """The next-token logits (rows x vocabulary, float32, a fresh tensor) of one decode step."""
+    def step(self, model, cache_name: str, cache, input_ids, position_ids, attention_mask,
+             filled: int) -> torch.Tensor:
+        """The next-token logits (rows x vocabulary, float32, a fresh tensor) of one decode step; ``filled``: the
+        cache's columns that hold keys once this step's token is in."""
+        length = attention_mask.shape[1]
+        windowed = _windowed(cache)
+        if windowed is not None:
+            windowed.columns = window(filled, length, self.length_bucket)
+            attention_mask = attention_mask[:, :windowed.columns]
         if not self.compile_step:
             return _step(model, cache_name, cache, input_ids, position_ids, attention_mask).to(
                 copy=True, dtype=torch.float32)
@@ -73,7 +102,7 @@ class StaticDecoder:
 
             _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
             self._compiled = torch.compile(_step, mode="reduce-overhead", dynamic=False, fullgraph=False)
-        self.compiled_shapes.add((input_ids.shape[0], attention_mask.shape[1]))
+        self.compiled_shapes.add((input_ids.shape[0], length, attention_mask.shape[1]))
         # a CUDA graph's output is overwritten by its next replay: copied out at once
         return self._compiled(model, cache_name, cache, input_ids, position_ids, attention_mask).to(
             copy=True, dtype=torch.float32)
@@ -83,3 +112,40 @@ def _step(model, cache_name: str, cache, input_ids, position_ids, attention_mask
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
                 **{cache_name: cache})
     return out.logits[:, -1]
+
+
+class _Window:
+    """The columns the steps of one cache attend over (shared by its layers; set before each step)."""
+
+    def __init__(self, columns: int):
+        self.columns = columns
+
+
+def _windowed(cache) -> _Window | None:
+    """The window of a cache made by :meth:`StaticDecoder.cache` with windowed layers, or None."""
+    layers = getattr(cache, "layers", None)
+    found = getattr(layers[0], "window", None) if layers else None
+    return found if isinstance(found, _Window) else None
+
+
+@functools.cache
+def _windowed_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class WindowedLayer(StaticLayer):
+        """Hugging Face's static layer, whose update hands back the window's columns of its keys and values (views:
+        the same memory) and whose mask spans the window."""
+
+        def __init__(self, max_cache_len: int, window: _Window):
+            super().__init__(max_cache_len=max_cache_len)
+            self.window = window
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            columns = self.window.columns
+            return keys[:, :, :columns], values[:, :, :columns]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.window.columns, 0
+
+    return WindowedLayer
