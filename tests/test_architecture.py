@@ -1,6 +1,7 @@
 """The tree's rules, read from the source (nothing is imported): no module over 400 lines, no import cycle between
 modules (imports inside functions count), the engine never imports ``launch``, plugins never import the request
-path (they may import the engine's leaf modules), and every module opens with a docstring."""
+path (they may import the engine's leaf modules), and every module opens with a docstring; and the folder above the
+repository stays off the import path."""
 
 from __future__ import annotations
 
@@ -136,3 +137,13 @@ def test_no_module_over_400_lines_and_every_module_has_a_docstring():
     too_long += [f"{p.relative_to(ROOT)}: {p.read_text().count(chr(10))} lines" for p in tests
                  if p.read_text().count("\n") > 400]
     assert too_long == [] and undocumented == []
+
+
+def test_the_folder_above_the_repository_is_not_on_the_import_path():
+    """The repository root is the package ``llmrl``: pytest's default import mode would put the folder above it first
+    on ``sys.path``, where a folder named like a module (a ``z3`` beside the clone) would shadow the real module
+    (pyproject.toml imports by importlib instead)."""
+    import sys
+
+    above = str(ROOT.parent)
+    assert all(Path(entry or ".").resolve() != Path(above) for entry in sys.path), sys.path
