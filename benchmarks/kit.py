@@ -5,13 +5,17 @@ modules (``examples/ppo_babyai.py``, which imports ``examples/babyai_text.py``).
 Neither is installed with llmrl, so each is imported by its file path under the name its own code imports it by
 (``testkit``, ``babyai_text``, ``ppo_babyai``); a module already imported under that name is reused. This module
 does not change ``sys.path`` (``LiveRun`` puts ``tests/`` on its rank processes' ``PYTHONPATH``, and the demo script
-puts its own folder on ``sys.path`` when it is imported: theirs to do). It measures nothing and starts nothing.
+puts its own folder on ``sys.path`` when it is imported: theirs to do). It measures nothing and starts nothing; the
+folder it makes for the test kit's live runs is its own, removed at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -19,8 +23,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def testkit() -> ModuleType:
-    """The test kit, imported as the package ``testkit`` (the name its modules and its rank processes use)."""
-    return load_module("testkit", ROOT / "tests" / "testkit" / "__init__.py", package=True)
+    """The test kit, imported as the package ``testkit`` (the name its modules and its rank processes use). Its live
+    runs put their folders (config, ``run.log``) in one temporary folder of this process's, removed when the process
+    ends, unless it ends on an uncaught exception (then the folder is kept and named, for the logs)."""
+    kit = load_module("testkit", ROOT / "tests" / "testkit" / "__init__.py", package=True)
+    live = sys.modules["testkit.live"]
+    if live.WORK_ROOT is None:
+        live.WORK_ROOT = tempfile.mkdtemp(prefix="llmrl-bench-")
+        atexit.register(_remove_runs, live.WORK_ROOT)
+    return kit
+
+
+def _remove_runs(folder: str) -> None:
+    if getattr(sys, "last_value", None) is not None:  # the process ends on an uncaught exception
+        print(f"the live runs' folders (config, run.log) are kept in {folder}", file=sys.stderr)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def ppo_demo() -> ModuleType:
