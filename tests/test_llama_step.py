@@ -212,7 +212,7 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
     monkeypatch.setattr(llama_step, "_families", functools.cache(llama_step._families.__wrapped__))
     for layer in model.model.layers:
         layer.mlp.__class__ = Fused
-    assert "Fused (a class of test_llama_step) patched" in LlamaStep.why_not(model, 64)
+    assert f"Fused (a class of {__name__}) patched" in LlamaStep.why_not(model, 64)
     monkeypatch.undo()
     for layer in model.model.layers:
         layer.mlp.__class__ = modeling_llama.LlamaMLP
