@@ -1,16 +1,16 @@
-"""Decode steps over a static cache attending over windows of it (``generation.attention_window``, the default) against
-attending over its whole length, in one run, on one device.
+"""Decode steps over a static cache attending over windows of it (``generation.attention_window``, 64 by default)
+against attending over its whole length (``attention_window: 0``), in one run, on one device.
 
     .venv/bin/python -m benchmarks.attention_window                  # CPU: SmolLM2-135M's shape, 8 x (32 + 224)
     python -m benchmarks.attention_window --device cuda --shape smollm2-1.7b --prompts 8 --samples 8 \\
         --prompt-tokens 64 --new-tokens 512 --length-bucket 256      # the H100 GRPO step's generation
 
-Both rows run llmrl's loop with a static cache (on CUDA the step is compiled and captured: each window of a bucket
-compiles once, so the first call is printed apart) on the same random-weight model with a LoRA adapter, the same
-prompts and ``min_new_tokens`` = ``max_new_tokens``. It prints each row's first call and best of two warm calls, the
-ratio whole / windowed, whether the greedy tokens are the same and the largest log-prob difference, and the
-memory-bandwidth limit of the weights plus the filled cache read once per step (:mod:`benchmarks.decoding`). It writes
-nothing and asserts nothing.
+Both rows run llmrl's loop with a static cache on the same random-weight model with a LoRA adapter, the same prompts
+and ``min_new_tokens`` = ``max_new_tokens``. On CUDA the step is compiled and captured: one compile serves every
+window (its width is dynamic) and each new width is captured once, so the first call is printed apart. It prints each
+row's first call and best of two warm calls, the ratio whole / windowed, whether the greedy tokens are the same and
+the largest log-prob difference, and the memory-bandwidth limit of the weights plus the filled cache read once per
+step (:mod:`benchmarks.decoding`). It writes nothing and asserts nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=224)
     parser.add_argument("--length-bucket", type=int, default=64)
+    parser.add_argument("--window-columns", type=int, default=64, help="generation.attention_window")
     parser.add_argument("--tokenizer", default=None)
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -44,7 +45,8 @@ def main() -> None:
               "num_return_sequences": args.samples}
     results, seconds = {}, {}
     for windowed in (True, False):
-        settings = {"static_cache": True, "length_bucket": args.length_bucket, "attention_window": windowed}
+        settings = {"static_cache": True, "length_bucket": args.length_bucket,
+                    "attention_window": args.window_columns if windowed else 0}
         call = functools.partial(llmrl_generate, model, tokenizer, prompts, kwargs, args.device, settings)
         (out, decoder), first = timed(call, args.device)
         warm = min(timed(functools.partial(call, decoder=decoder), args.device)[1] for _ in range(2))
@@ -59,7 +61,7 @@ def main() -> None:
     gap = max(float((a["logprobs"] - b["logprobs"]).abs().max()) for ra, rb in zip(results[True], results[False])
               for a, b in zip(ra, rb))
     print(f"{args.shape}, {dtype} on {args.device}, {rows} rows x ({args.prompt_tokens} + {args.new_tokens}) tokens, "
-          f"length_bucket {args.length_bucket}:")
+          f"length_bucket {args.length_bucket}, attention_window {args.window_columns}:")
     print(f"  whole cache / windowed: {seconds[False] / seconds[True]:.2f}x  (windowed {seconds[True]:.3f} s, "
           f"whole {seconds[False]:.3f} s, bandwidth limit {limit:.3f} s: windowed {seconds[True] / limit:.2f}x it)")
     print(f"  {'same' if same else 'DIFFERENT'} {'samples' if args.samples > 1 else 'greedy tokens'}; "

@@ -201,22 +201,27 @@ def test_requests_the_loop_cannot_run_go_to_hugging_face_or_are_refused(referenc
 def test_the_compiled_step_decodes_as_hugging_face_and_compiles_once_per_bucket(lora_llama):
     """The captured-step path (``compile``: torch.compile; on CUDA it replays CUDA graphs) run on the CPU, where
     inductor compiles the same graph: greedy tokens equal Hugging Face's, a second call of the same bucket reuses
-    the compiled steps and the static cache, and the held memory is reported. The steps attend over windows of the
-    cache: the first 32 of its 48 columns while they hold the keys, then all 48."""
+    the compiled step and the static cache, and the held memory is reported. The steps attend over windows of the
+    cache (its first 16, 32, then all 48 columns, ``attention_window`` 16), all through one compiled step."""
     import shutil
+
+    from torch._dynamo.utils import counters
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile on the CPU needs a C compiler")
     model, tok = lora_llama
     kwargs = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False}
     reference, _ = run(model, tok, kwargs)
-    decoder = Decoder(GenerationSettings(compile=True, merge_adapter=True, length_bucket=16), "cpu")
+    settings = GenerationSettings(compile=True, merge_adapter=True, length_bucket=16, attention_window=16)
+    decoder = Decoder(settings, "cpu")
+    compiled_before = counters["stats"]["unique_graphs"]
     first, _ = run(model, tok, kwargs, decoder=decoder)
     again, _ = run(model, tok, kwargs, decoder=decoder)
     assert same_samples(first, reference) and same_samples(again, reference)
     stats = decoder.stats()
     # 4 prompts -> 8 rows; 16 + 20 tokens -> 48 columns, of which the steps fill 17 to 35
     assert stats["compiled_shapes"] == [(8, 48, 32), (8, 48, 48)] and stats["merges"] == 1
+    assert counters["stats"]["unique_graphs"] - compiled_before == 1, "one compiled step for every window"
     assert stats["static_cache_mb"] > 0 and stats["merged_weights_mb"] > 0
     for prompt, (sample,) in zip(PROMPTS, first):
         torch.testing.assert_close(sample["logprobs"], plain_logprobs(model, tok, prompt, sample["tokens"].tolist()),
@@ -302,12 +307,12 @@ def test_a_sliding_window_shorter_than_the_static_cache_decodes_with_a_growing_c
                                    atol=1e-5, rtol=0)
 
 
-def test_attention_windows_are_the_filled_columns_rounded_up_to_the_bucket():
+def test_attention_windows_are_the_filled_columns_rounded_up():
     from llmrl.engine.model.decoding.static_step import window
 
     assert window(17, 48, 16) == 32 and window(32, 48, 16) == 32 and window(33, 48, 16) == 48
-    assert window(65, 768, 256) == 256 and window(257, 768, 256) == 512 and window(576, 768, 256) == 768
-    assert window(40, 40, 256) == 40  # never past the cache's length
+    assert window(65, 768, 64) == 128 and window(257, 768, 64) == 320 and window(576, 768, 64) == 576
+    assert window(40, 40, 64) == 40  # never past the cache's length
 
 
 @pytest.mark.parametrize("kwargs", [{"max_new_tokens": 30, "min_new_tokens": 30, "do_sample": False},
@@ -324,14 +329,14 @@ def test_static_steps_attending_over_windows_decode_as_over_the_whole_cache(lora
     seen = []
     real_window = static_step.window
     monkeypatch.setattr(static_step, "window", lambda *args: seen.append(real_window(*args)) or seen[-1])
-    static = {"merge_adapter": True, "static_cache": True, "length_bucket": 16}
+    static = {"merge_adapter": True, "static_cache": True, "length_bucket": 16, "attention_window": 16}
     windowed, decoder = run(model, tok, kwargs, static, seed=5, prompts=prompts)
     assert sorted(set(seen)) == [16, 32, 48] and decoder.stats()["static_cache_mb"] > 0
     if not kwargs["do_sample"]:
         assert len(seen) == 29  # one batch: a window per token fed back (all but the last of 30)
     steps = len(seen)
-    whole, _ = run(model, tok, kwargs, {**static, "attention_window": False}, seed=5, prompts=prompts)
-    assert len(seen) == steps, "attention_window: false attends over the whole cache"
+    whole, _ = run(model, tok, kwargs, {**static, "attention_window": 0}, seed=5, prompts=prompts)
+    assert len(seen) == steps, "attention_window: 0 attends over the whole cache"
     for row_windowed, row_whole, prompt in zip(windowed, whole, prompts):
         for a, b in zip(row_windowed, row_whole, strict=True):
             assert a["tokens"].tolist() == b["tokens"].tolist()

@@ -55,8 +55,8 @@ class Decoder:
         self.compiled = compiling and not movable
         self.merged = MergedLora() if _on(settings.merge_adapter, cuda) else None
         static = self.compiled or (_on(settings.static_cache, cuda) and not movable)
-        self.static = StaticDecoder(self.compiled, settings.length_bucket, windowed=settings.attention_window) \
-            if static else None
+        self.static = StaticDecoder(self.compiled, settings.length_bucket,
+                                    window_columns=settings.attention_window) if static else None
         packing = _on(settings.pack_weights, device_type == "cpu") and not self.compiled
         kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
         # (a compiled step packs what its compiler packs)

@@ -9,14 +9,17 @@ step as a CUDA graph. The first call of a bucket compiles (tens of seconds for a
 calls replay. Only the last ``keep`` buckets' caches are kept.
 
 A step attends over a *window* of the cache, not its whole length: the filled columns rounded up to a multiple of
-``length_bucket`` (:func:`window`). A static cache's step otherwise reads every column at every step, filled or not:
-at 512 new tokens after a 64-token prompt, 768 columns from the first step on, where the steps need 64 to 576
-(on SmolLM2-1.7B's shape at 64 rows, 9.7 GB of keys and values a step against 3.4 GB of weights). The window is read
-from the cache's own tensors (a view of their first columns: the same addresses, which a captured step needs), and
-the attention mask is cut to it; the columns left out are masked anyway, so the results are those of the whole
-length, to rounding. Each window of a bucket is a shape of its own: a run at 512 new tokens compiles three steps per
-row bucket instead of one. ``windowed=False`` (``generation.attention_window: false``) attends over the whole length.
-Only caches whose every layer is Hugging Face's plain ``StaticLayer`` are windowed.
+``window_columns`` (``generation.attention_window``, 64 by default; :func:`window`). A static cache's step otherwise
+reads every column at every step, filled or not: at 512 new tokens after a 64-token prompt, 768 columns from the
+first step on, where the steps need 65 to 576 (on SmolLM2-1.7B's shape at 64 rows, 9.7 GB of keys and values a step
+against 3.4 GB of weights). The window is read from the cache's own tensors (a view of their first columns: the same
+addresses, which a captured step needs) and the attention mask is cut to it; the columns left out are masked anyway,
+so the results are those of the whole length, to rounding. When compiling, the window's width is marked dynamic, so
+one compiled step serves every window of a bucket (on CUDA each new width is captured as a graph of its own, without
+compiling again). For that every window must be laid out alike: the cache holds one spare column, never attended, so
+that a window is always a strided view of its tensors, never the whole of them (a view that is the whole tensor is
+contiguous, and the compiler would specialise a second step on it). ``window_columns`` 0 attends over the whole
+length. Only caches whose every layer is Hugging Face's plain ``StaticLayer`` are windowed.
 
 This module does not choose tokens or read log-probs (:mod:`.loop` does).
 """
@@ -29,10 +32,10 @@ from collections import OrderedDict
 import torch
 
 
-def window(filled: int, length: int, length_bucket: int) -> int:
+def window(filled: int, length: int, window_columns: int) -> int:
     """The columns a step attends over when ``filled`` columns of a ``length``-column cache hold keys (its own token's
     included)."""
-    return min(length, -(-filled // length_bucket) * length_bucket)
+    return min(length, -(-filled // window_columns) * window_columns)
 
 
 def bucket(rows: int, length: int, length_bucket: int) -> tuple[int, int]:
@@ -47,10 +50,10 @@ def bucket(rows: int, length: int, length_bucket: int) -> tuple[int, int]:
 class StaticDecoder:
     """Static caches and compiled decode steps, per bucket (see the module's docstring)."""
 
-    def __init__(self, compile_step: bool, length_bucket: int = 256, keep: int = 2, windowed: bool = True):
+    def __init__(self, compile_step: bool, length_bucket: int = 256, keep: int = 2, window_columns: int = 64):
         self.compile_step = compile_step
         self.length_bucket = length_bucket
-        self.windowed = windowed
+        self.window_columns = window_columns  # 0: every step attends over the whole cache
         self.keep = keep
         self._caches: OrderedDict = OrderedDict()
         self._compiled = None
@@ -70,9 +73,10 @@ class StaticDecoder:
         while len(self._caches) >= self.keep:
             self._caches.popitem(last=False)
         cache = StaticCache(config=model.config, max_cache_len=length)
-        if self.windowed and all(type(layer) is StaticLayer for layer in cache.layers):
+        if self.window_columns and all(type(layer) is StaticLayer for layer in cache.layers):
             shared, windowed_layer = _Window(length), _windowed_layer_class()
-            cache.layers = [windowed_layer(length, shared) for _ in cache.layers]
+            # one spare column, never attended: every window is then a strided view, never the whole tensor
+            cache.layers = [windowed_layer(length + 1, shared) for _ in cache.layers]
         self._caches[key] = cache
         return cache
 
@@ -92,8 +96,11 @@ class StaticDecoder:
         length = attention_mask.shape[1]
         windowed = _windowed(cache)
         if windowed is not None:
-            windowed.columns = window(filled, length, self.length_bucket)
-            attention_mask = attention_mask[:, :windowed.columns]
+            # (a copy: every window's mask is laid out alike, see the module's docstring)
+            attention_mask = attention_mask[:, :window(filled, length, self.window_columns)].contiguous()
+            if self.compile_step:
+                torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
+            windowed.mask = attention_mask  # the layers read the window's width from it
         if not self.compile_step:
             return _step(model, cache_name, cache, input_ids, position_ids, attention_mask).to(
                 copy=True, dtype=torch.float32)
@@ -118,7 +125,12 @@ class _Window:
     """The columns the steps of one cache attend over (shared by its layers; set before each step)."""
 
     def __init__(self, columns: int):
-        self.columns = columns
+        self.length = columns
+        self.mask = None
+
+    @property
+    def columns(self):
+        return self.mask.shape[1] if self.mask is not None else self.length
 
 
 def _windowed(cache) -> _Window | None:
