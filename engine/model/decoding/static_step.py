@@ -69,6 +69,9 @@ class StaticDecoder:
             self._caches.move_to_end(key)
             cache = self._caches[key]
             cache.reset()
+            window = _windowed(cache)
+            if window is not None:
+                window.mask = None  # (the last call's window: the whole length until the next step sets one)
             return cache
         while len(self._caches) >= self.keep:
             self._caches.popitem(last=False)
