@@ -9,7 +9,7 @@
 # TRL at 128 new tokens (the server profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2
 # serving, the decoding paths at 128 new tokens (no exactness row: it compiles another shape), a GRPO step at 512,
 # then packing, then the attention window (static-cache steps over windows of the cache vs over all of it, at the
-# long length; its windowed row compiles a step per window). Limits: T1..T6 seconds; STAGES=zero3,grpo-long runs only
+# long length; its windowed row captures a CUDA graph per window width, from one compiled step). Limits: T1..T6 seconds; STAGES=zero3,grpo-long runs only
 # those. The first four need about 11 minutes on an H100, more than one call takes: run STAGES=zero3,decoding,grpo-long
 # first (about 8 minutes), then STAGES=grpo-short,packing,window (the planner's choice of unpacked passes for long
 # continuations, against packing them, on an update's pass). A smoke run on CPU:

@@ -143,7 +143,9 @@ def test_the_folder_above_the_repository_is_not_on_the_import_path():
     """The repository root is the package ``llmrl``: pytest's default import mode would put the folder above it first
     on ``sys.path``, where a folder named like a module (a ``z3`` beside the clone) would shadow the real module
     (pyproject.toml imports by importlib instead)."""
+    import os
     import sys
 
-    above = str(ROOT.parent)
-    assert all(Path(entry or ".").resolve() != Path(above) for entry in sys.path), sys.path
+    above = Path(ROOT.parent)
+    entries = [entry for entry in sys.path if entry not in ("", os.getcwd())]  # (Python's own: where pytest runs)
+    assert all(Path(entry).resolve() != above for entry in entries), sys.path

@@ -251,6 +251,13 @@ def test_generation_settings_are_validated():
     with pytest.raises(ConfigError, match="decoder"):
         load_config(raw={"llms": {"main": {"model": "m", "generation": {"decoder": "fast"}}}},
                     check_environment=False, check_plugins=False)
+    for columns in (0, 16, 96):
+        assert load_config(raw={"llms": {"main": {"model": "m", "generation": {"attention_window": columns}}}},
+                           check_environment=False, check_plugins=False).llms["main"].generation.attention_window \
+            == columns
+    with pytest.raises(ConfigError, match="attention_window: int 5 .*at least 16"):  # a window per step or two
+        load_config(raw={"llms": {"main": {"model": "m", "generation": {"attention_window": 5}}}},
+                    check_environment=False, check_plugins=False)
 
 
 def test_the_loop_batches_by_prefill_rows_and_cache_not_by_rows_times_length():
@@ -311,7 +318,9 @@ def test_attention_windows_are_the_filled_columns_rounded_up():
     from llmrl.engine.model.decoding.static_step import window
 
     assert window(17, 48, 16) == 32 and window(32, 48, 16) == 32 and window(33, 48, 16) == 48
-    assert window(65, 768, 64) == 128 and window(257, 768, 64) == 320 and window(576, 768, 64) == 576
+    assert window(65, 512, 64) == 128 and window(257, 512, 64) == 320 and window(512, 512, 64) == 512
+    # at most 8 widths per length: 768 columns go by 96, 2048 by 256
+    assert window(65, 768, 64) == 96 and window(257, 768, 64) == 288 and window(300, 2048, 64) == 512
     assert window(40, 40, 64) == 40  # never past the cache's length
 
 

@@ -1,6 +1,7 @@
 """Intra-op threads of a server rank: a ZeRO-3 rank loads and sets up on one thread, then serves on its configured
 number, so that the gloo threads ZeRO-3's set-up uses never start OpenMP teams of their own (which makes GNU
-OpenMP stop spin-waiting in every team: on 2 CPUs a ZeRO-3 rank's generate took 1.4x a ZeRO-2 rank's)."""
+OpenMP stop spin-waiting in every team: on 2 CPUs a ZeRO-3 rank's generate took 1.4x a ZeRO-2 rank's); and such a
+rank, a ZeRO-3 group of one, keeps its decoding packs from call to call."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llmrl.engine.model.decoding.packed_linears import available
 from llmrl.engine.server.replica import Replica, _serial_until_setup
 from testkit import LiveRun
 
@@ -40,7 +42,7 @@ def test_a_zero3_rank_sets_up_on_one_thread_and_gets_its_threads_back_even_on_fa
 
 
 @pytest.mark.slow
-def test_a_zero3_rank_serves_on_its_configured_threads(tiny):
+def test_a_zero3_rank_serves_on_its_configured_threads_and_keeps_its_packs(tiny):
     """(Whether gloo's threads start OpenMP teams shows only with weights large enough for parallel copies: measured
     with ``benchmarks.zero3_serving``, not here.)"""
     llms = {"z3": {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
@@ -48,4 +50,11 @@ def test_a_zero3_rank_serves_on_its_configured_threads(tiny):
     with LiveRun({"llms": llms, "threads_per_rank": 2}) as run:
         run.generate(["You see a door."], llm="z3", max_new_tokens=3, do_sample=False)
         (rank, _), = run.servers().items()
-        assert run.server_memory()[rank]["threads"] == 2
+        first = run.server_memory()[rank]
+        assert first["threads"] == 2
+        if available("onednn") or available("mkl"):
+            # a group of one rank: each gathered weight is its own shard, so its decoding packs outlive the call
+            run.generate(["You see a door."], llm="z3", max_new_tokens=3, do_sample=False)
+            again = run.server_memory()[rank]["decoding"]
+            assert first["decoding"]["weights_packed"] > 0 and again["packed_weights_mb"] > 0, again
+            assert again["weights_packed"] == first["decoding"]["weights_packed"], "packed again at the next call"

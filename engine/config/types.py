@@ -90,7 +90,7 @@ class GenerationSettings:
     compile: bool | str = "auto"  # capture the decode step (torch.compile, CUDA graphs); auto: on CUDA
     static_cache: bool | str = "auto"  # a preallocated cache of bucketed shape; auto: when compiling
     length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
-    attention_window: int = 64  # static-cache steps attend over the filled columns rounded up to this; 0: all
+    attention_window: int = 64  # static-cache steps attend over the filled columns rounded up to this (0: all; >= 16)
     cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
     sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
     pack_weights: bool | str = "auto"  # decode steps multiply with packed weights (mkl, onednn; auto: by CPU) on CPU

@@ -60,7 +60,9 @@ class Decoder:
         packing = _on(settings.pack_weights, device_type == "cpu") and not self.compiled
         kernel = settings.pack_weights if settings.pack_weights in KERNELS else default_kernel()
         # (a compiled step packs what its compiler packs)
-        self.packed = PackedWeights(kernel) if packing and kernel is not None else None
+        # (under ZeRO-3 the packs sit beside the gathered weights: MKL's of one row count at a time, not two)
+        self.packed = PackedWeights(kernel, keep_row_counts=1 if zero3 else 2) \
+            if packing and kernel is not None else None
         self.llama_step = _on(settings.llama_step, device_type == "cpu")
         self.llama_step_batches = 0  # batches whose steps ran as llama_step.LlamaStep
         self.counts: Counter = Counter()  # calls run by each loop, and why llmrl's was passed over

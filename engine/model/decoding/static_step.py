@@ -9,7 +9,8 @@ step as a CUDA graph. The first call of a bucket compiles (tens of seconds for a
 calls replay. Only the last ``keep`` buckets' caches are kept.
 
 A step attends over a *window* of the cache, not its whole length: the filled columns rounded up to a multiple of
-``window_columns`` (``generation.attention_window``, 64 by default; :func:`window`). A static cache's step otherwise
+``window_columns`` (``generation.attention_window``, 64 by default), or of an eighth of the length where that is more
+(:func:`window`: at most :data:`MAX_WINDOWS` widths per cache length). A static cache's step otherwise
 reads every column at every step, filled or not: at 512 new tokens after a 64-token prompt, 768 columns from the
 first step on, where the steps need 65 to 576 (on SmolLM2-1.7B's shape at 64 rows, 9.7 GB of keys and values a step
 against 3.4 GB of weights). The window is read from the cache's own tensors (a view of their first columns: the same
@@ -31,11 +32,15 @@ from collections import OrderedDict
 
 import torch
 
+MAX_WINDOWS = 8  # widths per cache length at most (on CUDA each width is a captured graph of its own)
+
 
 def window(filled: int, length: int, window_columns: int) -> int:
     """The columns a step attends over when ``filled`` columns of a ``length``-column cache hold keys (its own token's
-    included)."""
-    return min(length, -(-filled // window_columns) * window_columns)
+    included): ``filled`` rounded up to a multiple of ``window_columns``, or of ``length / MAX_WINDOWS`` (rounded up)
+    where that is more."""
+    step = max(window_columns, -(-length // MAX_WINDOWS))
+    return min(length, -(-filled // step) * step)
 
 
 def bucket(rows: int, length: int, length_bucket: int) -> tuple[int, int]:
