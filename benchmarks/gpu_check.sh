@@ -8,11 +8,13 @@
 # first (see ../shared/notes/gpu.md in the developers' workspace). Stages, in order of value: a GRPO step llmrl vs
 # TRL at 128 new tokens (the server profiles its second generate and update into $OUT/prof), ZeRO-3 vs ZeRO-2
 # serving, the decoding paths at 128 new tokens (no exactness row: it compiles another shape), a GRPO step at 512,
-# then packing, then the attention window (static-cache steps over windows of the cache vs over all of it, at the
-# long length; its windowed row captures a CUDA graph per window width, from one compiled step). Limits: T1..T6 seconds; STAGES=zero3,grpo-long runs only
-# those. The first four need about 11 minutes on an H100, more than one call takes: run STAGES=zero3,decoding,grpo-long
-# first (about 8 minutes), then STAGES=grpo-short,packing,window (the planner's choice of unpacked passes for long
-# continuations, against packing them, on an update's pass). A smoke run on CPU:
+# then packing (the planner's choice of unpacked passes for long continuations, against packing them, on an update's
+# pass), then the attention window (static-cache steps over windows of the cache vs over all of it, at the long
+# length; its windowed row captures a CUDA graph per window width, from one compiled step). Limits: T1..T6 seconds;
+# STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes on an H100, more than one call takes:
+# run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short,packing,window. HF_COMPILE=1 adds HF's static cache + compile row to the
+# decoding stage (about 45 s more on an H100: give it T3=200), for the target "at least as fast as HF's static cache
+# + compile" in the same run. A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
@@ -44,7 +46,8 @@ stage zero3 "${T2:-150}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --de
   "${TOK[@]}" --names zero2,zero3 --repeats 4 --profile "$OUT/prof-zero3"
 stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVICE" "${TOK[@]}" \
   --shape "${DECODING_SHAPE:-smollm2-1.7b}" \
-  --new-tokens "$SHORT" --batch1-shape "" --skip-hf-compile --skip-exactness --out "$OUT/decoding.json"
+  --new-tokens "$SHORT" --batch1-shape "" $([ "${HF_COMPILE:-0}" = 1 ] || echo --skip-hf-compile) \
+  --skip-exactness --out "$OUT/decoding.json"
 stage grpo-long "${T4:-260}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
   --paths now,trl --out "$OUT/grpo-long.json"
 stage packing "${T5:-120}" "$PY" -m benchmarks.packing_choice --device "$DECODER_DEVICE" --shape "$SHAPE" \
