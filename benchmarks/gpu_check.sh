@@ -12,9 +12,9 @@
 # pass), then the attention window (static-cache steps over windows of the cache vs over all of it, at the long
 # length; its windowed row captures a CUDA graph per window width, from one compiled step). Limits: T1..T6 seconds;
 # STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes on an H100, more than one call takes:
-# run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short,packing,window. HF_COMPILE=1 adds HF's static cache + compile row to the
-# decoding stage (about 45 s more on an H100: give it T3=200), for the target "at least as fast as HF's static cache
-# + compile" in the same run. A smoke run on CPU:
+# run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short,packing,window. HF_COMPILE=1
+# adds HF's static cache + compile row to the decoding stage (about 45 s more on an H100: give it T3=200), for the
+# target "at least as fast as HF's static cache + compile" in the same run. A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
