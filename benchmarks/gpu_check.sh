@@ -11,8 +11,9 @@
 # then packing (the planner's choice of unpacked passes for long continuations, against packing them, on an update's
 # pass), then the attention window (static-cache steps over windows of the cache vs over all of it, at the long
 # length; its windowed row captures a CUDA graph per window width, from one compiled step). Limits: T1..T6 seconds;
-# STAGES=zero3,grpo-long runs only those. The first four need about 11 minutes on an H100, more than one call takes:
-# run STAGES=zero3,decoding,grpo-long first (about 8 minutes), then STAGES=grpo-short,packing,window. HF_COMPILE=1
+# STAGES=zero3,grpo-long runs only those. All six need more than one call (10 minutes) and more than a session's
+# device time (15 minutes): on an H100, STAGES=zero3,grpo-long (about 7 minutes), then STAGES=window,grpo-short
+# (about 6), leaves the decoding and packing stages for another session. HF_COMPILE=1
 # adds HF's static cache + compile row to the decoding stage (about 45 s more on an H100: give it T3=200), for the
 # target "at least as fast as HF's static cache + compile" in the same run. A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
@@ -52,7 +53,7 @@ stage grpo-long "${T4:-260}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --step
   --paths now,trl --out "$OUT/grpo-long.json"
 stage packing "${T5:-120}" "$PY" -m benchmarks.packing_choice --device "$DECODER_DEVICE" --shape "$SHAPE" \
   --dtype "$DTYPE" --prompts 8 --samples 8 --new-tokens "$LONG"
-stage window "${T6:-280}" "$PY" -m benchmarks.attention_window --device "$DECODER_DEVICE" "${TOK[@]}" \
+stage window "${T6:-180}" "$PY" -m benchmarks.attention_window --device "$DECODER_DEVICE" "${TOK[@]}" \
   --shape "${DECODING_SHAPE:-smollm2-1.7b}" --dtype "$DTYPE" --prompts 8 --samples 8 --prompt-tokens 64 \
   --new-tokens "$LONG" --length-bucket "${WINDOW_BUCKET:-256}"
 grep -h "planned\|packed always\|round\|median\|\"now\"\|\"trl\"\|ZeRO-2's\|decoding per rank\|windowed\|whole cache" "$OUT"/*.log \
