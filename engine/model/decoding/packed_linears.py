@@ -100,11 +100,6 @@ class PackedWeights:
         """The memory the kept packs hold between calls."""
         return sum(p.nbytes for p in self._kept.values())
 
-    def release(self) -> None:
-        """Free every pack (packed again by the next call that needs them)."""
-        self._kept.clear()
-        self._recent_rows.clear()
-
     def keep_only(self, kept) -> None:
         """Drop every pack but those for which ``kept(layer, memory packed)`` is true (the caller knows which memory
         outlives a call: ZeRO-3's gathered weights do not)."""

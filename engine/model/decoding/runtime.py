@@ -161,17 +161,6 @@ class Decoder:
                 "weight_moves": self.weight_moves,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
 
-    def release(self) -> None:
-        """Free the merged weights, packed weights and static caches (rebuilt by the next call that needs them)."""
-        if self.merged is not None:
-            self.merged.release()
-        if self.packed is not None:
-            self.packed.release()
-        if self.static is not None:
-            self.static.release()
-        if self.kept is not None:
-            self.kept.release()
-
 
 def _is_shard_memory(weight, memory) -> bool:
     """Whether ``memory`` is ``weight``'s ZeRO-3 shard, which stays allocated between calls."""

@@ -88,10 +88,6 @@ class StaticDecoder:
         self._caches[key] = cache
         return cache
 
-    def release(self) -> None:
-        """Free every cache (they are allocated again by the next call)."""
-        self._caches.clear()
-
     def held_bytes(self) -> int:
         """The memory the kept caches hold between calls (they keep their addresses for the captured steps)."""
         return sum(t.numel() * t.element_size() for cache in self._caches.values() for layer in cache.layers
