@@ -58,7 +58,7 @@ class KeptWeights:
         swapped = []
         try:
             for param in params:
-                if _is_its_shard(param):
+                if is_its_shard(param):
                     continue
                 buffer = self._buffer(param)
                 if self._copied.get(id(param)) != param.data_ptr():  # a new call, or gathered anew
@@ -82,10 +82,13 @@ class KeptWeights:
         self._copied.clear()
 
 
-def _is_its_shard(param: torch.Tensor) -> bool:
+def is_its_shard(param: torch.Tensor, memory: torch.Tensor | None = None) -> bool:
+    """Whether ``memory`` (default: the parameter's own values) is the parameter's whole ZeRO-3 shard: in a group of
+    one rank, what DeepSpeed's gather hands the parameter, which stays allocated between calls."""
+    memory = param if memory is None else memory
     shard = getattr(param, "ds_tensor", None)
-    return isinstance(shard, torch.Tensor) and shard.numel() == param.numel() and shard.device == param.device \
-        and shard.data_ptr() == param.data_ptr()
+    return isinstance(shard, torch.Tensor) and shard.numel() == memory.numel() and shard.device == memory.device \
+        and shard.data_ptr() == memory.data_ptr()
 
 
 def weights_read(model: torch.nn.Module, merged_layers: list) -> list:

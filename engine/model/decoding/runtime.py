@@ -26,10 +26,8 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-import torch
-
 from llmrl.engine.model.decoding.eligibility import why_not
-from llmrl.engine.model.decoding.kept_weights import KeptWeights, weights_read
+from llmrl.engine.model.decoding.kept_weights import KeptWeights, is_its_shard, weights_read
 from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, shared_weights, why_not_mergeable
 
 
@@ -94,7 +92,7 @@ class Decoder:
         call (a group of several ranks; the merged adapter's buffers, rebuilt at each batch) are dropped; in a group
         of one rank each weight is its own shard, whose packs are kept as under ZeRO-2."""
         if self.zero3 and self.packed is not None:
-            self.packed.keep_only(lambda layer, memory: _is_shard_memory(layer.weight, memory))
+            self.packed.keep_only(lambda layer, memory: is_its_shard(layer.weight, memory))
 
     def batches(self, model, plan, token_budget: int, max_rows: int) -> list[list[int]]:
         """The loop's batches for a planned request (:mod:`.batches`): prefill within ``token_budget``, rows
@@ -160,10 +158,3 @@ class Decoder:
                 "kept_weights_mb": self.kept.held_bytes() / 2**20 if self.kept is not None else 0.0,
                 "weight_moves": self.weight_moves,
                 "static_cache_mb": self.static.held_bytes() / 2**20 if self.static is not None else 0.0}
-
-
-def _is_shard_memory(weight, memory) -> bool:
-    """Whether ``memory`` is ``weight``'s ZeRO-3 shard, which stays allocated between calls."""
-    shard = getattr(weight, "ds_tensor", None)
-    return isinstance(shard, torch.Tensor) and shard.data_ptr() == memory.data_ptr() \
-        and shard.numel() == memory.numel()
