@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.kit import testkit
+from benchmarks.kit import profiling_timeouts, testkit
 from benchmarks.memory import SHAPES
 
 
@@ -88,7 +88,8 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
 
     prompts, rewards = workload(args, new_tokens, AutoTokenizer.from_pretrained(tokenizer))
     times, generating, stats = [], [], None
-    with testkit().LiveRun({"llms": {"main": llm}, "threads_per_rank": args.threads}, startup_timeout=900) as run:
+    config = {"llms": {"main": llm}, "threads_per_rank": args.threads, **profiling_timeouts(args.profile)}
+    with testkit().LiveRun(config, startup_timeout=900) as run:
         for step in range(args.steps):
             start = time.perf_counter()
             groups = run.generate(prompts, **sampling(args, new_tokens), timeout=3600)

@@ -63,3 +63,9 @@ def load_module(name: str, path: Path, package: bool = False) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def profiling_timeouts(profile) -> dict:
+    """Under ``--profile`` a server may be silent for tens of seconds while torch's profiler stops and tabulates a
+    large request (it holds the interpreter: no heartbeat gets out), which the client would take for a dead rank."""
+    return {"timeouts": {"dead_after": 900}} if profile else {}

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.kit import ROOT, load_module, testkit
+from benchmarks.kit import ROOT, load_module, profiling_timeouts, testkit
 
 NAMES = ["zero2", "zero3", "zero3-per-layer"]
 
@@ -76,7 +76,7 @@ def run_benchmark(args, kit) -> None:
     prompts = held_out[:8]
     times = {(name, call): [] for name in names for call in ("score", "generate")}
     results = {}
-    with kit.LiveRun({"llms": llms, "threads_per_rank": 2}) as run:
+    with kit.LiveRun({"llms": llms, "threads_per_rank": 2, **profiling_timeouts(args.profile)}) as run:
         for repeat in range(args.warmup + args.repeats):
             for name in names:
                 start = time.perf_counter()

@@ -24,6 +24,8 @@ def test_the_second_request_of_a_kind_is_profiled_into_the_folder(tmp_path, monk
     assert written == ["rank4-score.txt"]
     text = (tmp_path / "prof" / "rank4-score.txt").read_text()
     assert text.startswith("score request 2 on rank 4:") and "aten::mm" in text and "self_cpu_time_total" in text
+    header = text.splitlines()[0]
+    assert int(header.split("; ")[1].split(" aten operator calls")[0]) >= 3  # randn, mm, sum at least
 
 
 def test_nothing_is_profiled_without_the_variable(tmp_path, monkeypatch):

@@ -4,6 +4,10 @@ With the variable set, each server rank runs the *second* request of every kind 
 allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes tables of the
 operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt``. Without the variable
 nothing is imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
+
+Stopping the profiler and tabulating a large request (an update of thousands of tokens) can hold the interpreter for
+tens of seconds, during which the rank sends no heartbeat: give such a run a ``timeouts.dead_after`` of minutes (the
+benchmarks' ``--profile`` does), or the client declares the rank dead.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ def profiled(kind: str, count: int, rank: int, device_type: str):
     seconds = time.perf_counter() - start
     events = prof.key_averages()
     sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else [])
-    tables = [f"{kind} request {count} on rank {rank}: {seconds:.3f} s under the profiler"]
+    operators = sum(event.count for event in events if event.key.startswith("aten::"))
+    launches = sum(event.count for event in events if event.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                     "cudaGraphLaunch"))
+    tables = [f"{kind} request {count} on rank {rank}: {seconds:.3f} s under the profiler; {operators} aten operator "
+              f"calls (nested ones included)" + (f", {launches} kernel or graph launches" if cuda else "")]
     tables += [f"sorted by {key}:\n" + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
                for key in sorts]
     by_shape = prof.key_averages(group_by_input_shape=True)
