@@ -15,7 +15,9 @@
 # device time (15 minutes): on an H100, STAGES=zero3,grpo-long (about 7 minutes), then STAGES=window,grpo-short
 # (about 6), leaves the decoding and packing stages for another session. HF_COMPILE=1
 # adds HF's static cache + compile row to the decoding stage (about 45 s more on an H100: give it T3=200), for the
-# target "at least as fast as HF's static cache + compile" in the same run. A smoke run on CPU:
+# target "at least as fast as HF's static cache + compile" in the same run. TRAINING='{"max_tokens_per_micro_batch":
+# 40000}' trains each GRPO micro-batch in one pass, as TRL does (by default llmrl splits one of over 8,192 tokens
+# into passes, at the cost of one more forward pass; the JSON's "median update" shows the difference). A smoke run on CPU:
 #   DEVICE=cpu SHAPE=narrow DECODING_SHAPE=tiny DTYPE=float32 NEW=8,16 bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-check}
@@ -34,6 +36,7 @@ SHORT=${NEW%,*} LONG=${NEW#*,}
 DECODER_DEVICE=$([ "$DEVICE" = cpu ] && echo cpu || echo "cuda:$DEVICE")
 [ "$DEVICE" = cpu ] || export DS_ACCELERATOR=cuda  # a DeepSpeed wheel built on a CPU machine records "cpu"
 S="--shape $SHAPE --devices $DEVICE --dtype $DTYPE --prompts 8 --samples 8 --prompt-tokens 64 --threads 8"
+TRAINING=${TRAINING:-"{}"}  # more llmrl training settings for the GRPO stages, as JSON (see grpo_step --training)
 STAGES=${STAGES:-grpo-short,zero3,decoding,grpo-long,packing,window}  # which stages run, in their fixed order
 stage() {  # name, limit, command...
   local name=$1 limit=$2; shift 2
@@ -42,7 +45,7 @@ stage() {  # name, limit, command...
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.log"
 }
 stage grpo-short "${T1:-200}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 4 --new-tokens "$SHORT" \
-  --paths now,trl --profile "$OUT/prof" --out "$OUT/grpo-short.json"
+  --training "$TRAINING" --paths now,trl --profile "$OUT/prof" --out "$OUT/grpo-short.json"
 stage zero3 "${T2:-150}" "$PY" -m benchmarks.zero3_serving --shape "$SHAPE" --devices "$DEVICE" --dtype "$DTYPE" \
   "${TOK[@]}" --names zero2,zero3 --repeats 4 --profile "$OUT/prof-zero3"
 stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVICE" "${TOK[@]}" \
@@ -50,7 +53,7 @@ stage decoding "${T3:-150}" "$PY" -m benchmarks.decoding --device "$DECODER_DEVI
   --new-tokens "$SHORT" --batch1-shape "" $([ "${HF_COMPILE:-0}" = 1 ] || echo --skip-hf-compile) \
   --skip-exactness --out "$OUT/decoding.json"
 stage grpo-long "${T4:-260}" "$PY" -m benchmarks.grpo_step $S "${TOK[@]}" --steps 2 --new-tokens "$LONG" \
-  --paths now,trl --out "$OUT/grpo-long.json"
+  --training "$TRAINING" --paths now,trl --out "$OUT/grpo-long.json"
 stage packing "${T5:-120}" "$PY" -m benchmarks.packing_choice --device "$DECODER_DEVICE" --shape "$SHAPE" \
   --dtype "$DTYPE" --prompts 8 --samples 8 --new-tokens "$LONG"
 stage window "${T6:-180}" "$PY" -m benchmarks.attention_window --device "$DECODER_DEVICE" "${TOK[@]}" \

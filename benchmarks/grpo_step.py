@@ -8,7 +8,8 @@ every linear layer, the same prompts (English text of ``--prompt-tokens`` tokens
 token ids, TRL the text, and the JSON records how many tokens TRL made of it), ``min_new_tokens`` =
 ``max_new_tokens`` (fixed lengths), seeded rewards, no KL term (TRL's default ``beta`` is 0):
   - **llmrl now**: a live run (one server); ``generate`` runs llmrl's decoding loop (with ``--generation``'s
-    settings), and the update receives the sampled log-probs as ``old_logprobs`` (no old-policy pass);
+    settings), and the update receives the sampled log-probs as ``old_logprobs`` (no old-policy pass; ``--training``
+    adds training settings, e.g. a larger ``max_tokens_per_micro_batch``);
   - **llmrl before**: the same run with ``generation.decoder: hf`` (Hugging Face's generate with the adapter
     unmerged) and the update computing its own old-policy pass, as llmrl ran before its loop;
   - **plain HF + PEFT**: the loop a trainer library's user writes (``model.generate`` on the PEFT model, a
@@ -17,7 +18,8 @@ token ids, TRL the text, and the JSON records how many tokens TRL made of it), `
   - **TRL's GRPOTrainer**, where it is installed (``pip install -e .[bench]``), in a child process, timed by a
     callback from the start to the end of each optimizer step.
 The first step of each path warms up (on CUDA llmrl's first call compiles its decode step); the median of the later
-steps is reported, with the ratio of each path to TRL (or, without TRL, to the plain loop). It prints and writes
+steps is reported (for llmrl's paths also of its ``generate`` and of the rest, the update), with the ratio of each
+path to TRL (or, without TRL, to the plain loop). It prints and writes
 JSON; it asserts nothing.
 """
 
@@ -82,7 +84,8 @@ def llmrl_path(model: str, tokenizer: str, args, new_tokens: int, before: bool) 
            "devices": "cpu" if args.devices == "cpu" else [int(args.devices)],
            "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 16, "alpha": 32}}}}],
            "updater": {"plugin": "grpo", "args": {"epochs": 1, "kl_coef": 0.0}},
-           "training": {"micro_batch_size": args.samples, "optimizer": {"type": "adam", "lr": 1e-5}},
+           "training": {"micro_batch_size": args.samples, "optimizer": {"type": "adam", "lr": 1e-5},
+                        **({} if before else json.loads(args.training))},
            "generation": {"decoder": "hf"} if before else {"decoder": "auto", **json.loads(args.generation)}}
     from transformers import AutoTokenizer
 
@@ -232,7 +235,12 @@ def summary(result: dict) -> dict:
     if "seconds" not in result:
         return result
     later = result["seconds"][1:] or result["seconds"]
-    return {**result, "first step": result["seconds"][0], "median step": statistics.median(later)}
+    medians = {"median step": statistics.median(later)}
+    if "generate seconds" in result:  # llmrl's paths: the step's two parts
+        generating = result["generate seconds"][1:] or result["generate seconds"]
+        updating = [step - gen for step, gen in zip(later, generating)]
+        medians.update({"median generate": statistics.median(generating), "median update": statistics.median(updating)})
+    return {**result, "first step": result["seconds"][0], **medians}
 
 
 def main(argv=None) -> int:
@@ -248,6 +256,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default="now,before,plain,trl")
     parser.add_argument("--generation", default="{}",
                         help='llms.<name>.generation for "llmrl now", as JSON, e.g. \'{"sampler": "inverse_cdf"}\'')
+    parser.add_argument("--training", default="{}",
+                        help='more of llms.<name>.training for "llmrl now", as JSON, e.g. '
+                             '\'{"max_tokens_per_micro_batch": 40000}\' (one pass per micro-batch, as TRL\'s)')
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the tests' tiny Llama's)")
     parser.add_argument("--profile", default=None, help="a folder: the server profiles its second generate and update "
