@@ -279,3 +279,88 @@ def test_a_retired_rank_that_leaves_a_call_unanswered_is_dead():
     with pytest.raises(ServerDiedError):
         pending.result(5)
     links.shutdown(abort=True, reason="test", wait=2)
+
+
+def echo_server(link):
+    """Answers every request with its payload (a payload "exit" with a value whose unpickling calls sys.exit)."""
+    while True:
+        try:
+            request = messages.receive(link)
+        except (EOFError, OSError):
+            return
+        if not isinstance(request, messages.Request):
+            return
+        value = ExitOnLoad() if request.payload == "exit" else request.payload
+        messages.send(link, messages.Reply(request.id, 3, value=value))
+
+
+class ExitOnLoad:
+    def __reduce__(self):
+        return sys.exit, (3,)
+
+
+def test_a_cancelled_call_is_answered_into_the_void_and_the_link_goes_on():
+    released = threading.Event()
+
+    def script(link):
+        request = messages.receive(link)
+        released.wait(10)  # answer only once the client cancelled the call
+        messages.send(link, messages.Reply(request.id, 3, value="late"))
+        echo_server(link)
+
+    links = scripted_server(script)
+    future = links.submit("score", [([3], "first")], lambda values: values[3])
+    assert future.cancel()
+    released.set()
+    assert links.submit("ping", [([3], "next")], lambda values: values[3]).result(5) == "next"
+    assert not links.dead  # the late reply to a cancelled future did not stop the reader
+    links.shutdown(abort=False, reason="test", wait=2)
+
+
+def test_a_result_whose_unpickling_exits_fails_its_own_call_and_the_link_goes_on():
+    links = scripted_server(echo_server)
+    with pytest.raises(RequestError, match="cannot decode rank 3's result.*SystemExit"):
+        links.submit("state_dict", [([3], "exit")], lambda values: values[3]).result(5)
+    assert links.submit("ping", [([3], "good")], lambda values: values[3]).result(5) == "good"
+    assert not links.dead
+    links.shutdown(abort=False, reason="test", wait=2)
+
+
+def test_a_rank_that_dies_while_a_request_is_encoded_fails_that_request_at_once(monkeypatch):
+    links = scripted_server(echo_server)
+    encode = frames.encode
+
+    def encode_while_the_rank_dies(*args, **kwargs):  # the reader sees the rank's end in the middle of encoding
+        links._mark_dead(3, "its connection closed (simulated)")
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(frames, "encode", encode_while_the_rank_dies)
+    with pytest.raises(ServerDiedError, match="simulated"):
+        links.submit("score", [([3], "payload")], lambda values: values[3])
+    assert not links._calls  # nothing left waiting for an answer that cannot come
+    links.shutdown(abort=True, reason="test", wait=2)
+
+
+def test_a_message_too_large_for_memory_is_skipped_and_the_next_one_is_read(monkeypatch):
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)  # a stream out of step would wait for bytes that never come
+    reader, writer = frames.Connection(ours), frames.Connection(theirs)
+    import numpy
+
+    # an array travels as a buffer of its own after the body (pickle's out-of-band buffers)
+    writer.send({"type": "reply", "id": 1, "rank": 1, "error": None}, {"array": numpy.zeros(1000, dtype=numpy.uint8)})
+    writer.send({"type": "heartbeat", "busy_with": None})
+    failed = []
+
+    def bytearray_without_room(n=0, *args):  # the first allocation of the 1000-byte buffer fails
+        if n == 1000 and not failed:
+            failed.append(n)
+            raise MemoryError("no room for 1000 bytes (simulated)")
+        return bytearray(n, *args)
+
+    monkeypatch.setattr(frames, "bytearray", bytearray_without_room, raising=False)
+    with pytest.raises(frames.UndecodableBody, match="simulated"):
+        reader.recv()
+    assert reader.recv() == ({"type": "heartbeat", "busy_with": None}, None)
+    reader.close()
+    writer.close()

@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from llmrl.engine.errors import InvalidArgument, RequestError, ServerDiedError
@@ -155,7 +155,7 @@ class ServerLinks:
                     link.close()  # a retired rank that answered everything sent to it: a clean stop
                     return
             self._mark_dead(rank, "its connection closed (the process exited or was killed)", str(err))
-        except Exception as err:  # noqa: BLE001 - never a silent dead reader: the rank is declared gone, loudly
+        except BaseException as err:  # noqa: BLE001 - never a silent dead reader: the rank is declared gone, loudly
             logger.error(f"reading from rank {rank} failed:\n{traceback.format_exc()}")
             self._mark_dead(rank, f"it sent something that cannot be read ({type(err).__name__}: {err})")
 
@@ -188,14 +188,14 @@ class ServerLinks:
             rank, info = next(((r, e) for r, e in errors if not e.aborted_by_peer), errors[0])
             err = RequestError(info.message, rank=rank, remote_type=info.type, remote_traceback=info.traceback)
             err.plugin = info.plugin
-            call.future.set_exception(err)
+            _settle(call.future, error=err)
             return
         try:
             result = call.assemble({r: rep.value for r, rep in call.replies.items()})
         except BaseException as exc:  # noqa: BLE001 - surfaced through the future
-            call.future.set_exception(exc)
+            _settle(call.future, error=exc)
             return
-        call.future.set_result(result)
+        _settle(call.future, result)
 
     def _watchdog_loop(self) -> None:
         interval = min(self._heartbeat, 1.0)
@@ -231,7 +231,7 @@ class ServerLinks:
             link.close()  # a send blocked on this socket (a frozen peer, full buffers) fails at once
         logger.error(f"server {self._describe(rank)} is gone: {reason}")
         for call in failed:
-            call.future.set_exception(ServerDiedError(rank, reason, f"during the {call.kind!r} request"))
+            _settle(call.future, error=ServerDiedError(rank, reason, f"during the {call.kind!r} request"))
 
     def _raise_if_dead(self) -> None:
         if self.dead:
@@ -272,7 +272,10 @@ class ServerLinks:
                     raise InvalidArgument(f"the {kind!r} request is {size} bytes, over max_message_bytes "
                                           f"({self._max_bytes}); send less per call or raise the limit in the config")
                 encoded.append((ranks, frame))
-            with self._lock:
+            with self._lock:  # a rank that died while the payload was encoded fails the call here, not never
+                self._raise_if_dead()
+                if self._closing:
+                    raise RuntimeError("the Caller is closed")
                 self._calls[call_id] = _Call(call_id, kind, expected, assemble, future)
             for ranks, frame in encoded:
                 for rank in ranks:
@@ -357,12 +360,24 @@ class ServerLinks:
         pending = list(self._calls.values())
         self._calls.clear()
         for call in pending:
-            if not call.future.done():
-                call.future.set_exception(RuntimeError(f"the Caller closed before the {call.kind!r} request finished"))
+            _settle(call.future, error=RuntimeError(f"the Caller closed before the {call.kind!r} request finished"))
 
     @property
     def closing(self) -> bool:
         return self._closing
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` with ``error``, else ``result``; nothing if it is already resolved or was cancelled (a
+    caller may cancel the future a ``*_async`` call returned: its late reply, or its rank's death, is then nobody's
+    business, and must not stop the thread that delivers it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _has_unread_bytes(link: frames.Connection) -> bool:

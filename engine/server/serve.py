@@ -118,7 +118,7 @@ class Server:
         except (EOFError, OSError):
             if not self.stopping:
                 self._die("the client (rank 0) disconnected")
-        except Exception:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
+        except BaseException:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
     def _heartbeat_loop(self) -> None:

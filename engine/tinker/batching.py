@@ -4,7 +4,8 @@ Tinker recipes send one ``asample`` request per prompt (32 at once for 8 groups 
 run one by one they would make as many ``generate`` calls, each a batch of one. :class:`SampleBatcher` holds
 requests that read the same weights with the same sampling parameters for ``window`` seconds (or until ``most`` have
 come) and sends them as one ``generate`` call, whose prompts the servers batch together. Requests with a seed are
-sent alone (a call has one seed, and a request's samples must not depend on its neighbours).
+sent alone (a call has one seed, and a request's samples must not depend on its neighbours). A batch refused for
+its input (a token id outside the vocabulary, ...) is sent again request by request: only the request at fault fails.
 
 This module groups and splits; the service maps the results (:mod:`llmrl.engine.tinker.service`).
 """
@@ -53,6 +54,10 @@ class SampleBatcher:
         try:
             results = self._run(key, [prompt for prompt, _ in batch])
         except BaseException as err:  # noqa: BLE001 - every request of the batch gets the error
+            if len(batch) > 1 and isinstance(err, (ValueError, TypeError)):  # a request's own input: each alone,
+                for one in batch:  # so that it fails the request that sent it, not its neighbours
+                    self._call(key, [one])
+                return
             for _, future in batch:
                 future.set_exception(err)
             return

@@ -104,6 +104,8 @@ class OrderedQueue:
         self._thread.start()
 
     def submit(self, seq_id: int, work: Callable[[], Outcome]) -> str:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:  # the ordering needs ints
+            raise ValueError(f"seq_id must be a non-negative integer, got {seq_id!r}")
         with self._cond:
             if seq_id in self._seen:  # the SDK resent a request it had no answer for: the same request
                 return self._seen[seq_id]

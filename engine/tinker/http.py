@@ -61,6 +61,7 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
             self._answer(self._delete)
 
         def _answer(self, route) -> None:
+            self.body_read = False
             try:
                 if not hmac.compare_digest(self.headers.get("X-API-Key", "").encode(), api_key.encode()):
                     raise HTTPError(401, "wrong or missing API key (X-API-Key; TINKER_API_KEY for the SDK)")
@@ -79,10 +80,20 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 self._send(500, {"detail": f"{type(err).__name__}: {err}"})
 
         def _body(self) -> bytes:
-            length = int(self.headers.get("Content-Length") or 0)
+            text = self.headers.get("Content-Length") or "0"
+            length = int(text) if text.strip().isdigit() else -1
+            if length < 0:
+                raise HTTPError(400, f"Content-Length {text!r} is not a number of bytes")
             if length > MAX_BODY:
                 raise HTTPError(413, f"request body of {length} bytes is over {MAX_BODY}")
-            return self.rfile.read(length)
+            data = self.rfile.read(length)
+            self.body_read = True
+            return data
+
+        def _body_left_unread(self) -> bool:
+            """Whether the request announced a body that was not read (answered before it: a wrong key, an
+            unknown route, a refused length): the connection's next bytes are that body, not the next request."""
+            return not getattr(self, "body_read", True) and (self.headers.get("Content-Length") or "0").strip() != "0"
 
         def _json(self) -> dict:
             raw = self._body()
@@ -142,8 +153,13 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 data, kind = value.value, "application/x-protobuf"
             else:
                 data, kind = json.dumps(value).encode(), "application/json"
+            close = self._body_left_unread()
+            if close:
+                self.close_connection = True  # the client opens a fresh connection for its next request
             try:
                 self.send_response(status)
+                if close:
+                    self.send_header("Connection", "close")
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -290,7 +290,7 @@ class TinkerService:
     def _in_order(self, client: TrainingClient, request: dict, work) -> dict:
         """Submit a training client's request, to run in its ``seq_id`` order."""
         self.registry.touch(client.model_id)
-        return {"request_id": client.queue.submit(request["seq_id"], work), "model_id": client.model_id}
+        return {"request_id": client.queue.submit(request.get("seq_id"), work), "model_id": client.model_id}
 
     def _client(self, model_id: str) -> TrainingClient:
         with self._lock:

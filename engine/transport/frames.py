@@ -171,18 +171,25 @@ class Connection:
             raise FrameTooLarge(f"the peer announced a message of {total} bytes, over the limit of {self.max_bytes} "
                                 "bytes (max_message_bytes in the config)")
         head = self._recv_exact(head_len, mac)
+        payload, buffers, read = None, [], 0
         try:
             payload = self._recv_exact(body_len, mac)
-            buffers = [self._recv_exact(n, mac) for n in lengths]
-        except MemoryError as err:
-            self._skip(body_len + sum(lengths), mac)
+            read = body_len
+            for n in lengths:
+                buffers.append(self._recv_exact(n, mac))  # the buffer is allocated before any of its bytes is read
+                read += n
+        except MemoryError as err:  # skip what is left of this message (not what was read): the next one is intact
+            payload = buffers = None
+            self._skip(body_len + sum(lengths) - read, mac)
             self._check(mac)
             raise UndecodableBody(self._header(head), err) from err
         self._check(mac)
         header = self._header(head)
         try:
             return header, pickle.loads(payload, buffers=buffers)
-        except Exception as err:  # noqa: BLE001 - any failure to decode is reported for this message only
+        except BaseException as err:  # noqa: BLE001 - any failure to decode is reported for this message only
+            if isinstance(err, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # a real Ctrl-C; raised by an object's unpickling on a reader thread, it is the object's
             raise UndecodableBody(header, err) from err
 
     @staticmethod

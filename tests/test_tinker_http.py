@@ -1,0 +1,81 @@
+"""The Tinker service's request plumbing, in process (no model): the HTTP server answers a request it refuses
+before reading its body without reading that body as the next request; a negative Content-Length is refused; a
+training client's queue refuses a ``seq_id`` that is not a non-negative integer (its ordering thread goes on); a
+batch of sample requests refused for one request's input fails that request only."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+
+import pytest
+
+from llmrl.engine.tinker.batching import SampleBatcher
+from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
+from llmrl.engine.tinker.http import make_server
+
+KEY = "tml-test"
+
+
+@pytest.fixture
+def port():
+    server = make_server(object(), "127.0.0.1", 0, KEY)  # healthz needs no service
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("refused", [("tml-wrong", "/api/v1/create_session", 401),
+                                     (KEY, "/api/v1/no_such_route", 404)])
+def test_a_request_refused_before_its_body_leaves_the_next_request_intact(port, refused):
+    key, path, status = refused
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("POST", path, body=json.dumps({"padding": "x" * 100}), headers={"X-API-Key": key})
+    response = connection.getresponse()
+    assert response.status == status
+    response.read()
+    connection.request("GET", "/api/v1/healthz", headers={"X-API-Key": KEY})  # reconnects if told to close
+    response = connection.getresponse()
+    assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
+    connection.close()
+
+
+def test_a_negative_content_length_is_refused_at_once(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nX-API-Key: " + KEY.encode()
+                     + b"\r\nContent-Length: -1\r\n\r\n{}")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400") and b"Content-Length" in answer
+
+
+def test_a_seq_id_that_is_not_a_non_negative_integer_is_refused_and_the_queue_goes_on():
+    futures = Futures(lambda err: "user")
+    queue = OrderedQueue(futures, "test", gap_wait=0.2)
+    for bad in (None, "1", 1.0, -1, True):
+        with pytest.raises(ValueError, match="seq_id must be a non-negative integer"):
+            queue.submit(bad, lambda: Outcome("json", {}))
+    first = queue.submit(1, lambda: Outcome("json", {"n": 1}))
+    second = queue.submit(2, lambda: Outcome("json", {"n": 2}))
+    assert futures.wait(second, 10).value == {"n": 2} and futures.wait(first, 0).value == {"n": 1}
+    futures.close()
+
+
+def test_a_batch_refused_for_one_requests_input_fails_that_request_only():
+    calls = []
+
+    def run(key, prompts):
+        calls.append(list(prompts))
+        if any(token >= 100 for prompt in prompts for token in prompt):
+            raise ValueError("a token id is outside the vocabulary")
+        return [f"samples of {prompt}" for prompt in prompts]
+
+    batcher = SampleBatcher(run, window=0.05, most=3)
+    good, bad, other = (batcher.submit("key", prompt) for prompt in ([1, 2], [5, 500], [3]))
+    assert good.result(10) == "samples of [1, 2]" and other.result(10) == "samples of [3]"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bad.result(10)
+    assert calls[0] == [[1, 2], [5, 500], [3]]  # one call for the batch, then each request alone
+    assert sorted(map(tuple, map(tuple, calls[1:]))) == [([1, 2],), ([3],), ([5, 500],)]
