@@ -80,3 +80,41 @@ def test_the_adapter_steps_wrapper_keeps_the_scheduler_quiet():
             optimizer.step()
             scheduler.step()
     assert weight.tolist() == [1 - 0.5 - 0.375] * 2  # the rates 0.5, then 0.5 x 3/4
+
+
+@pytest.mark.parametrize("script_lr", [None, 0.1])
+def test_optim_step_settings_leave_the_schedule_stepping(script_lr):
+    """``optim_step`` sets the script's hyperparameters around the engine's step, which steps the optimizer and then
+    the scheduler: the schedule advances as under ``update`` (a warm-up held at its first rate, 0, trained nothing),
+    and the script's learning rate, when given, is the step's own; other settings come back after the step."""
+    import types
+
+    import transformers
+
+    from llmrl.engine.model.training.client_steps import step_settings
+
+    def engine_steps(optimizer, scheduler, settings):
+        served = types.SimpleNamespace(adapter_steps=types.SimpleNamespace(optimizer=optimizer),
+                                       engine=types.SimpleNamespace(optimizer=optimizer,
+                                                                    _config=types.SimpleNamespace(gradient_clipping=0)))
+        used = []
+        for _ in range(6):
+            with step_settings(served, settings):
+                used.append((optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]))
+                optimizer.step()  # what DeepSpeed's engine.step does: the optimizer, then the scheduler
+                scheduler.step()
+            assert optimizer.param_groups[0]["weight_decay"] == 0.0  # the config's value is back
+        return used, optimizer.param_groups[0]["lr"]
+
+    def make(schedule_of):
+        weight = torch.nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.AdamW([weight], lr=0.5, weight_decay=0.0)
+        return optimizer, schedule_of(optimizer)
+
+    settings = {"weight_decay": 0.01, **({} if script_lr is None else {"learning_rate": script_lr})}
+    ours, left = engine_steps(*make(lambda o: make_scheduler(o, LRSchedule("constant", 3))), settings)
+    reference = rates(lambda o: transformers.get_constant_schedule_with_warmup(o, 3), steps=7)[::2]
+    expected = [script_lr if script_lr is not None else rate for rate in reference[:6]]
+    assert [lr for lr, _ in ours] == pytest.approx(expected)
+    assert left == pytest.approx(reference[6])  # the schedule's rate for the next step (an update's, say)
+    assert all(decay == 0.01 for _, decay in ours)

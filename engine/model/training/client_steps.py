@@ -119,9 +119,14 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
 def step_settings(served: ServedModel, settings: dict):
     """Inside, the optimizer's groups use ``settings`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
     ``weight_decay``) and DeepSpeed clips at ``grad_clip_norm`` (0: no clipping); the config's values come back
-    after."""
+    after, for the settings given only. The learning rate belongs to the config's ``lr_schedule`` where one is set
+    (DeepSpeed steps the scheduler inside, after the optimizer): without ``learning_rate`` it is left alone, and
+    with it the rate the scheduler set for the next step is kept (putting back the one from before the step would
+    hold a warm-up at its first rate for ever)."""
     groups = served.adapter_steps.optimizer.param_groups
-    saved = [dict((k, g[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in g) for g in groups]
+    names = {"learning_rate": "lr", "beta1": "betas", "beta2": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+    changed = {names[key] for key in settings if key in names}
+    saved = [dict((k, g[k]) for k in changed if k in g) for g in groups]
     engine = served.engine
     zero_optimizer = engine.optimizer if hasattr(engine.optimizer, "clip_grad") else None
     clipping = engine._config.gradient_clipping, getattr(zero_optimizer, "clip_grad", None)
@@ -143,6 +148,8 @@ def step_settings(served: ServedModel, settings: dict):
         yield
     finally:
         for group, values in zip(groups, saved):
+            if "lr" in values and group["lr"] != settings["learning_rate"]:
+                del values["lr"]  # the scheduler moved it on: the next step's rate is the schedule's
             group.update(values)
         engine._config.gradient_clipping = clipping[0]
         if zero_optimizer is not None:
