@@ -4,7 +4,7 @@ client before anything is sent.
 An updater declares the keyword arguments it reads per sample in its ``per_sample_args`` class attribute, each with a
 level:
 
-- ``"sample"``: one value per context (``actions``, ``advantages``, ``margins``);
+- ``"sample"``: one value per context (``actions``, ``advantages``, ``margins``), not a sequence;
 - ``"candidate"``: per context, one value per candidate (``rewards`` of each continuation; a bare number when the
   context has one candidate);
 - ``"token"``: per context, one sequence per candidate with one value per scored token of it (``old_logprobs``);
@@ -104,10 +104,24 @@ def check_per_sample(kwargs: dict, contexts: list, candidates: list | None, decl
             raise InvalidArgument(f"update argument {key!r} {got}, but the call has {n} contexts: the updater "
                                   f"{updater!r} reads it per sample ({level} level), one entry per context; nothing "
                                   "was sent")
-        if level == "sample" or candidates is None:
+        if level == "sample":
+            _check_values(key, value, updater)
+            continue
+        if candidates is None:
             continue
         for i, (entry, cands) in enumerate(zip(value, candidates)):
             _check_entry(key, level, i, entry, cands)
+
+
+def _check_values(key: str, value, updater: str) -> None:
+    """A sample-level argument holds one value per context, not a sequence (an ``(n, 1)`` array would broadcast
+    against the updater's per-sample tensors into an ``n x n`` loss, pairing every sample with every other's value)."""
+    for i, entry in enumerate(value):
+        length = _length(entry)
+        if length is not None:
+            raise InvalidArgument(f"update argument {key!r}[{i}] holds {length} values, but the updater {updater!r} "
+                                  f"reads one value per context (sample level): pass a flat sequence of {len(value)} "
+                                  "numbers (an array of shape (n, 1) holds one sequence per context); nothing was sent")
 
 
 def _check_entry(key: str, level: str, i: int, entry, cands: list) -> None:

@@ -21,6 +21,7 @@ function); the maths it is made of is in :mod:`llmrl.plugins.rl_math` (advantage
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,19 @@ def ppo_terms(logits: torch.Tensor, mask: torch.Tensor, actions: torch.Tensor, o
     entropy = -(probs * logp_all.masked_fill(~mask, 0.0)).sum(-1)
     return PPOTerms(policy_loss, value_loss(values, returns, old_values, value_clip, like=policy_loss), entropy,
                     approx_kl(log_ratio), clipped)
+
+
+def check_actions(actions, candidates: list, indices: list[int]) -> None:
+    """Each action must be the index of one of its context's candidates: an integer from 0 to their number - 1. (An
+    index past a context's candidates would pick a padded slot of a longer context's row, log-prob -inf: that
+    sample's policy term would vanish without a word; 1.7 would be cut to 1.)"""
+    for action, cands, where in zip(actions, candidates, indices):
+        value = action.item() if hasattr(action, "item") else action
+        integral = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+        if not integral or not 0 <= value < len(cands):
+            raise ValueError(f"update argument 'actions'[{where}] is {value!r}, but context {where} offers "
+                             f"{len(cands)} candidate(s): an action is the index (0 to {len(cands) - 1}) of the "
+                             "candidate taken")
 
 
 class PPOUpdater(ShufflingUpdater):
@@ -100,6 +114,7 @@ class PPOUpdater(ShufflingUpdater):
         if missing:
             raise ValueError(f"the ppo updater needs the per-sample keyword argument(s) {missing} in "
                              "caller.update(...)")
+        check_actions(batch.kwargs["actions"], batch.candidates, batch.indices)
         totals: dict[str, float] = {}
         count = 0
         heads = [self.value_head] if self.value_head else []

@@ -103,3 +103,18 @@ def test_kl_to_base_by_hand():
     expected = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
     assert categorical_kl(logits, base, mask).item() == pytest.approx(expected, abs=1e-6)
     assert categorical_kl(logits, logits, mask).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_an_action_that_is_not_one_of_its_contexts_candidates_is_refused():
+    """An index past a context's candidates would read a padded slot of a longer context's row (log-prob -inf: the
+    sample's policy term silently 0); a fractional one would be cut. Integers of numpy and torch are indices too."""
+    import numpy as np
+
+    from llmrl.plugins.ppo import check_actions
+
+    candidates = [[" a", " b"], [" a", " b", " c"], [" a"]]
+    check_actions([1, np.int64(2), torch.tensor(0)], candidates, [0, 1, 2])
+    check_actions([1.0, 2.0, 0.0], candidates, [0, 1, 2])  # a float tensor's tolist()
+    for actions, where, shown in (([2, 0, 0], 4, "2"), ([0, 1.7, 0], 5, "1.7"), ([0, 0, -1], 6, "-1")):
+        with pytest.raises(ValueError, match=rf"'actions'\[{where}\] is {shown}, but context {where} offers"):
+            check_actions(actions, candidates, [4, 5, 6])

@@ -71,6 +71,18 @@ def test_a_declared_argument_of_the_wrong_length_is_refused_naming_it():
         shares({"old_logprobs": bad}, {"old_logprobs": "token"}, candidates=ids)
 
 
+def test_a_sample_level_argument_holding_a_sequence_per_context_is_refused():
+    """An (n, 1) array (a column of advantages, say) would broadcast against the updater's per-sample tensors into an
+    n x n loss; one value per context is what the sample level reads: numbers, numpy's and torch's included."""
+    declared = {"advantages": "sample"}
+    for column in (np.array([[1.0], [-1.0], [2.0], [0.5]]), torch.ones(4, 1), [[1.0], [2.0], [3.0], [4.0]]):
+        with pytest.raises(InvalidArgument, match=r"'advantages'\[0\] holds 1 values, but the updater 'u' reads one "
+                                                  r"value per context .*flat sequence of 4 numbers"):
+            shares({"advantages": column}, declared)
+    for flat in (np.array([1.0, -1.0, 2.0, 0.5]), torch.ones(4), [1, 2.5, np.float32(3), torch.tensor(4.0)]):
+        shares({"advantages": flat}, declared)
+
+
 def test_declared_arguments_are_sliced_by_the_declaration_and_the_others_go_whole():
     """A length-4 argument the updater does not declare reaches both replicas whole (the length rule would have cut
     it); the declared one is cut 2/2; both replicas learn which were cut."""
