@@ -257,5 +257,8 @@ def test_one_adapters_state_saved_and_loaded_into_new_adapters_trains_on_as_the_
     assert max(float((fresh[k] - trained[k]).abs().max()) for k in trained) > 1e-4  # fresh moments: another step
     with pytest.raises(Exception, match="another adapter shape"):
         run.load_adapter(tmp_path / "s", "default", llm="policy")  # rank 4 on every linear layer
-    for name in ("s", "s_copy", "s_fresh"):
+    run.create_adapter("s_alpha", rank=2, alpha=8, seed=3, targets=["attention"], llm="policy")  # the same shapes
+    with pytest.raises(Exception, match=r"LoRA scaling \(alpha / r\) differs from 's_alpha'.*saved 2.0, here 4.0"):
+        run.load_adapter(tmp_path / "s", "s_alpha", llm="policy")
+    for name in ("s", "s_copy", "s_fresh", "s_alpha"):
         run.delete_adapter(name, llm="policy")

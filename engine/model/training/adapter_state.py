@@ -85,7 +85,8 @@ def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments:
     (staging / "peft").mkdir(parents=True)
     try:
         torch.save({"format": FORMAT, "adapter": name, "model": served.llm.model, "how": _how(served, name),
-                    "weights": weights, "optimizer": moments}, staging / STATE_FILE)
+                    "scalings": scalings(served.model, name), "weights": weights, "optimizer": moments},
+                   staging / STATE_FILE)
         served.model.peft_config[name].save_pretrained(staging / "peft")
         save_file({k: v.contiguous() for k, v in weights.items()}, staging / "peft" / "adapter_model.safetensors",
                   metadata={"format": "pt"})
@@ -139,6 +140,13 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
             "rank": int(served.model.peft_config[name].r)}
 
 
+def scalings(model, name: str) -> dict[str, float]:
+    """Each LoRA layer's scaling of adapter ``name`` (alpha / r, or alpha / sqrt(r) with rsLoRA): the factor its
+    weights' product is multiplied by."""
+    return {module_name: float(module.scaling[name]) for module_name, module in model.named_modules()
+            if isinstance(getattr(module, "scaling", None), dict) and name in module.scaling}
+
+
 def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: bool) -> None:
     params = adapter_params(served.model, name)
     weights = state["weights"]
@@ -148,6 +156,14 @@ def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: 
                          f"{served.llm.name!r} (saved but not here: {extra[:3]}; here but not saved: {missing[:3]}; "
                          "or other ranks): load it into a new adapter name, on the model it was saved from "
                          f"({state.get('model')!r})")
+    saved, here = state.get("scalings"), scalings(served.model, name)  # states saved before scalings: not checked
+    differ = next((k for k, v in here.items() if not abs(saved.get(k, float("nan")) - v) <= 1e-6 * abs(v)), None) \
+        if saved is not None else None
+    if differ is not None:
+        raise ValueError(f"{path} was saved from an adapter whose LoRA scaling (alpha / r) differs from {name!r}'s "
+                         f"on LLM {served.llm.name!r} ({differ}: saved {saved.get(differ)}, here {here[differ]}): its "
+                         "weights would act scaled differently; load it into a new adapter name, which is made with "
+                         f"the saved rank and alpha ({state.get('how')})")
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(weights[key].to(p.device, p.dtype))
