@@ -221,7 +221,9 @@ class MisbehavingUpdater(Updater):
     - ``per_sample``: Lamorel's loop, one forward / backward / step per local sample;
     - ``direct_backward``: ``loss.backward()`` instead of ``trainer.backward(loss)``;
     - ``categorical``: ``Categorical(logits=scores)`` on every minibatch of one sample, empty ones included;
-    - ``nan_gradient``: on replica ``bad_replica``, a finite loss (0) whose gradient is infinite (sqrt at 0).
+    - ``nan_gradient``: on replica ``bad_replica``, a finite loss (0) whose gradient is infinite (sqrt at 0);
+    - ``no_step``: ``trainer.backward`` without ``trainer.step()`` after it;
+    - ``fail_before_step``: replica ``bad_replica`` raises between its backward and its step.
     """
 
     def update(self, batch, trainer):
@@ -246,7 +248,10 @@ class MisbehavingUpdater(Updater):
                 loss.backward()
             else:
                 trainer.backward(loss)
-            trainer.step()
+            if mode == "fail_before_step" and batch.replica == batch.kwargs["bad_replica"]:
+                raise RuntimeError("this replica failed between its backward and its step")
+            if mode != "no_step":
+                trainer.step()
         return {}
 
     @staticmethod

@@ -98,9 +98,22 @@ def test_loss_backward_is_refused_with_the_fix(run, tiny):
     good_update_continues_plain_adam(run, tiny, "z0")
 
 
+def test_backward_without_a_step_is_refused_and_its_gradients_never_reach_the_next_update(run, tiny):
+    refused(run, "z0", "called trainer.backward 1 time(s) after its last trainer.step()", mode="no_step")
+    good_update_continues_plain_adam(run, tiny, "z0")  # no gradient of the refused update was added to it
+
+
+def test_a_replica_failing_between_backward_and_step_stops_the_others_before_their_step(run, tiny):
+    refused(run, "z0", "this replica failed between its backward and its step", mode="fail_before_step",
+            bad_replica=1)
+    good_update_continues_plain_adam(run, tiny, "z0")
+
+
 def test_a_categorical_over_an_empty_minibatch_gets_an_error_that_says_why(run):
-    """Minibatches of one sample: both replicas step on their first; replica 1's second minibatch is empty."""
+    """Minibatches of one sample: both replicas step on their first; replica 1's second minibatch is empty. (It
+    steps z0: the tests of plain Adam's continuation on z0 run before it.)"""
     with pytest.raises(RequestError) as info:
         run.update(CONTEXTS[:3], CANDIDATES[:3], llm="z0", mode="categorical", **{k: v[:3] for k, v in GOOD.items()})
     for pattern in ("replica 1's last minibatch was empty", "[2, 1]", "Categorical", "len(minibatch) == 0"):
         assert pattern in str(info.value), str(info.value)
+

@@ -69,7 +69,7 @@ class EngineTrainer(ModelAccess, Trainer):
         self.failed_vote_cast = False
         self.optimizer_steps = 0
         self.calls = {FORWARD: 0, BACKWARD: 0, STEP: 0, SUM: 0}  # what this rank's updater has called so far
-        self.pending_micro_steps = 0  # micro-steps since the last optimizer step
+        self.pending_micro_steps = self.backwards_since_step = 0  # micro-steps, backward calls since the last step
         self.last_lr: float | None = None  # the learning rate of the last optimizer step
         self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
         self.without_adapters = False  # inside adapters_disabled()
@@ -143,7 +143,6 @@ class EngineTrainer(ModelAccess, Trainer):
 
     def scored_token_counts(self, contexts, candidates, add_eos: bool = False) -> torch.Tensor:
         from llmrl.engine.model.forward import scored_token_counts
-
         return scored_token_counts(self.served, contexts, candidates, add_eos)
 
     def _throwaway_inputs(self, with_candidates: bool) -> tuple[list[str], list[list[str]] | None]:
@@ -248,6 +247,7 @@ class EngineTrainer(ModelAccess, Trainer):
                                   f"{bad_replica - 1}{value}: optimizer step {self.optimizer_steps + 1} was skipped "
                                   f"on every replica; {self.optimizer_steps} step(s) of this update were taken")
         self.inside_backward = True
+        self.backwards_since_step += 1
         try:  # batch.mean already weights the samples of the step (scale_wrt_gas=False)
             self._backward_in_passes(loss)
         finally:
@@ -266,7 +266,8 @@ class EngineTrainer(ModelAccess, Trainer):
         if self.pending_micro_steps == 0:
             return
         bad = first_non_finite_gradient(self.engine.module)
-        _, bad_replica = self._vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
+        everyone_ok, bad_replica = self._vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
+        self._stop_unless(everyone_ok, None)  # a peer failed before its step: none steps (its collectives would wait)
         if bad_replica:
             self.failed_vote_cast = True
             where = f" ({bad})" if bad is not None else ""
@@ -278,7 +279,7 @@ class EngineTrainer(ModelAccess, Trainer):
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext():
             self.engine.step()
         clear_zero3_gradients(self.engine)
-        self.pending_micro_steps = 0
+        self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
         if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
             self.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
@@ -310,6 +311,10 @@ class EngineTrainer(ModelAccess, Trainer):
 
     def finish(self) -> None:
         self.flush()
+        if self.backwards_since_step:  # every replica runs the same calls: each raises here alike
+            raise ValueError(f"the updater called trainer.backward {self.backwards_since_step} time(s) after its last "
+                             "trainer.step(): call trainer.step() after each minibatch's backward (those gradients, "
+                             "never applied, were discarded: the next update would have added them to its own)")
         self._check_peers(True, END)
 
     def discard_partial_accumulation(self) -> None:
@@ -324,7 +329,7 @@ class EngineTrainer(ModelAccess, Trainer):
         for p in engine.module.parameters():
             p.grad = None
         clear_zero3_gradients(engine)
-        self.pending_micro_steps = 0
+        self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
         self.deferred = []
 
