@@ -3,12 +3,14 @@ which rows each pass holds, and where each of its output rows sits in the whole 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmrl.engine.model.scoring.tokenization import CandidateTokens, ContextTokens, TokenPlan
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
+    leaf_outputs,
     micro_batch_tokens,
     pass_surrogate,
     row_indices,
@@ -71,3 +73,15 @@ def test_the_surrogate_gives_each_row_its_gradient_and_a_context_row_once():
         totals.append((scores.grad.tolist(), hidden.grad.flatten().tolist()))
     assert totals[0] == ([1.0, 2.0], [10.0])
     assert totals[1] == ([3.0, 4.0, 5.0], [0.0, 20.0]), "context 0's gradient was taken in the first pass"
+
+
+def test_a_second_backward_through_a_spent_forwards_outputs_raises():
+    """The first phase's outputs are leaves: a loss reaching them after their forward's passes ran would give them a
+    gradient and the model none (an unsplit forward's second backward raises too: its graph is freed)."""
+    spent: list = []
+    out, leaves = leaf_outputs(ForwardOutputs("causal", 1, torch.ones(3), torch.zeros(3), torch.zeros(3)), spent)
+    loss = (out.candidate_scores * 2).sum()
+    torch.autograd.grad(loss, [leaf for _, _, leaf in leaves], retain_graph=True)  # the first backward's own call
+    spent.append(True)  # its passes ran
+    with pytest.raises(RuntimeError, match="a second trainer.backward through the outputs of a forward pass trained"):
+        loss.backward()

@@ -32,7 +32,8 @@ maps rows; the trainer (:mod:`llmrl.engine.model.training.trainer`) runs the pas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -111,16 +112,21 @@ class DeferredForward:
     token_counts: list[int]  # scored tokens of each candidate, in request order
     forward_plan: Any  # the ForwardPlan of the first phase (heads, adapter, needs, head keyword arguments)
     without_adapters: bool = False  # run inside trainer.adapters_disabled(): replayed the same way
+    spent: list = field(default_factory=list)  # not empty once its passes' backward ran: see leaf_outputs
 
 
-def leaf_outputs(out: ForwardOutputs) -> tuple[ForwardOutputs, list[tuple[tuple, str, torch.Tensor]]]:
-    """``out`` with every float tensor replaced by a leaf that requires grad, and the list of those leaves."""
+def leaf_outputs(out: ForwardOutputs, spent: list) -> tuple[ForwardOutputs, list[tuple[tuple, str, torch.Tensor]]]:
+    """``out`` with every float tensor replaced by a leaf that requires grad, and the list of those leaves. A
+    backward pass that reaches a leaf once ``spent`` is not empty (its forward's passes ran, in an earlier backward)
+    raises: it would give the leaf a gradient and the model none, where an unsplit forward's second backward
+    raises too (its graph is freed)."""
     leaves = []
 
     def leaf(path, level, t):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
         made = t.detach().requires_grad_(True)
+        made.register_hook(functools.partial(_unless_spent, spent))
         leaves.append((path, level, made))
         return made
 
@@ -139,6 +145,14 @@ def leaf_outputs(out: ForwardOutputs) -> tuple[ForwardOutputs, list[tuple[tuple,
         else:
             heads[key] = leaf(("heads", key), level, value)
     return out._replace(heads=heads, **fields), leaves
+
+
+def _unless_spent(spent: list, grad: torch.Tensor) -> torch.Tensor:
+    if spent:
+        raise RuntimeError("a second trainer.backward through the outputs of a forward pass trained in passes "
+                           "(training.max_tokens_per_micro_batch): its model gradient went with the first; put "
+                           "every loss of one forward into one trainer.backward")
+    return grad
 
 
 def _at(out: ForwardOutputs, path: tuple):

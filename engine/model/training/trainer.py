@@ -154,9 +154,9 @@ class EngineTrainer(ModelAccess, Trainer):
         (see :mod:`llmrl.engine.model.training.passes`)."""
         with torch.no_grad():
             out = run_forward(self.served, plan, extra, trunk_mode="replay", update_pass=True)
-        out, leaves = leaf_outputs(out)
+        out, leaves = leaf_outputs(out, spent := [])
         self.deferred.append(DeferredForward(plan.plan, form_passes(plan.plan, self.max_tokens), leaves,
-                                             out.candidate_token_counts.tolist(), plan, self.without_adapters))
+                                             out.candidate_token_counts.tolist(), plan, self.without_adapters, spent))
         return out
 
     def _backward_in_passes(self, loss: torch.Tensor) -> None:
@@ -178,6 +178,7 @@ class EngineTrainer(ModelAccess, Trainer):
                 self.engine.backward(part if pending is None else pending + part, scale_wrt_gas=False)
                 pending = None
             self.passes_with_gradients += count
+            d.spent.append(True)
 
     def _replay_pass(self, deferred: DeferredForward, k: int | None, grads, contexts_done: set[int]) -> torch.Tensor:
         """Pass ``k`` of a deferred forward (None: a throw-away pass) with gradients, and its share of the loss.
@@ -246,8 +247,7 @@ class EngineTrainer(ModelAccess, Trainer):
             raise NonFiniteUpdate(f"the loss of backward call {self.calls[BACKWARD]} was not finite on replica "
                                   f"{bad_replica - 1}{value}: optimizer step {self.optimizer_steps + 1} was skipped "
                                   f"on every replica; {self.optimizer_steps} step(s) of this update were taken")
-        self.inside_backward = True
-        self.backwards_since_step += 1
+        self.inside_backward, self.backwards_since_step = True, self.backwards_since_step + 1
         try:  # batch.mean already weights the samples of the step (scale_wrt_gas=False)
             self._backward_in_passes(loss)
         finally:
