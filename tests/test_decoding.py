@@ -83,6 +83,23 @@ def test_seeded_samples_equal_hugging_faces_and_reproduce(lora_llama, name):
             assert not torch.allclose(a["logprobs"], a["sampling_logprobs"])  # raw and processed differ
 
 
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_repetition_penalty_leaves_left_padding_out_as_hugging_face_does(lora_llama, name):
+    """Prompts of different lengths are left-padded in one batch: the penalty counts each row's own tokens only, so a
+    padded row's processed log-probs (and, where the pad id is also a token it may emit, its draw) do not depend on
+    its neighbours. Before the loop passed the rows' masks, the padded rows' processed log-probs differed from
+    Hugging Face's by up to 1e-3."""
+    model, tok = lora_llama
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "repetition_penalty": 1.3}
+    prompts = ["x", "Goal: go to the red ball. You see a wall, a door and a key on the floor.", "café"]
+    reference, _ = run(model, tok, kwargs, prompts=prompts)
+    ours, _ = run(model, tok, kwargs, SETTINGS[name], prompts=prompts)
+    assert same_samples(ours, reference)
+    for mine, theirs in zip(ours, reference):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a["sampling_logprobs"], b["sampling_logprobs"], atol=1e-5, rtol=0)
+
+
 def test_stops_and_eos_end_sequences_as_in_hugging_face(reference_models):
     model, tok = reference_models["llama-eos"]
     kwargs = {"max_new_tokens": 16, "do_sample": True, "num_return_sequences": 4}

@@ -207,6 +207,12 @@ def test_bad_num_return_sequences_is_refused_on_the_client(bad):
         generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {"num_return_sequences": bad}))
 
 
+def test_max_length_is_refused_on_the_client_with_the_argument_to_use():
+    """generate plans by max_new_tokens (default 20): a max_length was ignored without a word."""
+    with pytest.raises(InvalidArgument, match="max_length .* is not taken: pass max_new_tokens"):
+        generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {"max_length": 60}))
+
+
 def test_head_kwargs_per_context_are_sliced_like_the_contexts_and_token_heads_are_cut_per_candidate():
     """A context cut over replicas gives its per-context kwarg entry to each piece; other kwargs go whole; a
     token-level dict output and a candidate-level dict output come back joined, cut per candidate."""

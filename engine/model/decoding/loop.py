@@ -17,7 +17,10 @@ not for a model with a sliding window shorter than the bucketed length (Mistral,
 layers keep only the window: such a call grows a dynamic cache.
 On CUDA, whether every row has ended is read back every :data:`CUDA_FINISH_CHECK` steps, not at every step: a
 read-back waits for the device, so the host could not queue the next step while the current one runs. Steps run
-after every row ended feed pad tokens and are cut with the rows (each row ends at its EOS), so results are the same.
+after every row ended feed pad tokens and are cut with the rows (each row ends at its EOS), so a batch's results are
+the same. Those steps still draw from the random generator: in a sampled call split into several batches, the
+batches after the first start from another random state than on a CPU (reproducible on the same device, but
+not CPU's samples, nor Hugging Face's).
 With stop strings (checked on the host at every step anyway) or a cache kept across calls, it reads every step.
 With a frozen trunk (``trunk_reuse_mb``) and a dynamic cache, the states entering the trunk's depth of the prompts
 and of each token fed back are kept for the update of these samples
@@ -57,12 +60,14 @@ def finish_interval(device: torch.device, recorder, keep_cache: bool) -> int:
     return CUDA_FINISH_CHECK if device.type == "cuda" and recorder is None and not keep_cache else 1
 
 
-def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device):
-    """The generation config and logits processors Hugging Face's ``generate`` would build for these arguments."""
+def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device, row_mask: torch.Tensor):
+    """The generation config and logits processors Hugging Face's ``generate`` would build for these arguments.
+    ``row_mask``: each row's attention mask (a repetition penalty leaves a row's left padding out, as there)."""
     config, _ = model._prepare_generation_config(None, **kwargs)
     model._prepare_special_tokens(config, True, device=device)
     processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
-                                             encoder_input_ids=ids, device=device, model_kwargs={})
+                                             encoder_input_ids=ids, device=device,
+                                             model_kwargs={"attention_mask": row_mask})
     return config, processors
 
 
@@ -93,7 +98,7 @@ def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_re
 
     device = ids.device
     config, processors = _hf_setup(model, ids, {k: v for k, v in kwargs.items() if k != "num_return_sequences"},
-                                   device)
+                                   device, mask.repeat_interleave(num_return, dim=0))
     prompts, width = ids.shape
     rows, max_new = prompts * num_return, int(config.max_new_tokens)
     source = torch.arange(prompts, device=device).repeat_interleave(num_return)
