@@ -12,6 +12,7 @@ This module names things and reads manifests; it writes nothing and imports noth
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -31,7 +32,7 @@ def read_manifest(folder: Path) -> dict | None:
 
 def backups_of(path: Path) -> list[Path]:
     """Complete checkpoints left next to ``path`` by interrupted swaps, newest save first (by manifest time)."""
-    found = [(read_manifest(p), p) for p in path.parent.glob(f".{path.name}.old-*") if p.is_dir()]
+    found = [(read_manifest(p), p) for p in path.parent.glob(f".{glob.escape(path.name)}.old-*") if p.is_dir()]
     return [p for manifest, p in sorted(((m, p) for m, p in found if m), key=lambda mp: -float(mp[0].get("time", 0)))]
 
 

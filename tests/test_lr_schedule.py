@@ -118,3 +118,28 @@ def test_optim_step_settings_leave_the_schedule_stepping(script_lr):
     assert [lr for lr, _ in ours] == pytest.approx(expected)
     assert left == pytest.approx(reference[6])  # the schedule's rate for the next step (an update's, say)
     assert all(decay == 0.01 for _, decay in ours)
+
+
+def test_groups_added_and_removed_at_run_time_follow_the_schedule():
+    """A run-time adapter adds an optimizer group mid-schedule (create_adapter) and may delete it: every group present
+    steps at its own rate times the step's multiplier, a new one from its first step (torch's LambdaLR raised after
+    the optimizer step once the groups changed, and gave a new group the full rate during a warm-up)."""
+    from llmrl.engine.model.training.lr_schedule import fit_new_groups, multiplier
+
+    schedule = LRSchedule("linear", 4, 10)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    scheduler = make_scheduler(optimizer, schedule)
+    seen = []
+    for step in range(8):
+        if step == 2:
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2})
+            fit_new_groups(scheduler)
+        if step == 5:
+            del optimizer.param_groups[0]
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    expected = [[0.5 * multiplier(schedule, s)] + ([0.2 * multiplier(schedule, s)] if s >= 2 else []) for s in range(5)]
+    expected += [[0.2 * multiplier(schedule, s)] for s in range(5, 8)]
+    assert seen == [pytest.approx(rates) for rates in expected]
+    assert multiplier(schedule, 2) == 0.5  # the new group started inside the warm-up, at half its rate

@@ -126,3 +126,18 @@ def test_the_newest_backup_is_chosen_by_its_manifest_not_its_folder_time(tmp_pat
     with pytest.raises(ConfigError, match="does not exist or is not complete"):
         load_config(raw={"llms": {"main": {"model": "org/name", "checkpoint": str(tmp_path / "other")}}},
                     check_environment=False, check_plugins=False)
+
+
+def test_a_checkpoint_name_with_glob_characters_touches_only_its_own_backups(tiny, tmp_path):
+    """``run[12]`` as a glob pattern matches ``.run1.old-*``: another checkpoint's backup, which a save of ``run[12]``
+    deleted and a resume of ``run[12]`` took for its own. Names are matched literally."""
+    other = tmp_path / ".run1.old-abc"
+    other.mkdir()
+    (other / MANIFEST).write_text(json.dumps({"time": 100.0, "llms": []}))
+    staging = tmp_path / ".run1.staging-abc"  # another save in progress
+    staging.mkdir()
+    with pytest.raises(ConfigError, match="does not exist or is not complete"):
+        load_config(raw={"llms": {"main": {"model": tiny["llama"], "checkpoint": str(tmp_path / "run[12]")}}},
+                    check_plugins=False)
+    save(FakeRun(tiny), tmp_path / "run[12]")
+    assert other.is_dir() and staging.is_dir() and weights(tmp_path / "run[12]") == "save 1"

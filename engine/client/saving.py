@@ -14,6 +14,7 @@ This module handles folders; what goes in them is :mod:`llmrl.engine.model.check
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import time
@@ -34,7 +35,7 @@ def save_run(run, wait, path: str) -> str:
     target = Path(path).expanduser().resolve()
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.staging-*"):
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.staging-*"):  # [ ] * ? in a name: literal
         shutil.rmtree(stale, ignore_errors=True)  # left by a save that was interrupted
     save_id = uuid.uuid4().hex[:12]
     staging = target.parent / f".{target.name}.staging-{save_id}"

@@ -15,7 +15,8 @@ times :func:`multiplier`:
   ``total_steps``; this one stays at its floor).
 
 :func:`make_scheduler` wraps it in a torch ``LambdaLR`` that DeepSpeed steps after every optimizer step and keeps in
-checkpoints (``last_epoch``: the steps taken). Every parameter group follows the same multiplier of its own ``lr``.
+checkpoints (``last_epoch``: the steps taken). Every parameter group follows the same multiplier of its own ``lr``,
+also a group added at run time (``create_adapter``, ``load_adapter`` into a new name).
 This module decides the rates only; the engine (``hf_backend``) hands the scheduler to DeepSpeed.
 """
 
@@ -41,9 +42,32 @@ def multiplier(schedule, step: int) -> float:
 
 
 def make_scheduler(optimizer, schedule):
-    """A ``LambdaLR`` applying :func:`multiplier` to every group of ``optimizer`` (None without a schedule)."""
+    """A ``LambdaLR`` applying :func:`multiplier` to every group of ``optimizer`` (None without a schedule), including
+    groups added or removed after it was made (:func:`fit_new_groups`)."""
     if schedule is None:
         return None
     from torch.optim.lr_scheduler import LambdaLR
 
-    return LambdaLR(optimizer, lambda step: multiplier(schedule, step))
+    class GroupsSchedule(LambdaLR):
+        """Each group's rate is its own base rate (``initial_lr``) times the step's multiplier, for the groups there
+        are at each step: a run-time adapter's group joins the schedule (torch's ``LambdaLR`` keeps one entry per
+        group it was made with, and raised after the optimizer step once groups were added or removed)."""
+
+        def get_lr(self):
+            fit_new_groups(self)
+            factor = multiplier(schedule, self.last_epoch)
+            return [group["initial_lr"] * factor for group in self.optimizer.param_groups]
+
+    return GroupsSchedule(optimizer, lambda step: multiplier(schedule, step))
+
+
+def fit_new_groups(scheduler) -> None:
+    """Give every parameter group ``scheduler`` has not seen (a LoRA adapter created at run time) its base rate and
+    this step's scheduled rate (the optimizer's ``lr`` times the multiplier of the steps taken: a warm-up's too)."""
+    if scheduler is None:
+        return
+    factor = scheduler.lr_lambdas[0](max(scheduler.last_epoch, 0))
+    for group in scheduler.optimizer.param_groups:
+        if "initial_lr" not in group:
+            group["initial_lr"] = group["lr"]
+            group["lr"] = group["initial_lr"] * factor

@@ -22,6 +22,7 @@ import torch
 
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
+from llmrl.engine.model.training.lr_schedule import fit_new_groups
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
@@ -88,6 +89,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         for p in params:
             p.requires_grad_(True)
         steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+        fit_new_groups(getattr(served.engine, "lr_scheduler", None))  # its first step takes the schedule's rate
     except Exception:
         with flags_kept(model):
             model.delete_adapter(name)
