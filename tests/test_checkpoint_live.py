@@ -106,6 +106,19 @@ def test_resume_continues_exactly(saved, tiny):
                 assert torch.equal(resumed[key], uninterrupted[key]), f"{name} {key}"
 
 
+def test_a_checkpoint_missing_a_ranks_state_is_refused_naming_it(saved, tiny, tmp_path):
+    """A checkpoint copied in part (or saved with fewer replicas) lacks a rank's generators and updater state: that
+    rank would start them afresh and its replica train apart from the saved run; refused at set-up instead."""
+    import shutil
+
+    copy = tmp_path / "partial"
+    shutil.copytree(saved["path"], copy)
+    os.remove(copy / "adapter" / "state" / "rank-1.pt")
+    with pytest.raises(Exception, match=r"holds no state for rank 1 of LLM 'adapter' \(rank-1.pt; it holds"):
+        with LiveRun(config(tiny, checkpoint=str(copy))) as run:
+            run.score(CONTEXTS, CANDIDATES, llm="adapter")
+
+
 def _plain_scores(model, tok):
     from testkit import reference_scores
 

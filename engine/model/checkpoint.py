@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from llmrl.engine.checkpoint_layout import TAG, resolve_checkpoint
+from llmrl.engine.checkpoint_layout import TAG, read_manifest, resolve_checkpoint
 from llmrl.engine.files import fsync_tree, write_json
+from llmrl.engine.log import logger
 from llmrl.engine.model.served import ServedModel
 
 
@@ -124,6 +125,19 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         raise FileNotFoundError(f"checkpoint {root} has no LLM named {served.llm.name!r}; it holds "
                                 f"{sorted(p.name for p in root.iterdir() if p.is_dir())}")
     state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
+    layout = ((read_manifest(root) or {}).get("layout") or {}).get(served.llm.name)
+    if state_file.parent.is_dir() and not state_file.is_file():  # every saving rank wrote one: not this layout, or cut
+        held = sorted(p.name for p in state_file.parent.glob("rank-*.pt"))
+        raise FileNotFoundError(f"checkpoint {root} holds no state for rank {served.role.group_rank} of LLM "
+                                f"{served.llm.name!r} ({state_file.name}; it holds {held}): its generators and "
+                                f"updater state would start afresh; resume with the layout it was saved with "
+                                f"({layout}), from a whole copy of the checkpoint")
+    if layout and (layout.get("replicas"), layout.get("tensor_parallel")) != (served.llm.replicas,
+                                                                                served.llm.tensor_parallel):
+        logger.warning(f"LLM {served.llm.name!r} resumes from {root}, saved with {layout['replicas']} replica(s) and "
+                       f"tensor_parallel {layout['tensor_parallel']}, with {served.llm.replicas} and "
+                       f"{served.llm.tensor_parallel} now: the replicas' generators and updater states are not those "
+                       "the saved run would have had")
     state = torch.load(state_file, weights_only=True) if state_file.is_file() else {}  # plain data: nothing runs
     _recreate_adapters(served, state)
     load_optimizer = served.engine.optimizer is not None
