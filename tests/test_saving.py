@@ -141,3 +141,20 @@ def test_a_checkpoint_name_with_glob_characters_touches_only_its_own_backups(tin
                     check_plugins=False)
     save(FakeRun(tiny), tmp_path / "run[12]")
     assert other.is_dir() and staging.is_dir() and weights(tmp_path / "run[12]") == "save 1"
+
+
+def test_a_resumed_client_draws_the_generate_seeds_the_saved_run_would_have_drawn_next(tiny, tmp_path):
+    """``generate`` without a seed takes one from the client's generator: saved with the checkpoint, a resumed run
+    goes on with the seeds after the save's, instead of drawing the first ones again."""
+    import random
+
+    config = load_config(raw={"llms": {"main": {"model": tiny["llama"]}}, "seed": 5}, check_plugins=False)
+    seeds = saving.generate_seeds(config)
+    assert seeds.getstate() == random.Random(5).getstate()  # no checkpoint: the config's seed
+    before = [seeds.randrange(2**31) for _ in range(3)]
+    saving.save_run(FakeRun(tiny), lambda future: future.result(), str(tmp_path / "ckpt"), seeds)
+    uninterrupted = [seeds.randrange(2**31) for _ in range(3)]
+    resumed = load_config(raw={"llms": {"main": {"model": tiny["llama"], "checkpoint": str(tmp_path / "ckpt")}},
+                               "seed": 5}, check_plugins=False)
+    again = saving.generate_seeds(resumed)
+    assert [again.randrange(2**31) for _ in range(3)] == uninterrupted != before

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from llmrl.engine.client import chat
+from llmrl.engine.client import chat, saving
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.episodes import EpisodeCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
@@ -88,7 +87,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
         self.config = run.config
         self._timeout = self.config.timeouts.request if timeout is None else timeout
         self._closed = False
-        self._rng = random.Random(self.config.seed)
+        self._rng = saving.generate_seeds(self.config)  # as a resumed checkpoint left it
         self._tokenizers = chat.Tokenizers(self.config)
         self._start_tracking(tracking)
         target = self._llm(llm)
@@ -311,13 +310,11 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
 
     def save(self, path: str | os.PathLike) -> str:
         """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`)."""
-        from llmrl.engine.client.saving import save_run
-
         self._open()
         if self._run.closed_llms:
             raise LLMClosedError(f"cannot save: LLM(s) {sorted(self._run.closed_llms)} were closed with close_llm(), "
                                  "and a checkpoint holds every LLM of the run; save before closing an LLM")
-        return save_run(self._run, self._wait, os.fspath(path))
+        return saving.save_run(self._run, self._wait, os.fspath(path), self._rng)
 
     def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:
         """The LLM's full weights (model, adapters and heads; ZeRO-3 and tensor-parallel shards gathered) as CPU

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import shutil
 import time
 import uuid
 from pathlib import Path
 
-from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, read_manifest
+from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, read_manifest, resolve_checkpoint
 from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.files import fsync_dir, write_json
 from llmrl.engine.requests import save
@@ -29,9 +30,23 @@ from llmrl.engine.requests import save
 FORMAT = 2
 
 
-def save_run(run, wait, path: str) -> str:
-    """Write a checkpoint of every LLM of ``run`` to ``path`` atomically; ``wait(future)`` waits for the servers.
-    Returns the absolute path."""
+def generate_seeds(config) -> random.Random:
+    """The client's generator of the seeds of ``generate`` calls made without one: seeded by the config, or, when an
+    LLM resumes from a checkpoint, as that checkpoint's save left it (the resumed run's samples are then those the
+    saved run would have drawn next, not its first ones again)."""
+    seeds = random.Random(config.seed)
+    for llm in config.llms.values():
+        saved = (read_manifest(resolve_checkpoint(llm.checkpoint)) or {}).get("generate_seeds") if llm.checkpoint \
+            else None
+        if saved:
+            seeds.setstate((saved[0], tuple(saved[1]), saved[2]))
+            break
+    return seeds
+
+
+def save_run(run, wait, path: str, seeds: random.Random | None = None) -> str:
+    """Write a checkpoint of every LLM of ``run`` to ``path`` atomically; ``wait(future)`` waits for the servers;
+    ``seeds``: the client's :func:`generate_seeds`, kept in the manifest. Returns the absolute path."""
     target = Path(path).expanduser().resolve()
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +63,8 @@ def save_run(run, wait, path: str) -> str:
                     "entries": entries,
                     "layout": {name: {"replicas": llm.replicas, "tensor_parallel": llm.tensor_parallel,
                                       "zero_stage": llm.training.zero_stage}
-                               for name, llm in config.llms.items()}}
+                               for name, llm in config.llms.items()},
+                    **({"generate_seeds": seeds.getstate()} if seeds is not None else {})}
         write_json(staging / MANIFEST, manifest)
         fsync_dir(staging)
         swap_into_place(staging, target, save_id)
