@@ -51,7 +51,7 @@ def _how(served: ServedModel, name: str) -> dict:
     config = served.model.peft_config[name]
     targets = config.target_modules
     return {"rank": int(config.r), "alpha": float(config.lora_alpha), "seed": 0,
-            "targets": targets if isinstance(targets, str) else sorted(targets)}
+            "targets": targets if isinstance(targets, str) else sorted(targets), "dropout": float(config.lora_dropout)}
 
 
 def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
@@ -125,7 +125,7 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
     if created:
         how = state["how"]
         create_adapter(served, name, rank=how["rank"], alpha=how["alpha"], seed=how["seed"], targets=how["targets"],
-                       prefix_cache=prefix_cache)
+                       prefix_cache=prefix_cache, dropout=how.get("dropout", 0.0))  # a declared adapter's dropout
     try:
         _copy_in(served, name, path, state, optimizer)
     except Exception:

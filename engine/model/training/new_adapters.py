@@ -58,7 +58,7 @@ def target_modules(model, targets) -> str | list[str]:
 
 
 def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
-                   prefix_cache=None) -> dict:
+                   prefix_cache=None, dropout: float = 0.0) -> dict:
     from peft import LoraConfig, TaskType
 
     llm, model = served.llm.name, served.model
@@ -79,7 +79,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
     config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                        lora_dropout=0.0, target_modules=target_modules(model, targets))
+                        lora_dropout=dropout, target_modules=target_modules(model, targets))
     devices = [served.device.index or 0] if served.device.type == "cuda" else []
     with flags_kept(model), torch.random.fork_rng(devices=devices):  # the run's own random streams go on unchanged
         torch.manual_seed(seed)
