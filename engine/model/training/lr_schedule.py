@@ -64,7 +64,7 @@ def make_scheduler(optimizer, schedule):
 def fit_new_groups(scheduler) -> None:
     """Give every parameter group ``scheduler`` has not seen (a LoRA adapter created at run time) its base rate and
     this step's scheduled rate (the optimizer's ``lr`` times the multiplier of the steps taken: a warm-up's too)."""
-    if scheduler is None:
+    if not getattr(scheduler, "lr_lambdas", None):  # no schedule, or one of DeepSpeed's (training.deepspeed)
         return
     factor = scheduler.lr_lambdas[0](max(scheduler.last_epoch, 0))
     for group in scheduler.optimizer.param_groups:
