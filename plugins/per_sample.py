@@ -116,6 +116,8 @@ def check_per_sample(kwargs: dict, contexts: list, candidates: list | None, decl
 def _check_values(key: str, value, updater: str) -> None:
     """A sample-level argument holds one value per context, not a sequence (an ``(n, 1)`` array would broadcast
     against the updater's per-sample tensors into an ``n x n`` loss, pairing every sample with every other's value)."""
+    if getattr(value, "ndim", None) == 1:  # a flat array or tensor: no need to look at each entry
+        return
     for i, entry in enumerate(value):
         length = _length(entry)
         if length is not None:

@@ -129,22 +129,32 @@ class Unloadable:
         return explode, ()
 
 
-def test_an_undecodable_result_fails_its_own_call_and_the_link_goes_on():
-    def script(link):
-        while True:
-            try:
-                request = messages.receive(link)
-            except (EOFError, OSError):
-                return
-            if not isinstance(request, messages.Request):
-                return
-            value = Unloadable() if request.payload == "bad" else request.payload
-            messages.send(link, messages.Reply(request.id, 3, value=value))
-            messages.send(link, messages.Heartbeat())
+def echo_server(link):
+    """Answers every request with its payload; "bad" and "exit" with values whose unpickling fails (raises, or
+    calls sys.exit) on the client."""
+    while True:
+        try:
+            request = messages.receive(link)
+        except (EOFError, OSError):
+            return
+        if not isinstance(request, messages.Request):
+            return
+        unloadable = {"bad": Unloadable, "exit": ExitOnLoad}.get(request.payload)
+        value = unloadable() if unloadable is not None else request.payload
+        messages.send(link, messages.Reply(request.id, 3, value=value))
+        messages.send(link, messages.Heartbeat())
 
-    links = scripted_server(script)
-    with pytest.raises(RequestError, match="cannot decode rank 3's result.*cannot be rebuilt here"):
-        links.submit("state_dict", [([3], "bad")], lambda values: values[3]).result(5)
+
+class ExitOnLoad:
+    def __reduce__(self):
+        return sys.exit, (3,)
+
+
+@pytest.mark.parametrize("payload, error", [("bad", "cannot be rebuilt here"), ("exit", "SystemExit")])
+def test_an_undecodable_result_fails_its_own_call_and_the_link_goes_on(payload, error):
+    links = scripted_server(echo_server)
+    with pytest.raises(RequestError, match=f"cannot decode rank 3's result.*{error}"):
+        links.submit("state_dict", [([3], payload)], lambda values: values[3]).result(5)
     assert links.submit("ping", [([3], "good")], lambda values: values[3]).result(5) == "good"
     assert not links.dead
     links.shutdown(abort=False, reason="test", wait=2)
@@ -281,23 +291,6 @@ def test_a_retired_rank_that_leaves_a_call_unanswered_is_dead():
     links.shutdown(abort=True, reason="test", wait=2)
 
 
-def echo_server(link):
-    """Answers every request with its payload (a payload "exit" with a value whose unpickling calls sys.exit)."""
-    while True:
-        try:
-            request = messages.receive(link)
-        except (EOFError, OSError):
-            return
-        if not isinstance(request, messages.Request):
-            return
-        value = ExitOnLoad() if request.payload == "exit" else request.payload
-        messages.send(link, messages.Reply(request.id, 3, value=value))
-
-
-class ExitOnLoad:
-    def __reduce__(self):
-        return sys.exit, (3,)
-
 
 def test_a_cancelled_call_is_answered_into_the_void_and_the_link_goes_on():
     released = threading.Event()
@@ -314,15 +307,6 @@ def test_a_cancelled_call_is_answered_into_the_void_and_the_link_goes_on():
     released.set()
     assert links.submit("ping", [([3], "next")], lambda values: values[3]).result(5) == "next"
     assert not links.dead  # the late reply to a cancelled future did not stop the reader
-    links.shutdown(abort=False, reason="test", wait=2)
-
-
-def test_a_result_whose_unpickling_exits_fails_its_own_call_and_the_link_goes_on():
-    links = scripted_server(echo_server)
-    with pytest.raises(RequestError, match="cannot decode rank 3's result.*SystemExit"):
-        links.submit("state_dict", [([3], "exit")], lambda values: values[3]).result(5)
-    assert links.submit("ping", [([3], "good")], lambda values: values[3]).result(5) == "good"
-    assert not links.dead
     links.shutdown(abort=False, reason="test", wait=2)
 
 
