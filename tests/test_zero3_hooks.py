@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.engine.model.zero3_gather import _without_hooks
+from llmrl.engine.model.zero3_gather import _CallPlan, _without_hooks
 
 
 def test_removed_hooks_come_back_in_place_and_others_are_kept():
@@ -14,7 +14,7 @@ def test_removed_hooks_come_back_in_place_and_others_are_kept():
     ours = [model[0].register_forward_pre_hook(lambda m, a: calls.append("ours-pre"))]
     model[0].register_forward_hook(lambda m, a, out: calls.append("other"))
     ours.append(model[0].register_forward_hook(lambda m, a, out: calls.append("ours-post"), always_call=True))
-    with _without_hooks(model, ours):
+    with _without_hooks(_CallPlan(model, ours)):
         model(torch.zeros(1, 2))
         assert calls == ["other"]
         added = model[1].register_forward_hook(lambda m, a, out: calls.append("added inside"))
@@ -35,7 +35,7 @@ def test_hooks_come_back_after_an_error():
     calls = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append("ours"))
     try:
-        with _without_hooks(model, [handle]):
+        with _without_hooks(_CallPlan(model, [handle])):
             raise RuntimeError("the call failed")
     except RuntimeError:
         pass
