@@ -92,3 +92,9 @@ def test_attention_window_benchmark_windows_the_cache_with_the_same_tokens():
     assert "whole cache / windowed:" in result.stdout and "same greedy tokens" in result.stdout, result.stdout
     found = re.search(r"log-probs within (\S+)", result.stdout)
     assert found and float(found[1]) < 1e-5, result.stdout
+
+
+def test_zero3_call_overhead_benchmark_times_both_ways_of_entering_a_gathered_call():
+    result = run_benchmark("zero3_call_overhead", "--layouts", "top-8", "--calls", "1", "--repeats", "1")
+    assert re.search(r"top-8: \d+ modules, \d+ weights, \d+ hooks", result.stdout), result.stdout
+    assert re.search(r"deepspeed-unwrap +\d", result.stdout) and re.search(r"llmrl +\d.*x \(", result.stdout)
