@@ -58,3 +58,16 @@ def test_a_zero3_rank_serves_on_its_configured_threads_and_keeps_its_packs(tiny)
             again = run.server_memory()[rank]["decoding"]
             assert first["decoding"]["weights_packed"] > 0 and again["packed_weights_mb"] > 0, again
             assert again["weights_packed"] == first["decoding"]["weights_packed"], "packed again at the next call"
+        # right after an optimizer step (which leaves DeepSpeed's small weights whole), calls view the trained shards
+        from llmrl import completion_datum
+        from testkit.serving import assert_scored_back
+
+        prompts = ["You see a door.", "Go north."]
+        before = run.score(prompts, [[" open it", " wait"]] * 2, llm="z3")
+        ids = [t["ids"] for t in run.tokenize(prompts, llm="z3")]
+        data = [completion_datum(i, [5, 6, 7], advantages=1.0, logprobs=[-1.0] * 3) for i in ids]
+        run.forward_backward(data, "importance_sampling", llm="z3")
+        run.optim_step({"learning_rate": 0.5}, llm="z3")
+        after = run.score(prompts, [[" open it", " wait"]] * 2, llm="z3")
+        assert max(float((a - b).abs().max()) for a, b in zip(after, before)) > 1e-4, "the step changed nothing"
+        assert_scored_back(run, "z3", prompts, run.generate(prompts, llm="z3", max_new_tokens=3, do_sample=False))

@@ -32,6 +32,7 @@ def test_one_rank_gathered_calls_view_their_shards_exactly():
     assert found["own_shards"], "a group of one rank should view its shards, not gather"
     assert found["partitioned_at_start"] and found["partitioned_after_call"] and found["partitioned_after_error"]
     assert found["training_moved_logits"] > 1e-3, "the training step should change the model's outputs"
+    assert found["available_after_step"] > 0, "DeepSpeed should keep its small weights whole after a step"
     for key in ("gathered_vs_reference", "deepspeed_gather_vs_ours", "trained_gathered_vs_reference"):
         assert found[key] == 0.0, (key, found)  # the same weights through the same operations
     for key in ("hooked_vs_reference", "trained_hooked_vs_reference", "hooked_after_error_vs_reference"):

@@ -68,19 +68,23 @@ def main():
     engine.backward(loss)
     engine.step()
     engine.eval()
+    out["available_after_step"] = sum(p.numel() > 0 for p in engine.module.parameters())  # DeepSpeed's persisted
+    ours = gathered_logits(engine, ids)  # right after the step, as a call after an update
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         trained = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     reference.load_state_dict(trained)
     want = logits(reference, ids)
-    ours = gathered_logits(engine, ids)
     out["training_moved_logits"] = float((ours - before).abs().max())
     out["trained_gathered_vs_reference"] = float((ours - want).abs().max())
     out["trained_hooked_vs_reference"] = float((logits(engine.module, ids) - want).abs().max())
 
+    class CallFailed(Exception):
+        pass
+
     try:  # a call that fails inside leaves every weight partitioned and the hooks in place
         with zero3_gather.gathered_weights(engine, 4096):
-            raise RuntimeError("the call failed")
-    except RuntimeError:
+            raise CallFailed
+    except CallFailed:
         pass
     out["partitioned_after_error"] = partitioned(engine.module)
     out["hooked_after_error_vs_reference"] = float((logits(engine.module, ids) - want).abs().max())
