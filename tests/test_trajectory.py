@@ -122,3 +122,82 @@ def test_group_episode_advantages_by_hand():
     assert group_episode_advantages(equal, gamma=0.9) == [[0.0] * 3] * 3
     with pytest.raises(ValueError, match="at least 2 episodes"):
         group_episode_advantages(episodes[:1])
+
+
+@pytest.mark.parametrize("start", [[{"role": "user", "content": "Call the tool."}],
+                                   [{"role": "system", "content": "Play."}]])
+def test_two_messages_in_a_row_render_as_the_template_does(tokenizer, start):
+    """A tool's output then the user's message (after a sample), or a system-only start then the first message: the
+    generation prompt the first one ended with gives way to the second, as in the whole conversation rendered."""
+    trajectory, messages = Trajectory(tokenizer, start), list(start)
+    if start[0]["role"] == "user":
+        trajectory.add_sample(sample(tokenizer, "calling"))
+        messages.append({"role": "assistant", "content": "calling"})
+        trajectory.add_message("42", role="tool")
+        messages.append({"role": "tool", "content": "42"})
+    trajectory.add_message("Now answer.")
+    messages.append({"role": "user", "content": "Now answer."})
+    assert trajectory.prompt == rendered(tokenizer, messages)
+    assert len(trajectory.model_mask) == len(trajectory.ids) == len(trajectory.sampling_logprobs)
+
+
+# Gemma's chat template (roles, <start_of_turn> / <end_of_turn>), shortened: a turn ends with a special token that is
+# not the tokenizer's EOS (generate stops on both: Gemma's generation config lists them).
+GEMMA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+         "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + "
+         "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def test_a_turn_ended_by_an_end_of_turn_token_other_than_eos_is_closed_once(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "eos_token": "<eos>",
+                            "bos_token": "<bos>"})
+    tok.chat_template = GEMMA
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn != tok.eos_token_id
+    start = [{"role": "user", "content": "Guess my number."}]
+    trajectory, messages = Trajectory(tok, start), list(start)
+    for reply, feedback in zip(REPLIES, FEEDBACK):
+        trajectory.add_sample({"tokens": tok.encode(reply, add_special_tokens=False) + [end_of_turn]})
+        trajectory.add_message(feedback)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+        assert trajectory.prompt == rendered(tok, messages)
+
+
+# Qwen2.5's handling of tool calls and tool responses, shortened, in ChatML.
+TOOLS = ("{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls is defined %}"
+         "{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+         "{%- for call in message.tool_calls %}{{- '\n<tool_call>\n{\"name\": \"' + call.function.name + '\", "
+         "\"arguments\": ' }}{{- call.function.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}"
+         "{{- '<|im_end|>\n' }}{%- elif message.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + "
+         "message.content + '\n</tool_response><|im_end|>\n' }}{%- else %}{{- '<|im_start|>' + message.role + '\n' + "
+         "message.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+         "{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_messages_keep_their_tool_calls_and_other_keys(tokenizer):
+    from llmrl.engine.client.chat import check_messages
+
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "18C", "name": "get_weather", "tool_call_id": "c1"}]
+    kept = check_messages(messages, "contexts[0]")
+    assert kept == messages and kept[1] is not messages[1]
+    tokenizer.chat_template, before = TOOLS, tokenizer.chat_template
+    try:
+        want = rendered(tokenizer, messages)
+        assert "<tool_call>" in tokenizer.decode(want)
+        assert Trajectory(tokenizer, messages).prompt == want
+        trajectory = Trajectory(tokenizer, messages[:1])
+        trajectory.add_sample(sample(tokenizer, ""))
+        trajectory.messages[-1] = messages[1]  # the script parses its sample into the call it made
+        trajectory.add_message("18C", role="tool", name="get_weather", tool_call_id="c1")
+        assert trajectory.messages[-1] == messages[2]
+    finally:
+        tokenizer.chat_template = before
+    with pytest.raises(TypeError, match=r"contexts\[0\]\[1\]\['content'\]"):
+        check_messages([messages[0], {"role": "assistant", "content": None}], "contexts[0]")

@@ -26,15 +26,20 @@ def is_messages(context) -> bool:
 
 
 def check_messages(messages, where: str) -> list[dict]:
+    """Each message as a new dict with every key it has (``tool_calls``, ``name``, ``tool_call_id``... reach the
+    template), once its ``role`` is a string and its ``content`` a string, a list of content parts, or absent or
+    None beside ``tool_calls``."""
     out = []
     for k, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidArgument(f"{where}[{k}] needs a 'role' (a string such as 'system', 'user', 'assistant'), "
                                   f"got {role!r}")
-        if not isinstance(content, str):
-            raise InvalidArgumentType(f"{where}[{k}]['content'] must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        parts = isinstance(content, list) and all(isinstance(part, Mapping) for part in content)
+        if not (isinstance(content, str) or parts or (content is None and message.get("tool_calls"))):
+            raise InvalidArgumentType(f"{where}[{k}]['content'] must be a string or a list of content parts (or "
+                                      f"None beside 'tool_calls'), got {type(content).__name__}")
+        out.append(dict(message))
     return out
 
 

@@ -13,10 +13,12 @@ prompt, or token ids). Then, turn after turn:
   when the sample was cut at ``max_new_tokens`` or a stop string), are tokenised on their own and appended;
 - :meth:`Trajectory.add_ids` appends other ids as given (a tool's output already tokenised).
 
-:attr:`Trajectory.prompt` is the next ``generate`` input: by construction every prompt extends the previous one,
-and a :meth:`add_sample` whose sample was not generated from the current prompt is refused (its
-``prompt_length`` must match). :meth:`Trajectory.datum` gives the whole episode as one Tinker-style datum for
-``forward_backward`` (per-turn or per-token advantages on the model's tokens, zero on the environment's).
+:attr:`Trajectory.prompt` is the next ``generate`` input: by construction every prompt extends the previous one.
+A sample does not say which prompt it was generated from: add each one to the trajectory whose prompt produced it.
+Two messages in a row (a tool's output, then the user's) are one environment turn: the generation prompt the
+first one ended with is replaced by the second message, as the template renders them. :meth:`Trajectory.datum`
+gives the whole episode as one Tinker-style datum for ``forward_backward`` (per-turn or per-token advantages on
+the model's tokens, zero on the environment's).
 
 The formatting of one new message assumes what chat templates do: a conversation's rendering is a prefix of the
 rendering of the conversation with one more message, and a message's own text starts at a special token (so that
@@ -60,6 +62,8 @@ class Trajectory:
         self.model_logprobs: list[float] = [0.0] * len(self.ids)  # the model's raw log-probs (generate's logprobs)
         self.turns: list[Turn] = []
         self._closed = True  # whether the model's last turn is closed (the template's end-of-turn text is present)
+        self._prompted = self.messages is not None  # whether the ids end with the template's generation prompt
+        self._ended_by: int | None = None  # the special token that ended the last sample (EOS, an end of turn)
 
     @property
     def prompt(self) -> list[int]:
@@ -81,19 +85,21 @@ class Trajectory:
         self.model_logprobs += [float(x) for x in raw] if raw is not None else [0.0] * len(tokens)
         turn = Turn(start, len(self.ids))
         self.turns.append(turn)
-        eos = self.tokenizer.eos_token_id
-        self._closed = False
-        self._ended_by_eos = bool(tokens) and tokens[-1] == eos
+        self._closed, self._prompted = False, False
+        self._ended_by = tokens[-1] if tokens and tokens[-1] in _special_ids(self.tokenizer) else None
         if self.messages is not None:
             self.messages.append({"role": "assistant", "content": self.tokenizer.decode(tokens,
                                                                                        skip_special_tokens=True)})
         return turn
 
-    def add_message(self, content: str, role: str = "user") -> list[int]:
-        """Append the environment's reply as a chat message (and the next generation prompt); returns its ids."""
+    def add_message(self, content, role: str = "user", **fields) -> list[int]:
+        """Append the environment's reply as a chat message (and the next generation prompt); returns its ids.
+        ``fields`` are the message's other keys for the template (``name``, ``tool_call_id``...)."""
         if self.messages is None:
             raise ValueError("add_message needs a trajectory started from chat messages; use add_ids for others")
-        message = check_messages([{"role": role, "content": content}], "message")[0]
+        message = check_messages([{**fields, "role": role, "content": content}], "message")[0]
+        if self._prompted:
+            self._drop_generation_prompt()
         text = self._closing_text() + self._message_text(message)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         # the boundary: the last ids' text followed by the new text must end with the new text's own ids
@@ -103,12 +109,14 @@ class Trajectory:
                              "alone differ from its ids after the conversation): build the prompt's ids yourself and "
                              "use add_ids")
         self.messages.append(message)
-        self._closed = True
-        return self.add_ids(ids)
+        added = self.add_ids(ids)
+        self._closed, self._prompted = True, True
+        return added
 
     def add_ids(self, ids) -> list[int]:
         """Append ids the model did not sample (an observation), exactly as given."""
         ids = [int(t) for t in ids]
+        self._prompted = False  # whatever they hold, they are the trajectory's last ids now
         self.ids += ids
         self.model_mask += [False] * len(ids)
         self.sampling_logprobs += [0.0] * len(ids)
@@ -143,10 +151,23 @@ class Trajectory:
         history = self.messages[:-1]
         probe = self._render(history + [{"role": "assistant", "content": _PROBE}], False)
         closing = probe[probe.index(_PROBE) + len(_PROBE):]
-        eos = self.tokenizer.eos_token or ""
-        if self._ended_by_eos and eos and closing.startswith(eos):
-            return closing[len(eos):]
+        if self._ended_by is not None:  # the model emitted the closing's first token (ChatML's <|im_end|>, Gemma's
+            ended = self.tokenizer.decode([self._ended_by])  # <end_of_turn>): only the rest is missing
+            if ended and closing.startswith(ended):
+                return closing[len(ended):]
         return closing
+
+    def _drop_generation_prompt(self) -> None:
+        """Take the generation prompt off the end of the ids (the last message's, or the start's): the next message
+        comes before it."""
+        history = self.messages
+        with_prompt, without = self._render(history, True), self._render(history, False)
+        prompt = self.tokenizer.encode(with_prompt[len(without):], add_special_tokens=False)
+        if not with_prompt.startswith(without) or self.ids[len(self.ids) - len(prompt):] != prompt:
+            raise ValueError("the trajectory ends with ids that are not the chat template's generation prompt, so a "
+                             "second message cannot follow the first: build the prompt's ids yourself and use add_ids")
+        for values in (self.ids, self.model_mask, self.sampling_logprobs, self.model_logprobs):
+            del values[len(values) - len(prompt):]
 
     def _message_text(self, message: dict) -> str:
         """The template's text for ``message`` and the generation prompt after it, given the conversation so far."""
@@ -158,6 +179,13 @@ class Trajectory:
                              "added (its rendering is not an extension): build the prompt's ids yourself and use "
                              "add_ids")
         return after[len(before):]
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: its named ones (EOS...) and added tokens marked special (an end of turn)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {int(i) for i, token in added.items() if getattr(token, "special", False)}
 
 
 def _ids(value) -> list[int]:
