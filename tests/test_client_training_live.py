@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmrl import completion_datum
 from testkit import LiveRun, assert_same_training
 
 pytestmark = pytest.mark.slow
@@ -113,7 +114,8 @@ def hand_loss(loss_fn: str, logp: torch.Tensor, datum: dict, config: dict) -> to
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
         return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
     if loss_fn == "cispo":
-        return -ratio.detach().clamp(0.8, 1.2) * adv * logp
+        return -ratio.detach().clamp(config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0)) \
+            * adv * logp
     if loss_fn == "gspo":  # GSPO-token: the sequence's geometric-mean ratio, each token's own gradient
         marked = inputs["sequence_ratio_mask"] > 0
         sequence = torch.exp((logp - old)[marked].mean()).detach()
@@ -227,6 +229,23 @@ def test_forward_returns_the_log_probs_without_touching_pending_gradients(run, p
     for name in LAYOUTS:
         assert_same_training(run.state_dict(llm=name), plain.weights(), start, atol=1e-5, min_moved=4,
                              label=f"{name} ")
+
+
+def test_the_cookbooks_rl_loop_datums_train_as_the_shifted_ones_do(run):
+    """rl_loop's datums hold target 0 at the prompt's positions, with advantage 0 there: the same losses (and so the
+    same gradients) as the datums shifted by one, and NaN log-probs where the forward read no target."""
+    prompt, sampled = [5, 17, 33, 8], [40, 41, 42]
+    ob = len(prompt) - 1
+    logprobs, advantage = [-1.0, -2.0, -0.5], 0.7
+    rl_loop = [{"model_input": prompt + sampled[:-1], "loss_fn_inputs": {
+        "target_tokens": [0] * ob + sampled, "logprobs": [0.0] * ob + logprobs,
+        "advantages": [0.0] * ob + [advantage] * len(sampled)}}]
+    shifted = [completion_datum(prompt, sampled, logprobs=logprobs, advantages=advantage)]
+    got, want = (run.forward(data, "importance_sampling", llm="r2z0") for data in (rl_loop, shifted))
+    assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-6)
+    (ours,), (theirs,) = got["loss_fn_outputs"], want["loss_fn_outputs"]
+    assert torch.isnan(ours["logprobs"][:ob]).all() and torch.equal(ours["logprobs"][ob:], theirs["logprobs"][ob:])
+    torch.testing.assert_close(ours["elementwise_loss"], theirs["elementwise_loss"], atol=0, rtol=0)
 
 
 def bad_metrics_loss(data, logprobs):

@@ -47,3 +47,28 @@ def test_check_data_names_the_datum_and_field_at_fault():
         check_data([completion_datum([1, 2], [3])], ("weights",), vocab_size=50)
     # without a loss on the servers, other inputs are neither read nor checked
     assert check_data([completion_datum([1, 2], [3], mask=[1.0], ref=[-1.0])], None, 50)[0].inputs == {}
+
+
+def test_a_target_that_is_not_the_next_input_is_accepted_only_where_the_loss_reads_nothing():
+    """The cookbook's rl_loop puts target 0 at the prompt's positions, with advantage and log-prob 0 there."""
+    from llmrl.plugins.rl_math import UNREAD_WHEN_ZERO
+
+    prompt, sampled = [11, 12, 13], [14, 15, 16]
+    ob = len(prompt) - 1
+    rl_loop = {"model_input": prompt + sampled[:-1], "loss_fn_inputs": {
+        "target_tokens": [0] * ob + sampled, "logprobs": [0.0] * ob + [-1.0, -2.0, -0.5],
+        "advantages": [0.0] * ob + [0.7] * 3}}
+    (seq,) = check_data([rl_loop], ("logprobs", "advantages"), 50,
+                        unread_when_zero=UNREAD_WHEN_ZERO["importance_sampling"])
+    assert seq.tokens == prompt + sampled and seq.unscored == (0, 1)
+    shifted = completion_datum(prompt, sampled, logprobs=[-1.0, -2.0, -0.5], advantages=0.7)
+    assert check_data([shifted], ("logprobs", "advantages"), 50)[0] == \
+        type(seq)(seq.tokens, seq.inputs)  # the same sequence and inputs, every position scored
+    read = {**rl_loop, "loss_fn_inputs": {**rl_loop["loss_fn_inputs"], "advantages": [0.3] * 5}}
+    with pytest.raises(InvalidArgument, match=r"target_tokens'\]\[0\] is 0 but the next input token is 12.*"
+                                              r"or give advantages 0 there"):
+        check_data([read], ("logprobs", "advantages"), 50, unread_when_zero=("advantages",))
+    assert "dro" not in UNREAD_WHEN_ZERO  # its penalty reads every position
+    for needed, unread in ((("logprobs", "advantages"), ()), (None, ())):  # dro; forward without a loss
+        with pytest.raises(InvalidArgument, match="targets must be the input shifted by one"):
+            check_data([rl_loop], needed, 50, unread_when_zero=unread)

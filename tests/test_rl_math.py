@@ -133,10 +133,16 @@ def test_token_losses_by_hand():
     close(token_loss("ppo", logp, inputs), [-2.0, -1.2, 0.8])
     close(token_loss("ppo", logp, inputs, {"clip_low_threshold": 0.3, "clip_high_threshold": 2.0}), [-2.0, -r1, r2])
     # cispo: the clipped ratio (1, 1.2, 0.8) weighs A x logp, with no gradient of its own
-    cispo = token_loss("cispo", logp, inputs)
+    cispo = token_loss("cispo", logp, inputs, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     close(cispo, [-2.0 * -1.0, -1.2 * -0.5, -0.8 * 2.0])
     grad, = torch.autograd.grad(cispo.sum(), logp)
     close(grad, [-2.0, -1.2, 0.8])
+    # by default one-sided, as Tinker's (0 and 4): the ratios 1, 1.6487 and 0.3679 weigh it unclipped; 6 is capped
+    grad, = torch.autograd.grad(token_loss("cispo", logp, inputs).sum(), logp)
+    close(grad, [-2.0, -r1, r2])
+    far = {**inputs, "logprobs": torch.tensor([-1.0, -1.0, -2.0 - math.log(6.0)])}
+    grad, = torch.autograd.grad(token_loss("cispo", logp, far).sum(), logp)
+    close(grad, [-2.0, -r1, 4.0])
     # dro: -(logp A - beta/2 (logp - sampler)^2), beta 0.1
     close(token_loss("dro", logp, inputs, {"beta": 0.1}), [2.0, 0.5 + 0.05 * 0.25, -2.0 + 0.05 * 1.0])
     # gspo over tokens 1-2 only: s = exp(mean(0, 0.5)) = e^0.25 = 1.2840 on every token, each with its own gradient

@@ -125,6 +125,12 @@ def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service, clie
     stopped = sampler.sample(prompt, num_samples=1, sampling_params=tinker.SamplingParams(
         max_tokens=8, temperature=0.0, stop=[stop])).result().sequences[0]
     assert stopped.tokens == free.tokens[:free.tokens.index(stop) + 1] and stopped.stop_reason == "stop"
+    absent = next(t for t in range(10, 1000) if t not in free.tokens)  # Tinker: a list of ids stops at any of them
+    either = sampler.sample(prompt, num_samples=1, sampling_params=tinker.SamplingParams(
+        max_tokens=8, temperature=0.0, stop=[absent, stop])).result().sequences[0]
+    assert either.tokens == stopped.tokens and either.stop_reason == "stop"
+    with pytest.raises(Exception, match="topk_prompt_logprobs"):  # not computed: refused, not answered without it
+        sampler.sample(prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
     sampled = sampler.sample(prompt, num_samples=3, sampling_params=tinker.SamplingParams(
         max_tokens=5, temperature=1.0, seed=1)).result()
     assert len(sampled.sequences) == 3 and all(len(s.tokens) == len(s.logprobs) for s in sampled.sequences)

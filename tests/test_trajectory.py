@@ -149,13 +149,19 @@ GEMMA = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == '
          "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
 
 
-def test_a_turn_ended_by_an_end_of_turn_token_other_than_eos_is_closed_once(tiny):
+@pytest.fixture(scope="module")
+def gemma_tokenizer(tiny):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["gpt2"])
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "eos_token": "<eos>",
                             "bos_token": "<bos>"})
     tok.chat_template = GEMMA
+    return tok
+
+
+def test_a_turn_ended_by_an_end_of_turn_token_other_than_eos_is_closed_once(gemma_tokenizer):
+    tok = gemma_tokenizer
     end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
     assert end_of_turn != tok.eos_token_id
     start = [{"role": "user", "content": "Guess my number."}]
@@ -201,3 +207,13 @@ def test_messages_keep_their_tool_calls_and_other_keys(tokenizer):
         tokenizer.chat_template = before
     with pytest.raises(TypeError, match=r"contexts\[0\]\[1\]\['content'\]"):
         check_messages([messages[0], {"role": "assistant", "content": None}], "contexts[0]")
+
+
+def test_the_end_of_turn_token_is_the_one_the_template_closes_a_model_turn_with(tokenizer, gemma_tokenizer):
+    """What choose mode appends to each action: ChatML's <|im_end|>, Gemma's <end_of_turn> (not its EOS); a
+    trajectory started from ids has only the EOS to go by."""
+    start = [{"role": "user", "content": "Go."}]
+    assert Trajectory(tokenizer, start).end_of_turn_id() == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    gemma = Trajectory(gemma_tokenizer, start).end_of_turn_id()
+    assert gemma == gemma_tokenizer.convert_tokens_to_ids("<end_of_turn>") != gemma_tokenizer.eos_token_id
+    assert Trajectory(gemma_tokenizer, [5, 6, 7]).end_of_turn_id() == gemma_tokenizer.eos_token_id

@@ -6,7 +6,8 @@ done, info)`` (gymnasium's shape, with text for observations and actions); ``inf
 actions it accepts now, when it knows them. :func:`run_episodes` plays one episode in each environment, each a
 token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, in one of two action modes:
 
-- ``"choose"``: ``score`` the admissible actions (each followed by the EOS token, which ends the model's turn) and
+- ``"choose"``: ``score`` the admissible actions (each followed by the token that ends the model's turn in the chat
+  template: ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``; else the EOS) and
   sample one from the softmax of their log-probs at ``temperature`` (as Lamorel and GLAM do; 0: the most likely
   one); the chosen action's ids and the model's per-token log-probs of them become the model's turn;
 - ``"write"``: ``generate`` free text (``generate_kwargs``: ``max_new_tokens``, ``stop``...); the sample is the turn.
@@ -94,10 +95,10 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
             future = caller.generate_async(prompts, llm=llm, peft_adapter=peft_adapter, seed=rng.randrange(2**31),
                                            **kwargs)
         else:
-            candidates = [[tokenizer.encode(a, add_special_tokens=False) for a in _admissible(episodes[i], i)]
+            ends = {i: _turn_end(episodes[i].trajectory) for i in active}
+            candidates = [[tokenizer.encode(a, add_special_tokens=False) + ends[i] for a in _admissible(episodes[i], i)]
                           for i in active]
-            future = caller.score_async(prompts, candidates, llm=llm, peft_adapter=peft_adapter, per_token=True,
-                                        add_eos=True)
+            future = caller.score_async(prompts, candidates, llm=llm, peft_adapter=peft_adapter, per_token=True)
         return active, future
 
     pending = {h: submit(half) for h, half in enumerate(halves) if half}
@@ -112,6 +113,13 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
                 _play(envs[i], episodes[i], action, sample, max_turns)
             pending[h] = submit(halves[h])  # this half's next actions compute while the other half steps
     return episodes
+
+
+def _turn_end(trajectory) -> list[int]:
+    """What ends a chosen action, as the model would end it in write mode: the template's end-of-turn token
+    (Gemma's ``<end_of_turn>``, not its EOS), else the EOS."""
+    end = trajectory.end_of_turn_id()
+    return [] if end is None else [end]
 
 
 def _admissible(episode: Episode, index: int) -> list[str]:

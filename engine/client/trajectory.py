@@ -113,6 +113,17 @@ class Trajectory:
         self._closed, self._prompted = True, True
         return added
 
+    def end_of_turn_id(self) -> int | None:
+        """The token that ends the model's turn: the special token the template's closing of an assistant message
+        starts with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), or the tokenizer's EOS (a trajectory
+        started from ids, or a template whose closing starts with plain text)."""
+        if self.messages is not None:
+            probe = self._render(self.messages + [{"role": "assistant", "content": _PROBE}], False)
+            closing = self.tokenizer.encode(probe[probe.index(_PROBE) + len(_PROBE):], add_special_tokens=False)
+            if closing and closing[0] in _special_ids(self.tokenizer):
+                return closing[0]
+        return self.tokenizer.eos_token_id
+
     def add_ids(self, ids) -> list[int]:
         """Append ids the model did not sample (an observation), exactly as given."""
         ids = [int(t) for t in ids]

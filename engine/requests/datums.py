@@ -8,7 +8,10 @@ value per target token (``weights`` for ``cross_entropy``; the sampler's ``logpr
 the policy-gradient losses). :func:`completion_datum` builds one from a prompt and a completion.
 
 Targets must be the input shifted by one (the log-prob of target ``t`` is then read in the same forward pass as
-every other), which is what every Tinker recipe builds; other targets are refused with the position at fault.
+every other), with one exception: a position the loss does not read (its weight or advantage 0, see
+:data:`llmrl.plugins.rl_math.UNREAD_WHEN_ZERO`) may hold any target, as the cookbook's ``rl_loop`` puts ``0`` at
+the prompt's positions. Its loss is 0, and its returned log-prob NaN (not computed: the forward reads the next
+input token's). Other targets are refused with the position at fault.
 
 This module checks and converts; it sends nothing and computes no loss (:func:`llmrl.plugins.rl_math.token_loss`
 does, on the servers).
@@ -32,6 +35,7 @@ class Sequence:
 
     tokens: list[int]
     inputs: dict[str, list[float]] = field(default_factory=dict)
+    unscored: tuple[int, ...] = ()  # target positions the loss does not read whose target is not the next input
 
     @property
     def num_targets(self) -> int:
@@ -73,9 +77,10 @@ def completion_datum(prompt, completion, prompt_logprobs=None, **per_token) -> d
 
 
 def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max_length: int | None = None,
-               what: str = "data") -> list[Sequence]:
+               what: str = "data", unread_when_zero: tuple[str, ...] = ()) -> list[Sequence]:
     """The checked sequences of ``data`` (a list of datums), whose loss reads the per-token inputs ``needed``
-    (None: no loss on the servers; the other inputs are neither read nor sent).
+    (None: no loss on the servers; the other inputs are neither read nor sent); ``unread_when_zero``: the inputs
+    that, all 0 at a position, make the loss ignore it (there a target may differ from the next input token).
 
     Raises :class:`InvalidArgument` / :class:`InvalidArgumentType` naming the datum and the field at fault: a
     missing field, targets that are not the input shifted by one, an input whose length is not the number of target
@@ -85,7 +90,8 @@ def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max
                                   f"{type(data).__name__}")
     if len(data) == 0:
         raise InvalidArgument(f"{what} is empty: give at least one datum")
-    sequences = [_check_datum(datum, f"{what}[{i}]", needed, vocab_size) for i, datum in enumerate(data)]
+    sequences = [_check_datum(datum, f"{what}[{i}]", needed, vocab_size, unread_when_zero)
+                 for i, datum in enumerate(data)]
     for i, seq in enumerate(sequences):
         if max_length is not None and seq.num_targets > max_length:
             raise InvalidArgument(f"{what}[{i}] has {seq.num_targets} input tokens; this model accepts at most "
@@ -93,7 +99,8 @@ def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max
     return sequences
 
 
-def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: int | None) -> Sequence:
+def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: int | None,
+                 unread_when_zero: tuple[str, ...]) -> Sequence:
     if not isinstance(datum, dict) or "model_input" not in datum or "loss_fn_inputs" not in datum:
         raise InvalidArgumentType(f"{where} must be a dict with 'model_input' (token ids) and 'loss_fn_inputs' "
                                   f"(target_tokens and per-token inputs), got {_describe(datum)}; "
@@ -110,11 +117,6 @@ def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: 
         got = "not a list of token ids" if targets is None else f"{len(targets)} targets"
         raise InvalidArgument(f"{where}: {got} for {len(model_input)} input tokens; give one target per input token "
                               "(target_tokens = tokens[1:] when model_input = tokens[:-1])")
-    for t in range(len(model_input) - 1):
-        if targets[t] != model_input[t + 1]:
-            raise InvalidArgument(f"{where}['loss_fn_inputs']['target_tokens'][{t}] is {targets[t]} but the next input "
-                                  f"token is {model_input[t + 1]}: targets must be the input shifted by one "
-                                  "(model_input = tokens[:-1], target_tokens = tokens[1:])")
     tokens = model_input + [targets[-1]]
     if vocab_size is not None and max(tokens) >= vocab_size:
         raise InvalidArgument(f"{where} holds token id {max(tokens)}, beyond the vocabulary of the model "
@@ -136,7 +138,17 @@ def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: 
     if missing:
         raise InvalidArgument(f"{where}['loss_fn_inputs'] lacks {missing[0]!r}, which this loss reads (one value per "
                               "target token)")
-    return Sequence(tokens, inputs)
+    unscored = []
+    for t in range(len(model_input) - 1):
+        if targets[t] == model_input[t + 1]:
+            continue
+        if not unread_when_zero or any(inputs[key][t] != 0.0 for key in unread_when_zero):
+            ignored = f", or give {' and '.join(unread_when_zero)} 0 there" if unread_when_zero else ""
+            raise InvalidArgument(f"{where}['loss_fn_inputs']['target_tokens'][{t}] is {targets[t]} but the next input "
+                                  f"token is {model_input[t + 1]}: targets must be the input shifted by one "
+                                  f"(model_input = tokens[:-1], target_tokens = tokens[1:]){ignored}")
+        unscored.append(t)
+    return Sequence(tokens, inputs, tuple(unscored))
 
 
 def _floats(value: Any, where: str) -> list[float]:

@@ -49,6 +49,9 @@ def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, los
         for leader in leaders:
             outputs.extend(values[leader]["outputs"])
             loss += values[leader]["loss"]
+        for seq, out in zip(sequences, outputs):
+            if seq.unscored:  # the forward read the next input token there, not the datum's target
+                out["logprobs"][list(seq.unscored)] = float("nan")
         metrics = {"loss:sum": loss} if loss_fn is not None else {}
         return {"loss_fn_outputs": outputs, "metrics": metrics}
 

@@ -254,6 +254,7 @@ class TinkerService:
 
     def asample(self, body: dict) -> dict:
         sampler = self._sampler(body["sampling_session_id"])
+        _refuse_unserved(body)
         tokens = [t for chunk in body["prompt"]["chunks"] for t in _chunk_tokens(chunk)]
         count = int(body.get("num_samples", 1))
         kwargs = generate_kwargs(body.get("sampling_params") or {}, count, bool(body.get("prompt_logprobs")))
@@ -331,8 +332,13 @@ def generate_kwargs(params: dict, count: int, prompt_logprobs: bool) -> dict:
         kwargs.update(temperature=temperature, top_k=0 if top_k < 0 else top_k, top_p=float(params.get("top_p", 1.0)))
     if params.get("seed") is not None:
         kwargs["seed"] = int(params["seed"])
-    if params.get("stop"):
-        kwargs["stop"] = params["stop"]
+    stop = params.get("stop")
+    if stop == []:  # Tinker: no stop at all, not even at EOS; generation runs to max_tokens
+        kwargs["eos_token_id"] = []
+    elif isinstance(stop, (list, tuple)) and all(isinstance(t, int) for t in stop):
+        kwargs["stop"] = [[int(t)] for t in stop]  # Tinker: stop at any of these tokens (llmrl: one sequence)
+    elif stop:
+        kwargs["stop"] = stop
     if prompt_logprobs:
         kwargs["prompt_logprobs"] = True
     return kwargs
@@ -347,6 +353,18 @@ def classify(err: BaseException) -> str:
     if isinstance(err, RequestError) and getattr(err, "remote_type", None) in ("ValueError", "InvalidArgument"):
         return "user"
     return "server"
+
+
+UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+                          "prompt_alt_tokens_k", "prompt_logprobs_last_n")
+
+
+def _refuse_unserved(body: dict) -> None:
+    """A sample request asking for what this service does not compute is refused, not answered without it."""
+    asked = [name for name in UNSERVED_SAMPLE_FIELDS if body.get(name) not in (None, 0, False)]
+    if asked:
+        raise ValueError(f"sample request field(s) {asked} are not served by llmrl's Tinker service (it returns the "
+                         "sampled tokens' log-probs, and with prompt_logprobs every prompt token's): leave them unset")
 
 
 def _chunk_tokens(chunk: dict) -> list[int]:

@@ -282,11 +282,16 @@ TOKEN_LOSSES = {
     "cross_entropy": (("weights",), {}),
     "importance_sampling": (("logprobs", "advantages"), {}),
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),  # Tinker's
     "dro": (("logprobs", "advantages"), {"beta": None}),
     "gspo": (("logprobs", "advantages", "sequence_ratio_mask"),
              {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
 }
+
+# Per loss: the inputs that, all 0 at a position, make its loss and gradient there 0 whatever the log-prob (dro's
+# penalty reads every position). Only there may a datum's target differ from the next input token.
+UNREAD_WHEN_ZERO = {"cross_entropy": ("weights",), "importance_sampling": ("advantages",), "ppo": ("advantages",),
+                    "cispo": ("advantages",), "gspo": ("advantages", "sequence_ratio_mask")}
 
 
 def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None = None
@@ -299,7 +304,8 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     - ``ppo``: ``-min(ratio * A, clip(ratio, clip_low_threshold, clip_high_threshold) * A)``, ``ratio =
       exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default);
     - ``cispo``: ``-sg(clip(ratio, low, high)) * A * logp`` (the clipped ratio weighs the log-prob's gradient and gets
-      none of its own);
+      none of its own); by default one-sided, as Tinker's: 0.0 and 4.0 (a lower bound would keep near-full updates on
+      tokens the policy has moved away from);
     - ``dro``: ``-(logp * A - beta / 2 * (logp - logp_sampler) ** 2)`` (``beta`` required);
     - ``gspo`` (GSPO-token): ``ppo``'s loss with every token's ratio worth the sequence ratio ``s = exp(mean over
       the tokens sequence_ratio_mask marks of (logp - logp_sampler))`` and carrying its own log-prob's gradient:
