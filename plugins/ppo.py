@@ -108,6 +108,10 @@ class PPOUpdater(ShufflingUpdater):
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         if batch.candidates is None:
             raise ValueError("the ppo updater needs candidates (the actions offered in each context)")
+        if self.kl_coef > 0 and not trainer.has_adapters:  # the base model would be the policy itself: KL 0
+            raise ValueError("the ppo updater's KL term (kl_coef > 0) compares the policy with the model without its "
+                             "LoRA adapters, and this LLM has none: add LoRA adapters (the lora initializer), or set "
+                             "kl_coef to 0")
         missing = [k for k in ("actions", "old_logprobs", "advantages") if k not in batch.kwargs]
         if self.value_head and "returns" not in batch.kwargs:
             missing.append("returns")

@@ -137,6 +137,12 @@ class PPOTokensUpdater(ShufflingUpdater):
                  whiten: bool = True, value_head: str | None = "value", peft_adapter: str | None = None,
                  seed: int = 0, reward_clip: float | None = None, reward_scale: str | None = None,
                  reward_ref_std: float | None = None):
+        if reward_ref_std is not None and reward_scale != "ref":
+            raise ValueError(f"reward_ref_std is the standard deviation reward_scale 'ref' divides by; with "
+                             f"reward_scale {reward_scale!r} nothing reads it: set reward_scale: ref, or drop it")
+        if kl_target is not None and kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef by multiplying it, so from kl_coef 0 it would stay 0 (and no "
+                             "reference pass would run): give kl_coef > 0 as the starting value, or drop kl_target")
         self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
         self.value_coef, self.entropy_coef = value_coef, entropy_coef
         self.kl = AdaptiveKL(kl_coef, kl_target, kl_horizon)

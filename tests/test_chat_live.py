@@ -117,7 +117,9 @@ def test_episodes_of_several_environments_are_token_exact_trajectories(run, mode
     from testkit.envs import ACTIONS, DoorEnv
 
     envs = [DoorEnv(room, turns=2 + room % 2) for room in range(3)]
-    kwargs = {"mode": mode, "max_turns": 3, "seed": 5, "llm": "chat", "generate_kwargs": {"max_new_tokens": 3}}
+    kwargs = {"mode": mode, "max_turns": 3, "seed": 5, "llm": "chat"}
+    if mode == "write":
+        kwargs["generate_kwargs"] = {"max_new_tokens": 3}
     episodes = run.run_episodes(envs, **kwargs)
     again = run.run_episodes([DoorEnv(room, turns=2 + room % 2) for room in range(3)], **kwargs)
     assert [e.actions for e in again] == [e.actions for e in episodes]  # the same seed: the same episodes
@@ -137,3 +139,7 @@ def test_episodes_of_several_environments_are_token_exact_trajectories(run, mode
         torch.testing.assert_close(scored[mask], recorded[mask], atol=1e-5, rtol=0)
     with pytest.raises(Exception, match="mode must be one of"):
         run.run_episodes(envs, mode="act", llm="chat")
+    with pytest.raises(Exception, match="generate_kwargs set how mode 'write' generates"):
+        run.run_episodes(envs, mode="choose", llm="chat", generate_kwargs={"max_new_tokens": 3})
+    with pytest.raises(Exception, match="max_turns must be an int >= 1"):
+        run.run_episodes(envs, mode=mode, llm="chat", max_turns=0)

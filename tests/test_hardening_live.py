@@ -15,7 +15,7 @@ import socket
 import pytest
 import torch
 
-from llmrl.engine.errors import InvalidArgument, RequestError, ServerDiedError
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, RequestError, ServerDiedError
 from llmrl.engine.transport import frames, rendezvous
 from testkit import LiveRun
 
@@ -90,6 +90,18 @@ def test_nan_or_inf_update_arguments_are_refused_before_any_step(run):
             run.update(CONTEXTS, CANDIDATES, llm="trainable", actions=[1, 0, 1, 0], weights=bad)
     after = run.state_dict(llm="trainable")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_bad_seed_or_minibatch_size_is_refused_naming_it(run):
+    """Not rounded (a seed of 1.9), not taken for the default (a minibatch_size of 0), not a raw server error."""
+    for kwargs, error, name in (({"seed": 1.9}, InvalidArgumentType, "seed"), ({"seed": True}, InvalidArgumentType,
+                                "seed"), ({"minibatch_size": 0}, InvalidArgument, "minibatch_size"),
+                                ({"minibatch_size": "2"}, InvalidArgument, "minibatch_size")):
+        with pytest.raises(error, match=f"{name} must be"):
+            run.generate(["a door"], llm="trainable", max_new_tokens=2, **kwargs)
+    with pytest.raises(InvalidArgument, match="minibatch_size must be"):
+        run.score(CONTEXTS, CANDIDATES, llm="trainable", minibatch_size=-1)
+    assert run.score(CONTEXTS, CANDIDATES, llm="trainable", minibatch_size=1)  # the servers go on
 
 
 def test_the_secret_is_in_no_store_and_strangers_are_refused(run):

@@ -118,3 +118,21 @@ def test_an_action_that_is_not_one_of_its_contexts_candidates_is_refused():
     for actions, where, shown in (([2, 0, 0], 4, "2"), ([0, 1.7, 0], 5, "1.7"), ([0, 0, -1], 6, "-1")):
         with pytest.raises(ValueError, match=rf"'actions'\[{where}\] is {shown}, but context {where} offers"):
             check_actions(actions, candidates, [4, 5, 6])
+
+
+def test_settings_that_would_do_nothing_silently_are_refused():
+    """ppo's KL term with no adapter to disable compares the policy with itself (0); kl_target adapts kl_coef by
+    multiplying it (from 0 it stays 0); reward_ref_std is read by reward_scale 'ref' only."""
+    from types import SimpleNamespace
+
+    from llmrl.plugins.ppo import PPOUpdater
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
+
+    batch = SimpleNamespace(candidates=[[" a", " b"]], kwargs={})
+    with pytest.raises(ValueError, match=r"KL term \(kl_coef > 0\).*has none"):
+        PPOUpdater(kl_coef=0.1).update(batch, SimpleNamespace(has_adapters=False))
+    with pytest.raises(ValueError, match="kl_target adapts kl_coef"):
+        PPOTokensUpdater(kl_coef=0.0, kl_target=6.0)
+    with pytest.raises(ValueError, match="reward_ref_std is the standard deviation reward_scale 'ref'"):
+        PPOTokensUpdater(reward_ref_std=2.0)
+    PPOTokensUpdater(reward_scale="ref", reward_ref_std=2.0, kl_coef=0.1, kl_target=6.0)  # meaningful together

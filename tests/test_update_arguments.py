@@ -95,6 +95,15 @@ def test_declared_arguments_are_sliced_by_the_declaration_and_the_others_go_whol
     assert [r.kwargs["table"] for r in rule] == [[9, 9, 9]] * 2 and rule[0].per_sample == ["advantages"]
 
 
+def test_a_declared_argument_given_as_none_is_not_given():
+    """``old_logprobs=lp if cached else None``: the replicas see no such argument (the updaters test presence), and
+    the call is not refused for a None that has no entries."""
+    got = shares({"advantages": [0.0, 1.0, 2.0, 3.0], "old_logprobs": None},
+                 {"advantages": "sample", "old_logprobs": "sample"})
+    assert [r.kwargs for r in got] == [{"advantages": [0.0, 1.0]}, {"advantages": [2.0, 3.0]}]
+    assert [r.per_sample for r in got] == [["advantages"], ["advantages"]]
+
+
 def test_an_argument_the_updater_does_not_read_is_refused_when_it_lists_what_it_reads():
     """The built-in updaters list every argument they read (per_sample_args and whole_args): a misspelt one is
     refused by name instead of being ignored; an updater that lists nothing (whole_args None) accepts any."""

@@ -171,7 +171,8 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
             raise InvalidArgument("entropy=True needs per_token=True (entropies are given per token)")
         contexts, candidates = self._inputs(name, contexts, candidates, candidates_needed=True)
         request = score.ScoreRequest(contexts, candidates, inputs.check_keys(additional_module_function_keys),
-                                     peft_adapter, minibatch_size, bool(per_token), bool(entropy), bool(add_eos),
+                                     peft_adapter, inputs.check_minibatch_size(minibatch_size), bool(per_token),
+                                     bool(entropy), bool(add_eos),
                                      inputs.check_head_kwargs(head_kwargs))
         return score.send(self._run, name, request,
                           score.Finish(reduction, normalize, probabilities, per_token=bool(per_token)),
@@ -233,8 +234,8 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
         if not keys:
             raise InvalidArgument("custom_module_fns needs at least one head key")
         contexts, candidates = self._inputs(name, contexts, candidates)
-        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, minibatch_size, add_eos=bool(add_eos),
-                                     head_kwargs=inputs.check_head_kwargs(head_kwargs))
+        request = score.ScoreRequest(contexts, candidates, keys, peft_adapter, inputs.check_minibatch_size(
+            minibatch_size), add_eos=bool(add_eos), head_kwargs=inputs.check_head_kwargs(head_kwargs))
         return score.send(self._run, name, request, score.Finish(scores=False), self._head_levels(name))
 
     def custom_module_fns(self, keys: Sequence[str], contexts, candidates=None, *, llm: str | None = None,
@@ -255,9 +256,9 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
                        ) -> concurrent.futures.Future:
         """Like :meth:`generate`, returning a future."""
         name = self._open(llm)
-        seed = self._rng.randrange(2**31) if seed is None else int(seed)
+        seed = self._rng.randrange(2**31) if seed is None else inputs.check_seed(seed)
         request = generate.GenerateRequest(self._inputs(name, contexts)[0], generate_kwargs, peft_adapter, seed,
-                                           minibatch_size)
+                                           inputs.check_minibatch_size(minibatch_size))
         return generate.send(self._run, name, request)
 
     def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,

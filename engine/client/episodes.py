@@ -63,6 +63,11 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
     """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "choose" and generate_kwargs:
+        raise ValueError("generate_kwargs set how mode 'write' generates; mode 'choose' scores the admissible actions "
+                         "and generates nothing: drop them, or use mode 'write'")
+    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
     if not envs:
         raise ValueError("run_episodes needs at least one environment")
     if not temperature >= 0:

@@ -129,3 +129,22 @@ def check_head_kwargs(value) -> dict | None:
     if bad:
         raise InvalidArgumentType(f"head_kwargs keys must be strings (argument names), got {bad[0]!r}")
     return dict(value) or None
+
+
+def check_minibatch_size(value) -> int | None:
+    """A call's ``minibatch_size``: a positive int, or None for the LLM's own."""
+    if value is None:
+        return None
+    if not _is_id(value) or value < 1:
+        raise InvalidArgument(f"minibatch_size must be a positive int (rows per forward pass) or None (the LLM's "
+                              f"minibatch_size), got {value!r}")
+    return int(value)
+
+
+def check_seed(value) -> int | None:
+    """A call's ``seed``: an int (not a bool, not a float to round), or None."""
+    if value is None:
+        return None
+    if not _is_id(value):
+        raise InvalidArgumentType(f"seed must be an int or None, got {type(value).__name__} {value!r}")
+    return int(value)

@@ -80,6 +80,8 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
          declared: dict | None = None, updater: str = "", whole: list | tuple | None = None) -> Future:
     """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length
     rule); ``whole``: its ``whole_args`` (None: any other argument is accepted)."""
+    # a declared per-sample argument given as None is not given (``old_logprobs=lp if cached else None``)
+    kwargs = {k: v for k, v in kwargs.items() if not (v is None and k in (declared or {}))}
     refuse_engine_settings(kwargs, llm, declared, updater)
     refuse_unknown(kwargs, declared, whole, updater)
     check_finite(kwargs)
