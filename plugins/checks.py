@@ -1,7 +1,8 @@
 """Plugin classes checked against their contracts where they are registered: the hook and its signature, a head's
-declarations (level, what it reads, which layers), the constructor and the arguments it is given (``args_schema``),
-an updater's per-sample declaration; and the forms users bring from Lamorel: plugin instances where a class is
-taken, head keys that collide with the entries of ``score()``'s results.
+declarations (level, what it reads, which layers), the constructor and the arguments it is given (``args_schema``,
+with the config's strict integers: 2.0 is refused where an integer is declared), an updater's per-sample
+declaration; and the forms users bring from Lamorel: plugin instances where a class is taken, head keys that
+collide with the entries of ``score()``'s results.
 
 Lamorel takes ``custom_updater=MyUpdater(...)`` and module-function instances; llmrl builds every plugin itself,
 on every server rank, from its class and the keyword arguments of its constructor. These checks run on the client
@@ -11,6 +12,7 @@ plugins by name is :mod:`llmrl.plugins.registry`'s; this module never imports it
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -128,11 +130,10 @@ def args_problem(cls, args: dict, name: str) -> str | None:
     """Why ``args`` do not fit the plugin's ``args_schema`` and constructor, or None."""
     schema = getattr(cls, "args_schema", None)
     if schema:
-        import jsonschema
-
-        errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(args), key=lambda e: list(e.path))
+        errors = sorted(_strict_validator()(schema).iter_errors(args), key=lambda e: list(e.path))
         if errors:
-            return "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'args'}: {e.message}" for e in errors)
+            return "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'args'}: {e.message}{_integer_hint(e)}"
+                             for e in errors)
     try:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
@@ -152,6 +153,27 @@ def args_problem(cls, args: dict, name: str) -> str | None:
         return (f"missing required argument(s) {missing} for {name!r}, whose constructor is "
                 f"__init__{inspect.signature(cls.__init__)}: give them in its args")
     return None
+
+
+@functools.cache
+def _strict_validator():
+    """JSON Schema's Draft 2020-12 validator with the config loader's strict integers
+    (:func:`llmrl.engine.config.loading.schema_problems`): 2.0 is no integer, since ``range(2.0)`` fails later
+    with a message that names no argument."""
+    import jsonschema
+
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)
+
+
+def _integer_hint(error) -> str:
+    """A hint for a whole number written as a float where an integer is declared (``epochs: 2.0``)."""
+    wanted = error.validator_value if error.validator == "type" else None
+    wanted = [wanted] if isinstance(wanted, str) else wanted or []
+    if "integer" in wanted and isinstance(error.instance, float) and error.instance.is_integer():
+        return f" (write {int(error.instance)}, without the decimal point)"
+    return ""
 
 
 def given_spec(kind: str, value, where: str, key: str = "value") -> PluginSpec:

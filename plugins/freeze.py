@@ -2,7 +2,8 @@
 
 ``freeze`` patterns (default: everything) stop training; ``unfreeze`` patterns, checked after, train
 again. Patterns are shell-style (``fnmatch``) over parameter names such as ``model.layers.1.mlp.up_proj.weight``.
-An ``unfreeze`` pattern that matches nothing is an error (a typo would silently freeze the whole model).
+A ``freeze`` or ``unfreeze`` pattern that matches no parameter is an error, naming the pattern (a typo would
+silently train, or freeze, the whole model).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class FreezeInitializer(Initializer):
 
     def initialize(self, model, llm: LLMInfo):
         names = [name for name, _ in model.named_parameters()]
-        for pattern in self.unfreeze:
-            if not any(fnmatch(name, pattern) for name in names):
-                raise ValueError(f"unfreeze pattern {pattern!r} matches no parameter; names look like {names[:3]}")
+        for field, patterns in (("freeze", self.freeze), ("unfreeze", self.unfreeze)):
+            for pattern in patterns:
+                if not any(fnmatch(name, pattern) for name in names):
+                    raise ValueError(f"{field} pattern {pattern!r} matches no parameter; names look like {names[:3]}")
         for name, param in model.named_parameters():
             if any(fnmatch(name, p) for p in self.freeze):
                 param.requires_grad_(False)

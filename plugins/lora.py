@@ -2,9 +2,10 @@
 
 The base model is frozen; every adapter trains when it is the active one. Requests pick an adapter
 with ``peft_adapter="name"`` (default: the first). An adapter can start from saved weights (``path``,
-a folder written by PEFT or by ``Caller.save``). Works on 4-bit models too (QLoRA). This initializer only
-adds adapters and sets what trains; keeping one adapter's step from moving another is the optimizer's
-(:mod:`llmrl.engine.model.training.optimizer`).
+a folder written by PEFT or by ``Caller.save``; its saved shape is used, so shape keys beside ``path`` are refused).
+``layers`` (indices from 0, checked against the model's layer count) and ``last_layers`` exclude each other.
+Works on 4-bit models too (QLoRA). This initializer only adds adapters and sets what trains; keeping one adapter's
+step from moving another is the optimizer's (:mod:`llmrl.engine.model.training.optimizer`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ _ADAPTER_SCHEMA = {
         "alpha": {"type": "number", "exclusiveMinimum": 0},
         "dropout": {"type": "number", "minimum": 0, "maximum": 1},
         "target_modules": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-        "layers": {"type": "array", "items": {"type": "integer"}},
+        "layers": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
         "last_layers": {"type": "integer", "minimum": 1},
-        "path": {"type": "string"},
+        "path": {"type": "string", "minLength": 1},
     },
 }
 
@@ -30,7 +31,8 @@ class LoraInitializer(Initializer):
     """Args (config ``args``):
         adapters: ``{name: {r, alpha, dropout, target_modules, layers, last_layers, path}}`` (default: one
             adapter ``default``, r=8, on every linear layer). ``last_layers: k`` adapts only the top k
-            transformer layers: backward passes then stop there, which makes updates much cheaper.
+            transformer layers: backward passes then stop there, which makes updates much cheaper; ``layers`` names
+            them (indices from 0) instead. An adapter with ``path`` takes its shape from the saved one.
     """
 
     args_schema = {
@@ -41,6 +43,10 @@ class LoraInitializer(Initializer):
 
     def __init__(self, adapters: dict | None = None):
         self.adapters = adapters or {"default": {}}
+        for name, spec in self.adapters.items():
+            problem = _spec_problem(name, spec)
+            if problem:
+                raise ValueError(problem)
 
     def initialize(self, model, llm: LLMInfo):
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
@@ -60,6 +66,9 @@ class LoraInitializer(Initializer):
             if spec.get("last_layers"):
                 count = model.config.get_text_config().num_hidden_layers
                 layers = list(range(max(0, count - spec["last_layers"]), count))
+            elif layers is not None and (count := _layer_count(model)) is not None and max(layers) >= count:
+                raise ValueError(f"adapters.{name}.layers: {sorted(i for i in layers if i >= count)} out of range; "
+                                 f"this model has {count} layers: use indices from 0 to {count - 1}")
             targets = spec.get("target_modules") or ("all-linear" if layers is None else _layer_linear_names(model))
             config = LoraConfig(task_type=task, r=spec.get("r", 8), lora_alpha=spec.get("alpha", 2 * spec.get("r", 8)),
                                 lora_dropout=spec.get("dropout", 0.0), target_modules=targets,
@@ -76,6 +85,32 @@ class LoraInitializer(Initializer):
             if mine and "lora_" in name:
                 param.requires_grad_(True)
         return peft_model
+
+
+_SHAPE_KEYS = ("r", "alpha", "dropout", "target_modules", "layers", "last_layers")
+
+
+def _spec_problem(name: str, spec) -> str | None:
+    """Why adapter ``name``'s spec contradicts itself (keys that would be silently ignored), or None."""
+    if not isinstance(spec, dict):
+        return f"adapters.{name}: expected a mapping of {list(_SHAPE_KEYS) + ['path']}, got {type(spec).__name__}"
+    if "layers" in spec and "last_layers" in spec:
+        return (f"adapters.{name}: give layers or last_layers, not both (layers lists the adapted layers, "
+                "last_layers: k the top k)")
+    shape = [key for key in _SHAPE_KEYS if key in spec]
+    if spec.get("path") and shape:
+        return (f"adapters.{name}: {', '.join(shape)} given with path, which loads the saved adapter with its own "
+                f"shape; drop {', '.join(shape)}, or drop path to start a new adapter")
+    return None
+
+
+def _layer_count(model) -> int | None:
+    """The number of transformer layers layer indices refer to (for an encoder-decoder, the larger stack), or
+    None if the config does not say."""
+    config = model.config.get_text_config()
+    counts = [getattr(config, key, None) for key in ("num_hidden_layers", "num_decoder_layers")]
+    counts = [c for c in counts if isinstance(c, int)]
+    return max(counts) if counts else None
 
 
 def _layer_linear_names(model) -> list[str]:
