@@ -1,11 +1,13 @@
 """Checks of a config that the JSON Schema cannot express: across keys, and against this machine.
 
 :func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the
-machine (model folders, GPUs, bitsandbytes, tensor-parallel divisibility) and may read a model's config.
-Both return ``(dotted path, message)`` problems; neither raises. :func:`world_size_problem` words a launch
-whose rank count does not match the config.
+machine (model folders, GPUs and their ids, bitsandbytes, tensor-parallel divisibility, ``max_length`` against the
+model's position limit) and may read a model's config. Keys that would be silently overridden or ignored are
+:mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`). :func:`lora_tensor_parallel_problems`
+runs once the plugins are checked (it resolves them). All return ``(dotted path, message)`` problems; none raises.
+:func:`world_size_problem` words a launch whose rank count does not match the config.
 
-This module loads no model weights and starts nothing.
+This module loads no model weights, downloads nothing and starts nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from llmrl.engine.config.key_conflicts import deepspeed_problems, inapplicable_problems
 from llmrl.engine.config.types import TRACKING_PACKAGES, Config
 from llmrl.engine.errors import did_you_mean
 
@@ -30,6 +33,12 @@ RESERVED_MODEL_KWARGS = {
     "tp_plan": "tensor_parallel", "tp_size": "tensor_parallel",
     "pretrained_model_name_or_path": "model", "config": "model",
 }
+
+# the spellings of the built-in LoRA initializer a config may write without importing it (a class resolved from any
+# other name is checked by lora_tensor_parallel_problems, once the plugins are imported)
+LORA_SPELLINGS = ("lora", "qlora", "llmrl.plugins.lora:LoraInitializer")
+LORA_TP_MESSAGE = ("LoRA adapters are not split by DeepSpeed's tensor parallelism (the sharded layers no longer match "
+                   "their adapters' shapes); use replicas instead of tensor_parallel, or train every weight")
 
 # entries of score()'s per-context result dicts that a head's output would replace (engine/requests/score.py)
 RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
@@ -64,12 +73,10 @@ def semantic_problems(data: dict) -> list[Problem]:
         for key in llm.get("heads") or {}:
             if head_key_problem(key):
                 problems.append((f"{at}.heads.{key}", head_key_problem(key)))
-        plugins = [spec if isinstance(spec, str) else (spec or {}).get("plugin")
-                   for spec in llm.get("initializers") or []]
-        if tp > 1 and any(p in ("lora", "qlora") for p in plugins):
-            problems.append((f"{at}.initializers", "LoRA adapters are not split by DeepSpeed's tensor parallelism (the "
-                             "sharded layers no longer match their adapters' shapes); use replicas instead of "
-                             "tensor_parallel, or train every weight"))
+        if tp > 1 and any(name in LORA_SPELLINGS for name in initializer_names(llm)):
+            problems.append((f"{at}.initializers", LORA_TP_MESSAGE))
+        problems += deepspeed_problems(at, (llm.get("training") or {}).get("deepspeed") or {})
+        problems += inapplicable_problems(at, llm)
         schedule = (llm.get("training") or {}).get("lr_schedule") or {}
         if schedule.get("type") in ("linear", "cosine"):
             total, warmup = schedule.get("total_steps"), schedule.get("warmup_steps", 0)
@@ -122,16 +129,23 @@ def semantic_problems(data: dict) -> list[Problem]:
     return problems
 
 
+def initializer_names(llm: dict) -> list[str]:
+    return [spec if isinstance(spec, str) else (spec or {}).get("plugin") for spec in llm.get("initializers") or []]
+
+
 def looks_like_local_path(model: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything else that names a folder is a local path."""
     return model.startswith(("/", ".", "~")) or model.rstrip("/").count("/") > 1
 
 
-def environment_problems(data: dict, check_devices: bool = True) -> list[Problem]:
-    """Checks that look at this machine: model folders, GPUs (unless ``check_devices`` is false), bitsandbytes,
+def environment_problems(data: dict, check_devices: bool = True, single_node: bool | None = None) -> list[Problem]:
+    """Checks that look at this machine: model folders, GPUs (unless ``check_devices`` is false: their presence, the
+    listed ids, and ``devices: auto``'s ranks where the node's ranks are known, see :func:`auto_device_problems`),
+    ``max_length`` against the model's position limit (where its config is on this machine), bitsandbytes,
     tensor-parallel divisibility."""
     problems: list[Problem] = []
     cuda_available: bool | None = None
+    gpu_count = 0
     for name, llm in data["llms"].items():
         at = f"llms.{name}"
         model = llm["model"]
@@ -153,15 +167,120 @@ def environment_problems(data: dict, check_devices: bool = True) -> list[Problem
                 import torch
 
                 cuda_available = torch.cuda.is_available()
+                gpu_count = torch.cuda.device_count() if cuda_available else 0
             if not cuda_available:
                 problems.append((f"{at}.devices", f"{llm['devices']!r} asks for GPUs but CUDA is not available on this "
                                  "machine; use devices: cpu"))
+            elif isinstance(llm["devices"], list) and max(llm["devices"]) >= gpu_count:
+                missing = sorted({i for i in llm["devices"] if i >= gpu_count})
+                problems.append((f"{at}.devices", f"GPU id(s) {', '.join(map(str, missing))} do not exist on this "
+                                 f"machine, which has {gpu_count} GPU(s) (ids 0..{gpu_count - 1}, as "
+                                 "CUDA_VISIBLE_DEVICES leaves them); list ids below that, or use devices: auto"))
+        limit = position_limit_problem(at, llm)
+        if limit:
+            problems.append(limit)
         if llm.get("quantization") and importlib.util.find_spec("bitsandbytes") is None:
             problems.append((f"{at}.quantization", "needs the bitsandbytes package: pip install bitsandbytes"))
         tp = llm.get("tensor_parallel", 1)
         if tp > 1:
             problems += _tensor_parallel_problems(at, llm, tp)
+    if check_devices and cuda_available:
+        problems += auto_device_problems(data, gpu_count, single_node)
     return problems + tracking_problems((data.get("tracking") or {}).get("backends") or ())
+
+
+def auto_device_problems(data: dict, gpu_count: int, single_node: bool | None = None,
+                         environ=os.environ) -> list[Problem]:
+    """The ``devices: auto`` LLMs whose ranks on this node would take a GPU id this machine lacks.
+
+    ``auto`` gives server local rank L GPU L-1 on node 0 (local rank 0 is the client) and GPU L on the other nodes
+    (:func:`llmrl.engine.config.topology.device_for`). Which ranks run on this node is known inside a launched rank
+    (the launcher's RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK), or, with ``single_node``, when every rank runs here.
+    Otherwise (``llmrl validate``, or ``llmrl run`` before it launches: the run may span nodes of a hostfile) nothing
+    is reported; each rank checks again when it starts."""
+    if single_node is False:
+        return []
+    if single_node:
+        first, size, node_rank = 0, 1 + sum(llm.get("replicas", 1) * llm.get("tensor_parallel", 1)
+                                            for llm in data["llms"].values()), 0
+    else:
+        try:
+            rank, local_rank = int(environ["RANK"]), int(environ["LOCAL_RANK"])
+            first, size = rank - local_rank, int(environ["LOCAL_SIZE"])
+            node_rank = int(environ.get("CROSS_RANK", "0") or 0)
+        except (KeyError, ValueError):
+            return []  # not a launched rank: this node's ranks are unknown
+    owners = [name for name, llm in data["llms"].items()
+              for _ in range(llm.get("replicas", 1) * llm.get("tensor_parallel", 1))]  # server rank g: owners[g - 1]
+    highest: dict[str, int] = {}
+    for local in range(size):
+        rank = first + local
+        if not 1 <= rank <= len(owners) or data["llms"][owners[rank - 1]].get("devices", "cpu") != "auto":
+            continue
+        highest[owners[rank - 1]] = local - 1 if node_rank == 0 else local
+    return [(f"llms.{name}.devices",
+             f"auto gives each server rank of a node the next GPU in local-rank order (the ranks of the LLMs listed "
+             f"before it take their places too, on CPU or not): on this node {name}'s ranks need GPU ids up to {top}, "
+             f"but this machine has {gpu_count} GPU(s); use fewer replicas or tensor_parallel ranks, list GPU ids "
+             "(devices: [0, 1, ...], ids may repeat across LLMs), or spread the run over nodes with a hostfile")
+            for name, top in highest.items() if top >= gpu_count]
+
+
+# model types whose positions are relative (no table to index past): their n_positions is no input limit
+RELATIVE_POSITION_TYPES = ("t5", "mt5", "umt5", "longt5")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as max_input_length reads them
+
+
+def position_limit_problem(at: str, llm: dict) -> Problem | None:
+    """``max_length`` above the model's position limit (read from its config.json where it is on this machine: a
+    local folder, a prepared builtin model or the Hugging Face cache; ``model_kwargs`` may raise it), or None."""
+    max_length = llm.get("max_length")
+    if max_length is None:
+        return None
+    config = _model_config_json(llm)
+    if not isinstance(config, dict) or config.get("model_type") in RELATIVE_POSITION_TYPES:
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kwargs = llm.get("model_kwargs") or {}
+    for key in POSITION_KEYS:
+        limit = kwargs.get(key, text.get(key))
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            if max_length <= limit:
+                return None
+            return (f"{at}.max_length",
+                    f"{max_length} exceeds the model's position limit ({key}: {limit} in its config): a longer input "
+                    f"would index past its position embeddings and fail; set max_length to at most {limit}, or null "
+                    "(the model's limit)")
+    return None
+
+
+def _model_config_json(llm: dict) -> dict | None:
+    """The model's config.json as a mapping, where it is on this machine without loading or downloading anything."""
+    import json
+
+    model = llm["model"]
+    if model.startswith(BUILTIN_MODEL_PREFIX):
+        from llmrl.engine.model.store.folders import models_dir
+
+        path = models_dir() / model[len(BUILTIN_MODEL_PREFIX):] / "config.json"
+    elif Path(os.path.expanduser(model)).is_dir():
+        path = Path(os.path.expanduser(model)) / "config.json"
+    elif looks_like_local_path(model):
+        return None
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json", revision=llm.get("revision"))
+        except Exception:  # noqa: BLE001 - a hub id that is not cached: checked when the model loads
+            return None
+        if not isinstance(found, str):
+            return None
+        path = Path(found)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def tracking_problems(backends) -> list[Problem]:

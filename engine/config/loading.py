@@ -1,7 +1,8 @@
 """Load an llmrl config: YAML file -> command-line overrides -> JSON Schema -> checks -> frozen objects.
 
 Every problem is collected and reported at once (:class:`~llmrl.engine.errors.ConfigError`), each
-with its dotted path and a hint. The checks that look across keys or at the machine live in
+with its dotted path and a hint; a problem of an LLM that only an override created (a misspelt name) also
+suggests the config's closest LLM name. The checks that look across keys or at the machine live in
 :mod:`llmrl.engine.config.checks`; the typed objects and their defaults in :mod:`llmrl.engine.config.types`.
 
 This module does not start processes, build DeepSpeed configs or load models.
@@ -10,6 +11,7 @@ This module does not start processes, build DeepSpeed configs or load models.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import json
 import os
@@ -17,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from llmrl.engine.config.checks import environment_problems, semantic_problems
+from llmrl.engine.config.checks import LORA_TP_MESSAGE, environment_problems, initializer_names, semantic_problems
 from llmrl.engine.config.types import (
     Config,
     GenerationSettings,
@@ -43,7 +45,7 @@ _YAML12_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True,
-                check_devices: bool = True) -> Config:
+                check_devices: bool = True, single_node: bool | None = None) -> Config:
     """Load and validate a config; raise :class:`ConfigError` listing every problem.
 
     Args:
@@ -53,23 +55,48 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         check_plugins: also resolve the named plugins and check their arguments against their schemas.
         check_devices: with ``check_environment``, also require the GPUs the config names on this machine
             (``llmrl validate`` on a login node without GPUs turns it off).
+        single_node: with ``check_devices``, whether every rank runs on this machine, for the check of ``devices:
+            auto`` against its GPUs; None: known inside a launched rank only (the launcher says), else not checked.
     """
     source = str(path) if path is not None else None
     data = load_yaml(path) if raw is None else copy.deepcopy(raw)
     problems: list[Problem] = []
+    given_llms = list(data.get("llms") or {}) if isinstance(data.get("llms"), dict) else []
     data = apply_overrides(data, list(overrides), problems)
     problems += schema_problems(data)
     if not problems:
         problems += semantic_problems(data)
     if not problems and check_environment:
-        problems += environment_problems(data, check_devices=check_devices)
+        problems += environment_problems(data, check_devices=check_devices, single_node=single_node)
     if not problems and check_plugins:
         from llmrl.plugins.registry import plugin_problems
 
         problems += plugin_problems(data)
+        if not problems:
+            problems += lora_tensor_parallel_problems(data)
     if problems:
-        raise ConfigError(problems, source)
+        raise ConfigError(created_llm_hints(problems, data, given_llms), source)
     return build_config(data, source)
+
+
+def created_llm_hints(problems: list[Problem], data: dict, given: list[str]) -> list[Problem]:
+    """``problems`` with a "did you mean" hint added to those of an LLM that only the overrides created, against the
+    names the config itself gives (``llms.polcy.replicas=2`` creates an LLM ``polcy`` beside ``policy``)."""
+    llms = data.get("llms") if isinstance(data.get("llms"), dict) else {}
+    created = [name for name in llms if name not in given]
+    if not created or not given:
+        return problems
+    out = []
+    for path, message in problems:
+        for name in created:
+            if path == f"llms.{name}" or path.startswith(f"llms.{name}."):
+                close = difflib.get_close_matches(name, given, n=1)
+                if close:
+                    message = (f"{message}; an override created this new LLM {name!r}: did you mean {close[0]!r}? "
+                               f"(the config defines {', '.join(given)})")
+                break
+        out.append((path, message))
+    return out
 
 
 def yaml_load(text: str):
@@ -328,3 +355,27 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     fields["updater"] = PluginSpec.coerce(fields["updater"]) if fields.get("updater") else None
     fields["model_kwargs"] = dict(fields.get("model_kwargs") or {})
     return LLMConfig(name=name, **fields)
+
+
+def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
+    """LoRA initializers of tensor-parallel LLMs under any name (an entry point, ``module:Class``, a subclass), found
+    by resolving each initializer as the plugin registry does. Run after the plugins were checked (so that resolving
+    imports nothing new); ``__main__:Name`` plugins and names that do not resolve are left to the plugin checks."""
+    problems: list[Problem] = []
+    for name, llm in data["llms"].items():
+        names = [n for n in initializer_names(llm) if n and not n.startswith("__main__:")]
+        if llm.get("tensor_parallel", 1) <= 1 or not names:
+            continue
+        from llmrl.engine.errors import PluginError
+        from llmrl.plugins.lora import LoraInitializer
+        from llmrl.plugins.registry import resolve
+
+        for plugin in names:
+            try:
+                cls = resolve("initializer", plugin)
+            except PluginError:
+                continue
+            if isinstance(cls, type) and issubclass(cls, LoraInitializer):
+                problems.append((f"llms.{name}.initializers", f"{plugin!r} is a LoRA initializer: {LORA_TP_MESSAGE}"))
+                break
+    return problems
