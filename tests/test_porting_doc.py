@@ -63,6 +63,7 @@ def test_every_config_and_python_block_is_valid(tiny, doc):
             raw = yaml.safe_load(text)
             for llm in raw["llms"].values():
                 llm["model"] = tiny["llama"]
+                llm.pop("max_length", None)  # the guide's model's; over the tiny model's 512 positions
             load_config(raw=raw)  # schema, semantics, machine and the named plugins (``__main__:`` ones at start-up)
 
 
@@ -181,7 +182,8 @@ def test_trlx_example_runs(tmp_path, tiny):
     """The guide's command on a tiny model: two rounds with dense rewards, a clean exit."""
     result = subprocess.run(
         [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", TRLX_CONFIG,
-         f"llms.policy.model={tiny['llama']}", "threads_per_rank=1", TRLX_EXAMPLE, "--rounds", "2",
+         f"llms.policy.model={tiny['llama']}", "llms.policy.max_length=null",  # 1024: over the tiny model's 512
+         "threads_per_rank=1", TRLX_EXAMPLE, "--rounds", "2",
          "--num-rollouts", "4", "--max-new-tokens", "8", "--dense"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
