@@ -172,7 +172,8 @@ def main(request: RunRequest) -> int:
 
     options = request.options
     try:
-        config = load_config(options.config, options.overrides)
+        # without a hostfile every rank runs here: `devices: auto` is checked against this machine's GPUs now
+        config = load_config(options.config, options.overrides, single_node=True if not options.hostfile else None)
     except ConfigError as err:
         print(f"llmrl: {err}", file=sys.stderr)
         return 2
