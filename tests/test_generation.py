@@ -169,3 +169,24 @@ def test_beam_search_still_reads_the_kept_logits(reference_models, monkeypatch):
     asked = spy_on_output_logits(model, monkeypatch)
     generate(model, tok, "causal", PROMPTS[:1], {"max_new_tokens": 3, "num_beams": 2}, "cpu", 8192, 64, 512)
     assert asked == [True]
+
+
+def test_a_stop_string_that_begins_in_the_prompt_is_named():
+    """Hugging Face's stop strings match across the prompt's end (a string counts when it ends in the generated
+    text); the sample's ``stop`` names that string, not None beside ``stop_reason == "stop"``."""
+    from llmrl.engine.model.stops import which_stop
+    from llmrl.engine.model.store.tiny_models import build_tiny
+
+    torch.manual_seed(0)
+    model, tok = build_tiny("llama")
+    model.eval()
+    prompt = PROMPTS[0]
+    free = generate(model, tok, "causal", [prompt], {"max_new_tokens": 4}, "cpu", 8192, 64, 512)[0][0]
+    first = tok.decode(free["tokens"][:1])
+    stop = prompt[-2:] + first[:1]  # two characters of the prompt, then the first generated one
+    assert stop not in tok.decode(free["tokens"])
+    out = generate(model, tok, "causal", [prompt], {"max_new_tokens": 4, "stop": [stop]}, "cpu", 8192, 64, 512)[0][0]
+    assert out["tokens"].tolist() == free["tokens"][:1].tolist() and out["stop_reason"] == "stop"
+    assert out["stop"] == stop
+    ids = tok(prompt)["input_ids"]  # a string wholly inside the prompt did not stop the generated text
+    assert which_stop(tok, free["tokens"].tolist(), [prompt[-4:]], [], prompt=ids) is None

@@ -206,7 +206,7 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         decoded = loop.decode(model, cache_kwarg(model), ids.to(device), mask.to(device), num_return, kwargs,
                               tokenizer.pad_token_id, eos, recorder, past, keep_cache=use is not None)
         kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens,
-                             decoded.logprobs, decoded.sampling_logprobs, None)
+                             decoded.logprobs, decoded.sampling_logprobs, None, causal=True)
         if use is not None:
             keep_generated(use, kept, decoded.cache, width)
         return
@@ -246,13 +246,13 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
     sequences = sequences.cpu()
     beam_scores = getattr(out, "sequences_scores", None) if beam_indices is not None else None
     kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, sequences, logprobs, sampled,
-                         beam_scores)
+                         beam_scores, causal=kind == "causal")
     if use is not None and cache_of(out) is not None:
         keep_generated(use, kept, cache_of(out), width)
 
 
 def _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, sequences, logprobs, sampled,
-                  beam_scores) -> list[tuple]:
+                  beam_scores, causal: bool) -> list[tuple]:
     """Cut each row at its EOS or stop, append its sample dict to its prompt's sink; the (row, prompt, tokens)
     kept."""
     kept = []
@@ -268,7 +268,8 @@ def _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, se
             "tokens": torch.tensor(tokens[:end], dtype=torch.long),
             "logprobs": logprobs[row, :end].clone(),
             "stop_reason": "stop" if ends else "length",
-            "stop": which_stop(tokenizer, tokens[:end], *stop) if stopped else None,
+            "stop": which_stop(tokenizer, tokens[:end], *stop, prompt=prompts[row // num_return] if causal else ())
+            if stopped else None,
         }
         if sampled is not None:
             sample["sampling_logprobs"] = sampled[row, :end].clone()

@@ -86,12 +86,18 @@ class StopRecorder(StoppingCriteria):
         return done
 
 
-def which_stop(tokenizer, tokens: list[int], strings: list[str], sequences: list[list[int]]):
+def which_stop(tokenizer, tokens: list[int], strings: list[str], sequences: list[list[int]], prompt=()):
     """The stop string (or token-id list) that ended ``tokens``: a token sequence they end with, else the string
-    that occurs nearest the end of their text; None when none does."""
+    whose match ends nearest the end of their text; None when none does. A string may begin in ``prompt`` (the
+    causal prompt's ids), as Hugging Face's stop strings match: the text searched starts with the prompt's last
+    tokens, and a match must end in the generated text."""
     for seq in sequences:
         if tokens[-len(seq):] == seq:
             return seq if len(seq) > 1 else seq[0]
-    text = tokenizer.decode(tokens, skip_special_tokens=False)
-    found = [(text.rfind(s) + len(s), s) for s in strings if s in text]
+    if not strings:
+        return None
+    tail = list(prompt)[-max(len(s) for s in strings):] if len(prompt) else []
+    before = len(tokenizer.decode(tail, skip_special_tokens=False)) if tail else 0
+    text = tokenizer.decode(tail + list(tokens), skip_special_tokens=False)
+    found = [(text.rfind(s) + len(s), s) for s in strings if s in text and text.rfind(s) + len(s) > before]
     return max(found)[1] if found else None
