@@ -18,7 +18,7 @@ _ADAPTER_SCHEMA = {
     "properties": {
         "r": {"type": "integer", "minimum": 1},
         "alpha": {"type": "number", "exclusiveMinimum": 0},
-        "dropout": {"type": "number", "minimum": 0, "maximum": 1},
+        "dropout": {"type": "number", "minimum": 0, "maximum": 0},  # 0 only: see _spec_problem
         "target_modules": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "layers": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
         "last_layers": {"type": "integer", "minimum": 1},
@@ -33,6 +33,7 @@ class LoraInitializer(Initializer):
             adapter ``default``, r=8, on every linear layer). ``last_layers: k`` adapts only the top k
             transformer layers: backward passes then stop there, which makes updates much cheaper; ``layers`` names
             them (indices from 0) instead. An adapter with ``path`` takes its shape from the saved one.
+            ``dropout`` must be 0: llmrl runs its models in evaluation mode, where LoRA dropout never acts.
     """
 
     args_schema = {
@@ -94,6 +95,10 @@ def _spec_problem(name: str, spec) -> str | None:
     """Why adapter ``name``'s spec contradicts itself (keys that would be silently ignored), or None."""
     if not isinstance(spec, dict):
         return f"adapters.{name}: expected a mapping of {list(_SHAPE_KEYS) + ['path']}, got {type(spec).__name__}"
+    if spec.get("dropout"):
+        return (f"adapters.{name}.dropout: llmrl runs its models in evaluation mode (every pass, and so every "
+                "log-prob and importance ratio, exact and repeatable), where LoRA dropout never acts: it would be "
+                "recorded in the exported adapter's config without having been applied; set 0")
     if "layers" in spec and "last_layers" in spec:
         return (f"adapters.{name}: give layers or last_layers, not both (layers lists the adapted layers, "
                 "last_layers: k the top k)")

@@ -71,3 +71,15 @@ def test_lora_layer_indices_must_exist_in_the_model(tiny):
     served = LoraInitializer({"policy": {"layers": [count - 1], "r": 2}}).initialize(model, info)
     adapted = {name for name, p in served.named_parameters() if p.requires_grad}
     assert adapted and all(f".layers.{count - 1}." in name for name in adapted)
+
+
+def test_lora_dropout_which_never_acts_is_refused():
+    """llmrl's models run in evaluation mode: a LoRA dropout would never be applied, yet the export would record
+    it. Refused at load (the schema, naming the field) and when the plugin is built (saying why)."""
+    from llmrl.plugins.checks import args_problem
+
+    problem = args_problem(LoraInitializer, {"adapters": {"default": {"r": 4, "dropout": 0.1}}}, "lora")
+    assert problem and "adapters.default.dropout" in problem
+    with pytest.raises(ValueError, match="adapters.default.dropout: llmrl runs its models in evaluation mode"):
+        LoraInitializer({"default": {"r": 4, "dropout": 0.1}})
+    assert args_problem(LoraInitializer, {"adapters": {"default": {"r": 4, "dropout": 0}}}, "lora") is None

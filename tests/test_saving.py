@@ -158,3 +158,26 @@ def test_a_resumed_client_draws_the_generate_seeds_the_saved_run_would_have_draw
                                "seed": 5}, check_plugins=False)
     again = saving.generate_seeds(resumed)
     assert [again.randrange(2**31) for _ in range(3)] == uninterrupted != before
+
+
+def test_a_resumed_run_tracks_its_steps_after_the_saved_ones(tiny, tmp_path):
+    """A named run's files are appended to: the resumed run's first update is step 5 after a save at step 4, not
+    step 1 again beside the first run's."""
+    from llmrl.engine.client.tracking import Tracker
+    from llmrl.engine.config.types import TrackingConfig
+
+    settings = TrackingConfig(backends=("csv",), dir=str(tmp_path / "runs"), run_name="r")
+    first = Tracker(settings, ["main"])
+    for _ in range(4):
+        first.log_update("main", [{"loss": 1.0}], 2, 0.1)
+    saving.save_run(FakeRun(tiny), lambda future: future.result(), str(tmp_path / "ckpt"), None, first.position())
+    first.close()
+    resumed = load_config(raw={"llms": {"main": {"model": tiny["llama"], "checkpoint": str(tmp_path / "ckpt")}}},
+                          check_plugins=False)
+    assert saving.resumed_tracking(resumed) == {"step": 4, "updates": 4}
+    fresh = load_config(raw={"llms": {"main": {"model": tiny["llama"]}}}, check_plugins=False)
+    assert saving.resumed_tracking(fresh) is None
+    again = Tracker(settings, ["main"])
+    again.resume(saving.resumed_tracking(resumed))
+    assert again.log_update("main", [{"loss": 0.5}], 2, 0.1) and again.step == 5
+    again.close()

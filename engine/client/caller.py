@@ -315,7 +315,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
         if self._run.closed_llms:
             raise LLMClosedError(f"cannot save: LLM(s) {sorted(self._run.closed_llms)} were closed with close_llm(), "
                                  "and a checkpoint holds every LLM of the run; save before closing an LLM")
-        return saving.save_run(self._run, self._wait, os.fspath(path), self._rng)
+        return saving.save_run(self._run, self._wait, os.fspath(path), self._rng, self.tracker.position())
 
     def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:
         """The LLM's full weights (model, adapters and heads; ZeRO-3 and tensor-parallel shards gathered) as CPU

@@ -44,9 +44,20 @@ def generate_seeds(config) -> random.Random:
     return seeds
 
 
-def save_run(run, wait, path: str, seeds: random.Random | None = None) -> str:
+def resumed_tracking(config) -> dict | None:
+    """The tracking position (:meth:`~llmrl.engine.client.tracking.Tracker.position`) of the checkpoint an LLM
+    resumes from, or None."""
+    for llm in config.llms.values():
+        saved = (read_manifest(resolve_checkpoint(llm.checkpoint)) or {}).get("tracking") if llm.checkpoint else None
+        if saved:
+            return saved
+    return None
+
+
+def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking: dict | None = None) -> str:
     """Write a checkpoint of every LLM of ``run`` to ``path`` atomically; ``wait(future)`` waits for the servers;
-    ``seeds``: the client's :func:`generate_seeds`, kept in the manifest. Returns the absolute path."""
+    ``seeds``: the client's :func:`generate_seeds`, kept in the manifest, as ``tracking`` (the tracker's steps).
+    Returns the absolute path."""
     target = Path(path).expanduser().resolve()
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +75,8 @@ def save_run(run, wait, path: str, seeds: random.Random | None = None) -> str:
                     "layout": {name: {"replicas": llm.replicas, "tensor_parallel": llm.tensor_parallel,
                                       "zero_stage": llm.training.zero_stage}
                                for name, llm in config.llms.items()},
-                    **({"generate_seeds": seeds.getstate()} if seeds is not None else {})}
+                    **({"generate_seeds": seeds.getstate()} if seeds is not None else {}),
+                    **({"tracking": tracking} if tracking is not None else {})}
         write_json(staging / MANIFEST, manifest)
         fsync_dir(staging)
         swap_into_place(staging, target, save_id)

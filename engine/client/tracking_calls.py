@@ -31,6 +31,11 @@ class TrackingCalls:
         except ValueError as err:
             raise InvalidArgument(f"Caller(tracking=...): {err}") from None
         self.tracker = Tracker(settings, list(self.config.llms), config_params(self.config))
+        from llmrl.engine.client.saving import resumed_tracking
+
+        position = resumed_tracking(self.config)
+        if position:  # steps go on from the checkpoint's
+            self.tracker.resume(position)
 
     def log(self, metrics: dict, step: int | None = None, *, backends=None) -> None:
         """Write your script's own scalars through the run's tracking (the back ends of the config's ``tracking``

@@ -142,6 +142,17 @@ class Tracker:
         names = None if backends is None else check_backends(backends)
         self.write(scalars, self.step if step is None else step, names)
 
+    def position(self) -> dict:
+        """Where the run's steps stand, for a checkpoint (a resumed run goes on from there: :meth:`resume`)."""
+        with self._lock:
+            return {"step": self.step, "updates": self._updates}
+
+    def resume(self, position: dict) -> None:
+        """Go on from a checkpoint's :meth:`position`, so that a resumed run writes after the steps it saved, not
+        over them (a named run's files are appended to)."""
+        with self._lock:
+            self.step, self._updates = int(position["step"]), int(position["updates"])
+
     def _name(self, kind: str, llm: str) -> str:
         return f"{kind}/{llm}" if self._several else kind
 
