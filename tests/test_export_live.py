@@ -102,3 +102,38 @@ def _check_heads(export, state):
     assert heads.keys() == {k[len("heads."):] for k in state if k.startswith("heads.")}
     for key, value in heads.items():
         torch.testing.assert_close(value, state[f"heads.{key}"], atol=0, rtol=0)
+
+
+def test_base_weights_trained_beside_lora_are_exported_with_it(tiny, tmp_path):
+    """The freeze initializer's unfreeze trains a base weight (the final norm) beside the adapter: the export
+    writes it to trained_base_weights.safetensors, and the base model with it, then the adapter, scores as the
+    run does (the adapter alone would not)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llms = {"p": {"model": tiny["llama"], "trainable": True, "training": {"optimizer": {"type": "adam", "lr": 1e-2}},
+                  "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}},
+                                   {"plugin": "freeze", "args": {"freeze": [], "unfreeze": ["*model.norm.weight"]}}]}}
+    with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+        tokens = list(range(5, 14))
+        datum = {"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], "weights": [1.0] * 8}}
+        for _ in range(2):
+            run.forward_backward([datum], "cross_entropy", llm="p")
+            run.optim_step({"learning_rate": 5e-2}, llm="p")
+        served = run.score(CONTEXTS, CANDIDATES, llm="p")
+        run.save(str(tmp_path / "ckpt"))
+    export = tmp_path / "ckpt" / "p" / "export"
+    trained = load_file(export / "trained_base_weights.safetensors")
+    assert list(trained) == ["model.norm.weight"]
+    base = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    assert not torch.equal(trained["model.norm.weight"], base.state_dict()["model.norm.weight"])
+    tok = AutoTokenizer.from_pretrained(export / "tokenizer")
+    adapter_only = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny["llama"]),
+                                             export / "adapters" / "default").eval()
+    base.load_state_dict(trained, strict=False)
+    whole = PeftModel.from_pretrained(base, export / "adapters" / "default").eval()
+    for got, want in zip(reference_scores(whole, tok, CONTEXTS, CANDIDATES), served):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert any(not torch.allclose(a, w, atol=1e-3)
+               for a, w in zip(reference_scores(adapter_only, tok, CONTEXTS, CANDIDATES), served))

@@ -83,7 +83,9 @@ def _strip(state: dict, prefix: str) -> dict:
 
 
 def _export(served: ServedModel, state: dict, folder: Path) -> None:
-    """A folder plain transformers / peft can load: the model (or adapters), tokenizer and heads."""
+    """A folder plain transformers / peft can load: the model (or adapters), tokenizer and heads. With adapters,
+    base weights trained beside them go to ``trained_base_weights.safetensors`` (the base model's names: load them
+    into the base model before the adapters; a PEFT adapter alone would leave them untrained)."""
     from safetensors.torch import save_file
 
     from llmrl.engine.model.snapshots import without_adapter
@@ -101,6 +103,11 @@ def _export(served: ServedModel, state: dict, folder: Path) -> None:
             out.mkdir(parents=True, exist_ok=True)
             model.peft_config[adapter].save_pretrained(out)
             save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
+        # base weights trained beside the adapters (the freeze initializer's unfreeze): a PEFT adapter holds none
+        trained = {name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
+        if trained:
+            save_file({k.removeprefix("base_model.model."): v.clone().contiguous() for k, v in model_state.items()
+                       if k in trained}, folder / "trained_base_weights.safetensors", metadata={"format": "pt"})
     else:
         out = folder / "model"
         out.mkdir(parents=True, exist_ok=True)
