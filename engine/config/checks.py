@@ -3,8 +3,9 @@
 :func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the
 machine (model folders, GPUs and their ids, bitsandbytes, tensor-parallel divisibility, ``max_length`` against the
 model's position limit) and may read a model's config. Keys that would be silently overridden or ignored are
-:mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`). :func:`lora_tensor_parallel_problems`
-runs once the plugins are checked (it resolves them). All return ``(dotted path, message)`` problems; none raises.
+:mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`); LoRA under tensor parallelism
+by any other name is :func:`llmrl.engine.config.loading.lora_tensor_parallel_problems`' (it resolves plugins).
+All return ``(dotted path, message)`` problems; none raises.
 :func:`world_size_problem` words a launch whose rank count does not match the config.
 
 This module loads no model weights, downloads nothing and starts nothing.
@@ -35,7 +36,7 @@ RESERVED_MODEL_KWARGS = {
 }
 
 # the spellings of the built-in LoRA initializer a config may write without importing it (a class resolved from any
-# other name is checked by lora_tensor_parallel_problems, once the plugins are imported)
+# other name is checked by loading.lora_tensor_parallel_problems, once the plugins are imported)
 LORA_SPELLINGS = ("lora", "qlora", "llmrl.plugins.lora:LoraInitializer")
 LORA_TP_MESSAGE = ("LoRA adapters are not split by DeepSpeed's tensor parallelism (the sharded layers no longer match "
                    "their adapters' shapes); use replicas instead of tensor_parallel, or train every weight")
