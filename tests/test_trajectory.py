@@ -217,3 +217,22 @@ def test_the_end_of_turn_token_is_the_one_the_template_closes_a_model_turn_with(
     gemma = Trajectory(gemma_tokenizer, start).end_of_turn_id()
     assert gemma == gemma_tokenizer.convert_tokens_to_ids("<end_of_turn>") != gemma_tokenizer.eos_token_id
     assert Trajectory(gemma_tokenizer, [5, 6, 7]).end_of_turn_id() == gemma_tokenizer.eos_token_id
+
+
+def test_a_refused_message_leaves_the_trajectory_as_it_was(tokenizer):
+    """A template whose rendering is not an extension refuses the message; the generation prompt the message would
+    have replaced is still there, and so is every id, and the next generate reads the same prompt."""
+    tokenizer.chat_template, before = (
+        "{% for m in messages %}{% if loop.last %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% else %}{{ '[' + m['content'] + ']' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"), tokenizer.chat_template
+    try:
+        trajectory = Trajectory(tokenizer, [{"role": "user", "content": "Go."}])
+        prompt = trajectory.prompt
+        with pytest.raises(ValueError, match="not an extension"):
+            trajectory.add_message("and then?")
+        assert trajectory.prompt == prompt and len(trajectory.model_mask) == len(prompt)
+        assert len(trajectory.messages) == 1
+    finally:
+        tokenizer.chat_template = before

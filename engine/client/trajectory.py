@@ -98,16 +98,18 @@ class Trajectory:
         if self.messages is None:
             raise ValueError("add_message needs a trajectory started from chat messages; use add_ids for others")
         message = check_messages([{**fields, "role": role, "content": content}], "message")[0]
-        if self._prompted:
-            self._drop_generation_prompt()
+        keep = len(self.ids) - (self._generation_prompt_length() if self._prompted else 0)  # it gives way
         text = self._closing_text() + self._message_text(message)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         # the boundary: the last ids' text followed by the new text must end with the new text's own ids
-        joint = self.tokenizer.encode(self.tokenizer.decode(self.ids[-4:]) + text, add_special_tokens=False)
+        joint = self.tokenizer.encode(self.tokenizer.decode(self.ids[max(0, keep - 4):keep]) + text,
+                                      add_special_tokens=False)
         if joint[len(joint) - len(ids):] != ids:
             raise ValueError(f"message {message!r} does not start at a token boundary of the chat template (its ids "
                              "alone differ from its ids after the conversation): build the prompt's ids yourself and "
                              "use add_ids")
+        for values in (self.ids, self.model_mask, self.sampling_logprobs, self.model_logprobs):  # checked: now change
+            del values[keep:]
         self.messages.append(message)
         added = self.add_ids(ids)
         self._closed, self._prompted = True, True
@@ -118,8 +120,7 @@ class Trajectory:
         starts with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), or the tokenizer's EOS (a trajectory
         started from ids, or a template whose closing starts with plain text)."""
         if self.messages is not None:
-            probe = self._render(self.messages + [{"role": "assistant", "content": _PROBE}], False)
-            closing = self.tokenizer.encode(probe[probe.index(_PROBE) + len(_PROBE):], add_special_tokens=False)
+            closing = self.tokenizer.encode(self._assistant_closing(self.messages), add_special_tokens=False)
             if closing and closing[0] in _special_ids(self.tokenizer):
                 return closing[0]
         return self.tokenizer.eos_token_id
@@ -159,26 +160,27 @@ class Trajectory:
         """What closes the model's last turn in the template that the model did not emit."""
         if self._closed:
             return ""
-        history = self.messages[:-1]
-        probe = self._render(history + [{"role": "assistant", "content": _PROBE}], False)
-        closing = probe[probe.index(_PROBE) + len(_PROBE):]
+        closing = self._assistant_closing(self.messages[:-1])
         if self._ended_by is not None:  # the model emitted the closing's first token (ChatML's <|im_end|>, Gemma's
             ended = self.tokenizer.decode([self._ended_by])  # <end_of_turn>): only the rest is missing
             if ended and closing.startswith(ended):
                 return closing[len(ended):]
         return closing
 
-    def _drop_generation_prompt(self) -> None:
-        """Take the generation prompt off the end of the ids (the last message's, or the start's): the next message
-        comes before it."""
-        history = self.messages
-        with_prompt, without = self._render(history, True), self._render(history, False)
+    def _assistant_closing(self, history: list[dict]) -> str:
+        """The template's text after an assistant message's content, following ``history``."""
+        probe = self._render(history + [{"role": "assistant", "content": _PROBE}], False)
+        return probe[probe.index(_PROBE) + len(_PROBE):]
+
+    def _generation_prompt_length(self) -> int:
+        """How many ids at the end are the generation prompt (the last message's, or the start's), which a next
+        message replaces; raises ValueError when the ids do not end with it."""
+        with_prompt, without = self._render(self.messages, True), self._render(self.messages, False)
         prompt = self.tokenizer.encode(with_prompt[len(without):], add_special_tokens=False)
         if not with_prompt.startswith(without) or self.ids[len(self.ids) - len(prompt):] != prompt:
             raise ValueError("the trajectory ends with ids that are not the chat template's generation prompt, so a "
                              "second message cannot follow the first: build the prompt's ids yourself and use add_ids")
-        for values in (self.ids, self.model_mask, self.sampling_logprobs, self.model_logprobs):
-            del values[len(values) - len(prompt):]
+        return len(prompt)
 
     def _message_text(self, message: dict) -> str:
         """The template's text for ``message`` and the generation prompt after it, given the conversation so far."""
