@@ -35,20 +35,22 @@ def generate_seeds(config) -> random.Random:
     LLM resumes from a checkpoint, as that checkpoint's save left it (the resumed run's samples are then those the
     saved run would have drawn next, not its first ones again)."""
     seeds = random.Random(config.seed)
-    for llm in config.llms.values():
-        saved = (read_manifest(resolve_checkpoint(llm.checkpoint)) or {}).get("generate_seeds") if llm.checkpoint \
-            else None
-        if saved:
-            seeds.setstate((saved[0], tuple(saved[1]), saved[2]))
-            break
+    saved = _resumed(config, "generate_seeds")
+    if saved:
+        seeds.setstate((saved[0], tuple(saved[1]), saved[2]))
     return seeds
 
 
 def resumed_tracking(config) -> dict | None:
     """The tracking position (:meth:`~llmrl.engine.client.tracking.Tracker.position`) of the checkpoint an LLM
     resumes from, or None."""
+    return _resumed(config, "tracking")
+
+
+def _resumed(config, key: str):
+    """Entry ``key`` of the manifest of the first checkpoint an LLM resumes from that holds it, or None."""
     for llm in config.llms.values():
-        saved = (read_manifest(resolve_checkpoint(llm.checkpoint)) or {}).get("tracking") if llm.checkpoint else None
+        saved = (read_manifest(resolve_checkpoint(llm.checkpoint)) or {}).get(key) if llm.checkpoint else None
         if saved:
             return saved
     return None
