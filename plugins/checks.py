@@ -12,12 +12,11 @@ plugins by name is :mod:`llmrl.plugins.registry`'s; this module never imports it
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
-from llmrl.engine.config.checks import head_key_problem
+from llmrl.engine.config.checks import head_key_problem, strict_validator
 from llmrl.engine.config.types import PluginSpec
 from llmrl.engine.errors import InvalidArgumentType, PluginError, did_you_mean
 from llmrl.plugins.contracts import Head, Initializer, Updater
@@ -130,7 +129,7 @@ def args_problem(cls, args: dict, name: str) -> str | None:
     """Why ``args`` do not fit the plugin's ``args_schema`` and constructor, or None."""
     schema = getattr(cls, "args_schema", None)
     if schema:
-        errors = sorted(_strict_validator()(schema).iter_errors(args), key=lambda e: list(e.path))
+        errors = sorted(strict_validator()(schema).iter_errors(args), key=lambda e: list(e.path))
         if errors:
             return "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'args'}: {e.message}{_integer_hint(e)}"
                              for e in errors)
@@ -153,18 +152,6 @@ def args_problem(cls, args: dict, name: str) -> str | None:
         return (f"missing required argument(s) {missing} for {name!r}, whose constructor is "
                 f"__init__{inspect.signature(cls.__init__)}: give them in its args")
     return None
-
-
-@functools.cache
-def _strict_validator():
-    """JSON Schema's Draft 2020-12 validator with the config loader's strict integers
-    (:func:`llmrl.engine.config.loading.schema_problems`): 2.0 is no integer, since ``range(2.0)`` fails later
-    with a message that names no argument."""
-    import jsonschema
-
-    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
-    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)
 
 
 def _integer_hint(error) -> str:

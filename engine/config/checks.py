@@ -5,7 +5,8 @@ machine (model folders, GPUs and their ids, bitsandbytes, tensor-parallel divisi
 model's position limit) and may read a model's config. Keys that would be silently overridden or ignored are
 :mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`); LoRA under tensor parallelism
 by any other name is :func:`llmrl.engine.config.loading.lora_tensor_parallel_problems`' (it resolves plugins).
-All return ``(dotted path, message)`` problems; none raises.
+All return ``(dotted path, message)`` problems; none raises. :func:`strict_validator` is the JSON Schema
+validator the config and plugin ``args`` share (strict integers).
 :func:`world_size_problem` words a launch whose rank count does not match the config.
 
 This module loads no model weights, downloads nothing and starts nothing.
@@ -13,6 +14,7 @@ This module loads no model weights, downloads nothing and starts nothing.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -128,6 +130,18 @@ def semantic_problems(data: dict) -> list[Problem]:
                 problems.append((f"{at}.checkpoint", f"checkpoint {llm['checkpoint']!r} does not exist or is not "
                                  "complete; give a folder written by Caller.save(path)"))
     return problems
+
+
+@functools.cache
+def strict_validator():
+    """JSON Schema's Draft 2020-12 validator class with strict integers, for the config and for plugin ``args``
+    (call it with a schema): JSON Schema counts ``2.0`` as an integer, but a config means ``2`` or it is a mistake
+    that breaks later with a message naming no key (``replicas: 2.0``, an updater's ``range(epochs)``)."""
+    import jsonschema
+
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)
 
 
 def initializer_names(llm: dict) -> list[str]:

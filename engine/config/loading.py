@@ -19,7 +19,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from llmrl.engine.config.checks import LORA_TP_MESSAGE, environment_problems, initializer_names, semantic_problems
+from llmrl.engine.config.checks import (
+    LORA_TP_MESSAGE,
+    environment_problems,
+    initializer_names,
+    semantic_problems,
+    strict_validator,
+)
 from llmrl.engine.config.types import (
     Config,
     GenerationSettings,
@@ -228,15 +234,10 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
 def schema_problems(data: dict, section: str | None = None) -> list[Problem]:
     """Validate against the JSON Schema (or, with ``section``, the value of that top-level key against its
     definition); one readable problem per schema error."""
-    import jsonschema
-
-    # JSON Schema counts 2.0 as an integer; a config means 2 or it is a mistake (replicas: 2.0 breaks later).
-    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
     schema = load_schema()
     if section is not None:
         schema = {"$defs": schema["$defs"], **schema["properties"][section]}
-    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(schema)
+    validator = strict_validator()(schema)  # 2.0 is no integer: replicas: 2.0 would break later
     problems: list[Problem] = []
     for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.extend(_explain(error))
