@@ -243,7 +243,7 @@ def auto_device_problems(data: dict, gpu_count: int, single_node: bool | None = 
 
 # model types whose positions are relative (no table to index past): their n_positions is no input limit
 RELATIVE_POSITION_TYPES = ("t5", "mt5", "umt5", "longt5")
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # as max_input_length reads them
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # max_input_length reads them too
 
 
 def position_limit_problem(at: str, llm: dict) -> Problem | None:

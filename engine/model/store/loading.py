@@ -17,6 +17,7 @@ import os
 import torch
 
 from llmrl.engine.config import BUILTIN_MODEL_PREFIX, LLMConfig
+from llmrl.engine.config.checks import POSITION_KEYS
 
 
 def resolve_model_path(location: str) -> str:
@@ -120,7 +121,7 @@ def max_input_length(model, tokenizer, llm: LLMConfig) -> int | None:
     if llm.max_length is not None:
         return llm.max_length
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+    for key in POSITION_KEYS:  # the same keys the config check reads
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
