@@ -42,7 +42,7 @@ FIRST = ppo_batch(0)
 AFTER = [ppo_batch(k) for k in (1, 2, 3)]
 
 
-def config(tiny, checkpoint=None):
+def config(tiny, checkpoint=None, runs=None):
     training = {"optimizer": {"type": "adam", "lr": 0.01}, "micro_batch_size": 1, "gradient_accumulation_steps": 2,
                 "lr_schedule": SCHEDULE}
     updater = {"plugin": "ppo", "args": {"epochs": 2, "seed": 7}}  # shuffles its minibatches: state to resume
@@ -57,7 +57,8 @@ def config(tiny, checkpoint=None):
     if checkpoint:
         for llm in llms.values():
             llm["checkpoint"] = checkpoint
-    return {"llms": llms, "threads_per_rank": 1}
+    tracking = {"tracking": {"backends": ["csv"], "dir": str(runs), "run_name": "run"}} if runs else {}
+    return {"llms": llms, "threads_per_rank": 1, **tracking}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_the_checkpoint_is_complete_and_alone(saved):
         assert os.path.isfile(os.path.join(path, name, "export", "heads.safetensors"))
 
 
-def test_resume_continues_exactly(saved, tiny):
-    with LiveRun(config(tiny, checkpoint=saved["path"])) as run:
+def test_resume_continues_exactly(saved, tiny, tmp_path):
+    with LiveRun(config(tiny, checkpoint=saved["path"], runs=tmp_path)) as run:
         for name in ("adapter", "full"):
             for got, want in zip(run.score(CONTEXTS, CANDIDATES, llm=name), saved[name, "scores"]):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
@@ -104,6 +105,10 @@ def test_resume_continues_exactly(saved, tiny):
             assert resumed.keys() == uninterrupted.keys()
             for key in resumed:
                 assert torch.equal(resumed[key], uninterrupted[key]), f"{name} {key}"
+    # the tracking's steps go on after the saved run's two updates (one per LLM), not from 1 again
+    with open(tmp_path / "run" / "scalars.csv") as f:
+        steps = sorted({int(row.split(",")[0]) for row in list(f)[1:] if ",update/" in row})
+    assert steps == list(range(3, 3 + 2 * len(AFTER))), steps
 
 
 def test_a_checkpoint_missing_a_ranks_state_is_refused_naming_it(saved, tiny, tmp_path):
