@@ -1,7 +1,8 @@
 """The Tinker service's request plumbing, in process (no model): the HTTP server answers a request it refuses
 before reading its body without reading that body as the next request; a negative Content-Length is refused; a
 training client's queue refuses a ``seq_id`` that is not a non-negative integer (its ordering thread goes on); a
-batch of sample requests refused for one request's input fails that request only."""
+batch of sample requests refused for one request's input fails that request only; a training client made
+without a LoRA seed gets a random one, as in Tinker."""
 
 from __future__ import annotations
 
@@ -79,3 +80,30 @@ def test_a_batch_refused_for_one_requests_input_fails_that_request_only():
         bad.result(10)
     assert calls[0] == [[1, 2], [5, 500], [3]]  # one call for the batch, then each request alone
     assert sorted(map(tuple, map(tuple, calls[1:]))) == [([1, 2],), ([3],), ([5, 500],)]
+
+
+def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_seed_is_kept():
+    """Tinker's ``seed=None`` means a random seed: two clients made without one must not start alike."""
+    import itertools
+
+    from llmrl.engine.tinker.service import TinkerService, classify
+
+    seeds = []
+
+    class Caller:
+        def create_adapter(self, name, *, rank, seed, targets, llm):
+            seeds.append(seed)
+
+    class Registry:
+        def add_run(self, *args):
+            pass
+
+    service = TinkerService.__new__(TinkerService)  # the request plumbing only: no model behind it
+    service.caller, service.llm, service.model_name, service.registry = Caller(), "main", "tiny", Registry()
+    service.futures, service._lock, service.models = Futures(classify), threading.Lock(), {}
+    service._adapter_ids = itertools.count(1)
+    for n, lora in enumerate(({"rank": 4}, {"rank": 4, "seed": None}, {"rank": 4, "seed": 7})):
+        answer = service.create_model({"session_id": "s", "model_seq_id": n, "lora_config": lora})
+        assert service.futures.wait(answer["request_id"], 10).kind == "json"
+    service.futures.close()
+    assert seeds[0] != seeds[1] and seeds[2] == 7 and all(isinstance(seed, int) for seed in seeds)

@@ -104,8 +104,9 @@ class TinkerService:
             check_optimizer(body)
             adapter = f"tinker_{next(self._adapter_ids)}"
             rank = int(lora.get("rank", 32))
-            self.caller.create_adapter(adapter, rank=rank, seed=int(lora.get("seed") or 0), targets=targets,
-                                       llm=self.llm)
+            seed = lora.get("seed")
+            seed = secrets.randbelow(2**31) if seed is None else seed  # Tinker: no seed means a random one
+            self.caller.create_adapter(adapter, rank=rank, seed=seed, targets=targets, llm=self.llm)
             self._register(model_id, adapter, body, rank)
             return Outcome("json", {"type": "create_model", "model_id": model_id})
 
