@@ -185,6 +185,11 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
     for got, expected in zip(logprobs(resumed), want):  # the Adam moments came along: the same step
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert max(float((g - w).abs().max()) for g, w in zip(logprobs(fresh), want)) > 1e-4  # fresh moments differ
+    with pytest.raises(Exception, match="already saved a state named 'one'"):
+        first.save_state("one").result()  # nothing is replaced unless asked
+    assert first.save_state("one", overwrite=True).result().path == path
+    for got, expected in zip(logprobs(client.create_training_client_from_state(path).result()), want):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)  # the state after the second step
     rest = client.create_rest_client()
     run = rest.get_training_run(first.model_id).result()
     assert run.last_checkpoint.tinker_path == path and run.lora_rank == 4

@@ -35,6 +35,15 @@ def folder_name(name) -> str:
     return urllib.parse.quote(str(name), safe="")
 
 
+def checkpoint_name(name) -> str | None:
+    """A checkpoint's name as the script gave it (None: none given); it ends a ``tinker://`` path, so no ``/``."""
+    if not name:
+        return None
+    if not isinstance(name, str) or "/" in name or name in (".", ".."):
+        raise ValueError(f"checkpoint name {name!r} must be a string without '/' (it ends a tinker:// path)")
+    return name
+
+
 def parse_path(path) -> tuple[str, str, str]:
     """``(run_id, segment, name)`` of ``tinker://<run>/<weights|sampler_weights>/<name>``; ValueError otherwise."""
     parts = path[len("tinker://"):].split("/") if isinstance(path, str) and path.startswith("tinker://") else []

@@ -16,9 +16,10 @@ Caller's primitives.
   weights with the same parameters within a few milliseconds share one ``generate`` call
   (:mod:`llmrl.engine.tinker.batching`).
 - ``save_weights`` (``save_state``) writes the adapter's weights and Adam state (``Caller.save_adapter``) under the
-  service's folder; ``load_weights`` loads one into a new training client (``create_training_client_from_state``,
-  with or without the optimizer state) or into an existing one (``Caller.load_adapter``). Paths, and the
-  ``training_runs`` listings, are :mod:`llmrl.engine.tinker.checkpoints`'.
+  service's folder (``overwrite=True`` replaces a state of that name, once the new one is written); ``load_weights``
+  loads one into a new training client (``create_training_client_from_state``, with or without the optimizer state) or
+  into an existing one (``Caller.load_adapter``). Paths, and the ``training_runs`` listings, are
+  :mod:`llmrl.engine.tinker.checkpoints`'.
 
 This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engine.tinker.http`'s.
 """
@@ -26,6 +27,7 @@ This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engin
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import shutil
 import threading
@@ -33,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmrl.engine.tinker.batching import SampleBatcher
-from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, folder_size, now
+from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
@@ -163,7 +165,7 @@ class TinkerService:
 
     def save_weights_for_sampler(self, body: dict) -> dict:
         client = self._client(body["model_id"])
-        name = _checkpoint_name(body.get("path"))
+        name = checkpoint_name(body.get("path"))
 
         def work() -> Outcome:
             # a name saved again replaces its own snapshot's weights; any other save gets a snapshot of its own
@@ -186,11 +188,19 @@ class TinkerService:
 
     def save_weights(self, body: dict) -> dict:
         client = self._client(body["model_id"])
-        name = _checkpoint_name(body.get("path")) or f"state-{next(self._ids)}"
+        name = checkpoint_name(body.get("path")) or f"state-{next(self._ids)}"
 
         def work() -> Outcome:
-            folder = self.registry.state_folder(client.model_id, name)
-            self.caller.save_adapter(folder, peft_adapter=client.adapter, llm=self.llm)
+            folder = self.registry.state_folder(client.model_id, name)  # run ids are this service's own
+            replace = os.path.isdir(folder)  # "%new" and "%old" end no escaped name
+            if replace and not body.get("overwrite"):
+                raise ValueError(f"this training client already saved a state named {name!r}: pick another name, "
+                                 "or save_state(name, overwrite=True) to replace it")
+            shutil.rmtree(folder + "%new", ignore_errors=True)  # left by a save that failed
+            self.caller.save_adapter(folder + "%new" if replace else folder, peft_adapter=client.adapter, llm=self.llm)
+            if replace:  # the old state stays whole until the new one is
+                os.replace(folder, folder + "%old"), os.replace(folder + "%new", folder)
+                shutil.rmtree(folder + "%old")
             record = Checkpoint(client.model_id, "weights", name, now(), size_bytes=folder_size(folder))
             self.registry.add(record)
             return Outcome("json", {"type": "save_weights", "path": record.tinker_path})
@@ -377,15 +387,6 @@ def _chunk_tokens(chunk: dict) -> list[int]:
 def _frozen(value):
     """``value`` hashable (lists become tuples), for a batch's key."""
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _checkpoint_name(name) -> str | None:
-    """A checkpoint's name as the script gave it (None: none given); it ends a ``tinker://`` path, so no ``/``."""
-    if not name:
-        return None
-    if not isinstance(name, str) or "/" in name or name in (".", ".."):
-        raise ValueError(f"checkpoint name {name!r} must be a string without '/' (it ends a tinker:// path)")
-    return name
 
 
 def check_optimizer(body: dict) -> None:
