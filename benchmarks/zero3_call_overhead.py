@@ -94,6 +94,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as llmrl's servers: no op to build (~50 s)
     deepspeed.init_distributed(dist_backend="gloo")
     for layout in args.layouts.split(","):
         engine = build_engine(**LAYOUTS[layout])
