@@ -1,4 +1,5 @@
-"""Batched generation equals plain Hugging Face generate, and its log-probs are the raw model's."""
+"""Batched generation equals plain Hugging Face generate, and its log-probs are the raw model's (also when a logits
+processor runs the model again)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,14 @@ def test_a_stop_string_that_begins_in_the_prompt_is_named():
     assert out["stop"] == stop
     ids = tok(prompt)["input_ids"]  # a string wholly inside the prompt did not stop the generated text
     assert which_stop(tok, free["tokens"].tolist(), [prompt[-4:]], [], prompt=ids) is None
+
+
+def test_logprobs_stay_the_policys_when_a_logits_processor_runs_the_model_again(reference_models):
+    """Classifier-free guidance (like NLPO's steering) calls the model a second time inside each step; the returned
+    ``logprobs`` are still the policy's own, not that second call's."""
+    model, tok = reference_models["llama"]
+    prompt = PROMPTS[1]
+    out = generate(model, tok, "causal", [prompt], {"max_new_tokens": 6, "do_sample": False, "guidance_scale": 1.5},
+                   "cpu", 8192, 64, 512)[0][0]
+    expected = _reference_logprobs(model, tok, prompt, out["tokens"].tolist(), False)
+    torch.testing.assert_close(out["logprobs"], expected, atol=1e-4, rtol=0)

@@ -308,10 +308,11 @@ def _forward_module(model):
 class ChosenLogprobs(StoppingCriteria):
     """Each generated token's raw log-prob, read as it is chosen, holding one step's logits at a time.
 
-    A forward hook keeps the last position's raw logits of each model call (float32, as Hugging Face copies them
-    before any temperature, top-k or top-p processing); called as a stopping criterion once the step's tokens are
-    appended, it gathers each row's chosen token and subtracts the logsumexp, then drops the logits. It never stops
-    a sequence. Steps that Hugging Face later undoes (deferred stop checks) are dropped by the caller, which keeps
+    A forward hook keeps the last position's raw logits of the step's first model call, the policy's (float32, as
+    Hugging Face copies them before any temperature, top-k or top-p processing; a logits processor that calls the
+    model again, as steering and classifier-free guidance do, is not read); called as a stopping criterion once the
+    step's tokens are appended, it gathers each row's chosen token and subtracts the logsumexp, then drops the
+    logits. It never stops a sequence. Steps that Hugging Face later undoes (deferred stop checks) are dropped by the caller, which keeps
     as many steps as there are generated tokens.
     """
 
@@ -322,6 +323,8 @@ class ChosenLogprobs(StoppingCriteria):
         self._hook = _forward_module(model).register_forward_hook(self._keep)
 
     def _keep(self, module, args, output) -> None:
+        if self._logits is not None:  # a logits processor's own model call (steering, guidance): not the policy's
+            return
         logits = output["logits"] if isinstance(output, dict) else output.logits
         self._logits = logits[:, -1].to(copy=True, dtype=torch.float32)
 
