@@ -207,10 +207,12 @@ def test_bad_num_return_sequences_is_refused_on_the_client(bad):
         generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {"num_return_sequences": bad}))
 
 
-def test_max_length_is_refused_on_the_client_with_the_argument_to_use():
-    """generate plans by max_new_tokens (default 20): a max_length was ignored without a word."""
-    with pytest.raises(InvalidArgument, match="max_length .* is not taken: pass max_new_tokens"):
-        generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {"max_length": 60}))
+@pytest.mark.parametrize("name, instead", [("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")])
+def test_lengths_counting_the_prompt_are_refused_on_the_client_with_the_argument_to_use(name, instead):
+    """generate plans by max_new_tokens (default 20): a max_length was ignored without a word, and a min_length
+    counted the left padding, so a sample's minimum depended on the longest prompt beside it."""
+    with pytest.raises(InvalidArgument, match=f"{name} .* is not taken: pass {instead}"):
+        generate.send(FakeRun(2, fake_samples), "m", generate.GenerateRequest(["p"], {name: 60}))
 
 
 def test_head_kwargs_per_context_are_sliced_like_the_contexts_and_token_heads_are_cut_per_candidate():

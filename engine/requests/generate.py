@@ -85,9 +85,10 @@ def one_prompt_per_sample(pieces: list[Piece]) -> bool:
 
 def send(run: Run, llm: str, request: GenerateRequest) -> Future:
     contexts, kwargs = request.contexts, request.kwargs
-    if "max_length" in kwargs:  # the planner reads max_new_tokens (default 20): max_length was silently ignored
-        raise InvalidArgument("generate's max_length (prompt plus new tokens) is not taken: pass max_new_tokens, the "
-                              "tokens each sample may add (the prompts of one call have different lengths)")
+    for name, instead in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+        if name in kwargs:  # counted over padded rows: a sample's bound would depend on its neighbours' prompts
+            raise InvalidArgument(f"generate's {name} (prompt plus new tokens) is not taken: pass {instead}, the "
+                                  "tokens each sample may add (the prompts of one call have different lengths)")
     k = num_return_sequences(kwargs)
     shares = plan_shares(len(contexts), k, len(run.replicas(llm)), splits_sequences(kwargs))
 
