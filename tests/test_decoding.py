@@ -214,6 +214,30 @@ def test_requests_the_loop_cannot_run_go_to_hugging_face_or_are_refused(referenc
     assert list(decoder.stats()["calls"]) == ["hf: the model is seq2seq"]
 
 
+def test_a_generation_config_field_the_loop_does_not_take_sends_the_request_to_hugging_face(reference_models):
+    """A model that ships ``forced_eos_token_id`` forces EOS at the last new token in ``generate``; the loop built
+    that processor from the default max_length (20 tokens in all) and forced EOS after 4 new tokens of a 16-token
+    prompt. Such requests now go to Hugging Face, and the loop's processors count max_length from the prompt."""
+    import copy
+
+    from llmrl.engine.model.decoding.loop import _hf_setup
+
+    model, tok = reference_models["llama"]
+    model = copy.copy(model)
+    model.generation_config = copy.deepcopy(model.generation_config)
+    model.generation_config.forced_eos_token_id = 2
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+    prompt = PROMPTS[1]
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = model.generate(ids, pad_token_id=tok.pad_token_id, **kwargs)[0, ids.shape[1]:].tolist()
+    (ours,), decoder = run(model, tok, kwargs, {}, prompts=[prompt])
+    assert ours[0]["tokens"].tolist() == plain and len(plain) == 12 and plain[-1] == 2
+    assert list(decoder.stats()["calls"]) == ["hf: the model's generation config sets ['forced_eos_token_id']"]
+    config, _ = _hf_setup(model, ids, {**kwargs, "forced_eos_token_id": 2}, "cpu", torch.ones_like(ids))
+    assert config.max_length == ids.shape[1] + 12
+
+
 @pytest.mark.slow
 def test_the_compiled_step_decodes_as_hugging_face_and_compiles_once_per_bucket(lora_llama):
     """The captured-step path (``compile``: torch.compile; on CUDA it replays CUDA graphs) run on the CPU, where

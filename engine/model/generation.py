@@ -31,6 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from llmrl.engine.model.attention_span import keeps_state_outside_attention
+from llmrl.engine.model.decoding.eligibility import config_fields
 from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.engine.model.scoring.planning import group_greedily
@@ -134,7 +135,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     stepwise = _reads_logprobs_stepwise(model, kwargs)
     loop = decoder if decoder is not None and decoder.takes(
         kind, kwargs, stepwise, synced, _partitioned(model) and not whole_weights,
-        recurrent=keeps_state_outside_attention(model.config)) else None
+        recurrent=keeps_state_outside_attention(model.config),
+        configured=config_fields(model.generation_config)) else None
     results: list[list[dict]] = [[] for _ in plan.prompts]
     if seed is not None:
         torch.manual_seed(seed)
@@ -312,8 +314,8 @@ class ChosenLogprobs(StoppingCriteria):
     Hugging Face copies them before any temperature, top-k or top-p processing; a logits processor that calls the
     model again, as steering and classifier-free guidance do, is not read); called as a stopping criterion once the
     step's tokens are appended, it gathers each row's chosen token and subtracts the logsumexp, then drops the
-    logits. It never stops a sequence. Steps that Hugging Face later undoes (deferred stop checks) are dropped by the caller, which keeps
-    as many steps as there are generated tokens.
+    logits. It never stops a sequence. Steps that Hugging Face later undoes (deferred stop checks) are dropped by
+    the caller, which keeps as many steps as there are generated tokens.
     """
 
     def __init__(self, model):

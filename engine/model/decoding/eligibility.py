@@ -4,7 +4,8 @@ The loop runs greedy decoding and sampling of causal models, with every logits p
 for the request's arguments (it builds them with Hugging Face's own code), ``stop`` strings and token ids, and any
 number of return sequences. It declines beam search and the other decoding modes, seq2seq models, models with
 layers that are not attention (Mamba, convolution: hybrids such as LFM2 or Jamba), user-supplied
-``logits_processor`` / ``stopping_criteria`` objects and ZeRO-3 groups in lockstep. Prompts that read the key/value
+``logits_processor`` / ``stopping_criteria`` objects, other arguments (or fields of the model's generation config)
+and ZeRO-3 groups in lockstep. Prompts that read the key/value
 cache across calls (``kv_cache_mb``) run in the loop too: it prefills only what the cache does not hold.
 :func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
 ``auto``) or refuses the request (decoder ``llmrl``).
@@ -24,9 +25,25 @@ TAKEN = frozenset({
 })
 
 
-def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool, recurrent: bool = False) -> str | None:
+# Fields of a model's generation config that change nothing the loop computes (llmrl sets the outputs it reads)
+INERT_CONFIG_FIELDS = frozenset({
+    "transformers_version", "_from_model_config", "output_attentions", "output_hidden_states", "output_scores",
+    "output_logits", "return_dict_in_generate", "cache_implementation",
+    "max_length",  # every request sets max_new_tokens, which wins over it (in the loop as in generate)
+})
+
+
+def config_fields(generation_config) -> dict:
+    """The fields a model's generation config sets away from Hugging Face's defaults, less the inert ones: the loop
+    must reproduce them as it does a request's arguments (a shipped ``forced_eos_token_id``, say)."""
+    return {k: v for k, v in generation_config.to_diff_dict().items() if k not in INERT_CONFIG_FIELDS}
+
+
+def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool, recurrent: bool = False,
+            configured: dict | None = None) -> str | None:
     """None when llmrl's loop can run this request; else the reason it cannot, in a phrase. ``recurrent``: the model
-    keeps state outside attention (:func:`~llmrl.engine.model.attention_span.keeps_state_outside_attention`)."""
+    keeps state outside attention (:func:`~llmrl.engine.model.attention_span.keeps_state_outside_attention`);
+    ``configured``: the model's generation config's own fields (:func:`config_fields`)."""
     if kind != "causal":
         return "the model is seq2seq (the loop decodes causal models)"
     if recurrent:
@@ -40,6 +57,9 @@ def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool, 
     other = sorted(k for k in kwargs if k not in TAKEN)
     if other:
         return f"argument(s) {other} (the loop takes {', '.join(sorted(TAKEN))})"
+    fields = sorted(k for k in configured or {} if k not in TAKEN)
+    if fields:
+        return f"the model's generation config sets {fields} (the loop takes {', '.join(sorted(TAKEN))})"
     return None
 
 

@@ -64,6 +64,8 @@ def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device, row_mask: torch.Te
     """The generation config and logits processors Hugging Face's ``generate`` would build for these arguments.
     ``row_mask``: each row's attention mask (a repetition penalty leaves a row's left padding out, as there)."""
     config, _ = model._prepare_generation_config(None, **kwargs)
+    if config.max_new_tokens is not None:  # as generate: processors that read max_length (forced EOS) count from here
+        config.max_length = ids.shape[1] + config.max_new_tokens
     model._prepare_special_tokens(config, True, device=device)
     processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
                                              encoder_input_ids=ids, device=device,

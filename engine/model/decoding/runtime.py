@@ -68,13 +68,13 @@ class Decoder:
         self.weight_moves = 0  # batches whose weights lay elsewhere than the batch before's
 
     def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool,
-              recurrent: bool = False) -> bool:
+              recurrent: bool = False, configured: dict | None = None) -> bool:
         """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
         cannot."""
         if self.settings.decoder == "hf":
             self.counts["hf: configured"] += 1
             return False
-        reason = why_not(kind, kwargs, stepwise, synced, zero3, recurrent)
+        reason = why_not(kind, kwargs, stepwise, synced, zero3, recurrent, configured)
         if reason is not None and self.settings.decoder == "llmrl":
             raise ValueError(f"generation.decoder is 'llmrl' but this request cannot use it: {reason}; set "
                              "llms.<name>.generation.decoder to auto (Hugging Face's generate takes such requests) "
