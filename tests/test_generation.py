@@ -202,3 +202,32 @@ def test_logprobs_stay_the_policys_when_a_logits_processor_runs_the_model_again(
                    "cpu", 8192, 64, 512)[0][0]
     expected = _reference_logprobs(model, tok, prompt, out["tokens"].tolist(), False)
     torch.testing.assert_close(out["logprobs"], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_min_new_tokens_holds_back_the_tokenizers_eos_where_the_model_names_none(reference_models, loop):
+    """With no EOS in the model's generation config, samples end at the tokenizer's EOS; min_new_tokens must hold that
+    EOS back as generate(eos_token_id=tokenizer's) does (the samples ended on it after 2 of at least 6 tokens)."""
+    import copy
+
+    from llmrl.engine.config.types import GenerationSettings
+    from llmrl.engine.model.decoding.runtime import Decoder
+
+    model, tok = reference_models["llama"]
+    model, tok = copy.copy(model), copy.deepcopy(tok)
+    model.config, model.generation_config = copy.deepcopy(model.config), copy.deepcopy(model.generation_config)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    prompt = PROMPTS[1]
+    greedy = generate(model, tok, "causal", [prompt], {"max_new_tokens": 8, "do_sample": False}, "cpu", 8192, 64,
+                      512)[0][0]["tokens"].tolist()
+    tok.eos_token = tok.convert_ids_to_tokens(greedy[1])  # the second greedy token is now the tokenizer's EOS
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "min_new_tokens": 6}
+    plan = plan_generate(model, tok, "causal", [prompt], dict(kwargs), 8192, 64, 512)
+    decoder = Decoder(GenerationSettings(), "cpu") if loop else None
+    ours = run_generation(model, tok, "causal", plan, "cpu", decoder=decoder)[0][0]["tokens"].tolist()
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = model.generate(ids, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kwargs)
+    plain = plain[0, ids.shape[1]:].tolist()
+    assert ours == plain[: plain.index(tok.eos_token_id) + 1] if tok.eos_token_id in plain else ours == plain
+    assert len(ours) >= 6 and tok.eos_token_id not in ours[:5]

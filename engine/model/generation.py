@@ -99,6 +99,8 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     new_tokens = int(kwargs.get("max_new_tokens", getattr(model.generation_config, "max_new_tokens", None) or 20))
     kwargs.setdefault("max_new_tokens", new_tokens)
     kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if kwargs.get("eos_token_id", model.generation_config.eos_token_id) is None and tokenizer.eos_token_id is not None:
+        kwargs["eos_token_id"] = tokenizer.eos_token_id  # samples end there: min_new_tokens must hold it back too
     if int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1)) > 1:
         kwargs["output_scores"] = True  # Hugging Face returns sequences_scores (the beam score) only with it
     prompts = encode_inputs(tokenizer, contexts, vocab_size)
