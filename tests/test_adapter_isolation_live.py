@@ -4,7 +4,9 @@ state moves a weight whose gradient is zero), ZeRO 0-3, 1 and 2 replicas, across
 
 The sequence is b, b, a, a, save; resume, b. If an update of ``a`` stepped ``b``'s weights, moments or step
 counts (as a zero gradient through one shared optimizer does), ``b`` would move during the a-updates and its last
-update would differ from the reference, which steps ``b`` with an optimizer that never saw ``a``.
+update would differ from the reference, which steps ``b`` with an optimizer that never saw ``a``. The resumed run
+clips gradients where the saved one did not: the config's clipping must apply after a resume at every ZeRO stage
+(DeepSpeed's ZeRO-1/2 optimizers restore the saved value).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ OPTIMIZERS = {
 LAYOUTS = {"adam-z0r1": "adam", "adamw-z1r2": "adamw", "sgdm-z2r2": "sgdm", "adam-z3r2": "adam"}
 BEFORE_SAVE = ["b", "b", "a", "a"]
 AFTER_RESUME = ["b"]
+CLIP_AFTER_RESUME = 0.05  # training.gradient_clipping of the resumed run (saved without): ZeRO-1/2 kept the saved 0
 
 
 def config(tiny, checkpoint=None) -> dict:
@@ -42,6 +45,7 @@ def config(tiny, checkpoint=None) -> dict:
                                    "micro_batch_size": 8, "gradient_accumulation_steps": 1}}
         if checkpoint:
             llms[name]["checkpoint"] = checkpoint
+            llms[name]["training"]["gradient_clipping"] = CLIP_AFTER_RESUME
     return {"llms": llms, "threads_per_rank": 1}
 
 
@@ -83,8 +87,9 @@ def chosen_score(peft, tok, context: str, candidate: str) -> torch.Tensor:
     return sum(logp[t - 1, full[t]] for t in range(p, len(full)))
 
 
-def reference(tiny, start: dict, sequence: list[str], spec: dict) -> dict:
-    """Each adapter trained alone with its own torch optimizer, in the given order; the LoRA weights at the end."""
+def reference(tiny, start: dict, sequence: list[str], spec: dict) -> tuple[dict, list[float]]:
+    """Each adapter trained alone with its own torch optimizer, in the given order, its gradient clipped to
+    CLIP_AFTER_RESUME after the save; the LoRA weights at the end and the norms of the clipped gradients."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny["llama"])
@@ -100,7 +105,8 @@ def reference(tiny, start: dict, sequence: list[str], spec: dict) -> dict:
             cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
             optimizers[adapter] = cls(params, lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
                                       weight_decay=spec.get("weight_decay", 0.0))
-    for adapter in sequence:
+    norms = []
+    for k, adapter in enumerate(sequence):
         peft.set_adapter(adapter)
         for key, p in named.items():
             p.requires_grad_(".lora_" in key and f".{adapter}." in key)
@@ -108,8 +114,11 @@ def reference(tiny, start: dict, sequence: list[str], spec: dict) -> dict:
         losses = [-BATCH["weights"][i] * chosen_score(peft, tok, CONTEXTS[i], CANDIDATES[i][BATCH["actions"][i]])
                   for i in range(len(CONTEXTS))]
         torch.stack(losses).mean().backward()
+        if k >= len(BEFORE_SAVE):
+            params = [p for group in optimizers[adapter].param_groups for p in group["params"]]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP_AFTER_RESUME)))
         optimizers[adapter].step()
-    return {k: p.detach().clone() for k, p in named.items() if ".lora_" in k}
+    return {k: p.detach().clone() for k, p in named.items() if ".lora_" in k}, norms
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +144,8 @@ def trained(tiny, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_adapters_trained_in_turn_each_equal_a_plain_peft_model_with_its_own_optimizer(trained, tiny, name):
     start, end = trained[name, "start"], trained[name, "end"]
-    expected = reference(tiny, start, BEFORE_SAVE + AFTER_RESUME, OPTIMIZERS[LAYOUTS[name]])
+    expected, clipped = reference(tiny, start, BEFORE_SAVE + AFTER_RESUME, OPTIMIZERS[LAYOUTS[name]])
+    assert min(clipped) > 2 * CLIP_AFTER_RESUME, clipped  # the resumed run's clipping changes its steps
     moved = 0
     for key, want in expected.items():
         torch.testing.assert_close(end[key], want, atol=1e-4, rtol=0, msg=lambda m, k=key: f"{k}: {m}")

@@ -70,7 +70,7 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
     updater_state = served.updater.state_dict() if hasattr(served.updater, "state_dict") else None
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "updater": updater_state,
                 "created_adapters": [[name, how] for name, how in served.created_adapters.items()],
-                "snapshots": dict(served.snapshots),
+                "snapshots": dict(served.snapshots), "scalings": _adapter_scalings(served),
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
     if served.weight_snapshots:  # a model trained without LoRA: its snapshots are copies of its trained weights
@@ -132,8 +132,10 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         raise FileNotFoundError(f"checkpoint {root} has no LLM named {served.llm.name!r}; it holds "
                                 f"{sorted(p.name for p in root.iterdir() if p.is_dir())}")
     state_file = llm_dir / "state" / f"rank-{served.role.group_rank}.pt"
-    layout = ((read_manifest(root) or {}).get("layout") or {}).get(served.llm.name)
-    if state_file.parent.is_dir() and not state_file.is_file():  # every saving rank wrote one: not this layout, or cut
+    manifest = read_manifest(root) or {}
+    layout = (manifest.get("layout") or {}).get(served.llm.name)
+    written = state_file.parent.is_dir() or manifest.get("format", 1) >= 2  # format 2: every saving rank wrote one
+    if written and not state_file.is_file():  # not this layout, or a partial copy of the checkpoint
         held = sorted(p.name for p in state_file.parent.glob("rank-*.pt"))
         raise FileNotFoundError(f"checkpoint {root} holds no state for rank {served.role.group_rank} of LLM "
                                 f"{served.llm.name!r} ({state_file.name}; it holds {held}): its generators and "
@@ -147,6 +149,7 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
                        "the saved run would have had")
     state = torch.load(state_file, weights_only=True) if state_file.is_file() else {}  # plain data: nothing runs
     _recreate_adapters(served, state)
+    _check_scalings(served, root, state.get("scalings"))
     load_optimizer = served.engine.optimizer is not None
     loaded, _ = served.engine.load_checkpoint(str(llm_dir / "deepspeed"), tag=TAG,
                                                load_optimizer_states=load_optimizer,
@@ -154,6 +157,8 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
                                                load_module_only=not load_optimizer)
     if loaded is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
+    if hasattr(served.engine.optimizer, "clip_grad"):  # DeepSpeed's ZeRO-1/2 and bf16 optimizers load the saved one
+        served.engine.optimizer.clip_grad = float(served.llm.training.gradient_clipping)  # the config's, as ZeRO-0
     snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
     if snapshots_file.is_file():
         served.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
@@ -177,3 +182,24 @@ def _recreate_adapters(served: ServedModel, state: dict) -> None:
             create_adapter(served, name, **how)
     for name, source in (state.get("snapshots") or {}).items():
         take_snapshot(served, name, source)  # its weights come with the checkpoint's
+
+
+def _adapter_scalings(served: ServedModel) -> dict:
+    """Each LoRA adapter's scalings (alpha / r per layer): what its saved weights were trained under."""
+    from llmrl.engine.model.training.adapter_state import scalings
+
+    return {name: scalings(served.model, name) for name in served.adapters} if hasattr(served.model, "peft_config") \
+        else {}
+
+
+def _check_scalings(served: ServedModel, root: Path, saved: dict | None) -> None:
+    """Refuse to resume adapters whose LoRA alpha or rank changed since the save: DeepSpeed would load their weights
+    under the new config's scaling, and they would act scaled differently (checkpoints saved without: not checked)."""
+    here = _adapter_scalings(served)
+    for name, layers in (saved or {}).items():
+        now = here.get(name, {})
+        differ = next((k for k, v in layers.items() if k in now and not abs(now[k] - v) <= 1e-6 * abs(v)), None)
+        if differ is not None:
+            raise ValueError(f"LLM {served.llm.name!r} resumes from {root}, whose adapter {name!r} was trained with "
+                             f"LoRA scaling (alpha / r) {layers[differ]} at {differ}; the config gives {now[differ]}: "
+                             f"its weights would act scaled differently. Resume with the saved lora alpha and rank")

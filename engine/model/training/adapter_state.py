@@ -85,7 +85,8 @@ def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments:
     (staging / "peft").mkdir(parents=True)
     try:
         torch.save({"format": FORMAT, "adapter": name, "model": served.llm.model, "how": _how(served, name),
-                    "scalings": scalings(served.model, name), "weights": weights, "optimizer": moments},
+                    "scalings": scalings(served.model, name), "base": base_sample(served.model, name),
+                    "weights": weights, "optimizer": moments},
                    staging / STATE_FILE)
         served.model.peft_config[name].save_pretrained(staging / "peft")
         save_file({k: v.contiguous() for k, v in weights.items()}, staging / "peft" / "adapter_model.safetensors",
@@ -147,6 +148,32 @@ def scalings(model, name: str) -> dict[str, float]:
             if isinstance(getattr(module, "scaling", None), dict) and name in module.scaling}
 
 
+def base_sample(model, name: str, modules: int = 4, values: int = 16) -> dict[str, torch.Tensor]:
+    """A few values of the base weights adapter ``name`` adapts (its first ``modules`` layers, ``values`` evenly spaced
+    entries of each): enough to tell the base model its weights were trained against from another model of the same
+    shapes, not from a close fine-tune of it. Quantized or partitioned weights are left out."""
+    sample = {}
+    for module_name, module in model.named_modules():
+        adapted = isinstance(getattr(module, "scaling", None), dict) and name in module.scaling
+        weight = getattr(getattr(module, "base_layer", module), "weight", None)
+        if len(sample) < modules and adapted and isinstance(weight, torch.Tensor) and weight.is_floating_point() \
+                and weight.numel() > 0:
+            flat = weight.detach().reshape(-1)
+            sample[module_name] = flat[torch.linspace(0, flat.numel() - 1, values).long()].float().cpu()
+    return sample
+
+
+def _check_base(served: ServedModel, name: str, path: str, state: dict) -> None:
+    """Refuse a state saved on another base model: its LoRA weights were trained against other weights. Values are
+    compared to 1% (a base model served in bfloat16 rounds them); states saved without a sample are not checked."""
+    here = base_sample(served.model, name)
+    for key, saved in (state.get("base") or {}).items():
+        if key in here and not torch.allclose(here[key], saved, rtol=1e-2, atol=1e-6):
+            raise ValueError(f"{path} was saved from LoRA weights trained on another base model ({state.get('model')!r}"
+                             f"; LLM {served.llm.name!r} serves {served.llm.model!r}): the base weights of {key} "
+                             "differ. Load it on the model it was saved from")
+
+
 def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: bool) -> None:
     params = adapter_params(served.model, name)
     weights = state["weights"]
@@ -164,6 +191,7 @@ def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: 
                          f"on LLM {served.llm.name!r} ({differ}: saved {saved.get(differ)}, here {here[differ]}): its "
                          "weights would act scaled differently; load it into a new adapter name, which is made with "
                          f"the saved rank and alpha ({state.get('how')})")
+    _check_base(served, name, path, state)
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(weights[key].to(p.device, p.dtype))
