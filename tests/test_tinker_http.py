@@ -2,7 +2,8 @@
 before reading its body without reading that body as the next request; a negative Content-Length is refused; a
 training client's queue refuses a ``seq_id`` that is not a non-negative integer (its ordering thread goes on); a
 batch of sample requests refused for one request's input fails that request only; a training client made
-without a LoRA seed gets a random one, as in Tinker."""
+without a LoRA seed gets a random one, as in Tinker; an overwrite of a saved state cut between its renames loses
+nothing."""
 
 from __future__ import annotations
 
@@ -107,3 +108,47 @@ def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_see
         assert service.futures.wait(answer["request_id"], 10).kind == "json"
     service.futures.close()
     assert seeds[0] != seeds[1] and seeds[2] == 7 and all(isinstance(seed, int) for seed in seeds)
+
+
+def test_an_overwrite_cut_between_its_renames_keeps_the_old_state_readable_and_the_next_save_completes(tmp_path):
+    """``save_state(name, overwrite=True)`` writes the new state beside the old and swaps them: cut between the two
+    renames, only ``<name>%old`` is left; loading the name reads it, and the next save puts it back first."""
+    import itertools
+    import os
+
+    from llmrl.engine.tinker.checkpoints import Registry
+    from llmrl.engine.tinker.service import TinkerService, TrainingClient, classify
+
+    writes = itertools.count(1)
+
+    class Caller:
+        def save_adapter(self, folder, *, peft_adapter, llm):
+            os.makedirs(folder)
+            with open(os.path.join(folder, "state"), "w") as f:
+                f.write(str(next(writes)))
+
+    service = TinkerService.__new__(TinkerService)
+    service.caller, service.llm, service.registry = Caller(), "main", Registry(str(tmp_path))
+    service.futures, service._lock, service._ids = Futures(classify), threading.Lock(), itertools.count(1)
+    service.registry.add_run("s:train:0", "tiny", 4, None)
+    service.models = {"s:train:0": TrainingClient("s:train:0", "tinker_1", "tiny", 4,
+                                                  OrderedQueue(service.futures, "tinker_1"))}
+
+    def save(seq_id: int, **body) -> Outcome:
+        answer = service.save_weights({"model_id": "s:train:0", "path": "one", "seq_id": seq_id, **body})
+        return service.futures.wait(answer["request_id"], 10)
+
+    def held(folder: str) -> str:
+        with open(os.path.join(folder, "state")) as f:
+            return f.read()
+
+    path = save(1).value["path"]
+    assert "already saved a state named 'one'" in save(2).value["error"]
+    folder = service.registry.folder_of(path)
+    assert save(3, overwrite=True).kind == "json" and held(folder) == "2"
+    os.replace(folder, folder + "%old")  # a cut between the renames: the old state aside, the new one half-written
+    os.makedirs(folder + "%new")
+    assert held(service.registry.folder_of(path)) == "2"
+    assert save(4, overwrite=True).kind == "json" and held(folder) == "3"
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["one"]
+    service.futures.close()

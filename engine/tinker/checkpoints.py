@@ -112,6 +112,8 @@ class Registry:
             raise ValueError(f"{path!r} holds sampler weights (save_weights_for_sampler), which have no optimizer "
                              "state to train on: load a save_state path (tinker://<run>/weights/<name>)")
         folder = self.state_folder(run_id, name)
+        if not os.path.isdir(folder) and os.path.isdir(folder + "%old"):  # an overwrite cut between its renames
+            folder += "%old"
         if not os.path.isdir(folder):
             raise LookupError(f"no saved state at {path!r} (looked in {folder}; this service saves under "
                               f"{self.save_dir})")

@@ -192,6 +192,8 @@ class TinkerService:
 
         def work() -> Outcome:
             folder = self.registry.state_folder(client.model_id, name)  # run ids are this service's own
+            if os.path.isdir(folder + "%old"):  # an overwrite cut between its renames: the old state, whole
+                os.replace(folder + "%old", folder) if not os.path.isdir(folder) else shutil.rmtree(folder + "%old")
             replace = os.path.isdir(folder)  # "%new" and "%old" end no escaped name
             if replace and not body.get("overwrite"):
                 raise ValueError(f"this training client already saved a state named {name!r}: pick another name, "
