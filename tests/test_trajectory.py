@@ -100,6 +100,15 @@ def test_the_datum_trains_on_the_models_tokens_only(tokenizer):
     assert sum(a != 0 for a in inputs["advantages"]) == sum(len(s["tokens"]) for s in samples)
     with pytest.raises(ValueError, match="one per turn"):
         trajectory.datum([1.0])
+    # for dro, whose penalty reads every position: the given log-probs where the model did not write, its own where
+    # it did (zeros there pulled the environment's tokens towards probability 1)
+    elsewhere = [-0.25 - k for k in range(len(trajectory.ids) - 1)]
+    filled = trajectory.datum([1.5, -0.5], logprobs_elsewhere=elsewhere)["loss_fn_inputs"]["logprobs"]
+    wrote = trajectory.model_mask[1:]
+    assert [lp for lp, w in zip(filled, wrote) if w] == [lp for lp, w in zip(inputs["logprobs"], wrote) if w]
+    assert [lp for lp, w in zip(filled, wrote) if not w] == [e for e, w in zip(elsewhere, wrote) if not w]
+    with pytest.raises(ValueError, match="logprobs_elsewhere has 1 values: give one per target token"):
+        trajectory.datum([1.5, -0.5], logprobs_elsewhere=[0.0])
     with pytest.raises(ValueError, match="add_message needs a trajectory started from chat messages"):
         Trajectory(tokenizer, [1, 2, 3]).add_message("hi")
 

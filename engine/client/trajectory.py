@@ -135,10 +135,14 @@ class Trajectory:
         self.model_logprobs += [0.0] * len(ids)
         return ids
 
-    def datum(self, advantages) -> dict:
+    def datum(self, advantages, logprobs_elsewhere=None) -> dict:
         """The episode as one datum for ``forward_backward`` (``importance_sampling``, ``ppo``, ``cispo``...):
         ``advantages`` is one number per turn (spread over the turn's tokens) or one per id of :attr:`ids`;
-        environment tokens get advantage 0, and the sampler's log-probs are the ones recorded."""
+        environment tokens get advantage 0, and the sampler's log-probs are the ones recorded (0 where the model did
+        not write). ``dro``'s penalty ``beta / 2 * (lp - logprobs)^2`` reads every position, so those zeros would
+        pull the prompt's and the environment's tokens towards probability 1: for ``dro`` give
+        ``logprobs_elsewhere``, one log-prob per target token (``forward([datum])``'s ``logprobs`` fit as they
+        are), used where the model did not write."""
         per_token = [0.0] * len(self.ids)
         if len(advantages) == len(self.turns):
             for turn, value in zip(self.turns, advantages):
@@ -148,8 +152,15 @@ class Trajectory:
         else:
             raise ValueError(f"advantages has {len(advantages)} values: give one per turn ({len(self.turns)}) or "
                              f"one per token ({len(self.ids)})")
+        logprobs = self.sampling_logprobs[1:]
+        if logprobs_elsewhere is not None:
+            given = [float(x) for x in logprobs_elsewhere]
+            if len(given) != len(logprobs):
+                raise ValueError(f"logprobs_elsewhere has {len(given)} values: give one per target token "
+                                 f"({len(logprobs)}, the ids but the first)")
+            logprobs = [lp if wrote else other for lp, wrote, other in zip(logprobs, self.model_mask[1:], given)]
         return {"model_input": self.ids[:-1], "loss_fn_inputs": {
-            "target_tokens": self.ids[1:], "advantages": per_token[1:], "logprobs": self.sampling_logprobs[1:]}}
+            "target_tokens": self.ids[1:], "advantages": per_token[1:], "logprobs": logprobs}}
 
     # ------------------------------------------------------------------ formatting one message
 
