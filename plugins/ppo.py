@@ -10,7 +10,7 @@ Per-sample keyword arguments of ``caller.update(contexts, candidates, ...)``:
     old_logprobs: log-prob of that action under the policy that collected the data (``score(..., normalize=True)``).
     advantages: advantage estimates (normalise them in your script if you want).
     returns: value targets.
-    old_values: values at collection time (for value clipping; optional when ``value_clip`` is null).
+    old_values: values at collection time (for value clipping; required unless ``value_clip`` is null).
 
 Loss per sample: clipped policy loss + ``value_coef`` x (clipped) value loss - ``entropy_coef`` x entropy
 + ``kl_coef`` x KL(policy || base model), where the base model is the same network with its LoRA
@@ -118,6 +118,10 @@ class PPOUpdater(ShufflingUpdater):
         if missing:
             raise ValueError(f"the ppo updater needs the per-sample keyword argument(s) {missing} in "
                              "caller.update(...)")
+        if self.value_head and self.value_clip is not None and "old_values" not in batch.kwargs:
+            raise ValueError(f"the ppo updater clips the value loss around old_values (value_clip {self.value_clip}): "
+                             "pass old_values=[...] (the value head's outputs at collection time) to caller.update, "
+                             "or set the updater's value_clip to null")
         check_actions(batch.kwargs["actions"], batch.candidates, batch.indices)
         totals: dict[str, float] = {}
         count = 0

@@ -33,8 +33,9 @@ Normalisation: an episode's model tokens are averaged (environment tokens weigh 
 ``value_coef`` x the mean over its turns of the (clipped) value loss; then a start's episodes are averaged, then
 starts (:meth:`UpdateBatch.mean`).
 
-An update of ``grpo_turns`` whose groups all returned alike (every advantage 0) takes no step: Adam would still move
-the weights along its momentum. It reports ``skipped: 1`` and no losses.
+An update of ``grpo_turns`` whose groups all returned alike (every advantage 0) and whose loss has no KL or entropy
+term takes no step: Adam would still move the weights along its momentum. It reports ``skipped: 1`` and no losses.
+With ``kl_coef`` or ``entropy_coef`` set, the step is taken on those terms.
 
 Statistics per replica: ``reward`` (mean episode return), ``turns`` (mean per episode), ``policy_loss``,
 ``value_loss`` and ``value_error`` (``ppo_turns``), ``kl_penalty``, ``approx_kl``, ``clip_fraction``, ``entropy``
@@ -155,9 +156,10 @@ class TurnUpdater(ShufflingUpdater):
         collected = {"reward": sum(float(r.sum()) for e in rewards for r in e),
                      "turns": sum(r.numel() for e in rewards for r in e)}
         signal = sum(float(p.tensors["advantages"].abs().sum()) for p in prompts)
-        if not self.value_head and float(trainer.sum_across_replicas([signal])[0]) == 0:
-            # every group's episodes returned alike: no gradient, and an optimizer step would still move the
-            # weights along the optimizer's momentum
+        only_advantages = not self.value_head and self.kl_coef == 0 and self.entropy_coef == 0
+        if only_advantages and float(trainer.sum_across_replicas([signal])[0]) == 0:
+            # every group's episodes returned alike and the loss has no other term: no gradient, and an optimizer
+            # step would still move the weights along the optimizer's momentum
             return {"reward": collected["reward"] / max(episodes, 1), "turns": collected["turns"] / max(episodes, 1),
                     "tokens": int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), "samples": len(batch),
                     "skipped": 1}

@@ -24,7 +24,8 @@ def ppo_batch(k: int) -> dict:
     g = torch.Generator().manual_seed(k)
     return {"actions": [int(torch.randint(len(c), (1,), generator=g)) for c in CANDIDATES],
             "old_logprobs": (-torch.rand(4, generator=g) - 0.5).tolist(),
-            "advantages": torch.randn(4, generator=g).tolist(), "returns": torch.randn(4, generator=g).tolist()}
+            "advantages": torch.randn(4, generator=g).tolist(), "returns": torch.randn(4, generator=g).tolist(),
+            "old_values": torch.randn(4, generator=g).tolist()}
 
 
 SCHEDULE = {"type": "cosine", "warmup_steps": 1, "total_steps": 7, "min_lr_ratio": 0.1}  # 2 optimizer steps an update

@@ -70,7 +70,8 @@ def batch(tiny, name: str) -> tuple[list, dict]:
         return [[WORDS[i % 7], WORDS[(i + 2) % 7]] for i in range(n)], {}
     conts = [[WORDS[(i + j) % 7] for j in range(3)] for i in range(n)]
     return conts, {"actions": [i % 3 for i in range(n)], "old_logprobs": [-1.1] * n,
-                   "advantages": torch.randn(n, generator=g).tolist(), "returns": torch.randn(n, generator=g).tolist()}
+                   "advantages": torch.randn(n, generator=g).tolist(), "returns": torch.randn(n, generator=g).tolist(),
+                   "old_values": torch.randn(n, generator=g).tolist()}
 
 
 @pytest.mark.parametrize("name", ["lora", "trunk", "full", "t5"])

@@ -86,7 +86,8 @@ def batches(tiny, name: str) -> list[tuple[list, dict]]:
             n = len(PROMPTS)
             out.append((conts, {"actions": [i % 3 for i in range(n)], "old_logprobs": [-1.1] * n,
                                 "advantages": torch.randn(n, generator=g).tolist(),
-                                "returns": torch.randn(n, generator=g).tolist()}))
+                                "returns": torch.randn(n, generator=g).tolist(),
+                                "old_values": torch.randn(n, generator=g).tolist()}))
         else:
             pairs = [[WORDS[(i + step) % len(WORDS)], WORDS[(i + step + 2) % len(WORDS)]] for i in range(len(PROMPTS))]
             out.append((pairs, {}))
