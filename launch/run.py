@@ -107,7 +107,8 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[s
         if token.startswith("-"):
             if name not in takes_value:
                 close = difflib.get_close_matches(name, list(takes_value), n=1)
-                hint = f"; did you mean {close[0]}?" if close else ""
+                same = [p for p in primary if close and p.replace("-", "_") == close[0].replace("-", "_")]
+                hint = f"; did you mean {(same or close)[0]}?" if close else ""  # the documented spelling
                 raise ValueError(f"unknown option {name!r} before the script{hint} (options: {', '.join(primary)}; "
                                  "the script's own options go after the script)")
             if not takes_value[name]:

@@ -123,6 +123,12 @@ class PPOUpdater(ShufflingUpdater):
                              "pass old_values=[...] (the value head's outputs at collection time) to caller.update, "
                              "or set the updater's value_clip to null")
         check_actions(batch.kwargs["actions"], batch.candidates, batch.indices)
+        positive = next(((i, lp) for i, lp in zip(batch.indices, batch.kwargs["old_logprobs"]) if float(lp) > 1e-6),
+                        None)
+        if positive is not None:  # a log-probability is at most 0: raw scores of multi-token actions are not one
+            raise ValueError(f"old_logprobs[{positive[0]}] is {positive[1]}, above 0: give the log-policy of the "
+                             "chosen action, log_softmax over the context's candidates "
+                             "(caller.score(..., normalize=True)[i][action])")
         totals: dict[str, float] = {}
         count = 0
         heads = [self.value_head] if self.value_head else []

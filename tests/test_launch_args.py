@@ -184,6 +184,7 @@ def test_everything_after_the_script_is_the_scripts():
 @pytest.mark.parametrize("argv,words", [
     (["--config", "c.yaml", "--hostfil", "h", "s.py"],
      "unknown option '--hostfil' before the script; did you mean --hostfile?"),
+    (["--config", "c.yaml", "--dryrun", "s.py"], "did you mean --dry-run?"),  # the documented spelling, not its alias
     (["--config", "c.yaml", "--master_port"], "--master_port needs a value"),
     (["--config", "c.yaml", "--no_ssh=1", "s.py"], "--no_ssh takes no value"),
     (["--hostfile", "h", "s.py"], "--config CONFIG is required"),

@@ -3,7 +3,8 @@ for the trainer (:mod:`testkit.bigram`) against the documented loss written out 
 
 - ``grpo_turns`` skipped every update whose groups all returned alike, also when its loss had a KL term (whose
   gradient is not 0 once the policy has left the reference): with ``kl_coef`` it now steps on that term;
-- ``ppo`` without ``old_values`` ignored its ``value_clip`` (0.2 by default): refused, naming both."""
+- ``ppo`` without ``old_values`` ignored its ``value_clip`` (0.2 by default): refused, naming both; so are
+  ``old_logprobs`` above 0 (not log-probabilities)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,14 @@ def test_ppo_refuses_a_value_clip_without_old_values():
         trainer = BigramTrainer(head_level="context")
         PPOUpdater(epochs=1, value_clip=clip).update(batch(CONTEXTS, candidates, **kwargs, **given), trainer)
         assert trainer.steps == 1
+
+
+def test_ppo_refuses_old_logprobs_above_zero():
+    """A log-probability is at most 0: a positive one is not the log-policy over the candidates that ppo's ratio
+    needs (``score(..., normalize=True)``), and was trained on as given."""
+    from llmrl.plugins.ppo import PPOUpdater
+
+    kwargs = {"actions": [0, 1], "old_logprobs": [-0.7, 0.5], "advantages": [1.0, -1.0], "returns": [5.0, -5.0]}
+    with pytest.raises(ValueError, match=r"old_logprobs\[1\] is 0.5, above 0: .*normalize=True"):
+        PPOUpdater(epochs=1, value_clip=None).update(batch(CONTEXTS, [[[0], [1]], [[2], [3]]], **kwargs),
+                                                     BigramTrainer(head_level="context"))

@@ -73,7 +73,8 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
                          f"float32); LLM {llm!r} runs ZeRO {served.llm.training.zero_stage} in {served.llm.dtype}, "
                          "whose flat parameter copies are built once: declare the adapter in the config instead")
     if served.module.trunk is not None:
-        raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb); a new adapter could adapt its layers")
+        raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
+                         f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")
     check_adapter_name(name, "an adapter")
     if name in served.adapters or name in served.snapshots:
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
