@@ -1,12 +1,13 @@
 """Training steps written in the script (``forward_backward`` / ``forward`` / ``forward_backward_custom`` /
-``optim_step``) equal the same steps on a plain PEFT model with plain torch AdamW, to 1e-5, for 1 and 2 replicas
-and ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens).
+``optim_step``) equal the same steps on a plain PEFT model with plain torch AdamW, to 1e-5, for 1 and 2 replicas and
+ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens).
 
 The reference computes every loss by hand from its definition (Tinker's), sums it over all target tokens of all
 datums, back-propagates, clips with ``torch.nn.utils.clip_grad_norm_`` and steps ``torch.optim.AdamW`` with the
-hyperparameters of that step. It checks the returned per-token log-probs and loss sums too, that gradients of
-three calls accumulate to those of one call over their union, that a DPO loss run on the client equals autograd
-through the plain model, and that bad data and misuse are refused with the field at fault while the servers go on.
+hyperparameters of that step. It checks the returned per-token log-probs, loss sums and gradient norms too, that
+gradients of three calls accumulate to those of one call over their union, that a DPO loss run on the client equals
+autograd through the plain model, and that bad data and misuse are refused with the field at fault while the servers
+go on.
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ class Plain:
         logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), -1)
         return logp.gather(1, torch.tensor(datum["loss_fn_inputs"]["target_tokens"])[:, None])[:, 0]
 
-    def step(self, loss: torch.Tensor, lr: float, clip: float = 0.0, weight_decay: float = 0.0) -> None:
+    def step(self, loss: torch.Tensor, lr: float, clip: float = 0.0, weight_decay: float = 0.0) -> float:
+        """One AdamW step; the gradient's norm before clipping."""
         self.optimizer.zero_grad()
         loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip)
+        norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip or float("inf")))
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"] = lr, weight_decay
         self.optimizer.step()
+        return norm
 
     def weights(self) -> dict:
         return {k: p.detach().clone() for k, p in self.params.items()}
@@ -147,6 +149,7 @@ def test_each_built_in_loss_then_optim_step_equals_plain_peft_and_adamw(run, pla
         want_logp = [plain.logprobs(d) for d in data]
         losses = [hand_loss(loss_fn, lp, d, config) for lp, d in zip(want_logp, data)]
         want_loss = sum(loss.sum() for loss in losses)
+        norms = {}
         for name in LAYOUTS:
             out = run.forward_backward(data, loss_fn, config, llm=name)
             for got, want in zip(out["loss_fn_outputs"], want_logp):
@@ -156,7 +159,10 @@ def test_each_built_in_loss_then_optim_step_equals_plain_peft_and_adamw(run, pla
             assert out["metrics"]["loss:sum"] == pytest.approx(float(want_loss.detach()), abs=1e-4)
             stepped = run.optim_step(adam, llm=name)
             assert stepped["optimizer_steps"] == 1 and stepped["adapters"] == ["default"]
-        plain.step(want_loss, adam["learning_rate"], adam.get("grad_clip_norm", 0.0), adam.get("weight_decay", 0.0))
+            norms[name] = stepped["grad_norm"]
+        norm = plain.step(want_loss, adam["learning_rate"], adam.get("grad_clip_norm", 0.0),
+                          adam.get("weight_decay", 0.0))
+        assert norms == pytest.approx({name: norm for name in LAYOUTS}, rel=1e-4), loss_fn  # before clipping
     want = plain.weights()
     for name in LAYOUTS:
         assert_same_training(run.state_dict(llm=name), want, start, atol=1e-5, min_moved=len(want) // 2,

@@ -169,7 +169,7 @@ class ClientTraining:
 
         Returns:
             ``{"optimizer_steps": 1 (0 when no gradient was pending), "adapters": [trained adapters],
-            "grad_norm": the global gradient norm before clipping, when DeepSpeed reports it}`` (also written by the
-            run's tracking, as ``update``'s statistics are).
+            "grad_norm": the global gradient norm before clipping (None only with tensor parallelism under ZeRO 0)}``
+            (also written by the run's tracking, as ``update``'s statistics are).
         """
         return self._tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))

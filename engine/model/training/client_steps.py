@@ -27,6 +27,7 @@ from llmrl.engine.errors import PeerAborted
 from llmrl.engine.graph import keep_in_graph
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.training.grad_norm import recorded_norm
 from llmrl.engine.model.training.trainer import END, EngineTrainer
 from llmrl.plugins.rl_math import token_loss
 
@@ -105,13 +106,13 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
         return {"optimizer_steps": 0, "adapters": [], "grad_norm": None}
     stepped = sorted(a for a in served.pending_adapters if a is not None)
     try:
-        with step_settings(served, settings):
+        with step_settings(served, settings), recorded_norm(served.engine) as recorded:
             trainer.flush()
     except Exception as err:
         raise _noted(err, _discard(served, trainer))  # noqa: B904 - the same error, its message completed
     served.pending_backwards, served.pending_adapters = 0, set()
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
-    norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else None
+    norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
     return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}
 
 
