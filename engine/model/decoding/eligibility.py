@@ -2,13 +2,12 @@
 
 The loop runs greedy decoding and sampling of causal models, with every logits processor Hugging Face would apply
 for the request's arguments (it builds them with Hugging Face's own code), ``stop`` strings and token ids, and any
-number of return sequences. It declines beam search and the other decoding modes, seq2seq models, models with
-layers that are not attention (Mamba, convolution: hybrids such as LFM2 or Jamba), user-supplied
-``logits_processor`` / ``stopping_criteria`` objects, other arguments (or fields of the model's generation config)
-and ZeRO-3 groups in lockstep. Prompts that read the key/value
-cache across calls (``kv_cache_mb``) run in the loop too: it prefills only what the cache does not hold.
-:func:`why_not` names the reason; the caller then runs Hugging Face's ``generate`` (decoder
-``auto``) or refuses the request (decoder ``llmrl``).
+number of return sequences. It declines beam search and the other decoding modes, seq2seq models, models with layers
+that are not attention (Mamba, convolution: hybrids such as LFM2 or Jamba), user-supplied ``logits_processor`` /
+``stopping_criteria`` objects, other arguments (or fields of the model's generation config) and ZeRO-3 groups in
+lockstep. Prompts that read the key/value cache across calls (``kv_cache_mb``) run in the loop too: it prefills only
+what the cache does not hold. :func:`why_not` names the reason; the caller then runs Hugging Face's ``generate``
+(decoder ``auto``) or refuses the request (decoder ``llmrl``).
 
 This module decides nothing else; it runs no model.
 """
