@@ -192,8 +192,9 @@ class TinkerService:
 
         def work() -> Outcome:
             folder = self.registry.state_folder(client.model_id, name)  # run ids are this service's own
-            if os.path.isdir(folder + "%old"):  # an overwrite cut between its renames: the old state, whole
-                os.replace(folder + "%old", folder) if not os.path.isdir(folder) else shutil.rmtree(folder + "%old")
+            if os.path.isdir(folder + "%old") and not os.path.isdir(folder):  # an overwrite cut between its renames
+                os.replace(folder + "%old", folder)  # the old state, whole
+            shutil.rmtree(folder + "%old", ignore_errors=True)  # an overwrite cut after them: the replaced state
             replace = os.path.isdir(folder)  # "%new" and "%old" end no escaped name
             if replace and not body.get("overwrite"):
                 raise ValueError(f"this training client already saved a state named {name!r}: pick another name, "
@@ -201,7 +202,8 @@ class TinkerService:
             shutil.rmtree(folder + "%new", ignore_errors=True)  # left by a save that failed
             self.caller.save_adapter(folder + "%new" if replace else folder, peft_adapter=client.adapter, llm=self.llm)
             if replace:  # the old state stays whole until the new one is
-                os.replace(folder, folder + "%old"), os.replace(folder + "%new", folder)
+                os.replace(folder, folder + "%old")
+                os.replace(folder + "%new", folder)
                 shutil.rmtree(folder + "%old")
             record = Checkpoint(client.model_id, "weights", name, now(), size_bytes=folder_size(folder))
             self.registry.add(record)
