@@ -10,10 +10,20 @@ keyword arguments of ``caller.update(prompts, continuations, ...)`` are those of
 Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * KL_t - entropy_coef * H_t``
 with ``ratio = exp(logprob - old_logprob)`` and ``KL_t = exp(ref - logprob) - (ref - logprob) - 1`` (the
 non-negative, unbiased estimator of DeepSeekMath; the reference is the model with its LoRA adapters disabled, or
-``ref_logprobs``). Normalisation (``loss``): ``"sequence"`` (GRPO's: a continuation's token losses are averaged,
-then the group's continuations) or ``"token"`` (every token of the group weighs the same: the sum over the group's
-tokens divided by their number). Prompts are then averaged (:meth:`UpdateBatch.mean`). A group is never split
-between replicas (it is one sample), so advantages need no communication.
+``ref_logprobs``). ``clip_eps_high`` sets the upper clip apart (DAPO's "clip higher": ``clip(ratio, 1 - clip_eps,
+1 + clip_eps_high)``). Normalisation (``loss``), with TRL's ``loss_type`` names in brackets:
+
+- ``"sequence"`` (``grpo``): a continuation's token losses are averaged, then the group's continuations, then the
+  prompts of the optimizer step;
+- ``"token"``: every token of a group weighs the same (the sum over the group's tokens divided by their number),
+  then the prompts are averaged;
+- ``"batch_token"`` (``bnpo`` / ``dapo``): every token of the optimizer step weighs the same, whatever its group,
+  micro-step or replica (the sum over the step's tokens divided by their number);
+- ``"fixed_length"`` (``dr_grpo``, Dr. GRPO): a continuation's token losses are summed and divided by the constant
+  ``max_new_tokens`` (give the ``generate`` call's), then averaged like ``"sequence"``; a continuation longer than
+  ``max_new_tokens`` is refused.
+
+A group is never split between replicas (it is one sample), so advantages need no communication.
 
 Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group standard deviation), ``policy_loss``,
 ``kl`` (mean per-continuation sum of ``old_logprob - ref_logprob``, the KL to the reference at collection, as
@@ -44,11 +54,12 @@ from llmrl.plugins.updater_args import updater_schema
 
 
 def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                      advantages: torch.Tensor, clip_eps: float, kl_coef: float
+                      advantages: torch.Tensor, clip_eps: float, kl_coef: float, clip_eps_high: float | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token ``[n, T]``: the loss (clipped policy term + ``kl_coef`` x KL estimator), the KL estimator
     (detached; zeros without a reference) and 1.0 where the ratio was clipped. ``advantages`` is ``[n]``."""
-    loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps)
+    loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps,
+                                      clip_eps_high)
     kl = torch.zeros_like(loss)
     if ref_logprobs is not None and kl_coef != 0:
         kl = kl_k3(logprobs, ref_logprobs)
@@ -60,23 +71,33 @@ class GRPOUpdater(ShufflingUpdater):
     """Args (config ``args``):
         epochs: passes over the batch per update (default 1: on-policy, the ratio is 1 at the first step).
         clip_eps: ratio clip (default 0.2).
+        clip_eps_high: the upper ratio clip, when it differs from ``clip_eps`` (DAPO: 0.28; default: clip_eps).
         kl_coef: weight of the KL estimator to the reference (default 0.04, as DeepSeekMath; 0 skips the
             reference pass).
         entropy_coef: entropy bonus (default 0).
         scale_rewards: divide by the group's standard deviation (default true).
-        loss: "sequence" or "token" normalisation (default "sequence").
+        loss: "sequence", "token", "batch_token" or "fixed_length" normalisation (default "sequence").
+        max_new_tokens: the constant divisor of ``loss: fixed_length`` (required there, refused elsewhere).
         peft_adapter: the LoRA adapter to train (default: the active one).
         seed: seed of the minibatch shuffling.
     """
 
     per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
-    args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
-                                 scale_rewards={"type": "boolean"}, loss={"enum": ["sequence", "token"]})
+    args_schema = updater_schema("epochs", "clip_eps", "clip_eps_high", "kl_coef", "entropy_coef", "peft_adapter",
+                                 "seed", scale_rewards={"type": "boolean"},
+                                 loss={"enum": ["sequence", "token", "batch_token", "fixed_length"]},
+                                 max_new_tokens={"type": "integer", "minimum": 1})
 
     def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
-                 scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0):
+                 scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0,
+                 clip_eps_high: float | None = None, max_new_tokens: int | None = None):
+        if (loss == "fixed_length") != (max_new_tokens is not None):
+            raise ValueError("grpo's max_new_tokens is the divisor of loss: fixed_length (Dr. GRPO), and only of "
+                             "it: with loss: fixed_length set max_new_tokens to the generate call's; otherwise leave "
+                             "it out")
         self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
+        self.clip_eps_high, self.max_new_tokens = clip_eps_high, max_new_tokens
         self.scale_rewards, self.loss, self.peft_adapter = scale_rewards, loss, peft_adapter
         super().__init__(seed)
 
@@ -89,6 +110,7 @@ class GRPOUpdater(ShufflingUpdater):
                              "a GRPO group needs at least 2 continuations per prompt; generate with "
                              "num_return_sequences >= 2 (and do_sample=True)")
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, None, need_reference=self.kl_coef > 0)
+        self._check_lengths(batch, prompts)
         reward_sum, std_sum, kl_sum = 0.0, 0.0, 0.0
         for p in prompts:
             p.tensors["advantages"] = group_advantages(p.rewards, self.scale_rewards)
@@ -100,7 +122,10 @@ class GRPOUpdater(ShufflingUpdater):
         position = {index: k for k, index in enumerate(batch.indices)}
         sums: dict[str, float] = {}
         tokens = 0.0
+        tokens_of = {i: float(p.mask.sum()) for i, p in zip(batch.indices, prompts)}
         for _ in range(self.epochs):
+            step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
+                                                 self.generator) if self.loss == "batch_token" else ())
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 rows = [prompts[position[i]] for i in mb.indices]
                 out = trainer.forward(mb.contexts, mb.candidates, peft_adapter=self.peft_adapter, per_token=True,
@@ -112,13 +137,16 @@ class GRPOUpdater(ShufflingUpdater):
                 ref = join_prompts(rows, "ref_logprobs", width, device) if self.kl_coef > 0 else None
                 old = join_prompts(rows, "old_logprobs", width, device)
                 per_token, kl, clipped = grpo_token_losses(logp.float(), old, ref, advantages, self.clip_eps,
-                                                           self.kl_coef)
+                                                           self.kl_coef, self.clip_eps_high)
                 policy = (per_token - self.kl_coef * kl).detach()
                 entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
                 if entropy is not None:
                     per_token = per_token - self.entropy_coef * entropy
-                per_prompt = self._per_prompt(per_token, mask, out)
-                trainer.backward(mb.mean(per_prompt))
+                if self.loss == "batch_token":
+                    loss = (per_token * mask).sum() * (mb.num_replicas / max(next(step_tokens), 1.0))
+                else:
+                    loss = mb.mean(self._per_prompt(per_token, mask, out))
+                trainer.backward(loss)
                 trainer.step()
                 real = mask.float()
                 tokens += float(real.sum())
@@ -136,4 +164,18 @@ class GRPOUpdater(ShufflingUpdater):
     def _per_prompt(self, per_token: torch.Tensor, mask: torch.Tensor, out) -> torch.Tensor:
         if self.loss == "sequence":
             return per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
+        if self.loss == "fixed_length":
+            per_continuation = (per_token * mask.to(per_token.dtype)).sum(1) / self.max_new_tokens
+            return per_prompt_mean(per_continuation, out.candidate_context, out.num_contexts)
         return per_prompt_token_mean(per_token, mask, out.candidate_context, out.num_contexts)
+
+    def _check_lengths(self, batch: UpdateBatch, prompts: list) -> None:
+        """``fixed_length`` divides by ``max_new_tokens``: a longer continuation means the two disagree."""
+        if self.loss != "fixed_length":
+            return
+        for index, p in zip(batch.indices, prompts):
+            longest = int(p.mask.sum(1).max()) if len(p.rewards) else 0
+            if longest > self.max_new_tokens:
+                raise ValueError(f"prompt {index} has a continuation of {longest} tokens, more than grpo's "
+                                 f"max_new_tokens {self.max_new_tokens} (loss: fixed_length divides by it): set it "
+                                 "to the generate call's max_new_tokens")

@@ -74,6 +74,23 @@ class UpdateBatch:
         step = self.step_size if self.step_size is not None else self.global_size
         return token_sum * (self.num_replicas / max(all_tokens, 1.0)) * (self.global_size / max(step, 1))
 
+    def step_totals(self, size: int, counts: dict[int, float], sum_across_replicas: Callable,
+                    generator: torch.Generator | None = None) -> list[float]:
+        """For each minibatch that ``minibatches(size, shuffle=generator is not None, generator=generator)`` will
+        yield next, the sum of ``counts`` (a number per sample, by the sample's index in the call, such as its
+        tokens) over every sample of every replica in the optimizer step that minibatch belongs to: the divisor
+        that makes each token of a step weigh the same whatever micro-step and replica it fell in. The generator
+        is left as it was, so the minibatches drawn next are the ones counted. Every replica must call it (one
+        ``sum_across_replicas``)."""
+        state = None if generator is None else generator.get_state()
+        plan = replace(self, end_of_pass=None).minibatches(size, shuffle=generator is not None, generator=generator)
+        local = [sum(float(counts[i]) for i in mb.indices) for mb in plan]
+        if generator is not None:
+            generator.set_state(state)
+        totals = [float(v) for v in sum_across_replicas(local)]
+        group = max(1, self.accumulation_steps)
+        return [sum(totals[k - k % group: k - k % group + group]) for k in range(len(totals))]
+
     def select(self, positions: list[int], sizes: list[int], step_size: int | None = None) -> UpdateBatch:
         """A sub-batch of the samples at local ``positions``; ``sizes`` are every replica's sub-batch sizes."""
         kwargs = {}

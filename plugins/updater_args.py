@@ -12,6 +12,7 @@ from __future__ import annotations
 SHARED_ARGS: dict[str, dict] = {
     "epochs": {"type": "integer", "minimum": 1},
     "clip_eps": {"type": "number", "exclusiveMinimum": 0},
+    "clip_eps_high": {"type": ["number", "null"], "exclusiveMinimum": 0},
     "value_clip": {"type": ["number", "null"], "exclusiveMinimum": 0},
     "value_coef": {"type": "number", "minimum": 0},
     "entropy_coef": {"type": "number"},

@@ -143,12 +143,14 @@ def group_episode_advantages(rewards: list[torch.Tensor], gamma: float = 1.0, sc
 # ---- PPO losses --------------------------------------------------------------------------------------------------
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, clipped)``: PPO's clipped policy loss ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` and,
-    detached, 1.0 where the ratio left ``[1 - eps, 1 + eps]``. ``advantages`` broadcasts against ``ratio``."""
-    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
-    return loss, ((ratio - 1.0).abs() > clip_eps).float().detach()
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+                      clip_eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, clipped)``: PPO's clipped policy loss ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``
+    and, detached, 1.0 where the ratio left ``[1 - eps, 1 + eps_high]``. ``eps_high`` is ``clip_eps`` unless
+    given (DAPO's "clip higher" raises it, e.g. 0.28). ``advantages`` broadcasts against ``ratio``."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages)
+    return loss, ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + high)).float().detach()
 
 
 def value_loss(values: torch.Tensor | None, returns: torch.Tensor | None, old_values: torch.Tensor | None,
