@@ -88,6 +88,8 @@ class GRPOUpdater(ShufflingUpdater):
                                  "seed", scale_rewards={"type": "boolean"},
                                  loss={"enum": ["sequence", "token", "batch_token", "fixed_length"]},
                                  max_new_tokens={"type": "integer", "minimum": 1})
+    args_schema.update({"if": {"properties": {"loss": {"const": "fixed_length"}}, "required": ["loss"]},
+                        "then": {"required": ["max_new_tokens"]}})  # Dr. GRPO's divisor; __init__ refuses the rest
 
     def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
                  scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0,

@@ -17,9 +17,10 @@ loss is ``loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac``
 - ``loss_awac``: the language model's negative log-likelihood of ``a_t``, weighted by ``exp(awac_beta * (targetQ -
   V))`` (``awac_beta`` 0, trlX's default: plain likelihood).
 
-Every token of a minibatch weighs the same, across replicas (trlX averages over the tokens of its batch). After
-every ``sync_every`` minibatches the target Q heads move towards the Q heads: ``target <- alpha * Q + (1 - alpha) *
-target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`; the minibatch count is saved in checkpoints).
+Every token of an optimizer step weighs the same, across micro-steps and replicas (trlX averages over the tokens of
+its batch). After every ``sync_every`` minibatches the target Q heads move towards the Q heads: ``target <- alpha *
+Q + (1 - alpha) * target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`; the minibatch count is saved in
+checkpoints).
 
 Generation steered by the advantages: ``generate(..., steer=True)`` samples from ``log_softmax(logits) + beta * (
 min_i targetQ_i(s, .) - V(s))`` (then temperature, top-k, top-p; ``steer={"beta": 4}`` overrides ``beta``).
@@ -38,6 +39,7 @@ from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update
 from llmrl.plugins.rollouts import reward_rows_of, rewards_of
 from llmrl.plugins.steering import AdvantageSteering
+from llmrl.plugins.update_batch import check_token_count, sample_token_counts
 from llmrl.plugins.updater_args import updater_schema
 
 
@@ -103,7 +105,10 @@ class ILQLUpdater(ShufflingUpdater):
         totals = rewards_of(batch.kwargs["rewards"], counts, batch.indices, dense=True)  # checks before any pass
         sums = {k: 0.0 for k in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac", "advantage", "value")}
         tokens = 0
+        tokens_of = sample_token_counts(batch, trainer)
         for _ in range(self.epochs):
+            step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
+                                                 self.generator))
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 out = trainer.forward(mb.contexts, mb.candidates, heads=[self.head], peft_adapter=self.peft_adapter,
                                       per_token=True)
@@ -117,8 +122,8 @@ class ILQLUpdater(ShufflingUpdater):
                 terms = ilql_losses(qs, targets, h["v"], out.token_ids, out.token_logprobs.float(), rewards,
                                     out.token_candidate, self.gamma, self.tau, self.awac_beta)
                 per_token = terms.q + terms.v + self.cql_scale * terms.cql + self.awac_scale * terms.awac
-                count = float(trainer.sum_across_replicas([float(per_token.numel())])[0])
-                trainer.backward(mb.token_mean(per_token.sum(), count))
+                check_token_count(mb, tokens_of, per_token, "ilql")  # every token of the step weighs the same
+                trainer.backward(per_token.sum() * (mb.num_replicas / max(next(step_tokens), 1.0)))
                 trainer.step()
                 self.minibatches_done += 1
                 if self.minibatches_done % self.sync_every == 0:

@@ -4,8 +4,9 @@ only: a warm start before RL, as RL4LMs' supervised trainer gives one.
 A sample is one prompt with its target continuation(s): ``caller.update(prompts, [[target], ...])`` (several
 targets per prompt are allowed; a bare string is one target). The prompt's tokens carry no loss. Each target
 token's loss is its negative log-likelihood. ``loss: "token"`` (the default, as Hugging Face's Trainer and TRL's
-SFTTrainer average) weighs every target token of a micro-step the same, across replicas; ``"sequence"`` averages each
-target's tokens first, then the targets of a prompt, then the prompts. With ``add_eos`` (default true) each target
+SFTTrainer average) weighs every target token of an optimizer step the same, whatever micro-step and replica it fell
+in (micro-batch 2 x accumulation 4 trains as micro-batch 8 x 1); ``"sequence"`` averages each target's tokens first,
+then the targets of a prompt, then the prompts. With ``add_eos`` (default true) each target
 ends with the EOS token, so the model also learns where to stop.
 
 Statistics per replica: ``loss`` (mean negative log-likelihood per target token), ``tokens`` (target tokens),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import per_prompt_mean, sequence_mean
+from llmrl.plugins.update_batch import check_token_count, sample_token_counts
 from llmrl.plugins.updater_args import updater_schema
 
 
@@ -43,7 +45,10 @@ class SFTUpdater(ShufflingUpdater):
             raise ValueError("the sft updater trains on targets: caller.update(prompts, [[target], ...]), at least "
                              "one target per prompt")
         nll_sum, tokens = 0.0, 0
+        tokens_of = sample_token_counts(batch, trainer, self.add_eos)
         for _ in range(self.epochs):
+            step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
+                                                 self.generator) if self.loss == "token" else ())
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
                 out = trainer.forward(mb.contexts, mb.candidates, peft_adapter=self.peft_adapter, per_token=True,
                                       add_eos=self.add_eos)
@@ -52,9 +57,9 @@ class SFTUpdater(ShufflingUpdater):
                 if self.loss == "sequence":
                     per_prompt = per_prompt_mean(sequence_mean(nll, mask), out.candidate_context, out.num_contexts)
                     loss = mb.mean(per_prompt)
-                else:  # every token of the micro-step weighs the same, whatever replica it fell in
-                    count = float(trainer.sum_across_replicas([float(mask.sum())])[0])
-                    loss = mb.token_mean((nll * mask).sum(), count)
+                else:  # every token of the optimizer step weighs the same, whatever micro-step and replica
+                    check_token_count(mb, tokens_of, mask, "sft")
+                    loss = (nll * mask).sum() * (mb.num_replicas / max(next(step_tokens), 1.0))
                 trainer.backward(loss)
                 trainer.step()
                 nll_sum += float((nll.detach() * mask).sum())

@@ -68,9 +68,11 @@ class UpdateBatch:
         return values.sum() * (self.num_replicas / total)
 
     def token_mean(self, token_sum: torch.Tensor, all_tokens: float) -> torch.Tensor:
-        """The mean over every token of the optimizer step of a per-token loss whose sum over this replica's tokens
-        is ``token_sum``; ``all_tokens`` counts the tokens of every replica's share of this minibatch (sum it with
-        ``trainer.sum_across_replicas``). Each token then weighs the same whatever replica it fell in."""
+        """The mean over this minibatch's tokens of a per-token loss whose sum over this replica's tokens is
+        ``token_sum``; ``all_tokens`` counts the tokens of every replica's share of this minibatch (sum it with
+        ``trainer.sum_across_replicas``). Each token of the minibatch weighs the same whatever replica it fell in;
+        with gradient accumulation, each minibatch then weighs by its share of the step's samples. For every token
+        of the optimizer step to weigh the same, divide by :meth:`step_totals` instead (the built-in updaters do)."""
         step = self.step_size if self.step_size is not None else self.global_size
         return token_sum * (self.num_replicas / max(all_tokens, 1.0)) * (self.global_size / max(step, 1))
 
@@ -132,3 +134,25 @@ class UpdateBatch:
             yield self.select(positions, [sizes[k] for sizes in per_replica], step_size)
         if self.end_of_pass is not None:
             self.end_of_pass()
+
+
+def sample_token_counts(batch: UpdateBatch, trainer, add_eos: bool = False) -> dict[int, float]:
+    """Each local sample's scored tokens (over its candidates), by its index in the call, from the tokenisation
+    alone (:meth:`Trainer.scored_token_counts`): what :meth:`UpdateBatch.step_totals` sums."""
+    counts = trainer.scored_token_counts(batch.contexts, batch.candidates, add_eos=add_eos).tolist()
+    out, first = {}, 0
+    for index, candidates in zip(batch.indices, batch.candidates):
+        out[index] = float(sum(counts[first:first + len(candidates)]))
+        first += len(candidates)
+    return out
+
+
+def check_token_count(mb: UpdateBatch, tokens_of: dict[int, float], scored: torch.Tensor, updater: str) -> None:
+    """Refuse to divide by a step's token count that the pass did not see: the tokens ``scored`` (a ``[rows, T]``
+    mask, or a flat ``[tokens]`` tensor with one entry per token) must be those counted for the minibatch's
+    samples."""
+    seen = float(scored.sum()) if scored.dim() == 2 else float(scored.numel())
+    counted = sum(tokens_of[i] for i in mb.indices)
+    if seen != counted:
+        raise RuntimeError(f"{updater}: the forward pass scored {seen:g} tokens where the tokenisation counted "
+                           f"{counted:g} for samples {mb.indices}; the token-weighted loss would be wrong")

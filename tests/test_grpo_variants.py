@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from testkit.bigram import BigramTrainer, batch, token_logps
+from testkit.bigram import BigramTrainer, batch, token_logps, two_replicas
 
 CONTEXTS = [[1], [2], [4]]
 # continuations of very different lengths, so that the normalisations differ
@@ -113,52 +113,15 @@ def test_max_new_tokens_goes_with_fixed_length_only(args):
         GRPOUpdater(**args)
 
 
-class TwoReplicas:
-    """``sum_across_replicas`` for two in-process replicas running in two threads."""
-
-    def __init__(self):
-        import threading
-
-        self.barrier, self.parts = threading.Barrier(2), {}
-
-    def summer(self, replica: int):
-        def sum_across_replicas(values):
-            self.parts[replica] = torch.as_tensor(values, dtype=torch.float64)
-            self.barrier.wait()
-            total = self.parts[0] + self.parts[1]
-            self.barrier.wait()
-            return total
-        return sum_across_replicas
-
-
 def test_batch_token_weighs_every_token_the_same_across_two_replicas():
     """Prompts 0 and 1 (13 tokens) on one replica, prompt 2 (8 tokens) on the other: the replicas' gradients,
     averaged as DeepSpeed averages them, equal the plain loss over the 21 tokens."""
-    import threading
-
     from llmrl.plugins.grpo import GRPOUpdater
 
-    pair, grads, errors = TwoReplicas(), {}, []
     reference = BigramTrainer()
     old = old_logprobs(reference.W)
     whole = batch(CONTEXTS, CONTINUATIONS, rewards=REWARDS, old_logprobs=old)
-
-    def replica(r: int, positions: list[int]):
-        try:
-            trainer = BigramTrainer(micro_batch_size=2)
-            trainer.sum_across_replicas = pair.summer(r)
-            share = replace(whole, replica=r, num_replicas=2).select(positions, [2, 1])
-            GRPOUpdater(epochs=1, kl_coef=KL_COEF, loss="batch_token").update(share, trainer)
-            grads[r] = sum(g[0] for g in trainer.grads)
-        except Exception as error:  # raised in the test's thread below
-            errors.append(error)
-            pair.barrier.abort()
-
-    threads = [threading.Thread(target=replica, args=(0, [0, 1])), threading.Thread(target=replica, args=(1, [2]))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    grads = two_replicas(whole, [[0, 1], [2]], lambda: BigramTrainer(micro_batch_size=2),
+                         lambda: GRPOUpdater(epochs=1, kl_coef=KL_COEF, loss="batch_token"))
     torch.testing.assert_close((grads[0] + grads[1]) / 2, plain_gradient(reference, old, "batch_token"),
                                atol=1e-6, rtol=0)

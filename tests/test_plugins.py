@@ -147,13 +147,16 @@ def test_rlhf_plugin_arguments_are_checked_with_the_config(tiny):
     config = {"llms": {
         "policy": {"model": tiny["llama"], "heads": {"v": {"plugin": "token_value", "args": {"hidden": 0}}},
                    "updater": {"plugin": "grpo", "args": {"loss": "tokens"}}},
+        "dr-grpo": {"model": tiny["llama"], "updater": {"plugin": "grpo", "args": {"loss": "fixed_length"}}},
         "rm": {"model": tiny["llama"], "heads": {"r": "reward"}, "updater": {"plugin": "ppo_tokens",
                                                                             "args": {"kl_target": -1}}},
     }}
     with pytest.raises(ConfigError) as err:
         load_config(raw=config)
     problems = dict(err.value.problems)
-    assert "'tokens' is not one of ['sequence', 'token']" in problems["llms.policy.updater.args"]
+    assert ("'tokens' is not one of ['sequence', 'token', 'batch_token', 'fixed_length']"
+            in problems["llms.policy.updater.args"])
+    assert "'max_new_tokens' is a required property" in problems["llms.dr-grpo.updater.args"]
     assert "hidden" in problems["llms.policy.heads.v.args"] and "0" in problems["llms.policy.heads.v.args"]
     assert "-1" in problems["llms.rm.updater.args"]
     assert "llms.rm.heads.r" not in problems

@@ -7,6 +7,7 @@ servers, so its gradient can be compared with the documented loss written out in
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -92,3 +93,40 @@ def batch(contexts, candidates, **kwargs) -> UpdateBatch:
 def token_logps(W: torch.Tensor, context: list[int], tokens: list[int]) -> torch.Tensor:
     table = torch.log_softmax(W, -1)
     return torch.stack([table[previous, token] for previous, token in zip([context[-1], *tokens[:-1]], tokens)])
+
+
+def two_replicas(whole: UpdateBatch, shares: list[list[int]], make_trainer, make_updater) -> list[torch.Tensor]:
+    """Run one update on two in-process replicas (two threads, each with its own trainer and updater, whose
+    ``sum_across_replicas`` sums the two) holding the samples at ``shares``; returns each replica's gradient of
+    ``W`` summed over its micro-steps (DeepSpeed would average the two)."""
+    import threading
+
+    barrier, parts, grads, errors = threading.Barrier(2), {}, {}, []
+    sizes = [len(s) for s in shares]
+
+    def replica(r: int):
+        def sum_across_replicas(values):
+            parts[r] = torch.as_tensor(values, dtype=torch.float64)
+            barrier.wait()
+            total = parts[0] + parts[1]
+            barrier.wait()
+            return total
+
+        try:
+            trainer = make_trainer()
+            trainer.sum_across_replicas = sum_across_replicas
+            share = replace(whole, replica=r, num_replicas=2).select(shares[r], sizes)
+            make_updater().update(share, trainer)
+            grads[r] = sum(g[0] for g in trainer.grads)
+        except Exception as error:  # raised in the caller's thread below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return [grads[0], grads[1]]
