@@ -95,7 +95,7 @@ def test_optim_step_settings_leave_the_schedule_stepping(script_lr):
 
     def engine_steps(optimizer, scheduler, settings):
         served = types.SimpleNamespace(adapter_steps=types.SimpleNamespace(optimizer=optimizer),
-                                       engine=types.SimpleNamespace(optimizer=optimizer,
+                                       engine=types.SimpleNamespace(optimizer=optimizer, lr_scheduler=scheduler,
                                                                     _config=types.SimpleNamespace(gradient_clipping=0)))
         used = []
         for _ in range(6):
@@ -118,6 +118,27 @@ def test_optim_step_settings_leave_the_schedule_stepping(script_lr):
     assert [lr for lr, _ in ours] == pytest.approx(expected)
     assert left == pytest.approx(reference[6])  # the schedule's rate for the next step (an update's, say)
     assert all(decay == 0.01 for _, decay in ours)
+
+
+def test_a_scripts_rate_equal_to_the_schedules_next_one_does_not_bring_back_the_rate_before_it():
+    """Warm-up of 2 steps to 0.5: the script gives 0.5 at step 1, which is also the schedule's rate for step 2. The
+    rate before step 1 (0.25) used to come back for step 2, since an unchanged rate read as "no scheduler step"."""
+    import types
+
+    from llmrl.engine.model.training.client_steps import step_settings
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    scheduler = make_scheduler(optimizer, LRSchedule("constant", 2))
+    served = types.SimpleNamespace(adapter_steps=types.SimpleNamespace(optimizer=optimizer),
+                                   engine=types.SimpleNamespace(optimizer=optimizer, lr_scheduler=scheduler,
+                                                                _config=types.SimpleNamespace(gradient_clipping=0)))
+    used = []
+    for settings in ({}, {"learning_rate": 0.5}, {}, {"learning_rate": 0.1}, {}):
+        with step_settings(served, settings):
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    assert used == pytest.approx([0.0, 0.5, 0.5, 0.1, 0.5])
 
 
 def test_groups_added_and_removed_at_run_time_follow_the_schedule():

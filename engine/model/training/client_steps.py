@@ -122,8 +122,9 @@ def step_settings(served: ServedModel, settings: dict):
     ``weight_decay``) and DeepSpeed clips at ``grad_clip_norm`` (0: no clipping); the config's values come back
     after, for the settings given only. The learning rate belongs to the config's ``lr_schedule`` where one is set
     (DeepSpeed steps the scheduler inside, after the optimizer): without ``learning_rate`` it is left alone, and
-    with it the rate the scheduler set for the next step is kept (putting back the one from before the step would
-    hold a warm-up at its first rate for ever)."""
+    with it the group's rate after the step is the schedule's for the next step (putting back the one from before
+    the step would hold a warm-up at its first rate for ever; so would keeping the script's when the scheduler
+    happened to set the same)."""
     groups = served.adapter_steps.optimizer.param_groups
     names = {"learning_rate": "lr", "beta1": "betas", "beta2": "betas", "eps": "eps", "weight_decay": "weight_decay"}
     changed = {names[key] for key in settings if key in names}
@@ -148,9 +149,14 @@ def step_settings(served: ServedModel, settings: dict):
                 zero_optimizer.clip_grad = settings["grad_clip_norm"]
         yield
     finally:
+        scheduler = getattr(engine, "lr_scheduler", None)
+        factor = scheduler.lr_lambdas[0](max(scheduler.last_epoch, 0)) if getattr(scheduler, "lr_lambdas", None) \
+            else None
         for group, values in zip(groups, saved):
-            if "lr" in values and group["lr"] != settings["learning_rate"]:
-                del values["lr"]  # the scheduler moved it on: the next step's rate is the schedule's
+            if "lr" in values and factor is not None and "initial_lr" in group:
+                values["lr"] = group["initial_lr"] * factor  # the schedule's next rate, whether or not it stepped
+            elif "lr" in values and group["lr"] != settings["learning_rate"]:
+                del values["lr"]  # another scheduler (training.deepspeed's) moved it on: the next rate is its own
             group.update(values)
         engine._config.gradient_clipping = clipping[0]
         if zero_optimizer is not None:
