@@ -65,19 +65,26 @@ def test_a_seq_id_that_is_not_a_non_negative_integer_is_refused_and_the_queue_go
     futures.close()
 
 
-def test_a_batch_refused_for_one_requests_input_fails_that_request_only():
+@pytest.mark.parametrize("where", ["client", "server"])
+def test_a_batch_refused_for_one_requests_input_fails_that_request_only(where):
+    """Refused on the client (a ValueError) or by the servers (a RequestError naming a ValueError: a prompt over
+    the model's length), the batch is sent again request by request."""
+    from llmrl.engine.errors import RequestError
+
     calls = []
 
     def run(key, prompts):
         calls.append(list(prompts))
         if any(token >= 100 for prompt in prompts for token in prompt):
+            if where == "server":
+                raise RequestError("context 1 (600 tokens) exceeds the model's maximum length", 1, "ValueError")
             raise ValueError("a token id is outside the vocabulary")
         return [f"samples of {prompt}" for prompt in prompts]
 
     batcher = SampleBatcher(run, window=0.05, most=3)
     good, bad, other = (batcher.submit("key", prompt) for prompt in ([1, 2], [5, 500], [3]))
     assert good.result(10) == "samples of [1, 2]" and other.result(10) == "samples of [3]"
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises((ValueError, RequestError), match="outside the vocabulary|exceeds the model's maximum"):
         bad.result(10)
     assert calls[0] == [[1, 2], [5, 500], [3]]  # one call for the batch, then each request alone
     assert sorted(map(tuple, map(tuple, calls[1:]))) == [([1, 2],), ([3],), ([5, 500],)]

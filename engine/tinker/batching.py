@@ -54,7 +54,7 @@ class SampleBatcher:
         try:
             results = self._run(key, [prompt for prompt, _ in batch])
         except BaseException as err:  # noqa: BLE001 - every request of the batch gets the error
-            if len(batch) > 1 and isinstance(err, (ValueError, TypeError)):  # a request's own input: each alone,
+            if len(batch) > 1 and _refused_for_input(err):  # a request's own input: each alone,
                 for one in batch:  # so that it fails the request that sent it, not its neighbours
                     self._call(key, [one])
                 return
@@ -63,3 +63,15 @@ class SampleBatcher:
             return
         for (_, future), result in zip(batch, results):
             future.set_result(result)
+
+
+def _refused_for_input(err: BaseException) -> bool:
+    """Whether a call was refused for its input, here or by the servers (whose refusals arrive as a
+    :class:`~llmrl.engine.errors.RequestError` naming the original type): one of the batch's prompts may be at
+    fault, not all."""
+    from llmrl.engine.errors import RequestError
+
+    if isinstance(err, (ValueError, TypeError)):
+        return True
+    return isinstance(err, RequestError) and err.remote_type in ("ValueError", "TypeError", "InvalidArgument",
+                                                                 "InvalidArgumentType")
