@@ -221,7 +221,7 @@ def main(request: RunRequest) -> int:
             return 2
         if all(llm.devices == "cpu" for llm in config.llms.values()):
             env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
-        code, stopped_by = supervise(cmd, env)
+        code, stopped_by = supervise(cmd, env, script_ended=(lambda: os.path.exists(exit_file)) if 0 in local else None)
         reported = {rank: read_exit_code(exit_code_file(exit_file, rank)) for rank in local}
     return run_exit_code(code, stopped_by, reported)
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 
 def _die_with_parent() -> None:  # runs in the child, before exec
@@ -25,8 +27,13 @@ def _die_with_parent() -> None:  # runs in the child, before exec
     exit_with_parent(signal.SIGTERM)
 
 
-def supervise(cmd: list[str], env: dict, grace: float = 5.0) -> tuple[int, int | None]:
-    """Run ``cmd``; returns (its exit code, the signal that asked the run to stop, or None)."""
+def supervise(cmd: list[str], env: dict, grace: float = 5.0, script_ended: Callable[[], bool] | None = None,
+              linger: float = 10.0) -> tuple[int, int | None]:
+    """Run ``cmd``; returns (its exit code, the signal that asked the run to stop, or None).
+
+    ``script_ended`` tells when rank 0 has reported its exit: the client stops the servers before it reports, so
+    a rank still running ``linger`` seconds later is frozen or stuck (the DeepSpeed launcher would wait for it
+    forever); the run's group is then killed."""
     received: list[int] = []
     process = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -36,7 +43,7 @@ def supervise(cmd: list[str], env: dict, grace: float = 5.0) -> tuple[int, int |
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        deadline = None
+        deadline, ended = None, False
         while True:
             try:
                 code = process.wait(timeout=0.2)
@@ -45,7 +52,14 @@ def supervise(cmd: list[str], env: dict, grace: float = 5.0) -> tuple[int, int |
                 pass
             if received and deadline is None:
                 deadline = time.monotonic() + grace
+            if deadline is None and script_ended is not None and script_ended():
+                deadline = time.monotonic() + linger
+                ended = True
             if deadline is not None and time.monotonic() > deadline:
+                if ended:
+                    print(f"llmrl: ranks still ran {linger:g} s after the script ended and the servers were told to "
+                          "stop (frozen, or stuck in a request); killing them", file=sys.stderr, flush=True)
+                    ended = False
                 _signal_group(process.pid, signal.SIGKILL)
     finally:
         for sig, handler in previous.items():

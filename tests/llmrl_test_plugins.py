@@ -14,8 +14,9 @@ class ChosenScoreUpdater(Updater):
     """loss_i = -weight_i * log p(chosen candidate_i | context_i) [+ (V(context_i) - target_i)^2].
 
     Deterministic and simple, so that a plain PyTorch step can reproduce it exactly.
-    Keyword arguments of ``update``: actions, weights, targets (per sample); adapter, fail_on_replica and
-    fail_after_steps (whole: make one replica raise after that many micro-steps).
+    Keyword arguments of ``update``: actions, weights, targets (per sample); adapter, fail_on_replica,
+    fail_after_steps and fail_by_exit (whole: make one replica raise, or call sys.exit, after that many
+    micro-steps).
 
     Token level instead, when ``token_weights`` is given (per sample, one weight per token of the chosen
     candidate): loss_i = -sum_t token_weights_i[t] * log p(token t) - entropy_coef * sum_t H_t, read from
@@ -31,6 +32,8 @@ class ChosenScoreUpdater(Updater):
         fail_on = batch.kwargs.get("fail_on_replica")
         for mb in batch.minibatches(trainer.micro_batch_size):
             if fail_on == batch.replica and steps >= batch.kwargs.get("fail_after_steps", 0):
+                if batch.kwargs.get("fail_by_exit"):
+                    raise SystemExit(f"deliberate exit on replica {batch.replica}")
                 raise ValueError(f"deliberate failure on replica {batch.replica}")
             if "token_weights" in mb.kwargs:
                 loss = mb.mean(self.token_level(trainer, mb))
@@ -180,6 +183,13 @@ class BrokenHead(Head):
 
     def forward(self, outputs):
         raise RuntimeError("BrokenHead always fails")
+
+
+class ExitingHead(Head):
+    """Calls sys.exit in its forward."""
+
+    def forward(self, outputs):
+        raise SystemExit(3)
 
 
 class NoForwardHead(torch.nn.Module):

@@ -33,7 +33,7 @@ class Run:
         self.config.write_text(yaml.safe_dump({
             "llms": {"main": {"model": tiny["llama"], "heads": {
                 "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 120}}}}},
-            "threads_per_rank": 1, "log_level": "debug"}))
+            "threads_per_rank": 1, "log_level": "debug", "timeouts": {"shutdown": 3}}))
         self.marks = str(tmp_path / "mark")
         self.log_path = tmp_path / "run.log"
         with open(self.log_path, "w") as log:
@@ -153,3 +153,32 @@ def test_killing_any_launcher_process_ends_every_rank(run, victim):
     if victim != "llmrl run":  # `llmrl run` itself survives to report the failure
         assert code != 0, live.log
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+
+def test_a_script_that_ends_with_a_call_in_flight_stops_the_busy_server(run):
+    """The server used to finish the minute-long call after the client had hung up (timeouts.shutdown, 3 s
+    here), and `llmrl run` waited for it."""
+    live = run("in-flight")
+    live.wait_for(("mark", "calling"))
+    started = time.monotonic()
+    assert live.finish() == 1, live.log
+    assert time.monotonic() - started < 60, live.log
+    assert "did not stop within 3 s of the stop" in live.log
+    assert "the client hung up while request" in live.log
+
+
+def test_a_frozen_server_does_not_keep_the_run_alive_after_the_script_ended(run):
+    """A server that cannot stop (SIGSTOP here; stuck in a request alike): the client hangs up after
+    timeouts.shutdown and reports it, `llmrl run` kills what is left; the DeepSpeed launcher used to wait for it
+    forever."""
+    live = run("ends")
+    live.wait_for(EVENTS["idle"])
+    _, _, launcher = _launcher_chain(live)
+    client = live.client_pid()
+    (server,) = [p for p in launcher.children() if p.pid != client]
+    server.suspend()
+    Path(f"{live.marks}.go").write_text("")
+    assert live.finish() == 1, live.log
+    assert "did not stop within 3 s of the stop" in live.log
+    assert "after the script ended and the servers were told to stop" in live.log

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from llmrl.engine.errors import RequestError, RequestTimeoutError, ServerDiedError
+from llmrl.engine.errors import InvalidArgument, RequestError, RequestTimeoutError, ServerDiedError
 from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
@@ -37,6 +37,7 @@ def run(tiny):
     config = {"llms": {
         "main": {"model": tiny["llama"], "replicas": 2,
                  "heads": {"value": "value", "broken": "llmrl_test_plugins:BrokenHead",
+                           "exiting": "llmrl_test_plugins:ExitingHead",
                            "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 4}}},
                  "initializers": [{"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}]},
         "trainable": trainable(tiny),
@@ -72,12 +73,29 @@ def test_bad_requests_are_refused_and_the_servers_keep_serving(run):
         assert same(run.score(CONTEXTS, CANDIDATES), reference)
 
 
+def test_a_blocking_call_in_a_done_callback_is_refused_and_the_servers_keep_serving(run):
+    """Done-callbacks run on the thread that reads the rank's replies: a blocking call there waited for itself
+    until timeouts.request ran out, and stalled every other call to that rank meanwhile."""
+    reference = run.score(CONTEXTS, CANDIDATES)
+    call = ("score", (CONTEXTS, CANDIDATES), {})
+    with pytest.raises(RuntimeError, match="a blocking Caller call in a future's done-callback"):
+        run.in_callback(call, call, timeout=30)
+    assert same(run.score(CONTEXTS, CANDIDATES), reference)
+    assert run.ping(1) > 0
+    with pytest.raises(InvalidArgument, match="no server rank 99; the server ranks are \\[1, 2, 3, 4, 5, 6\\]"):
+        run.ping(99)
+
+
 def test_a_failing_head_is_named(run):
     reference = run.custom_module_fns(["value"], CONTEXTS)
     with pytest.raises(RequestError, match="head 'broken' \\(llmrl_test_plugins:BrokenHead\\) failed: "
                                            "RuntimeError: BrokenHead always fails") as err:
         run.custom_module_fns(["value", "broken"], CONTEXTS)
     assert err.value.plugin == "llmrl_test_plugins:BrokenHead"
+    # a head calling sys.exit() used to end its rank (and the run): it is this request's error too
+    with pytest.raises(RequestError, match="head 'exiting' \\(llmrl_test_plugins:ExitingHead\\) failed: "
+                                           "SystemExit: 3"):
+        run.custom_module_fns(["exiting"], CONTEXTS)
     again = run.custom_module_fns(["value"], CONTEXTS)
     assert all(torch.equal(a["value"], b["value"]) for a, b in zip(again, reference))
 
@@ -97,6 +115,11 @@ def test_a_failing_updater_leaves_replicas_identical(run):
     first, second = (run.state_dict(llm="trainable", replica=r) for r in (0, 1))
     assert all(torch.equal(first[k], second[k]) for k in first), "replicas must hold the same weights"
     assert any(not torch.equal(first[k], before[k]) for k in first), "the first step was applied by both"
+    # an updater calling sys.exit() on one replica: the other is told, both serve on with the same weights
+    with pytest.raises(RequestError, match="after 0 optimizer step\\(s\\).*SystemExit: deliberate exit on replica 1"):
+        run.update(contexts, candidates, llm="trainable", fail_on_replica=1, fail_by_exit=True, **batch)
+    first, second = (run.state_dict(llm="trainable", replica=r) for r in (0, 1))
+    assert all(torch.equal(first[k], second[k]) for k in first)
     stats = run.update(contexts, candidates, llm="trainable", **batch)  # and training goes on
     assert [s["optimizer_steps"] for s in stats] == [2, 2]
     first, second = (run.state_dict(llm="trainable", replica=r) for r in (0, 1))

@@ -28,6 +28,7 @@ from llmrl.engine.client import chat, saving
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.episodes import EpisodeCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
+from llmrl.engine.client.links import on_reader_thread
 from llmrl.engine.client.tracking_calls import TrackingCalls
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
@@ -148,6 +149,10 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
 
     def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         timeout = self._timeout if timeout is None else timeout
+        if on_reader_thread() and not future.done():  # its reply would come through this very thread: deadlock
+            self._run.links.forget(future)
+            raise RuntimeError("a blocking Caller call in a future's done-callback waits for the thread that runs the "
+                               "callback; call the *_async variant there, or hand the work to another thread")
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
@@ -334,13 +339,7 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
         self._open()
-        if rank is None:
-            serving = [r for r, role in self._run.roles.items() if role.llm not in self._run.closed_llms]
-            if not serving:
-                raise LLMClosedError("every LLM of this run was closed with close_llm(); no server is left to ping")
-            rank = min(serving)
-        elif rank in self._run.roles and self._run.roles[rank].llm in self._run.closed_llms:
-            raise LLMClosedError(f"rank {rank} served LLM {self._run.roles[rank].llm!r}, closed with close_llm()")
+        rank = self._run.ping_target(rank)
         start = time.perf_counter()
         self._wait(admin.send_ping(self._run, rank))
         return time.perf_counter() - start

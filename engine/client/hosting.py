@@ -21,6 +21,7 @@ from typing import Any
 from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import replica_ranks, server_roles
+from llmrl.engine.errors import InvalidArgument, LLMClosedError
 from llmrl.engine.log import configure, logger
 from llmrl.engine.processes import exit_with_parent
 from llmrl.engine.requests.base import Part
@@ -64,6 +65,19 @@ class ClientRun:
         where = f" on {hello.host}, pid {hello.pid}" if hello else ""
         return f"rank {rank} (LLM {role.llm!r}, replica {role.replica}, tensor-parallel rank {role.tp_rank}{where})"
 
+    def ping_target(self, rank: int | None) -> int:
+        """The server rank ``Caller.ping`` reaches: ``rank``, checked, or the first rank of an LLM still serving."""
+        if rank is None:
+            serving = [r for r, role in self.roles.items() if role.llm not in self.closed_llms]
+            if not serving:
+                raise LLMClosedError("every LLM of this run was closed with close_llm(); no server is left to ping")
+            return min(serving)
+        if rank not in self.roles:
+            raise InvalidArgument(f"no server rank {rank}; the server ranks are {sorted(self.roles)}")
+        if self.roles[rank].llm in self.closed_llms:
+            raise LLMClosedError(f"rank {rank} served LLM {self.roles[rank].llm!r}, closed with close_llm()")
+        return rank
+
     def close_llm(self, llm: str, timeout: float | None) -> None:
         """Stop ``llm``'s server ranks cleanly (they exit 0 once they have answered what was sent to them) while
         the other LLMs go on serving."""
@@ -72,7 +86,7 @@ class ClientRun:
         self.links.retire(ranks, f"Caller.close_llm({llm!r})", timeout)
 
     def shutdown(self, abort: bool, reason: str) -> None:
-        self.links.shutdown(abort=abort, reason=reason)
+        self.links.shutdown(abort=abort, reason=reason, wait=self.config.timeouts.shutdown)
         if self.secret_file is not None:
             self.secret_file.unlink(missing_ok=True)
 
@@ -108,7 +122,7 @@ def run_client(config: Config, run_script: Callable[[], int]) -> int:
     failed = code != 0 or bool(run.links.dead)
     reason = "the script finished" if not failed else f"the script exited with code {code}"
     run.shutdown(abort=failed, reason=reason)
-    if run.links.dead and code == 0:
+    if (run.links.dead or run.links.stuck) and code == 0:
         code = 1
     return code
 

@@ -71,6 +71,7 @@ class ServerLinks:
         self._closing = False
         self._gone: set[int] = set()
         self.retired: set[int] = set()  # stopped on purpose (Caller.close_llm): hanging up is not dying
+        self.stuck: list[int] = []  # still connected when shutdown's wait ran out
         threading.Thread(target=self._accept_loop, name="llmrl-accept", daemon=True).start()
         threading.Thread(target=self._watchdog_loop, name="llmrl-watchdog", daemon=True).start()
 
@@ -351,6 +352,10 @@ class ServerLinks:
         with self._lock:
             while set(links) - self._gone - set(self.dead) and time.monotonic() < deadline:
                 self._lock.wait(0.1)
+            self.stuck = sorted(set(links) - self._gone - set(self.dead))
+        if self.stuck:  # hanging up on them ends a busy one (serve.py); `llmrl run` kills a frozen one
+            logger.error(f"server(s) {', '.join(map(self._describe, self.stuck))} did not stop within {wait:g} s of "
+                         f"the stop ({reason}); the client hangs up on them and the run ends with an error")
         for link in links.values():
             link.close()
         try:
@@ -365,6 +370,11 @@ class ServerLinks:
     @property
     def closing(self) -> bool:
         return self._closing
+
+
+def on_reader_thread() -> bool:
+    """Whether this is a thread that reads a rank's replies (and so runs the done-callbacks of their futures)."""
+    return threading.current_thread().name.startswith("llmrl-read-")
 
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> None:

@@ -152,6 +152,7 @@ class Timeouts:
     heartbeat: float = 1.0
     dead_after: float = 20.0
     collective: float = 1800.0
+    shutdown: float = 30.0
 
 
 TRACKING_BACKENDS = ("csv", "tensorboard", "trackio", "wandb", "mlflow")

@@ -108,7 +108,7 @@ class ModelWithHeads(torch.nn.Module):
             plugin = self.head_plugins.get(key, type(head).__name__)
             try:
                 value = head(outputs, **_accepted(head, head_kwargs or {}))
-            except Exception as err:
+            except BaseException as err:  # sys.exit() in a head too: an error of this request, not the rank's end
                 raise plugin_error(f"head {key!r} ({plugin}) failed: {type(err).__name__}: {err}", plugin) from err
             level = type(head).level
             _check_head_output(key, plugin, level, value, _rows_of_level(outputs, level))

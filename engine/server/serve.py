@@ -118,6 +118,10 @@ class Server:
         except (EOFError, OSError):
             if not self.stopping:
                 self._die("the client (rank 0) disconnected")
+            if self.busy_with is not None or any(not isinstance(m, messages.Shutdown) for m in list(self.inbox.queue)):
+                # told to stop, but the client hung up before this rank was done (it waited long enough): nobody
+                # is left to answer, so this rank must not outlive the run
+                self._die(f"the client hung up while request #{self.busy_with} was still being served")
         except BaseException:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
@@ -196,6 +200,10 @@ class Server:
         except Exception as err:  # noqa: BLE001 - every error goes back to the client
             info = messages.ErrorInfo(type(err).__name__, str(err), traceback.format_exc(),
                                       plugin=getattr(err, "plugin", None))
+        except BaseException as err:  # noqa: BLE001 - sys.exit() or KeyboardInterrupt in a plugin: not this rank's end
+            info = messages.ErrorInfo(type(err).__name__, f"{err!r} was raised while serving this request (a plugin "
+                                      "that calls sys.exit() or raises a BaseException); the rank goes on serving",
+                                      traceback.format_exc(), plugin=getattr(err, "plugin", None))
         return messages.Reply(request.id, rank, error=info)
 
     def _dispatch(self, request: messages.Request):

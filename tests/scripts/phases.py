@@ -1,6 +1,7 @@
 """A client script for interruption tests: marks each phase with a file (``MARKS.<phase>``), then waits in the
 phase the test asked for: ``loading`` / ``set-up`` (inside Caller(), while the servers load or build their
-engines), ``mid-call`` (inside a call that takes a minute) or ``idle`` (between calls)."""
+engines), ``mid-call`` (inside a call that takes a minute) or ``idle`` (between calls); or ends normally:
+``in-flight`` with that minute-long call still running, ``ends`` once the test writes ``MARKS.go``."""
 
 import os
 import sys
@@ -25,6 +26,10 @@ if __name__ == "__main__":
         if phase == "mid-call":
             mark("calling")
             caller.custom_module_fns(["slow"], ["a context"])
-        mark("idle")
-        while True:
-            time.sleep(0.1)
+        if phase == "in-flight":  # the script ends normally with a slow call still running
+            caller.custom_module_fns_async(["slow"], ["a context"])
+            mark("calling")
+        else:
+            mark("idle")
+            while not (phase == "ends" and os.path.exists(f"{sys.argv[1]}.go")):
+                time.sleep(0.1)

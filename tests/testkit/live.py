@@ -162,6 +162,14 @@ class LiveRun:
             raise value
         return value
 
+    def in_callback(self, first: tuple, then: tuple, timeout: float | None = 600.0):
+        """Make the call ``then`` ``(method, args, kwargs)`` in the done-callback of the future of ``first``'s."""
+        self._send(("in_callback", first, then))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
     def with_client_only(self, method: str, key: str, *args, timeout: float | None = 600.0, **kwargs):
         """Call ``method`` with ``key=[an object only the client can decode]``."""
         self._send(("with_client_only", method, args, kwargs, key))

@@ -6,6 +6,7 @@ receives, and then executes ``(method, args, kwargs)`` messages on it, sending b
 exceptions. ``("many", method, calls)`` starts the calls with ``method_async`` all at once and
 returns their results in order; ``("threads", method, n, rounds, calls)`` makes the calls from n threads at
 once; ``("with_client_only", method, args, kwargs, key)`` passes an object servers cannot decode as ``key``;
+``("in_callback", first, then)`` makes the call ``then`` in the done-callback of ``first``'s future;
 ``("exit", code)`` ends the script with that code.
 
 Used only by tests (see :class:`testkit.live.LiveRun`).
@@ -67,6 +68,25 @@ def _threads(caller, method: str, threads: int, rounds: int, calls: list) -> lis
     return results
 
 
+def _in_callback(caller, first: tuple, then: tuple):
+    """Start ``first`` (method, args, kwargs) with its ``_async`` twin; in its future's done-callback make the call
+    ``then``. Returns ``then``'s result, or raises its error."""
+    import concurrent.futures
+
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def callback(_future):
+        method, args, kwargs = then
+        try:
+            outcome.set_result(getattr(caller, method)(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            outcome.set_exception(err)
+
+    method, args, kwargs = first
+    getattr(caller, f"{method}_async")(*args, **kwargs).add_done_callback(callback)
+    return outcome.result()
+
+
 def main() -> int:
     address, key = sys.argv[1], bytes.fromhex(sys.argv[2])
     host, _, port = address.rpartition(":")
@@ -97,6 +117,8 @@ def main() -> int:
                 result = [f.result() for f in futures]
             elif message[0] == "threads":
                 result = _threads(caller, *message[1:])
+            elif message[0] == "in_callback":  # the call made in the done-callback of another call's future
+                result = _in_callback(caller, *message[1:])
             elif message[0] == "with_client_only":  # one keyword argument holds [ClientOnly()]
                 _, method, args, kwargs, key = message
                 result = getattr(caller, method)(*args, **{**kwargs, key: [ClientOnly()]})

@@ -380,7 +380,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     except PeerAborted:
         trainer.discard_partial_accumulation()
         raise
-    except Exception as err:
+    except BaseException as err:  # sys.exit() in an updater too: the peers are told, the rank serves on
         if not trainer.failed_vote_cast:
             trainer._check_peers(False, END)
         trainer.discard_partial_accumulation()
