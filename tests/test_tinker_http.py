@@ -1,13 +1,15 @@
 """The Tinker service's request plumbing, in process (no model): the HTTP server answers a request it refuses
 before reading its body without reading that body as the next request; a negative Content-Length is refused; a
 training client's queue refuses a ``seq_id`` that is not a non-negative integer (its ordering thread goes on); a
-batch of sample requests refused for one request's input fails that request only; a training client made
+batch of sample requests refused for one request's input fails that request only; a missing or mistyped field is
+a 400 naming it; a training client made
 without a LoRA seed gets a random one, as in Tinker; an overwrite of a saved state cut between its renames loses
 nothing."""
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import socket
 import threading
@@ -90,13 +92,11 @@ def test_a_batch_refused_for_one_requests_input_fails_that_request_only(where):
     assert sorted(map(tuple, map(tuple, calls[1:]))) == [([1, 2],), ([3],), ([5, 500],)]
 
 
-def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_seed_is_kept():
-    """Tinker's ``seed=None`` means a random seed: two clients made without one must not start alike."""
+def plumbing(seeds: list):
+    """A TinkerService with its request plumbing only (no model behind it); ``create_adapter`` notes the seeds."""
     import itertools
 
     from llmrl.engine.tinker.service import TinkerService, classify
-
-    seeds = []
 
     class Caller:
         def create_adapter(self, name, *, rank, seed, targets, llm):
@@ -106,10 +106,49 @@ def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_see
         def add_run(self, *args):
             pass
 
-    service = TinkerService.__new__(TinkerService)  # the request plumbing only: no model behind it
+    service = TinkerService.__new__(TinkerService)
     service.caller, service.llm, service.model_name, service.registry = Caller(), "main", "tiny", Registry()
     service.futures, service._lock, service.models = Futures(classify), threading.Lock(), {}
-    service._adapter_ids = itertools.count(1)
+    service._adapter_ids, service.poll_wait = itertools.count(1), 0.1
+    return service
+
+
+def test_a_request_with_a_missing_or_mistyped_field_is_a_400_naming_it():
+    """They were a 404 (a missing field read as an unknown model) or a 500, which the SDK retries ten times."""
+    service = plumbing([])
+    server = make_server(service, "127.0.0.1", 0, KEY)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def post(route, body):
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        connection.request("POST", f"/api/v1/{route}", body=body if isinstance(body, bytes) else json.dumps(body),
+                           headers={"X-API-Key": KEY})
+        response = connection.getresponse()
+        answer = (response.status, json.loads(response.read())["detail"])
+        connection.close()
+        return answer
+
+    try:
+        assert post("create_model", {"model_seq_id": 0, "lora_config": {"rank": 4}}) == \
+            (400, "the request has no field 'session_id'")
+        status, detail = post("create_model", {"session_id": "s", "model_seq_id": 0, "lora_config": "abc"})
+        assert status == 400 and "a field of the request has the wrong type" in detail
+        assert post("retrieve_future", {}) == (400, "the request has no field 'request_id'")
+        assert post("retrieve_future", {"request_id": ["x"]})[0] == 400
+        assert post("retrieve_future", {"request_id": "no-such-future"})[0] == 404  # unknown: still a 404
+        if importlib.util.find_spec("tinker") is not None:  # the SDK's protobuf schema
+            status, detail = post("forward_backward", b"\x00\x01garbage")
+            assert status == 400 and "not the API's protobuf message" in detail
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.futures.close()
+
+
+def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_seed_is_kept():
+    """Tinker's ``seed=None`` means a random seed: two clients made without one must not start alike."""
+    seeds = []
+    service = plumbing(seeds)
     for n, lora in enumerate(({"rank": 4}, {"rank": 4, "seed": None}, {"rank": 4, "seed": 7})):
         answer = service.create_model({"session_id": "s", "model_seq_id": n, "lora_config": lora})
         assert service.futures.wait(answer["request_id"], 10).kind == "json"

@@ -71,11 +71,17 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 self._send(200, route(path[len("/api/v1/"):]))
             except HTTPError as err:
                 self._send(err.status, {"detail": str(err)})
-            except (LookupError, KeyError) as err:
+            except (LookupError, KeyError) as err:  # an unknown model, sampler or future (a missing field: _Body)
                 self._send(404, {"detail": f"{type(err).__name__}: {err}"})
             except ValueError as err:
                 self._send(400, {"detail": f"{type(err).__name__}: {err}"})
+            except (TypeError, AttributeError) as err:  # a field of another type than the API's: not retried
+                traceback.print_exc(file=sys.stderr)
+                self._send(400, {"detail": f"a field of the request has the wrong type ({type(err).__name__}: {err})"})
             except Exception as err:  # noqa: BLE001 - a handler's bug answers 500; the server goes on
+                if type(err).__name__ == "DecodeError":  # protobuf's: a body that is not the API's message
+                    self._send(400, {"detail": f"the body is not the API's protobuf message: {err}"})
+                    return
                 traceback.print_exc(file=sys.stderr)
                 self._send(500, {"detail": f"{type(err).__name__}: {err}"})
 
@@ -98,7 +104,7 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
         def _json(self) -> dict:
             raw = self._body()
             try:
-                body = json.loads(raw or b"{}")
+                body = json.loads(raw or b"{}", object_hook=_Body)
             except json.JSONDecodeError as err:
                 raise HTTPError(400, f"the body is not JSON: {err}") from None
             if not isinstance(body, dict):
@@ -184,3 +190,11 @@ def _int(query: dict, key: str, default: int) -> int:
     if value < 0:
         raise HTTPError(400, f"query parameter {key}={value} must be >= 0")
     return value
+
+
+class _Body(dict):
+    """A JSON object of a request body: a field the handler needs but the request lacks is a 400 naming it (a plain
+    dict's KeyError would read as an unknown model, a 404)."""
+
+    def __missing__(self, key):
+        raise HTTPError(400, f"the request has no field {key!r}")
