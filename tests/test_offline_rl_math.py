@@ -21,14 +21,18 @@ def test_top_p_mask_keeps_the_fewest_likeliest_tokens_reaching_top_p():
     assert top_p_mask(logits, 0.1, torch.tensor([2])).tolist() == [[False, True, True, False]]
 
 
-def test_top_p_mask_agrees_with_hugging_faces_top_p_warper():
+@pytest.mark.parametrize("vocab", [50, 32000])
+def test_top_p_mask_agrees_with_hugging_faces_top_p_warper(vocab):
+    """Over a 32k vocabulary too, where a sum from the top reaches 1.0 in float32 before the tail (at top_p 1 a
+    third of the tokens were cut, and at 0.9999 a hundred or so)."""
     from transformers import TopPLogitsWarper
 
     torch.manual_seed(0)
-    logits = torch.randn(6, 50) * 3
-    for p in (0.3, 0.6, 0.9):
+    logits = torch.randn(6, vocab) * (3 if vocab == 50 else 4)
+    for p in (0.3, 0.6, 0.9, 0.95, 0.9999, 1.0):
         theirs = torch.isfinite(TopPLogitsWarper(p)(torch.zeros(6, 1, dtype=torch.long), logits.clone()))
-        assert torch.equal(top_p_mask(logits, p), theirs)
+        assert torch.equal(top_p_mask(logits, p), theirs), p
+    assert bool(top_p_mask(logits, 1.0).all())
 
 
 def test_masked_logprobs_renormalise_over_the_allowed_tokens():

@@ -14,11 +14,14 @@ def top_p_mask(logits: torch.Tensor, top_p: float, always: torch.Tensor | None =
     """``[rows, vocab]`` bool: the tokens of each row's top-p set, the fewest most likely tokens whose probabilities
     sum to at least ``top_p`` (the likeliest is always in; ties at the edge are cut in sort order), as Hugging
     Face's top-p warper and RL4LMs' ``learned_top_p`` mask choose them. ``always`` (token ids) are added to every
-    set (RL4LMs keeps the special tokens)."""
-    ordered, order = torch.sort(logits.float(), descending=True, dim=-1)
-    before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # the mass of the tokens ranked above each
-    keep_sorted = before < top_p
-    keep_sorted[..., 0] = True
+    set (RL4LMs keeps the special tokens).
+
+    The rule is the warper's own: drop the least likely tokens while their summed mass (from the bottom) is at most
+    ``1 - top_p``. Summed from the top instead, float32 rounding reaches 1.0 before the tail: at ``top_p`` 1 a
+    third of a 32k vocabulary was cut."""
+    ordered, order = torch.sort(logits.float(), descending=False, dim=-1)
+    keep_sorted = ordered.softmax(-1).cumsum(-1) > 1 - top_p
+    keep_sorted[..., -1] = True
     allowed = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     if always is not None and always.numel():
         allowed[:, always.to(allowed.device)] = True
