@@ -285,8 +285,9 @@ class Updater:
         per_sample_args: the keyword arguments of ``update`` read per sample, each with its level (``"sample"``: one
             value per context; ``"candidate"``: per context, one per candidate; ``"token"``: per context, one
             sequence per candidate, one value per scored token; ``"candidate_or_token"``: per candidate either),
-            e.g. ``{"rewards": "candidate"}``. The client
-            refuses a declared argument of the wrong shape before sending, and slices exactly these per replica
+            e.g. ``{"rewards": "candidate"}``; the values are numbers. The client
+            refuses a declared argument of the wrong shape, or holding anything but numbers (a string), before
+            sending, and slices exactly these per replica
             (:mod:`llmrl.plugins.per_sample`). None keeps the length rule (an argument whose length is the number
             of contexts is sliced).
         whole_args: the other keyword arguments ``update`` reads (each replica receives them whole). A tuple (even

@@ -1,6 +1,7 @@
 """update()'s arguments are refused on the client when any number inside them, however nested, is NaN or infinite:
 ragged lists of lists, lists of tensors, numpy arrays, dicts; the error names the argument and the path of the
-bad value. Finite arguments of every shape pass."""
+bad value. Finite arguments of every shape pass. A declared per-sample argument holding a string is refused the
+same way."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None, who
     run = FakeRun(2, lambda request: request)
     contexts = [f"c{i}" for i in range(n)]
     return update.send(run, "m", contexts, candidates, kwargs, declared, "u", whole).result()
+
+
+@pytest.mark.parametrize("value, where", [
+    ([["a", "b"], [0.0, 1.0]], "ref_logprobs[0][0]"),  # dpo's reference log-probs written as text
+    ([[0.0, 1.0], np.array(["x", "y"])], "ref_logprobs[1][0]"),
+    ([[0.0, {"chosen": 1.0}], [0.0, 1.0]], "ref_logprobs[0][1]"),
+])
+def test_a_declared_per_sample_argument_holding_a_non_number_is_refused_naming_its_path(value, where):
+    """It failed on the servers with "could not convert string to float", naming neither the argument nor the
+    sample."""
+    with pytest.raises(InvalidArgument, match="not a number: the updater 'u' reads it per sample") as info:
+        shares({"ref_logprobs": value}, {"ref_logprobs": "candidate"}, n=2, candidates=[["a", "b"], ["c", "d"]])
+    assert f"at {where}," in str(info.value)
+    numbers = [[0.5, np.float32(1.0)], torch.tensor([0.0, 1.0])]  # numbers of every kind pass
+    assert shares({"ref_logprobs": numbers}, {"ref_logprobs": "candidate"}, n=2, candidates=[["a", "b"], ["c", "d"]])
 
 
 def test_a_declared_argument_of_the_wrong_length_is_refused_naming_it():

@@ -1,4 +1,5 @@
-"""Refuse NaN and infinite numbers anywhere in ``update``'s keyword arguments, before anything is sent.
+"""Refuse NaN and infinite numbers anywhere in ``update``'s keyword arguments, and anything but numbers in its
+declared per-sample arguments, before anything is sent.
 
 One NaN among the rewards, advantages or old log-probs turns every weight into NaN at the first optimizer step.
 :func:`check_finite` walks each argument however it is nested (lists and tuples, ragged or not, dicts, torch
@@ -27,6 +28,41 @@ def check_finite(kwargs: dict) -> None:
             path, bad, count = found
             raise InvalidArgument(f"update argument {key!r} holds {bad} at {path} ({count} non-finite value(s) "
                                   "there); nothing was sent, no weight changed")
+
+
+def check_numbers(kwargs: dict, declared: dict | None, updater: str) -> None:
+    """Raise :class:`InvalidArgument` naming the first string (or other non-number) inside an argument the updater
+    declares per sample (``declared``): it reads numbers there, and a string would fail on a server with a message
+    that names neither the argument nor the sample."""
+    for key in declared or {}:
+        found = first_non_number(kwargs.get(key), key)
+        if found is not None:
+            path, bad = found
+            raise InvalidArgument(f"update argument {key!r} holds {bad!r} at {path}, not a number: the updater "
+                                  f"{updater!r} reads it per sample as numbers (lists, tensors or arrays of them); "
+                                  "nothing was sent")
+
+
+def first_non_number(value, path: str) -> tuple[str, object] | None:
+    """``(path, value)`` of the first entry of ``value`` (nested lists, tuples, tensors, arrays) that is not a
+    number, or None (None itself counts as absent)."""
+    if value is None or isinstance(value, (numbers.Number, torch.Tensor)):
+        return None
+    if type(value).__module__ == "numpy":  # numbers, or objects and strings looked at one by one
+        numeric = getattr(getattr(value, "dtype", None), "kind", "O") in "biufc"
+        return None if numeric else first_non_number(value.tolist(), path)
+    if isinstance(value, (list, tuple)):
+        try:  # the common case, numbers in a flat or rectangular list: one conversion
+            torch.as_tensor(value)
+            return None
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        for i, inner in enumerate(value):
+            found = first_non_number(inner, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return path, value
 
 
 def first_non_finite(value, path: str) -> tuple[str, float, int] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
-from llmrl.engine.requests.finite import check_finite
+from llmrl.engine.requests.finite import check_finite, check_numbers
 from llmrl.plugins.contracts import UpdateBatch
 from llmrl.plugins.per_sample import check_per_sample, per_sample_keys, take_samples
 
@@ -86,6 +86,7 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
     refuse_unknown(kwargs, declared, whole, updater)
     check_finite(kwargs)
     check_per_sample(kwargs, contexts, candidates, declared, updater)
+    check_numbers(kwargs, declared, updater)
     n = len(contexts)
     keys = per_sample_keys(kwargs, n, declared)
     bounds = split_evenly(n, len(run.replicas(llm)))
