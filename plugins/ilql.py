@@ -18,9 +18,9 @@ loss is ``loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac``
   V))`` (``awac_beta`` 0, trlX's default: plain likelihood).
 
 Every token of an optimizer step weighs the same, across micro-steps and replicas (trlX averages over the tokens of
-its batch). After every ``sync_every`` minibatches the target Q heads move towards the Q heads: ``target <- alpha *
-Q + (1 - alpha) * target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`; the minibatch count is saved in
-checkpoints).
+its batch). After every ``sync_every`` optimizer steps the target Q heads move towards the Q heads: ``target <-
+alpha * Q + (1 - alpha) * target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`; the step count is saved in
+checkpoints). Without gradient accumulation an optimizer step is a minibatch.
 
 Generation steered by the advantages: ``generate(..., steer=True)`` samples from ``log_softmax(logits) + beta * (
 min_i targetQ_i(s, .) - V(s))`` (then temperature, top-k, top-p; ``steer={"beta": 4}`` overrides ``beta``).
@@ -51,7 +51,7 @@ class ILQLUpdater(ShufflingUpdater):
         cql_scale / awac_scale: the weights of the CQL and language-model terms (defaults 0.1 and 1).
         awac_beta: the advantage weighting of the language-model term (default 0: none).
         alpha: the Polyak rate of the target Q heads (default 0.001).
-        sync_every: minibatches between two Polyak updates (default 5).
+        sync_every: optimizer steps between two Polyak updates (default 5).
         beta: the advantage's weight when sampling with ``steer`` (default 1).
         epochs: passes over the batch per update (default 1).
         peft_adapter: the LoRA adapter to train (default: the active one).
@@ -74,15 +74,21 @@ class ILQLUpdater(ShufflingUpdater):
         self.head, self.tau, self.gamma, self.cql_scale, self.awac_scale = head, tau, gamma, cql_scale, awac_scale
         self.awac_beta, self.alpha, self.sync_every, self.beta = awac_beta, alpha, sync_every, beta
         self.epochs, self.peft_adapter = epochs, peft_adapter
-        self.minibatches_done = 0
+        self.steps_done = 0
         super().__init__(seed)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "minibatches_done": self.minibatches_done}
+        return {**super().state_dict(), "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.minibatches_done = int(state.get("minibatches_done", 0))
+        self.steps_done = int(state.get("steps_done", state.get("minibatches_done", 0)))  # the older name
+
+    def _sync(self, module: torch.nn.Module, due: bool) -> bool:
+        """The Polyak update of the target Q heads, when one is due; returns False (none is due any more)."""
+        if due:
+            polyak_update(list(module.target_q_heads), list(module.q_heads), self.alpha)
+        return False
 
     def _heads_module(self, heads: dict) -> torch.nn.Module:
         module = heads.get(self.head)
@@ -106,10 +112,12 @@ class ILQLUpdater(ShufflingUpdater):
         sums = {k: 0.0 for k in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac", "advantage", "value")}
         tokens = 0
         tokens_of = sample_token_counts(batch, trainer)
-        for _ in range(self.epochs):
+        sync_due = False  # the Polyak update follows the optimizer step it is due after (with accumulation, taken
+        for _ in range(self.epochs):  # at the next minibatch's start, or once the pass has ended)
             step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
                                                  self.generator))
             for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
+                sync_due = self._sync(module, sync_due)
                 out = trainer.forward(mb.contexts, mb.candidates, heads=[self.head], peft_adapter=self.peft_adapter,
                                       per_token=True)
                 lengths = out.candidate_token_counts.cpu()
@@ -125,14 +133,15 @@ class ILQLUpdater(ShufflingUpdater):
                 check_token_count(mb, tokens_of, per_token, "ilql")  # every token of the step weighs the same
                 trainer.backward(per_token.sum() * (mb.num_replicas / max(next(step_tokens), 1.0)))
                 trainer.step()
-                self.minibatches_done += 1
-                if self.minibatches_done % self.sync_every == 0:
-                    polyak_update(list(module.target_q_heads), list(module.q_heads), self.alpha)
+                if mb.ends_step:
+                    self.steps_done += 1
+                    sync_due = self.steps_done % self.sync_every == 0
                 tokens += per_token.numel()
                 for key, value in (("loss", per_token), ("loss_q", terms.q), ("loss_v", terms.v),
                                    ("loss_cql", terms.cql), ("loss_awac", terms.awac),
                                    ("advantage", terms.advantage), ("value", h["v"])):
                     sums[key] += float(value.detach().sum())
+            sync_due = self._sync(module, sync_due)
         stats = {key: value / max(tokens, 1) for key, value in sums.items()}
         stats.update(reward=float(totals.mean()) if len(totals) else 0.0, tokens=tokens // max(self.epochs, 1),
                      samples=len(batch))

@@ -38,6 +38,8 @@ class UpdateBatch:
         accumulation_steps: micro-steps per optimizer step (``training.gradient_accumulation_steps``).
         step_size: samples, over all replicas, in the optimizer step this minibatch belongs to (None: the
             whole batch is one step).
+        ends_step: whether that optimizer step ends with this minibatch: taken at its ``trainer.step()``, or, for
+            the last minibatch of a pass, once the loop over :meth:`minibatches` has ended.
         per_sample_keys: the keyword arguments sliced with the samples, as the client decided (the updater's
             ``per_sample_args`` declaration, or the length rule); None: the length rule, applied here.
     """
@@ -54,6 +56,7 @@ class UpdateBatch:
     step_size: int | None = None
     end_of_pass: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     per_sample_keys: tuple[str, ...] | None = None
+    ends_step: bool = True  # the optimizer step this minibatch belongs to ends with it (at end_of_pass, the last)
 
     def __len__(self) -> int:
         return len(self.contexts)
@@ -131,7 +134,8 @@ class UpdateBatch:
             first = k - k % group
             step_size = sum(totals[first:first + group])
             positions = order[k * size: k * size + per_replica[self.replica][k]]
-            yield self.select(positions, [sizes[k] for sizes in per_replica], step_size)
+            ends = k % group == group - 1 or k == count - 1
+            yield replace(self.select(positions, [sizes[k] for sizes in per_replica], step_size), ends_step=ends)
         if self.end_of_pass is not None:
             self.end_of_pass()
 

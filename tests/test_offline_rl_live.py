@@ -2,9 +2,9 @@
 3/2) against plain PyTorch on a plain PEFT model, written out here:
 
 - ``ilql``: one update equals a plain SGD step of ILQL's loss (Q, expectile V, CQL and likelihood terms, each token
-  of both replicas weighing the same) on the LoRA weights and the Q and V heads; the target Q heads move by
-  Polyak averaging and nothing else; ``generate(steer=...)``'s greedy tokens are the argmax of ``log_softmax(logits)
-  + beta * (min targetQ - V)`` computed from a plain forward.
+  of both replicas weighing the same, also over 3 accumulated micro-steps) on the LoRA weights and the Q and V
+  heads; the target Q heads move by Polyak averaging and nothing else; ``generate(steer=...)``'s greedy tokens are
+  the argmax of ``log_softmax(logits) + beta * (min targetQ - V)`` computed from a plain forward.
 - ``nlpo``: after one update (which snapshots the masking policy first), the next equals a plain SGD step of the
   policy gradient under the masked distribution (the masking policy's top-p set, taken tokens and special tokens
   in); ``generate(steer=True)``'s greedy tokens are the policy's argmax within the masking policy's set and its
@@ -36,6 +36,11 @@ def run(tiny):
     llms = {"ilql": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "training": training,
                      "heads": {"ilql": {"plugin": "ilql", "args": {"hidden": 16}}},
                      "updater": {"plugin": "ilql", "args": ILQL}},
+            # one optimizer step of 3 micro-steps per replica (shares 3/2: replica 1's last is empty)
+            "ilql-acc": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
+                         "training": {**training, "micro_batch_size": 1, "gradient_accumulation_steps": 3},
+                         "heads": {"ilql": {"plugin": "ilql", "args": {"hidden": 16}}},
+                         "updater": {"plugin": "ilql", "args": ILQL}},
             "nlpo": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "training": training,
                      "updater": {"plugin": "nlpo", "args": NLPO}}}
     live = LiveRun({"llms": llms, "threads_per_rank": 1})
@@ -66,15 +71,18 @@ def plain_head(state: dict, prefix: str, requires_grad: bool = True):
     return head, params
 
 
-def test_ilql_update_equals_a_plain_sgd_step_and_moves_the_targets_by_polyak(run, tiny, tok):
+@pytest.mark.parametrize("llm", ["ilql", "ilql-acc"])
+def test_ilql_update_equals_a_plain_sgd_step_and_moves_the_targets_by_polyak(run, tiny, tok, llm):
+    """Also with gradient accumulation: the step's tokens all weigh the same (each micro-step divided by its own
+    tokens before) and the targets move once, after the optimizer step (after each micro-step before)."""
     data = continuations(tok)
     rewards = [[1.0 - 0.3 * i, -0.5 + 0.2 * i] for i in range(len(PROMPTS))]
-    fresh = run.state_dict(llm="ilql")
+    fresh = run.state_dict(llm=llm)
     assert all(float(fresh[k].abs().max()) == 0 for k in fresh if k.startswith("heads.ilql.") and ".2." in k), \
         "every Q and V starts at 0"
-    run.update(PROMPTS, data, llm="ilql", rewards=[[-r for r in rs] for rs in rewards])  # LoRA's B and the heads
-    before = run.state_dict(llm="ilql")  # leave zero: every trained tensor has a gradient next
-    stats = run.update(PROMPTS, data, llm="ilql", rewards=rewards)
+    run.update(PROMPTS, data, llm=llm, rewards=[[-r for r in rs] for rs in rewards])  # LoRA's B and the heads
+    before = run.state_dict(llm=llm)  # leave zero: every trained tensor has a gradient next
+    stats = run.update(PROMPTS, data, llm=llm, rewards=rewards)
     assert [s["samples"] for s in stats] == [3, 2]
     model = peft_model(tiny, before)
     q = [plain_head(before, f"heads.ilql.q_heads.{i}") for i in range(2)]
@@ -106,7 +114,7 @@ def test_ilql_update_equals_a_plain_sgd_step_and_moves_the_targets_by_polyak(run
         for k in ("0.weight", "0.bias", "2.weight", "2.bias"):
             expected[f"heads.ilql.target_q_heads.{i}.{k}"] = \
                 0.25 * expected[f"heads.ilql.q_heads.{i}.{k}"] + 0.75 * before[f"heads.ilql.target_q_heads.{i}.{k}"]
-    check_step(run.state_dict(llm="ilql"), expected, before)
+    check_step(run.state_dict(llm=llm), expected, before)
 
 
 def test_ilql_steered_greedy_tokens_follow_the_advantages(run, tiny, tok):
