@@ -100,6 +100,8 @@ class ILQLUpdater(ShufflingUpdater):
 
     def steering(self, view, beta: float | None = None) -> AdvantageSteering:
         """``generate(..., steer=True)``: sample from ``log_softmax(logits) + beta * (targetQ - V)``."""
+        if view.kind != "causal":  # untested there: refused, as the README says, rather than run unchecked
+            raise ValueError("ilql's steered sampling runs causal models; this model is seq2seq")
         return AdvantageSteering(view, self._heads_module(view.heads), self.beta if beta is None else float(beta))
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:

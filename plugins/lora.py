@@ -3,7 +3,8 @@
 The base model is frozen; every adapter trains when it is the active one. Requests pick an adapter
 with ``peft_adapter="name"`` (default: the first). An adapter can start from saved weights (``path``,
 a folder written by PEFT or by ``Caller.save``; its saved shape is used, so shape keys beside ``path`` are refused).
-``layers`` (indices from 0, checked against the model's layer count) and ``last_layers`` exclude each other.
+``layers`` (indices from 0, checked against the model's layer count) and ``last_layers`` exclude each other; on an
+encoder-decoder model an index picks that block of both the encoder and the decoder.
 Works on 4-bit models too (QLoRA). This initializer only adds adapters and sets what trains; keeping one adapter's
 step from moving another is the optimizer's (:mod:`llmrl.engine.model.training.optimizer`).
 """
@@ -65,7 +66,7 @@ class LoraInitializer(Initializer):
                 continue
             layers = spec.get("layers")
             if spec.get("last_layers"):
-                count = model.config.get_text_config().num_hidden_layers
+                count = _last_layers_count(model, name)
                 layers = list(range(max(0, count - spec["last_layers"]), count))
             elif layers is not None and (count := _layer_count(model)) is not None and max(layers) >= count:
                 raise ValueError(f"adapters.{name}.layers: {sorted(i for i in layers if i >= count)} out of range; "
@@ -118,6 +119,19 @@ def _layer_count(model) -> int | None:
     return max(counts) if counts else None
 
 
+def _last_layers_count(model, name: str) -> int:
+    """The depth ``last_layers`` counts down from. An encoder-decoder's layer indices pick blocks of both stacks
+    alike, so its top k are the top k of each only when the two stacks are equally deep."""
+    config = model.config.get_text_config()
+    depths = {getattr(config, key) for key in ("num_hidden_layers", "num_decoder_layers", "decoder_layers")
+              if isinstance(getattr(config, key, None), int)}
+    if len(depths) > 1:
+        raise ValueError(f"adapters.{name}.last_layers: this encoder-decoder's stacks have {sorted(depths)} layers, "
+                         "and layer indices pick the blocks of both stacks alike: give layers (indices from 0) "
+                         "instead")
+    return depths.pop()
+
+
 def _layer_linear_names(model) -> list[str]:
     """Names of the linear modules inside the transformer layers (what "all-linear" means, made explicit,
     since PEFT needs explicit names to restrict adapters to some layers)."""
@@ -126,7 +140,7 @@ def _layer_linear_names(model) -> list[str]:
     names = set()
     for name, module in model.named_modules():
         is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt")
-        if is_linear and ".layers." in f".{name}." or is_linear and ".h." in f".{name}.":
+        if is_linear and any(stack in f".{name}." for stack in (".layers.", ".h.", ".block.")):  # T5's: block
             names.add(name.rsplit(".", 1)[-1])
     if not names:
         raise ValueError("found no linear module inside the model's layers; give target_modules explicitly")

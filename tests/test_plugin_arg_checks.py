@@ -73,6 +73,33 @@ def test_lora_layer_indices_must_exist_in_the_model(tiny):
     assert adapted and all(f".layers.{count - 1}." in name for name in adapted)
 
 
+@pytest.mark.parametrize("spec", [{"last_layers": 1}, {"layers": [1]}])
+def test_lora_layers_of_an_encoder_decoder_pick_that_block_of_both_stacks(tiny, spec):
+    """T5 names its layers ``block``: the initializer found no linear module in them and refused."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny["t5"])
+    info = LLMInfo("main", "seq2seq", model.config.d_model, model.config.vocab_size, torch.float32,
+                   torch.device("cpu"))
+    top = model.config.num_layers - 1
+    assert spec.get("layers", [top]) == [top] == [model.config.num_decoder_layers - 1]
+    served = LoraInitializer({"policy": {"r": 2, **spec}}).initialize(model, info)
+    adapted = {name for name, p in served.named_parameters() if p.requires_grad}
+    assert {"encoder", "decoder"} == {stack for stack in ("encoder", "decoder") for name in adapted
+                                      if f".{stack}.block.{top}." in name}
+    assert all(f".block.{top}." in name for name in adapted)
+
+
+def test_lora_last_layers_of_an_encoder_decoder_with_stacks_of_two_depths_is_refused(tiny):
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny["t5"], num_decoder_layers=3)
+    info = LLMInfo("main", "seq2seq", model.config.d_model, model.config.vocab_size, torch.float32,
+                   torch.device("cpu"))
+    with pytest.raises(ValueError, match="adapters.policy.last_layers: this encoder-decoder's stacks have"):
+        LoraInitializer({"policy": {"r": 2, "last_layers": 1}}).initialize(model, info)
+
+
 def test_lora_dropout_which_never_acts_is_refused():
     """llmrl's models run in evaluation mode: a LoRA dropout would never be applied, yet the export would record
     it. Refused at load (the schema, naming the field) and when the plugin is built (saying why)."""
@@ -83,3 +110,16 @@ def test_lora_dropout_which_never_acts_is_refused():
     with pytest.raises(ValueError, match="adapters.default.dropout: llmrl runs its models in evaluation mode"):
         LoraInitializer({"default": {"r": 4, "dropout": 0.1}})
     assert args_problem(LoraInitializer, {"adapters": {"default": {"r": 4, "dropout": 0}}}, "lora") is None
+
+
+@pytest.mark.parametrize("updater", ["ilql", "nlpo"])
+def test_steered_sampling_of_a_seq2seq_model_is_refused(updater):
+    """The README says steered sampling runs causal models only; ilql's ran on T5, unchecked."""
+    import types
+
+    from llmrl.plugins.ilql import ILQLUpdater
+    from llmrl.plugins.nlpo import NLPOUpdater
+
+    view = types.SimpleNamespace(kind="seq2seq", heads={})
+    with pytest.raises(ValueError, match="steered sampling runs causal models|masked sampling runs causal models"):
+        (ILQLUpdater() if updater == "ilql" else NLPOUpdater()).steering(view)
