@@ -5,6 +5,8 @@ same way."""
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,8 @@ def test_a_declared_per_sample_argument_holding_a_non_number_is_refused_naming_i
         shares({"ref_logprobs": value}, {"ref_logprobs": "candidate"}, n=2, candidates=[["a", "b"], ["c", "d"]])
     assert f"at {where}," in str(info.value)
     numbers = [[0.5, np.float32(1.0)], torch.tensor([0.0, 1.0])]  # numbers of every kind pass
+    assert shares({"ref_logprobs": [array.array("f", [0.5, 1.0]), np.array([0.0, 1.0], dtype=object)]},
+                  {"ref_logprobs": "candidate"}, n=2, candidates=[["a", "b"], ["c", "d"]])
     assert shares({"ref_logprobs": numbers}, {"ref_logprobs": "candidate"}, n=2, candidates=[["a", "b"], ["c", "d"]])
 
 

@@ -44,25 +44,31 @@ def check_numbers(kwargs: dict, declared: dict | None, updater: str) -> None:
 
 
 def first_non_number(value, path: str) -> tuple[str, object] | None:
-    """``(path, value)`` of the first entry of ``value`` (nested lists, tuples, tensors, arrays) that is not a
-    number, or None (None itself counts as absent)."""
+    """``(path, value)`` of the first entry of ``value`` (nested lists, tuples, tensors, arrays, any array-like)
+    that is not a number, or None (None itself counts as absent)."""
     if value is None or isinstance(value, (numbers.Number, torch.Tensor)):
         return None
-    if type(value).__module__ == "numpy":  # numbers, or objects and strings looked at one by one
-        numeric = getattr(getattr(value, "dtype", None), "kind", "O") in "biufc"
-        return None if numeric else first_non_number(value.tolist(), path)
-    if isinstance(value, (list, tuple)):
-        try:  # the common case, numbers in a flat or rectangular list: one conversion
+    if isinstance(value, (str, bytes, dict)):
+        return path, value
+    arrays = isinstance(value, (list, tuple)) and any(  # torch converts a list of arrays slowly, and warns
+        isinstance(v, torch.Tensor) or type(v).__module__ == "numpy" for v in value)
+    try:  # the common case, numbers in a rectangular list or an array-like (numpy, pandas): one conversion
+        if not arrays:
             torch.as_tensor(value)
             return None
-        except (TypeError, ValueError, RuntimeError):
-            pass
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    if hasattr(value, "__iter__"):  # ragged lists, lists of tensors, object or string arrays: one by one
         for i, inner in enumerate(value):
             found = first_non_number(inner, f"{path}[{i}]")
             if found is not None:
                 return found
         return None
-    return path, value
+    try:
+        float(value)
+        return None
+    except (TypeError, ValueError):
+        return path, value
 
 
 def first_non_finite(value, path: str) -> tuple[str, float, int] | None:
