@@ -136,6 +136,9 @@ def report_exit(rank: int, code: int) -> None:
     stopped cleanly. A rank that is killed writes nothing, which ``llmrl run`` reports as a failure."""
     base = os.environ.get("LLMRL_EXIT_CODE_FILE")
     if base:
+        if rank == 0:  # its process, still to run the atexit handlers (a tracker's finish): `llmrl run` waits for it
+            with open(f"{base}.pid", "w") as f:
+                f.write(str(os.getpid()))
         with open(exit_code_file(base, rank), "w") as f:
             f.write(str(code))
 

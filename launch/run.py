@@ -221,7 +221,7 @@ def main(request: RunRequest) -> int:
             return 2
         if all(llm.devices == "cpu" for llm in config.llms.values()):
             env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
-        code, stopped_by = supervise(cmd, env, script_ended=(lambda: os.path.exists(exit_file)) if 0 in local else None)
+        code, stopped_by = supervise(cmd, env, script_ended=(lambda: client_ended(exit_file)) if 0 in local else None)
         reported = {rank: read_exit_code(exit_code_file(exit_file, rank)) for rank in local}
     return run_exit_code(code, stopped_by, reported)
 
@@ -234,6 +234,19 @@ def local_ranks(options: RunOptions, world_size: int, slots: dict[str, int] | No
     if options.no_ssh:
         return list(node_ranks(slots, options.node_rank or 0))
     return []
+
+
+def client_ended(exit_file: str) -> bool:
+    """Whether rank 0 has reported its exit code and its process has ended (its atexit handlers done)."""
+    import psutil
+
+    if not os.path.exists(exit_file):
+        return False
+    pid = read_exit_code(f"{exit_file}.pid")
+    try:
+        return pid is None or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def read_exit_code(path: str) -> int | None:

@@ -6,7 +6,8 @@ seconds to stop by itself, then kills what is left. The launcher is asked to die
 (``PR_SET_PDEATHSIG``), and every rank watches ``llmrl run`` and its own launchers
 (:func:`llmrl.engine.processes.watch_launchers`), so even a SIGKILL of ``llmrl run`` or of the DeepSpeed runner
 ends the run. When the launcher exits, whatever is left of its group (a rank orphaned by a killed runner)
-is killed.
+is killed; so is what is still running ``linger`` seconds after the script ended (rank 0 reported its exit code
+and its process is gone): the client stopped the servers first, so a rank left is frozen or stuck in a request.
 
 This module starts and stops processes; it does not build the command.
 """
@@ -31,9 +32,9 @@ def supervise(cmd: list[str], env: dict, grace: float = 5.0, script_ended: Calla
               linger: float = 10.0) -> tuple[int, int | None]:
     """Run ``cmd``; returns (its exit code, the signal that asked the run to stop, or None).
 
-    ``script_ended`` tells when rank 0 has reported its exit: the client stops the servers before it reports, so
-    a rank still running ``linger`` seconds later is frozen or stuck (the DeepSpeed launcher would wait for it
-    forever); the run's group is then killed."""
+    ``script_ended`` tells when rank 0 has reported its exit and its process has ended: the client stops the
+    servers before it reports, so a rank still running ``linger`` seconds later is frozen or stuck (the DeepSpeed
+    launcher would wait for it forever); the run's group is then killed."""
     received: list[int] = []
     process = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 

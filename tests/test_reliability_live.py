@@ -75,11 +75,18 @@ def test_bad_requests_are_refused_and_the_servers_keep_serving(run):
 
 def test_a_blocking_call_in_a_done_callback_is_refused_and_the_servers_keep_serving(run):
     """Done-callbacks run on the thread that reads the rank's replies: a blocking call there waited for itself
-    until timeouts.request ran out, and stalled every other call to that rank meanwhile."""
+    until timeouts.request ran out, and stalled every other call to that rank meanwhile. Refused before anything is
+    sent (an update refused after sending would still have stepped)."""
     reference = run.score(CONTEXTS, CANDIDATES)
     call = ("score", (CONTEXTS, CANDIDATES), {})
-    with pytest.raises(RuntimeError, match="a blocking Caller call in a future's done-callback"):
+    with pytest.raises(RuntimeError, match="a Caller call \\('score'\\) in a future's done-callback.*Nothing was sent"):
         run.in_callback(call, call, timeout=30)
+    trainable_before = run.state_dict(llm="trainable")  # refused before sending: the update changes nothing
+    update = ("update", (CONTEXTS, CANDIDATES), {"llm": "trainable", "actions": [1, 0, 1, 0], "weights": [1.0] * 4})
+    with pytest.raises(RuntimeError, match="a Caller call \\('update'\\) in a future's done-callback"):
+        run.in_callback(call, update, timeout=30)
+    after = run.state_dict(llm="trainable")
+    assert all(torch.equal(trainable_before[k], after[k]) for k in after)
     assert same(run.score(CONTEXTS, CANDIDATES), reference)
     assert run.ping(1) > 0
     with pytest.raises(InvalidArgument, match="no server rank 99; the server ranks are \\[1, 2, 3, 4, 5, 6\\]"):

@@ -61,6 +61,7 @@ def shares(kwargs: dict, declared: dict | None, n: int = 4, candidates=None, who
     ([["a", "b"], [0.0, 1.0]], "ref_logprobs[0][0]"),  # dpo's reference log-probs written as text
     ([[0.0, 1.0], np.array(["x", "y"])], "ref_logprobs[1][0]"),
     ([[0.0, {"chosen": 1.0}], [0.0, 1.0]], "ref_logprobs[0][1]"),
+    ([[0.0, np.array("a")], [0.0, 1.0]], "ref_logprobs[0][1]"),  # a 0-d array of text
 ])
 def test_a_declared_per_sample_argument_holding_a_non_number_is_refused_naming_its_path(value, where):
     """It failed on the servers with "could not convert string to float", naming neither the argument nor the

@@ -28,7 +28,6 @@ from llmrl.engine.client import chat, saving
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.episodes import EpisodeCalls
 from llmrl.engine.client.hosting import current_run, startup_bar
-from llmrl.engine.client.links import on_reader_thread
 from llmrl.engine.client.tracking_calls import TrackingCalls
 from llmrl.engine.client.training_calls import ClientTraining
 from llmrl.engine.errors import (
@@ -149,10 +148,6 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
 
     def _wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         timeout = self._timeout if timeout is None else timeout
-        if on_reader_thread() and not future.done():  # its reply would come through this very thread: deadlock
-            self._run.links.forget(future)
-            raise RuntimeError("a blocking Caller call in a future's done-callback waits for the thread that runs the "
-                               "callback; call the *_async variant there, or hand the work to another thread")
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

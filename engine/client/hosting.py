@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from llmrl.engine.client.links import ServerLinks
+from llmrl.engine.client.links import ServerLinks, on_reader_thread
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import replica_ranks, server_roles
 from llmrl.engine.errors import InvalidArgument, LLMClosedError
@@ -55,6 +55,10 @@ class ClientRun:
         return self._replicas[llm]
 
     def submit(self, kind: str, parts: list[Part], assemble: Callable[[dict[int, Any]], Any]) -> Future:
+        if on_reader_thread():  # refused before sending: a blocking call would wait for this very thread
+            raise RuntimeError(f"a Caller call ({kind!r}) in a future's done-callback: callbacks run on the thread "
+                               "that reads the servers' replies, which the call would wait for; hand the work to "
+                               "another thread (a queue, an executor). Nothing was sent")
         return self.links.submit(kind, parts, assemble)
 
     def describe_rank(self, rank: int) -> str:

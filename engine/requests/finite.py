@@ -58,6 +58,8 @@ def first_non_number(value, path: str) -> tuple[str, object] | None:
             return None
     except (TypeError, ValueError, RuntimeError):
         pass
+    if getattr(value, "ndim", None) == 0:  # a 0-d array of objects or text: its one value
+        return first_non_number(value.item(), path)
     if hasattr(value, "__iter__"):  # ragged lists, lists of tensors, object or string arrays: one by one
         for i, inner in enumerate(value):
             found = first_non_number(inner, f"{path}[{i}]")

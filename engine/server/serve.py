@@ -118,10 +118,9 @@ class Server:
         except (EOFError, OSError):
             if not self.stopping:
                 self._die("the client (rank 0) disconnected")
-            if self.busy_with is not None or any(not isinstance(m, messages.Shutdown) for m in list(self.inbox.queue)):
-                # told to stop, but the client hung up before this rank was done (it waited long enough): nobody
-                # is left to answer, so this rank must not outlive the run
-                self._die(f"the client hung up while request #{self.busy_with} was still being served")
+            if not self.closed:  # told to stop, but the client hung up before this rank was done (it waited
+                # timeouts.shutdown): nobody is left to answer, so this rank must not outlive the run
+                self._die(f"the client hung up while this rank was still serving (request #{self.busy_with})")
         except BaseException:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
