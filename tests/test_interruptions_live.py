@@ -155,7 +155,6 @@ def test_killing_any_launcher_process_ends_every_rank(run, victim):
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
 
 
-
 def test_a_script_that_ends_with_a_call_in_flight_stops_the_busy_server(run):
     """The server used to finish the minute-long call after the client had hung up (timeouts.shutdown, 3 s
     here), and `llmrl run` waited for it."""
