@@ -45,7 +45,7 @@ class SFTUpdater(ShufflingUpdater):
             raise ValueError("the sft updater trains on targets: caller.update(prompts, [[target], ...]), at least "
                              "one target per prompt")
         nll_sum, tokens = 0.0, 0
-        tokens_of = sample_token_counts(batch, trainer, self.add_eos)
+        tokens_of = sample_token_counts(batch, trainer, self.add_eos) if self.loss == "token" else {}
         for _ in range(self.epochs):
             step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
                                                  self.generator) if self.loss == "token" else ())

@@ -9,7 +9,6 @@ import os
 import shlex
 import sys
 import textwrap
-import time
 
 from llmrl.launch.run import client_ended
 from llmrl.launch.supervisor import supervise
@@ -35,10 +34,9 @@ def launcher(*commands: list[str]) -> list[str]:
 
 def test_a_rank_left_running_after_the_script_ended_is_killed(tmp_path, capsys):
     base = str(tmp_path / "exit-code")
-    started = time.monotonic()
     code, stopped = supervise(launcher(rank_zero(base, 0), ["sleep", "300"]),
                               dict(os.environ), script_ended=lambda: client_ended(base), linger=1.0)
-    assert time.monotonic() - started < 60 and code != 0 and stopped is None
+    assert code != 0 and stopped is None  # killed: the "server" would have ended with 0
     assert "after the script ended and the servers were told to stop" in capsys.readouterr().err
 
 
