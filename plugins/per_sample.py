@@ -20,6 +20,10 @@ An updater that declares nothing (``per_sample_args = None``) keeps the length r
 tensor or array; not a string or dict) whose length equals the number of contexts is sliced, the others go whole.
 Its errors say which arguments the rule sliced (:func:`slicing_note`).
 
+:func:`positional` turns an array-like that is not a list, tuple, tensor or numpy array (a pandas Series, an
+``array.array``, a deque) into one indexed by position, before any check or slice: a Series of a shuffled frame is
+indexed by its labels, and slicing it by label would pair each sample with another's value.
+
 :func:`take_samples` is the one slicing rule, used wherever per-sample values are cut: the client splitting an
 ``update`` per replica, the server splitting minibatches, scoring splitting head arguments per piece.
 
@@ -29,7 +33,9 @@ This module checks shapes and slices; it never reads values: values (NaN, infini
 
 from __future__ import annotations
 
+import array
 import numbers
+from collections import deque
 from collections.abc import Sequence
 
 from llmrl.engine.errors import InvalidArgument
@@ -47,10 +53,36 @@ def is_per_sample(value, n: int) -> bool:
         return False
 
 
+def positional(value):
+    """``value`` indexed by position: a list, tuple, tensor, numpy array, string, bytes, dict, number or None as it
+    is; any other array-like (a pandas Series or DataFrame column, ``array.array``, ``memoryview``: anything numpy
+    converts through ``__array__`` or the buffer protocol) as a numpy array; any other sequence (a deque, a range)
+    as a list. Other objects are returned as they are."""
+    if value is None or isinstance(value, (list, tuple, str, bytes, dict, numbers.Number)):
+        return value
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value
+    except ImportError:
+        pass
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__array__") or isinstance(value, (memoryview, array.array)):
+        return np.array(value.to_numpy() if hasattr(value, "to_numpy") else value)  # a copy: writable, the caller's own
+    if isinstance(value, (Sequence, deque)):
+        return list(value)
+    return value
+
+
 def take_samples(value, positions: Sequence[int]):
     """The entries of a per-sample ``value`` at ``positions``, in that order and of the same kind: a tensor (a copy
     made by indexing), a numpy array, a tuple; any other sequence gives a list."""
     positions = list(positions)
+    value = positional(value)
     try:
         import torch
 
@@ -138,6 +170,12 @@ def _check_entry(key: str, level: str, i: int, entry, cands: list) -> None:
         raise InvalidArgument(f"update argument {key!r}[{i}] holds {got}, but context {i} has {k} candidate(s): "
                               f"pass one {what} per candidate; nothing was sent")
     if level == "candidate":
+        inner = next(((j, _length(v)) for j, v in enumerate(entry) if _length(v) is not None
+                      and getattr(v, "ndim", 1) != 0), None)
+        if inner is not None:  # per-token values where one number per candidate is read
+            raise InvalidArgument(f"update argument {key!r}[{i}][{inner[0]}] holds {inner[1]} values, but the updater "
+                                  f"reads one number per candidate (the whole continuation's; for log-probs, the sum "
+                                  "over its tokens); nothing was sent")
         return
     for j, (sequence, candidate) in enumerate(zip(entry, cands)):
         if level == "candidate_or_token" and _length(sequence) is None:

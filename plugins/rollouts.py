@@ -100,6 +100,11 @@ def token_rows_of(value, counts: list[int], lengths: torch.Tensor, indices: list
                                  f"{where} has {tokens} scored tokens; pass the continuations as the token ids that "
                                  "generate returned (text is tokenised again and may split differently)")
             out[row, :tokens] = torch.as_tensor(sequence, dtype=torch.float32)
+            if name.endswith("logprobs") and tokens and float(out[row, :tokens].max()) > 1e-4:
+                t = int(out[row, :tokens].argmax())
+                raise ValueError(f"{name}[{where}][{j}][{t}] is {float(out[row, t])}, above 0: a log-probability "
+                                 "is at most 0; pass each token's log-prob (generate's 'logprobs'), not a "
+                                 "probability or a negated value; nothing was trained")
             row += 1
     _check_finite(out, name, indices)
     return out

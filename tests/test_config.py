@@ -78,6 +78,13 @@ BROKEN = [
     ("llms.main.dtype", "float16", "llms.main.dtype", "not supported on CPU"),
     ("llms.main.training.zero_stage", 4, "llms.main.training.zero_stage", "is not one of"),
     ("llms.main.training.optimizer.lr", -1, "llms.main.training.optimizer.lr", "must be > 0"),
+    # NaN passes JSON Schema's bounds (every comparison with it is false): a NaN lr trained every weight into NaN
+    ("llms.main.training.optimizer.lr", float("nan"), "llms.main.training.optimizer.lr", "nan is not a finite number"),
+    ("llms.main.training.lr_schedule", {"type": "cosine", "total_steps": 10, "min_lr_ratio": float("nan")},
+     "llms.main.training.lr_schedule.min_lr_ratio", "not a finite number"),
+    ("llms.main.training.optimizer.eps", float("inf"), "llms.main.training.optimizer.eps", "inf is not a finite"),
+    ("llms.main.updater", {"plugin": "grpo", "args": {"clip_eps": float("nan")}}, "llms.main.updater.args.clip_eps",
+     "not a finite number"),
     ("timeouts.request", "soon", "timeouts.request", "expected number or null"),
     ("llms.main.heads", {"v": "valu"}, "llms.main.heads.v", "did you mean 'value'"),
     ("llms.main.heads", {"v": {"plugin": "value", "args": {"hidden": "big"}}}, "llms.main.heads.v.args", "hidden"),

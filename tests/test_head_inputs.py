@@ -178,6 +178,11 @@ def test_heads_get_the_keyword_arguments_they_accept_and_ask_nothing_more(refere
     plain_out = run(model, tok, "llama", ID_CONTEXTS, ID_CANDIDATES, heads, ("named",))
     assert plain_out.token_logprobs is None and plain_out.context_hidden_layers is None
     assert plain_out.token_hidden is None and plain_out.token_logits is None
+    # An argument no head of the call reads (misspelt, or for a head not called) is refused, not dropped.
+    with pytest.raises(ValueError, match=r"head_kwargs \['bais'\] are read by none of the heads \['named'\]"):
+        run(model, tok, "llama", ID_CONTEXTS, ID_CANDIDATES, heads, ("named",), head_kwargs={"bais": 1.0})
+    with pytest.raises(ValueError, match=r"head_kwargs \['bias'\] are read by none of the heads \[\]"):
+        run(model, tok, "llama", ID_CONTEXTS, ID_CANDIDATES, heads, (), head_kwargs={"bias": 1.0})
 
 
 class WrongRows(Head):

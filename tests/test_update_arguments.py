@@ -6,6 +6,8 @@ same way."""
 from __future__ import annotations
 
 import array
+import collections
+import decimal
 
 import numpy as np
 import pytest
@@ -216,3 +218,63 @@ def test_nlpo_refuses_old_logprobs_however_they_reach_it():
                         indices=[0], global_size=1, replica=0, num_replicas=1, replica_sizes=[1])
     with pytest.raises(ValueError, match="leave old_logprobs out"):
         NLPOUpdater().update(batch, trainer=None)
+
+
+class Labelled:
+    """An array-like indexed by label, like a pandas Series of a shuffled frame: ``value[k]`` is the entry labelled
+    k, not the k-th; ``__array__`` gives the entries in order."""
+
+    def __init__(self, values, labels):
+        self.values, self.labels = list(values), list(labels)
+
+    def __len__(self):
+        return len(self.values)
+
+    def __getitem__(self, label):
+        return self.values[self.labels.index(label)]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.values, dtype=dtype)
+
+
+def test_an_array_like_indexed_by_label_is_cut_by_position():
+    """A column of a shuffled frame has labels [2, 0, 3, 1]: cutting it by label paired each context with another
+    context's advantage (a review's live run trained two twins 1.81 apart)."""
+    got = shares({"advantages": Labelled([3.0, 2.0, 0.0, 1.0], [2, 0, 3, 1])}, {"advantages": "sample"})
+    assert [list(r.kwargs["advantages"]) for r in got] == [[3.0, 2.0], [0.0, 1.0]]
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"adv": [0.0, 1.0, 2.0, 3.0]}).sample(frac=1, random_state=1)
+    got = shares({"advantages": frame.adv}, {"advantages": "sample"})
+    assert [x for r in got for x in r.kwargs["advantages"]] == frame.adv.tolist()
+    series = pd.Series([1.0, 2.0, 3.0, 4.0], index=["a", "b", "c", "d"])  # labels that are not ints: a KeyError
+    assert [list(r.kwargs["advantages"]) for r in shares({"advantages": series}, {"advantages": "sample"})] == [
+        [1.0, 2.0], [3.0, 4.0]]
+
+
+@pytest.mark.parametrize("value, where", [
+    (array.array("d", [1.0, NAN]), "x[1]"),
+    (collections.deque([1.0, INF]), "x[1]"),
+    (decimal.Decimal("NaN"), "x"),
+    ([collections.deque([1.0]), collections.deque([NAN])], "x[1][0]"),
+    (memoryview(array.array("d", [0.0, NAN])), "x[1]"),
+    (Labelled([0.0, INF], [1, 0]), "x[1]"),
+])
+def test_non_finite_numbers_in_any_container_are_found(value, where):
+    """These fell through the walk: the call passed the client's checks and a server refused it after a step."""
+    with pytest.raises(InvalidArgument, match="nothing was sent") as info:
+        check_finite({"x": value})
+    assert f"at {where} " in str(info.value)
+
+
+def test_an_update_of_no_contexts_is_refused():
+    """The servers took an optimizer step on no data (Adam's momentum moved the weights 0.034)."""
+    with pytest.raises(InvalidArgument, match="update got no contexts"):
+        shares({}, {"advantages": "sample"}, n=0)
+
+
+def test_per_token_values_where_one_number_per_candidate_is_read_are_refused():
+    """dpo's ref_logprobs per token failed on a server with float()'s TypeError."""
+    with pytest.raises(InvalidArgument, match=r"'ref_logprobs'\[1\]\[0\] holds 3 values, but the updater reads one "
+                                              "number per candidate"):
+        shares({"ref_logprobs": [[-1.0, -2.0], [[-0.5, -0.5, -0.5], -2.0]]}, {"ref_logprobs": "candidate"}, n=2,
+               candidates=[["a", "b"], ["c", "d"]])

@@ -169,6 +169,9 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
             raise InvalidArgument(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if entropy and not per_token:
             raise InvalidArgument("entropy=True needs per_token=True (entropies are given per token)")
+        if head_kwargs and not additional_module_function_keys:
+            raise InvalidArgument("head_kwargs were given, but no head runs in this call: name the heads in "
+                                  "additional_module_function_keys=[...] (or call custom_module_fns)")
         contexts, candidates = self._inputs(name, contexts, candidates, candidates_needed=True)
         request = score.ScoreRequest(contexts, candidates, inputs.check_keys(additional_module_function_keys),
                                      peft_adapter, inputs.check_minibatch_size(minibatch_size), bool(per_token),

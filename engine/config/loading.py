@@ -14,6 +14,7 @@ import copy
 import difflib
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -241,9 +242,23 @@ def schema_problems(data: dict, section: str | None = None) -> list[Problem]:
     problems: list[Problem] = []
     for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.extend(_explain(error))
+    problems.extend(non_finite_problems(data))
     if section is not None:
         problems = [(".".join(p for p in (section, path) if p), message) for path, message in problems]
     return problems
+
+
+def non_finite_problems(value, path: str = "") -> list[Problem]:
+    """NaN or an infinity anywhere in a config (``.nan``, ``.inf``, ``lr=.nan`` on the command line), also under a
+    plugin's ``args``: JSON Schema's bounds let NaN through (every comparison with it is false), and one NaN
+    learning rate or clipping threshold turns every weight into NaN without an error."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(path, f"{value} is not a finite number; give a number (or null where the field allows none)")]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_finite_problems(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in non_finite_problems(v, f"{path}.{i}")]
+    return []
 
 
 def tracking_config(base: TrackingConfig, given) -> TrackingConfig:

@@ -90,6 +90,9 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     if kwargs.get("stop_strings") is not None:  # Hugging Face's own argument: the same strings, the same matching
         strings = kwargs.pop("stop_strings")
         stop = (stop[0] + ([strings] if isinstance(strings, str) else list(strings)), stop[1])
+    outside = [t for sequence in stop[1] for t in sequence if vocab_size is not None and t >= vocab_size]
+    if outside:  # the model never samples it: the stop would never match
+        raise ValueError(f"stop token id {outside[0]} is outside the model's vocabulary [0, {vocab_size})")
     prompt_logprobs = bool(kwargs.pop("prompt_logprobs", False))
     if prompt_logprobs and kind != "causal":
         raise ValueError("prompt_logprobs reads a causal model's next-token log-probs; this model is seq2seq")

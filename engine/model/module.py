@@ -103,6 +103,12 @@ class ModelWithHeads(torch.nn.Module):
             candidate_hidden=None if candidate_hidden is None else candidate_hidden[-1],
             heads={}, head_levels={}, context_hidden_layers=context_hidden, candidate_hidden_layers=candidate_hidden,
             context_logits=logits, **tokens)
+        unread = sorted(set(head_kwargs or {}) - {k for key in head_keys for k in _accepted(self.heads[key],
+                                                                                          head_kwargs)})
+        if unread:  # a misspelt argument would leave its head on its default without a word
+            raise ValueError(f"head_kwargs {unread} are read by none of the heads {list(head_keys)}; their forward "
+                             f"takes {sorted({k for key in head_keys for k in _named(self.heads[key])})}; check the "
+                             "spelling")
         for key in head_keys:
             head = self.heads[key]
             plugin = self.head_plugins.get(key, type(head).__name__)
@@ -200,8 +206,14 @@ def _accepted(head, kwargs: dict) -> dict:
     params = inspect.signature(head.forward).parameters.values()
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return kwargs
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"outputs"}
+    names = _named(head)
     return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _named(head) -> set[str]:
+    """The keyword arguments ``head.forward`` names (besides the outputs)."""
+    params = inspect.signature(head.forward).parameters.values()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"outputs"}
 
 
 def _rows_of_level(outputs: ForwardOutputs, level: str) -> int:

@@ -12,6 +12,7 @@ This module changes nothing itself.
 
 from __future__ import annotations
 
+import math
 import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,7 +43,8 @@ def check_name(name, what: str) -> str:
 def check_create_args(rank, alpha, seed, targets) -> dict:
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 1:
         raise InvalidArgument(f"rank must be a positive int, got {rank!r}")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or alpha <= 0):
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+                              or not math.isfinite(alpha) or alpha <= 0):
         raise InvalidArgument(f"alpha must be a positive number (default: 2 x rank), got {alpha!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise InvalidArgument(f"seed must be an int, got {seed!r}")

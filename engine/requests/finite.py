@@ -3,9 +3,9 @@ declared per-sample arguments, before anything is sent.
 
 One NaN among the rewards, advantages or old log-probs turns every weight into NaN at the first optimizer step.
 :func:`check_finite` walks each argument however it is nested (lists and tuples, ragged or not, dicts, torch
-tensors, numpy arrays and scalars, Python floats), checking every tensor or array with one vectorised test, and
-names the first bad value by its path (``rewards[2][5]``). Strings, booleans, integers and other objects are
-left alone.
+tensors, numpy arrays and scalars, Python floats, any other number, array-like or sized container), checking every
+tensor or array with one vectorised test, and names the first bad value by its path (``rewards[2][5]``). Strings,
+booleans, integers and other objects are left alone.
 
 This module checks values only; lengths and per-sample slicing are the update request's.
 """
@@ -102,20 +102,28 @@ def first_non_finite(value, path: str) -> tuple[str, float, int] | None:
             if found is not None:
                 return found
         return None
-    if isinstance(value, numbers.Real):
-        return None if math.isfinite(float(value)) else (path, float(value), 1)
+    if isinstance(value, numbers.Number):  # Decimal, Fraction, complex, a third party's number type
+        try:
+            number = complex(value)
+        except (TypeError, ValueError):
+            return None
+        return None if math.isfinite(number.real) and math.isfinite(number.imag) else (path, value, 1)
+    if hasattr(value, "__array__") or isinstance(value, memoryview):  # pandas, array.array, any array-like
+        return _in_numpy(value, path)
+    if hasattr(value, "__iter__") and hasattr(value, "__len__"):  # a deque, a range, any other sized container
+        return first_non_finite(list(value), path)
     return None
 
 
 def _in_numpy(value, path: str):
     import numpy as np
 
-    if isinstance(value, np.ndarray) and value.dtype == object:
-        return first_non_finite(value.tolist(), path)
     array = np.asarray(value)
+    if array.dtype == object:
+        return first_non_finite(array.tolist(), path)
     if array.dtype.kind not in "fc":
         return None
-    return _in_array(torch.from_numpy(np.ascontiguousarray(array)), path)
+    return _in_array(torch.from_numpy(np.require(array, requirements=["C", "W"])), path)
 
 
 def _in_array(tensor: torch.Tensor, path: str):

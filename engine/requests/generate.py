@@ -25,6 +25,8 @@ splits, seeds and joins (:mod:`llmrl.engine.model.generation` generates).
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -63,6 +65,42 @@ def num_return_sequences(kwargs: dict) -> int:
     return k
 
 
+# Hugging Face generate arguments checked on the client: counts (ints, not bools or floats: 2.7 new tokens would be
+# cut to 2) with their least value, and real numbers with their range (NaN passes Hugging Face's own checks).
+COUNTS = {"max_new_tokens": 1, "min_new_tokens": 0, "num_beams": 1, "top_k": 0, "no_repeat_ngram_size": 0}
+REALS = {"temperature": ("> 0 (for greedy decoding pass do_sample=False)", lambda x: x > 0),
+         "top_p": ("in (0, 1]", lambda x: 0 < x <= 1), "min_p": ("in [0, 1]", lambda x: 0 <= x <= 1),
+         "typical_p": ("in (0, 1]", lambda x: 0 < x <= 1), "repetition_penalty": ("> 0", lambda x: x > 0),
+         "length_penalty": ("a finite number", lambda x: True)}
+
+
+def check_generate_args(kwargs: dict) -> dict:
+    """``kwargs`` with the counts and sampling numbers checked (:class:`InvalidArgument` naming the argument); one of
+    them given as None is left out (Hugging Face's default applies, as with Hugging Face)."""
+    kwargs = {k: v for k, v in kwargs.items() if not (v is None and (k in COUNTS or k in REALS))}
+    for key, least in COUNTS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        try:
+            count = operator.index(value)
+        except TypeError:
+            count = None
+        if isinstance(value, bool) or count is None or count < least:
+            raise InvalidArgument(f"generate's {key} must be an int >= {least}, got {type(value).__name__} {value!r}")
+        kwargs[key] = count
+    if kwargs.get("min_new_tokens", 0) > kwargs.get("max_new_tokens", kwargs.get("min_new_tokens", 0)):
+        raise InvalidArgument(f"generate's min_new_tokens ({kwargs['min_new_tokens']}) exceeds max_new_tokens "
+                              f"({kwargs['max_new_tokens']}): it would never apply")
+    for key, (rule, ok) in REALS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+            raise InvalidArgument(f"generate's {key} must be a number {rule}, got {type(value).__name__} {value!r}")
+    return kwargs
+
+
 def splits_sequences(kwargs: dict) -> bool:
     """Whether a context's return sequences are independent samples that replicas may share."""
     return bool(kwargs.get("do_sample", False)) and kwargs.get("num_beams", 1) == 1
@@ -84,6 +122,7 @@ def one_prompt_per_sample(pieces: list[Piece]) -> bool:
 
 
 def send(run: Run, llm: str, request: GenerateRequest) -> Future:
+    request = replace(request, kwargs=check_generate_args(request.kwargs))
     contexts, kwargs = request.contexts, request.kwargs
     for name, instead in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
         if name in kwargs:  # counted over padded rows: a sample's bound would depend on its neighbours' prompts

@@ -147,4 +147,6 @@ def check_seed(value) -> int | None:
         return None
     if not _is_id(value):
         raise InvalidArgumentType(f"seed must be an int or None, got {type(value).__name__} {value!r}")
+    if not -2**62 <= int(value) < 2**62:  # each sample's stream is seeded at seed + its position (a 64-bit int)
+        raise InvalidArgument(f"seed must lie in [-2**62, 2**62), got {value}")
     return int(value)

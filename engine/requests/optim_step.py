@@ -11,6 +11,7 @@ This module steps nothing itself.
 from __future__ import annotations
 
 import math
+import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ def check_step_settings(adam_params, optimizer_type: str) -> dict:
     for key, value in given.items():
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):  # numpy's too
             raise InvalidArgument(f"adam_params[{key!r}] must be a finite number, got {value!r}")
         rule, ok = SETTINGS[key]
         if not ok(value):

@@ -19,7 +19,7 @@ from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
 from llmrl.engine.requests.finite import check_finite, check_numbers
 from llmrl.plugins.contracts import UpdateBatch
-from llmrl.plugins.per_sample import check_per_sample, per_sample_keys, take_samples
+from llmrl.plugins.per_sample import check_per_sample, per_sample_keys, positional, take_samples
 
 NAME = "update"
 
@@ -81,7 +81,11 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
     """``declared``: the updater's ``per_sample_args`` declaration, as its servers described it (None: the length
     rule); ``whole``: its ``whole_args`` (None: any other argument is accepted)."""
     # a declared per-sample argument given as None is not given (``old_logprobs=lp if cached else None``)
-    kwargs = {k: v for k, v in kwargs.items() if not (v is None and k in (declared or {}))}
+    kwargs = {k: positional(v) for k, v in kwargs.items() if not (v is None and k in (declared or {}))}
+    if not contexts:  # an optimizer step on no data still moves the weights (Adam's momentum, weight decay)
+        raise InvalidArgument(f"update got no contexts: there is nothing to learn from, and the updater "
+                              f"{updater or '(none)'!r} would still take an optimizer step; skip the call when a "
+                              "batch is empty; nothing was sent")
     refuse_engine_settings(kwargs, llm, declared, updater)
     refuse_unknown(kwargs, declared, whole, updater)
     check_finite(kwargs)

@@ -27,6 +27,7 @@ are summed across replicas by the caller), and nothing checks its inputs' shapes
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -355,8 +356,16 @@ def token_loss_settings(name: str, config: dict | None) -> dict:
         raise ValueError(f"loss_fn_config of {name!r} has unknown key(s) {unknown}; it takes {sorted(defaults)}")
     settings = {**defaults, **config}
     for key, value in settings.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{key!r}] to be a finite number, got {value!r}")
+    low, high = settings.get("clip_low_threshold"), settings.get("clip_high_threshold")
+    if low is not None and not 0 <= low <= 1 <= high:  # 0.2 / 0.28 (the epsilons) would clip every ratio of 1
+        raise ValueError(f"loss_fn {name!r} clips the probability ratio to [clip_low_threshold, clip_high_threshold] "
+                         f"= [{low}, {high}]; these are ratios with 0 <= low <= 1 <= high (1 - eps and 1 + eps, "
+                         "e.g. 0.8 and 1.2), not the epsilons themselves")
+    if settings.get("beta") is not None and settings["beta"] < 0:
+        raise ValueError(f"loss_fn {name!r} needs loss_fn_config['beta'] >= 0 (the weight of its quadratic penalty), "
+                         f"got {settings['beta']}")
     return settings
 
 
