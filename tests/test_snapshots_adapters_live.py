@@ -26,7 +26,8 @@ def config(tiny, checkpoint: str | None = None) -> dict:
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
             "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
-            "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}}},
+            "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}},
+                   "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]},
             "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
                      "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-4}}}}
     for llm in llms.values():
@@ -262,3 +263,65 @@ def test_one_adapters_state_saved_and_loaded_into_new_adapters_trains_on_as_the_
         run.load_adapter(tmp_path / "s", "s_alpha", llm="policy")
     for name in ("s", "s_copy", "s_fresh", "s_alpha"):
         run.delete_adapter(name, llm="policy")
+
+
+def datum_of(seed: int, sampler: float | None = None) -> dict:
+    """A datum of random tokens; with ``sampler``, importance-sampling inputs whose sampler log-probs are that value
+    (-200: the ratio overflows, the loss is not finite and the call fails on the servers)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 100, (9,), generator=g).tolist()
+    inputs = {"target_tokens": tokens[1:], "weights": torch.rand(8, generator=g).tolist()}
+    if sampler is not None:
+        inputs = {"target_tokens": tokens[1:], "advantages": [1.0] * 8, "logprobs": [sampler] * 8}
+    return {"model_input": tokens[:-1], "loss_fn_inputs": inputs}
+
+
+def test_adapters_trained_in_turn_step_apart_and_a_failed_call_keeps_the_others_gradients(run):
+    """Two Tinker training clients are two adapters of one model. Under ZeRO 0 in float32 (gradients on the
+    parameters), A.fb, B.fb, A.step, B.step equals each trained alone, and B's failed call leaves A's pending
+    gradients to A's step. (A failure on B wiped A's gradients, and A's step then reported success with nothing to
+    apply; optim_step(A) was refused for good while B's were pending.)"""
+    for name in ("a", "b", "alone_a", "alone_b"):
+        run.create_adapter(name, rank=4, seed=9, llm="policy")  # one seed: every adapter starts the same
+    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="a")
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="b")
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["adapters"] == ["a"]
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="a")  # pending while b steps
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="b")["adapters"] == ["b"]
+    with pytest.raises(Exception, match="loss of backward call 1 was not finite") as info:
+        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="b")
+    assert "those of ['a'] are kept" in str(info.value)
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["optimizer_steps"] == 1
+    for adapter, seeds in (("alone_a", (1, 3)), ("alone_b", (2,))):
+        for seed in seeds:
+            run.forward_backward([datum_of(seed)], "cross_entropy", llm="policy", peft_adapter=adapter)
+            run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=adapter)
+    state = run.state_dict(llm="policy")
+    for adapter, alone in (("a", "alone_a"), ("b", "alone_b")):
+        got, want = lora_weights(state, adapter), lora_weights(state, alone)
+        assert got.keys() == want.keys() and any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    for name in ("a", "b", "alone_a", "alone_b"):
+        run.delete_adapter(name, llm="policy")
+
+
+def test_under_zero_2_an_adapter_whose_gradients_another_call_discarded_is_told(run):
+    """ZeRO 1-3 hold every adapter's gradients in one buffer: a failure on B discards A's too, and A's next call says
+    so (once) instead of stepping nothing as if all were well; A's step is refused while B's gradients wait."""
+    run.forward_backward([datum_of(1)], "cross_entropy", llm="z2", peft_adapter="default")
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="z2", peft_adapter="b")
+    with pytest.raises(Exception, match=r"would also step adapter\(s\) \['b'\]"):
+        run.optim_step({"learning_rate": 5e-3}, llm="z2", peft_adapter="default")
+    assert run.optim_step({"learning_rate": 5e-3}, llm="z2")["adapters"] == ["b", "default"]
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="z2", peft_adapter="default")
+    with pytest.raises(Exception, match="not finite"):
+        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="z2", peft_adapter="b")
+    before = run.state_dict(llm="z2")
+    with pytest.raises(Exception, match="adapter 'default''s 1 forward_backward call.* were discarded when a call "
+                                        "on adapter 'b' failed"):
+        run.optim_step({"learning_rate": 5e-3}, llm="z2", peft_adapter="default")
+    told_once = run.optim_step({"learning_rate": 5e-3}, llm="z2", peft_adapter="default")
+    assert told_once["optimizer_steps"] == 0
+    after = run.state_dict(llm="z2")
+    assert all(torch.equal(after[k], before[k]) for k in before)

@@ -54,7 +54,8 @@ class ServedModel:
     updater_name: str | None = None
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
     pending_backwards: int = 0  # forward_backward calls whose gradients wait for optim_step (training/client_steps.py)
-    pending_adapters: set = field(default_factory=set)  # the adapters those gradients train
+    pending_adapters: dict = field(default_factory=dict)  # adapter -> its calls among them
+    discarded: dict = field(default_factory=dict)  # adapter -> why its pending gradients went (client_steps._discard)
     snapshots: dict = field(default_factory=dict)  # snapshot name -> the adapter it copies (engine/model/snapshots.py)
     weight_snapshots: dict = field(default_factory=dict)  # snapshot name -> {parameter name: frozen copy} (no LoRA)
     created_adapters: dict = field(default_factory=dict)  # adapters created at run time: name -> how (in order)

@@ -11,8 +11,13 @@ and which adapters are pending, until ``optim_step`` takes one optimizer step ov
 betas, eps, weight decay and clipping the script gave for that step (:func:`step_settings`; the config's values
 are restored after it).
 
-A failed call (out of memory on one replica, a non-finite loss) discards every pending gradient on every replica
-and says so: accumulated gradients can no longer be told apart. ``update`` is refused while gradients are pending.
+Gradients are pending per adapter (a Tinker training client is one). Where they sit on the parameters themselves
+(ZeRO 0 in float32, nothing trained outside the adapters: :func:`isolated`), ``optim_step(adapter=X)`` steps X
+alone while the other adapters' gradients are set aside and put back, and a failed call of X (out of memory on one
+replica, a non-finite loss) discards X's pending gradients only. Elsewhere (ZeRO 1-3 and half precision keep
+gradients in DeepSpeed's own buffers) a failed call discards every adapter's, and each adapter whose gradients went
+with it is told at its next call, which is refused once; ``optim_step(adapter=X)`` is refused while another
+adapter's gradients are pending. ``update`` is refused while gradients are pending.
 
 This module does not check the client's data (:mod:`llmrl.engine.requests.datums` does) nor choose a loss.
 """
@@ -28,6 +33,7 @@ from llmrl.engine.graph import keep_in_graph
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
+from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 from llmrl.engine.model.training.trainer import END, EngineTrainer
 from llmrl.plugins.rl_math import token_loss
 
@@ -44,25 +50,74 @@ def _trainer(served: ServedModel, what: str) -> EngineTrainer:
     return trainer
 
 
-def _discard(served: ServedModel, trainer: EngineTrainer) -> str:
-    """Forget every pending gradient; returns what to tell the script."""
-    earlier = served.pending_backwards
-    trainer.discard_partial_accumulation()
-    served.pending_backwards, served.pending_adapters = 0, set()
-    if earlier == 0:
-        return "no gradient was pending"
-    return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
-            "discarded on every replica")
+def isolated(served: ServedModel) -> bool:
+    """Whether each adapter's pending gradients can be stepped or discarded apart from the others': they sit on the
+    parameters (ZeRO 0 with the plain torch optimizer: no DeepSpeed buffers), and no parameter outside the adapters
+    trains (a head's gradients would mix every adapter's)."""
+    steps = served.adapter_steps
+    if served.llm.training.zero_stage != 0 or served.engine.optimizer is not steps.optimizer:
+        return False
+    return not any(p.requires_grad for g in steps.optimizer.param_groups if g.get(ADAPTER_KEY) is None
+                   for p in g["params"])
+
+
+@contextlib.contextmanager
+def set_aside(served: ServedModel, adapters):
+    """Inside, the gradients of ``adapters`` are off their parameters (no step or discard sees them); put back
+    after."""
+    saved = [(p, p.grad) for g in served.adapter_steps.optimizer.param_groups if g.get(ADAPTER_KEY) in adapters
+             for p in g["params"] if p.grad is not None]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+
+
+def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -> str:
+    """Forget the pending gradients of ``adapter`` (the failed call's), and every other adapter's unless
+    :func:`isolated`; returns what to tell the script."""
+    before = dict(served.pending_adapters)
+    others = {a for a in before if a != adapter} if adapter is not None and isolated(served) else set()
+    with set_aside(served, others):
+        trainer.discard_partial_accumulation()
+    lost = {a: n for a, n in before.items() if a not in others}
+    served.pending_adapters = {a: n for a, n in before.items() if a in others}
+    served.pending_backwards = sum(served.pending_adapters.values())
+    for other in lost:
+        if other != adapter:
+            served.discarded[other] = (f"the gradients of adapter {other!r}'s {lost[other]} forward_backward call(s) "
+                                       f"since its last optim_step were discarded when a call on adapter {adapter!r} "
+                                       "failed (ZeRO 1-3 and half precision hold every adapter's gradients together); "
+                                       "nothing was run: send them again")
+    kept = f" (those of {sorted(others, key=str)} are kept)" if others else ""
+    if not lost.get(adapter):
+        return f"no gradient of adapter {adapter!r} was pending{kept}"
+    return (f"the gradients of the {lost[adapter]} earlier forward_backward call(s) of adapter {adapter!r} since its "
+            f"last optim_step were discarded on every replica{kept}")
+
+
+def _refuse_discarded(served: ServedModel, adapters) -> None:
+    """Tell an adapter, once, that another's failed call discarded its pending gradients."""
+    for adapter in adapters:
+        if adapter in served.discarded:
+            raise ValueError(served.discarded.pop(adapter))
 
 
 def forward_backward(served: ServedModel, request) -> dict:
     """One replica's share of a ``forward_backward`` (``request.backward``) or ``forward`` call: per sequence, the
     log-probs of its targets and their per-token losses, and the share's summed loss."""
     what = "forward_backward" if request.backward else "forward"
+    trained = request.adapter or served.active_adapter()
     if served.llm.type != "causal":
         raise ValueError(f"{what} reads next-token log-probs of a causal model; LLM {served.llm.name!r} is "
                          f"{served.llm.type}")
+    if request.backward:
+        _refuse_discarded(served, [request.adapter or served.active_adapter()])
     trainer = _trainer(served, what) if request.backward else EngineTrainer(served)
+    trainer.trained_adapters = set()  # this call's
     contexts = [seq.tokens[:1] for seq in request.sequences]
     candidates = [[seq.tokens[1:]] for seq in request.sequences]
     try:
@@ -76,14 +131,15 @@ def forward_backward(served: ServedModel, request) -> dict:
                 trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
         trainer._check_peers(True, END)
     except PeerAborted as err:
-        raise _noted(err, _discard(served, trainer)) if request.backward else err  # noqa: B904 - completed
+        raise _noted(err, _discard(served, trainer, trained)) if request.backward else err  # noqa: B904 - completed
     except Exception as err:
         if not trainer.failed_vote_cast:
             trainer._check_peers(False, END)
-        raise _noted(err, _discard(served, trainer)) if request.backward else err  # noqa: B904 - completed
+        raise _noted(err, _discard(served, trainer, trained)) if request.backward else err  # noqa: B904 - completed
     if request.backward:
         served.pending_backwards += 1
-        served.pending_adapters = set(trainer.trained_adapters)
+        for adapter in trainer.trained_adapters or {None}:
+            served.pending_adapters[adapter] = served.pending_adapters.get(adapter, 0) + 1
     outputs = [{"logprobs": lp.detach().cpu(), "elementwise_loss": loss.detach().float().cpu()} if losses else
                {"logprobs": lp.detach().cpu()} for lp, loss in zip(logprobs, losses or logprobs)]
     return {"outputs": outputs, "loss": float(total.detach())}
@@ -93,24 +149,32 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
     """One optimizer step over the pending gradients, with ``settings`` (Tinker's AdamParams names) for this step.
     ``adapter``: refuse when another adapter also has pending gradients (it would be stepped too)."""
     trainer = _trainer(served, "optim_step")
+    others: list = []
     if adapter is not None:
         served.check_adapter(adapter)
         if adapter not in served.adapters:
             raise ValueError(f"{adapter!r} is a snapshot: it has no gradients and takes no step")
-        others = sorted(served.pending_adapters - {adapter})
-        if others:
+        _refuse_discarded(served, [adapter])
+        others = sorted((a for a in served.pending_adapters if a != adapter), key=str)
+        if others and not isolated(served):
             raise ValueError(f"optim_step(adapter={adapter!r}) would also step adapter(s) {others}, whose "
-                             "forward_backward gradients are pending too; call optim_step() without adapter= to step "
-                             "them all, or step each before training the next")
-    if served.pending_backwards == 0:
+                             "forward_backward gradients are pending too (under ZeRO 1-3 or half precision an "
+                             "optimizer step takes every pending gradient); call optim_step() without adapter= to "
+                             "step them all, or step each before training the next")
+        trainer.trained_adapters = {adapter} & set(served.pending_adapters)
+        trainer.pending_micro_steps = served.pending_adapters.get(adapter, 0)
+    else:
+        _refuse_discarded(served, list(served.discarded))
+    if trainer.pending_micro_steps == 0:
         return {"optimizer_steps": 0, "adapters": [], "grad_norm": None}
-    stepped = sorted(a for a in served.pending_adapters if a is not None)
+    stepped = sorted(a for a in trainer.trained_adapters if a is not None)
     try:
-        with step_settings(served, settings), recorded_norm(served.engine) as recorded:
+        with set_aside(served, others), step_settings(served, settings), recorded_norm(served.engine) as recorded:
             trainer.flush()
     except Exception as err:
-        raise _noted(err, _discard(served, trainer))  # noqa: B904 - the same error, its message completed
-    served.pending_backwards, served.pending_adapters = 0, set()
+        raise _noted(err, _discard(served, trainer, adapter))  # noqa: B904 - the same error, its message completed
+    served.pending_adapters = {a: n for a, n in served.pending_adapters.items() if a in others}
+    served.pending_backwards = sum(served.pending_adapters.values())
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
     norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
     return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}
