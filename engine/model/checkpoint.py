@@ -105,9 +105,10 @@ def _export(served: ServedModel, state: dict, folder: Path) -> None:
             save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
         # base weights trained beside the adapters (the freeze initializer's unfreeze): a PEFT adapter holds none
         trained = {name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
-        if trained:
-            save_file({k.removeprefix("base_model.model."): v.clone().contiguous() for k, v in model_state.items()
-                       if k in trained}, folder / "trained_base_weights.safetensors", metadata={"format": "pt"})
+        if trained:  # named as in the base model: a layer LoRA wraps holds its own weight under ``.base_layer``
+            save_file({k.removeprefix("base_model.model.").replace(".base_layer.", "."): v.clone().contiguous()
+                       for k, v in model_state.items() if k in trained},
+                      folder / "trained_base_weights.safetensors", metadata={"format": "pt"})
     else:
         out = folder / "model"
         out.mkdir(parents=True, exist_ok=True)
