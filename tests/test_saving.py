@@ -87,6 +87,15 @@ def test_a_checkpoint_holding_a_file_of_yours_is_not_replaced(tiny, tmp_path):
     with pytest.raises(InvalidArgument, match="also holds 'notes.txt'"):
         save(run, target)
     assert (target / "notes.txt").read_text() == "mine" and weights(target) == "save 1"
+    (target / "notes.txt").unlink()
+    for inside in (target / "main" / "NOTES.txt", target / "main" / "export" / "my_eval_results.json"):
+        inside.write_text("mine")  # inside the checkpoint's own folders: they went with the next save
+        with pytest.raises(InvalidArgument, match=f"also holds '{inside.relative_to(target).as_posix()}'"):
+            save(run, target)
+        assert inside.read_text() == "mine" and weights(target) == "save 1"
+        inside.unlink()
+    save(run, target)
+    assert weights(target) == "save 2"
 
 
 def test_a_crash_between_the_two_renames_leaves_a_resumable_checkpoint(tiny, tmp_path, monkeypatch):

@@ -73,7 +73,7 @@ def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking:
         config = run.config
         entries = sorted([*os.listdir(staging), MANIFEST])
         manifest = {"format": FORMAT, "id": save_id, "time": time.time(), "llms": list(config.llms),
-                    "entries": entries,
+                    "entries": entries, "files": sorted([*files_under(staging), MANIFEST]),
                     "layout": {name: {"replicas": llm.replicas, "tensor_parallel": llm.tensor_parallel,
                                       "zero_stage": llm.training.zero_stage}
                                for name, llm in config.llms.items()},
@@ -117,9 +117,22 @@ def check_replaceable(target: Path) -> None:
                               "new folder, e.g. a subfolder such as runs/exp/checkpoint")
     listed = set(manifest.get("entries") or [*manifest.get("llms", []), MANIFEST])
     foreign = [name for name in contents if name not in listed]
+    if not foreign and "files" in manifest:  # a file put inside one of its folders would go too
+        written = set(manifest["files"])
+        foreign = [name for name in files_under(target) if name not in written]
     if foreign:
         raise InvalidArgument(f"refusing to replace the checkpoint {target}: it also holds {_some(foreign)}, which "
                               "the checkpoint did not write and a save would delete; move them out first")
+
+
+def files_under(folder: Path) -> list[str]:
+    """Every file (or link) below ``folder``, as a path relative to it with ``/`` separators, sorted."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        relative = Path(root).relative_to(folder)
+        out += [(relative / name).as_posix() for name in files]
+        out += [(relative / name).as_posix() for name in dirs if os.path.islink(os.path.join(root, name))]
+    return sorted(out)
 
 
 def _some(names: list[str], most: int = 5) -> str:
