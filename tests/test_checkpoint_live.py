@@ -145,6 +145,29 @@ def test_a_resume_whose_lora_alpha_changed_is_refused(saved, tiny):
             run.score(CONTEXTS, CANDIDATES, llm="adapter")
 
 
+def test_a_resume_under_another_optimizer_or_zero_stage_is_refused_naming_both(saved, tiny):
+    """Each failed deep inside DeepSpeed: KeyError 'momentum', a missing optim_states file, a bare AssertionError."""
+    cfg = config(tiny, checkpoint=saved["path"])
+    del cfg["llms"]["full"]
+    cfg["llms"]["adapter"]["training"]["zero_stage"] = 0
+    cfg["llms"]["adapter"]["training"]["optimizer"]["type"] = "adamw"
+    with pytest.raises(Exception, match=r"saved with ZeRO stage 2 \(the config gives 0\) and optimizer 'adam' "
+                                        r"\(the config gives 'adamw'\)"):
+        with LiveRun(cfg) as run:
+            run.score(CONTEXTS, CANDIDATES, llm="adapter")
+
+
+def test_a_resume_with_another_learning_rate_trains_at_the_configs(saved, tiny):
+    """DeepSpeed brought back the saved optimizer's lr (and betas, eps, weight decay): a resume at a tenth of the rate
+    trained at the old one without a word. The schedule now runs from the config's lr at the saved step."""
+    cfg = config(tiny, checkpoint=saved["path"])
+    del cfg["llms"]["full"]
+    cfg["llms"]["adapter"]["training"]["optimizer"]["lr"] = 0.001
+    with LiveRun(cfg) as run:
+        stats = run.update(CONTEXTS, CANDIDATES, llm="adapter", **AFTER[0])
+    assert all(s["lr"] == pytest.approx(scheduled_lr(3) / 10, abs=1e-12) for s in stats), stats
+
+
 def _plain_scores(model, tok):
     from testkit import reference_scores
 

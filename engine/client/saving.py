@@ -75,7 +75,8 @@ def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking:
         manifest = {"format": FORMAT, "id": save_id, "time": time.time(), "llms": list(config.llms),
                     "entries": entries, "files": sorted([*files_under(staging), MANIFEST]),
                     "layout": {name: {"replicas": llm.replicas, "tensor_parallel": llm.tensor_parallel,
-                                      "zero_stage": llm.training.zero_stage}
+                                      "zero_stage": llm.training.zero_stage,
+                                      "optimizer": llm.training.optimizer.type}
                                for name, llm in config.llms.items()},
                     **({"generate_seeds": seeds.getstate()} if seeds is not None else {}),
                     **({"tracking": tracking} if tracking is not None else {})}

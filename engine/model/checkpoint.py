@@ -148,6 +148,7 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
                        f"tensor_parallel {layout['tensor_parallel']}, with {served.llm.replicas} and "
                        f"{served.llm.tensor_parallel} now: the replicas' generators and updater states are not those "
                        "the saved run would have had")
+    _refuse_other_optimizer(served, root, layout or {})
     state = torch.load(state_file, weights_only=True) if state_file.is_file() else {}  # plain data: nothing runs
     _recreate_adapters(served, state)
     _check_scalings(served, root, state.get("scalings"))
@@ -160,6 +161,8 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {llm_dir / 'deepspeed'}")
     if hasattr(served.engine.optimizer, "clip_grad"):  # DeepSpeed's ZeRO-1/2 and bf16 optimizers load the saved one
         served.engine.optimizer.clip_grad = float(served.llm.training.gradient_clipping)  # the config's, as ZeRO-0
+    if load_optimizer and served.adapter_steps is not None:
+        apply_config_settings(served, root)
     snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
     if snapshots_file.is_file():
         served.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
@@ -170,6 +173,48 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
             torch.cuda.set_rng_state(state["cuda"], served.device)
         if state.get("updater") is not None and hasattr(served.updater, "load_state_dict"):
             served.updater.load_state_dict(state["updater"])
+
+
+def _refuse_other_optimizer(served: ServedModel, root, layout: dict) -> None:
+    """The optimizer's state is laid out by its kind and ZeRO stage: resuming under others fails deep inside
+    DeepSpeed (a KeyError, a missing file), or worse. Refused naming both."""
+    training = served.llm.training
+    changed = [f"{what} {saved!r} (the config gives {now!r})" for what, saved, now in (
+        ("ZeRO stage", layout.get("zero_stage"), training.zero_stage),
+        ("optimizer", layout.get("optimizer"), training.optimizer.type)) if saved is not None and saved != now]
+    if changed and served.adapter_steps is not None:
+        raise ValueError(f"LLM {served.llm.name!r} cannot resume from {root}: it was saved with "
+                         f"{' and '.join(changed)}; its optimizer state holds that layout: resume with the saved "
+                         "settings")
+
+
+def apply_config_settings(served: ServedModel, root) -> None:
+    """DeepSpeed loads the saved optimizer's hyperparameters with its state; the config's (``training.optimizer``:
+    lr, betas, eps, weight decay, momentum) apply instead, the schedule's rate recomputed from the config's lr at the
+    saved step. A change is logged."""
+    spec = served.llm.training.optimizer
+    scheduler = getattr(served.engine, "lr_scheduler", None)
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    wanted = {"betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay, "momentum": spec.momentum}
+    changes = set()
+    for group in served.adapter_steps.optimizer.param_groups:
+        if lambdas:
+            if group.get("initial_lr", spec.lr) != spec.lr:
+                changes.add(f"lr {group['initial_lr']} -> {spec.lr}")
+            group["initial_lr"], group["lr"] = spec.lr, spec.lr * lambdas[0](max(scheduler.last_epoch, 0))
+        elif scheduler is None:
+            if group["lr"] != spec.lr:
+                changes.add(f"lr {group['lr']} -> {spec.lr}")
+            group["lr"] = spec.lr
+        for key, value in wanted.items():
+            if key in group and (tuple(group[key]) if key == "betas" else group[key]) != value:
+                changes.add(f"{key} {group[key]} -> {value}")
+                group[key] = value
+    if lambdas:
+        scheduler.base_lrs = [spec.lr] * len(scheduler.base_lrs)
+    if changes:
+        logger.warning(f"LLM {served.llm.name!r} resumes from {root} with the config's {', '.join(sorted(changes))} "
+                       "(the checkpoint's values are replaced)")
 
 
 def _recreate_adapters(served: ServedModel, state: dict) -> None:
