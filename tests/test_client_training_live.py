@@ -284,7 +284,7 @@ def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(
         run.forward_backward([long], "cross_entropy", llm="r2z2")
     with pytest.raises(InvalidArgument, match="metrics must be a dict of numbers"):
         run.forward_backward_custom(good, bad_metrics_loss, llm="r2z2")
-    with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be > 0"):
+    with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be >= 0"):
         run.optim_step({"learning_rate": -1.0}, llm="r2z2")
     with pytest.raises(Exception, match="set llms.frozen.trainable: true"):
         run.forward_backward(good, "importance_sampling", llm="frozen")

@@ -1,4 +1,4 @@
-"""Tinker's sampling parameters as llmrl's ``generate`` reads them (``engine/tinker/service.generate_kwargs``), run
+"""Tinker's sampling parameters as llmrl's ``generate`` reads them (``engine/tinker/params.generate_kwargs``), run
 in process through llmrl's generation on the tiny random Llama, greedy, against its own unstopped output: a list
 of token ids stops at any of them (Tinker's meaning), and ``stop=[]`` stops nowhere, not even at EOS."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmrl.engine.model.generation import generate, plan_generate
-from llmrl.engine.tinker.service import generate_kwargs
+from llmrl.engine.tinker.params import generate_kwargs
 
 PROMPT = [[3, 4, 5, 6]]
 
@@ -36,8 +36,16 @@ def test_a_list_of_stop_ids_stops_at_any_of_them(tiny_llama):
     for stop in ([first], [absent, first], [first, absent]):
         stopped = sample(tiny_llama, stop=stop)
         assert stopped["tokens"].tolist() == free[:free.index(first) + 1] and stopped["stop_reason"] == "stop"
-    assert generate_kwargs({"stop": [7, 9]}, 1, False)["stop"] == [[7], [9]]
-    assert generate_kwargs({"stop": ["\n", "###"]}, 1, False)["stop"] == ["\n", "###"]
+    assert generate_kwargs({"stop": [7, 9], "max_tokens": 4}, 1, False)["stop"] == [[7], [9]]
+    assert generate_kwargs({"stop": ["\n", "###"], "max_tokens": 4}, 1, False)["stop"] == ["\n", "###"]
+
+
+def test_unset_max_tokens_runs_to_the_maximum_length_and_greedy_asks_for_one_sequence():
+    assert generate_kwargs({"temperature": 1.0}, 4, False, room=500)["max_new_tokens"] == 500
+    with pytest.raises(ValueError, match="max_tokens is unset and this model declares no maximum length"):
+        generate_kwargs({}, 1, False)
+    assert generate_kwargs({"temperature": 0.0, "max_tokens": 3}, 4, False)["num_return_sequences"] == 1
+    assert generate_kwargs({"temperature": 0.5, "max_tokens": 3}, 4, False)["num_return_sequences"] == 4
 
 
 def test_an_empty_stop_list_runs_past_eos_to_max_tokens(tiny_llama):

@@ -142,6 +142,40 @@ def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service, clie
     assert path.endswith("/sampler_weights/first_a")
     again = client.create_sampling_client(model_path=first).result()
     assert again.sample(prompt, 1, greedy).result().sequences[0].tokens == free.tokens
+    # greedy decoding with several samples: one decoding, copied (Hugging Face refused several greedy sequences)
+    copies = sampler.sample(prompt, num_samples=3, sampling_params=greedy).result().sequences
+    assert [c.tokens for c in copies] == [free.tokens] * 3
+    # max_tokens unset: to EOS or the model's maximum length (it was cut at 64 tokens)
+    unset = sampler.sample(prompt, 1, tinker.SamplingParams(temperature=0.0, stop=[])).result().sequences[0]
+    assert unset.tokens[:8] == free.tokens and len(unset.tokens) > 64 and unset.stop_reason == "length"
+
+
+def test_a_datums_own_clip_thresholds_are_read_per_token(service, client):
+    """The SDK's Datum lists clip_low_threshold / clip_high_threshold among a datum's inputs: they bound each token's
+    ratio in place of loss_fn_config's (they were dropped without a word)."""
+
+    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    data = datums(50)
+    outputs = training.forward([sdk_datum({"model_input": d["model_input"], "loss_fn_inputs": {
+        "target_tokens": d["loss_fn_inputs"]["target_tokens"], "weights": [1.0] * len(d["model_input"])}})
+        for d in data], "cross_entropy").result().loss_fn_outputs
+    logp = [o["logprobs"].to_torch() for o in outputs]
+    for datum, lp in zip(data, logp):
+        n = len(lp)
+        datum["loss_fn_inputs"]["logprobs"] = (lp + 0.05 * torch.randn(n)).tolist()  # ratios near 1
+        datum["loss_fn_inputs"]["clip_low_threshold"] = [0.99] * n
+        datum["loss_fn_inputs"]["clip_high_threshold"] = [1.01] * n
+    got = training.forward([sdk_datum(d) for d in data], "ppo").result().loss_fn_outputs
+    for out, datum, lp in zip(got, data, logp):
+        inputs = {k: torch.tensor(v) for k, v in datum["loss_fn_inputs"].items()}
+        ratio = torch.exp(lp - inputs["logprobs"])
+        clipped = ratio.clamp(inputs["clip_low_threshold"], inputs["clip_high_threshold"])
+        want = -torch.minimum(ratio * inputs["advantages"], clipped * inputs["advantages"])
+        torch.testing.assert_close(out["elementwise_loss"].to_torch(), want, atol=1e-5, rtol=0)
+    datum = data[0]
+    datum["loss_fn_inputs"]["clip_high_threshold"] = [0.2] * len(datum["model_input"])  # an epsilon: refused
+    with pytest.raises(Exception, match=r"clip_high_threshold'\]\[0\] is 0.2\d*: a clip threshold is a bound on the"):
+        training.forward([sdk_datum(datum)], "ppo").result()
 
 
 def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(service, client):

@@ -26,7 +26,7 @@ class ClientTraining:
 
     def _token_data(self, name: str, data, loss_fn: str | None, loss_fn_config):
         """The checked sequences and loss configuration of a call."""
-        from llmrl.plugins.rl_math import TOKEN_LOSSES, UNREAD_WHEN_ZERO, token_loss_settings
+        from llmrl.plugins.rl_math import OPTIONAL_INPUTS, TOKEN_LOSSES, UNREAD_WHEN_ZERO, token_loss_settings
 
         info = self.info.get(name, {})
         vocab_size, max_length = info.get("vocab_size"), info.get("max_length")
@@ -44,8 +44,8 @@ class ClientTraining:
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         needed = TOKEN_LOSSES[loss_fn][0]
-        return (check_data(data, needed, vocab_size, max_length, unread_when_zero=UNREAD_WHEN_ZERO.get(loss_fn, ())),
-                dict(loss_fn_config or {}))
+        return (check_data(data, needed, vocab_size, max_length, unread_when_zero=UNREAD_WHEN_ZERO.get(loss_fn, ()),
+                           optional=OPTIONAL_INPUTS.get(loss_fn, ())), dict(loss_fn_config or {}))
 
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
                                llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:

@@ -77,10 +77,13 @@ def completion_datum(prompt, completion, prompt_logprobs=None, **per_token) -> d
 
 
 def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max_length: int | None = None,
-               what: str = "data", unread_when_zero: tuple[str, ...] = ()) -> list[Sequence]:
+               what: str = "data", unread_when_zero: tuple[str, ...] = (), optional: tuple[str, ...] = ()
+               ) -> list[Sequence]:
     """The checked sequences of ``data`` (a list of datums), whose loss reads the per-token inputs ``needed``
-    (None: no loss on the servers; the other inputs are neither read nor sent); ``unread_when_zero``: the inputs
-    that, all 0 at a position, make the loss ignore it (there a target may differ from the next input token).
+    (None: no loss on the servers; the other inputs are neither read nor sent) and those of ``optional`` a datum
+    gives (per-token clip thresholds: ratios, the low ones in [0, 1], the high ones at least 1); ``unread_when_zero``:
+    the inputs that, all 0 at a position, make the loss ignore it (there a target may differ from the next input
+    token).
 
     Raises :class:`InvalidArgument` / :class:`InvalidArgumentType` naming the datum and the field at fault: a
     missing field, targets that are not the input shifted by one, an input whose length is not the number of target
@@ -90,7 +93,7 @@ def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max
                                   f"{type(data).__name__}")
     if len(data) == 0:
         raise InvalidArgument(f"{what} is empty: give at least one datum")
-    sequences = [_check_datum(datum, f"{what}[{i}]", needed, vocab_size, unread_when_zero)
+    sequences = [_check_datum(datum, f"{what}[{i}]", needed, vocab_size, unread_when_zero, optional)
                  for i, datum in enumerate(data)]
     for i, seq in enumerate(sequences):
         if max_length is not None and seq.num_targets > max_length:
@@ -100,7 +103,7 @@ def check_data(data, needed: tuple[str, ...] | None, vocab_size: int | None, max
 
 
 def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: int | None,
-                 unread_when_zero: tuple[str, ...]) -> Sequence:
+                 unread_when_zero: tuple[str, ...], optional: tuple[str, ...] = ()) -> Sequence:
     if not isinstance(datum, dict) or "model_input" not in datum or "loss_fn_inputs" not in datum:
         raise InvalidArgumentType(f"{where} must be a dict with 'model_input' (token ids) and 'loss_fn_inputs' "
                                   f"(target_tokens and per-token inputs), got {_describe(datum)}; "
@@ -125,8 +128,8 @@ def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: 
     for key, value in loss_inputs.items():
         if key == "target_tokens" or needed is None:
             continue
-        if key not in needed:
-            reads = ", ".join(needed) or "no per-token input"
+        if key not in needed and key not in optional:
+            reads = ", ".join([*needed, *(f"{k} (optional)" for k in optional)]) or "no per-token input"
             raise InvalidArgument(f"{where}['loss_fn_inputs'] holds {key!r}, which this loss does not read (it reads "
                                   f"target_tokens and {reads}); remove it, or pick the loss that reads it")
         values = _floats(value, f"{where}['loss_fn_inputs'][{key!r}]")
@@ -134,6 +137,12 @@ def _check_datum(datum, where: str, needed: tuple[str, ...] | None, vocab_size: 
             raise InvalidArgument(f"{where}['loss_fn_inputs'][{key!r}] has {len(values)} values for {len(targets)} "
                                   "target tokens: give one value per target token")
         inputs[key] = values
+        bad = next((t for t, v in enumerate(values) if key in optional and not (
+            0 <= v <= 1 if key.startswith("clip_low") else v >= 1)), None)
+        if bad is not None:
+            rule = "in [0, 1] (1 - eps)" if key.startswith("clip_low") else "at least 1 (1 + eps)"
+            raise InvalidArgument(f"{where}['loss_fn_inputs'][{key!r}][{bad}] is {values[bad]}: a clip threshold is a "
+                                  f"bound on the probability ratio, {rule}, not the epsilon itself")
     missing = [key for key in needed or () if key not in inputs]
     if missing:
         raise InvalidArgument(f"{where}['loss_fn_inputs'] lacks {missing[0]!r}, which this loss reads (one value per "

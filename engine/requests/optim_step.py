@@ -22,7 +22,7 @@ NAME = "optim_step"
 
 # Tinker's AdamParams fields: what each may be.
 SETTINGS = {
-    "learning_rate": ("> 0", lambda v: v > 0),
+    "learning_rate": (">= 0 (0: the moments move, the weights stay)", lambda v: v >= 0),
     "beta1": ("in [0, 1)", lambda v: 0 <= v < 1),
     "beta2": ("in [0, 1)", lambda v: 0 <= v < 1),
     "eps": ("> 0", lambda v: v > 0),

@@ -4,9 +4,9 @@ Caller's primitives.
 - A **training client** (``create_model``) is a LoRA adapter created at run time on the served LLM, with the rank,
   seed and targets (attention, MLP, unembedding) Tinker asks for; its id is Tinker's ``<session>:train:<n>``. Its
   requests run one at a time in ``seq_id`` order.
-- ``forward_backward`` / ``forward`` and ``optim_step`` are the Caller's, on that adapter; each datum's per-token
-  inputs are passed as given (those the loss does not read are left out). ``stable_reinforce`` (whose sampling
-  data is not public) is refused with the losses to use instead.
+- ``forward_backward`` / ``forward`` and ``optim_step`` are the Caller's, on that adapter (each adapter's gradients
+  pending apart: :mod:`llmrl.engine.model.training.client_steps`); how request fields become arguments is
+  :mod:`llmrl.engine.tinker.params`'.
 - ``save_weights_for_sampler`` takes a named snapshot of the adapter: with a name it answers a
   ``tinker://<model>/sampler_weights/<name>`` path, without one a sampling session on a snapshot kept among the
   client's last few (older ones are dropped: their sessions then answer an error).
@@ -37,9 +37,16 @@ from dataclasses import dataclass, field
 from llmrl.engine.tinker.batching import SampleBatcher
 from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
+from llmrl.engine.tinker.params import (
+    check_loss,
+    check_optimizer,
+    chunk_tokens,
+    generate_kwargs,
+    loss_inputs,
+    refuse_unserved,
+)
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
 
 
@@ -71,6 +78,7 @@ class TinkerService:
                              "initializer (its adapter, never trained, is the base model that samplers read)")
         self.base_adapter = info["adapters"][0]
         spec = caller.config.llms[self.llm]
+        self.optimizer_type = spec.training.optimizer.type
         from llmrl.engine.model.store.loading import resolve_model_path
 
         self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
@@ -103,7 +111,7 @@ class TinkerService:
                                           ("unembed", "train_unembed")) if lora.get(key, True)]
 
         def work() -> Outcome:
-            check_optimizer(body)
+            check_optimizer(body, self.optimizer_type)
             adapter = f"tinker_{next(self._adapter_ids)}"
             rank = int(lora.get("rank", 32))
             seed = lora.get("seed")
@@ -135,9 +143,7 @@ class TinkerService:
         def work() -> Outcome:
             loss_fn, forward_only = request["loss_fn"], request["forward_only"]
             check_loss(loss_fn)
-            from llmrl.plugins.rl_math import TOKEN_LOSSES
-
-            reads = {"target_tokens", *TOKEN_LOSSES[loss_fn][0]}
+            reads = loss_inputs(loss_fn)
             data = [{"model_input": d["model_input"],
                      "loss_fn_inputs": {k: v for k, v in d["loss_fn_inputs"].items() if k in reads}}
                     for d in request["data"]]
@@ -228,7 +234,7 @@ class TinkerService:
 
         def create_from() -> Outcome:
             if not optimizer:
-                check_optimizer(body)
+                check_optimizer(body, self.optimizer_type)
             folder = self.registry.folder_of(body.get("path"))
             with self._lock:
                 known = model_id in self.models
@@ -269,16 +275,19 @@ class TinkerService:
 
     def asample(self, body: dict) -> dict:
         sampler = self._sampler(body["sampling_session_id"])
-        _refuse_unserved(body)
-        tokens = [t for chunk in body["prompt"]["chunks"] for t in _chunk_tokens(chunk)]
+        refuse_unserved(body)
+        tokens = [t for chunk in body["prompt"]["chunks"] for t in chunk_tokens(chunk)]
         count = int(body.get("num_samples", 1))
-        kwargs = generate_kwargs(body.get("sampling_params") or {}, count, bool(body.get("prompt_logprobs")))
+        longest = self.caller.info[self.llm].get("max_length")
+        kwargs = generate_kwargs(body.get("sampling_params") or {}, count, bool(body.get("prompt_logprobs")),
+                                 None if longest is None else max(1, longest - len(tokens)))
 
         key = (sampler.weights, tuple(sorted((k, _frozen(v)) for k, v in kwargs.items())))
         pending = self.batcher.submit(key, tokens, alone="seed" in kwargs)
 
         def work() -> Outcome:
             samples = pending.result()
+            samples = samples * count if len(samples) == 1 else samples  # greedy: one decoding, copied
             out = [{"tokens": s["tokens"].tolist(), "logprobs": s.get("sampling_logprobs", s["logprobs"]).tolist(),
                     "stop_reason": s["stop_reason"]} for s in samples]
             prompt = samples[0]["prompt_logprobs"].tolist() if kwargs.get("prompt_logprobs") else None
@@ -329,36 +338,6 @@ class TinkerService:
         return sampler
 
 
-def check_loss(loss_fn: str) -> None:
-    if loss_fn == "stable_reinforce":
-        raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
-                         "loss_fn=importance_sampling (or ppo, cispo, dro, gspo)")
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
-
-
-def generate_kwargs(params: dict, count: int, prompt_logprobs: bool) -> dict:
-    """``generate`` arguments for Tinker's sampling parameters."""
-    temperature = float(params.get("temperature", 1.0))
-    kwargs = {"max_new_tokens": int(params.get("max_tokens") or 64), "num_return_sequences": count,
-              "do_sample": temperature > 0}
-    if temperature > 0:
-        top_k = int(params.get("top_k", -1))
-        kwargs.update(temperature=temperature, top_k=0 if top_k < 0 else top_k, top_p=float(params.get("top_p", 1.0)))
-    if params.get("seed") is not None:
-        kwargs["seed"] = int(params["seed"])
-    stop = params.get("stop")
-    if stop == []:  # Tinker: no stop at all, not even at EOS; generation runs to max_tokens
-        kwargs["eos_token_id"] = []
-    elif isinstance(stop, (list, tuple)) and all(isinstance(t, int) for t in stop):
-        kwargs["stop"] = [[int(t)] for t in stop]  # Tinker: stop at any of these tokens (llmrl: one sequence)
-    elif stop:
-        kwargs["stop"] = stop
-    if prompt_logprobs:
-        kwargs["prompt_logprobs"] = True
-    return kwargs
-
-
 def classify(err: BaseException) -> str:
     """Tinker's error category: "user" for requests refused for their content, "server" otherwise."""
     from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, RequestError
@@ -370,31 +349,6 @@ def classify(err: BaseException) -> str:
     return "server"
 
 
-UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
-                          "prompt_alt_tokens_k", "prompt_logprobs_last_n")
-
-
-def _refuse_unserved(body: dict) -> None:
-    """A sample request asking for what this service does not compute is refused, not answered without it."""
-    asked = [name for name in UNSERVED_SAMPLE_FIELDS if body.get(name) not in (None, 0, False)]
-    if asked:
-        raise ValueError(f"sample request field(s) {asked} are not served by llmrl's Tinker service (it returns the "
-                         "sampled tokens' log-probs, and with prompt_logprobs every prompt token's): leave them unset")
-
-
-def _chunk_tokens(chunk: dict) -> list[int]:
-    if chunk.get("type", "encoded_text") != "encoded_text":
-        raise ValueError(f"prompt chunks of type {chunk.get('type')!r} are not supported: llmrl serves text models")
-    return [int(t) for t in chunk["tokens"]]
-
-
 def _frozen(value):
     """``value`` hashable (lists become tuples), for a batch's key."""
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def check_optimizer(body: dict) -> None:
-    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
-    if optimizer != "adamw":
-        raise ValueError(f"optimizer {optimizer!r} is not supported: llmrl steps AdamW (the config's "
-                         "training.optimizer)")

@@ -291,6 +291,10 @@ TOKEN_LOSSES = {
              {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
 }
 
+# Per loss: per-token inputs a datum may add (the tinker SDK's Datum lists them): each token's own clip thresholds,
+# in place of loss_fn_config's.
+OPTIONAL_INPUTS = {name: ("clip_low_threshold", "clip_high_threshold") for name in ("ppo", "cispo", "gspo")}
+
 # Per loss: the inputs that, all 0 at a position, make its loss and gradient there 0 whatever the log-prob (dro's
 # penalty reads every position). Only there may a datum's target differ from the next input token.
 UNREAD_WHEN_ZERO = {"cross_entropy": ("weights",), "importance_sampling": ("advantages",), "ppo": ("advantages",),
@@ -305,7 +309,8 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     - ``cross_entropy``: ``-weights * logp``;
     - ``importance_sampling``: ``-exp(logp - logp_sampler) * advantages``;
     - ``ppo``: ``-min(ratio * A, clip(ratio, clip_low_threshold, clip_high_threshold) * A)``, ``ratio =
-      exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default);
+      exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default; per-token inputs of
+      those names, where a datum gives them, replace loss_fn_config's, for ``cispo`` and ``gspo`` too);
     - ``cispo``: ``-sg(clip(ratio, low, high)) * A * logp`` (the clipped ratio weighs the log-prob's gradient and gets
       none of its own); by default one-sided, as Tinker's: 0.0 and 4.0 (a lower bound would keep near-full updates on
       tokens the policy has moved away from);
@@ -331,7 +336,8 @@ def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     ratio = torch.exp(logprobs - sampler)
     if name == "importance_sampling":
         return -ratio * advantages
-    low, high = settings.get("clip_low_threshold"), settings.get("clip_high_threshold")
+    low, high = (torch.as_tensor(inputs.get(key, settings.get(key)), dtype=ratio.dtype, device=ratio.device)
+                 for key in ("clip_low_threshold", "clip_high_threshold")) if name in OPTIONAL_INPUTS else (None, None)
     if name == "ppo":
         return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     if name == "cispo":

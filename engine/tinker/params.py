@@ -1,0 +1,90 @@
+"""Tinker's request fields read as llmrl's call arguments: the losses served and the inputs each reads, the
+optimizer, the sampling parameters, the prompt's chunks and the sample fields this service does not compute.
+
+- ``forward_backward``: each datum's per-token inputs are passed as given, those the loss does not read left out
+  (a datum's per-token clip thresholds are read by ``ppo``, ``cispo`` and ``gspo``); ``stable_reinforce`` (whose
+  sampling data is not public) is refused with the losses to use instead.
+- Training clients step AdamW, Tinker's optimizer (decoupled weight decay): a service whose config names another
+  (``training.optimizer.type``) refuses to make one.
+- Sampling: ``temperature`` 0 is greedy decoding, computed once and copied to each of ``num_samples`` (Hugging Face
+  refuses several return sequences of a greedy search); ``max_tokens`` left unset runs to the model's maximum
+  length; ``stop`` as Tinker reads it (token ids: any of them; ``[]``: not even at EOS).
+
+This module maps fields; the service (:mod:`llmrl.engine.tinker.service`) makes the calls.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+
+UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+                          "prompt_alt_tokens_k", "prompt_logprobs_last_n")
+
+
+def check_loss(loss_fn: str) -> None:
+    if loss_fn == "stable_reinforce":
+        raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
+                         "loss_fn=importance_sampling (or ppo, cispo, dro, gspo)")
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
+
+
+def loss_inputs(loss_fn: str) -> set[str]:
+    """The per-token inputs a datum may give ``loss_fn`` (with its ``target_tokens``)."""
+    from llmrl.plugins.rl_math import OPTIONAL_INPUTS, TOKEN_LOSSES
+
+    return {"target_tokens", *TOKEN_LOSSES[loss_fn][0], *OPTIONAL_INPUTS.get(loss_fn, ())}
+
+
+def check_optimizer(body: dict, config_type: str) -> None:
+    """Tinker's optimizer is AdamW: refuse another asked for, or a config that steps another."""
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer {optimizer!r} is not supported: llmrl steps AdamW (the config's "
+                         "training.optimizer)")
+    if config_type != "adamw":
+        raise ValueError(f"this service's config trains with {config_type!r} (training.optimizer.type), but Tinker's "
+                         "optimizer is AdamW, whose weight decay is decoupled from the gradient: set "
+                         "training.optimizer.type: adamw in the service's config")
+
+
+def generate_kwargs(params: dict, count: int, prompt_logprobs: bool, room: int | None = None) -> dict:
+    """``generate`` arguments for Tinker's sampling parameters; ``room``: the new tokens the model's maximum length
+    leaves after the prompt (the bound when ``max_tokens`` is unset). Greedy decoding asks for one sequence (the
+    service copies it ``count`` times)."""
+    temperature = float(params.get("temperature", 1.0))
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None and room is None:
+        raise ValueError("sampling_params.max_tokens is unset and this model declares no maximum length: set "
+                         "max_tokens")
+    kwargs = {"max_new_tokens": int(room if max_tokens is None else max_tokens),
+              "num_return_sequences": count if temperature > 0 else 1, "do_sample": temperature > 0}
+    if temperature > 0:
+        top_k = int(params.get("top_k", -1))
+        kwargs.update(temperature=temperature, top_k=0 if top_k < 0 else top_k, top_p=float(params.get("top_p", 1.0)))
+    if params.get("seed") is not None:
+        kwargs["seed"] = int(params["seed"])
+    stop = params.get("stop")
+    if stop == []:  # Tinker: no stop at all, not even at EOS; generation runs to max_tokens
+        kwargs["eos_token_id"] = []
+    elif isinstance(stop, (list, tuple)) and all(isinstance(t, int) for t in stop):
+        kwargs["stop"] = [[int(t)] for t in stop]  # Tinker: stop at any of these tokens (llmrl: one sequence)
+    elif stop:
+        kwargs["stop"] = stop
+    if prompt_logprobs:
+        kwargs["prompt_logprobs"] = True
+    return kwargs
+
+
+def refuse_unserved(body: dict) -> None:
+    """A sample request asking for what this service does not compute is refused, not answered without it."""
+    asked = [name for name in UNSERVED_SAMPLE_FIELDS if body.get(name) not in (None, 0, False)]
+    if asked:
+        raise ValueError(f"sample request field(s) {asked} are not served by llmrl's Tinker service (it returns the "
+                         "sampled tokens' log-probs, and with prompt_logprobs every prompt token's): leave them unset")
+
+
+def chunk_tokens(chunk: dict) -> list[int]:
+    if chunk.get("type", "encoded_text") != "encoded_text":
+        raise ValueError(f"prompt chunks of type {chunk.get('type')!r} are not supported: llmrl serves text models")
+    return [int(t) for t in chunk["tokens"]]
