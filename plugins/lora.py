@@ -55,6 +55,10 @@ class LoraInitializer(Initializer):
 
         task = TaskType.SEQ_2_SEQ_LM if llm.kind == "seq2seq" else TaskType.CAUSAL_LM
         peft_model = None
+        # read before the first adapter wraps the model's linears (their names would then be LoRA's own)
+        linear_names = _layer_linear_names(model) if any(
+            isinstance(spec, dict) and (spec.get("layers") is not None or spec.get("last_layers"))
+            for spec in self.adapters.values()) else None
         for name, spec in self.adapters.items():
             spec = dict(spec)
             path = spec.pop("path", None)
@@ -71,7 +75,7 @@ class LoraInitializer(Initializer):
             elif layers is not None and (count := _layer_count(model)) is not None and max(layers) >= count:
                 raise ValueError(f"adapters.{name}.layers: {sorted(i for i in layers if i >= count)} out of range; "
                                  f"this model has {count} layers: use indices from 0 to {count - 1}")
-            targets = spec.get("target_modules") or ("all-linear" if layers is None else _layer_linear_names(model))
+            targets = spec.get("target_modules") or ("all-linear" if layers is None else linear_names)
             config = LoraConfig(task_type=task, r=spec.get("r", 8), lora_alpha=spec.get("alpha", 2 * spec.get("r", 8)),
                                 lora_dropout=spec.get("dropout", 0.0), target_modules=targets,
                                 layers_to_transform=layers)

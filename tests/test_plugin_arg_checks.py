@@ -73,6 +73,18 @@ def test_lora_layer_indices_must_exist_in_the_model(tiny):
     assert adapted and all(f".layers.{count - 1}." in name for name in adapted)
 
 
+def test_an_adapter_on_some_layers_declared_after_an_all_linear_one(tiny):
+    """The layers' linear names were read from the model the first adapter had wrapped (PEFT's 'base_layer',
+    'default'): start-up failed with NoMatchingPeftModuleError; in the other order it worked."""
+    model, info = _llama(tiny)
+    count = model.config.num_hidden_layers
+    served = LoraInitializer({"default": {"r": 4}, "top": {"r": 2, "last_layers": 1}}).initialize(model, info)
+    top = {name for name, p in served.named_parameters() if ".top." in name}
+    everywhere = {name for name, p in served.named_parameters() if ".default." in name}
+    assert top and all(f".layers.{count - 1}." in name for name in top)
+    assert {name.replace(".default.", ".top.") for name in everywhere if f".layers.{count - 1}." in name} == top
+
+
 @pytest.mark.parametrize("spec", [{"last_layers": 1}, {"layers": [1]}])
 def test_lora_layers_of_an_encoder_decoder_pick_that_block_of_both_stacks(tiny, spec):
     """T5 names its layers ``block``: the initializer found no linear module in them and refused."""
