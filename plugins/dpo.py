@@ -19,6 +19,8 @@ This module is the algorithm; the maths is in :mod:`llmrl.plugins.rl_math`.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
@@ -73,6 +75,13 @@ class DPOUpdater(ShufflingUpdater):
     def _references(self, batch: UpdateBatch, trainer: Trainer) -> torch.Tensor:
         """``[pairs, 2]`` reference log-probs of this replica's pairs, in batch order."""
         if "ref_logprobs" in batch.kwargs:
+            for index, pair in zip(batch.indices, batch.kwargs["ref_logprobs"]):
+                sized = next((j for j, v in enumerate(pair) if getattr(v, "ndim", 0 if isinstance(v, numbers.Number)
+                                                                          else 1) != 0), None)
+                if sized is not None:  # per-token values: float() failed on a server without naming them
+                    raise ValueError(f"ref_logprobs[{index}][{sized}] is a sequence; dpo reads one number per "
+                                     "candidate: the reference log-prob of the whole continuation (the sum over its "
+                                     "tokens); nothing was trained")
             given = torch.tensor([[float(v) for v in pair] for pair in batch.kwargs["ref_logprobs"]],
                                  dtype=torch.float32).view(-1, 2)
             if not torch.isfinite(given).all():

@@ -170,12 +170,6 @@ def _check_entry(key: str, level: str, i: int, entry, cands: list) -> None:
         raise InvalidArgument(f"update argument {key!r}[{i}] holds {got}, but context {i} has {k} candidate(s): "
                               f"pass one {what} per candidate; nothing was sent")
     if level == "candidate":
-        inner = next(((j, _length(v)) for j, v in enumerate(entry) if _length(v) is not None
-                      and getattr(v, "ndim", 1) != 0), None)
-        if inner is not None:  # per-token values where one number per candidate is read
-            raise InvalidArgument(f"update argument {key!r}[{i}][{inner[0]}] holds {inner[1]} values, but the updater "
-                                  f"reads one number per candidate (the whole continuation's; for log-probs, the sum "
-                                  "over its tokens); nothing was sent")
         return
     for j, (sequence, candidate) in enumerate(zip(entry, cands)):
         if level == "candidate_or_token" and _length(sequence) is None:

@@ -103,3 +103,17 @@ def test_nan_on_the_command_line_is_refused(tiny):
                     overrides=["llms.main.training.optimizer.lr=.nan"])
     assert ("llms.main.training.optimizer.lr", "nan is not a finite number; give a number (or null where the field "
             "allows none)") in err.value.problems
+
+
+def test_dpo_given_per_token_reference_log_probs_names_them():
+    """float() of a list failed on a server with a TypeError that named neither the argument nor the pair."""
+    from llmrl.plugins.dpo import DPOUpdater
+    from llmrl.plugins.update_batch import UpdateBatch
+
+    batch = UpdateBatch(contexts=["a", "b"], candidates=[[" x", " y"], [" x", " y"]], indices=[4, 5],
+                        kwargs={"ref_logprobs": [[-1.0, -2.0], [[-0.5, -0.5], -2.0]]}, global_size=2, replica=0,
+                        num_replicas=1, replica_sizes=[2])
+    with pytest.raises(ValueError, match=r"ref_logprobs\[5\]\[0\] is a sequence; dpo reads one number per candidate"):
+        DPOUpdater()._references(batch, None)
+    batch.kwargs["ref_logprobs"] = [[-1.0, torch.tensor(-2.0)], [np.float32(-0.5), -2.0]]
+    assert DPOUpdater()._references(batch, None).tolist() == [[-1.0, -2.0], [-0.5, -2.0]]

@@ -270,11 +270,3 @@ def test_an_update_of_no_contexts_is_refused():
     """The servers took an optimizer step on no data (Adam's momentum moved the weights 0.034)."""
     with pytest.raises(InvalidArgument, match="update got no contexts"):
         shares({}, {"advantages": "sample"}, n=0)
-
-
-def test_per_token_values_where_one_number_per_candidate_is_read_are_refused():
-    """dpo's ref_logprobs per token failed on a server with float()'s TypeError."""
-    with pytest.raises(InvalidArgument, match=r"'ref_logprobs'\[1\]\[0\] holds 3 values, but the updater reads one "
-                                              "number per candidate"):
-        shares({"ref_logprobs": [[-1.0, -2.0], [[-0.5, -0.5, -0.5], -2.0]]}, {"ref_logprobs": "candidate"}, n=2,
-               candidates=[["a", "b"], ["c", "d"]])
