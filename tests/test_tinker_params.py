@@ -18,8 +18,12 @@ def test_a_training_client_is_refused_unless_the_config_steps_adamw():
         check_optimizer({"optimizer_config": {"type": "sgd"}}, "adamw")
 
 
-def test_clip_losses_read_a_datums_own_thresholds():
-    assert loss_inputs("ppo") == {"target_tokens", "logprobs", "advantages", "clip_low_threshold",
-                                  "clip_high_threshold"}
-    assert loss_inputs("importance_sampling") == {"target_tokens", "logprobs", "advantages"}
-    assert loss_inputs("cross_entropy") == {"target_tokens", "weights"}
+def test_each_loss_gets_the_inputs_it_reads():
+    """Clip losses read a datum's own thresholds; cross_entropy without weights weighs every token 1."""
+    given = {"target_tokens": [5, 6, 7], "logprobs": [-1.0] * 3, "advantages": [0.5] * 3, "mask": [1.0] * 3,
+             "clip_low_threshold": [0.9] * 3, "clip_high_threshold": [1.1] * 3}
+    assert set(loss_inputs("ppo", given)) == {"target_tokens", "logprobs", "advantages", "clip_low_threshold",
+                                              "clip_high_threshold"}
+    assert set(loss_inputs("importance_sampling", given)) == {"target_tokens", "logprobs", "advantages"}
+    assert loss_inputs("cross_entropy", given) == {"target_tokens": [5, 6, 7], "weights": [1.0, 1.0, 1.0]}
+    assert loss_inputs("cross_entropy", {"target_tokens": [5], "weights": [0.5]})["weights"] == [0.5]

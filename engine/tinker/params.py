@@ -2,7 +2,8 @@
 optimizer, the sampling parameters, the prompt's chunks and the sample fields this service does not compute.
 
 - ``forward_backward``: each datum's per-token inputs are passed as given, those the loss does not read left out
-  (a datum's per-token clip thresholds are read by ``ppo``, ``cispo`` and ``gspo``); ``stable_reinforce`` (whose
+  (a datum's per-token clip thresholds are read by ``ppo``, ``cispo`` and ``gspo``; ``cross_entropy`` without
+  ``weights`` weighs every target token 1); ``stable_reinforce`` (whose
   sampling data is not public) is refused with the losses to use instead.
 - Training clients step AdamW, Tinker's optimizer (decoupled weight decay): a service whose config names another
   (``training.optimizer.type``) refuses to make one.
@@ -29,11 +30,16 @@ def check_loss(loss_fn: str) -> None:
         raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
 
 
-def loss_inputs(loss_fn: str) -> set[str]:
-    """The per-token inputs a datum may give ``loss_fn`` (with its ``target_tokens``)."""
+def loss_inputs(loss_fn: str, given: dict) -> dict:
+    """The per-token inputs of a datum ``loss_fn`` reads (with its ``target_tokens``), the others left out;
+    ``cross_entropy`` without ``weights`` weighs every token 1 (the SDK's own example gives none)."""
     from llmrl.plugins.rl_math import OPTIONAL_INPUTS, TOKEN_LOSSES
 
-    return {"target_tokens", *TOKEN_LOSSES[loss_fn][0], *OPTIONAL_INPUTS.get(loss_fn, ())}
+    reads = {"target_tokens", *TOKEN_LOSSES[loss_fn][0], *OPTIONAL_INPUTS.get(loss_fn, ())}
+    inputs = {key: value for key, value in given.items() if key in reads}
+    if loss_fn == "cross_entropy" and "weights" not in inputs and "target_tokens" in inputs:
+        inputs["weights"] = [1.0] * len(inputs["target_tokens"])
+    return inputs
 
 
 def check_optimizer(body: dict, config_type: str) -> None:

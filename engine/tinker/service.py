@@ -143,9 +143,7 @@ class TinkerService:
         def work() -> Outcome:
             loss_fn, forward_only = request["loss_fn"], request["forward_only"]
             check_loss(loss_fn)
-            reads = loss_inputs(loss_fn)
-            data = [{"model_input": d["model_input"],
-                     "loss_fn_inputs": {k: v for k, v in d["loss_fn_inputs"].items() if k in reads}}
+            data = [{"model_input": d["model_input"], "loss_fn_inputs": loss_inputs(loss_fn, d["loss_fn_inputs"])}
                     for d in request["data"]]
             call = self.caller.forward if forward_only else self.caller.forward_backward
             out = call(data, loss_fn, request["loss_fn_config"] or None, llm=self.llm, peft_adapter=client.adapter)
