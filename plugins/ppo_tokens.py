@@ -158,7 +158,8 @@ class PPOTokensUpdater(ShufflingUpdater):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.kl.value = float(state["kl_coef"])
+        if self.kl.target is not None:  # adapted: the run's value; fixed: the config's (a resume may change it)
+            self.kl.value = float(state["kl_coef"])
         if "task_rewards" in state:  # checkpoints written before reward scaling have none
             self.task_rewards.load_state_dict(state["task_rewards"])
 

@@ -110,4 +110,5 @@ class RewardScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.moments = RunningMoments(*(float(x) for x in state["moments"]))
-        self.ref_std = None if state["ref_std"] is None else float(state["ref_std"])
+        if self.ref_std is None:  # taken from the first update: the run's; given in the config: the config's
+            self.ref_std = None if state["ref_std"] is None else float(state["ref_std"])

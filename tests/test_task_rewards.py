@@ -84,3 +84,29 @@ def test_the_scaler_state_round_trips():
     copy.load_state_dict(scaler.state_dict())
     batch = RewardScaler.batch_stats([torch.tensor([[0.0], [1.0]])])
     assert copy.divisor(batch) == scaler.divisor(batch)
+
+
+def test_a_resume_keeps_a_ref_std_taken_in_the_run_and_the_configs_given_one():
+    """A checkpoint's ref_std replaced the one the resumed config gives (a review's resume at 0.5 kept the old 2.0)."""
+    taken = RewardScaler(scale="ref")
+    taken.divisor(RewardScaler.batch_stats([torch.tensor([[1.0], [3.0]])]))
+    resumed = RewardScaler(scale="ref")
+    resumed.load_state_dict(taken.state_dict())
+    assert resumed.ref_std == pytest.approx(math.sqrt(2))
+    given = RewardScaler(scale="ref", ref_std=0.5)
+    given.load_state_dict(taken.state_dict())
+    assert given.ref_std == 0.5
+
+
+def test_a_resume_keeps_an_adapted_kl_coef_and_the_configs_fixed_one():
+    from llmrl.plugins.ppo_tokens import PPOTokensUpdater
+
+    adapted = PPOTokensUpdater(kl_coef=0.1, kl_target=6.0)
+    adapted.kl.update(12.0, 1000)
+    state = adapted.state_dict()
+    again = PPOTokensUpdater(kl_coef=0.1, kl_target=6.0)
+    again.load_state_dict(state)
+    assert again.kl.value == adapted.kl.value != 0.1
+    fixed = PPOTokensUpdater(kl_coef=0.5)
+    fixed.load_state_dict({**state, "kl_coef": 0.05})
+    assert fixed.kl.value == 0.5
