@@ -46,6 +46,22 @@ def pair_logps(out, mean: bool) -> torch.Tensor:
     return scores.view(-1, 2)
 
 
+def _count(value) -> int:
+    """How many numbers ``value`` holds: a number 1, a tensor or array its elements, a sequence its length."""
+    if isinstance(value, numbers.Number):
+        return 1
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if hasattr(value, "size") and not callable(value.size):  # numpy
+        return int(value.size)
+    return len(value) if hasattr(value, "__len__") else 1
+
+
+def _number(value) -> float:
+    """The one number of a number, a 0-d or one-element tensor or array."""
+    return float(value.reshape(())) if hasattr(value, "reshape") else float(value)
+
+
 class DPOUpdater(ShufflingUpdater):
     """Args (config ``args``):
         beta: the strength of the reference (default 0.1).
@@ -76,13 +92,12 @@ class DPOUpdater(ShufflingUpdater):
         """``[pairs, 2]`` reference log-probs of this replica's pairs, in batch order."""
         if "ref_logprobs" in batch.kwargs:
             for index, pair in zip(batch.indices, batch.kwargs["ref_logprobs"]):
-                sized = next((j for j, v in enumerate(pair) if getattr(v, "ndim", 0 if isinstance(v, numbers.Number)
-                                                                          else 1) != 0), None)
+                sized = next((j for j, v in enumerate(pair) if _count(v) != 1), None)
                 if sized is not None:  # per-token values: float() failed on a server without naming them
-                    raise ValueError(f"ref_logprobs[{index}][{sized}] is a sequence; dpo reads one number per "
-                                     "candidate: the reference log-prob of the whole continuation (the sum over its "
-                                     "tokens); nothing was trained")
-            given = torch.tensor([[float(v) for v in pair] for pair in batch.kwargs["ref_logprobs"]],
+                    raise ValueError(f"ref_logprobs[{index}][{sized}] holds {_count(pair[sized])} values; dpo reads "
+                                     "one number per candidate: the reference log-prob of the whole continuation (the "
+                                     "sum over its tokens); nothing was trained")
+            given = torch.tensor([[_number(v) for v in pair] for pair in batch.kwargs["ref_logprobs"]],
                                  dtype=torch.float32).view(-1, 2)
             if not torch.isfinite(given).all():
                 row = int(torch.nonzero(~torch.isfinite(given).all(1))[0])

@@ -24,7 +24,7 @@ NAN = float("nan")
     ({"top_k": -1}, "top_k must be an int >= 0"),
     ({"top_p": NAN}, "top_p must be a number in (0, 1]"),
     ({"top_p": 1.5}, "top_p must be a number in (0, 1]"),
-    ({"temperature": 0}, "temperature must be a number > 0 (for greedy decoding pass do_sample=False)"),
+    ({"temperature": 0, "do_sample": True}, "temperature must be a number > 0 (for greedy decoding pass do_sample="),
     ({"temperature": float("inf")}, "temperature must be a number > 0"),
     ({"repetition_penalty": "high"}, "repetition_penalty must be a number > 0"),
     ({"min_new_tokens": 10, "max_new_tokens": 2}, "min_new_tokens (10) exceeds max_new_tokens (2)"),
@@ -42,6 +42,7 @@ def test_generate_numbers_in_range_pass_and_none_means_the_default():
     assert checked == {"max_new_tokens": 5, "min_new_tokens": 5, "top_k": 0, "top_p": np.float32(0.9),
                        "temperature": 0.7, "do_sample": True, "stop": ["\n"]}
     assert type(checked["max_new_tokens"]) is int
+    assert check_generate_args({"temperature": 0}) == {"temperature": 0}  # greedy: Hugging Face ignores it
 
 
 def test_a_stop_id_outside_the_vocabulary_is_refused():
@@ -113,7 +114,7 @@ def test_dpo_given_per_token_reference_log_probs_names_them():
     batch = UpdateBatch(contexts=["a", "b"], candidates=[[" x", " y"], [" x", " y"]], indices=[4, 5],
                         kwargs={"ref_logprobs": [[-1.0, -2.0], [[-0.5, -0.5], -2.0]]}, global_size=2, replica=0,
                         num_replicas=1, replica_sizes=[2])
-    with pytest.raises(ValueError, match=r"ref_logprobs\[5\]\[0\] is a sequence; dpo reads one number per candidate"):
+    with pytest.raises(ValueError, match=r"ref_logprobs\[5\]\[0\] holds 2 values; dpo reads one number per"):
         DPOUpdater()._references(batch, None)
-    batch.kwargs["ref_logprobs"] = [[-1.0, torch.tensor(-2.0)], [np.float32(-0.5), -2.0]]
-    assert DPOUpdater()._references(batch, None).tolist() == [[-1.0, -2.0], [-0.5, -2.0]]
+    batch.kwargs["ref_logprobs"] = [[-1.0, torch.tensor(-2.0)], [np.float32(-0.5), torch.tensor([-2.0])]]
+    assert DPOUpdater()._references(batch, None).tolist() == [[-1.0, -2.0], [-0.5, -2.0]]  # one-element ones too

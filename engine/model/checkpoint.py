@@ -179,9 +179,13 @@ def _refuse_other_optimizer(served: ServedModel, root, layout: dict) -> None:
     """The optimizer's state is laid out by its kind and ZeRO stage: resuming under others fails deep inside
     DeepSpeed (a KeyError, a missing file), or worse. Refused naming both."""
     training = served.llm.training
-    changed = [f"{what} {saved!r} (the config gives {now!r})" for what, saved, now in (
-        ("ZeRO stage", layout.get("zero_stage"), training.zero_stage),
-        ("optimizer", layout.get("optimizer"), training.optimizer.type)) if saved is not None and saved != now]
+    family = {1: 2}  # ZeRO 1 and 2 write the same optimizer state files
+    stage, optimizer = layout.get("zero_stage"), layout.get("optimizer")
+    now_stage = training.zero_stage
+    changed = [f"{what} {saved!r} (the config gives {now!r})" for what, saved, now, same in (
+        ("ZeRO stage", stage, now_stage, family.get(stage, stage) == family.get(now_stage, now_stage)),
+        ("optimizer", optimizer, training.optimizer.type, optimizer == training.optimizer.type))
+        if saved is not None and not same]
     if changed and served.adapter_steps is not None:
         raise ValueError(f"LLM {served.llm.name!r} cannot resume from {root}: it was saved with "
                          f"{' and '.join(changed)}; its optimizer state holds that layout: resume with the saved "
@@ -191,10 +195,13 @@ def _refuse_other_optimizer(served: ServedModel, root, layout: dict) -> None:
 def apply_config_settings(served: ServedModel, root) -> None:
     """DeepSpeed loads the saved optimizer's hyperparameters with its state; the config's (``training.optimizer``:
     lr, betas, eps, weight decay, momentum) apply instead, the schedule's rate recomputed from the config's lr at the
-    saved step. A change is logged."""
+    saved step. A change is logged. Under a scheduler of DeepSpeed's own (``training.deepspeed``), which sets the
+    rate and may cycle the betas, the checkpoint's stand."""
     spec = served.llm.training.optimizer
     scheduler = getattr(served.engine, "lr_scheduler", None)
     lambdas = getattr(scheduler, "lr_lambdas", None)
+    if scheduler is not None and not lambdas:  # DeepSpeed's own (training.deepspeed): it sets lr, even betas
+        return
     wanted = {"betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay, "momentum": spec.momentum}
     changes = set()
     for group in served.adapter_steps.optimizer.param_groups:

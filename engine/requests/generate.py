@@ -96,6 +96,8 @@ def check_generate_args(kwargs: dict) -> dict:
         if key not in kwargs:
             continue
         value = kwargs[key]
+        if key == "temperature" and value == 0 and not kwargs.get("do_sample", False):
+            continue  # greedy: Hugging Face ignores the temperature (a warning, no error)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
             raise InvalidArgument(f"generate's {key} must be a number {rule}, got {type(value).__name__} {value!r}")
     return kwargs

@@ -9,7 +9,8 @@ optimizer, the sampling parameters, the prompt's chunks and the sample fields th
   (``training.optimizer.type``) refuses to make one.
 - Sampling: ``temperature`` 0 is greedy decoding, computed once and copied to each of ``num_samples`` (Hugging Face
   refuses several return sequences of a greedy search); ``max_tokens`` left unset runs to the model's maximum
-  length; ``stop`` as Tinker reads it (token ids: any of them; ``[]``: not even at EOS).
+  length, at most :data:`UNSET_MAX_TOKENS` new tokens; ``stop`` as Tinker reads it (token ids: any of them; ``[]``:
+  not even at EOS).
 
 This module maps fields; the service (:mod:`llmrl.engine.tinker.service`) makes the calls.
 """
@@ -17,6 +18,9 @@ This module maps fields; the service (:mod:`llmrl.engine.tinker.service`) makes 
 from __future__ import annotations
 
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+
+UNSET_MAX_TOKENS = 4096  # new tokens when max_tokens is unset and the model's length leaves more room (its cache:
+# rows x (prompt + new tokens); a 128k-token context would hold 16 GB a row for an 8B model)
 
 UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
                           "prompt_alt_tokens_k", "prompt_logprobs_last_n")
@@ -63,7 +67,7 @@ def generate_kwargs(params: dict, count: int, prompt_logprobs: bool, room: int |
     if max_tokens is None and room is None:
         raise ValueError("sampling_params.max_tokens is unset and this model declares no maximum length: set "
                          "max_tokens")
-    kwargs = {"max_new_tokens": int(room if max_tokens is None else max_tokens),
+    kwargs = {"max_new_tokens": int(min(room, UNSET_MAX_TOKENS) if max_tokens is None else max_tokens),
               "num_return_sequences": count if temperature > 0 else 1, "do_sample": temperature > 0}
     if temperature > 0:
         top_k = int(params.get("top_k", -1))

@@ -231,8 +231,7 @@ class TinkerService:
         model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
 
         def create_from() -> Outcome:
-            if not optimizer:
-                check_optimizer(body, self.optimizer_type)
+            check_optimizer({} if optimizer else body, self.optimizer_type)  # the config's: AdamW either way
             folder = self.registry.folder_of(body.get("path"))
             with self._lock:
                 known = model_id in self.models

@@ -114,6 +114,7 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
 
     state = read_state(path)
     _check(served, name, "load_adapter")
+    served.discarded.pop(name, None)  # new weights: a note of gradients lost on the old ones no longer applies
     if optimizer and served.adapter_steps is None:
         raise ValueError(f"LLM {served.llm.name!r} holds no optimizer to load {path}'s moments into: set "
                          f"llms.{served.llm.name}.trainable: true, or load without the optimizer state")

@@ -80,7 +80,13 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
     """Forget the pending gradients of ``adapter`` (the failed call's), and every other adapter's unless
     :func:`isolated`; returns what to tell the script."""
     before = dict(served.pending_adapters)
-    others = {a for a in before if a != adapter} if adapter is not None and isolated(served) else set()
+    if adapter is None:  # a step of every adapter failed: each one's gradients were the call's own
+        trainer.discard_partial_accumulation()
+        served.pending_adapters, served.pending_backwards = {}, 0
+        earlier = sum(before.values())
+        return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
+                "discarded on every replica") if earlier else "no gradient was pending"
+    others = {a for a in before if a != adapter} if isolated(served) else set()
     with set_aside(served, others):
         trainer.discard_partial_accumulation()
     lost = {a: n for a, n in before.items() if a not in others}
@@ -100,10 +106,10 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
 
 
 def _refuse_discarded(served: ServedModel, adapters) -> None:
-    """Tell an adapter, once, that another's failed call discarded its pending gradients."""
-    for adapter in adapters:
-        if adapter in served.discarded:
-            raise ValueError(served.discarded.pop(adapter))
+    """Tell adapters, once, that another's failed call discarded their pending gradients."""
+    told = [served.discarded.pop(adapter) for adapter in list(adapters) if adapter in served.discarded]
+    if told:
+        raise ValueError("; ".join(told))
 
 
 def forward_backward(served: ServedModel, request) -> dict:

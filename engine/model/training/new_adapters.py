@@ -123,6 +123,7 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
         served.model.delete_adapter(name)
     served.adapters.remove(name)
     del served.created_adapters[name]
+    served.discarded.pop(name, None)  # a note of gradients lost on an adapter that is gone
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
