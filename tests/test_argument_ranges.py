@@ -94,6 +94,9 @@ def test_seeds_adapter_alphas_and_step_settings_out_of_range():
     assert check_create_args(4, np.float32(8), 0, None)["alpha"] == 8.0
     assert check_step_settings({"learning_rate": np.float32(1e-3)}, "adamw") == {
         "learning_rate": pytest.approx(1e-3)}
+    assert check_step_settings({"learning_rate": 0}, "adamw") == {"learning_rate": 0.0}  # Tinker takes it
+    with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be >= 0"):
+        check_step_settings({"learning_rate": -1e-3}, "adamw")
 
 
 def test_nan_on_the_command_line_is_refused(tiny):
