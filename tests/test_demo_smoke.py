@@ -1,5 +1,5 @@
-"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 and 2 replicas, each
-on an empty model cache (as on a fresh machine). Every demo's tracked scalars (the shipped configs' csv and
+"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 replica, on an empty
+model cache (as on a fresh machine). Every demo's tracked scalars (the shipped configs' csv and
 TensorBoard back ends) agree with its own metrics.csv."""
 
 import csv
@@ -28,7 +28,7 @@ def tracked(out, script: str) -> dict[tuple[int, str], float]:
         return {(int(r["step"]), r["key"]): float(r["value"]) for r in csv.DictReader(f)}
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [1])  # the README's layout; 2 replicas: the other demos (and the suite's time)
 def test_ppo_demo_quick(tmp_path, replicas):
     out = tmp_path / "out"
     result = subprocess.run(

@@ -1,4 +1,4 @@
-"""Load: 10,000 small requests in a row and 200 concurrent async ones; reports results and server memory."""
+"""Load: a given number of small requests in a row and 200 concurrent async ones; reports results and server memory."""
 
 import json
 import sys
