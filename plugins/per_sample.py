@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import array
 import numbers
-from collections import deque
 from collections.abc import Sequence
 
 from llmrl.engine.errors import InvalidArgument
@@ -58,22 +57,14 @@ def positional(value):
     is; any other array-like (a pandas Series or DataFrame column, ``array.array``, ``memoryview``: anything numpy
     converts through ``__array__`` or the buffer protocol) as a numpy array; any other sequence (a deque, a range)
     as a list. Other objects are returned as they are."""
-    if value is None or isinstance(value, (list, tuple, str, bytes, dict, numbers.Number)):
-        return value
-    try:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            return value
-    except ImportError:
-        pass
     import numpy as np
+    import torch
 
-    if isinstance(value, np.ndarray):
+    if value is None or isinstance(value, (list, tuple, str, bytes, dict, numbers.Number, torch.Tensor, np.ndarray)):
         return value
     if hasattr(value, "__array__") or isinstance(value, (memoryview, array.array)):
         return np.array(value.to_numpy() if hasattr(value, "to_numpy") else value)  # a copy: writable, the caller's own
-    if isinstance(value, (Sequence, deque)):
+    if isinstance(value, Sequence):  # a deque, a range
         return list(value)
     return value
 

@@ -89,7 +89,8 @@ def check_generate_args(kwargs: dict) -> dict:
         if isinstance(value, bool) or count is None or count < least:
             raise InvalidArgument(f"generate's {key} must be an int >= {least}, got {type(value).__name__} {value!r}")
         kwargs[key] = count
-    if kwargs.get("min_new_tokens", 0) > kwargs.get("max_new_tokens", kwargs.get("min_new_tokens", 0)):
+    fewest, most = kwargs.get("min_new_tokens"), kwargs.get("max_new_tokens")
+    if fewest is not None and most is not None and fewest > most:
         raise InvalidArgument(f"generate's min_new_tokens ({kwargs['min_new_tokens']}) exceeds max_new_tokens "
                               f"({kwargs['max_new_tokens']}): it would never apply")
     for key, (rule, ok) in REALS.items():
