@@ -1,6 +1,7 @@
-"""The PPO demo end to end with a tiny random model (``--quick``), as a user runs it: 1 replica, on an empty
-model cache (as on a fresh machine). Every demo's tracked scalars (the shipped configs' csv and
-TensorBoard back ends) agree with its own metrics.csv."""
+"""Every demo end to end with a tiny random model (``--quick``). The PPO demo runs as a user runs it, through
+``llmrl run`` on an empty model cache (as on a fresh machine); the others run their scripts under the tests'
+launcher (:mod:`testkit.scripts`), whose ranks start without importing torch and DeepSpeed again. Every demo's
+tracked scalars (the shipped configs' csv and TensorBoard back ends) agree with its own metrics.csv."""
 
 import csv
 import json
@@ -17,6 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def quiet(stderr: str) -> None:
     """No warning that is not about the user's run: none from DeepSpeed's launcher, torch, bitsandbytes..."""
     assert [line for line in stderr.splitlines() if "warn" in line.lower()] == [], stderr[-3000:]
+
+
+def demo(config: str, script: str, *args: str, overrides=(), env: dict | None = None):
+    """Run ``examples/<script> args`` under ``configs/<config>`` (``threads_per_rank=1`` and ``overrides``) with the
+    tests' launcher (:func:`testkit.scripts.run_script`: ranks forked from the session's preloaded server). The PPO
+    demo, the README's first command, runs through ``llmrl run`` itself."""
+    from testkit.scripts import run_script
+
+    return run_script(os.path.join(ROOT, "configs", config), os.path.join(ROOT, "examples", script), args,
+                      overrides=["threads_per_rank=1", *overrides], env=env)
 
 
 def tracked(out, script: str) -> dict[tuple[int, str], float]:
@@ -69,11 +80,8 @@ def test_ppo_demo_quick(tmp_path, replicas):
 def test_rlhf_demo_quick(tmp_path, updater, replicas):
     """The RLHF demo (generate, VADER reward, update) with each updater, chosen by the config alone."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "rlhf-sentiment-quick.yaml"), f"llms.policy.replicas={replicas}", f"llms.policy.updater.plugin={updater}",
-         "threads_per_rank=1", os.path.join(ROOT, "examples", "rlhf_sentiment.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = demo("rlhf-sentiment-quick.yaml", "rlhf_sentiment.py", "--quick", "--out", str(out),
+                  overrides=[f"llms.policy.replicas={replicas}", f"llms.policy.updater.plugin={updater}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
@@ -97,11 +105,8 @@ def test_loss_in_script_demos_quick(tmp_path, script, replicas):
     """The demos whose loss lives in the script (forward_backward / forward_backward_custom, optim_step,
     a snapshot as the reference) end to end with a tiny model."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "rlhf-sentiment-script-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
-         os.path.join(ROOT, "examples", script), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = demo("rlhf-sentiment-script-quick.yaml", script, "--quick", "--out", str(out),
+                  overrides=[f"llms.policy.replicas={replicas}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
@@ -121,11 +126,8 @@ def test_textworld_demo_quick(tmp_path, mode, replicas):
     into an empty cache, episodes played as chats, grpo_turns updates, greedy evaluations on held-out games."""
     pytest.importorskip("textworld", reason="the textworld extra (setup.sh installs it)")
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "textworld-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
-         os.path.join(ROOT, "examples", "textworld_agent.py"), "--quick", "--mode", mode, "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "LLMRL_CACHE": str(tmp_path)})
+    result = demo("textworld-quick.yaml", "textworld_agent.py", "--quick", "--mode", mode, "--out", str(out),
+                  overrides=[f"llms.policy.replicas={replicas}"], env={"LLMRL_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     assert sorted(os.listdir(tmp_path / "textworld")) == sorted(
@@ -149,10 +151,7 @@ def test_offline_dpo_demo_quick(tmp_path):
     """The offline DPO demo end to end with a tiny model: pairs sampled and ranked, the dpo updater, both
     evaluations, the files and the tracked scalars."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "dpo-sentiment-quick.yaml"), "threads_per_rank=1", os.path.join(ROOT, "examples", "dpo_sentiment.py"),
-         "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = demo("dpo-sentiment-quick.yaml", "dpo_sentiment.py", "--quick", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
@@ -174,10 +173,7 @@ def test_nlpo_demo_quick(tmp_path):
     """The RLHF demo with nlpo and steered sampling: every sampled token lies in the masking policy's set (no
     miss), the masking policy is snapshotted after each update (mask_sync_every 1)."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "rlhf-sentiment-nlpo-quick.yaml"), "threads_per_rank=1", os.path.join(ROOT, "examples", "rlhf_sentiment.py"),
-         "--quick", "--steer", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = demo("rlhf-sentiment-nlpo-quick.yaml", "rlhf_sentiment.py", "--quick", "--steer", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     with open(out / "metrics.csv") as f:
@@ -193,10 +189,7 @@ def test_offline_ilql_demo_quick(tmp_path):
     """The offline ILQL demo end to end with a tiny model: a sampled dataset, the ilql updater, the evaluations
     (base, language model alone, steered), the files and the tracked scalars."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "ilql-sentiment-quick.yaml"), "threads_per_rank=1", os.path.join(ROOT, "examples", "ilql_sentiment.py"),
-         "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = demo("ilql-sentiment-quick.yaml", "ilql_sentiment.py", "--quick", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())

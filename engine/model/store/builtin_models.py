@@ -190,8 +190,10 @@ def _build(name: str) -> Path:
     try:
         # A child process: no process group exists there (where one does, save_pretrained silently skips the
         # weights on every rank but 0), and the ~1 GB a conversion touches is not kept by a client or `llmrl run`.
+        # It converts on the CPU: DeepSpeed, if imported there, need not probe for (and warn about) a GPU.
+        env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR") or "cpu"}
         code = subprocess.call([sys.executable, "-m", "llmrl.engine.model.store.builtin_models", "build", name,
-                                str(staging)])
+                                str(staging)], env=env)
         if code != 0:
             raise CacheError(f"building builtin:{name} failed (exit code {code} of the process that built it; its "
                              "error is above); nothing was installed")
