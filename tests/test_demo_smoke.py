@@ -20,14 +20,14 @@ def quiet(stderr: str) -> None:
     assert [line for line in stderr.splitlines() if "warn" in line.lower()] == [], stderr[-3000:]
 
 
-def demo(config: str, script: str, *args: str, overrides=(), env: dict | None = None):
-    """Run ``examples/<script> args`` under ``configs/<config>`` (``threads_per_rank=1`` and ``overrides``) with the
-    tests' launcher (:func:`testkit.scripts.run_script`: ranks forked from the session's preloaded server). The PPO
-    demo, the README's first command, runs through ``llmrl run`` itself."""
+def demo(cwd, config: str, script: str, *args: str, overrides=(), env: dict | None = None):
+    """Run ``examples/<script> args`` in ``cwd`` under ``configs/<config>`` (``threads_per_rank=1`` and
+    ``overrides``) with the tests' launcher (:func:`testkit.scripts.run_script`: ranks forked from the session's
+    preloaded server). The PPO demo, the README's first command, runs through ``llmrl run`` itself."""
     from testkit.scripts import run_script
 
     return run_script(os.path.join(ROOT, "configs", config), os.path.join(ROOT, "examples", script), args,
-                      overrides=["threads_per_rank=1", *overrides], env=env)
+                      overrides=["threads_per_rank=1", *overrides], env=env, cwd=cwd)
 
 
 def tracked(out, script: str) -> dict[tuple[int, str], float]:
@@ -80,7 +80,7 @@ def test_ppo_demo_quick(tmp_path, replicas):
 def test_rlhf_demo_quick(tmp_path, updater, replicas):
     """The RLHF demo (generate, VADER reward, update) with each updater, chosen by the config alone."""
     out = tmp_path / "out"
-    result = demo("rlhf-sentiment-quick.yaml", "rlhf_sentiment.py", "--quick", "--out", str(out),
+    result = demo(tmp_path, "rlhf-sentiment-quick.yaml", "rlhf_sentiment.py", "--quick", "--out", str(out),
                   overrides=[f"llms.policy.replicas={replicas}", f"llms.policy.updater.plugin={updater}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
@@ -105,7 +105,7 @@ def test_loss_in_script_demos_quick(tmp_path, script, replicas):
     """The demos whose loss lives in the script (forward_backward / forward_backward_custom, optim_step,
     a snapshot as the reference) end to end with a tiny model."""
     out = tmp_path / "out"
-    result = demo("rlhf-sentiment-script-quick.yaml", script, "--quick", "--out", str(out),
+    result = demo(tmp_path, "rlhf-sentiment-script-quick.yaml", script, "--quick", "--out", str(out),
                   overrides=[f"llms.policy.replicas={replicas}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
@@ -126,7 +126,7 @@ def test_textworld_demo_quick(tmp_path, mode, replicas):
     into an empty cache, episodes played as chats, grpo_turns updates, greedy evaluations on held-out games."""
     pytest.importorskip("textworld", reason="the textworld extra (setup.sh installs it)")
     out = tmp_path / "out"
-    result = demo("textworld-quick.yaml", "textworld_agent.py", "--quick", "--mode", mode, "--out", str(out),
+    result = demo(tmp_path, "textworld-quick.yaml", "textworld_agent.py", "--quick", "--mode", mode, "--out", str(out),
                   overrides=[f"llms.policy.replicas={replicas}"], env={"LLMRL_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
@@ -151,7 +151,7 @@ def test_offline_dpo_demo_quick(tmp_path):
     """The offline DPO demo end to end with a tiny model: pairs sampled and ranked, the dpo updater, both
     evaluations, the files and the tracked scalars."""
     out = tmp_path / "out"
-    result = demo("dpo-sentiment-quick.yaml", "dpo_sentiment.py", "--quick", "--out", str(out))
+    result = demo(tmp_path, "dpo-sentiment-quick.yaml", "dpo_sentiment.py", "--quick", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
@@ -173,7 +173,8 @@ def test_nlpo_demo_quick(tmp_path):
     """The RLHF demo with nlpo and steered sampling: every sampled token lies in the masking policy's set (no
     miss), the masking policy is snapshotted after each update (mask_sync_every 1)."""
     out = tmp_path / "out"
-    result = demo("rlhf-sentiment-nlpo-quick.yaml", "rlhf_sentiment.py", "--quick", "--steer", "--out", str(out))
+    result = demo(tmp_path, "rlhf-sentiment-nlpo-quick.yaml", "rlhf_sentiment.py", "--quick", "--steer", "--out",
+                  str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     with open(out / "metrics.csv") as f:
@@ -189,7 +190,7 @@ def test_offline_ilql_demo_quick(tmp_path):
     """The offline ILQL demo end to end with a tiny model: a sampled dataset, the ilql updater, the evaluations
     (base, language model alone, steered), the files and the tracked scalars."""
     out = tmp_path / "out"
-    result = demo("ilql-sentiment-quick.yaml", "ilql_sentiment.py", "--quick", "--out", str(out))
+    result = demo(tmp_path, "ilql-sentiment-quick.yaml", "ilql_sentiment.py", "--quick", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
     summary = json.loads((out / "summary.json").read_text())

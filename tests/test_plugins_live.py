@@ -225,10 +225,10 @@ def test_head_defined_in_the_rl_script(tmp_path, tiny):
     config.write_text(yaml.safe_dump({"llms": {"main": {"model": tiny["llama"], "heads": {
         "from_config": {"plugin": "__main__:ScriptHead", "args": {"value": 3.0}}}}}}))
     out = str(tmp_path / "marks")
-    env = {**os.environ, "LLMRL_TEST_OUT": out}
-    result = subprocess.run([sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(config),
-                             os.path.join(HERE, "scripts", "script_plugins.py")], capture_output=True, text=True,
-                            env=env, timeout=300)
+    from testkit.scripts import run_script
+
+    result = run_script(str(config), os.path.join(HERE, "scripts", "script_plugins.py"),
+                        env={"LLMRL_TEST_OUT": out}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("[{")))
     assert report == [{"from_config": 3.0, "from_caller": 4.0}] * 2

@@ -11,8 +11,6 @@ import ast
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -127,11 +125,11 @@ def test_custom_lora_initializer_trains_adapters_only(tiny):
 def test_custom_example_runs(tmp_path, tiny):
     """The doc's command on a tiny model: two updates through the hand-written plugins, a clean exit, the updates'
     statistics and the script's scalars tracked."""
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", CUSTOM_CONFIG,
-         f"llms.policy.model={tiny['llama']}",
-         "threads_per_rank=1", EXAMPLE, "--updates", "2", "--envs", "4", "--steps", "4"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    from testkit.scripts import run_script
+
+    # the tests' launcher (ranks forked from the preloaded server); `llmrl run` itself is test_launch_live's
+    result = run_script(CUSTOM_CONFIG, EXAMPLE, ["--updates", "2", "--envs", "4", "--steps", "4"],
+                        overrides=[f"llms.policy.model={tiny['llama']}", "threads_per_rank=1"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("update ")]
     assert [line.split(":")[0] for line in lines] == ["update 1", "update 2"], result.stdout[-3000:]
@@ -180,12 +178,12 @@ def test_trlx_config_sets_every_ppo_config_field_the_guide_maps():
 @pytest.mark.slow
 def test_trlx_example_runs(tmp_path, tiny):
     """The guide's command on a tiny model: two rounds with dense rewards, a clean exit."""
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", TRLX_CONFIG,
-         f"llms.policy.model={tiny['llama']}", "llms.policy.max_length=null",  # 1024: over the tiny model's 512
-         "threads_per_rank=1", TRLX_EXAMPLE, "--rounds", "2",
-         "--num-rollouts", "4", "--max-new-tokens", "8", "--dense"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    from testkit.scripts import run_script
+
+    result = run_script(TRLX_CONFIG, TRLX_EXAMPLE, ["--rounds", "2", "--num-rollouts", "4", "--max-new-tokens", "8",
+                                                    "--dense"],
+                        overrides=[f"llms.policy.model={tiny['llama']}", "llms.policy.max_length=null",  # 1024: over
+                                   "threads_per_rank=1"], cwd=tmp_path)  # the tiny model's 512
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("round ")]
     assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"], result.stdout[-3000:]

@@ -18,11 +18,12 @@ from pathlib import Path
 
 
 def run_script(config: str, script: str, script_args=(), overrides=(), env: dict | None = None,
-               timeout: float = 600.0) -> subprocess.CompletedProcess:
+               cwd: str | os.PathLike | None = None, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """Run ``script script_args`` as rank 0 of a run of ``config`` (with ``overrides``) and wait for its end.
 
     Returns a CompletedProcess whose ``stdout`` and ``stderr`` are both the run's whole output (every rank's
-    lines interleaved, as ``llmrl run`` prints them). The run's working folder is the test process's."""
+    lines interleaved, as ``llmrl run`` prints them). The run's working folder is ``cwd``, else the test
+    process's."""
     from llmrl.engine.config import load_config
     from llmrl.engine.transport.rendezvous import free_port
     from testkit import live, zygote
@@ -35,15 +36,16 @@ def run_script(config: str, script: str, script_args=(), overrides=(), env: dict
     kit_parent = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
     log_path = workdir / "run.log"
+    cwd = str(cwd or os.getcwd())
     # A server started for this run takes its environment: only when nothing in it is read at import time.
-    own_imports = bool(zygote._read_on_import(env or {}))
-    process = zygote.start(argv, full_env, os.getcwd(), str(log_path), str(workdir / "launcher.exit"),
+    own_imports = any(os.environ.get(k) != v for k, v in zygote._read_on_import(env or {}).items())
+    process = zygote.start(argv, full_env, cwd, str(log_path), str(workdir / "launcher.exit"),
                            start_server=not own_imports)
     with open(log_path, "a") as log:
         if process is None:
             process = subprocess.Popen([sys.executable, "-m", "testkit.ranks", *argv], stdout=log,
                                        stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, cwd=cwd)
         try:
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:

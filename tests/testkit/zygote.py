@@ -10,11 +10,12 @@ code. The server writes each launcher's exit status (``Popen.returncode``'s conv
 N) to a file the test process reads (:class:`ForkedLauncher`).
 
 The interpreter and the libraries read some environment variables when they start or are imported. So a run is
-forked only when its working folder is the server's and its environment agrees with the server's in every such
-variable (:data:`_READ_ON_IMPORT`); any other run (a test's own ``PYTHONPATH``, say) is started the plain way, and
-:func:`start` returns None for it. A forked launcher takes the run's whole environment. The server's own output
-goes to ``zygote.log`` beside the first run's log. When the test process ends, the server's stdin closes: it kills
-what is left of its launchers' sessions and exits.
+forked only when its environment agrees with the server's in every such variable (:data:`_READ_ON_IMPORT`); any
+other run (a test's own ``PYTHONPATH``, say) is started the plain way, and :func:`start` returns None for it. A
+forked launcher takes the run's whole environment, and its working folder: it changes to it, and puts it first on
+``sys.path`` where ``python -m`` had put the server's (nothing the server preloaded comes from there). The
+server's own output goes to ``zygote.log`` beside the first run's log. When the test process ends, the server's
+stdin closes: it kills what is left of its launchers' sessions and exits.
 
 Test code, never shipped.
 """
@@ -89,13 +90,13 @@ def _read_on_import(env: dict) -> dict:
 _ANSWER_TIMEOUT = 300.0  # seconds for the server's answer, its imports included (LiveRun's startup_timeout)
 _lock = threading.Lock()
 STARTS: collections.Counter = collections.Counter()  # how this process's runs started: forked, or afresh and why
-_server: dict | None = None  # {"process", "env", "cwd"} of this test process's server, once started
+_server: dict | None = None  # {"process", "env"} of this test process's server, once started
 
 
 def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str,
           start_server: bool = True) -> ForkedLauncher | None:
     """Fork ``python -m testkit.ranks ARGV`` with ``env`` in ``cwd``, output to ``log_path``; None where this
-    run cannot be forked (another environment or folder than the server's, or no server). Without
+    run cannot be forked (another environment than the server's, or no server). Without
     ``start_server`` (a run given an environment of its own) no server is started for this run: the server takes
     the environment of the run that starts it, and later plain runs must match it."""
     global _server
@@ -105,16 +106,16 @@ def start(argv: list[str], env: dict, cwd: str, log_path: str, status_path: str,
             return None
         if _server is None:
             with open(os.path.join(os.path.dirname(log_path), "zygote.log"), "w") as server_log:
-                process = subprocess.Popen([sys.executable, "-m", "testkit.zygote"], env=env, cwd=cwd,
+                process = subprocess.Popen([sys.executable, "-m", "testkit.zygote"], env=env, cwd=os.getcwd(),
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=server_log,
                                            start_new_session=True)
-            _server = {"process": process, "env": dict(env), "cwd": cwd}
+            _server = {"process": process, "env": dict(env)}
         process = _server["process"]
-        reason = _why_not(env, cwd)
+        reason = _why_not(env)
         if reason:
             STARTS[f"started afresh ({reason})"] += 1
             return None
-        request = {"argv": argv, "env": env, "log": log_path, "status": status_path}
+        request = {"argv": argv, "env": env, "cwd": cwd, "log": log_path, "status": status_path}
         answer = b""
         try:
             process.stdin.write((json.dumps(request) + "\n").encode())
@@ -141,12 +142,10 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _why_not(env: dict, cwd: str) -> str | None:
-    """Why a run with ``env`` in ``cwd`` cannot be forked by the server, or None."""
+def _why_not(env: dict) -> str | None:
+    """Why a run with ``env`` cannot be forked by the server, or None."""
     if _server["process"].poll() is not None:
         return f"the server exited with code {_server['process'].returncode}"
-    if _server["cwd"] != cwd:
-        return "another working folder"
     ours, theirs = _read_on_import(_server["env"]), _read_on_import(env)
     changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     return f"environment: {', '.join(changed)}" if changed else None
@@ -171,6 +170,9 @@ def _launcher(request: dict, server_fds: tuple[int, ...]) -> None:
         os.close(log)
         os.environ.clear()
         os.environ.update(request["env"])
+        if sys.path and sys.path[0] == os.getcwd():  # `python -m` put the server's working folder there
+            sys.path[0] = request["cwd"]
+        os.chdir(request["cwd"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         ranks.unbuffered_output()
