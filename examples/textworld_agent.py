@@ -8,12 +8,12 @@ Games are TextWorld coin collectors of levels 2 to 5 (chains of 2 to 5 rooms; th
 generated offline (:mod:`textworld_games`). Each update plays ``starts`` training games ``group`` times each with
 ``Caller.run_episodes``, a chat between the game and the model: in ``choose`` mode the model scores the game's
 admissible commands and samples one; in ``write`` mode it writes the command. The episodes of one game are a group,
-and ``grpo_turns`` (the config's updater) trains on them: each turn's advantage is its return-to-go against the
-group's, on the model's own tokens only. Before, during and after training, the greedy policy plays held-out games
-(other seeds). It writes, in ``--out``: ``curve.png``, ``metrics.csv`` (one row per update), ``summary.json``
-(evaluations with 95% confidence intervals, transcripts of one held-out episode before and after, timings), and
-what the config's ``tracking`` back ends record (each update's statistics on their own, this script's scalars through
-``caller.log``) in a folder named after the run.
+and ``grpo_turns`` (the config's updater) trains on them: every turn of an episode gets the episode's discounted
+return against the group's (mean and spread), on the model's own tokens only. Before, during and after training,
+the greedy policy plays held-out games (other seeds). It writes, in ``--out``: ``curve.png``, ``metrics.csv`` (one
+row per update), ``summary.json`` (evaluations with 95% confidence intervals, transcripts of one held-out episode
+before and after, timings), and what the config's ``tracking`` back ends record (each update's statistics on their
+own, this script's scalars through ``caller.log``) in a folder named after the run.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Args:
     objective: bool = True  # start with the game's objective, which names the way (quick: off, short prompts)
     seed: int = 0
     out: str = "runs/textworld"
-    quick: bool = False  # a smoke run (CI): 2 updates, level 2, 2 held-out games
+    quick: bool = False  # a smoke run (CI): 2 updates of one level-1 game x 4 episodes, 2 held-out games
 
 
 def parse_args() -> Args:
@@ -70,7 +70,11 @@ def parse_args() -> Args:
     if args.mode not in ("choose", "write"):
         parser.error(f"--mode must be choose or write, got {args.mode!r}")
     if args.quick:
-        args.levels, args.train_games, args.eval_games, args.starts, args.group = "2", 2, 2, 2, 2
+        # level 1 (one room: the coin is won by `take coin` among 4 commands), choices near uniform (a random model
+        # gives a long command a far lower log-prob), so that the episodes of a group differ in choose mode and
+        # grpo_turns takes steps
+        args.levels, args.train_games, args.eval_games, args.starts, args.group = "1", 2, 2, 1, 4
+        args.temperature = 100.0
         args.updates, args.max_turns, args.eval_every, args.objective = 2, 2, 1, False
         args.max_prompt_tokens = 440
     return args
