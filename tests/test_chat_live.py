@@ -139,7 +139,29 @@ def test_episodes_of_several_environments_are_token_exact_trajectories(run, mode
         torch.testing.assert_close(scored[mask], recorded[mask], atol=1e-5, rtol=0)
     with pytest.raises(Exception, match="mode must be one of"):
         run.run_episodes(envs, mode="act", llm="chat")
+    with pytest.raises(Exception, match=r"envs\[2\] is the same object as envs\[0\]"):
+        run.run_episodes([envs[0], envs[1], envs[0]], mode=mode, llm="chat")
     with pytest.raises(Exception, match="generate_kwargs set how mode 'write' generates"):
         run.run_episodes(envs, mode="choose", llm="chat", generate_kwargs={"max_new_tokens": 3})
     with pytest.raises(Exception, match="max_turns must be an int >= 1"):
         run.run_episodes(envs, mode=mode, llm="chat", max_turns=0)
+
+
+def test_gymnasium_environments_truncate_and_misshapen_steps_are_refused_by_name(run):
+    """gymnasium's 5-value step: ``truncated`` ends the episode as cut short (``Episode.truncated``), ``terminated``
+    as done; a step of another shape is refused naming the environment."""
+    from testkit.envs import DoorEnv, GymnasiumDoorEnv, ThreeValueEnv
+
+    episodes = run.run_episodes([GymnasiumDoorEnv(0, cut=2), DoorEnv(1, turns=2)], mode="choose", max_turns=5,
+                                seed=1, llm="chat")
+    assert [len(e.actions) for e in episodes] == [2, 2] and all(e.done for e in episodes)
+    assert [e.truncated for e in episodes] == [True, False]
+    with pytest.raises(Exception, match=r"envs\[1\]\.step\(\) must return \(observation, reward, terminated, "):
+        run.run_episodes([DoorEnv(0), ThreeValueEnv(1)], mode="choose", llm="chat")
+
+
+def test_a_bare_string_as_a_chat_contexts_candidates_is_refused_not_split_into_characters(run):
+    context = [{"role": "user", "content": "You see a door."}]
+    with pytest.raises(Exception, match=r"candidates\[0\] must be a list of candidates"):
+        run.score([context], ["open door"], llm="chat")
+    assert len(run.score([context], [["open door"]], llm="chat")[0]) == 1  # still serving

@@ -89,7 +89,8 @@ def render(contexts, candidates, tokenizer_of, llm: str):
         ids = tokenizer.apply_chat_template(check_messages(context, f"contexts[{i}]"), add_generation_prompt=True,
                                             tokenize=True)
         contexts[i] = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-        if candidates is not None and i < len(candidates) and isinstance(candidates[i], Sequence):
+        if candidates is not None and i < len(candidates) and isinstance(candidates[i], Sequence) and \
+                not isinstance(candidates[i], (str, bytes)):  # a bare string: check_candidates refuses it
             candidates[i] = [tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else c
                              for c in candidates[i]]
     return contexts, candidates

@@ -1,9 +1,10 @@
 """Multi-turn episodes of text environments with an LLM as the agent: a small environment protocol, and a runner
 that steps N environments while the servers compute the other environments' actions.
 
-An environment is any object with ``reset() -> (observation, info)`` and ``step(action) -> (observation, reward,
-done, info)`` (gymnasium's shape, with text for observations and actions); ``info["admissible_actions"]`` lists the
-actions it accepts now, when it knows them. :func:`run_episodes` plays one episode in each environment, each a
+An environment is any object with ``reset() -> (observation, info)`` and ``step(action)`` returning gymnasium's
+``(observation, reward, terminated, truncated, info)`` or gym's older ``(observation, reward, done, info)``, with
+text for observations and actions; ``info["admissible_actions"]`` lists the actions it accepts now, when it knows
+them. Each episode needs its own environment object. :func:`run_episodes` plays one episode in each environment, each a
 token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, in one of two action modes:
 
 - ``"choose"``: ``score`` the admissible actions (each followed by the token that ends the model's turn in the chat
@@ -41,7 +42,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)
     infos: list[dict] = field(default_factory=list)
     done: bool = False
-    truncated: bool = False  # ended by max_turns or max_prompt_tokens, not by the environment
+    truncated: bool = False  # cut short: by max_turns or max_prompt_tokens, or by the environment's `truncated`
     _info: dict = field(default_factory=dict, repr=False)  # the latest info (admissible actions)
 
     @property
@@ -70,13 +71,19 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
     if not envs:
         raise ValueError("run_episodes needs at least one environment")
+    seen: dict[int, int] = {}
+    for i, env in enumerate(envs):
+        if id(env) in seen:
+            raise ValueError(f"envs[{i}] is the same object as envs[{seen[id(env)]}]: each episode steps its own "
+                             "environment (make one per episode, e.g. [make_env() for _ in range(n)])")
+        seen[id(env)] = i
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0: the most likely action, greedy decoding), got {temperature!r}")
     tokenizer = caller.get_tokenizer(llm)
     rng = random.Random(seed)
     episodes = []
-    for env in envs:
-        observation, info = env.reset()
+    for i, env in enumerate(envs):
+        observation, info = _reset(env, i)
         start = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
         episodes.append(Episode(Trajectory(tokenizer, start), _info=dict(info or {})))
     halves = [list(range(0, len(envs), 2)), list(range(1, len(envs), 2))]
@@ -115,7 +122,7 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
             for i, result in zip(active, future.result()):
                 action, sample = (_written(result) if mode == "write" else
                                   _chosen(result, _admissible(episodes[i], i), temperature, rng))
-                _play(envs[i], episodes[i], action, sample, max_turns)
+                _play(envs[i], i, episodes[i], action, sample, max_turns)
             pending[h] = submit(halves[h])  # this half's next actions compute while the other half steps
     return episodes
 
@@ -150,15 +157,31 @@ def _chosen(result: dict, actions: list[str], temperature: float, rng: random.Ra
     return actions[k], {"tokens": result["tokens"][k].tolist(), "logprobs": result["logprobs"][k].tolist()}
 
 
-def _play(env, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
+def _reset(env, index: int):
+    result = env.reset()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"envs[{index}].reset() must return (observation, info), as gymnasium's does; got "
+                        f"{type(result).__name__}{f' of {len(result)}' if isinstance(result, tuple) else ''}")
+    return result
+
+
+def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
     episode.trajectory.add_sample(sample)
-    observation, reward, done, info = env.step(action)
+    result = env.step(action)
+    if isinstance(result, tuple) and len(result) == 5:  # gymnasium
+        observation, reward, terminated, cut, info = result
+    elif isinstance(result, tuple) and len(result) == 4:  # gym before 0.26
+        (observation, reward, terminated, info), cut = result, False
+    else:
+        raise TypeError(f"envs[{index}].step() must return (observation, reward, terminated, truncated, info) or "
+                        f"(observation, reward, done, info); got {type(result).__name__}"
+                        f"{f' of {len(result)}' if isinstance(result, tuple) else ''}")
     episode.actions.append(action)
     episode.rewards.append(float(reward))
     episode.infos.append(dict(info or {}))
     episode._info = dict(info or {})
-    episode.done = bool(done) or len(episode.actions) >= max_turns
-    episode.truncated = episode.done and not done
+    episode.done = bool(terminated) or bool(cut) or len(episode.actions) >= max_turns
+    episode.truncated = episode.done and not terminated
     if not episode.done:
         episode.trajectory.add_message(observation)
 

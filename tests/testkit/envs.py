@@ -1,4 +1,5 @@
-"""A tiny text environment for the multi-turn tests: :class:`DoorEnv`, deterministic, with admissible actions.
+"""Tiny text environments for the multi-turn tests: :class:`DoorEnv`, deterministic, with admissible actions (and
+its gymnasium-shaped and misshapen variants).
 
 Reward 1 for ``"open door"``, 0 for anything else; the episode ends after ``turns`` steps. Observations name the
 room and the last action, so every turn's message differs. Test code, never shipped.
@@ -23,3 +24,23 @@ class DoorEnv:
         self.log.append(action)
         reward = 1.0 if action == "open door" else 0.0
         return f"You chose: {action}.", reward, self.steps >= self.turns, {"admissible_actions": list(ACTIONS)}
+
+
+class GymnasiumDoorEnv(DoorEnv):
+    """:class:`DoorEnv` with gymnasium's 5-value ``step``: it says ``truncated`` (not ``terminated``) after ``cut``
+    steps."""
+
+    def __init__(self, room: int, cut: int = 2):
+        super().__init__(room, turns=100)
+        self.cut = cut
+
+    def step(self, action: str):
+        observation, reward, _, info = super().step(action)
+        return observation, reward, False, self.steps >= self.cut, info
+
+
+class ThreeValueEnv(DoorEnv):
+    """A misshapen environment: ``step`` returns 3 values."""
+
+    def step(self, action: str):
+        return super().step(action)[:3]
