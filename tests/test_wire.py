@@ -112,3 +112,20 @@ def test_both_sides_prove_the_secret_and_the_rank_is_authenticated():
     # A rank the listener does not expect is refused even with the right secret.
     accepted, conn = _handshake(b"k" * 32, b"k" * 32, rank=9, wanted=lambda r: r == 2)
     assert accepted is None
+
+
+def test_a_long_error_is_cut_to_fit_its_header_and_the_link_goes_on():
+    """An updater that raises with a long list in its message: the reply (its error in the JSON header) is cut in
+    the middle, arrives, and the next message still does (a header over 64 KiB used to end the link)."""
+    left, right = _pair()
+    for text in ("x" * 200_000, "é" * 50_000):  # 6 bytes of JSON for each non-ASCII character
+        error = messages.ErrorInfo("ValueError", f"rewards must be numbers, got {text} (end)", "Traceback\n" + text)
+        messages.send(left, messages.Reply(7, 1, error=error))
+        got = messages.receive(right)
+        assert got.error.message.startswith("rewards must be numbers, got ") and got.error.message.endswith("(end)")
+        assert "characters cut" in got.error.message and len(got.error.message) < 24_000
+        assert got.error.traceback.startswith("Traceback") and "characters cut" in got.error.traceback
+    messages.send(left, messages.Reply(8, 1, value=3))
+    assert messages.receive(right).value == 3
+    with pytest.raises(frames.FrameTooLarge, match="message header of .* bytes is over"):
+        frames.encode({"type": "request", "kind": "x" * 70_000})

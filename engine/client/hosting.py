@@ -18,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from llmrl.engine.client.links import ServerLinks, on_reader_thread
+from llmrl.engine.client.call_future import on_reader_thread
+from llmrl.engine.client.links import ServerLinks
 from llmrl.engine.config import Config
 from llmrl.engine.config.topology import replica_ranks, server_roles
 from llmrl.engine.errors import InvalidArgument, LLMClosedError

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from llmrl.engine.client.call_future import READER_PREFIX, CallFuture
 from llmrl.engine.errors import InvalidArgument, RequestError, ServerDiedError
 from llmrl.engine.log import logger
 from llmrl.engine.transport import frames, messages
@@ -112,7 +113,7 @@ class ServerLinks:
             self._links[rank] = link
             self.hellos[rank] = hello
             self._lock.notify_all()
-        threading.Thread(target=self._read_loop, args=(rank, link), name=f"llmrl-read-{rank}", daemon=True).start()
+        threading.Thread(target=self._read_loop, args=(rank, link), name=f"{READER_PREFIX}{rank}", daemon=True).start()
 
     def wait_connected(self, timeout: float, on_progress: Callable[[int, int], None] | None = None) -> None:
         """Block until every server rank has connected; raise if one died or the time ran out."""
@@ -248,7 +249,7 @@ class ServerLinks:
         Returns a future of ``assemble({rank: value})``, or of the first error. A payload that cannot be encoded
         or is over ``max_message_bytes`` raises here, before anything is sent.
         """
-        future: Future = Future()
+        future: Future = CallFuture()
         expected = frozenset(r for ranks, _ in parts for r in ranks)
         if not expected:
             future.set_result(assemble({}))
@@ -370,11 +371,6 @@ class ServerLinks:
     @property
     def closing(self) -> bool:
         return self._closing
-
-
-def on_reader_thread() -> bool:
-    """Whether this is a thread that reads a rank's replies (and so runs the done-callbacks of their futures)."""
-    return threading.current_thread().name.startswith("llmrl-read-")
 
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> None:

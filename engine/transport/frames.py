@@ -37,7 +37,7 @@ PREFIX = struct.Struct("!IQI")  # header length, body length, buffer count
 LENGTH = struct.Struct("!Q")
 NONCE = auth.NONCE
 RANK = auth.RANK
-_SMALL = 1 << 16
+_SMALL = 1 << 16  # also the most a frame's JSON header may take (messages.to_frame keeps errors under it)
 _CHUNK = 1 << 22
 DEFAULT_MAX_BYTES = 4 << 30
 
@@ -92,6 +92,9 @@ class _Pickler(pickle.Pickler):
 def encode(header: dict, body=None) -> list:
     """The byte buffers of one frame: ``header`` (JSON-able) and ``body`` (any picklable object)."""
     head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > _SMALL:
+        raise FrameTooLarge(f"a message header of {len(head)} bytes is over the {_SMALL} bytes a header may take "
+                            "(large values travel in the body)")
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(body)
@@ -167,7 +170,10 @@ class Connection:
         head_len, body_len, count = PREFIX.unpack(self._recv_exact(PREFIX.size, mac))
         lengths = [LENGTH.unpack(self._recv_exact(LENGTH.size, mac))[0] for _ in range(count)]
         total = PREFIX.size + count * LENGTH.size + head_len + body_len + sum(lengths)
-        if total > self.max_bytes or head_len > _SMALL:
+        if head_len > _SMALL:
+            raise FrameTooLarge(f"the peer announced a message header of {head_len} bytes, over the {_SMALL} bytes "
+                                "a header may take")
+        if total > self.max_bytes:
             raise FrameTooLarge(f"the peer announced a message of {total} bytes, over the limit of {self.max_bytes} "
                                 "bytes (max_message_bytes in the config)")
         head = self._recv_exact(head_len, mac)

@@ -73,12 +73,28 @@ def to_frame(message) -> tuple[dict, Any]:
     if isinstance(message, Request):
         return {"type": "request", "id": message.id, "kind": message.kind}, message.payload
     if isinstance(message, Reply):
-        error = None if message.error is None else asdict(message.error)
+        error = None if message.error is None else _bounded(asdict(message.error))
         return {"type": "reply", "id": message.id, "rank": message.rank, "error": error}, message.value
     for name, cls in _SMALL_TYPES.items():
         if isinstance(message, cls):
             return {"type": name, **asdict(message)}, None
     raise TypeError(f"not a message: {type(message).__name__}")
+
+
+_ERROR_BYTES = 24_000  # the most an error's message, and its traceback, take in JSON: a header holds 64 KiB
+
+
+def _bounded(error: dict) -> dict:
+    """An error whose message and traceback are each cut in the middle to at most ``_ERROR_BYTES`` bytes of JSON
+    (an updater may raise with a long list in its message; the reply's header must still fit)."""
+    import json
+
+    for key in ("message", "traceback"):
+        text, half = error[key], _ERROR_BYTES // 2
+        while len(json.dumps(error[key])) > _ERROR_BYTES:  # up to 6 bytes of JSON a character
+            half //= 2
+            error[key] = f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+    return error
 
 
 def from_frame(header: dict, body: Any):
