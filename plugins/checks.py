@@ -244,8 +244,11 @@ def check_contract(kind: str, cls, name: str) -> str | None:
     has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(required) > len(expected) or (len(positional) < len(expected) and not has_var):
         got = ", ".join(p.name for p in params)
+        extra = [p.name for p in required[len(expected):]]
+        hint = (f"; a head's other arguments come from a call's head_kwargs, which may leave them out: give "
+                f"{', '.join(extra)} a default (e.g. {extra[0]}=None)" if kind == "head" and extra else "")
         return (f"{kind} {name!r} ({cls.__qualname__}): {hook}({got}) does not match the contract "
-                f"{hook}({', '.join(expected)})")
+                f"{hook}({', '.join(expected)}){hint}")
     return None
 
 

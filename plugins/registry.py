@@ -121,6 +121,11 @@ def resolve(kind: str, name: str):
                               f"installed {kind}s: "
                               f"{', '.join(available) or 'none'} (entry-point group {GROUPS[kind]}); "
                               "local classes can be named module:Class or __main__:Class")
+        targets = sorted({ep.value for ep in importlib.metadata.entry_points(group=GROUPS[kind], name=name)})
+        if len(targets) > 1:  # which one importlib returns last depends on sys.path's order: never guess
+            raise PluginError(f"{kind} plugin {name!r} is registered by several installed packages, with different "
+                              f"targets: {', '.join(targets)}; name the one you mean as module:attr (e.g. "
+                              f"{targets[0]}), or uninstall the other (`llmrl plugins` lists them)")
         try:
             cls = eps[name].load()
         except Exception as err:

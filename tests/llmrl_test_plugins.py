@@ -153,6 +153,35 @@ class TokenProbeHead(Head):
                 "logprob": outputs.token_logprobs + kwargs.get("offset", 0.0)}
 
 
+class PolicyEntropyHead(Head):
+    """Context level, reading a context's candidates together: the entropy of the softmax policy over them."""
+
+    level = "context"
+    needs_context_hidden = False
+
+    def forward(self, outputs):
+        scores, mask = outputs.scores_by_context()
+        logp = torch.log_softmax(scores, -1).masked_fill(~mask, 0)
+        return -(logp.exp() * logp).sum(-1)
+
+
+class CandidateBonusHead(Head):
+    """Candidate level: each candidate's log pi (the log-softmax over the candidates its context has here) and the
+    entry of ``bonus`` at its position (one list of values per context, one per candidate), as ``[log_pi, bonus]``
+    rows."""
+
+    level = "candidate"
+    needs_context_hidden = False
+
+    def forward(self, outputs, bonus=None):
+        scores, mask = outputs.scores_by_context()
+        log_pi = torch.log_softmax(scores, -1)[mask]
+        counts = mask.sum(-1).tolist()
+        given = torch.tensor([float(bonus[c][j]) for c in range(outputs.num_contexts) for j in range(counts[c])],
+                             dtype=log_pi.dtype)
+        return torch.stack([log_pi, given], -1)
+
+
 class BadRowsHead(Head):
     """Returns a dict whose entry 'bad' has one row per context although the head is candidate-level."""
 

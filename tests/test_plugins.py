@@ -177,3 +177,29 @@ def test_the_arguments_updaters_share_are_checked_alike():
         assert checks.args_problem(cls, {"clip_eps": 0}, "u") == "clip_eps: 0 is less than or equal to the minimum of 0"
     with pytest.raises(KeyError, match="epohcs"):
         updater_schema("epohcs")
+
+
+def test_a_name_two_packages_register_with_different_targets_is_refused_naming_both(fake_distribution):
+    """Which entry point importlib returns last depends on sys.path's order: a review's run got another package's
+    `value` head and `ppo` updater without a word. Now refused, naming both targets."""
+    dist = fake_distribution / "shadowing_llmrl_plugins-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shadowing-llmrl-plugins\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[llmrl.heads]\nvalue = fake_llmrl_module:FakeHead\n")
+    with pytest.raises(PluginError, match="head plugin 'value' is registered by several installed packages, with "
+                                          "different targets: fake_llmrl_module:FakeHead, llmrl.plugins"):
+        registry.resolve("head", "value")
+    assert registry.resolve("head", "fake_llmrl_module:FakeHead").__name__ == "FakeHead"  # named exactly: fine
+    assert registry.resolve("head", "fake_head").__name__ == "FakeHead"  # one target (found once per path entry)
+
+
+def test_a_head_whose_forward_requires_a_keyword_is_told_to_give_it_a_default():
+    from llmrl.plugins import Head
+
+    class NeedsBonus(Head):
+        def forward(self, outputs, bonus):
+            return bonus
+
+    assert checks.contract_problem("head", NeedsBonus, "needs_bonus").endswith(
+        "does not match the contract forward(outputs); a head's other arguments come from a call's head_kwargs, "
+        "which may leave them out: give bonus a default (e.g. bonus=None)")

@@ -135,14 +135,21 @@ def fake_entries(request):
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_score_send_cuts_a_context_and_joins_it_back(lockstep):
     candidates = [[f" c{i}" for i in range(7)], [" c0"]]
-    request = score.ScoreRequest(["ctx", "ab"], candidates, ("value", "q"))
     run = FakeRun(3, fake_entries, lockstep)
-    result = score.send(run, "m", request, score.Finish(normalize=True), {"value": "context", "q": "candidate"}
+    result = score.send(run, "m", score.ScoreRequest(["ctx", "ab"], candidates), score.Finish(normalize=True), {}
                         ).result()
     sent = [payload.candidates for _, payload in run.parts]
     # costs (characters): 3.43 per candidate of context 0 (3 + its share of "ctx"), 5 for context 1; 9.67 each
     assert sent == [[candidates[0][:3]], [candidates[0][3:6]], [candidates[0][6:], candidates[1]]]
     want = -torch.arange(7.0)
+    torch.testing.assert_close(result[0], want - torch.logsumexp(want, 0))
+    assert float(result[1]) == 0.0
+    # With heads every context stays whole (a head may read a context's candidates together)
+    run = FakeRun(3, fake_entries, lockstep)
+    request = score.ScoreRequest(["ctx", "ab"], candidates, ("value", "q"))
+    result = score.send(run, "m", request, score.Finish(normalize=True), {"value": "context", "q": "candidate"}
+                        ).result()
+    assert [payload.candidates for _, payload in run.parts if payload.contexts] == [[candidates[0]], [candidates[1]]]
     torch.testing.assert_close(result[0]["score"], want - torch.logsumexp(want, 0))
     assert torch.equal(result[0]["q"], torch.arange(7.0)[:, None]) and float(result[0]["value"]) == 3.0
     assert float(result[1]["score"]) == 0.0 and float(result[1]["value"]) == 2.0

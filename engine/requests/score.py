@@ -89,12 +89,14 @@ class Finish:
         return out
 
 
-def plan_shares(contexts: list[str], candidates: list[list[str]] | None, replicas: int) -> list[list[Piece]]:
+def plan_shares(contexts: list[str], candidates: list[list[str]] | None, replicas: int,
+                cut_contexts: bool = True) -> list[list[Piece]]:
     """Each replica's pieces of the call. The cost of a context is its length plus, per candidate, the
     candidate's length and an eighth of the context's (characters stand in for tokens). A context whose cost is
-    above ``total / replicas`` and that has two candidates or more is cut between candidates; everything else
-    stays whole; the pieces then go to replicas in contiguous ranges of roughly equal cost. (Token ids count four
-    characters each.)"""
+    above ``total / replicas`` and that has two candidates or more is cut between candidates (unless
+    ``cut_contexts`` is False: a call with heads, which may read a context's candidates together, or be given one
+    value per candidate); everything else stays whole; the pieces then go to replicas in contiguous ranges of
+    roughly equal cost. (Token ids count four characters each.)"""
     def cost(i: int) -> float:
         return _size(contexts[i]) + (sum(_size(x) + _size(contexts[i]) // 8 for x in candidates[i])
                                      if candidates else 0)
@@ -104,7 +106,7 @@ def plan_shares(contexts: list[str], candidates: list[list[str]] | None, replica
     atoms, costs = [], []
     for i, context in enumerate(contexts):
         cands = candidates[i] if candidates is not None else []
-        if totals[i] > fair and len(cands) > 1:  # every piece encodes the context: spread its cost
+        if cut_contexts and totals[i] > fair and len(cands) > 1:  # every piece encodes the context: spread its cost
             atoms += [Piece(i, j, j + 1) for j in range(len(cands))]
             costs += [_size(x) + _size(context) // 8 + _size(context) / len(cands) for x in cands]
         else:
@@ -159,7 +161,9 @@ def send(run: Run, llm: str, request: ScoreRequest, finish: Finish, head_levels:
     """Split ``request`` over ``llm``'s replicas; a future of ``finish(entries)``, one entry per context.
     ``head_levels`` gives each head key's level (``"context"`` or ``"candidate"``), for merging pieces."""
     contexts, candidates = request.contexts, request.candidates
-    shares = plan_shares(contexts, candidates, len(run.replicas(llm)))
+    # A head sees the candidates of its call's piece only: with heads, every context stays whole on one replica
+    # (a head may read a context's candidates together, as a softmax over them does, or index per-candidate values).
+    shares = plan_shares(contexts, candidates, len(run.replicas(llm)), cut_contexts=not request.heads)
 
     def share(pieces: list[Piece]) -> ScoreRequest:
         kwargs = request.head_kwargs

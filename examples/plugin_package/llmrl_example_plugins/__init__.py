@@ -44,7 +44,10 @@ class ReinforceUpdater(Updater):
 
     def update(self, batch, trainer):
         returns_all = torch.as_tensor(batch.kwargs["returns"], dtype=torch.float32)
-        baseline = returns_all.mean() if self.baseline and len(batch) else torch.tensor(0.0)
+        baseline = torch.tensor(0.0)
+        if self.baseline:  # the mean return of the whole batch, over every replica's share (the same everywhere)
+            total, count = trainer.sum_across_replicas([float(returns_all.sum()), float(len(returns_all))])
+            baseline = (total / count.clamp(min=1)).float()
         total = 0.0
         for mb in batch.minibatches(trainer.micro_batch_size):
             out = trainer.forward(mb.contexts, mb.candidates)
@@ -56,5 +59,5 @@ class ReinforceUpdater(Updater):
             loss = mb.mean(-(returns - baseline.to(logp.device)) * chosen)
             trainer.backward(loss)
             trainer.step()
-            total += float(loss)
+            total += float(loss.detach())
         return {"loss": total}
