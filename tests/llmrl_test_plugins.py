@@ -228,6 +228,13 @@ class NoForwardHead(torch.nn.Module):
         super().__init__()
 
 
+class NotAModelInitializer(Initializer):
+    """Returns the model's class name instead of the model (a plugin bug the server must name)."""
+
+    def initialize(self, model, llm):
+        return type(model).__name__
+
+
 class SlowSaves(Initializer):
     """Test hook, applied by monkeypatching on the server: every checkpoint save after the first ``fast_saves``
     sleeps ``seconds`` after writing DeepSpeed's part (so that a test can kill the run in the middle of a save).

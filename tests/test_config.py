@@ -118,6 +118,8 @@ BROKEN = [
     ("llms.main.heads", {"score": "value"}, "llms.main.heads.score", "collides with the 'score' entry of score()'s "
      "results"),
     ("llms.main.heads", {"logprobs": "value"}, "llms.main.heads.logprobs", "rename the head, e.g. 'logprobs_head'"),
+    ("llms.main.heads", {"half": "value"}, "llms.main.heads.half", "'half' is the name of a torch.nn.Module "
+     "attribute or method"),  # the ModuleDict failed at start-up with a KeyError naming nothing
 ]
 
 

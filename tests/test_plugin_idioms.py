@@ -4,6 +4,7 @@ an entry of ``score()``'s results."""
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -209,4 +210,14 @@ def test_a_head_key_that_score_results_use_is_refused(tiny, key):
     assert f"rename the head, e.g. '{key}_head'" in problems[f"llms.main.heads.{key}"]
     assert "llms.main.heads.v" not in problems
     with pytest.raises(PluginError, match=f"Caller\\(heads=...\\): head key {key!r} collides"):
+        Caller(heads={key: "value"})
+
+
+@pytest.mark.parametrize("key,words", [("half", "'half' is the name of a torch.nn.Module attribute or method"),
+                                       ("a.b", "must be a non-empty string without '.'"),
+                                       (3, "head key 3 must be a non-empty string")])
+def test_a_head_key_the_heads_module_dict_cannot_hold_is_refused_by_name(key, words):
+    """A key such as 'half' or 'train' failed at start-up inside torch's ModuleDict with a KeyError naming neither
+    the head nor the field."""
+    with pytest.raises(PluginError, match=f"Caller\\(heads=...\\): .*{re.escape(words)}"):
         Caller(heads={key: "value"})

@@ -234,3 +234,13 @@ def test_head_defined_in_the_rl_script(tmp_path, tiny):
     assert report == [{"from_config": 3.0, "from_caller": 4.0}] * 2
     assert len(glob.glob(f"{out}.main.*")) == 1  # the RL loop ran on the client only
     assert len(glob.glob(f"{out}.imported.*")) == 2  # client + the server that imported the script for its head
+
+
+def test_an_initializer_that_returns_no_model_is_named(tiny):
+    """It failed with "AttributeError: 'str' object has no attribute 'config'", naming no plugin."""
+    from testkit import LiveRun
+
+    with pytest.raises(Exception, match="initializer 'llmrl_test_plugins:NotAModelInitializer' returned str, not the "
+                                        "model"):
+        LiveRun({"llms": {"main": {"model": tiny["llama"], "initializers": [
+            "llmrl_test_plugins:NotAModelInitializer"]}}, "threads_per_rank": 1})

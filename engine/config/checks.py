@@ -48,8 +48,16 @@ RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
 
 
 def head_key_problem(key: str) -> str | None:
-    """Why ``key`` cannot name a head (its output would silently replace an entry of score()'s results), or None."""
+    """Why ``key`` cannot name a head (its output would silently replace an entry of score()'s results, or the
+    heads' ``torch.nn.ModuleDict`` would refuse it), or None."""
     if key not in RESERVED_HEAD_KEYS:
+        if not isinstance(key, str) or not key or "." in key:
+            return f"head key {key!r} must be a non-empty string without '.' (it names a torch submodule)"
+        import torch  # only for a config that has heads
+
+        if hasattr(torch.nn.ModuleDict(), key):
+            return (f"head key {key!r} is the name of a torch.nn.Module attribute or method, which the heads' "
+                    f"ModuleDict cannot take as a key; rename the head, e.g. {key + '_head'!r}")
         return None
     return (f"head key {key!r} collides with the {key!r} entry of score()'s results (one dict per context holding "
             f"{', '.join(repr(k) for k in RESERVED_HEAD_KEYS)} and each head's output by key): the head's output would "

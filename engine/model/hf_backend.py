@@ -73,9 +73,9 @@ class HFBackend(ModelBackend):
             except Exception as err:
                 raise plugin_error(f"initializer {spec.plugin!r} failed: {type(err).__name__}: {err}",
                                    spec.plugin) from err
-            if model is None:
-                raise plugin_error(f"initializer {spec.plugin!r} returned None; initialize() must return the model",
-                                   spec.plugin)
+            if not isinstance(model, torch.nn.Module):
+                raise plugin_error(f"initializer {spec.plugin!r} returned {type(model).__name__}, not the model: "
+                                   "initialize(model, llm) must return the model (changed or not)", spec.plugin)
         self.model = model
         self.adapters = sorted(getattr(model, "peft_config", {}) or {})
         self.head_specs = {**self.llm.heads, **script_plugins.get("heads", {})}
