@@ -93,7 +93,7 @@ def _bounded(error: dict) -> dict:
         text, half = error[key], _ERROR_BYTES // 2
         while len(json.dumps(error[key])) > _ERROR_BYTES:  # up to 6 bytes of JSON a character
             half //= 2
-            error[key] = f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+            error[key] = f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[len(text) - half:]}"
     return error
 
 

@@ -46,8 +46,8 @@ class ReinforceUpdater(Updater):
         returns_all = torch.as_tensor(batch.kwargs["returns"], dtype=torch.float32)
         baseline = torch.tensor(0.0)
         if self.baseline:  # the mean return of the whole batch, over every replica's share (the same everywhere)
-            total, count = trainer.sum_across_replicas([float(returns_all.sum()), float(len(returns_all))])
-            baseline = (total / count.clamp(min=1)).float()
+            summed, count = trainer.sum_across_replicas([float(returns_all.sum()), float(len(returns_all))])
+            baseline = (summed / count.clamp(min=1)).float()
         total = 0.0
         for mb in batch.minibatches(trainer.micro_batch_size):
             out = trainer.forward(mb.contexts, mb.candidates)
