@@ -5,7 +5,8 @@ batches are bounded like a forward pass: rows x (prompt + new tokens) within the
 prefills each prompt once and then feeds one token per row, so its batches have two different bounds: the prefill,
 each prompt once, within ``token_budget``; and the key/value cache, rows x (prompt + new tokens) entries, within
 ``generation.cache_mb`` (at the model's bytes per cached token). Rows stay within ``max_rows`` (the LLM's
-``minibatch_size``, or the request's). On a GPU a decode step costs about the same for 8 rows as for 64: with the
+``minibatch_size``, or the request's), except that one prompt's ``num_return`` rows always form one batch, whatever
+the bounds say (they share its prefill). On a GPU a decode step costs about the same for 8 rows as for 64: with the
 forward pass's bound, a group of 8 x 8 samples of 512 tokens ran as eight batches of 8 rows.
 
 This module plans; it runs nothing.
