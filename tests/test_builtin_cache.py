@@ -328,7 +328,7 @@ def test_llmrl_cache_on_an_empty_cache(cache, capsys):
 ])
 def test_a_failed_build_installs_nothing_and_leaves_no_staging(cache, monkeypatch, child, error):
     real_call = subprocess.call
-    monkeypatch.setattr(bm.subprocess, "call", lambda cmd: real_call([sys.executable, "-c", child]))
+    monkeypatch.setattr(bm.subprocess, "call", lambda cmd, **kwargs: real_call([sys.executable, "-c", child], **kwargs))
     with pytest.raises(mc.CacheError, match=re.escape(error)):
         bm.prepare_builtin(NAME)
     assert os.listdir(cache) == []
