@@ -74,7 +74,8 @@ def preference(caller: Caller, held_out) -> dict:
     n, rate, z = len(wins), sum(wins) / len(wins), 1.96
     centre = (rate + z * z / (2 * n)) / (1 + z * z / n)  # Wilson's interval: sound at 0% and 100% too
     half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return {"rate": rate, "ci95": [centre - half, centre + half], "pairs": n}
+    low, high = max(0.0, min(rate, centre - half)), min(1.0, max(rate, centre + half))  # holds rate at 100% too
+    return {"rate": rate, "ci95": [low, high], "pairs": n}
 
 
 def main() -> None:

@@ -202,8 +202,8 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
 def before_after_bars(axis, before: dict, after: dict, key: str = "mean_reward") -> None:
     """A held-out measure (``key``) before and after training as two bars, with their 95% intervals."""
     values = [before[key], after[key]]
-    errors = [[v - e["ci95"][0] for v, e in zip(values, (before, after))],
-              [e["ci95"][1] - v for v, e in zip(values, (before, after))]]
+    errors = [[max(0.0, v - e["ci95"][0]) for v, e in zip(values, (before, after))],  # never below 0 (rounding)
+              [max(0.0, e["ci95"][1] - v) for v, e in zip(values, (before, after))]]
     axis.bar(["before", "after"], values, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
 
 

@@ -44,3 +44,14 @@ def test_boolean_defaults_can_be_turned_either_way(monkeypatch):
     assert babyai.Args().walls is False and parsed(babyai, ["--walls"], monkeypatch).walls is True
     assert parsed(babyai, ["--walls", "--no-walls"], monkeypatch).walls is False
     assert parsed(babyai, ["--normalize-advantages"], monkeypatch).normalize_advantages is True
+
+
+@pytest.mark.parametrize("name", ["ppo_babyai", "textworld_agent"])
+def test_the_success_rates_interval_holds_the_rate_at_every_count(name):
+    """Wilson's upper bound at 100% came out 0.9999999999999999 (float rounding): the plot's error bar went negative
+    and matplotlib refused it, after a whole run (a review's DPO-in-script run, whose interval is the same)."""
+    wilson = example(name).wilson
+    for n in range(1, 200):
+        for successes in range(n + 1):
+            low, high = wilson(successes, n)
+            assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
