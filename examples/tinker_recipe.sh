@@ -21,5 +21,10 @@ from llmrl.engine.model.store.loading import resolve_model_path
 llm = next(iter(yaml.safe_load(open(sys.argv[1]))['llms'].values()))
 print(resolve_model_path(llm.get('tokenizer') or llm['model']))" "$CONFIG")
 echo "llmrl tinker: serving at $(cat "$DIR/url") (log: $DIR/service.log); running $MODULE" >&2
+# An existing log_path is the user's: the recipe stops rather than delete it (pass behavior_if_log_dir_exists=resume
+# or =delete yourself to choose otherwise).
+EXISTING=raise
+for arg in "$@"; do [[ $arg == behavior_if_log_dir_exists=* ]] && EXISTING=; done
 TINKER_BASE_URL=$(cat "$DIR/url") TINKER_API_KEY=tml-local TINKER_TELEMETRY=0 \
-    .venv/bin/python -m "$MODULE" model_name="$MODEL" renderer_name=role_colon behavior_if_log_dir_exists=delete "$@"
+    .venv/bin/python -m "$MODULE" model_name="$MODEL" renderer_name=role_colon \
+    ${EXISTING:+behavior_if_log_dir_exists=$EXISTING} "$@"

@@ -172,6 +172,10 @@ def main(request: RunRequest) -> int:
     from llmrl.engine.transport.rendezvous import free_port
 
     options = request.options
+    if options.script and not os.path.isfile(options.script):
+        print(f"llmrl: the script {options.script} is not a file (looked in {os.getcwd()}); give its path, or "
+              "-m MODULE for a module", file=sys.stderr)
+        return 2
     try:
         # without a hostfile every rank runs here: `devices: auto` is checked against this machine's GPUs now
         config = load_config(options.config, options.overrides, single_node=True if not options.hostfile else None)

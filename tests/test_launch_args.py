@@ -108,8 +108,16 @@ def nothing_starts(monkeypatch):
     monkeypatch.setattr(llmrl.launch.run, "supervise", refuse)
 
 
-def test_dry_run_prints_every_nodes_command(tmp_path, capsys, nothing_starts):
+def script_here(folder, monkeypatch, name: str) -> None:
+    """Work in ``folder``, where a script ``name`` exists (`llmrl run` refuses a script that is not a file)."""
+    monkeypatch.chdir(folder)
+    (folder / name).write_text("")
+
+
+def test_dry_run_prints_every_nodes_command(tmp_path, capsys, nothing_starts, monkeypatch):
     from llmrl.launch.cli import main
+
+    script_here(tmp_path, monkeypatch, "train.py")
 
     config = _config_with(tmp_path, 4)
     hostfile = tmp_path / "hosts"
@@ -130,8 +138,12 @@ def test_dry_run_prints_every_nodes_command(tmp_path, capsys, nothing_starts):
     assert "# node 1, gpu-a02, ranks 2-3 (this command):" in notes
 
 
-def test_dry_run_refuses_what_the_run_would_refuse(tmp_path, capsys, nothing_starts):
+def test_dry_run_refuses_what_the_run_would_refuse(tmp_path, capsys, nothing_starts, monkeypatch):
     from llmrl.launch.cli import main
+
+    assert main(["run", "--config", _config_with(tmp_path, 4), "--dry-run", "s.py"]) == 2  # checked, not started
+    assert "the script s.py is not a file" in capsys.readouterr().err
+    script_here(tmp_path, monkeypatch, "s.py")
 
     config = _config_with(tmp_path, 4)
     hostfile = tmp_path / "hosts"
@@ -207,6 +219,7 @@ def test_the_issue_command_line_reaches_the_launcher_whole(tmp_path, capsys, mon
 
     from llmrl.launch.cli import main
 
+    script_here(tmp_path, monkeypatch, "script.py")
     config = _config_with(tmp_path, 5)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node0 slots=3\nnode1 slots=2\n")
@@ -233,10 +246,12 @@ def test_the_issue_command_line_reaches_the_launcher_whole(tmp_path, capsys, mon
     assert env["LLMRL_RUN_PID"] == str(os.getpid()) and env["LLMRL_RUN_SECRET"] == "ab" * 32
 
 
-def test_run_refuses_a_gpu_config_without_gpus_and_validate_notes_it(capsys, nothing_starts):
+def test_run_refuses_a_gpu_config_without_gpus_and_validate_notes_it(capsys, nothing_starts, tmp_path, monkeypatch):
     import torch
 
     from llmrl.launch.cli import main
+
+    script_here(tmp_path, monkeypatch, "s.py")
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

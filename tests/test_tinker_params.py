@@ -27,3 +27,14 @@ def test_each_loss_gets_the_inputs_it_reads():
     assert set(loss_inputs("importance_sampling", given)) == {"target_tokens", "logprobs", "advantages"}
     assert loss_inputs("cross_entropy", given) == {"target_tokens": [5, 6, 7], "weights": [1.0, 1.0, 1.0]}
     assert loss_inputs("cross_entropy", {"target_tokens": [5], "weights": [0.5]})["weights"] == [0.5]
+
+
+def test_an_existing_ready_file_is_refused_before_anything_starts(tmp_path, capsys):
+    """`llmrl tinker --ready-file F` replaced a file F of the user's; it now stops first (exit 2), naming it."""
+    from llmrl.engine.tinker import serve
+
+    mine = tmp_path / "notes.txt"
+    mine.write_text("the user's own")
+    assert serve.main(["--ready-file", str(mine), "--api-key", "tml-x"]) == 2
+    assert mine.read_text() == "the user's own"
+    assert f"--ready-file {mine} exists; it is not overwritten" in capsys.readouterr().err

@@ -40,7 +40,7 @@ def run_recipe(service, tmp_path, module: str, *args: str) -> list[dict]:
     log = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", module, f"model_name={service['model']}", "renderer_name=role_colon",
-         f"log_path={log}", "behavior_if_log_dir_exists=delete", *args],
+         f"log_path={log}", "behavior_if_log_dir_exists=raise", *args],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]

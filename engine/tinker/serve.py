@@ -4,9 +4,10 @@
 It creates the run's Caller, serves Tinker's REST API on ``host:port`` (127.0.0.1:8000 by default) until Ctrl-C (the
 run exits 130) or SIGTERM (143), and prints the lines a Tinker script needs: ``TINKER_BASE_URL`` and
 ``TINKER_API_KEY``. The key is ``--api-key``, else the ``TINKER_API_KEY`` of this environment, else one drawn now
-(it must start with ``tml-``, as the SDK checks). ``--ready-file`` names a file written once the service answers
-(for scripts and tests that start it in the background). The config's first LLM (or ``--llm``) is the base model: it
-must hold a LoRA adapter, and train with ZeRO 0 in float32 (training clients are adapters created at run time).
+(it must start with ``tml-``, as the SDK checks). ``--ready-file`` names a file, which must not exist yet, written
+once the service answers (for scripts and tests that start it in the background). The config's first LLM (or
+``--llm``) is the base model: it must hold a LoRA adapter, and train with ZeRO 0 in float32 (training clients are
+adapters created at run time).
 
 This module starts and stops the service; the calls are :mod:`llmrl.engine.tinker.service`'s.
 """
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     key = args.api_key or os.environ.get("TINKER_API_KEY") or f"tml-{secrets.token_urlsafe(24)}"
     if not key.startswith("tml-"):
         print("llmrl tinker: the API key must start with 'tml-' (the tinker SDK refuses others)", file=sys.stderr)
+        return 2
+    if args.ready_file and os.path.lexists(args.ready_file):
+        print(f"llmrl tinker: --ready-file {args.ready_file} exists; it is not overwritten: remove it, or name a file "
+              "that does not exist yet", file=sys.stderr)
         return 2
     from llmrl import Caller
     from llmrl.engine.tinker.http import make_server
