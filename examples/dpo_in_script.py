@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS, before_after_bars, write_metrics  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
+from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 
 GOOD = ["wonderful", "great", "lovely", "excellent", "delightful", "fantastic", "pleasant", "superb"]
 BAD = ["terrible", "awful", "horrible", "dreadful", "miserable", "disappointing", "unpleasant", "boring"]
@@ -90,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.pairs_per_step = 2, 2
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     rng = random.Random(args.seed)
     held_out = pairs(HELD_OUT_SUBJECTS, HELD_OUT_GOOD, HELD_OUT_BAD, 16 if args.quick else 100, rng)
     start, history = time.time(), []

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rlhf_sentiment import Reward, before_after_bars, build_prompts, mean_ci, write_metrics  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
+from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -134,7 +135,7 @@ def plot(history: list[dict], before: dict, after: dict, path: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     train_prompts, held_out = build_prompts()
     train_prompts = random.Random(args.seed).sample(train_prompts, min(args.train_prompts, len(train_prompts)))
     held_out = held_out[: args.eval_prompts]

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from babyai_text import TextObservation, TextVecEnv  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
+from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 from llmrl.plugins.rl_math import gae  # noqa: E402
 
 
@@ -240,7 +241,7 @@ def reuse_report(memory: dict) -> dict:
 
 def main() -> None:
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     start = time.time()
     with Caller(tracking={"dir": args.out}) as caller:  # the config's tracking back ends, writing under --out
         print(f"llmrl: {caller.info}", flush=True)

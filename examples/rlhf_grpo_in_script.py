@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the RLHF demo'
 from rlhf_sentiment import Reward, build_prompts, evaluate, plot, write_metrics  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
+from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 
 
 @dataclass
@@ -111,7 +112,7 @@ def parse_args() -> Args:
 
 def main() -> None:
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     train_prompts, held_out = build_prompts()
     held_out = held_out[:args.eval_prompts]
     reward = Reward(args.short_penalty, args.repeat_penalty)

@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from llmrl import Caller
+from llmrl.engine.output_folder import claim_output_folder
 
 SUBJECTS = ["movie", "weather", "new phone", "restaurant", "train ride", "book", "meeting", "concert", "hotel",
             "neighbourhood", "football game", "lecture", "coffee", "museum", "flight", "apartment", "garden",
@@ -232,7 +233,7 @@ def matmul_gflops(threads: int = 2, size: int = 1536) -> float:
 
 def main() -> None:
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     train_prompts, held_out = build_prompts()
     held_out = held_out[: args.eval_prompts]
     reward = Reward(args.short_penalty, args.repeat_penalty)

@@ -34,6 +34,7 @@ from textworld_games import TextWorldEnv, game_path  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from llmrl import Caller, episode_batch  # noqa: E402
+from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 
 SYSTEM = "You play a text adventure game. Reply with exactly one of the listed commands."
 
@@ -206,7 +207,7 @@ def plot(history: list[dict], evaluations: list[dict], path: str, title: str) ->
 
 def main() -> None:
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    claim_output_folder(args.out)  # a user's own summary.json (metrics.csv, curve.png) there is never overwritten
     start = time.time()
     train_games, held_out = games(args, held_out=False), games(args, held_out=True)
     generated = time.time() - start
