@@ -71,6 +71,8 @@ def test_the_sbatch_script_starts_one_llmrl_run_per_node(tmp_path, capsys, monke
     from llmrl.launch.cli import main
 
     monkeypatch.setattr(subprocess, "Popen", None)  # nothing may start
+    monkeypatch.chdir(tmp_path)  # where the job's script is (llmrl run refuses a script that is not a file)
+    (tmp_path / "train.py").write_text("")
     capsys.readouterr()
     assert main(calls[0]["argv"]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
