@@ -348,3 +348,35 @@ def test_a_message_too_large_for_memory_is_skipped_and_the_next_one_is_read(monk
     assert reader.recv() == ({"type": "heartbeat", "busy_with": None}, None)
     reader.close()
     writer.close()
+
+
+def test_a_callback_that_waits_for_the_next_reply_of_its_own_rank_is_refused_and_the_reader_goes_on():
+    """The future a call returns runs its done-callbacks on the thread reading its rank's replies: a callback that
+    waits for a later call to the same rank waited for itself, and that rank's replies stopped for good."""
+    go = threading.Event()
+
+    def script(link):
+        first, second = messages.receive(link), messages.receive(link)
+        go.wait(10)  # both replies go out only once the callback is in place
+        for request in (first, second):
+            messages.send(link, messages.Reply(request.id, 3, value=request.payload))
+        third = messages.receive(link)
+        messages.send(link, messages.Reply(third.id, 3, value=third.payload))
+
+    links = scripted_server(script)
+    first = links.submit("ping", [([3], 1)], lambda values: values[3])
+    second = links.submit("ping", [([3], 2)], lambda values: values[3])
+    seen = []
+
+    def callback(_):
+        try:
+            seen.append(second.result())
+        except RuntimeError as err:
+            seen.append(err)
+
+    first.add_done_callback(callback)
+    go.set()
+    assert first.result(10) == 1 and second.result(10) == 2
+    assert len(seen) == 1 and "waiting for an unfinished call's future in a done-callback" in str(seen[0])
+    assert links.submit("ping", [([3], 3)], lambda values: values[3]).result(10) == 3  # the reader goes on
+    links.shutdown(abort=False, reason="test", wait=2)

@@ -30,7 +30,6 @@ class LiveRun:
                  startup_timeout: float = 300.0, workdir: str | None = None, check: bool = True,
                  launcher: str = "direct"):
         import secrets
-        import subprocess
         from multiprocessing.connection import Listener
 
         import yaml
@@ -70,18 +69,8 @@ class LiveRun:
             raise ValueError(f"launcher must be 'direct' or 'deepspeed', not {launcher!r}")
         self.log_path = self.workdir / "run.log"
         self._log = open(self.log_path, "w")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        kit_parent = str(Path(__file__).resolve().parent.parent)  # every rank imports testkit (and test plugins)
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
-        self.process = None
-        if launcher == "direct":  # forked by this session's server where it can be (testkit.zygote)
-            from testkit import zygote
-
-            self.process = zygote.start(self.command[3:], full_env, os.getcwd(), str(self.log_path),
-                                        str(self.workdir / "launcher.exit"), start_server=not env)
-        if self.process is None:
-            self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                            start_new_session=True, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+        self.process = start_launcher(self.command, env, os.getcwd(), self._log, str(self.workdir / "launcher.exit"),
+                                      fork=launcher == "direct")
         self._conn = self._accept(startup_timeout)
         self._conn.send(caller_kwargs or {})
         status, value = self._recv(startup_timeout)
@@ -264,6 +253,29 @@ class LiveRun:
             return
         code = self.close(timeout=60)
         assert code == 0, f"the run exited with {code} when its Caller closed (a crash at shutdown); log:\n{self.log}"
+
+
+def start_launcher(command: list[str], env: dict | None, cwd: str, log, status_path: str, fork: bool = True):
+    """Start a run's launcher ``command`` (``python -m testkit.ranks ...``, or DeepSpeed's) in ``cwd`` with this
+    process's environment plus ``env`` (testkit on ``PYTHONPATH``: every rank imports it, and test plugins), its
+    output to the open file ``log``. A testkit.ranks command (``fork``) is forked by the session's server where it
+    can be (:mod:`testkit.zygote`; ``status_path`` receives its exit status); else, or where it cannot, it is a
+    process of its own session. Returns the process (a Popen, or what the server forked)."""
+    import subprocess
+
+    from testkit import zygote
+
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    kit_parent = str(Path(__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
+    if fork:
+        # A server started for this run takes its environment: only when nothing in it is read at import time.
+        own_imports = any(os.environ.get(k) != v for k, v in zygote._read_on_import(env or {}).items())
+        process = zygote.start(command[3:], full_env, cwd, log.name, status_path, start_server=not own_imports)
+        if process is not None:
+            return process
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                            cwd=cwd, stdin=subprocess.DEVNULL)
 
 
 def _session(pid: int) -> int | None:

@@ -26,26 +26,15 @@ def run_script(config: str, script: str, script_args=(), overrides=(), env: dict
     process's."""
     from llmrl.engine.config import load_config
     from llmrl.engine.transport.rendezvous import free_port
-    from testkit import live, zygote
+    from testkit import live
 
     config_obj = load_config(config, list(overrides), check_environment=False, check_plugins=False)
     workdir = Path(tempfile.mkdtemp(prefix="llmrl-script-", dir=live.WORK_ROOT))
-    argv = [str(config_obj.world_size), str(free_port()), "--", "-m", "llmrl.launch", "--config", config,
-            *overrides, script, *script_args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    kit_parent = str(Path(__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "testkit.ranks", str(config_obj.world_size), str(free_port()), "--", "-m",
+               "llmrl.launch", "--config", config, *overrides, script, *script_args]
     log_path = workdir / "run.log"
-    cwd = str(cwd or os.getcwd())
-    # A server started for this run takes its environment: only when nothing in it is read at import time.
-    own_imports = any(os.environ.get(k) != v for k, v in zygote._read_on_import(env or {}).items())
-    process = zygote.start(argv, full_env, cwd, str(log_path), str(workdir / "launcher.exit"),
-                           start_server=not own_imports)
-    with open(log_path, "a") as log:
-        if process is None:
-            process = subprocess.Popen([sys.executable, "-m", "testkit.ranks", *argv], stdout=log,
-                                       stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                                       stdin=subprocess.DEVNULL, cwd=cwd)
+    with open(log_path, "w") as log:
+        process = live.start_launcher(command, env, str(cwd or os.getcwd()), log, str(workdir / "launcher.exit"))
         try:
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -56,4 +45,4 @@ def run_script(config: str, script: str, script_args=(), overrides=(), env: dict
             process.wait(30)
             raise
     output = log_path.read_text(errors="replace")
-    return subprocess.CompletedProcess(argv, code, output, output)
+    return subprocess.CompletedProcess(command, code, output, output)
