@@ -107,13 +107,16 @@ class Server:
             while True:
                 try:
                     message = messages.receive(self.link)
-                except frames.UndecodableBody as bad:
-                    self.inbox.put(_Undecodable(bad))
+                except (frames.UndecodableBody, messages.UnknownMessage) as bad:
+                    self._on_unknown(bad.header, str(bad))
                     continue
                 if isinstance(message, messages.Shutdown):
                     if message.abort:
                         self._die(f"the client aborted the run ({message.reason})")
                     self.stopping = True
+                elif not isinstance(message, messages.Request):
+                    self._on_unknown(messages.to_frame(message)[0], f"a {type(message).__name__} message")
+                    continue
                 self.inbox.put(message)
         except (EOFError, OSError):
             if not self.stopping:
@@ -123,6 +126,14 @@ class Server:
                 self._die(f"the client hung up while this rank was still serving (request #{self.busy_with})")
         except BaseException:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
+
+    def _on_unknown(self, header: dict, what: str) -> None:
+        """A message a client does not send (a Hello, a Reply, an unknown type): a numbered request whose header
+        is wrong gets an error reply in its turn; anything else is logged and dropped, and this rank goes on."""
+        if header.get("type") == "request" and isinstance(header.get("id"), int):
+            self.inbox.put(_Undecodable(header, what))
+            return
+        logger.warning(f"ignored {what} from the client: a client sends only requests and shutdowns")
 
     def _heartbeat_loop(self) -> None:
         # Beats go on until this rank hangs up, also after a stop was received: requests queued before it are
@@ -230,13 +241,14 @@ class Server:
 
 
 class _Undecodable:
-    """A request that arrived whole but whose payload this rank cannot decode: answered with an error, in order."""
+    """A request that arrived whole but that this rank cannot decode (its payload, or its header): answered with
+    an error, in order."""
 
-    def __init__(self, bad: frames.UndecodableBody):
-        self.id = bad.header.get("id", -1)
-        self.kind = bad.header.get("kind", "?")
+    def __init__(self, header: dict, why: str):
+        self.id = header.get("id", -1)
+        self.kind = header.get("kind", "?")
         self.payload = None
-        self.error = ValueError(f"this server cannot decode the {self.kind!r} request: {bad} (arguments must be "
+        self.error = ValueError(f"this server cannot decode the {self.kind!r} request: {why} (arguments must be "
                                 "plain Python, tensors, or classes the servers can import: installed modules, or "
                                 "top-level classes of your script)")
 

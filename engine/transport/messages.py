@@ -97,16 +97,30 @@ def _bounded(error: dict) -> dict:
     return error
 
 
+class UnknownMessage(ValueError):
+    """A frame that arrived whole but whose header is not one of these messages (an unknown type, a missing or
+    extra field). The connection goes on; :attr:`header` says what came."""
+
+    def __init__(self, header: dict, reason: str):
+        super().__init__(f"{reason} (header {str(header)[:300]})")
+        self.header = header
+
+
 def from_frame(header: dict, body: Any):
+    if not isinstance(header, dict):
+        raise UnknownMessage({"header": header}, "a header that is not a JSON object")
     kind = header.get("type")
-    if kind == "request":
-        return Request(header["id"], header["kind"], body)
-    if kind == "reply":
-        error = header.get("error")
-        return Reply(header["id"], header["rank"], body, None if error is None else ErrorInfo(**error))
-    if kind in _SMALL_TYPES:
-        return _SMALL_TYPES[kind](**{k: v for k, v in header.items() if k != "type"})
-    raise ValueError(f"unknown message type {kind!r}")
+    try:
+        if kind == "request":
+            return Request(header["id"], header["kind"], body)
+        if kind == "reply":
+            error = header.get("error")
+            return Reply(header["id"], header["rank"], body, None if error is None else ErrorInfo(**error))
+        if kind in _SMALL_TYPES:
+            return _SMALL_TYPES[kind](**{k: v for k, v in header.items() if k != "type"})
+    except (KeyError, TypeError) as err:
+        raise UnknownMessage(header, f"a {kind!r} message with wrong fields: {err}") from None
+    raise UnknownMessage(header, f"unknown message type {kind!r}")
 
 
 def send(connection: Connection, message) -> None:
@@ -115,10 +129,11 @@ def send(connection: Connection, message) -> None:
 
 def receive(connection: Connection):
     """The next message. A message whose body cannot be decoded raises
-    :class:`~llmrl.engine.transport.frames.UndecodableBody` with its header; the connection goes on."""
+    :class:`~llmrl.engine.transport.frames.UndecodableBody` with its header, and one whose header is not a message
+    raises :class:`UnknownMessage`; the connection goes on after either."""
     header, body = connection.recv()
     return from_frame(header, body)
 
 
-__all__ = ["ErrorInfo", "Heartbeat", "Hello", "Reply", "Request", "Shutdown", "UndecodableBody", "from_frame",
-           "receive", "send", "to_frame"]
+__all__ = ["ErrorInfo", "Heartbeat", "Hello", "Reply", "Request", "Shutdown", "UndecodableBody", "UnknownMessage",
+           "from_frame", "receive", "send", "to_frame"]

@@ -1,0 +1,77 @@
+"""A server rank's reader survives whatever a client sends: messages a client never sends (a Hello, a Heartbeat, a
+Reply, an unknown type, a header that is not an object) are logged and dropped, a request whose header or payload
+cannot be read is answered with an error in its turn, and the requests around them are served as usual."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+from types import SimpleNamespace
+
+from llmrl.engine.log import logger
+from llmrl.engine.requests.admin import PingRequest
+from llmrl.engine.server.serve import Server
+from llmrl.engine.transport import frames, messages
+
+
+class Unloadable:
+    def __reduce__(self):
+        return _explode, ()
+
+
+def _explode():
+    raise RuntimeError("no such class on the server")
+
+
+def _server_on(link: frames.Connection) -> Server:
+    role = SimpleNamespace(global_rank=1, llm="main", replica=0, tp_rank=0)
+    server = Server(SimpleNamespace(), role)
+    server.link = link
+    server.replica = SimpleNamespace(handled=collections.Counter(), ready=True, role=role,
+                                     device=SimpleNamespace(type="cpu"))
+    return server
+
+
+def test_messages_a_client_never_sends_are_dropped_and_bad_requests_answered_in_order(caplog):
+    if not logger.propagate:  # llmrl's logger stops propagating once configured
+        logger.addHandler(caplog.handler)
+    near, far = socket.socketpair()
+    client, link = frames.Connection(near), frames.Connection(far)
+    server = _server_on(link)
+    reader = threading.Thread(target=server._read_loop, daemon=True)
+    reader.start()
+
+    messages.send(client, messages.Request(1, "ping", PingRequest()))
+    messages.send(client, messages.Hello(rank=0, llm="main", replica=0, tp_rank=0, host="h", pid=1))
+    messages.send(client, messages.Heartbeat(busy_with=None))
+    messages.send(client, messages.Reply(7, 0, value="stray"))
+    client.send({"type": "no-such-type"})
+    client.send(["not", "an", "object"])
+    client.send({"type": "hello", "rank": 0})  # a known type with missing fields
+    client.send({"type": "request", "id": 2})  # a numbered request without its kind
+    messages.send(client, messages.Request(3, "ping", {"x": Unloadable()}))
+    messages.send(client, messages.Request(4, "ping", PingRequest()))
+    messages.send(client, messages.Shutdown())
+
+    served = threading.Thread(target=server.serve, daemon=True)
+    served.start()
+    replies = [messages.receive(client) for _ in range(4)]
+    served.join(30)
+    assert not served.is_alive() and reader.is_alive(), "the server stopped at the shutdown, its reader lives on"
+
+    assert [r.id for r in replies] == [1, 2, 3, 4]
+    assert replies[0].value == {"rank": 1} and replies[3].value == {"rank": 1}
+    assert replies[0].error is None and replies[3].error is None
+    assert "'request' message with wrong fields" in replies[1].error.message
+    assert "cannot decode the 'ping' request" in replies[2].error.message
+    assert "no such class on the server" in replies[2].error.message
+    assert server.replica.handled["ping"] == 2
+    dropped = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    for what in ("Hello", "Heartbeat", "Reply", "unknown message type 'no-such-type'", "not a JSON object",
+                 "'hello' message with wrong fields"):
+        assert any(what in line for line in dropped), (what, dropped)
+    assert len(dropped) == 6
+    server.close()
+    client.close()
+    logger.removeHandler(caplog.handler)
