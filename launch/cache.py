@@ -45,7 +45,9 @@ def main(args: argparse.Namespace) -> int:
         for item in items:
             detail = f" ({item.reason})" if item.reason else ""
             print(f"  {item.path.name:<{width}}  {human_size(item.size):>9}  {item.state}{detail}")
-        print(f"total {human_size(sum(i.size for i in items))} in {len(items)} folder(s)")
+        files = sum(1 for i in items if not i.path.is_dir())
+        counted = f"{len(items) - files} folder(s)" + (f" and {files} file(s)" if files else "")
+        print(f"total {human_size(sum(i.size for i in items))} in {counted}")
         return 0
     try:
         removed, kept = folders.clear_cache(BUILTIN_MODELS, args.name)

@@ -294,9 +294,11 @@ def test_llmrl_cache_lists_sizes_and_states_and_clears_only_ours(cache, template
     foreign.mkdir()
     (foreign / "weights.bin").write_bytes(b"123")
     (cache / f".{NAME}.lock").write_text("")  # left by older llmrl versions
+    (cache / "notes.txt").write_text("12345")  # a user's file
 
     assert cache_verb() == 0
     out = capsys.readouterr().out
+    assert "in 4 folder(s) and 1 file(s)" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     from llmrl.launch.cache import human_size
 
@@ -309,7 +311,7 @@ def test_llmrl_cache_lists_sizes_and_states_and_clears_only_ours(cache, template
     assert "nothing named 'nothing-like-this'" in capsys.readouterr().err
     assert cache_verb("clear", NAME) == 0
     out = capsys.readouterr().out
-    assert sorted(os.listdir(cache)) == ["my-model"]  # entry, moved-aside copy, staging and old lock removed
+    assert sorted(os.listdir(cache)) == ["my-model", "notes.txt"]  # entry, moved-aside copy, staging and old lock removed
     assert out.count("removed ") == 3
     assert cache_verb("clear") == 0
     assert "kept" in capsys.readouterr().out and (foreign / "weights.bin").read_bytes() == b"123"
