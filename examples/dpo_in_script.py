@@ -81,12 +81,12 @@ def preference(caller: Caller, held_out) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--pairs-per-step", type=int, default=8)
-    parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/dpo_in_script")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--pairs-per-step", type=int, default=8, help="preference pairs per step")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta: the KL weight")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the pair order and the model's new weights")
+    parser.add_argument("--out", default="runs/dpo_in_script", help="where the curve, metrics and summary go")
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run (CI): 2 steps, 16 held-out pairs")
     args = parser.parse_args()
     if args.quick:

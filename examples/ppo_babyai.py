@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated, get_type_hints
 
 import torch
 
@@ -38,33 +39,36 @@ from llmrl.plugins.rl_math import gae  # noqa: E402
 
 @dataclass
 class Args:
-    level: str = "BabyAI-GoToRedBallNoDists-v0"  # a BabyAI level id
-    num_envs: int = 16  # environments stepped together
-    steps_per_update: int = 16  # steps of every environment between two updates
-    updates: int = 12  # PPO updates (this level is learnt in about 10)
-    max_steps: int = 24  # an episode fails after this many steps
-    # describe the nearest walls too (--walls): longer prompts that this level does not need; measured with the
-    # config's 12 updates, greedy success 1.6% -> 25.8% with walls, against 0% -> 97% without
-    walls: bool = False
-    gamma: float = 0.99  # discount
-    gae_lambda: float = 0.95  # GAE's lambda
-    temperature: float = 1.0  # the policy samples from softmax(scores / temperature); set the same in the updater
-    normalize_advantages: bool = False  # with sparse rewards, normalising blows up the noise of signal-free batches
-    eval_episodes: int = 128  # held-out episodes per evaluation (before and after training)
-    seed: int = 0  # training environments use seeds from here; evaluation uses seeds from 10**6
-    out: str = "runs/ppo_babyai"  # where the curve, metrics and summary go
-    quick: bool = False  # a tiny smoke run (CI): 2 updates, 4 environments, 8 evaluation episodes
+    level: Annotated[str, "a BabyAI level id"] = "BabyAI-GoToRedBallNoDists-v0"
+    num_envs: Annotated[int, "environments stepped together"] = 16
+    steps_per_update: Annotated[int, "steps of every environment between two updates"] = 16
+    updates: Annotated[int, "PPO updates (this level is learnt in about 10)"] = 12
+    max_steps: Annotated[int, "an episode fails after this many steps"] = 24
+    walls: Annotated[bool, (
+        "describe the nearest walls too: longer prompts, which this level does not need (with 12 updates, "
+        "greedy success reached 25.8% with walls and 97% without)")] = False
+    gamma: Annotated[float, "discount"] = 0.99
+    gae_lambda: Annotated[float, "GAE's lambda"] = 0.95
+    temperature: Annotated[float, (
+        "the policy samples from softmax(scores / temperature); set the same in the updater")] = 1.0
+    normalize_advantages: Annotated[bool, (
+        "with sparse rewards, normalising blows up the noise of signal-free batches")] = False
+    eval_episodes: Annotated[int, "held-out episodes per evaluation (before and after training)"] = 128
+    seed: Annotated[int, "training environments use seeds from here; evaluation uses seeds from 10**6"] = 0
+    out: Annotated[str, "where the curve, metrics and summary go"] = "runs/ppo_babyai"
+    quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 environments, 8 evaluation episodes"] = False
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = Args()
+    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
     for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
+        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)  # --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=value, help=text)
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.num_envs, args.steps_per_update, args.updates, args.eval_episodes = 4, 4, 2, 8

@@ -101,7 +101,7 @@ def prompt(obs) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="PPO with LoRA in BabyAI-Text")
-    parser.add_argument("--updates", type=int, default=12)
+    parser.add_argument("--updates", type=int, default=12, help="PPO updates")
     parser.add_argument("--envs", type=int, default=16, help="environments stepped together")
     parser.add_argument("--steps", type=int, default=16, help="steps of every environment per update")
     args = parser.parse_args()

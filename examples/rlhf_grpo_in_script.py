@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated, get_type_hints
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the RLHF demo's prompts, reward and evaluation
 from rlhf_sentiment import Reward, build_prompts, evaluate, plot, write_metrics  # noqa: E402
@@ -36,19 +37,19 @@ from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 
 @dataclass
 class Args:
-    updates: int = 30
-    prompts_per_update: int = 8
-    samples_per_prompt: int = 4  # the group size
-    max_new_tokens: int = 16
-    lr: float = 2e-3  # the first update's learning rate, decaying linearly to 0
-    kl_coef: float = 0.2  # weight of the KL penalty to the starting policy (a per-token negative reward)
-    grad_clip_norm: float = 1.0
-    short_penalty: float = 0.5
-    repeat_penalty: float = 1.0
-    eval_prompts: int = 72
-    seed: int = 0
-    out: str = "runs/rlhf_grpo_in_script"
-    quick: bool = False  # a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts
+    updates: Annotated[int, "GRPO updates"] = 30
+    prompts_per_update: Annotated[int, "training prompts per update"] = 8
+    samples_per_prompt: Annotated[int, "the group size"] = 4
+    max_new_tokens: Annotated[int, "continuation length"] = 16
+    lr: Annotated[float, "the first update's learning rate, decaying linearly to 0"] = 2e-3
+    kl_coef: Annotated[float, "weight of the KL penalty to the starting policy (a per-token negative reward)"] = 0.2
+    grad_clip_norm: Annotated[float, "gradients are clipped to this global norm"] = 1.0
+    short_penalty: Annotated[float, "subtracted from the reward of a continuation with fewer than 3 words"] = 0.5
+    repeat_penalty: Annotated[float, "times the share of repeated word trigrams, subtracted from the reward"] = 1.0
+    eval_prompts: Annotated[int, "held-out prompts in each evaluation (at most 72)"] = 72
+    seed: Annotated[int, "seed of the prompt order and the sampling"] = 0
+    out: Annotated[str, "where the curve, metrics and summary go"] = "runs/rlhf_grpo_in_script"
+    quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts"] = False
 
 
 def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> list[dict]:
@@ -97,12 +98,13 @@ def group_advantages(rewards: list[float]) -> list[float]:
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
     for name, value in asdict(Args()).items():
-        flag = "--" + name.replace("_", "-")
+        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)  # --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=value, help=text)
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.updates, args.prompts_per_update, args.samples_per_prompt, args.eval_prompts = 2, 4, 2, 8

@@ -36,6 +36,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated, get_type_hints
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
@@ -59,27 +60,28 @@ def build_prompts() -> tuple[list[str], list[str]]:
 
 @dataclass
 class Args:
-    updates: int = 30  # PPO / GRPO updates
-    prompts_per_update: int = 8  # training prompts per update
-    samples_per_prompt: int = 4  # continuations sampled per prompt (GRPO's group size)
-    max_new_tokens: int = 16  # continuation length
-    short_penalty: float = 0.5  # subtracted from the reward of a continuation with fewer than 3 words
-    repeat_penalty: float = 1.0  # times the share of repeated word trigrams, subtracted from the reward
-    eval_prompts: int = 72  # held-out prompts in each evaluation (at most 72)
-    seed: int = 0
-    out: str = "runs/rlhf_sentiment"  # where the curve, metrics and summary go
-    steer: bool = False  # sample and evaluate with the updater's own policy (nlpo: the masked one)
-    quick: bool = False  # a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts
+    updates: Annotated[int, "PPO / GRPO updates"] = 30
+    prompts_per_update: Annotated[int, "training prompts per update"] = 8
+    samples_per_prompt: Annotated[int, "continuations sampled per prompt (GRPO's group size)"] = 4
+    max_new_tokens: Annotated[int, "continuation length"] = 16
+    short_penalty: Annotated[float, "subtracted from the reward of a continuation with fewer than 3 words"] = 0.5
+    repeat_penalty: Annotated[float, "times the share of repeated word trigrams, subtracted from the reward"] = 1.0
+    eval_prompts: Annotated[int, "held-out prompts in each evaluation (at most 72)"] = 72
+    seed: Annotated[int, "seed of the prompt order, the sampling and the model's new weights"] = 0
+    out: Annotated[str, "where the curve, metrics and summary go"] = "runs/rlhf_sentiment"
+    steer: Annotated[bool, "sample and evaluate with the updater's own policy (nlpo: the masked one)"] = False
+    quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts"] = False
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
     for name, value in asdict(Args()).items():
-        flag = "--" + name.replace("_", "-")
+        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)  # --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=value, help=text)
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.updates, args.prompts_per_update, args.samples_per_prompt, args.eval_prompts = 2, 4, 2, 8

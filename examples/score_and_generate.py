@@ -22,7 +22,7 @@ OBSERVATIONS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="tokens generated per prompt")
     args = parser.parse_args()
     with Caller() as caller:
         prompts = [f"{observation}\nAction:" for observation, _ in OBSERVATIONS]

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated, get_type_hints
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,32 +42,35 @@ SYSTEM = "You play a text adventure game. Reply with exactly one of the listed c
 
 @dataclass
 class Args:
-    mode: str = "choose"  # "choose": score the admissible commands; "write": generate the command
-    levels: str = "2,3,4,5"  # coin collector levels (rooms in the chain)
-    train_games: int = 24  # training games per level (seeds 0, 1, ...)
-    eval_games: int = 8  # held-out games per level (seeds 10000, 10001, ...)
-    starts: int = 4  # games per update
-    group: int = 4  # episodes per game per update (a GRPO group)
-    updates: int = 40
-    max_turns: int = 8  # an episode fails after this many turns
-    max_prompt_tokens: int = 4096  # or when its prompt grows longer (the tiny model of --quick reads 512 at most)
-    eval_every: int = 10  # held-out evaluation every this many updates (and before and after)
-    temperature: float = 1.0  # sampling temperature while training (evaluation is greedy)
-    choose_first: int = 0  # write mode: play the first this many updates in choose mode (a warm start)
-    objective: bool = True  # start with the game's objective, which names the way (quick: off, short prompts)
-    seed: int = 0
-    out: str = "runs/textworld"
-    quick: bool = False  # a smoke run (CI): 2 updates of one level-1 game x 4 episodes, 2 held-out games
+    mode: Annotated[str, "'choose': score the admissible commands; 'write': generate the command"] = "choose"
+    levels: Annotated[str, "coin collector levels (rooms in the chain)"] = "2,3,4,5"
+    train_games: Annotated[int, "training games per level (seeds 0, 1, ...)"] = 24
+    eval_games: Annotated[int, "held-out games per level (seeds 10000, 10001, ...)"] = 8
+    starts: Annotated[int, "games per update"] = 4
+    group: Annotated[int, "episodes per game per update (a GRPO group)"] = 4
+    updates: Annotated[int, "GRPO updates"] = 40
+    max_turns: Annotated[int, "an episode fails after this many turns"] = 8
+    max_prompt_tokens: Annotated[int, (
+        "or when its prompt grows longer (the tiny model of --quick reads 512 at most)")] = 4096
+    eval_every: Annotated[int, "held-out evaluation every this many updates (and before and after)"] = 10
+    temperature: Annotated[float, "sampling temperature while training (evaluation is greedy)"] = 1.0
+    choose_first: Annotated[int, "write mode: play the first this many updates in choose mode (a warm start)"] = 0
+    objective: Annotated[bool, (
+        "start with the game's objective, which names the way (quick: off, short prompts)")] = True
+    seed: Annotated[int, "seed of the game order and the sampling"] = 0
+    out: Annotated[str, "where the curve, metrics and summary go"] = "runs/textworld"
+    quick: Annotated[bool, "a smoke run (CI): 2 updates of one level-1 game x 4 episodes, 2 held-out games"] = False
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
     for name, value in asdict(Args()).items():
-        flag = "--" + name.replace("_", "-")
+        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=value, help=text)
     args = Args(**vars(parser.parse_args()))
     if args.mode not in ("choose", "write"):
         parser.error(f"--mode must be choose or write, got {args.mode!r}")

@@ -64,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="trlX's PPO sentiments example in llmrl")
     parser.add_argument("--rounds", type=int, default=20, help="rollout rounds (trlX: train.total_steps // ...)")
     parser.add_argument("--num-rollouts", type=int, default=128, help="samples per round (method.num_rollouts)")
-    parser.add_argument("--max-new-tokens", type=int, default=GEN_KWARGS["max_new_tokens"])
+    parser.add_argument("--max-new-tokens", type=int, default=GEN_KWARGS["max_new_tokens"], help="continuation length")
     parser.add_argument("--dense", action="store_true", help="dense per-token rewards (ppo_dense_sentiments.py)")
     args = parser.parse_args()
     gen_kwargs = {**GEN_KWARGS, "max_new_tokens": args.max_new_tokens}

@@ -55,3 +55,33 @@ def test_the_success_rates_interval_holds_the_rate_at_every_count(name):
         for successes in range(n + 1):
             low, high = wilson(successes, n)
             assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
+
+
+WITH_FLAGS = ["dpo_in_script", "dpo_sentiment", "ilql_sentiment", "ppo_babyai", "ppo_lora_custom",
+              "rlhf_grpo_in_script", "rlhf_sentiment", "score_and_generate", "textworld_agent", "trlx_sentiments"]
+
+
+def test_the_list_of_examples_with_flags_is_whole():
+    with_argparse = sorted(name[:-3] for name in os.listdir(EXAMPLES)
+                           if name.endswith(".py") and "argparse" in open(os.path.join(EXAMPLES, name)).read())
+    assert with_argparse == WITH_FLAGS
+
+
+@pytest.mark.parametrize("name", WITH_FLAGS)
+def test_every_flag_of_an_example_says_what_it_does(name, monkeypatch, capsys):
+    module = example(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        (getattr(module, "parse_args", None) or module.main)()
+    assert done.value.code == 0
+    options = capsys.readouterr().out.split("options:\n", 1)[1]
+    flags = []
+    for line in options.splitlines():
+        if line.startswith("  -"):
+            flags.append(line.split())
+        elif line.startswith("      "):  # a description on the lines below its flag
+            flags[-1] += line.split()
+    assert len(flags) > 1
+    for words in flags:
+        described = [w for w in words if not w.startswith("-") and not w.isupper() and w not in ("|", "{", "}")]
+        assert described, f"{name}: {' '.join(words)} has no description"
