@@ -131,6 +131,20 @@ def exit_code_file(base: str, rank: int) -> str:
     return base if rank == 0 else f"{base}.rank{rank}"
 
 
+def unreached_file(base: str) -> str:
+    """Where rank 0 notes that its script ended before some servers connected (``base`` is LLMRL_EXIT_CODE_FILE)."""
+    return f"{base}.unreached"
+
+
+def report_unreached(ranks: list[int]) -> None:
+    """Tell ``llmrl run`` that the script ended before ``ranks`` connected: they were never told to stop, and have
+    nothing to finish (written before rank 0's exit code)."""
+    base = os.environ.get("LLMRL_EXIT_CODE_FILE")
+    if base:
+        with open(unreached_file(base), "w") as f:
+            f.write(" ".join(map(str, ranks)))
+
+
 def report_exit(rank: int, code: int) -> None:
     """Tell ``llmrl run`` how this rank ended: the script's exit code on rank 0, 0 for a server that was
     stopped cleanly. A rank that is killed writes nothing, which ``llmrl run`` reports as a failure."""
@@ -241,7 +255,7 @@ def _main(argv: list[str] | None) -> int:
         warning = loopback_master_warning()
         if warning:
             _say(warning, True)
-        return run_client(config, lambda: run_script(args))
+        return run_client(config, lambda: run_script(args), on_unreached=report_unreached)
     from llmrl.engine.server.serve import run_server
     from llmrl.plugins import registry
 

@@ -41,7 +41,7 @@ from llmrl.launch.command import (
     node_ranks,
 )
 from llmrl.launch.prepare import prepare_builtin_models
-from llmrl.launch.rank import exit_code_file, is_override
+from llmrl.launch.rank import exit_code_file, is_override, unreached_file
 from llmrl.launch.supervisor import supervise
 
 USAGE = ("llmrl run --config CONFIG [--hostfile H] [--no_ssh --node_rank R] [--master_addr A] [--master_port P] "
@@ -225,7 +225,9 @@ def main(request: RunRequest) -> int:
             return 2
         if all(llm.devices == "cpu" for llm in config.llms.values()):
             env.setdefault("DS_ACCELERATOR", "cpu")  # the launcher need not probe for (and warn about) GPUs
-        code, stopped_by = supervise(cmd, env, script_ended=(lambda: client_ended(exit_file)) if 0 in local else None)
+        watched = 0 in local  # rank 0 runs here: this node can tell when the script ended
+        code, stopped_by = supervise(cmd, env, script_ended=(lambda: client_ended(exit_file)) if watched else None,
+                                     servers_unreached=lambda: os.path.exists(unreached_file(exit_file)))
         reported = {rank: read_exit_code(exit_code_file(exit_file, rank)) for rank in local}
     return run_exit_code(code, stopped_by, reported)
 

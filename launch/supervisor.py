@@ -29,12 +29,14 @@ def _die_with_parent() -> None:  # runs in the child, before exec
 
 
 def supervise(cmd: list[str], env: dict, grace: float = 5.0, script_ended: Callable[[], bool] | None = None,
-              linger: float = 10.0) -> tuple[int, int | None]:
+              linger: float = 10.0, servers_unreached: Callable[[], bool] | None = None) -> tuple[int, int | None]:
     """Run ``cmd``; returns (its exit code, the signal that asked the run to stop, or None).
 
     ``script_ended`` tells when rank 0 has reported its exit and its process has ended: the client stops the
     servers before it reports, so a rank still running ``linger`` seconds later is frozen or stuck (the DeepSpeed
-    launcher would wait for it forever); the run's group is then killed."""
+    launcher would wait for it forever); the run's group is then killed. When ``servers_unreached()`` says the
+    script ended before some servers had connected (a script's ``--help``), those have nothing to finish and
+    could not be told to stop: the group is killed at once, without a word."""
     received: list[int] = []
     process = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -54,8 +56,9 @@ def supervise(cmd: list[str], env: dict, grace: float = 5.0, script_ended: Calla
             if received and deadline is None:
                 deadline = time.monotonic() + grace
             if deadline is None and script_ended is not None and script_ended():
-                deadline = time.monotonic() + linger
-                ended = True
+                early = servers_unreached is not None and servers_unreached()
+                deadline = time.monotonic() + (0.0 if early else linger)
+                ended = not early
             if deadline is not None and time.monotonic() > deadline:
                 if ended:
                     print(f"llmrl: ranks still ran {linger:g} s after the script ended and the servers were told to "

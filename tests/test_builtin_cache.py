@@ -311,7 +311,7 @@ def test_llmrl_cache_lists_sizes_and_states_and_clears_only_ours(cache, template
     assert "nothing named 'nothing-like-this'" in capsys.readouterr().err
     assert cache_verb("clear", NAME) == 0
     out = capsys.readouterr().out
-    assert sorted(os.listdir(cache)) == ["my-model", "notes.txt"]  # entry, moved-aside copy, staging and old lock removed
+    assert sorted(os.listdir(cache)) == ["my-model", "notes.txt"]  # ours, the moved-aside copy, staging, old lock gone
     assert out.count("removed ") == 3
     assert cache_verb("clear") == 0
     assert "kept" in capsys.readouterr().out and (foreign / "weights.bin").read_bytes() == b"123"

@@ -225,7 +225,7 @@ def test_the_issue_command_line_reaches_the_launcher_whole(tmp_path, capsys, mon
     hostfile.write_text("node0 slots=3\nnode1 slots=2\n")
     started = []
 
-    def supervise(cmd, env, script_ended=None):
+    def supervise(cmd, env, script_ended=None, servers_unreached=None):
         started.append((cmd, env))
         assert script_ended is None  # rank 0 runs on node 0: this node cannot tell when the script ended
         return 0, None

@@ -80,6 +80,19 @@ def test_llmrl_run(tmp_path, tiny, reference_models):
     assert leftovers(config) == []
 
 
+def test_a_script_that_ends_before_its_servers_connect_ends_the_run_at_once_and_quietly(tmp_path, tiny):
+    """A script's --help ends it before any Caller: its servers, still starting, were never told to stop. They
+    are ended without the "frozen, or stuck" line (which came after a 10 s wait) and leave nothing behind."""
+    config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"]}}})
+    script = tmp_path / "with_flags.py"
+    script.write_text("import argparse\nargparse.ArgumentParser(description='flags only').parse_args()\n")
+    result = run(llmrl("run", "--config", config, str(script), "--help"))
+    assert result.returncode == 0, result.stderr
+    assert "flags only" in result.stdout
+    assert "stuck" not in result.stderr and "without a clean stop" not in result.stderr, result.stderr
+    assert leftovers(config) == []
+
+
 def test_raw_deepspeed_launch_and_exit_code(tmp_path, tiny, reference_models):
     config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"]}}})
     out = str(tmp_path / "report.json")

@@ -75,3 +75,44 @@ def test_messages_a_client_never_sends_are_dropped_and_bad_requests_answered_in_
     server.close()
     client.close()
     logger.removeHandler(caplog.handler)
+
+
+def test_a_clean_stop_while_loading_with_nothing_queued_exits_zero_at_once(monkeypatch):
+    """A script that ends before making its Caller leaves its servers loading; a rank told to stop cleanly then
+    exits 0 at once (reporting it), instead of finishing a load nobody needs while the client waits for it."""
+    import llmrl.engine.server.serve as serve
+
+    left, reported = [], []
+    ended = threading.Event()
+
+    def fake_leave(code):
+        left.append(code)
+        ended.set()
+        threading.Event().wait()  # the real one never returns
+
+    monkeypatch.setattr(serve, "leave", fake_leave)
+    near, far = socket.socketpair()
+    client, link = frames.Connection(near), frames.Connection(far)
+    server = _server_on(link)
+    server.on_exit = reported.append
+    threading.Thread(target=server._read_loop, daemon=True).start()
+    messages.send(client, messages.Shutdown())
+    assert ended.wait(30)
+    assert left == [0] and reported == [0] and server.closed
+    client.close()
+
+
+def test_a_clean_stop_after_queued_requests_waits_for_them():
+    near, far = socket.socketpair()
+    client, link = frames.Connection(near), frames.Connection(far)
+    server = _server_on(link)
+    threading.Thread(target=server._read_loop, daemon=True).start()
+    messages.send(client, messages.Request(1, "ping", PingRequest()))
+    messages.send(client, messages.Shutdown())
+    served = threading.Thread(target=server.serve, daemon=True)
+    served.start()  # the load ends after the stop arrived
+    assert messages.receive(client).value == {"rank": 1}
+    served.join(30)
+    assert not served.is_alive()
+    server.close()
+    client.close()

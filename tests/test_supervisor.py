@@ -45,3 +45,12 @@ def test_rank_zeros_atexit_handlers_are_not_cut_short(tmp_path):
     code, _ = supervise(launcher(rank_zero(base, 3)), dict(os.environ),
                         script_ended=lambda: client_ended(base), linger=0.5)
     assert code == 0 and os.path.exists(base + ".flushed")
+
+
+def test_ranks_the_script_ended_before_they_connected_are_ended_without_the_stuck_line(tmp_path, capsys):
+    base = str(tmp_path / "exit-code")
+    code, stopped = supervise(launcher(rank_zero(base, 0), ["sleep", "300"]), dict(os.environ),
+                              script_ended=lambda: client_ended(base), linger=300.0,
+                              servers_unreached=lambda: True)
+    assert code != 0 and stopped is None  # killed (within the test's own timeout: not after the 300 s linger)
+    assert "after the script ended" not in capsys.readouterr().err

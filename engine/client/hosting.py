@@ -100,8 +100,10 @@ def current_run() -> ClientRun | None:
     return _current_run
 
 
-def run_client(config: Config, run_script: Callable[[], int]) -> int:
-    """Entry point of rank 0: host the run, run the script, stop the servers. Returns the exit code."""
+def run_client(config: Config, run_script: Callable[[], int],
+               on_unreached: Callable[[list[int]], None] | None = None) -> int:
+    """Entry point of rank 0: host the run, run the script, stop the servers. Returns the exit code.
+    ``on_unreached(ranks)`` is called when the script ended before server ``ranks`` had connected."""
     global _current_run
 
     def on_sigterm(signum, frame):
@@ -127,6 +129,9 @@ def run_client(config: Config, run_script: Callable[[], int]) -> int:
     failed = code != 0 or bool(run.links.dead)
     reason = "the script finished" if not failed else f"the script exited with code {code}"
     run.shutdown(abort=failed, reason=reason)
+    unreached = run.links.never_connected()
+    if unreached and on_unreached is not None:
+        on_unreached(unreached)
     if (run.links.dead or run.links.stuck) and code == 0:
         code = 1
     return code

@@ -368,6 +368,11 @@ class ServerLinks:
         for call in pending:
             _settle(call.future, error=RuntimeError(f"the Caller closed before the {call.kind!r} request finished"))
 
+    def never_connected(self) -> list[int]:
+        """The expected ranks that never connected (the script ended before they were up, or they failed)."""
+        with self._lock:
+            return sorted(set(self.expected_ranks) - set(self._links) - set(self.dead))
+
     @property
     def closing(self) -> bool:
         return self._closing

@@ -74,14 +74,16 @@ def threads_for_server(config: Config, node_rank: int) -> int:
 
 
 class Server:
-    def __init__(self, config: Config, role: RankRole):
+    def __init__(self, config: Config, role: RankRole, on_exit=None):
         self.config = config
         self.role = role
+        self.on_exit = on_exit  # called with the exit code just before a clean exit
         self.inbox: queue.Queue = queue.Queue()
         self.link: frames.Connection | None = None
         self.busy_with: int | None = None
         self.stopping = False  # the client said stop: the link closing is then expected
         self.closed = False  # this rank hung up
+        self.serving = False  # loaded, and taking requests from the inbox
         self.replica = None
 
     # ------------------------------------------------------------------ start-up
@@ -114,6 +116,8 @@ class Server:
                     if message.abort:
                         self._die(f"the client aborted the run ({message.reason})")
                     self.stopping = True
+                    if not self.serving and self.inbox.empty():
+                        self._stop_while_loading()
                 elif not isinstance(message, messages.Request):
                     self._on_unknown(messages.to_frame(message)[0], f"a {type(message).__name__} message")
                     continue
@@ -146,6 +150,15 @@ class Server:
                 return
             threading.Event().wait(interval)
 
+    def _stop_while_loading(self) -> NoReturn:
+        """A clean stop before this rank served anything (a script that ended before making its ``Caller``, as
+        ``--help`` does): nothing was asked of it, so it exits 0 now instead of finishing a load nobody needs."""
+        logger.debug("told to stop while loading, with no request queued; exiting")
+        self.closed = True
+        if self.on_exit is not None:
+            self.on_exit(0)
+        leave(0)
+
     def _die(self, why: str) -> NoReturn:
         logger.error(f"{why}; exiting")
         leave(1)
@@ -171,6 +184,7 @@ class Server:
     # ------------------------------------------------------------------ serving
 
     def serve(self) -> int:
+        self.serving = True
         while True:
             message = self.inbox.get()
             if isinstance(message, messages.Shutdown):
@@ -277,7 +291,7 @@ def run_server(config: Config, rank: int, local_rank: int, node_rank: int, on_ex
     from llmrl.engine.model import cpu_matmul
 
     cpu_matmul.configure(config.cpu_matmul)
-    server = Server(config, role_of(config, rank))
+    server = Server(config, role_of(config, rank), on_exit)
     server.connect()
     server.start(local_rank, node_rank)
     code = server.serve()
