@@ -15,12 +15,17 @@ episodes). Per-sample keyword arguments of ``caller.update(starts, episodes, ...
         pass computes it.
     ref_logprobs: (optional) the same under the reference policy, for the KL term (default: the model with its
         LoRA adapters disabled).
+    bootstrap: (optional, ``ppo_turns`` only) per start, one 0 or 1 per episode: 1 for an episode cut short
+        (truncated), whose ids then go on after its last turn to the state it was cut in (the observation and the
+        next generation prompt) and end with one placeholder token; the critic's value read there is the value after
+        its last turn, instead of 0. ``llmrl.episode_batch(groups, bootstrap=True)`` builds these.
 
 Advantages, one per turn, spread over the turn's tokens:
 
 - ``ppo_turns``: a token-level value head gives ``V_k``, the value of the state before turn ``k`` (read at the
   turn's first token, whose prediction sees the whole history before it); GAE across turns, a turn being one step
-  (``gamma`` and ``lam`` are per turn; the value after the last turn is 0): :func:`~llmrl.plugins.rl_math.turn_gae`.
+  (``gamma`` and ``lam`` are per turn; the value after the last turn is 0, or, for an episode marked ``bootstrap``,
+  the value read at its placeholder token): :func:`~llmrl.plugins.rl_math.turn_gae`.
   Returns ``R_k = A_k + V_k`` train the value head at the turns' boundaries; advantages are whitened over every turn
   of the batch, all replicas together (``whiten``).
 - ``grpo_turns``: no critic; a sample's episodes are a group from the same start (at least 2), and every turn of an
@@ -45,6 +50,8 @@ pass in :mod:`llmrl.plugins.rollouts`; this module reads the turns and runs the 
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -79,7 +86,8 @@ def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list
     lengths = torch.cat([p.mask.sum(1) for p in prompts]) if prompts else torch.zeros(0, dtype=torch.long)
     masks = token_rows_of(batch.kwargs["model_mask"], counts, lengths, batch.indices, "model_mask")
     out, row = [], 0
-    for p, entry, where in zip(prompts, batch.kwargs["turn_rewards"], batch.indices):
+    flags = batch.kwargs.get("bootstrap") or [None] * len(prompts)
+    for p, entry, where, flagged in zip(prompts, batch.kwargs["turn_rewards"], batch.indices, flags):
         rows = masks[row:row + len(p.rewards), :p.mask.shape[1]]
         row += len(p.rewards)
         if not bool(((rows == 0) | (rows == 1)).all()):
@@ -88,6 +96,7 @@ def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list
         p.tensors["model_mask"] = rows.bool() & p.mask
         p.spans = [turn_spans(r) for r in p.tensors["model_mask"]]
         p.index = where
+        p.bootstrap = _bootstrap_flags(flagged, p, where)
         episodes = []
         for j, spans in enumerate(p.spans):
             rewards = torch.as_tensor(entry[j], dtype=torch.float32).flatten()
@@ -103,6 +112,32 @@ def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list
             episodes.append(rewards)
         out.append(episodes)
     return out
+
+
+def _bootstrap_flags(entry, rows: PromptRows, where: int) -> list[bool]:
+    """A start's per-episode ``bootstrap`` flags from its ``entry`` (all False for None); refuses a flag that is not
+    0 or 1, and a flagged episode that ends on a model token (its last token must be the placeholder after the
+    state it was cut in)."""
+    count = rows.mask.shape[0]
+    if entry is None:
+        return [False] * count
+    if isinstance(entry, numbers.Number) or isinstance(entry, torch.Tensor) and entry.dim() == 0:
+        entry = [entry]  # a start with one episode
+    flags = []
+    for j in range(count):
+        flag = entry[j]
+        if isinstance(flag, torch.Tensor):
+            flag = flag.item()
+        if not isinstance(flag, bool) and flag not in (0, 1):
+            raise ValueError(f"bootstrap[{where}][{j}] is {flag!r}: mark each episode 1 (truncated: bootstrap from "
+                             "the critic) or 0 (ended)")
+        length = int(rows.mask[j].sum())
+        if flag and bool(rows.tensors["model_mask"][j, length - 1]):
+            raise ValueError(f"episode {j} of start {where} is marked bootstrap but ends on a model token: a "
+                             "bootstrapped episode goes on to the state it was cut in and ends with a placeholder "
+                             "token (llmrl.episode_batch(groups, bootstrap=True) builds it)")
+        flags.append(bool(flag))
+    return flags
 
 
 def spread(per_turn: list[torch.Tensor], spans: list[list[tuple[int, int]]], width: int, at_start: bool = False
@@ -121,7 +156,7 @@ class TurnUpdater(ShufflingUpdater):
 
     name = "turns"
     per_sample_args = {"model_mask": "token", "turn_rewards": "candidate", "old_logprobs": "token",
-                       "ref_logprobs": "token"}
+                       "ref_logprobs": "token", "bootstrap": "candidate"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     value_head: str | None = None
 
@@ -147,6 +182,9 @@ class TurnUpdater(ShufflingUpdater):
         if self.kl_coef > 0 and "ref_logprobs" not in batch.kwargs and not trainer.has_adapters:
             raise ValueError(f"the {self.name} updater's KL term needs a reference policy: add LoRA adapters, pass "
                              "ref_logprobs, or set kl_coef to 0")
+        if "bootstrap" in batch.kwargs and not self.value_head:
+            raise ValueError(f"{self.name} has no critic to bootstrap truncated episodes from: drop bootstrap "
+                             "(llmrl.episode_batch(groups) without bootstrap=True), or train with ppo_turns")
         zeros = [torch.zeros(len(c)) for c in batch.candidates]
         prompts = first_pass(batch, trainer, zeros, self.peft_adapter, self.value_head,
                              need_reference=self.kl_coef > 0)
@@ -248,7 +286,9 @@ class PPOTurnsUpdater(TurnUpdater):
         per_turn, squared, count = [], 0.0, 0
         for p, episodes in zip(prompts, rewards):
             values = [p.tensors["values"][j, [start for start, _ in spans]] for j, spans in enumerate(p.spans)]
-            pairs = [turn_gae(r, v, self.gamma, self.lam) for r, v in zip(episodes, values)]
+            after = [float(p.tensors["values"][j, int(p.mask[j].sum()) - 1]) if cut else None
+                     for j, cut in enumerate(p.bootstrap)]  # the value at a truncated episode's placeholder
+            pairs = [turn_gae(r, v, self.gamma, self.lam, last) for r, v, last in zip(episodes, values, after)]
             per_turn.append([a for a, _ in pairs])
             width = p.mask.shape[1]
             p.tensors["returns"] = spread([g for _, g in pairs], p.spans, width, at_start=True)

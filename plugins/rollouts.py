@@ -119,6 +119,7 @@ class PromptRows:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, ref_logprobs, values, ...
     spans: list = field(default_factory=list)  # multi-turn updaters: per continuation, its turns' (start, end)
     index: int = -1  # multi-turn updaters: the prompt's position in the call
+    bootstrap: list = field(default_factory=list)  # ppo_turns: per continuation, whether it is truncated
 
 
 def split_by_prompt(rows: dict[str, torch.Tensor], mask: torch.Tensor, rewards: torch.Tensor,

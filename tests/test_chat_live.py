@@ -156,6 +156,13 @@ def test_gymnasium_environments_truncate_and_misshapen_steps_are_refused_by_name
                                 seed=1, llm="chat")
     assert [len(e.actions) for e in episodes] == [2, 2] and all(e.done for e in episodes)
     assert [e.truncated for e in episodes] == [True, False]
+    # the truncated episode keeps the state it was cut in (its last observation, then the next generation prompt:
+    # where a critic's value bootstraps from); the ended one stops at its last turn
+    cut, ended = (e.trajectory for e in episodes)
+    tokenizer = run.get_tokenizer(llm="chat")
+    tail = tokenizer.decode(cut.ids[cut.turns[-1].end:])
+    assert f"You chose: {episodes[0].actions[-1]}." in tail and tail.endswith("<s>assistant\n"), tail
+    assert len(ended.ids) == ended.turns[-1].end
     with pytest.raises(Exception, match=r"envs\[1\]\.step\(\) must return \(observation, reward, terminated, "):
         run.run_episodes([DoorEnv(0), ThreeValueEnv(1)], mode="choose", llm="chat")
 

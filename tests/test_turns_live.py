@@ -90,12 +90,14 @@ def old_logprobs(run, llm: str, eps) -> list[list[list[float]]]:
              for j, lp in enumerate(entry["logprobs"])] for i, entry in enumerate(scored)]
 
 
-def update(run, llm: str, eps, old):
+def update(run, llm: str, eps, old, **extra):
     return run.update(PROMPTS, [[e[0] for e in g] for g in eps], llm=llm, model_mask=[[e[1] for e in g] for g in eps],
-                      turn_rewards=[[e[2] for e in g] for g in eps], old_logprobs=old)
+                      turn_rewards=[[e[2] for e in g] for g in eps], old_logprobs=old, **extra)
 
 
-def reference_ppo_turns(tiny, tok, before: dict, eps, old) -> dict:
+def reference_ppo_turns(tiny, tok, before: dict, eps, old, boot=None) -> dict:
+    """(``boot[i][j]``: episode j of prompt i is truncated; its last token is a placeholder where the value after
+    its last turn is read.)"""
     peft = peft_model(tiny, before)
     head_state = {k: v.clone().requires_grad_(True) for k, v in before.items() if k.startswith("heads.value.")}
     head = value_head(head_state, "heads.value")
@@ -109,8 +111,9 @@ def reference_ppo_turns(tiny, tok, before: dict, eps, old) -> dict:
                 with peft.disable_adapter():
                     ref, _, _ = token_pass(peft, tok, prompt, ids)
                 adv, running = torch.zeros(len(turns)), 0.0
+                after = head(h)[len(ids) - 1] if boot and boot[i][j] else 0.0  # the placeholder's position
                 for k in reversed(range(len(turns))):
-                    next_v = v[k + 1] if k + 1 < len(turns) else 0.0
+                    next_v = v[k + 1] if k + 1 < len(turns) else after
                     running = rewards[k] + a["gamma"] * next_v - v[k] + a["gamma"] * a["lam"] * running
                     adv[k] = running
                 rows.append([i, j, v, adv, adv + v, ref, turns])
@@ -171,6 +174,45 @@ def test_ppo_turns_update_equals_a_plain_sgd_step(run, tiny):
     assert sorted(s["samples"] for s in stats) == [1, 2]  # uneven shares
     returns = sum(sum(e[2]) for g in eps for e in g)  # two episodes per start
     assert sum(s["reward"] * s["samples"] * 2 for s in stats) == pytest.approx(returns, abs=1e-5)
+
+
+def test_ppo_turns_bootstraps_truncated_episodes_from_the_value_at_their_placeholder(run, tiny):
+    """Episodes that end on the environment's reply are marked truncated: each gets a placeholder token, and the
+    value read there (the state after its last turn) replaces the 0 after its last turn in GAE."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=2)
+    boot = [[int(not e[1][-1]) for e in group] for group in eps]  # those whose last token is the environment's
+    assert 0 < sum(map(sum, boot)) < sum(map(len, boot))
+    eps = [[(ids + [tok.eos_token_id], mask + [0], rewards) if b else (ids, mask, rewards)
+            for (ids, mask, rewards), b in zip(group, flags)] for group, flags in zip(eps, boot)]
+    old = old_logprobs(run, "ppo", eps)
+    before = run.state_dict(llm="ppo")
+    update(run, "ppo", eps, old, bootstrap=boot)
+    after = run.state_dict(llm="ppo")
+    check_step(after, reference_ppo_turns(tiny, tok, before, eps, old, boot), before)
+    cut_short = reference_ppo_turns(tiny, tok, before, eps, old)  # the same episodes, ended: another step
+    assert max(float((after[k] - cut_short[k]).abs().max()) for k in cut_short) > 1e-4
+
+
+def test_bootstrap_is_refused_on_an_episode_that_ends_on_a_model_token_and_by_grpo_turns(run, tiny):
+    from transformers import AutoTokenizer
+
+    from llmrl.engine.errors import RequestError
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    eps = episodes(tok, per_prompt=2)
+    boot = [[1, 1] for _ in eps]
+    old = old_logprobs(run, "ppo", eps)
+    for llm, refusal in (("ppo", "is marked bootstrap but ends on a model token"),
+                         ("grpo", "grpo_turns has no critic to bootstrap truncated episodes")):
+        before = run.state_dict(llm=llm)
+        with pytest.raises(RequestError, match=refusal):
+            update(run, llm, eps, old, bootstrap=boot)
+        after = run.state_dict(llm=llm)
+        assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
+        assert len(run.score(PROMPTS[:1], [[" look"]], llm=llm)) == 1
 
 
 def test_grpo_turns_update_equals_a_plain_sgd_step_and_ignores_environment_tokens(run, tiny):

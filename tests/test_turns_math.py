@@ -96,3 +96,48 @@ def test_episode_batch_builds_the_update_of_groups_of_episodes():
         episode_batch([[a, c]])
     with pytest.raises(ValueError, match="episode 1 of group 0 has 1 model turns but 2 rewards"):
         episode_batch([[a, episode([7, 8], [([4], [-0.2], [])], [2.0, 1.0])]])
+
+
+def test_gae_of_a_truncated_episode_bootstraps_from_the_value_after_its_last_turn():
+    # as test_gae_across_turns_by_hand, with V after the last turn 0.4 instead of 0:
+    # delta_2 = 2 + 0.9 * 0.4 - (-0.1) = 2.46          A_2 = 2.46
+    # delta_1 = -0.29                                  A_1 = -0.29 + 0.72 * 2.46 = 1.4812
+    # delta_0 = 0.68                                   A_0 = 0.68 + 0.72 * 1.4812 = 1.746464
+    advantages, returns = turn_gae(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.2, -0.1]), 0.9, 0.8,
+                                   last_value=0.4)
+    torch.testing.assert_close(advantages, torch.tensor([1.746464, 1.4812, 2.46]))
+    torch.testing.assert_close(returns, advantages + torch.tensor([0.5, 0.2, -0.1]))
+    ended, _ = turn_gae(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.2, -0.1]), 0.9, 0.8, last_value=0.0)
+    torch.testing.assert_close(ended, torch.tensor([1.55984, 1.222, 2.1]))  # a value of 0 is the ended episode's
+
+
+def test_episode_batch_with_bootstrap_extends_truncated_episodes_to_a_placeholder():
+    from llmrl import episode_batch
+
+    a = episode([7, 8], [([5, 0], [-0.5, -0.1], [9, 9]), ([6], [-1.0], [4, 3])], [0.0, 1.0])
+    a.truncated = True  # cut short: its trajectory keeps the state it was cut in ([4, 3])
+    b = episode([7, 8], [([4, 0], [-0.2, -0.3], [2])], [2.0])  # ended: its reply carries nothing
+    got = episode_batch([[a, b]], bootstrap=True)
+    assert got == {"contexts": [[7, 8]], "candidates": [[[5, 0, 9, 9, 6, 4, 3, 0], [4, 0]]],
+                   "model_mask": [[[1, 1, 0, 0, 1, 0, 0, 0], [1, 1]]], "turn_rewards": [[[0.0, 1.0], [2.0]]],
+                   "old_logprobs": [[[-0.5, -0.1, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0], [-0.2, -0.3]]],
+                   "bootstrap": [[1, 0]]}
+    assert "bootstrap" not in episode_batch([[a, b]])  # without it, a truncated episode ends at its last turn
+    assert episode_batch([[a, b]])["candidates"] == [[[5, 0, 9, 9, 6], [4, 0]]]
+    c = episode([7, 8], [([5], [-0.5], [])], [1.0])
+    c.truncated = True
+    with pytest.raises(ValueError, match="episode 0 of group 0 is truncated, but its trajectory stops at its last"):
+        episode_batch([[c]], bootstrap=True)
+
+
+def test_bootstrap_flags_are_checked_by_name():
+    batch = SimpleNamespace(indices=[4], kwargs={"model_mask": [[[0, 1, 1, 0, 0], [1, 0, 1]]],
+                                                 "turn_rewards": [[[0.5], [2.0, 1.0]]]})
+    for flags, message in (([[1, 1]], r"episode 1 of start 4 is marked bootstrap but ends on a model token"),
+                           ([[2, 0]], r"bootstrap\[4\]\[0\] is 2: mark each episode 1")):
+        with pytest.raises(ValueError, match=message):
+            read_turns(SimpleNamespace(indices=[4], kwargs={**batch.kwargs, "bootstrap": flags}), [rows([5, 3])],
+                       "ppo_turns")
+    prompt = rows([5, 3])
+    read_turns(SimpleNamespace(indices=[4], kwargs={**batch.kwargs, "bootstrap": [[1, 0]]}), [prompt], "ppo_turns")
+    assert prompt.bootstrap == [True, False]

@@ -15,7 +15,9 @@ token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, i
 
 The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
 the other half's environments step. Every episode ends when its environment says done, after ``max_turns``, or
-when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which).
+when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which). A
+truncated episode's trajectory keeps the state it was cut in (the last observation and the next generation prompt:
+what a critic bootstraps from); an ended one stops at the model's last turn.
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
 (``ppo_turns``, ``grpo_turns``); for client-owned steps, :meth:`Trajectory.datum` takes per-turn advantages, and
 :func:`group_episode_advantages` gives GRPO's over a group of episodes from the same start.
@@ -182,7 +184,7 @@ def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turn
     episode._info = dict(info or {})
     episode.done = bool(terminated) or bool(cut) or len(episode.actions) >= max_turns
     episode.truncated = episode.done and not terminated
-    if not episode.done:
+    if not terminated:  # a truncated episode keeps the state it was cut in: a critic's value of it bootstraps
         episode.trajectory.add_message(observation)
 
 
@@ -210,15 +212,19 @@ def group_episode_advantages(episodes, gamma: float = 1.0, scale: bool = True, e
     return [a.tolist() for a in advantages(rewards, gamma, scale, eps)]
 
 
-def episode_batch(groups) -> dict:
+def episode_batch(groups, bootstrap: bool = False) -> dict:
     """The keyword arguments of ``caller.update(**episode_batch(groups))`` for ``ppo_turns`` and ``grpo_turns``:
     ``groups`` is a list of groups, each a list of :class:`Episode` played from the same start (one episode per
     group is fine for ``ppo_turns``; ``grpo_turns`` needs two or more). Per group: the context is the start's ids,
     the candidates are each episode's ids after it up to its last model token (an observation after it carries no
     loss), with its ``model_mask``, ``turn_rewards`` and ``old_logprobs`` (the log-probs its tokens were sampled
     with). Refuses a group whose episodes do not share their start ids, and an
-    episode whose numbers of turns and rewards differ."""
-    contexts, candidates, masks, rewards, old = [], [], [], [], []
+    episode whose numbers of turns and rewards differ.
+
+    ``bootstrap=True`` (``ppo_turns``): a truncated episode's candidate goes on to the state it was cut in (the
+    last observation and the next generation prompt, which its trajectory keeps) and one placeholder token, where
+    the critic's value of that state is read; the ``bootstrap`` argument marks these episodes."""
+    contexts, candidates, masks, rewards, old, flags = [], [], [], [], [], []
     for g, group in enumerate(groups):
         if not group:
             raise ValueError(f"group {g} holds no episode")
@@ -236,10 +242,31 @@ def episode_batch(groups) -> dict:
                              "same first prompt)")
         cut = len(starts[0])
         ends = [ep.trajectory.turns[-1].end for ep in group]  # what follows the last turn carries no loss: left out
+        cuts = [bootstrap and ep.truncated for ep in group]
+        for e, (episode, end, truncated) in enumerate(zip(group, ends, cuts)):
+            if truncated and len(episode.trajectory.ids) == end:
+                raise ValueError(f"episode {e} of group {g} is truncated, but its trajectory stops at its last turn: "
+                                 "the state it was cut in is unknown (episodes of run_episodes keep it; add the last "
+                                 "observation with trajectory.add_message), or build the batch without bootstrap")
+        ends = [len(ep.trajectory.ids) if truncated else end for ep, end, truncated in zip(group, ends, cuts)]
+        tails = [[_placeholder(ep.trajectory)] if truncated else [] for ep, truncated in zip(group, cuts)]
         contexts.append(starts[0])
-        candidates.append([ep.trajectory.ids[cut:end] for ep, end in zip(group, ends)])
-        masks.append([[int(m) for m in ep.trajectory.model_mask[cut:end]] for ep, end in zip(group, ends)])
+        candidates.append([ep.trajectory.ids[cut:end] + tail for ep, end, tail in zip(group, ends, tails)])
+        masks.append([[int(m) for m in ep.trajectory.model_mask[cut:end]] + [0] * len(tail)
+                      for ep, end, tail in zip(group, ends, tails)])
         rewards.append([[float(r) for r in ep.rewards] for ep in group])
-        old.append([ep.trajectory.sampling_logprobs[cut:end] for ep, end in zip(group, ends)])
-    return {"contexts": contexts, "candidates": candidates, "model_mask": masks, "turn_rewards": rewards,
-            "old_logprobs": old}
+        old.append([ep.trajectory.sampling_logprobs[cut:end] + [0.0] * len(tail)
+                    for ep, end, tail in zip(group, ends, tails)])
+        flags.append([int(truncated) for truncated in cuts])
+    batch = {"contexts": contexts, "candidates": candidates, "model_mask": masks, "turn_rewards": rewards,
+             "old_logprobs": old}
+    if bootstrap:
+        batch["bootstrap"] = flags
+    return batch
+
+
+def _placeholder(trajectory) -> int:
+    """The token after a truncated episode's last state: the position where the critic's value of that state is
+    read (a token-level value is read from the hidden state before its token, so which token it is does not matter)."""
+    eos = trajectory.tokenizer.eos_token_id
+    return int(eos) if eos is not None else 0

@@ -104,15 +104,18 @@ def turn_spans(model_mask: torch.Tensor) -> list[tuple[int, int]]:
     return spans
 
 
-def turn_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+def turn_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float, last_value: float | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE across the ``K`` turns of one episode, a turn being one step: ``delta_k = r_k + gamma * V_(k+1) - V_k``,
-    ``A_k = delta_k + gamma * lam * A_(k+1)``, the value after the last turn 0 (the episode ended). ``(advantages,
-    returns)``, both ``[K]``; returns = advantages + values."""
+    ``A_k = delta_k + gamma * lam * A_(k+1)``. The value after the last turn is 0 (the episode ended), or
+    ``last_value`` for an episode cut short (truncated: bootstrapped from the critic's value of the state it was cut
+    in). ``(advantages, returns)``, both ``[K]``; returns = advantages + values."""
     k = rewards.shape[0]
     ended = torch.zeros((k, 1))
-    ended[-1] = 1.0
-    advantages, returns = gae(rewards.float()[:, None], values.float()[:, None], ended, torch.zeros(1), gamma, lam)
+    if last_value is None:
+        ended[-1] = 1.0
+    after = torch.tensor([0.0 if last_value is None else float(last_value)])
+    advantages, returns = gae(rewards.float()[:, None], values.float()[:, None], ended, after, gamma, lam)
     return advantages[:, 0], returns[:, 0]
 
 
