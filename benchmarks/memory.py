@@ -4,7 +4,10 @@ by side in one run, each in a child process of its own:
 - ``generate`` with per-token log-probs: llmrl reads each chosen token's log-prob step by step, against plain Hugging
   Face keeping ``output_logits`` (what llmrl did before, and what a plain HF script does);
 - ``score(per_token=True, entropy=True)`` without gradients (as in the old-policy and reference passes): log-probs and
-  entropies normalised a piece of rows at a time, against one piece (what llmrl did before).
+  entropies normalised a piece of rows at a time, against one piece (what llmrl did before);
+- ``generate`` of many samples of one prompt (``--one-prompt-rows``, a large GRPO group) in llmrl's decoding loop: the
+  prompt's rows in runs of at most ``--max-rows`` (the LLM's ``minibatch_size``), against all of them in one batch
+  (what llmrl did before). Sampled with ``top_k=1``, so that both paths choose the same tokens.
 
     .venv/bin/python -m benchmarks.memory                     # CPU: 2 narrow layers, SmolLM2's 49k vocabulary
     python -m benchmarks.memory --shape smollm2-1.7b --rows 64 --new-tokens 512 --prompt-tokens 49   # on a GPU
@@ -75,6 +78,8 @@ def child(path: str, args) -> dict:
         before = resident_kb() * 1024
     if path.startswith("score"):
         return score_child(path, model, args, device, before)
+    if path.startswith("one-prompt"):
+        return one_prompt_child(path, model, prompts[0], args, device, before)
     with torch.no_grad():
         if path == "llmrl":
             plan = plan_generate(model, IdsTokenizer(), "causal", prompts, settings, 10**9, 10**6, None)
@@ -99,6 +104,26 @@ def peak_since(before: int, device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() - before
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def one_prompt_child(path: str, model, prompt: list[int], args, device, before: int) -> dict:
+    """``--one-prompt-rows`` samples of one prompt in llmrl's loop; ``one-prompt-one-batch`` lets its rows run in one
+    batch, as llmrl did before, ``one-prompt-runs`` bounds them by ``--max-rows``."""
+    import torch
+
+    from llmrl.engine.config.types import GenerationSettings
+    from llmrl.engine.model.decoding.runtime import Decoder
+    from llmrl.engine.model.generation import generate, plan_generate
+
+    settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": True, "top_k": 1,
+                "num_return_sequences": args.one_prompt_rows, "pad_token_id": 0}
+    rows = 10**6 if path == "one-prompt-one-batch" else args.max_rows
+    with torch.no_grad():
+        plan = plan_generate(model, IdsTokenizer(), "causal", [prompt], settings, 10**9, rows, None)
+        results = generate(model, IdsTokenizer(), "causal", plan, device, seed=args.seed,
+                           decoder=Decoder(GenerationSettings(), device.type))
+    return {"peak_bytes": peak_since(before, device), "tokens": [s["tokens"].tolist() for s in results[0]],
+            "logprobs": [s["logprobs"].tolist() for s in results[0]], "device": str(device)}
 
 
 def score_child(path: str, model, args, device, before: int) -> dict:
@@ -136,7 +161,10 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--child", choices=["llmrl", "hf", "score-one-piece", "score-pieces"], help=argparse.SUPPRESS)
+    parser.add_argument("--one-prompt-rows", type=int, default=128, help="samples of one prompt (the third row)")
+    parser.add_argument("--max-rows", type=int, default=64, help="the LLM's minibatch_size (the third row)")
+    parser.add_argument("--child", choices=["llmrl", "hf", "score-one-piece", "score-pieces", "one-prompt-one-batch",
+                                            "one-prompt-runs"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args)))
@@ -144,7 +172,9 @@ def main(argv=None) -> int:
     rows = [("generate", "plain HF with output_logits (llmrl before)", "hf", "llmrl, log-probs read step by step",
              "llmrl"),
             ("score per_token + entropy", "one piece (llmrl before)", "score-one-piece", "pieces of rows",
-             "score-pieces")]
+             "score-pieces"),
+            ("generate, one prompt's samples", "its rows in one batch (llmrl before)", "one-prompt-one-batch",
+             f"runs of at most {args.max_rows} rows", "one-prompt-runs")]
     for title, old_name, old_path, new_name, new_path in rows:
         runs = {}
         for path in (old_path, new_path):
@@ -159,7 +189,8 @@ def main(argv=None) -> int:
         diff = max((abs(a - b) for x, y in zip(before["logprobs"], now["logprobs"]) for a, b in zip(x, y)),
                    default=0.0)
         kind = "CUDA allocated" if before["device"].startswith("cuda") else "resident"
-        print(f"{title}: {args.rows} rows x {args.new_tokens} tokens, shape {args.shape}, vocabulary 49152, on "
+        count = args.one_prompt_rows if old_path.startswith("one-prompt") else args.rows
+        print(f"{title}: {count} rows x {args.new_tokens} tokens, shape {args.shape}, vocabulary 49152, on "
               f"{before['device']}; peak {kind} memory of the call:")
         print(f"  {old_name + ':':48s} {before['peak_bytes'] / 2**20:9.1f} MiB")
         print(f"  {new_name + ':':48s} {now['peak_bytes'] / 2**20:9.1f} MiB")

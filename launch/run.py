@@ -269,7 +269,8 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
     node's ranks reported; pure.
 
     Ctrl-C: 130; SIGTERM (or SIGHUP): 128 + the signal. With rank 0 on this node: the script's code.
-    Otherwise the launcher's code when non-zero, else 1 if a rank of this node did not report a clean stop
+    Otherwise the launcher's code when non-zero (128 + the signal when it reports a rank killed by one), else 1 if a
+    rank of this node did not report a clean stop
     (the DeepSpeed launcher reports its own death by a signal as success), else 0.
     """
     script_code = reported.get(0)
@@ -281,6 +282,12 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
         return 128 + stopped_by
     if script_code is not None:
         return script_code
+    if launcher_code > 192:  # DeepSpeed's launcher exits with a killed rank's negative code: 256 - the signal
+        killer = 256 - launcher_code
+        name = signal.Signals(killer).name if killer in signal.valid_signals() else f"signal {killer}"
+        print(f"llmrl: a rank of this node was killed by {name} before it could report (the script's exit code is "
+              f"unknown); the run ends with {128 + killer}", file=sys.stderr)
+        return 128 + killer
     if launcher_code != 0:
         return launcher_code if launcher_code > 0 else 128 - launcher_code
     unclean = sorted(rank for rank, code in reported.items() if code != 0)

@@ -42,14 +42,17 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
         assert update["replayed calls"] > 0 and update["whole calls"] == 0
 
 
-def test_memory_benchmark_runs_both_rows_on_small_inputs():
-    result = run_benchmark("memory", "--prompts", "2", "--rows", "4", "--prompt-tokens", "8", "--new-tokens", "6")
+def test_memory_benchmark_runs_every_row_on_small_inputs():
+    result = run_benchmark("memory", "--prompts", "2", "--rows", "4", "--prompt-tokens", "8", "--new-tokens", "6",
+                           "--one-prompt-rows", "6", "--max-rows", "4")
     lines = result.stdout.splitlines()
     assert lines[0].startswith("generate: 4 rows x 6 tokens") and "plain HF with output_logits" in lines[1]
     assert lines[4].startswith("score per_token + entropy: 4 rows x 6 tokens")
+    assert lines[8].startswith("generate, one prompt's samples: 6 rows x 6 tokens") and "runs of at most 4" in lines[10]
     # on CPU the two paths sample the same tokens and give the same log-probs (and the same scores)
     assert lines[3].endswith("same tokens, largest difference 0.00e+00")
     assert lines[7].endswith("same tokens, largest difference 0.00e+00")
+    assert "same tokens" in lines[11] and float(lines[11].rsplit(" ", 1)[1]) < 1e-5
 
 
 def test_update_memory_benchmark_runs_every_path_with_the_same_trained_weights():

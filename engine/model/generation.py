@@ -31,6 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from llmrl.engine.model.attention_span import keeps_state_outside_attention
+from llmrl.engine.model.decoding.batches import Batch, split_prompt_rows
 from llmrl.engine.model.decoding.eligibility import config_fields
 from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
@@ -58,12 +59,14 @@ def _eos_ids(model, tokenizer, kwargs) -> set[int]:
 
 
 def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_budget: int, max_rows: int
-                    ) -> list[list[int]]:
-    """Group prompt indices so that rows x (prompt + new tokens) stays within the budget."""
+                    ) -> list[Batch]:
+    """Group prompt indices so that rows x (prompt + new tokens) stays within the budget and rows within
+    ``max_rows``; a prompt whose own rows exceed them is cut into runs of its rows (each its own batch)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups = group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return,
                             extra_width=new_tokens)
-    return [[order[k] for k in group] for group in groups]
+    return split_prompt_rows([[order[k] for k in group] for group in groups], num_return,
+                             lambda i: min(max_rows, token_budget // (max(lengths[i], 1) + new_tokens)))
 
 
 @dataclass
@@ -71,7 +74,7 @@ class GenerationPlan:
     """A checked generation request: its prompts' token ids, their batches and the generate arguments."""
 
     prompts: list[list[int]]
-    batches: list[list[int]]
+    batches: list[Batch]  # prompt indices, and the samples each returns in the batch
     kwargs: dict
     num_return: int
     stop: tuple[list[str], list[list[int]]] = ([], [])  # strings, token-id sequences (engine/model/stops.py)
@@ -149,9 +152,9 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     if loop is not None:
         loop.new_call()
     try:
-        for batch in batches:
+        for batch, rows_each in batches:  # (a prompt cut into runs of its rows gets its samples run after run)
             _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                            plan.num_return, [results[i] for i in batch], plan.stop, use, loop)
+                            rows_each, [results[i] for i in batch], plan.stop, use, loop)
     finally:
         if loop is not None:
             loop.end_call()
@@ -162,7 +165,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     if plan.prompt_logprobs:
         # one prompt per model call (its logits are width x vocabulary), except under lockstep, where every rank
         # of a ZeRO-3 group makes the same calls: the planned batches, then the throw-away ones
-        groups = [*plan.batches, *[None] * extra_batches] if synced else [[i] for b in plan.batches for i in b]
+        groups = [*(b for b, _ in plan.batches), *[None] * extra_batches] if synced else \
+            [[i] for i in dict.fromkeys(i for b, _ in plan.batches for i in b)]  # each prompt once
         for batch in groups:
             prompts = dummy if batch is None else [plan.prompts[i] for i in batch]
             for k, logprobs in enumerate(prompt_token_logprobs(model, prompts, tokenizer.pad_token_id, device)):
@@ -196,6 +200,8 @@ def _partitioned(model) -> bool:
 
 def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop,
                     use=None, loop=None) -> None:
+    if "num_return_sequences" in kwargs:  # this batch's rows per prompt (a prompt's samples may run in runs)
+        kwargs = {**kwargs, "num_return_sequences": num_return}
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -94,7 +94,7 @@ class Decoder:
         if self.zero3 and self.packed is not None:
             self.packed.keep_only(lambda layer, memory: is_its_shard(layer.weight, memory))
 
-    def batches(self, model, plan, token_budget: int, max_rows: int) -> list[list[int]]:
+    def batches(self, model, plan, token_budget: int, max_rows: int) -> list[tuple[list[int], int]]:
         """The loop's batches for a planned request (:mod:`.batches`): prefill within ``token_budget``, rows
         within ``max_rows``, the cache within ``generation.cache_mb``."""
         from llmrl.engine.model.decoding.batches import cache_bytes_per_token, decode_batches
