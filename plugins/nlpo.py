@@ -9,9 +9,11 @@ distribution is ``softmax(logits)`` renormalised over the masking policy's top-p
 
 - sampling: ``generate(..., steer=True)`` samples under the mask (``steer={"top_p": 0.8}`` overrides ``top_p``);
 - the update: the old log-probs (computed here; the client gives none), the ratio and the entropy are the masked
-  distribution's. The KL penalty compares the masked policy's log-probs with the reference's (unmasked, as in
-  RL4LMs). A token outside the current mask (sampled without ``steer``, or before a sync) is added to its
-  state's set, so that its log-prob stays finite; ``mask_misses`` counts such tokens.
+  distribution's. The KL penalty (and the ``kl`` statistic) compares the policy's unmasked log-probs with the
+  reference's, as RL4LMs does: a masked log-prob is the unmasked one minus ``log`` of the set's mass, which would
+  penalise every token by that much (a length penalty) and inflate the KL the adaptive coefficient follows. A token
+  outside the current mask (sampled without ``steer``, or before a sync) is added to its state's set, so that its
+  log-prob stays finite; ``mask_misses`` counts such tokens.
 
 Extra statistics: ``mask_size`` (mean tokens in a state's set), ``mask_misses`` (share of tokens outside it),
 ``mask_syncs`` (snapshots taken so far). This module is the algorithm's difference from ``ppo_tokens``; the masks are
@@ -76,7 +78,7 @@ class NLPOUpdater(PPOTokensUpdater):
     def first_policy_pass(self):
         def run(trainer, mb, heads):
             out, logp, mask, _ = self.policy_pass(trainer, mb, heads, count=False)
-            return out, logp, mask
+            return out, logp, mask, out.tokens_by_candidate()[0]  # the KL penalty's: the unmasked log-probs
         return run
 
     def policy_pass(self, trainer: Trainer, mb: UpdateBatch, heads: list, count: bool = True) -> tuple:

@@ -173,11 +173,12 @@ class PPOTokensUpdater(ShufflingUpdater):
         collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
         for p in prompts:  # per-token rewards, GAE
             t = p.tensors
-            ref = t.get("ref_logprobs", t["old_logprobs"])
-            rewards = kl_penalised_rewards(t["task_rewards"], t["old_logprobs"], ref, p.mask, beta)
+            policy = t.get("kl_logprobs", t["old_logprobs"])  # (nlpo: the unmasked policy's, not the ratio's)
+            ref = t.get("ref_logprobs", policy)
+            rewards = kl_penalised_rewards(t["task_rewards"], policy, ref, p.mask, beta)
             values = t["values"] if "values" in t else torch.zeros_like(rewards)
             t["advantages"], t["returns"] = token_gae(rewards, values, p.mask, self.gamma, self.lam)
-            collected["kl"] += float(((t["old_logprobs"] - ref) * p.mask).sum())
+            collected["kl"] += float(((policy - ref) * p.mask).sum())
             collected["reward"] += float(p.rewards.sum())
             collected["value_error"] += float((((values - t["returns"]) ** 2) * p.mask).sum())
             collected["tokens"] += float(p.mask.sum())

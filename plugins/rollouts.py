@@ -179,7 +179,8 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
     last token, dense rewards in place). Whether a pass runs depends only on the call's keyword names and the
     config, never on one replica's share, so every replica makes the same passes. ``policy_pass(trainer,
     minibatch, heads)``, when given, runs the policy's pass and returns its outputs, ``[n, T]`` log-probs and mask
-    (``nlpo``: the masked policy's log-probs)."""
+    (``nlpo``: the masked policy's log-probs), and ``[n, T]`` log-probs for the KL penalty, or None for the same
+    (``nlpo``: the unmasked ones), kept as ``tensors["kl_logprobs"]``."""
     prompts: list[PromptRows] = []
     heads = [value_head] if value_head else []
     given_old, given_ref = "old_logprobs" in batch.kwargs, "ref_logprobs" in batch.kwargs
@@ -190,8 +191,10 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
         rows, out = {}, None
         with torch.no_grad():
             if run_policy and policy_pass is not None:
-                out, logp, mask = policy_pass(trainer, mb, heads)
+                out, logp, mask, kl_logp = policy_pass(trainer, mb, heads)
                 rows["old_logprobs"] = logp.float().cpu()
+                if kl_logp is not None:
+                    rows["kl_logprobs"] = kl_logp.float().cpu()
             elif run_policy:  # with the old log-probs given, only the value head is read: no log-prob computed
                 out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=adapter, per_token=True,
                                       logprobs=not given_old)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 LR = 0.05
 ILQL = {"gamma": 0.9, "tau": 0.7, "cql_scale": 0.1, "awac_scale": 1.0, "alpha": 0.25, "sync_every": 1, "beta": 2.0}
-NLPO = {"kl_coef": 0.0, "value_head": None, "whiten": False, "gamma": 1.0, "lam": 1.0, "epochs": 1, "top_p": 0.5,
+NLPO = {"kl_coef": 0.3, "value_head": None, "whiten": False, "gamma": 1.0, "lam": 1.0, "epochs": 1, "top_p": 0.5,
         "mask_sync_every": 100}
 
 
@@ -171,14 +171,24 @@ def test_nlpo_update_equals_a_plain_masked_policy_gradient_step(run, tiny, tok):
     stats = run.update(PROMPTS, data, llm="nlpo", rewards=[[-r for r in rs] for rs in rewards])
     assert stats[0]["mask_syncs"] == 1 and 0 < stats[0]["mask_size"] < 320
     policy, masking = peft_model(tiny, before), peft_model(tiny, first)
-    per_prompt = []
+    per_prompt, kl_sum, continuations_seen = [], 0.0, 0
     for prompt, conts, rs in zip(PROMPTS, data, rewards):
         per_cont = []
         for cont, reward in zip(conts, rs):
             logp, _ = masked_pass(policy, masking, tok, prompt, cont, NLPO["top_p"])
+            with torch.no_grad():  # the KL penalty reads the unmasked policy against the reference, as RL4LMs
+                raw, _, _ = token_pass(policy, tok, prompt, cont)
+                with policy.disable_adapter():
+                    ref, _, _ = token_pass(policy, tok, prompt, cont)
+            per_token = -NLPO["kl_coef"] * (raw - ref)
+            per_token[-1] += -reward  # the (negated) task reward on the last token
+            advantage = per_token.flip(0).cumsum(0).flip(0)  # gamma = lam = 1, no critic: the rewards to go
             ratio = torch.exp(logp - logp.detach())
-            per_cont.append((-ratio * -reward).mean())  # advantage: the (negated) reward on every token
+            per_cont.append((-ratio * advantage).mean())
+            kl_sum, continuations_seen = kl_sum + float((raw - ref).sum()), continuations_seen + 1
         per_prompt.append(torch.stack(per_cont).mean())
+    # (with the masked log-probs it read 2.18 here, against -0.08: log of the top-p set's mass on every token)
+    assert stats[0]["batch_kl"] == pytest.approx(kl_sum / continuations_seen, abs=1e-5)
     torch.stack(per_prompt).mean().backward()
     expected = {f"model.{k}": (p - LR * p.grad).detach() for k, p in policy.named_parameters() if p.requires_grad}
     after = run.state_dict(llm="nlpo")
