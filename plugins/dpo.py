@@ -84,6 +84,9 @@ class DPOUpdater(ShufflingUpdater):
 
     def __init__(self, beta: float = 0.1, loss: str = "sigmoid", label_smoothing: float = 0.0,
                  reference: str = "base", epochs: int = 1, peft_adapter: str | None = None, seed: int = 0):
+        if loss == "ipo" and label_smoothing:
+            raise ValueError(f"label_smoothing: {label_smoothing} is not read by loss 'ipo' (its target is fixed); "
+                             "set it to 0, or use loss 'sigmoid' (conservative DPO) or 'robust'")
         self.beta, self.loss, self.label_smoothing, self.reference = beta, loss, label_smoothing, reference
         self.epochs, self.peft_adapter = epochs, peft_adapter
         super().__init__(seed)

@@ -19,7 +19,8 @@ loss is ``loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac``
 
 Every token of an optimizer step weighs the same, across micro-steps and replicas (trlX averages over the tokens of
 its batch). After every ``sync_every`` optimizer steps the target Q heads move towards the Q heads: ``target <-
-alpha * Q + (1 - alpha) * target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`; the step count is saved in
+alpha * Q + (1 - alpha) * target`` (:func:`~llmrl.plugins.rl_math.ilql.polyak_update`, in float32 copies for a
+bfloat16 or float16 model, whose heads could not take a step of ``alpha``; the step count is saved in
 checkpoints). Without gradient accumulation an optimizer step is a minibatch.
 
 Generation steered by the advantages: ``generate(..., steer=True)`` samples from ``log_softmax(logits) + beta * (
@@ -75,6 +76,7 @@ class ILQLUpdater(ShufflingUpdater):
         self.awac_beta, self.alpha, self.sync_every, self.beta = awac_beta, alpha, sync_every, beta
         self.epochs, self.peft_adapter = epochs, peft_adapter
         self.steps_done = 0
+        self.target_masters: dict = {}  # float32 copies of bfloat16 / float16 target Q heads (polyak_update)
         super().__init__(seed)
 
     def state_dict(self) -> dict:
@@ -87,7 +89,7 @@ class ILQLUpdater(ShufflingUpdater):
     def _sync(self, module: torch.nn.Module, due: bool) -> bool:
         """The Polyak update of the target Q heads, when one is due; returns False (none is due any more)."""
         if due:
-            polyak_update(list(module.target_q_heads), list(module.q_heads), self.alpha)
+            polyak_update(list(module.target_q_heads), list(module.q_heads), self.alpha, self.target_masters)
         return False
 
     def _heads_module(self, heads: dict) -> torch.nn.Module:

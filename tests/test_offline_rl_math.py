@@ -103,3 +103,35 @@ def test_steered_logits_and_polyak_update():
         source.weight.fill_(1.0), source.bias.fill_(2.0), target.weight.fill_(3.0), target.bias.fill_(4.0)
     polyak_update([target], [source], 0.25)
     assert target.weight.item() == pytest.approx(0.25 * 1 + 0.75 * 3) and target.bias.item() == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_target_heads_follow_as_in_float32(dtype):
+    """A bfloat16 target moved 0.001 of the way to its source rounds back to where it was: after 3000 syncs a review
+    measured the targets 0.665 of the heads' norm away in bfloat16 against 0.05 in float32. With the updater's
+    float32 copies they follow as the float32 targets do, to the half type's rounding."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(16, 32).requires_grad_(False)
+    exact, target = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+    target.load_state_dict(exact.state_dict())
+    target.to(dtype).requires_grad_(False), exact.requires_grad_(False)
+    half_source = torch.nn.Linear(16, 32).to(dtype)
+    half_source.load_state_dict(source.state_dict())
+    plain = torch.nn.Linear(16, 32).to(dtype).requires_grad_(False)
+    plain.load_state_dict(target.state_dict())
+    masters = {}
+
+    def gap(module):
+        return float((module.weight.float() - source.weight).norm() / source.weight.norm())
+
+    with torch.no_grad():
+        for step in range(3000):
+            polyak_update([exact], [source], 0.001)
+            polyak_update([target], [half_source], 0.001, masters)
+            polyak_update([plain], [half_source], 0.001)  # no float32 copies: stuck
+            if step == 1499:  # a resume loads other weights into the targets: the copies are made again
+                target.weight.add_(0.01)
+                exact.weight.copy_(target.weight.float())
+    assert gap(exact) < 0.1 and gap(plain) > 2 * gap(exact)  # bfloat16 stuck at 1.36, float16 at 0.27
+    assert abs(gap(target) - gap(exact)) < 0.01
+    torch.testing.assert_close(target.weight.float(), exact.weight, atol=0.01, rtol=0.01)

@@ -135,3 +135,11 @@ def test_steered_sampling_of_a_seq2seq_model_is_refused(updater):
     view = types.SimpleNamespace(kind="seq2seq", heads={})
     with pytest.raises(ValueError, match="steered sampling runs causal models|masked sampling runs causal models"):
         (ILQLUpdater() if updater == "ilql" else NLPOUpdater()).steering(view)
+
+
+def test_label_smoothing_that_ipo_would_not_read_is_refused():
+    from llmrl.plugins.dpo import DPOUpdater
+
+    with pytest.raises(ValueError, match="label_smoothing: 0.2 is not read by loss 'ipo'"):
+        DPOUpdater(loss="ipo", label_smoothing=0.2)
+    assert DPOUpdater(loss="ipo").label_smoothing == 0 and DPOUpdater(label_smoothing=0.2).label_smoothing == 0.2

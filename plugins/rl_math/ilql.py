@@ -73,8 +73,22 @@ def steered_logits(logits: torch.Tensor, target_q_heads: list[torch.Tensor], val
 
 
 @torch.no_grad()
-def polyak_update(targets: list[torch.nn.Module], sources: list[torch.nn.Module], alpha: float) -> None:
-    """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (trlX's target Q sync)."""
+def polyak_update(targets: list[torch.nn.Module], sources: list[torch.nn.Module], alpha: float,
+                  masters: dict | None = None) -> None:
+    """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (trlX's target Q sync).
+
+    A target below float32 (a bfloat16 or float16 model's heads, which have no optimizer's float32 copy) cannot take
+    a small step: with ``alpha`` 0.001, bfloat16's 0.5 moved towards 0.6 rounds back to 0.5, so the targets would
+    stop following. ``masters`` (a dict the caller keeps from sync to sync) then holds a float32 copy of each such
+    target, updated there and copied in; it is made again from the target whenever the two differ (a resume, a
+    load). Without ``masters`` every target is updated in its own dtype."""
     for target, source in zip(targets, sources):
         for t, s in zip(target.parameters(), source.parameters()):
-            t.mul_(1 - alpha).add_(s.detach(), alpha=alpha)
+            if masters is None or t.dtype in (torch.float32, torch.float64):
+                t.mul_(1 - alpha).add_(s.detach(), alpha=alpha)
+                continue
+            master = masters.get(id(t))
+            if master is None or master.shape != t.shape or not torch.equal(master.to(t.dtype), t.detach()):
+                master = masters[id(t)] = t.detach().float().clone()
+            master.mul_(1 - alpha).add_(s.detach().float(), alpha=alpha)
+            t.copy_(master)
