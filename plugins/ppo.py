@@ -7,7 +7,9 @@ minibatches of ``training.micro_batch_size`` samples per replica; DeepSpeed step
 
 Per-sample keyword arguments of ``caller.update(contexts, candidates, ...)``:
     actions: index of the chosen candidate.
-    old_logprobs: log-prob of that action under the policy that collected the data (``score(..., normalize=True)``).
+    old_logprobs: log-prob of that action under the policy that collected the data: ``log_softmax(scores /
+        temperature)`` at the action, with the scores of ``score(...)`` and the updater's ``temperature`` (at 1:
+        ``score(..., normalize=True)``).
     advantages: advantage estimates (normalise them in your script if you want).
     returns: value targets.
     old_values: values at collection time (for value clipping; required unless ``value_clip`` is null).
