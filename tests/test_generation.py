@@ -110,6 +110,10 @@ def test_beam_search_matches_plain_hf(reference_models, kind):
                 torch.testing.assert_close(sample["logprobs"], expected, atol=1e-4, rtol=0)
                 ended_early += len(sample["tokens"]) < 6
         assert kwargs is beams or ended_early > 0, "no beam ended at the forced EOS: the case did not test it"
+    # 3 rows a prompt with 2 allowed: the rows of one beam search are never cut into runs (each run would return
+    # the search's best beams again)
+    narrow = generate(model, tok, k, PROMPTS, beams, "cpu", 8192, 2, 512)
+    assert [[s["tokens"].tolist() for s in r] for r in narrow] == [[s["tokens"].tolist() for s in r] for r in first]
     greedy = generate(model, tok, k, PROMPTS[:1], {"max_new_tokens": 3}, "cpu", 8192, 64, 512)[0][0]
     assert "beam_score" not in greedy
 

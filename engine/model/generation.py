@@ -58,14 +58,18 @@ def _eos_ids(model, tokenizer, kwargs) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_budget: int, max_rows: int
-                    ) -> list[Batch]:
+def plan_generation(lengths: list[int], new_tokens: int, num_return: int, token_budget: int, max_rows: int,
+                    independent_rows: bool = True) -> list[Batch]:
     """Group prompt indices so that rows x (prompt + new tokens) stays within the budget and rows within
-    ``max_rows``; a prompt whose own rows exceed them is cut into runs of its rows (each its own batch)."""
+    ``max_rows``; a prompt whose own rows exceed them is cut into runs of its rows (each its own batch), where its
+    rows are ``independent_rows`` (samples; not beam search, whose returned rows are the best of one search)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups = group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return,
-                            extra_width=new_tokens)
-    return split_prompt_rows([[order[k] for k in group] for group in groups], num_return,
+    groups = [[order[k] for k in group] for group in
+              group_greedily([lengths[i] for i in order], token_budget, max_rows, rows_each=num_return,
+                             extra_width=new_tokens)]
+    if not independent_rows:
+        return [(group, num_return) for group in groups]
+    return split_prompt_rows(groups, num_return,
                              lambda i: min(max_rows, token_budget // (max(lengths[i], 1) + new_tokens)))
 
 
@@ -116,7 +120,9 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
                              f"maximum length {max_length}")
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
-    batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows)
+    beams = int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1))
+    batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows,
+                              independent_rows=beams == 1)  # two runs of one beam search would return the same beams
     return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs, token_budget, max_rows)
 
 
