@@ -6,8 +6,9 @@ by side in one run, each in a child process of its own:
 - ``score(per_token=True, entropy=True)`` without gradients (as in the old-policy and reference passes): log-probs and
   entropies normalised a piece of rows at a time, against one piece (what llmrl did before);
 - ``generate`` of many samples of one prompt (``--one-prompt-rows``, a large GRPO group) in llmrl's decoding loop: the
-  prompt's rows in runs of at most ``--max-rows`` (the LLM's ``minibatch_size``), against all of them in one batch
-  (what llmrl did before). Sampled with ``top_k=1``, so that both paths choose the same tokens.
+  prompt's rows in runs within ``--max-rows`` (the LLM's ``minibatch_size``) and the default ``generation.cache_mb``,
+  against all of them in one batch (what llmrl did before). Sampled with ``top_k=1``, so that both paths choose the
+  same tokens.
 
     .venv/bin/python -m benchmarks.memory                     # CPU: 2 narrow layers, SmolLM2's 49k vocabulary
     python -m benchmarks.memory --shape smollm2-1.7b --rows 64 --new-tokens 512 --prompt-tokens 49   # on a GPU
@@ -117,11 +118,12 @@ def one_prompt_child(path: str, model, prompt: list[int], args, device, before: 
 
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": True, "top_k": 1,
                 "num_return_sequences": args.one_prompt_rows, "pad_token_id": 0}
-    rows = 10**6 if path == "one-prompt-one-batch" else args.max_rows
+    whole = path == "one-prompt-one-batch"  # no bound on rows, nor on the cache (the default cache_mb would cut)
+    loop = Decoder(GenerationSettings(cache_mb=2**40) if whole else GenerationSettings(), device.type)
     with torch.no_grad():
-        plan = plan_generate(model, IdsTokenizer(), "causal", [prompt], settings, 10**9, rows, None)
-        results = generate(model, IdsTokenizer(), "causal", plan, device, seed=args.seed,
-                           decoder=Decoder(GenerationSettings(), device.type))
+        plan = plan_generate(model, IdsTokenizer(), "causal", [prompt], settings, 10**9,
+                             10**6 if whole else args.max_rows, None)
+        results = generate(model, IdsTokenizer(), "causal", plan, device, seed=args.seed, decoder=loop)
     return {"peak_bytes": peak_since(before, device), "tokens": [s["tokens"].tolist() for s in results[0]],
             "logprobs": [s["logprobs"].tolist() for s in results[0]], "device": str(device)}
 
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
             ("score per_token + entropy", "one piece (llmrl before)", "score-one-piece", "pieces of rows",
              "score-pieces"),
             ("generate, one prompt's samples", "its rows in one batch (llmrl before)", "one-prompt-one-batch",
-             f"runs of at most {args.max_rows} rows", "one-prompt-runs")]
+             f"runs within {args.max_rows} rows and the cache", "one-prompt-runs")]
     for title, old_name, old_path, new_name, new_path in rows:
         runs = {}
         for path in (old_path, new_path):

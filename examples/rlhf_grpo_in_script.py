@@ -39,7 +39,7 @@ from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
 class Args:
     updates: Annotated[int, "GRPO updates"] = 30
     prompts_per_update: Annotated[int, "training prompts per update"] = 8
-    samples_per_prompt: Annotated[int, "the group size"] = 4
+    samples_per_prompt: Annotated[int, "continuations sampled per prompt (the GRPO group)"] = 4
     max_new_tokens: Annotated[int, "continuation length"] = 16
     lr: Annotated[float, "the first update's learning rate, decaying linearly to 0"] = 2e-3
     kl_coef: Annotated[float, "weight of the KL penalty to the starting policy (a per-token negative reward)"] = 0.2

@@ -51,7 +51,8 @@ class Args:
     updates: Annotated[int, "GRPO updates"] = 40
     max_turns: Annotated[int, "an episode fails after this many turns"] = 8
     max_prompt_tokens: Annotated[int, (
-        "or when its prompt grows longer (the tiny model of --quick reads 512 at most)")] = 4096
+        "an episode also fails when its prompt grows longer than this (the tiny model of --quick reads 512 at "
+        "most)")] = 4096
     eval_every: Annotated[int, "held-out evaluation every this many updates (and before and after)"] = 10
     temperature: Annotated[float, "sampling temperature while training (evaluation is greedy)"] = 1.0
     choose_first: Annotated[int, "write mode: play the first this many updates in choose mode (a warm start)"] = 0

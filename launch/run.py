@@ -282,9 +282,13 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
         return 128 + stopped_by
     if script_code is not None:
         return script_code
-    if launcher_code > 192:  # DeepSpeed's launcher exits with a killed rank's negative code: 256 - the signal
-        killer = 256 - launcher_code
-        name = signal.Signals(killer).name if killer in signal.valid_signals() else f"signal {killer}"
+    unreported = bool(reported) and any(code is None for code in reported.values())
+    if unreported and 192 < launcher_code < 256:  # DeepSpeed's launcher exits with a killed rank's negative code
+        killer = 256 - launcher_code  # (256 - the signal); without a local rank unreported, a code is a code
+        try:
+            name = signal.Signals(killer).name
+        except ValueError:
+            name = f"signal {killer}"
         print(f"llmrl: a rank of this node was killed by {name} before it could report (the script's exit code is "
               f"unknown); the run ends with {128 + killer}", file=sys.stderr)
         return 128 + killer

@@ -86,7 +86,9 @@ def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list
     lengths = torch.cat([p.mask.sum(1) for p in prompts]) if prompts else torch.zeros(0, dtype=torch.long)
     masks = token_rows_of(batch.kwargs["model_mask"], counts, lengths, batch.indices, "model_mask")
     out, row = [], 0
-    flags = batch.kwargs.get("bootstrap") or [None] * len(prompts)
+    flags = batch.kwargs.get("bootstrap")
+    if flags is None:
+        flags = [None] * len(prompts)
     for p, entry, where, flagged in zip(prompts, batch.kwargs["turn_rewards"], batch.indices, flags):
         rows = masks[row:row + len(p.rewards), :p.mask.shape[1]]
         row += len(p.rewards)

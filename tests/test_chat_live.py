@@ -155,7 +155,7 @@ def test_gymnasium_environments_truncate_and_misshapen_steps_are_refused_by_name
     episodes = run.run_episodes([GymnasiumDoorEnv(0, cut=2), DoorEnv(1, turns=2)], mode="choose", max_turns=5,
                                 seed=1, llm="chat")
     assert [len(e.actions) for e in episodes] == [2, 2] and all(e.done for e in episodes)
-    assert [e.truncated for e in episodes] == [True, False]
+    assert [e.truncated for e in episodes] == [True, False] and [e.cut_by for e in episodes] == ["environment", None]
     # the truncated episode keeps the state it was cut in (its last observation, then the next generation prompt:
     # where a critic's value bootstraps from); the ended one stops at its last turn
     cut, ended = (e.trajectory for e in episodes)
@@ -163,6 +163,12 @@ def test_gymnasium_environments_truncate_and_misshapen_steps_are_refused_by_name
     tail = tokenizer.decode(cut.ids[cut.turns[-1].end:])
     assert f"You chose: {episodes[0].actions[-1]}." in tail and tail.endswith("<s>assistant\n"), tail
     assert len(ended.ids) == ended.turns[-1].end
+    (by_turns,) = run.run_episodes([DoorEnv(2, turns=9)], mode="choose", max_turns=2, seed=1, llm="chat")
+    first = by_turns.trajectory.turns[0].start  # the first prompt's tokens
+    (by_length,) = run.run_episodes([DoorEnv(2, turns=9)], mode="choose", max_turns=5, seed=1, llm="chat",
+                                    max_prompt_tokens=first + 1)
+    assert (len(by_turns.actions), by_turns.truncated, by_turns.cut_by) == (2, True, "max_turns")
+    assert (len(by_length.actions), by_length.truncated, by_length.cut_by) == (1, True, "max_prompt_tokens")
     with pytest.raises(Exception, match=r"envs\[1\]\.step\(\) must return \(observation, reward, terminated, "):
         run.run_episodes([DoorEnv(0), ThreeValueEnv(1)], mode="choose", llm="chat")
 

@@ -121,7 +121,7 @@ def trained_a_step(model) -> None:
 def test_zero3_decodes_from_kept_weights_with_a_compiled_step_that_never_sees_them_move(lora_llama):
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile on the CPU needs a C compiler")
-    from test_decoding import plain_logprobs, same_samples
+    from testkit.decoding import plain_logprobs, same_samples
 
     model, tok = lora_llama
     model = copy.deepcopy(model)  # trained between the calls below

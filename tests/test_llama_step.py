@@ -16,6 +16,7 @@ from llmrl.engine.model.decoding import loop
 from llmrl.engine.model.decoding.llama_step import LlamaStep
 from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
+from testkit.decoding import plain_logprobs
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "café", "x"]
 GREEDY = {"max_new_tokens": 10, "do_sample": False}
@@ -66,13 +67,6 @@ def assert_same(ours, reference, atol=1e-5) -> None:
             assert a["tokens"].tolist() == b["tokens"].tolist()
             for key in ("logprobs", "sampling_logprobs"):
                 torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0)
-
-
-def plain_logprobs(model, tok, prompt: str, tokens: list[int]) -> torch.Tensor:
-    ids = tok(prompt)["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 VARIANTS = {  # family, config fields

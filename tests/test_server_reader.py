@@ -50,6 +50,7 @@ def test_messages_a_client_never_sends_are_dropped_and_bad_requests_answered_in_
     client.send(["not", "an", "object"])
     client.send({"type": "hello", "rank": 0})  # a known type with missing fields
     client.send({"type": "request", "id": 2})  # a numbered request without its kind
+    client.send(["a list", "header"], {"x": Unloadable()})  # neither a header nor a body that can be read
     messages.send(client, messages.Request(3, "ping", {"x": Unloadable()}))
     messages.send(client, messages.Request(4, "ping", PingRequest()))
     messages.send(client, messages.Shutdown())
@@ -69,9 +70,11 @@ def test_messages_a_client_never_sends_are_dropped_and_bad_requests_answered_in_
     assert server.replica.handled["ping"] == 2
     dropped = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     for what in ("Hello", "Heartbeat", "Reply", "unknown message type 'no-such-type'", "not a JSON object",
-                 "'hello' message with wrong fields"):
+                 "'hello' message with wrong fields", "'a list'"):
         assert any(what in line for line in dropped), (what, dropped)
-    assert len(dropped) == 6
+    assert len(dropped) == 7
+    assert "can import" in replies[2].error.message  # a payload the server cannot build: the hint says what can
+    assert "can import" not in replies[1].error.message  # a header's fault is not the payload's
     server.close()
     client.close()
     logger.removeHandler(caplog.handler)
@@ -102,7 +105,11 @@ def test_a_clean_stop_while_loading_with_nothing_queued_exits_zero_at_once(monke
     client.close()
 
 
-def test_a_clean_stop_after_queued_requests_waits_for_them():
+def test_a_clean_stop_after_queued_requests_waits_for_them(monkeypatch):
+    import llmrl.engine.server.serve as serve
+
+    left = []
+    monkeypatch.setattr(serve, "leave", lambda code: left.append(code) or threading.Event().wait())
     near, far = socket.socketpair()
     client, link = frames.Connection(near), frames.Connection(far)
     server = _server_on(link)
@@ -113,6 +120,6 @@ def test_a_clean_stop_after_queued_requests_waits_for_them():
     served.start()  # the load ends after the stop arrived
     assert messages.receive(client).value == {"rank": 1}
     served.join(30)
-    assert not served.is_alive()
+    assert not served.is_alive() and left == []  # served, then stopped by serve(); never left early
     server.close()
     client.close()

@@ -124,6 +124,10 @@ def test_episode_batch_with_bootstrap_extends_truncated_episodes_to_a_placeholde
                    "bootstrap": [[1, 0]]}
     assert "bootstrap" not in episode_batch([[a, b]])  # without it, a truncated episode ends at its last turn
     assert episode_batch([[a, b]])["candidates"] == [[[5, 0, 9, 9, 6], [4, 0]]]
+    long = episode([7, 8], [([5], [-0.5], [4, 4, 4])], [1.0])
+    long.truncated, long.cut_by = True, "max_prompt_tokens"  # its last state is longer than the model should read
+    assert episode_batch([[long]], bootstrap=True)["candidates"] == [[[5]]]
+    assert episode_batch([[long]], bootstrap=True)["bootstrap"] == [[0]]
     c = episode([7, 8], [([5], [-0.5], [])], [1.0])
     c.truncated = True
     with pytest.raises(ValueError, match="episode 0 of group 0 is truncated, but its trajectory stops at its last"):
@@ -138,6 +142,7 @@ def test_bootstrap_flags_are_checked_by_name():
         with pytest.raises(ValueError, match=message):
             read_turns(SimpleNamespace(indices=[4], kwargs={**batch.kwargs, "bootstrap": flags}), [rows([5, 3])],
                        "ppo_turns")
-    prompt = rows([5, 3])
-    read_turns(SimpleNamespace(indices=[4], kwargs={**batch.kwargs, "bootstrap": [[1, 0]]}), [prompt], "ppo_turns")
-    assert prompt.bootstrap == [True, False]
+    for flags in ([[1, 0]], torch.tensor([[1, 0]]), [torch.tensor([True, False])]):  # lists, tensors, booleans
+        prompt = rows([5, 3])
+        read_turns(SimpleNamespace(indices=[4], kwargs={**batch.kwargs, "bootstrap": flags}), [prompt], "ppo_turns")
+        assert prompt.bootstrap == [True, False]

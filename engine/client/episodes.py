@@ -45,6 +45,7 @@ class Episode:
     infos: list[dict] = field(default_factory=list)
     done: bool = False
     truncated: bool = False  # cut short: by max_turns or max_prompt_tokens, or by the environment's `truncated`
+    cut_by: str | None = None  # what cut it short: "max_turns", "max_prompt_tokens" or "environment"
     _info: dict = field(default_factory=dict, repr=False)  # the latest info (admissible actions)
 
     @property
@@ -98,6 +99,7 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
                     raise ValueError(f"environment {i}'s first prompt is {len(episodes[i].trajectory.ids)} tokens, "
                                      f"over max_prompt_tokens={max_prompt_tokens}")
                 episodes[i].done = episodes[i].truncated = True
+                episodes[i].cut_by = "max_prompt_tokens"
         active = [i for i in indices if not episodes[i].done]
         if not active:
             return None
@@ -184,6 +186,7 @@ def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turn
     episode._info = dict(info or {})
     episode.done = bool(terminated) or bool(cut) or len(episode.actions) >= max_turns
     episode.truncated = episode.done and not terminated
+    episode.cut_by = ("environment" if cut else "max_turns") if episode.truncated else None
     if not terminated:  # a truncated episode keeps the state it was cut in: a critic's value of it bootstraps
         episode.trajectory.add_message(observation)
 
@@ -223,7 +226,9 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
 
     ``bootstrap=True`` (``ppo_turns``): a truncated episode's candidate goes on to the state it was cut in (the
     last observation and the next generation prompt, which its trajectory keeps) and one placeholder token, where
-    the critic's value of that state is read; the ``bootstrap`` argument marks these episodes."""
+    the critic's value of that state is read; the ``bootstrap`` argument marks these episodes. An episode cut by
+    ``max_prompt_tokens`` is not bootstrapped (that state is longer than the model should read): it ends at its last
+    turn, with the value 0 after it."""
     contexts, candidates, masks, rewards, old, flags = [], [], [], [], [], []
     for g, group in enumerate(groups):
         if not group:
@@ -242,7 +247,7 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
                              "same first prompt)")
         cut = len(starts[0])
         ends = [ep.trajectory.turns[-1].end for ep in group]  # what follows the last turn carries no loss: left out
-        cuts = [bootstrap and ep.truncated for ep in group]
+        cuts = [bootstrap and ep.truncated and ep.cut_by != "max_prompt_tokens" for ep in group]
         for e, (episode, end, truncated) in enumerate(zip(group, ends, cuts)):
             if truncated and len(episode.trajectory.ids) == end:
                 raise ValueError(f"episode {e} of group {g} is truncated, but its trajectory stops at its last turn: "

@@ -6,10 +6,13 @@ Start-up: read the run's token and the client's address from rank 0's store, con
 Serving: requests are served one at a time in arrival order (the same order on every rank, so the
 collectives of replicas and tensor-parallel ranks line up). Each request is dispatched by its kind to the
 handler its module declares (:data:`llmrl.engine.requests.KINDS`). An error in a request is sent back to
-the client and the server goes on serving.
+the client and the server goes on serving. The reader thread survives whatever the client sends: a request it
+cannot decode (its payload or its header) is answered with an error in its turn; a message a client never sends
+(a Hello, a Reply, an unknown type) is logged and dropped.
 
 Stopping: a graceful ``Shutdown`` (sent to every rank by ``Caller.close``, or to one LLM's ranks by
-``Caller.close_llm``) ends the loop after the requests queued before it, and the process exits 0. The
+``Caller.close_llm``) ends the loop after the requests queued before it, and the process exits 0 (at once when
+it comes while the rank is still loading and nothing is queued: a script that ended before its ``Caller``). The
 process exits at once and non-zero when the client's connection drops or the client aborts the run, so
 no rank outlives its run, even one stuck in a collective with a dead peer.
 
@@ -109,14 +112,20 @@ class Server:
             while True:
                 try:
                     message = messages.receive(self.link)
-                except (frames.UndecodableBody, messages.UnknownMessage) as bad:
+                except frames.UndecodableBody as bad:
+                    self._on_unknown(bad.header, f"{bad} (arguments must be plain Python, tensors, or classes the "
+                                     "servers can import: installed modules, or top-level classes of your script)",
+                                     f"a message whose body cannot be read (header {str(bad.header)[:300]})")
+                    continue
+                except messages.UnknownMessage as bad:
                     self._on_unknown(bad.header, str(bad))
                     continue
                 if isinstance(message, messages.Shutdown):
                     if message.abort:
                         self._die(f"the client aborted the run ({message.reason})")
                     self.stopping = True
-                    if not self.serving and self.inbox.empty():
+                    if self.inbox.empty() and not self.serving:  # (this order: serve() sets serving before it
+                        # takes anything, and this thread alone fills the inbox)
                         self._stop_while_loading()
                 elif not isinstance(message, messages.Request):
                     self._on_unknown(messages.to_frame(message)[0], f"a {type(message).__name__} message")
@@ -131,13 +140,16 @@ class Server:
         except BaseException:  # noqa: BLE001 - a stream that cannot be read any more ends this rank, loudly
             self._die(f"reading from the client failed:\n{traceback.format_exc()}")
 
-    def _on_unknown(self, header: dict, what: str) -> None:
-        """A message a client does not send (a Hello, a Reply, an unknown type): a numbered request whose header
-        is wrong gets an error reply in its turn; anything else is logged and dropped, and this rank goes on."""
+    def _on_unknown(self, header, what: str, dropped: str | None = None) -> None:
+        """A message this rank cannot take: a numbered request (its body or its header unreadable) gets an error
+        reply saying ``what``, in its turn; anything else (a Hello, a Reply, an unknown type: a client never sends
+        them) is logged as ``dropped`` (default ``what``) and dropped, and this rank goes on."""
+        if not isinstance(header, dict):
+            header = {"header": header}
         if header.get("type") == "request" and isinstance(header.get("id"), int):
             self.inbox.put(_Undecodable(header, what))
             return
-        logger.warning(f"ignored {what} from the client: a client sends only requests and shutdowns")
+        logger.warning(f"ignored {dropped or what} from the client: a client sends only requests and shutdowns")
 
     def _heartbeat_loop(self) -> None:
         # Beats go on until this rank hangs up, also after a stop was received: requests queued before it are
@@ -262,9 +274,7 @@ class _Undecodable:
         self.id = header.get("id", -1)
         self.kind = header.get("kind", "?")
         self.payload = None
-        self.error = ValueError(f"this server cannot decode the {self.kind!r} request: {why} (arguments must be "
-                                "plain Python, tensors, or classes the servers can import: installed modules, or "
-                                "top-level classes of your script)")
+        self.error = ValueError(f"this server cannot decode the {self.kind!r} request: {why}")
 
 
 def _sizes(payload) -> str:
