@@ -1,24 +1,22 @@
 """Rank 0's links to every server rank: accepting them, watching them, routing replies to calls.
 
-Each server rank connects to rank 0's listener at start-up (both sides prove they hold the run's secret
-before anything is decoded) and then sends a heartbeat every ``timeouts.heartbeat`` seconds. A reader
-thread per link turns incoming replies into completed futures; it survives anything it reads: a reply
-whose value cannot be decoded fails its own call, a corrupt or oversized frame ends that link loudly.
-A rank whose connection closes, or that stays silent for ``timeouts.dead_after`` seconds, is declared
+Each server rank connects to rank 0's listener at start-up (both sides prove they hold the run's secret before
+anything is decoded; one that comes while the client closes is told to stop) and then sends a heartbeat every
+``timeouts.heartbeat`` seconds. A reader thread per link turns incoming replies into completed futures; it survives
+anything it reads: a reply whose value cannot be decoded fails its own call, a corrupt or oversized frame ends that
+link loudly. A rank whose connection closes, or that stays silent for ``timeouts.dead_after`` seconds, is declared
 dead at once: its socket is shut (unblocking any send stuck on it), every call waiting on it fails with
-:class:`ServerDiedError` naming it, and every later call fails immediately. Silence is measured on bytes
-received, so a server busy sending a long reply is alive, and time when the client itself was stalled
-(a long environment step holding the interpreter) does not count against the servers.
+:class:`ServerDiedError` naming it, and every later call fails immediately. Silence is measured on bytes received,
+so a server busy sending a long reply is alive, and time when the client itself was stalled (a long environment
+step holding the interpreter) does not count against the servers.
 
-Calls are sent under one lock, so every rank receives requests in the same order whichever thread sent
-them: the ranks of one LLM (tensor-parallel shards, replicas in lockstep) always serve the same request
-together.
+Calls are sent under one lock, so every rank receives requests in the same order whichever thread sent them: the
+ranks of one LLM (tensor-parallel shards, replicas in lockstep) always serve the same request together.
 
-Ranks can also be retired while the others go on (``Caller.close_llm``): they are told to stop after the work
-already sent to them, and their hanging up is then an expected end, not a death.
+Ranks can also be retired while the others go on (``Caller.close_llm``): they are told to stop after the work already
+sent to them, and their hanging up is then an expected end, not a death.
 
-This module does not know what a request means; the request kinds (:mod:`llmrl.engine.requests`) build and
-assemble them.
+This module does not know what a request means; the request kinds (:mod:`llmrl.engine.requests`) build them.
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class ServerLinks:
 
     def _rank_wanted(self, rank: int) -> bool:
         with self._lock:
-            return rank in self.expected_ranks and rank not in self._links and not self._closing
+            return rank in self.expected_ranks and rank not in self._links
 
     def _accept_loop(self) -> None:
         while True:
@@ -108,6 +106,8 @@ class ServerLinks:
             return
         with self._lock:
             if rank in self._links or self._closing:
+                if rank not in self._links:  # the script ended before this rank was up: a clean stop (it exits 0)
+                    messages.send_quietly(link, messages.Shutdown(reason="the script ended before this rank was up"))
                 link.close()
                 return
             self._links[rank] = link

@@ -127,6 +127,14 @@ def send(connection: Connection, message) -> None:
     connection.send(*to_frame(message))
 
 
+def send_quietly(connection: Connection, message) -> None:
+    """Send ``message`` if the peer is still there (a last word before hanging up); a closed link is no error."""
+    try:
+        send(connection, message)
+    except OSError:
+        pass
+
+
 def receive(connection: Connection):
     """The next message. A message whose body cannot be decoded raises
     :class:`~llmrl.engine.transport.frames.UndecodableBody` with its header, and one whose header is not a message
@@ -136,4 +144,4 @@ def receive(connection: Connection):
 
 
 __all__ = ["ErrorInfo", "Heartbeat", "Hello", "Reply", "Request", "Shutdown", "UndecodableBody", "UnknownMessage",
-           "from_frame", "receive", "send", "to_frame"]
+           "from_frame", "receive", "send", "send_quietly", "to_frame"]
