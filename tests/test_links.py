@@ -381,22 +381,3 @@ def test_a_callback_that_waits_for_the_next_reply_of_its_own_rank_is_refused_and
     assert links.submit("ping", [([3], 3)], lambda values: values[3]).result(10) == 3  # the reader goes on
     links.shutdown(abort=False, reason="test", wait=2)
 
-
-def test_a_rank_that_connects_while_the_client_closes_is_told_to_stop_cleanly():
-    """A script that ends as a server comes up (its --help): the late rank used to be refused as if it lacked the
-    secret, and exited 1; it is admitted and told to stop (a clean Shutdown), and is no death."""
-    listener = rendezvous.listen("127.0.0.1")
-    links = ServerLinks(listener, SECRET, [1, 2], heartbeat=0.05, dead_after=600.0)
-    early = frames.connect(listener.getsockname(), SECRET, 1, timeout=5)
-    hello(early, 1)
-    closing = threading.Thread(target=links.shutdown, kwargs={"abort": False, "reason": "done", "wait": 30})
-    closing.start()  # it waits for rank 1 to hang up: meanwhile rank 2 comes
-    assert isinstance(messages.receive(early), messages.Shutdown) and links.closing
-    late = frames.connect(listener.getsockname(), SECRET, 2, timeout=5)
-    hello(late, 2)
-    stop = messages.receive(late)
-    assert isinstance(stop, messages.Shutdown) and not stop.abort and "before this rank was up" in stop.reason
-    early.close()
-    closing.join(30)
-    assert not closing.is_alive() and links.dead == {} and links.stuck == []
-    late.close()
