@@ -111,7 +111,8 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     if kwargs.get("eos_token_id", model.generation_config.eos_token_id) is None and tokenizer.eos_token_id is not None:
         kwargs["eos_token_id"] = tokenizer.eos_token_id  # samples end there: min_new_tokens must hold it back too
-    if int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1)) > 1:
+    beams = int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1))
+    if beams > 1:
         kwargs["output_scores"] = True  # Hugging Face returns sequences_scores (the beam score) only with it
     prompts = encode_inputs(tokenizer, contexts, vocab_size)
     for i, ids in enumerate(prompts):
@@ -120,7 +121,6 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
                              f"maximum length {max_length}")
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"context {i} is {len(ids)} tokens long; the model accepts at most {max_length}")
-    beams = int(kwargs.get("num_beams", getattr(model.generation_config, "num_beams", None) or 1))
     batches = plan_generation([len(p) for p in prompts], new_tokens, num_return, token_budget, max_rows,
                               independent_rows=beams == 1)  # two runs of one beam search would return the same beams
     return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs, token_budget, max_rows)
