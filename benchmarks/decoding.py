@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from benchmarks.kit import claim_results_file
+
 SHAPES = {  # LlamaConfig fields
     "smollm2-1.7b": dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                          num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True),
@@ -258,13 +260,14 @@ def main(argv=None) -> int:
     parser.add_argument("--exactness", default=None,
                         help='only exactness rows, as JSON [[dtype, settings], ...], e.g. [["float32", {}]]')
     args = parser.parse_args(argv)
+    mark = claim_results_file(args.out, "decoding")
     from llmrl.engine.server.host_memory import keep_freed_memory
 
     print(keep_freed_memory(args.host_malloc), file=sys.stderr)
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     tokenizer = tokenizer_from(args.tokenizer)
-    results: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+    results: dict = {**mark, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                      "shape": args.shape, "dtype": str(dtype), "torch": torch.__version__,
                      "host_malloc": args.host_malloc, "sampling": args.sampling}
     rate = copy_rate(device)

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.kit import profiling_timeouts, testkit
+from benchmarks.kit import claim_results_file, profiling_timeouts, testkit
 from benchmarks.memory import SHAPES
 
 
@@ -275,9 +275,10 @@ def main(argv=None) -> int:
             trl_steps(args.child_model, args.tokenizer, args, new)
         print(json.dumps(result))
         return 0
+    mark = claim_results_file(args.out, "grpo_step")
     tokenizer = args.tokenizer or testkit().tiny_model("llama")
     paths = args.paths.split(",")
-    results: dict = {"shape": args.shape, "devices": args.devices, "dtype": args.dtype, "prompts": args.prompts,
+    results: dict = {**mark, "shape": args.shape, "devices": args.devices, "dtype": args.dtype, "prompts": args.prompts,
                      "samples": args.samples, "prompt tokens": args.prompt_tokens}
     with tempfile.TemporaryDirectory(prefix="llmrl-grpo-step-") as work:
         model = random_model(work, args.shape, args.devices, args.dtype)

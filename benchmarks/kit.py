@@ -6,13 +6,15 @@ Neither is installed with llmrl, so each is imported by its file path under the 
 (``testkit``, ``babyai_text``, ``ppo_babyai``); a module already imported under that name is reused. This module
 does not change ``sys.path`` (``LiveRun`` puts ``tests/`` on its rank processes' ``PYTHONPATH``, and the demo script
 puts its own folder on ``sys.path`` when it is imported: theirs to do). It measures nothing and starts nothing; the
-folder it makes for the test kit's live runs is its own, removed at exit.
+folder it makes for the test kit's live runs is its own, removed at exit. It also says which results files a
+benchmark may overwrite (:func:`claim_results_file`): only those a benchmark wrote.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import shutil
 import sys
 import tempfile
@@ -20,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
+WRITER_KEY = "written by"  # the key that marks a results file as a benchmark's own
 
 
 def testkit() -> ModuleType:
@@ -69,3 +72,21 @@ def profiling_timeouts(profile) -> dict:
     """Under ``--profile`` a server may be silent for tens of seconds while torch's profiler stops and tabulates a
     large request (it holds the interpreter: no heartbeat gets out), which the client would take for a dead rank."""
     return {"timeouts": {"dead_after": 900}} if profile else {}
+
+
+def claim_results_file(path: str, writer: str) -> dict:
+    """Check, before a benchmark measures anything, that its results may go to ``path`` (``--out``): a new file, or
+    one an llmrl benchmark wrote (its JSON holds :data:`WRITER_KEY`). Raises SystemExit (a one-line reason) for
+    anything else: a user's file is never overwritten. Returns the mark to start the results with."""
+    target = Path(path)
+    if target.is_dir():
+        raise SystemExit(f"llmrl: --out {path} is a folder; name a results file")
+    if target.exists():
+        try:
+            ours = str(json.loads(target.read_text()).get(WRITER_KEY, "")).startswith("llmrl benchmarks")
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise SystemExit(f"llmrl: {path} exists and was not written by an llmrl benchmark: it is not "
+                             "overwritten; choose another --out, or move the file away")
+    return {WRITER_KEY: f"llmrl benchmarks.{writer}"}

@@ -59,7 +59,7 @@ from benchmarks.baselines import (
     plain_generate,
     timed,
 )
-from benchmarks.kit import testkit
+from benchmarks.kit import claim_results_file, testkit
 from benchmarks.limits import BestRate, necessary_flops, rebase_limits, unique_tokens
 from benchmarks.workloads import babyai_rollout, make_episodes, make_workload
 from llmrl.engine.server.host_memory import keep_freed_memory
@@ -254,6 +254,7 @@ def main() -> int:
                         help="the servers' host_malloc setting; this process (in-process and naive rows) gets the same")
     parser.add_argument("--out", default="benchmark-results.json")
     args = parser.parse_args()
+    mark = claim_results_file(args.out, "run")
     print(keep_freed_memory(args.host_malloc), file=sys.stderr)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -338,7 +339,7 @@ def main() -> int:
     best = rates()
     rebase_limits(rows, best)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "parameters": params, "threads": threads, "matmul GFLOP/s": best / 1e9,
+        json.dump({**mark, "model": args.model, "parameters": params, "threads": threads, "matmul GFLOP/s": best / 1e9,
                    "matmul GFLOP/s measured": [r / 1e9 for r in rates.seen],
                    "rows": rows}, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -268,7 +268,9 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
     """The command's exit code from the launcher's, the signal that stopped the run (if any) and what this
     node's ranks reported; pure.
 
-    Ctrl-C: 130; SIGTERM (or SIGHUP): 128 + the signal. With rank 0 on this node: the script's code.
+    Ctrl-C: 130; SIGTERM (or SIGHUP): 128 + the signal. With rank 0 on this node: the script's code, unless a
+    server rank here was killed by a signal (the launcher's code says which) and the launcher then stopped the
+    script: 128 + that signal.
     Otherwise the launcher's code when non-zero (128 + the signal when it reports a rank killed by one), else 1 if a
     rank of this node did not report a clean stop
     (the DeepSpeed launcher reports its own death by a signal as success), else 0.
@@ -280,17 +282,19 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
         return 130
     if stopped_by is not None and stopped_by != signal.SIGINT:
         return 128 + stopped_by
+    killer = 256 - launcher_code if 192 < launcher_code < 256 else None  # DeepSpeed's launcher exits with a
+    # killed rank's negative code (256 - the signal); without a local rank unreported, a code is a code
+    servers_unreported = sorted(rank for rank, code in reported.items() if rank != 0 and code is None)
+    if killer is not None and script_code == 128 + signal.SIGTERM and servers_unreported:
+        print(f"llmrl: rank(s) {', '.join(map(str, servers_unreported))} of this node died by {_signal_name(killer)} "
+              f"without a report, and DeepSpeed's launcher then stopped the script (SIGTERM); the run ends with "
+              f"{128 + killer}", file=sys.stderr)
+        return 128 + killer
     if script_code is not None:
         return script_code
-    unreported = bool(reported) and any(code is None for code in reported.values())
-    if unreported and 192 < launcher_code < 256:  # DeepSpeed's launcher exits with a killed rank's negative code
-        killer = 256 - launcher_code  # (256 - the signal); without a local rank unreported, a code is a code
-        try:
-            name = signal.Signals(killer).name
-        except ValueError:
-            name = f"signal {killer}"
-        print(f"llmrl: a rank of this node was killed by {name} before it could report (the script's exit code is "
-              f"unknown); the run ends with {128 + killer}", file=sys.stderr)
+    if killer is not None and any(code is None for code in reported.values()):
+        print(f"llmrl: a rank of this node was killed by {_signal_name(killer)} before it could report (the "
+              f"script's exit code is unknown); the run ends with {128 + killer}", file=sys.stderr)
         return 128 + killer
     if launcher_code != 0:
         return launcher_code if launcher_code > 0 else 128 - launcher_code
@@ -300,6 +304,13 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
               "or their DeepSpeed launcher was); see the other nodes' output for the cause", file=sys.stderr)
         return 1
     return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def print_dry_run(options: RunOptions, world_size: int, slots: dict[str, int] | None, cmd: list[str],

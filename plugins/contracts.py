@@ -275,6 +275,10 @@ class Updater:
     An updater with state of its own (a random generator, running statistics) may define
     ``state_dict()`` and ``load_state_dict(state)``; checkpoints then save and restore it.
 
+    An updater that holds tensors of its own between updates (``ilql``'s float32 copies of half-precision target
+    heads) may define ``held_bytes()``; the servers' memory report (``server_memory()``) lists it as
+    ``updater_bytes``.
+
     An updater whose policy is not the model's plain distribution (``nlpo``'s masked policy, ``ilql``'s
     advantage-steered one) may define ``steering(self, view, **options)`` returning a Hugging Face
     ``LogitsProcessor``; ``generate(..., steer=True)`` (or a dict of ``options``) then samples from that policy

@@ -87,6 +87,10 @@ class ILQLUpdater(ShufflingUpdater):
         super().load_state_dict(state)
         self.steps_done = int(state.get("steps_done", state.get("minibatches_done", 0)))  # the older name
 
+    def held_bytes(self) -> int:
+        """The float32 copies of half-precision target heads this updater keeps (for ``server_memory()``)."""
+        return sum(t.numel() * t.element_size() for t in self.target_masters.values())
+
     def _sync(self, module: torch.nn.Module, due: bool) -> bool:
         """The Polyak update of the target Q heads, when one is due; returns False (none is due any more)."""
         if due:

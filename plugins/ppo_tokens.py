@@ -64,6 +64,7 @@ from llmrl.plugins.rl_math import (
     kl_penalised_rewards,
     mean_and_std,
     per_prompt_mean,
+    refuse_whitening_one,
     sequence_mean,
     token_gae,
     value_loss,
@@ -169,6 +170,8 @@ class PPOTokensUpdater(ShufflingUpdater):
         self.prepare(batch, trainer)
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0,
                              reward_rows=True, policy_pass=self.first_policy_pass())
+        if self.whiten:  # before anything that keeps state (the reward scaler's running moments)
+            refuse_whitening_one(float(trainer.sum_across_replicas(sum(float(p.mask.sum()) for p in prompts))), "token")
         divisor = self._shape_task_rewards(prompts, trainer)
         collected = {"kl": 0.0, "reward": 0.0, "value_error": 0.0, "tokens": 0.0, "continuations": 0.0}
         for p in prompts:  # per-token rewards, GAE

@@ -63,6 +63,7 @@ from llmrl.plugins.rl_math import (
     kl_k3,
     mean_and_std,
     per_prompt_mean,
+    refuse_whitening_one,
     sequence_mean,
     turn_gae,
     turn_spans,
@@ -301,7 +302,9 @@ class PPOTurnsUpdater(TurnUpdater):
         if self.whiten:
             flat = torch.cat([a for episodes in per_turn for a in episodes] or [torch.zeros(0)])
             stats = whiten_stats(flat, torch.ones_like(flat, dtype=torch.bool))
-            mean, std = mean_and_std(trainer.sum_across_replicas(stats))
+            stats = trainer.sum_across_replicas(stats)
+            refuse_whitening_one(float(stats[0]), "turn")
+            mean, std = mean_and_std(stats)
             per_turn = [[(a - mean) / (std + 1e-8) for a in episodes] for episodes in per_turn]
         for p, episodes in zip(prompts, per_turn):
             p.tensors["advantages"] = spread(episodes, p.spans, p.mask.shape[1])

@@ -282,6 +282,9 @@ def test_run_refuses_a_gpu_config_without_gpus_and_validate_notes_it(capsys, not
     (1, None, {2: None}, 1),
     (-9, None, {2: None}, 137),
     (247, None, {0: None, 1: 0}, 137),  # DeepSpeed's launcher reports a rank killed by SIGKILL with sys.exit(-9)
+    (247, None, {0: 143, 1: None, 2: 0}, 137),  # a server killed by SIGKILL, then the script stopped by the launcher
+    (247, None, {0: 1, 1: None}, 1),  # the script failed on its own (its call raised): its code
+    (143, None, {0: 143, 1: 0}, 143),  # the script itself was sent SIGTERM: the launcher passes its code on
     (200, None, {0: None}, 184),  # a real-time signal (56), which has no name
     (255, None, {}, 255),  # over ssh no rank reports here: a code is the script's code (sys.exit(-1), pdsh's 255)
     (255, None, {2: 0, 3: 0}, 255),

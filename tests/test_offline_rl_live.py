@@ -84,6 +84,7 @@ def test_ilql_update_equals_a_plain_sgd_step_and_moves_the_targets_by_polyak(run
     before = run.state_dict(llm=llm)  # leave zero: every trained tensor has a gradient next
     stats = run.update(PROMPTS, data, llm=llm, rewards=rewards)
     assert [s["samples"] for s in stats] == [3, 2]
+    assert all(m["updater_bytes"] == 0 for m in run.server_memory().values())  # float32 targets: no copies
     model = peft_model(tiny, before)
     q = [plain_head(before, f"heads.ilql.q_heads.{i}") for i in range(2)]
     target = [plain_head(before, f"heads.ilql.target_q_heads.{i}", False)[0] for i in range(2)]

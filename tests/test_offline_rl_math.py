@@ -135,3 +135,19 @@ def test_half_precision_target_heads_follow_as_in_float32(dtype):
     assert gap(exact) < 0.1 and gap(plain) > 2 * gap(exact)  # bfloat16 stuck at 1.36, float16 at 0.27
     assert abs(gap(target) - gap(exact)) < 0.01
     torch.testing.assert_close(target.weight.float(), exact.weight, atol=0.01, rtol=0.01)
+
+
+def test_the_updater_reports_the_bytes_of_its_float32_copies():
+    """``server_memory()["updater_bytes"]``: 0 for float32 targets (updated in place), 4 bytes per target parameter
+    for half-precision ones."""
+    from types import SimpleNamespace
+
+    from llmrl.plugins.ilql import ILQLUpdater
+
+    heads = torch.nn.ModuleList([torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)])
+    for dtype, expected in ((torch.float32, 0), (torch.bfloat16, 2 * (8 * 5 + 5) * 4)):
+        updater = ILQLUpdater()
+        module = SimpleNamespace(q_heads=heads.to(dtype), target_q_heads=[h.to(dtype) for h in heads])
+        with torch.no_grad():
+            updater._sync(module, due=True)
+        assert updater.held_bytes() == expected

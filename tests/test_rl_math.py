@@ -17,6 +17,7 @@ from llmrl.plugins.rl_math import (
     mean_and_std,
     per_prompt_mean,
     per_prompt_token_mean,
+    refuse_whitening_one,
     value_loss,
     whiten,
     whiten_stats,
@@ -80,6 +81,14 @@ def test_whitening_by_hand():
     assert mean == 4.0 and abs(std - math.sqrt(20.0 / 3.0)) < 1e-12
     close(whiten(values, mask, 3.0, 2.0, eps=0.0), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
     assert mean_and_std(torch.zeros(3, dtype=torch.float64)) == (0.0, 1.0)
+    # one value: its standard deviation is 0 and its whitened value 0, whatever it was; refused by name
+    one = whiten_stats(torch.tensor([[2.5]]), torch.tensor([[True]]))
+    mean, std = mean_and_std(one)
+    assert whiten(torch.tensor([[2.5]]), torch.tensor([[True]]), mean, std).item() == 0.0
+    with pytest.raises(ValueError, match="whiten: the batch holds a single token.*whiten: false"):
+        refuse_whitening_one(float(one[0]), "token")
+    for count in (0.0, 2.0, 7.0):
+        refuse_whitening_one(count, "token")
 
 
 def test_per_prompt_means_weigh_continuations_or_tokens():

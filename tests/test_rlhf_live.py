@@ -8,6 +8,7 @@
   one update equals a plain SGD step.
 - ``pairwise_reward`` with the ``reward`` head: one update equals a plain SGD step of the Bradley-Terry loss,
   and the trained reward model scores responses as the plain model does.
+- ``ppo_tokens`` refuses to whiten a batch of one token (its advantage would be 0), and keeps serving.
 - A reward model in the same run as a policy: the policy's samples, scored by the reward model with
   ``custom_module_fns``, train the policy with ``ppo_tokens``.
 
@@ -226,6 +227,17 @@ def test_grpo_refuses_a_group_of_one_and_keeps_serving(run, tiny):
     after = run.state_dict(llm="grpo")
     assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
     assert len(run.score(PROMPTS[:1], [[" a"]], llm="grpo")) == 1
+
+
+def test_ppo_tokens_refuses_to_whiten_a_single_token_and_keeps_serving(run, tiny):
+    from llmrl.engine.errors import RequestError
+
+    before = run.state_dict(llm="ppo")  # one token over both replicas: whitened, its advantage would be 0
+    with pytest.raises(RequestError, match="whiten: the batch holds a single token.*whiten: false"):
+        run.update(PROMPTS[:1], [[[5]]], llm="ppo", rewards=[[1.0]])
+    after = run.state_dict(llm="ppo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
+    assert [s["samples"] for s in run.update(PROMPTS[:1], [[[5, 6]]], llm="ppo", rewards=[[1.0]])] in ([1, 0], [0, 1])
 
 
 def test_pairwise_reward_update_equals_a_plain_bradley_terry_step_and_scores_like_plain_hf(run, tiny):

@@ -8,7 +8,8 @@
   by hand, on every turn; one update equals a plain SGD step;
 - the environment's tokens weigh nothing: their old log-probs are far off, and the step still equals the plain one
   taken over the model's tokens alone;
-- a wrong number of turn rewards is refused naming the argument, and the servers keep serving.
+- a wrong number of turn rewards is refused naming the argument, and the servers keep serving; so is whitening a
+  batch of one turn (its advantage would be 0).
 
 Tolerance: 1e-5 on parameters after SGD steps; most trained tensors must move by more than 1e-4.
 """
@@ -243,6 +244,17 @@ def test_a_wrong_number_of_turn_rewards_is_refused_by_name_and_the_servers_keep_
     after = run.state_dict(llm="grpo")
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
     assert len(run.score(PROMPTS[:1], [[" look"]], llm="grpo")) == 1
+
+
+def test_ppo_turns_refuses_to_whiten_a_single_turn_and_keeps_serving(run, tiny):
+    from llmrl.engine.errors import RequestError
+
+    before = run.state_dict(llm="ppo")  # one turn over both replicas: whitened, its advantage would be 0
+    with pytest.raises(RequestError, match="whiten: the batch holds a single turn.*whiten: false"):
+        run.update(PROMPTS[:1], [[[5, 6, 7]]], llm="ppo", model_mask=[[[1, 1, 0]]], turn_rewards=[[[1.0]]])
+    after = run.state_dict(llm="ppo")
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing was trained"
+    assert len(run.score(PROMPTS[:1], [[" look"]], llm="ppo")) == 1
 
 
 def test_grpo_turns_takes_no_step_when_every_group_returned_alike(run, tiny):

@@ -326,6 +326,7 @@ class HFBackend(ModelBackend):
         if self.served is not None and self.served.module.trunk is not None:
             out["trunk"] = self.served.module.trunk.stats()
         out["checkpointed_layers"] = getattr(self, "checkpointed_layers", 0)
+        out["updater_bytes"] = getattr(self.updater, "held_bytes", int)()  # tensors an updater keeps (ilql's copies)
         out["cpu_matmul"] = cpu_matmul.stats()  # whether frozen products run through oneDNN, and how many did
         if getattr(self, "_decoder", None) is not None:  # generate batches per loop, merges and compiled shapes
             out["decoding"] = self._decoder.stats()

@@ -244,6 +244,15 @@ def mean_and_std(stats: torch.Tensor) -> tuple[float, float]:
     return mean, math.sqrt(max(var, 0.0))
 
 
+def refuse_whitening_one(count: float, unit: str) -> None:
+    """Refuse to whiten a batch that holds one ``unit`` (all replicas together): whitened, its advantage would be 0
+    and the policy would learn nothing from the update, silently."""
+    if count == 1:
+        raise ValueError(f"whiten: the batch holds a single {unit} (all replicas together), whose whitened advantage "
+                         f"is 0: the policy would learn nothing from it. Set the updater's whiten: false, or update "
+                         f"on more than one {unit}; nothing was trained")
+
+
 def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
     """``(values - mean) / (std + eps)`` on the real tokens, zero elsewhere."""
     return (values - mean) / (std + eps) * mask
