@@ -6,6 +6,7 @@ DeepSpeed runner or DeepSpeed's per-node launcher, even with SIGKILL. Every test
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,11 +149,25 @@ def test_killing_any_launcher_process_ends_every_rank(run, victim):
     command, runner, launcher = _launcher_chain(live)
     ranks = launcher.children()
     assert len(ranks) == 2
+    own_folder = os.path.dirname(ranks[0].environ()["LLMRL_EXIT_CODE_FILE"])  # `llmrl run`'s temporary folder
     {"llmrl run": command, "runner": runner, "per-node launcher": launcher}[victim].kill()  # SIGKILL
     code = live.finish()
     if victim != "llmrl run":  # `llmrl run` itself survives to report the failure
         assert code != 0, live.log
+    else:  # killed, it could not remove its folder
+        shutil.rmtree(own_folder, ignore_errors=True)
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+def test_a_server_killed_while_the_script_is_idle_ends_the_run_with_137_naming_it(run):
+    """DeepSpeed's launcher then stops the script with SIGTERM: the run used to end with the script's 143."""
+    live = run("idle")
+    live.wait_for(EVENTS["idle"])
+    _, _, launcher = _launcher_chain(live)
+    (server,) = [r for r in launcher.children() if r.environ().get("RANK") == "1"]
+    server.kill()
+    assert live.finish() == 137, live.log
+    assert "rank(s) 1 of this node died by SIGKILL without a report" in live.log, live.log
 
 
 def test_a_script_that_ends_with_a_call_in_flight_stops_the_busy_server(run):
