@@ -16,6 +16,7 @@ saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -257,6 +258,11 @@ def check_killing_node_1(run: TwoNodeRun, victim: psutil.Process, node1_ranks: s
     """Kill ``victim`` (a launcher process of node 1): the client raises ServerDiedError naming a rank of node 1,
     both nodes exit non-zero, and nothing is left in either namespace."""
     everything = [p for node in run.nodes for p in node.tree()]
+    own_folders = set()  # a killed `llmrl run` cannot remove its temporary folder: the test does
+    if "llmrl.launch.cli" in victim.cmdline():
+        for process in victim.children(recursive=True):
+            with contextlib.suppress(psutil.Error, KeyError):
+                own_folders.add(os.path.dirname(process.environ()["LLMRL_EXIT_CODE_FILE"]))
     victim.kill()
     died = run.died()
     assert died["type"] == "ServerDiedError" and died["rank"] in node1_ranks, died
@@ -277,6 +283,8 @@ def check_killing_node_1(run: TwoNodeRun, victim: psutil.Process, node1_ranks: s
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert gone(), [(p.pid, p.cmdline()) for p in everything if p.is_running()]
+    for folder in own_folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the tests
