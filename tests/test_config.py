@@ -249,3 +249,25 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("llms: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines_and_integers_are_yaml_1_2(base, tmp_path):
+    """A review found a second ``training:`` block silently dropping the first's lr, micro-batch and seed, and
+    ``seed: 010`` read as 8 (YAML 1.1's octal)."""
+    from llmrl.engine.config.loading import yaml_load
+
+    model = base["llms"]["main"]["model"]
+    path = tmp_path / "twice.yaml"
+    path.write_text(f"llms:\n  main:\n    model: {model}\n    training: {{micro_batch_size: 4}}\n"
+                    "    training: {gradient_clipping: 1.0}\nseed: 3\n")
+    with pytest.raises(ConfigError, match=r"the key 'training' is given twice \(lines 4 and 5\).*merge the two"):
+        load_config(path)
+    path.write_text(f"llms:\n  main:\n    model: {model}\nseed: 3\nseed: 0\n")
+    with pytest.raises(ConfigError, match=r"the key 'seed' is given twice \(lines 4 and 5\)"):
+        load_config(path)
+    assert yaml_load("a: {x: 1}\nb:\n  <<: {x: 1, y: 2}\n  x: 3\n") == {"a": {"x": 1}, "b": {"x": 3, "y": 2}}
+    assert yaml_load("s: 010\nt: 10:00\nu: 0o17\nv: 0x1f\nw: -7\nx: 08\ny: 1_000\nz: 0b101") == {
+        "s": 10, "t": "10:00", "u": 15, "v": 31, "w": -7, "x": 8, "y": "1_000", "z": "0b101"}
+    path.write_bytes(b"# r\xe9sum\xe9\nseed: 1\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(path)

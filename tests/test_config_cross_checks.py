@@ -36,6 +36,9 @@ def base(tiny):
     ({"bfloat16": {"enabled": True}}, "bfloat16.enabled", "llms.main.dtype"),
     ({"fp16": {"enabled": True}}, "fp16.enabled", "llms.main.dtype"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size", "llms.main.tensor_parallel"),
+    # a review ran them: the optimizer section had no effect; the scheduler replaced lr 1e-3 by 0.0 (WarmupLR)
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.5}}}, "optimizer", "llms.main.training.optimizer"),
+    ({"scheduler": {"type": "WarmupLR"}}, "scheduler", "llms.main.training.lr_schedule"),
 ])
 def test_deepspeed_keys_llmrl_owns_are_refused_naming_the_llmrl_key(base, extra, path, owner):
     base["llms"]["main"]["training"] = {"deepspeed": extra}

@@ -49,12 +49,19 @@ def test_the_sbatch_script_starts_one_llmrl_run_per_node(tmp_path, capsys, monke
     record = tmp_path / "record.jsonl"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RECORD": str(record),
            "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_JOB_ID": "4242", "CONFIG": str(config),
-           "SCRIPT": "train.py", "SCRIPT_ARGS": "--steps 3", "SLOTS": "2", "LLMRL": "llmrl"}
+           "SCRIPT": "train.py", "SCRIPT_ARGS": "--steps 3", "SLOTS": "2", "LLMRL": "llmrl",
+           "HOSTFILE": str(tmp_path / "users-hosts")}  # an inherited HOSTFILE: the user's own file, never written
+    (tmp_path / "users-hosts").write_text("big1 slots=8\n")
     result = subprocess.run(["bash", SBATCH], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+    assert (tmp_path / "users-hosts").read_text() == "big1 slots=8\n"
     hostfile = tmp_path / "llmrl-hostfile.4242"
     assert hostfile.read_text() == "gpu-a01 slots=2\ngpu-a02 slots=2\n"
     calls = [json.loads(line) for line in record.read_text().splitlines()]
+    # the job's hostfile name taken already (not by this job): refused, the file kept
+    again = subprocess.run(["bash", SBATCH], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "exists and this job did not write it" in again.stderr
+    assert hostfile.read_text() == "gpu-a01 slots=2\ngpu-a02 slots=2\n"
     assert [c["node"] for c in calls] == [None, "0", "1"]  # the dry run on the batch host, then one per node
     secrets = {c["secret"] for c in calls}
     assert len(secrets) == 1 and len(secrets.pop() or "") == 64  # every node holds the same run secret

@@ -27,6 +27,8 @@ DEEPSPEED_OWNED = (
     (("tensor_parallel", "autotp_size"), "tensor_parallel", "ranks per replica"),
     (("tensor_parallel", "tp", "tp_size"), "tensor_parallel", "ranks per replica"),
     (("tensor_parallel", "tensor_parallel", "tp_size"), "tensor_parallel", "ranks per replica"),
+    (("optimizer",), "training.optimizer", "llmrl builds the optimizer: type adam, adamw or sgd, lr, ..."),
+    (("scheduler",), "training.lr_schedule", "llmrl builds the schedule: constant, linear or cosine, with warmup"),
 )
 # sections of training.deepspeed that llmrl fills itself: only a mapping (of the sub-keys it does not own) merges
 DEEPSPEED_SECTIONS = {"zero_optimization": "training.zero_stage", "bf16": "dtype", "bfloat16": "dtype",

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +37,12 @@ from llmrl.engine.config.types import (
     TrackingConfig,
     TrainingConfig,
 )
+from llmrl.engine.config.yaml12 import yaml_load
 from llmrl.engine.errors import ConfigError, did_you_mean
 
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Problem = tuple[str, str]
-
-# YAML 1.2's core-schema floats (PyYAML resolves YAML 1.1's, which need a dot: 1e-3 would be a string)
-_YAML12_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
-                           r"|\.(?:nan|NaN|NAN))$")
-
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 raw: dict | None = None, check_environment: bool = True, check_plugins: bool = True,
@@ -106,26 +100,6 @@ def created_llm_hints(problems: list[Problem], data: dict, given: list[str]) -> 
     return out
 
 
-def yaml_load(text: str):
-    """YAML as PyYAML's safe loader reads it, except numbers, read as YAML 1.2 does: ``1e-3`` is a float (YAML 1.1,
-    PyYAML's, wants ``1.0e-3`` and would give the string ``"1e-3"``, which a learning rate must not be)."""
-    import yaml
-
-    return yaml.load(text, Loader=_yaml12_loader())  # noqa: S506 - a SafeLoader subclass
-
-
-@functools.cache
-def _yaml12_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """PyYAML's safe loader with YAML 1.2's floats resolved after its own."""
-
-    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+.0123456789"))
-    return Loader
-
-
 def load_yaml(path: str | os.PathLike) -> dict:
     import yaml
 
@@ -133,9 +107,11 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise ConfigError([("", f"config file {str(p)!r} does not exist")], str(p))
     try:
-        data = yaml_load(p.read_text())
+        data = yaml_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfigError([("", f"not valid YAML: {err}")], str(p)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError([("", f"not UTF-8 text (byte {err.start}): save the file as UTF-8")], str(p)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
