@@ -32,10 +32,27 @@ import time
 import traceback
 from typing import NoReturn
 
-# Not PEFT: importing it turns torch.distributions' argument validation off for the whole process, which a rank
-# that serves no LoRA adapter never does (an updater's Categorical over an empty minibatch must still raise there).
-PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "llmrl.launch.rank",
-           "llmrl.engine.model.hf_backend")
+# PEFT too (with bitsandbytes and torch's inductor, which it imports): about 3.5 CPU-seconds a LoRA rank. Importing
+# it turns torch.distributions' argument checks off for the whole process (torch._dynamo's one-time patch); a rank
+# with or without adapters runs its updater with them on all the same (llmrl's trainer turns them on for updaters).
+PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "peft",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "llmrl.launch.rank", "llmrl.engine.model.hf_backend")
+# Every module of these packages too (a rank imports most of them, each compiled from source where Python writes no
+# bytecode cache): they import their heavy dependencies lazily, so this costs a fraction of a second, once.
+PRELOAD_PACKAGES = ("llmrl.engine", "llmrl.plugins")
+
+
+def preload() -> None:
+    """Import what every rank imports (:data:`PRELOAD`, :data:`PRELOAD_PACKAGES`), checking that no thread started:
+    a process is forked from here."""
+    import pkgutil
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for package in PRELOAD_PACKAGES:
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            importlib.import_module(info.name)
+    assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
 
 
 class ForkedRank:
@@ -132,9 +149,7 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": world_size,
            "LOCAL_SIZE": world_size, "CROSS_RANK": "0", "CROSS_SIZE": "1"}
     sigint = signal.getsignal(signal.SIGINT)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
+    preload()
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = []

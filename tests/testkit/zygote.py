@@ -1,5 +1,5 @@
 """A fork server for :class:`testkit.LiveRun`: one process per test session imports torch, DeepSpeed, transformers
-and llmrl's rank code once (:data:`testkit.ranks.PRELOAD`), then forks a fresh :mod:`testkit.ranks` launcher for
+and llmrl's rank code once (:func:`testkit.ranks.preload`), then forks a fresh :mod:`testkit.ranks` launcher for
 each run. Without it every run's launcher imports them again first: about 4 CPU-seconds, on one core, before any
 rank starts; the suite starts some forty such runs.
 
@@ -23,7 +23,6 @@ Test code, never shipped.
 from __future__ import annotations
 
 import collections
-import importlib
 import io
 import json
 import os
@@ -192,14 +191,11 @@ def _write_status(path: str, code: int) -> None:
 def serve() -> None:
     """The server's loop: a request (one JSON line) on stdin forks a launcher and answers its pid on stdout;
     finished launchers are reaped and their status written. Single-threaded, so that every fork is clean."""
-    from testkit.ranks import PRELOAD
+    from testkit.ranks import preload
 
     reply = os.dup(1)  # answers go there; anything printed while preloading goes to the server's log
     os.dup2(2, 1)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    importlib.import_module("testkit.ranks")
-    assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
+    preload()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process ends the server by closing its stdin
     wake, woken = os.pipe()  # a launcher's exit (SIGCHLD) wakes the loop through this pipe
     os.set_blocking(woken, False)

@@ -1,12 +1,15 @@
 """What the trainer does to the tensors and gradients it hands out: a check that every gradient is finite, a guard
 that makes ``loss.backward()`` on the trainer's outputs raise, the empty outputs of a throw-away pass, and an
-updater's statistics made plain Python (no tensor leaves the rank).
+updater's statistics made plain Python (no tensor leaves the rank), and torch.distributions' argument checks kept on
+for the updater's code.
 
 This module holds tensor helpers only; the trainer (:mod:`llmrl.engine.model.training.trainer`) decides when to use
 them.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -77,3 +80,18 @@ def plain_stats(value):
     if isinstance(value, (list, tuple)):
         return [plain_stats(v) for v in value]
     return value
+
+
+@contextlib.contextmanager
+def distribution_checks():
+    """torch.distributions' argument checks on (torch's default) while an updater runs. Importing PEFT, or compiling
+    a step, patches torch once per process (``torch._dynamo``'s ``TorchPatcher``) and turns them off for the whole
+    process: without this, an updater's ``Categorical`` over an empty or non-finite row would raise on a rank with
+    no adapter and silently return NaN on a LoRA rank."""
+    distribution = torch.distributions.Distribution
+    before = distribution._validate_args
+    distribution.set_default_validate_args(__debug__)
+    try:
+        yield
+    finally:
+        distribution.set_default_validate_args(before)

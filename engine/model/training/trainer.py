@@ -36,6 +36,7 @@ from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.training import guards
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
 from llmrl.engine.model.training.passes import (
@@ -75,8 +76,7 @@ class EngineTrainer(ModelAccess, Trainer):
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
         self.last_forward_empty = False
-        training = served.llm.training
-        self.max_tokens = training.max_tokens_per_micro_batch or served.llm.token_budget
+        self.max_tokens = served.llm.training.max_tokens_per_micro_batch or served.llm.token_budget
         self.deferred: list[DeferredForward] = []  # forwards since the last backward, to replay in passes
         self.passes_with_gradients = 0  # forward passes whose activations a backward pass read
 
@@ -374,7 +374,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     name = served.updater_name or type(served.updater).__name__
     try:
         refuse_too_long(served, batch)
-        with frozen_linears(served.module):  # forward passes, backward passes and recomputed layers alike
+        with frozen_linears(served.module), guards.distribution_checks():  # forward, backward, recomputed passes
             stats = served.updater.update(batch, trainer)
         trainer.finish()
     except PeerAborted:
