@@ -10,6 +10,10 @@ import pytest
 # Tiny models are built once per test session into one folder shared with every launched rank.
 os.environ.setdefault("LLMRL_TEST_MODELS", os.path.join(tempfile.gettempdir(), "llmrl-tiny-models"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Idle OpenMP threads sleep at once instead of spinning for the next parallel region: the suite runs more processes
+# than there are cores (ranks, references in this process, and the other pytest-xdist worker), where a spinning
+# thread only takes time from one that has work. Read when a process starts: set before any run is started.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Ranks import test plugins (module:attr) from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
@@ -74,3 +78,24 @@ def live_run():
     for run in runs:
         if run.process.poll() is None:
             run.kill()
+
+
+# The modules that take longest (live runs through DeepSpeed's launcher, several processes, real training), in the
+# order pytest-xdist should start them: it hands whole files (``--dist loadfile``) to its workers in collection
+# order, so the long ones run first and the short ones fill in at the end. A hint for the schedule, not a check.
+LONGEST_FIRST = ("test_interruptions_live", "test_benchmark_smoke", "test_launch_live", "test_demo_smoke",
+                 "test_reliability_live", "test_two_hosts_live", "test_load_live", "test_tinker_recipes_live",
+                 "test_builtin_cache", "test_token_budget_live", "test_rlhf_live", "test_builtin_live",
+                 "test_training_live", "test_adapter_isolation_live", "test_decoding")
+
+
+def pytest_collection_modifyitems(items):
+    """Long modules first (:data:`LONGEST_FIRST`), then the other multi-process ones (``slow``), then the rest, each
+    group in its own order."""
+    def rank(item):
+        module = item.path.stem
+        if module in LONGEST_FIRST:
+            return LONGEST_FIRST.index(module)
+        return len(LONGEST_FIRST) + (item.get_closest_marker("slow") is None)
+
+    items.sort(key=rank)  # stable: tests keep their order within a module

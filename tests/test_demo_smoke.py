@@ -1,14 +1,13 @@
-"""Every demo end to end with a tiny random model (``--quick``). The PPO demo runs as a user runs it, through
-``llmrl run`` on an empty model cache (as on a fresh machine); the others run their scripts under the tests'
-launcher (:mod:`testkit.scripts`), whose ranks start without importing torch and DeepSpeed again. Every demo's
-tracked scalars (the shipped configs' csv and TensorBoard back ends) agree with its own metrics.csv."""
+"""Every demo end to end with a tiny random model (``--quick``), its script under the tests' launcher
+(:mod:`testkit.scripts`), whose ranks start without importing torch and DeepSpeed again. What ``llmrl run`` adds
+(building a builtin model in an empty cache before the launcher starts, a launch without warnings) is tested through
+``llmrl run`` itself in ``test_launch_live.py::test_llmrl_run``. Every demo's tracked scalars (the shipped configs'
+csv and TensorBoard back ends) agree with its own metrics.csv."""
 
 import csv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,7 +23,7 @@ def quiet(stderr: str) -> None:
 def demo(cwd, config: str, script: str, *args: str, overrides=(), env: dict | None = None):
     """Run ``examples/<script> args`` in ``cwd`` under ``configs/<config>`` (``threads_per_rank=1`` and
     ``overrides``) with the tests' launcher (:func:`testkit.scripts.run_script`: ranks forked from the session's
-    preloaded server). The PPO demo, the README's first command, runs through ``llmrl run`` itself."""
+    preloaded server)."""
     from testkit.scripts import run_script
 
     return run_script(os.path.join(ROOT, "configs", config), os.path.join(ROOT, "examples", script), args,
@@ -43,18 +42,10 @@ def tracked(out, script: str) -> dict[tuple[int, str], float]:
 @pytest.mark.parametrize("replicas", [1])  # the README's layout; 2 replicas: the other demos (and the suite's time)
 def test_ppo_demo_quick(tmp_path, replicas):
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmrl.launch.cli", "run", "--config", os.path.join(ROOT, "configs",
-         "ppo-babyai-quick.yaml"), f"llms.policy.replicas={replicas}", "threads_per_rank=1",
-         os.path.join(ROOT, "examples", "ppo_babyai.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**os.environ, "LLMRL_CACHE": str(tmp_path / "cache")})  # empty: `llmrl run` prepares the model
+    result = demo(tmp_path, "ppo-babyai-quick.yaml", "ppo_babyai.py", "--quick", "--out", str(out),
+                  overrides=[f"llms.policy.replicas={replicas}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     quiet(result.stderr)
-    assert os.listdir(tmp_path / "cache" / "models") == ["tiny-random-llama"]
-    built = result.stderr.find("llmrl: building builtin:tiny-random-llama")
-    launched = result.stderr.find("llmrl: running")
-    assert 0 <= built < launched, result.stderr[-3000:]  # prepared by `llmrl run`, before the launcher started
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["episodes"] == 8 and summary["after"]["episodes"] == 8
     for evaluation in (summary["before"], summary["after"]):

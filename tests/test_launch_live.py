@@ -60,16 +60,26 @@ def check_report(out, reference_models, replicas):
     return report
 
 
-def test_llmrl_run(tmp_path, tiny, reference_models):
-    """Also: the script closes a second LLM first (Caller.close_llm); its rank's early, clean exit is not a
-    failure of the run, and a call to it says it was closed."""
-    config = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"], "replicas": 2},
+def test_llmrl_run(tmp_path, tiny):
+    """As a user runs it on a fresh machine: a builtin model in an empty model cache, which `llmrl run` builds
+    before the launcher starts. Also: the script closes a second LLM first (Caller.close_llm); its rank's early,
+    clean exit is not a failure of the run, and a call to it says it was closed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = write_config(tmp_path, {"llms": {"main": {"model": "builtin:tiny-random-llama", "replicas": 2},
                                               "spare": {"model": tiny["gpt2"]}}, "threads_per_rank": 1})
     out = str(tmp_path / "report.json")
-    result = run(llmrl("run", "--config", config, SCRIPT, out, "--flag"))
+    cache = tmp_path / "cache"
+    result = run(llmrl("run", "--config", config, SCRIPT, out, "--flag"),
+                 env={**os.environ, "LLMRL_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr
     assert "llmrl: running " in result.stderr and "--num_gpus 4" in result.stderr
-    report = check_report(out, reference_models, replicas=2)
+    assert os.listdir(cache / "models") == ["tiny-random-llama"]
+    built = result.stderr.find("llmrl: building builtin:tiny-random-llama")
+    assert 0 <= built < result.stderr.find("llmrl: running"), result.stderr[-3000:]  # before the launcher started
+    folder = cache / "models" / "tiny-random-llama"
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    report = check_report(out, {"llama": plain}, replicas=2)
     assert report["argv"] == [SCRIPT, out, "--flag"]  # no --local_rank, no launcher arguments
     assert report["closed"]["spare"].startswith("LLMClosedError: LLM 'spare' was closed with close_llm()")
     assert [s["closed"] for s in report["servers"].values()] == [False, False, True]

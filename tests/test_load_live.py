@@ -3,24 +3,23 @@ and the servers' memory does not grow across them."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+
+from testkit.scripts import run_script
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_two_thousand_requests_and_two_hundred_concurrent(tmp_path, tiny):
+    """The script runs as rank 0 under the tests' launcher (the subject is serving, not launching)."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"llms": {"main": {"model": tiny["llama"], "replicas": 2}},
                                       "threads_per_rank": 1}))
     out = tmp_path / "load.json"
-    result = subprocess.run([sys.executable, "-m", "llmrl.launch.cli", "run", "--config", str(config),
-                             os.path.join(HERE, "scripts", "load.py"), str(out), "2000"],
-                            capture_output=True, text=True, timeout=900)
+    result = run_script(str(config), os.path.join(HERE, "scripts", "load.py"), [str(out), "2000"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["wrong"] == 0 and report["concurrent_wrong"] == 0 and report["concurrent"] == 200
