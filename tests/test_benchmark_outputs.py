@@ -3,12 +3,11 @@ never is, and the benchmark stops before it measures anything, naming the file."
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.kit import WRITER_KEY, claim_results_file
+from testkit.scripts import run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +35,6 @@ def test_a_users_file_is_refused_by_name_and_left_as_it_was(tmp_path, text):
 def test_each_benchmark_refuses_before_it_measures(tmp_path, suite):
     out = tmp_path / "mine.json"
     out.write_text("a user's file")
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{suite}", "--out", str(out)], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+    result = run_module(f"benchmarks.{suite}", ["--out", str(out)], cwd=ROOT, timeout=300)
     assert result.returncode == 1 and f"{out} exists and was not written by an llmrl benchmark" in result.stderr
     assert out.read_text() == "a user's file"

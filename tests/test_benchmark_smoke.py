@@ -5,18 +5,19 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+from testkit.scripts import run_module
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_benchmark(module: str, *args: str) -> subprocess.CompletedProcess:
-    """``python -m benchmarks.<module> args...`` from the repository root; asserts it exited 0."""
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], capture_output=True, text=True,
-                            timeout=600, cwd=ROOT)
+    """``python -m benchmarks.<module> args...`` from the repository root (forked by the session's server: the
+    benchmark's own live runs are forked by it too); asserts it exited 0."""
+    result = run_module(f"benchmarks.{module}", args, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -256,26 +256,36 @@ class LiveRun:
 
 
 def start_launcher(command: list[str], env: dict | None, cwd: str, log, status_path: str, fork: bool = True):
-    """Start a run's launcher ``command`` (``python -m testkit.ranks ...``, or DeepSpeed's) in ``cwd`` with this
-    process's environment plus ``env`` (testkit on ``PYTHONPATH``: every rank imports it, and test plugins), its
-    output to the open file ``log``. A testkit.ranks command (``fork``) is forked by the session's server where it
-    can be (:mod:`testkit.zygote`; ``status_path`` receives its exit status); else, or where it cannot, it is a
-    process of its own session. Returns the process (a Popen, or what the server forked)."""
+    """Start a run's launcher ``command`` (``python -m testkit.ranks ...``, or DeepSpeed's) in ``cwd`` with
+    :func:`process_environment` (``env`` added), its output to the open file ``log``. A testkit.ranks command
+    (``fork``) is forked by the session's server where it can be (:mod:`testkit.zygote`; ``status_path`` receives
+    its exit status); else, or where it cannot, it is a process of its own session. Returns the process (a Popen,
+    or what the server forked)."""
     import subprocess
 
     from testkit import zygote
 
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    kit_parent = str(Path(__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, full_env.get("PYTHONPATH")) if p)
+    full_env = process_environment(env)
     if fork:
         # A server started for this run takes its environment: only when nothing in it is read at import time.
         own_imports = any(os.environ.get(k) != v for k, v in zygote._read_on_import(env or {}).items())
-        process = zygote.start(command[3:], full_env, cwd, log.name, status_path, start_server=not own_imports)
+        process = zygote.start("testkit.ranks", command[3:], full_env, cwd, log.name, status_path,
+                               start_server=not own_imports)
         if process is not None:
             return process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                             cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def process_environment(env: dict | None) -> dict:
+    """The whole environment of a process the tests start: this process's, unbuffered output, ``env``, and the test
+    kit's folder first on ``PYTHONPATH`` (every rank imports it, and test plugins)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    kit_parent = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths[:1] != [kit_parent]:  # the same for a process started by one the tests started (a benchmark's runs)
+        full_env["PYTHONPATH"] = os.pathsep.join([kit_parent, *paths])
+    return full_env
 
 
 def _session(pid: int) -> int | None:

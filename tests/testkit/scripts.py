@@ -1,6 +1,7 @@
 """Run an RL script (a demo) the way ``llmrl run`` runs it, but with :mod:`testkit.ranks` as the launcher, forked by
 the session's server (:mod:`testkit.zygote`) where it can be: the demos' smoke tests then spend their time in the
 demo, not in importing torch and DeepSpeed three times over (DeepSpeed's runner, its per-node launcher, each rank).
+And run a command (``python -m MODULE``: a benchmark) forked by that server the same way (:func:`run_module`).
 
 What ``llmrl run`` adds around the launcher (preparing builtin models first, the supervisor, the exit-code files)
 is tested through ``llmrl run`` itself: ``test_launch_live``, ``test_interruptions_live`` and the PPO demo's smoke
@@ -46,3 +47,31 @@ def run_script(config: str, script: str, script_args=(), overrides=(), env: dict
             raise
     output = log_path.read_text(errors="replace")
     return subprocess.CompletedProcess(command, code, output, output)
+
+
+def run_module(module: str, args=(), env: dict | None = None, cwd: str | os.PathLike | None = None,
+               timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """``python -m module args`` run to its end, forked by the session's server where it can be (an interpreter
+    that imported torch, DeepSpeed, transformers and llmrl once for the whole session), else started the plain way.
+    Returns a CompletedProcess with its ``stdout`` and ``stderr`` apart. For the tests of a command whose subject is
+    what the command does (a benchmark's rows), not how an interpreter starts."""
+    from testkit import live, zygote
+
+    full_env = live.process_environment(env)
+    workdir = Path(tempfile.mkdtemp(prefix="llmrl-module-", dir=live.WORK_ROOT))
+    cwd = str(cwd or os.getcwd())
+    command = [sys.executable, "-m", module, *args]
+    out, err = workdir / "stdout", workdir / "stderr"
+    process = zygote.start(module, list(args), full_env, cwd, str(out), str(workdir / "exit"), err_path=str(err))
+    if process is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait(30)
+        raise
+    return subprocess.CompletedProcess(command, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
