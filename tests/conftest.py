@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # than there are cores (ranks, references in this process, and the other pytest-xdist worker), where a spinning
 # thread only takes time from one that has work. Read when a process starts: set before any run is started.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile compiles in the compiling process: its default pool of compile workers (one fresh interpreter per core,
+# importing torch and inductor, in every process that compiles) costs more than the tiny models' kernels it builds.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Ranks import test plugins (module:attr) from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
