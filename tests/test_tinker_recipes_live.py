@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from testkit.scripts import run_module
 from testkit.tinker import start_tinker, stop_tinker
 
 pytestmark = pytest.mark.slow
@@ -36,12 +35,12 @@ def service(tiny):
 
 
 def run_recipe(service, tmp_path, module: str, *args: str) -> list[dict]:
-    env = {**os.environ, "TINKER_BASE_URL": service["url"], "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
+    """``python -m module args`` against the service (forked by the session's server: the recipe, unmodified, is
+    the subject, not how an interpreter starts); its metrics rows."""
+    env = {"TINKER_BASE_URL": service["url"], "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
     log = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", module, f"model_name={service['model']}", "renderer_name=role_colon",
-         f"log_path={log}", "behavior_if_log_dir_exists=raise", *args],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    result = run_module(module, [f"model_name={service['model']}", "renderer_name=role_colon", f"log_path={log}",
+                                 "behavior_if_log_dir_exists=raise", *args], env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
 
