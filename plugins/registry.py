@@ -153,9 +153,8 @@ def build(kind: str, spec, *, llm=None):
 
 
 def plugin_problems(data: dict) -> list[tuple[str, str]]:
-    """Config-time checks of every named plugin (``__main__`` ones are checked when servers start)."""
-    from llmrl.plugins.checks import args_problem
-
+    """Config-time checks of every named plugin (``__main__`` ones are checked when servers start). A config that
+    names none imports neither the checks nor torch (``llmrl run`` then starts its launcher without them)."""
     problems = []
     for llm_name, llm in data["llms"].items():
         at = f"llms.{llm_name}"
@@ -164,6 +163,8 @@ def plugin_problems(data: dict) -> list[tuple[str, str]]:
         if llm.get("updater"):
             refs.append((f"{at}.updater", "updater", llm["updater"]))
         for path, kind, ref in refs:
+            from llmrl.plugins.checks import args_problem
+
             spec = PluginSpec.coerce(ref)
             name, args = spec.plugin, spec.args
             if name.startswith("__main__:"):
