@@ -32,3 +32,9 @@ def test_the_summary_lists_the_fifteen_slowest_and_the_total():
     assert len(lines) == 16
     assert [line.split()[-1] for line in lines[:15]] == [f"t{i}" for i in range(19, 4, -1)]
     assert lines[-1].startswith("total of 20 tests: 190.0 s")
+
+
+def test_files_are_ranked_by_the_sum_of_their_tests():
+    lines = budget.by_file({"tests/a.py::x": 5.0, "tests/a.py::y[1]": 4.0, "tests/b.py::z": 8.0, "tests/c.py::w": 1.0},
+                           shown=2)
+    assert lines == ["    9.0 s  tests/a.py (2 tests)", "    8.0 s  tests/b.py (1 test)"]

@@ -1,7 +1,7 @@
 """The suite's time budget, a pytest plugin loaded by ``tests/conftest.py``: at the end of a run it prints the 15
-slowest tests and the total of all tests' times, and it fails the run when one test took longer than
-:data:`LIMIT_SECONDS` (its set-up, call and tear-down together, module-scoped fixtures included where pytest counts
-them: in the set-up of the module's first test).
+slowest tests, the 15 slowest files and the total of all tests' times, and it fails the run when one test took
+longer than :data:`LIMIT_SECONDS` (its set-up, call and tear-down together, module-scoped fixtures included where
+pytest counts them: in the set-up of the module's first test).
 
 It never fails on the total: on a shared machine the total moves with the machine's load, while one test of over a
 minute is a test that should share a live run, or be split. With pytest-xdist the reports reach the controlling
@@ -45,11 +45,27 @@ def summary(durations: dict[str, float], shown: int = SHOWN) -> list[str]:
     return lines
 
 
+def by_file(durations: dict[str, float], shown: int = SHOWN) -> list[str]:
+    """The ``shown`` files whose tests took longest in all, with their number of tests: where a live run shared
+    by more tests, or a merged launch, would pay most."""
+    files: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for nodeid, seconds in durations.items():
+        path = nodeid.split("::", 1)[0]
+        files[path] += seconds
+        counts[path] += 1
+    return [f"{seconds:7.1f} s  {path} ({counts[path]} test{'s' * (counts[path] != 1)})"
+            for path, seconds in files.most_common(shown)]
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _durations:
         return
     terminalreporter.write_sep("=", f"suite budget: the {SHOWN} slowest tests")
     for line in summary(_durations):
+        terminalreporter.write_line(line)
+    terminalreporter.write_sep("-", f"the {SHOWN} slowest files")
+    for line in by_file(_durations):
         terminalreporter.write_line(line)
     for nodeid, seconds in over_the_limit(_durations):
         terminalreporter.write_line(f"over the budget: {nodeid} took {seconds:.1f} s, more than {LIMIT_SECONDS:.0f} "
