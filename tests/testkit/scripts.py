@@ -36,15 +36,7 @@ def run_script(config: str, script: str, script_args=(), overrides=(), env: dict
     log_path = workdir / "run.log"
     with open(log_path, "w") as log:
         process = live.start_launcher(command, env, str(cwd or os.getcwd()), log, str(workdir / "launcher.exit"))
-        try:
-            code = process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.wait(30)
-            raise
+        code = _wait_or_kill(process, timeout)
     output = log_path.read_text(errors="replace")
     return subprocess.CompletedProcess(command, code, output, output)
 
@@ -65,8 +57,15 @@ def run_module(module: str, args=(), env: dict | None = None, cwd: str | os.Path
     process = zygote.start(module, list(args), full_env, cwd, str(out), str(workdir / "exit"), err_path=str(err))
     if process is None:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    code = _wait_or_kill(process, timeout)
+    return subprocess.CompletedProcess(command, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def _wait_or_kill(process, timeout: float) -> int:
+    """The exit code of ``process`` (a launcher or a forked command, the leader of its process group); past
+    ``timeout`` its whole group is killed and TimeoutExpired raised."""
     try:
-        code = process.wait(timeout)
+        return process.wait(timeout)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -74,4 +73,3 @@ def run_module(module: str, args=(), env: dict | None = None, cwd: str | os.Path
             pass
         process.wait(30)
         raise
-    return subprocess.CompletedProcess(command, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
