@@ -103,3 +103,18 @@ def test_zero3_call_overhead_benchmark_times_both_ways_of_entering_a_gathered_ca
     result = run_benchmark("zero3_call_overhead", "--layouts", "top-8", "--calls", "1", "--repeats", "1")
     assert re.search(r"top-8: \d+ modules, \d+ weights, \d+ hooks", result.stdout), result.stdout
     assert re.search(r"deepspeed-unwrap +\d", result.stdout) and re.search(r"llmrl +\d.*x \(", result.stdout)
+
+
+@pytest.mark.skipif(not __import__("torch").backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_onednn_rows_benchmark_meets_fewer_row_counts_padded():
+    result = run_benchmark("onednn_rows", "--products", "60", "--max-rows", "200", "--in", "8", "--out", "8")
+    counts = dict(re.findall(r"(as-given|padded) +(\d+) row counts met", result.stdout))
+    assert int(counts["padded"]) < int(counts["as-given"]), result.stdout
+    assert "padded / as given: memory growth" in result.stdout, result.stdout
+
+
+def test_cache_memory_benchmark_reports_both_servers_and_the_cache_within_its_cap():
+    result = run_benchmark("cache_memory", "--calls", "20")
+    found = re.search(r"after +20 calls: cached +([\d.]+), twin +([\d.]+), .*the cache's tensors ([\d.]+) MB "
+                      r"of its 1 MB", result.stdout)
+    assert found and float(found[1]) > 0 and float(found[2]) > 0 and 0 < float(found[3]) <= 1, result.stdout

@@ -175,6 +175,32 @@ def test_onednn_packs_once_for_every_row_count_and_the_prefill_multiplies_with_i
     assert max(rows_seen) > 2 * len(PROMPTS)  # a prefill's product: every prompt token at once
 
 
+@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
+def test_onednn_products_of_any_row_count_meet_a_bounded_set_of_row_counts(lora_llama, monkeypatch):
+    """oneDNN keeps code for every shape it multiplies (see ``cpu_matmul.on_bounded_rows``): a decode step's rows
+    (one per sequence still decoding: 17 to 21 here, fewer as sequences end) are padded to one of a bounded set of
+    counts, and the decoded tokens and log-probs stay the unpacked decoder's."""
+    model, tok = lora_llama
+    packed = decoder("onednn")
+    rows_seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        default = real.default
+
+        def __call__(self, x, *args):
+            rows_seen.append(x.numel() // x.shape[-1])
+            return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    for samples in (17, 19, 21):
+        settings = {**SAMPLED, "num_return_sequences": samples}
+        assert_same(run(model, tok, packed, settings, prompts=PROMPTS[1:2]),
+                    run(model, tok, decoder(False), settings, prompts=PROMPTS[1:2]))
+    assert max(rows_seen) > 16  # products of more than 16 rows were multiplied
+    assert all(cpu_matmul.padded_rows(n) == n for n in rows_seen), sorted(set(rows_seen))
+
+
 def test_auto_packs_for_onednn_on_amd_cpus_and_mkl_on_others(monkeypatch):
     for vendor, expected in (("AuthenticAMD", "onednn"), ("GenuineIntel", "mkl")):
         monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda vendor=vendor: vendor)

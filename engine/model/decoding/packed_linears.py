@@ -176,8 +176,10 @@ class PackedWeights:
         def forward(x):
             if x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
                 return own(x)  # a dtype the pack does not take, or a product to differentiate (the packed ops cannot)
-            if onednn:
-                return torch.ops.mkldnn._linear_pointwise(x, pack().packed, layer.bias, "none", [], "")
+            if onednn:  # any row count (the prefill's too), padded to one of a bounded set: see on_bounded_rows
+                packed = pack().packed
+                return cpu_matmul.on_bounded_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(
+                    rows, packed, layer.bias, "none", [], ""), x)
             if x.numel() != rows * x.shape[-1]:
                 return own(x)  # another row count (the prefill)
             return torch.ops.mkl._mkl_linear(x, pack().packed, layer.weight, layer.bias, rows)
