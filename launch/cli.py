@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         module = VERBS[argv[0]][0]
         return module.main(module.parse_argv(argv[1:]))
     parser = argparse.ArgumentParser(prog="llmrl", description="Hugging Face LLMs as RL agents, on DeepSpeed ranks.")
+    parser.add_argument("--version", action="version", version=f"llmrl {installed_version()}")
     sub = parser.add_subparsers(dest="verb", required=True)
     for name, (module, help_text) in VERBS.items():
         verb_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -36,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(verb_parser)
     args = parser.parse_args(argv)
     return VERBS[args.verb][0].main(args)
+
+
+def installed_version() -> str:
+    """The installed distribution's version (``pyproject.toml``'s), or "unknown" when llmrl runs from a folder that
+    was not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmrl")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def command() -> NoReturn:

@@ -359,3 +359,14 @@ def test_every_verb_without_a_parser_of_its_own_runs_from_the_command(capsys):
     usage = capsys.readouterr().out
     for verb in VERBS:
         assert verb in usage
+
+
+def test_version_prints_the_installed_distributions_version(capsys):
+    from importlib.metadata import version
+
+    from llmrl.launch.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmrl {version('llmrl')}"
