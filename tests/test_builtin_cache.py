@@ -334,3 +334,21 @@ def test_a_failed_build_installs_nothing_and_leaves_no_staging(cache, monkeypatc
     with pytest.raises(mc.CacheError, match=re.escape(error)):
         bm.prepare_builtin(NAME)
     assert os.listdir(cache) == []
+
+
+def test_an_entry_moved_aside_while_a_waiting_rank_reads_it_is_missing_not_an_error(tmp_path, monkeypatch):
+    """Local rank 0 moves a broken entry aside to rebuild it while the node's other ranks poll it
+    (``wait_until_ready``): a folder gone between the existence check and the listing used to raise
+    FileNotFoundError on the waiting rank and end the run; it reads as missing (the rank polls again)."""
+    entry = tmp_path / NAME
+    entry.mkdir()
+    (entry / "tokenizer.json").write_text("{}")  # issue 17's tokenizer-only folder: no marker, no config.json
+    real = os.listdir
+
+    def moved_aside(path):
+        if str(path) == str(entry):
+            shutil.move(str(entry), str(tmp_path / f"{NAME}.broken"))
+        return real(path)
+
+    monkeypatch.setattr(mc.os, "listdir", moved_aside)
+    assert mc.inspect_folder(entry, NAME) == ("missing", "")  # wait_until_ready polls again

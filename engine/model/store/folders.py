@@ -68,6 +68,13 @@ def inspect_folder(path: Path, name: str) -> tuple[str, str]:
     state is ``missing``, ``ok``, ``broken`` (ours, but not a loadable model: reason says why) or
     ``foreign`` (not made by llmrl: never touched). Reads file sizes and safetensors headers only.
     """
+    try:
+        return _inspect(path)
+    except FileNotFoundError:  # moved aside or replaced while being read (another process repairs the entry)
+        return "missing", ""
+
+
+def _inspect(path: Path) -> tuple[str, str]:
     if not path.exists() and not path.is_symlink():
         return "missing", ""
     if path.is_symlink() or not path.is_dir():
