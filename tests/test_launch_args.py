@@ -232,6 +232,14 @@ def test_the_issue_command_line_reaches_the_launcher_whole(tmp_path, capsys, mon
 
     import llmrl.launch.run
 
+    prepared = []
+
+    def prepare(config_obj):  # builtin models are made ready before the launcher starts (built for real, in an
+        assert not started    # empty cache, by test_launch_live's test_llmrl_run and test_builtin_smollm2)
+        prepared.append(config_obj.llms["main"].model)
+        return None
+
+    monkeypatch.setattr(llmrl.launch.run, "prepare_builtin_models", prepare)
     monkeypatch.setattr(llmrl.launch.run, "supervise", supervise)
     argv = ["run", "--config", config, "seed=4", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1",
             "--master_addr", "10.0.0.1", "--master_port", "29500", "script.py", "--x"]
@@ -240,6 +248,7 @@ def test_the_issue_command_line_reaches_the_launcher_whole(tmp_path, capsys, mon
     assert "needs the same LLMRL_RUN_SECRET on every node" in capsys.readouterr().err
     monkeypatch.setenv("LLMRL_RUN_SECRET", "ab" * 32)
     main(argv)
+    assert prepared[-1] == "builtin:smollm2-135m-instruct"
     (cmd, env), = started
     assert cmd[1:7] == ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1", "--master_addr"]
     assert cmd[-4:] == [config, "seed=4", "script.py", "--x"]
