@@ -152,7 +152,7 @@ class ClientTraining:
                          ) -> concurrent.futures.Future:
         """Like :meth:`optim_step`, returning a future."""
         name = self._open(llm)
-        settings = step_kind.check_step_settings(adam_params, self.config.llms[name].training.optimizer.type)
+        settings = step_kind.check_step_settings(adam_params, self.config.llms[name].training.optimizer)
         return step_kind.send(self._run, name, step_kind.OptimStepRequest(settings, peft_adapter))
 
     def optim_step(self, adam_params=None, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
