@@ -9,7 +9,9 @@ overwritten. ``load_adapter`` reads it on every rank: into an adapter created at
 (or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
 moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved), and need
 the engine to step its torch optimizer itself (ZeRO 0 in float32), whose state is kept per parameter; ZeRO-3 and
-tensor parallelism, which hold no whole weights on a rank, are refused.
+tensor parallelism, which hold no whole weights on a rank, are refused. Every field of a state is checked before
+anything changes (:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused
+naming the field, and the adapter keeps its weights and moments.
 
 This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) nor choose paths.
 """
@@ -24,6 +26,7 @@ import torch
 
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params
+from llmrl.engine.model.training.adapter_state_checks import check_against, check_values, loaded
 
 STATE_FILE = "adapter_state.pt"
 FORMAT = 1
@@ -123,6 +126,7 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
                          "without the optimizer state")
     if name in served.snapshots:
         raise ValueError(f"{name!r} is a snapshot of LLM {served.llm.name!r}; load into an adapter")
+    check_values(state, path, optimizer)  # nothing is made or changed before the whole state is checked
     created = name not in served.adapters
     if created:
         how = state["how"]
@@ -193,17 +197,16 @@ def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: 
                          "weights would act scaled differently; load it into a new adapter name, which is made with "
                          f"the saved rank and alpha ({state.get('how')})")
     _check_base(served, name, path, state)
+    steps = served.adapter_steps
+    check_against(state, params, steps.optimizer if optimizer and steps is not None else None, path)
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(weights[key].to(p.device, p.dtype))
-    steps = served.adapter_steps
     if steps is None:
         return
     for key, p in params.items():
         steps.optimizer.state.pop(p, None)  # fresh moments, unless the saved ones are asked for
         saved = (state["optimizer"] or {}).get(key)
-        if optimizer and saved is not None:
-            # torch keeps Adam's step count on the CPU (unless fused or capturable): it stays where it was saved
-            steps.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(p.device).clone())
-                                        if torch.is_tensor(v) else v for k, v in saved.items()}
+        if optimizer and saved:
+            steps.optimizer.state[p] = {k: loaded(v, k, p.device) for k, v in saved.items()}
 
