@@ -6,6 +6,7 @@ optimizer it was saved from."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -83,3 +84,45 @@ def test_each_damaged_or_crafted_field_is_refused_naming_it():
     moments_only = copy.deepcopy(state)
     moments_only["optimizer"]["w"]["step"] = torch.tensor(-1.0)
     check_values(moments_only, "saved", optimizer=False)  # not loaded: not in the way of the weights
+
+
+def test_a_staging_folder_a_killed_save_left_is_removed_with_a_note_and_nothing_else(tmp_path):
+    """Only ``.<name>.partial-<pid>`` folders holding what save_adapter writes, of a process that has ended."""
+    import logging
+    import subprocess
+    import sys
+
+    from llmrl.engine.log import logger
+    from llmrl.engine.model.training.adapter_state import remove_stale_staging
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+
+    def staged(name: str, extra: str | None = None):
+        folder = tmp_path / name
+        (folder / "peft").mkdir(parents=True)
+        (folder / "adapter_state.pt").write_bytes(b"state")
+        (folder / "peft" / "adapter_config.json").write_text("{}")
+        if extra:
+            (folder / extra).write_text("not ours")
+        return folder
+
+    stale = staged(f".s.partial-{ended.pid}")
+    kept = [staged(f".live.partial-{os.getpid()}"),  # a save under way (this process)
+            staged(f".mine.partial-{ended.pid}", extra="notes.txt"),  # holds what save_adapter does not write
+            staged(f"s.partial-{ended.pid}"),  # not the staging name
+            staged(f".s.partial-{ended.pid}x")]
+    (tmp_path / f".f.partial-{ended.pid}").write_text("a file")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        assert remove_stale_staging(tmp_path) == [stale]
+    finally:
+        logger.removeHandler(handler)
+    assert not stale.exists() and all(folder.is_dir() for folder in kept)
+    assert (tmp_path / f".f.partial-{ended.pid}").is_file()
+    assert [r.getMessage() for r in records] == [
+        f"removed {stale}: what a save_adapter of {tmp_path / 's'} killed half-way (process {ended.pid}, no longer "
+        "running) left behind"]

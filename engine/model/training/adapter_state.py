@@ -5,7 +5,9 @@
 targets) and, on a trainable LLM, its optimizer state (each parameter's Adam moments and step count), plus
 ``<path>/peft`` (``adapter_config.json`` and ``adapter_model.safetensors``, which plain ``peft`` loads). The LLM's
 group leader writes (the replicas hold the same weights); the folder must not exist yet, so nothing is
-overwritten. ``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
+overwritten. It is written as ``.<name>.partial-<pid>`` beside it and renamed when whole; such a folder that a
+save killed half-way left behind is removed, with a log line, by the next save into the same parent folder.
+``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
 (or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
 moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved), and need
 the engine to step its torch optimizer itself (ZeRO 0 in float32), whose state is kept per parameter; ZeRO-3 and
@@ -19,11 +21,13 @@ This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from llmrl.engine.log import logger
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params
 from llmrl.engine.model.training.adapter_state_checks import check_against, check_values, loaded
@@ -84,6 +88,7 @@ def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
 def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments: dict | None) -> None:
     from safetensors.torch import save_file
 
+    remove_stale_staging(folder.parent)
     staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
     (staging / "peft").mkdir(parents=True)
     try:
@@ -98,6 +103,52 @@ def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # the staging folder is ours
         raise
+
+
+STAGING = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>[0-9]+)")
+STAGED = {STATE_FILE: None, "peft": {"adapter_config.json", "adapter_model.safetensors"}}  # what _write puts there
+
+
+def remove_stale_staging(parent: Path) -> list[Path]:
+    """Remove the staging folders (``.<name>.partial-<pid>``) that a save killed half-way left in ``parent``: named
+    so, holding nothing but what :func:`_write` writes, by a process of this host that no longer runs. Each is
+    logged; returns them."""
+    removed = []
+    for entry in parent.iterdir() if parent.is_dir() else []:
+        match = STAGING.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or not _staged_only(entry):
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or _running(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        logger.warning("removed %s: what a save_adapter of %s killed half-way (process %d, no longer running) "
+                       "left behind", entry, parent / match["name"], pid)
+        removed.append(entry)
+    return removed
+
+
+def _staged_only(folder: Path) -> bool:
+    for entry in folder.iterdir():
+        if entry.name not in STAGED or entry.is_symlink():
+            return False
+        inside = STAGED[entry.name]
+        if (inside is None) != entry.is_file():
+            return False
+        if inside is not None and not all(f.name in inside and f.is_file() and not f.is_symlink()
+                                          for f in entry.iterdir()):
+            return False
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process (or a number we cannot ask about): left alone
+    return True
 
 
 def read_state(path: str) -> dict:
