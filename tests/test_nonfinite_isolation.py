@@ -82,7 +82,7 @@ def served_training(model, adapters=("x", "y")) -> SimpleNamespace:
     optimizer = torch.optim.AdamW(param_groups(model, list(adapters)), lr=1e-2, weight_decay=0.1)
     return SimpleNamespace(adapter_steps=AdapterSteps(optimizer), adapters=list(adapters), module=model,
                            engine=SimpleNamespace(optimizer=optimizer), role=SimpleNamespace(replica=0),
-                           llm=SimpleNamespace(name="m"))
+                           llm=SimpleNamespace(name="m", replicas=1))
 
 
 def stepped(served, adapter: str, grads: dict, lr: float, votes: list):
@@ -117,7 +117,7 @@ def test_a_step_that_leaves_a_non_finite_moment_or_stops_half_way_is_undone_and_
                                               r"\(adapter 'x''s optimizer state exp_avg_sq \(\(3, 4\)\): inf\): "
                                               r"the step was undone on every replica \(adapter\(s\) \['x'\] hold"):
         stepped(served, "x", {k: v * 1e25 for k, v in grads.items()}, 1e-2, votes)
-    assert votes == [1]  # replica 0 + 1: the bad replica, for every rank to undo
+    assert votes == [1]  # replicas - replica 0: the first bad replica, for every rank to undo
     with pytest.raises(RuntimeError, match="overflow"):
         stepped(served, "x", grads, 1e300, votes)
     for k, p in params.items():

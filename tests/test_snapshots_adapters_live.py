@@ -325,3 +325,119 @@ def test_under_zero_2_an_adapter_whose_gradients_another_call_discarded_is_told(
     assert told_once["optimizer_steps"] == 0
     after = run.state_dict(llm="z2")
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_step_that_would_leave_an_adapter_non_finite_is_undone_and_every_adapter_trains_on(run):
+    """Adam adds ``weight_decay * w`` to the gradient: at 1e30 its square overflows the second moment. The step is
+    refused after it was taken, undone on both replicas (weights, moments, step counts: the adapter's next step equals
+    its twin's, which never saw it), and the other adapter's pending gradients and training go on."""
+    names = ("bad", "bad_twin", "other", "other_twin")
+    for name in names:
+        run.create_adapter(name, rank=4, seed=9, llm="policy")
+    for name in ("bad", "bad_twin"):
+        run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter=name)
+        run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=name)  # moments and a step count
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="other")  # pending meanwhile
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="bad")
+    before = run.state_dict(llm="policy")
+    with pytest.raises(Exception, match=r"optimizer step 1 left a value that is not finite on replica 0 \(adapter "
+                                        r"'bad''s optimizer state exp_avg_sq .*: inf\): the step was undone on every "
+                                        r"replica \(adapter\(s\) \['bad'\] hold the weights and optimizer moments of "
+                                        r"before it\).*those of \['other'\] are kept"):
+        run.optim_step({"learning_rate": 5e-3, "weight_decay": 1e30}, llm="policy", peft_adapter="bad")
+    after = run.state_dict(llm="policy")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="other")["adapters"] == ["other"]
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="other_twin")
+    run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="other_twin")
+    for name in ("bad", "bad_twin"):
+        run.forward_backward([datum_of(4)], "cross_entropy", llm="policy", peft_adapter=name)
+        run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=name)
+    state = run.state_dict(llm="policy")
+    for adapter, twin in (("bad", "bad_twin"), ("other", "other_twin")):
+        got, want = lora_weights(state, adapter), lora_weights(state, twin)
+        assert any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    for name in names:
+        run.delete_adapter(name, llm="policy")
+
+
+def test_under_zero_2_a_step_that_would_leave_non_finite_moments_is_undone(run):
+    """Under ZeRO 2 the optimizer steps DeepSpeed's float32 partitions, copied to the model's weights after: both
+    are put back."""
+    train_steps(run, "z2", 1, seed=13)
+    run.forward_backward([datum_of(5)], "cross_entropy", llm="z2")
+    before = run.state_dict(llm="z2")
+    with pytest.raises(Exception, match=r"not finite .*: the step was undone on every replica \(adapter\(s\) "
+                                        r"\['default'\]"):
+        run.optim_step({"learning_rate": 5e-3, "weight_decay": 1e30}, llm="z2")
+    after = run.state_dict(llm="z2")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    train_steps(run, "z2", 1, seed=14)
+    moved = run.state_dict(llm="z2")
+    assert all(bool(torch.isfinite(v).all()) for v in moved.values())
+    assert any(not torch.equal(moved[k], after[k]) for k in after)
+
+
+def crafted(source, folder, change) -> str:
+    """A copy of the state saved in ``source`` with ``change(state)`` applied, in ``folder``."""
+    state = torch.load(source / "adapter_state.pt", weights_only=True)
+    change(state)
+    folder.mkdir()
+    torch.save(state, folder / "adapter_state.pt")
+    return str(folder)
+
+
+def first_moments(state: dict) -> dict:
+    return next(entry for entry in state["optimizer"].values() if entry)
+
+
+def test_a_damaged_or_crafted_state_is_refused_naming_the_field_and_changes_nothing(run, tmp_path):
+    """Moments of another shape or dtype, a step count of -1, a NaN in a weight or a moment: each is refused
+    naming the field, into the adapter it came from and into a new name alike, and neither changes. The intact
+    state, loaded after, trains on as the original. A staging folder that a save killed half-way left beside the
+    saved one is removed by the next save."""
+    import subprocess
+    import sys
+
+    run.create_adapter("t", rank=2, seed=3, targets=["attention"], llm="policy")
+    train_steps(run, "policy", 2, adapter="t", seed=15)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = tmp_path / f".old.partial-{ended.pid}"  # as a save killed half-way leaves it
+    (stale / "peft").mkdir(parents=True)
+    (stale / "adapter_state.pt").write_bytes(b"half")
+    run.save_adapter(tmp_path / "t", llm="policy", peft_adapter="t")
+    assert not stale.exists()
+    nan = float("nan")
+    cases = {
+        "shape": (lambda s: first_moments(s).update(exp_avg=torch.zeros(1)), r"\['exp_avg'\] has shape \[1\]"),
+        "step": (lambda s: first_moments(s).update(step=torch.tensor(-1.0)), r"\['step'\] must be a whole number"),
+        "dtype": (lambda s: first_moments(s).update(exp_avg_sq=first_moments(s)["exp_avg_sq"].bfloat16()),
+                  r"\['exp_avg_sq'\] is torch.bfloat16"),
+        "moment_nan": (lambda s: first_moments(s)["exp_avg"].fill_(nan), r"\['exp_avg'\] holds a value that is not "
+                                                                          r"finite \(nan\)"),
+        "weight_nan": (lambda s: next(iter(s["weights"].values())).fill_(nan), r"weights\[.*\] holds a value that "
+                                                                                r"is not finite \(nan\)"),
+    }
+    before = run.state_dict(llm="policy")
+    for label, (change, match) in cases.items():
+        path = crafted(tmp_path / "t", tmp_path / label, change)
+        for name in ("t", "t_new"):
+            with pytest.raises(Exception, match=match):
+                run.load_adapter(path, name, llm="policy")
+    with pytest.raises(Exception, match="holds a value that is not finite"):
+        run.load_adapter(tmp_path / "weight_nan", "t", optimizer=False, llm="policy")
+    after = run.state_dict(llm="policy")
+    assert after.keys() == before.keys()  # no t_new
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    run.load_adapter(tmp_path / "t", "t_copy", llm="policy")
+    for name in ("t", "t_copy"):
+        train_steps(run, "policy", 1, adapter=name, seed=16)
+    state = run.state_dict(llm="policy")
+    got, want = lora_weights(state, "t_copy"), lora_weights(state, "t")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    for name in ("t", "t_copy"):
+        run.delete_adapter(name, llm="policy")

@@ -80,10 +80,14 @@ def first_non_finite(served, copy: StepCopy) -> str | None:
         tensors += [(f"{whose} optimizer state {k} ({tuple(p.shape)})", v)
                     for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and v.is_floating_point()]
         tensors.append((f"{whose} stepped tensor ({tuple(p.shape)})", p))
-    for what, t in tensors:
-        if not bool(torch.isfinite(t).all()):
-            return f"{what}: {'nan' if bool(torch.isnan(t).any()) else 'inf'}"
-    return None
+    if not tensors:
+        return None
+    device = tensors[0][1].device  # one synchronisation for them all
+    finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in tensors])
+    if bool(finite.all()):
+        return None
+    what, t = tensors[int((~finite).nonzero()[0])]
+    return f"{what}: {'nan' if bool(torch.isnan(t).any()) else 'inf'}"
 
 
 def undo(served, copy: StepCopy) -> None:
@@ -105,20 +109,21 @@ def keep_finite(trainer, copy: StepCopy, vote) -> None:
     """After the step: the ranks vote (``vote(value)`` returns the largest) on whether it left a non-finite value;
     if one did, every rank undoes it (where it was copied) and raises."""
     served = trainer.served
-    bad = first_non_finite(served, copy)
-    bad_replica = vote(0 if bad is None else served.role.replica + 1)
-    if not bad_replica:
+    bad, replicas = first_non_finite(served, copy), served.llm.replicas
+    voted = vote(0 if bad is None else replicas - served.role.replica)  # the largest: the first bad replica
+    if not voted:
         return
     trainer.failed_vote_cast = True  # every rank raises here
+    bad_replica = replicas - voted
     number, where = trainer.optimizer_steps + 1, f" ({bad})" if bad is not None else ""
     adapters = sorted({adapter_of(name, served.adapters) for name, _, _ in copy.model} - {None})
     whose = f"adapter(s) {adapters}" if adapters else f"LLM {served.llm.name!r}"
     if copy.stepped is None:
         raise NonFiniteUpdate(f"optimizer step {number} left a value that is not finite on replica "
-                              f"{bad_replica - 1}{where}; {whose} now hold it (a step is undone only where LoRA "
+                              f"{bad_replica}{where}; {whose} now hold it (a step is undone only where LoRA "
                               "adapters train): load a checkpoint, and lower learning_rate / weight_decay")
     undo(served, copy)
-    raise NonFiniteUpdate(f"optimizer step {number} left a value that is not finite on replica {bad_replica - 1}"
+    raise NonFiniteUpdate(f"optimizer step {number} left a value that is not finite on replica {bad_replica}"
                           f"{where}: the step was undone on every replica ({whose} hold the weights and optimizer "
                           "moments of before it); lower this step's "
                           "learning_rate / weight_decay, or clip the gradients (grad_clip_norm)")
