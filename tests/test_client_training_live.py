@@ -286,6 +286,9 @@ def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(
         run.forward_backward_custom(good, bad_metrics_loss, llm="r2z2")
     with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be >= 0"):
         run.optim_step({"learning_rate": -1.0}, llm="r2z2")
+    with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] x adam_params\['weight_decay'\] is "
+                                              r"1e\+40: AdamW multiplies each weight by 1 - learning_rate x"):
+        run.optim_step({"learning_rate": 1e20, "weight_decay": 1e20}, llm="r2z2")  # the decay would flip the weights
     with pytest.raises(Exception, match="set llms.frozen.trainable: true"):
         run.forward_backward(good, "importance_sampling", llm="frozen")
     before = run.state_dict(llm="r2z2")

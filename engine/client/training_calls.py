@@ -171,5 +171,12 @@ class ClientTraining:
             ``{"optimizer_steps": 1 (0 when no gradient was pending), "adapters": [trained adapters],
             "grad_norm": the global gradient norm before clipping (None only with tensor parallelism under ZeRO 0)}``
             (also written by the run's tracking, as ``update``'s statistics are).
+
+        Raises:
+            InvalidArgument: a setting out of range, or (AdamW) ``learning_rate x weight_decay >= 1``, which zeroes
+                or flips the weights.
+            NonFiniteUpdate (from the servers): a gradient was not finite (no step), or the step left a weight or
+                moment that is not finite: the step is undone (where LoRA adapters train), the adapter's pending
+                gradients are discarded, every other adapter's are kept where they can be (ZeRO 0 in float32).
         """
         return self._tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))
