@@ -84,6 +84,9 @@ def test_each_damaged_or_crafted_field_is_refused_naming_it():
     moments_only = copy.deepcopy(state)
     moments_only["optimizer"]["w"]["step"] = torch.tensor(-1.0)
     check_values(moments_only, "saved", optimizer=False)  # not loaded: not in the way of the weights
+    defaults = copy.deepcopy(state)
+    defaults["how"].update(alpha=None, targets=None)  # create_adapter's defaults (2 x rank, all-linear)
+    check_values(defaults, "saved", optimizer=True)
 
 
 def test_a_staging_folder_a_killed_save_left_is_removed_with_a_note_and_nothing_else(tmp_path):

@@ -98,17 +98,18 @@ def _check_how(how, path) -> None:
     rank, alpha, seed = how.get("rank"), how.get("alpha"), how.get("seed", 0)
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 1:
         _refuse(path, "how['rank']", f"must be a positive int, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
-        _refuse(path, "how['alpha']", f"must be a positive number, got {alpha!r}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+                              or not math.isfinite(alpha) or alpha <= 0):
+        _refuse(path, "how['alpha']", f"must be a positive number (or None: 2 x rank), got {alpha!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         _refuse(path, "how['seed']", f"must be an int, got {seed!r}")
     dropout = how.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0 <= dropout < 1:
         _refuse(path, "how['dropout']", f"must be a number in [0, 1), got {dropout!r}")
     targets = how.get("targets")
-    if not isinstance(targets, str) and not (isinstance(targets, (list, tuple)) and targets
-                                             and all(isinstance(t, str) for t in targets)):
-        _refuse(path, "how['targets']", f"must be a string or a list of strings, got {targets!r}")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets)):
+        _refuse(path, "how['targets']", f"must be a string, a list of strings or None, got {targets!r}")
     return None
 
 
