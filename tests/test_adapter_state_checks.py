@@ -129,3 +129,14 @@ def test_a_staging_folder_a_killed_save_left_is_removed_with_a_note_and_nothing_
     assert [r.getMessage() for r in records] == [
         f"removed {stale}: what a save_adapter of {tmp_path / 's'} killed half-way (process {ended.pid}, no longer "
         "running) left behind"]
+
+
+def test_a_file_that_is_not_a_state_is_refused_naming_it(tmp_path):
+    from llmrl.engine.model.training.adapter_state import read_state
+
+    (tmp_path / "adapter_state.pt").write_bytes(b"cut short")
+    with pytest.raises(ValueError, match=r"adapter_state.pt cannot be read \(.*\); the file is damaged"):
+        read_state(str(tmp_path))
+    torch.save([1, 2], tmp_path / "adapter_state.pt")
+    with pytest.raises(ValueError, match=r"adapter_state.pt holds a list, not an adapter state"):
+        read_state(str(tmp_path))

@@ -156,7 +156,13 @@ def read_state(path: str) -> dict:
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{path} holds no adapter state ({STATE_FILE}); save one with save_adapter")
-    state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
+    except Exception as err:  # noqa: BLE001 - a damaged file: named, with torch's reason
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {err}); the file is damaged or was not "
+                         "written by save_adapter: save the adapter again") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not an adapter state; save the adapter again")
     if state.get("format") != FORMAT:
         raise ValueError(f"{file} has format {state.get('format')!r}; this llmrl reads format {FORMAT}")
     return state
@@ -224,7 +230,8 @@ def _check_base(served: ServedModel, name: str, path: str, state: dict) -> None:
     compared to 1% (a base model served in bfloat16 rounds them); states saved without a sample are not checked."""
     here = base_sample(served.model, name)
     for key, saved in (state.get("base") or {}).items():
-        if key in here and not torch.allclose(here[key], saved, rtol=1e-2, atol=1e-6):
+        if key in here and (here[key].shape != saved.shape or not torch.allclose(here[key], saved, rtol=1e-2,
+                                                                                  atol=1e-6)):
             raise ValueError(f"{path} was saved from LoRA weights trained on another base model ({state.get('model')!r}"
                              f"; LLM {served.llm.name!r} serves {served.llm.model!r}): the base weights of {key} "
                              "differ. Load it on the model it was saved from")
