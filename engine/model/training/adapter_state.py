@@ -158,9 +158,9 @@ def read_state(path: str) -> dict:
         raise FileNotFoundError(f"{path} holds no adapter state ({STATE_FILE}); save one with save_adapter")
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
-    except Exception as err:  # noqa: BLE001 - a damaged file: named, with torch's reason
-        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {err}); the file is damaged or was not "
-                         "written by save_adapter: save the adapter again") from None
+    except Exception as err:  # noqa: BLE001 - a damaged file, named (torch's long message suggests unsafe loading)
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}); the file is damaged or was not written by "
+                         "save_adapter: save the adapter again") from None
     if not isinstance(state, dict):
         raise ValueError(f"{file} holds a {type(state).__name__}, not an adapter state; save the adapter again")
     if state.get("format") != FORMAT:
