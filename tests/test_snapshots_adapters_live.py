@@ -393,23 +393,30 @@ def first_moments(state: dict) -> dict:
     return next(entry for entry in state["optimizer"].values() if entry)
 
 
-def test_a_damaged_or_crafted_state_is_refused_naming_the_field_and_changes_nothing(run, tmp_path):
-    """Moments of another shape or dtype, a step count of -1, a NaN in a weight or a moment: each is refused
-    naming the field, into the adapter it came from and into a new name alike, and neither changes. The intact
-    state, loaded after, trains on as the original. A staging folder that a save killed half-way left beside the
-    saved one is removed by the next save."""
+def test_the_next_save_removes_the_staging_folder_a_killed_save_left_and_nothing_else(run, tmp_path):
     import subprocess
     import sys
 
-    run.create_adapter("t", rank=2, seed=3, targets=["attention"], llm="policy")
-    train_steps(run, "policy", 2, adapter="t", seed=15)
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    stale = tmp_path / f".old.partial-{ended.pid}"  # as a save killed half-way leaves it
-    (stale / "peft").mkdir(parents=True)
-    (stale / "adapter_state.pt").write_bytes(b"half")
+    stale, other = tmp_path / f".old.partial-{ended.pid}", tmp_path / f".notes.partial-{ended.pid}"
+    for folder in (stale, other):  # as a save killed half-way leaves it; and a folder that only looks like one
+        (folder / "peft").mkdir(parents=True)
+        (folder / "adapter_state.pt").write_bytes(b"half")
+    (other / "notes.txt").write_text("not written by save_adapter")
+    run.create_adapter("u", rank=2, seed=3, targets=["attention"], llm="policy")
+    run.save_adapter(tmp_path / "u", llm="policy", peft_adapter="u")
+    assert not stale.exists() and (other / "notes.txt").is_file() and (tmp_path / "u" / "adapter_state.pt").is_file()
+    run.delete_adapter("u", llm="policy")
+
+
+def test_a_damaged_or_crafted_state_is_refused_naming_the_field_and_changes_nothing(run, tmp_path):
+    """Moments of another shape or dtype, a step count of -1, a NaN in a weight or a moment: each is refused
+    naming the field, into the adapter it came from and into a new name alike, and neither changes. The intact
+    state, loaded after, trains on as the original."""
+    run.create_adapter("t", rank=2, seed=3, targets=["attention"], llm="policy")
+    train_steps(run, "policy", 2, adapter="t", seed=15)
     run.save_adapter(tmp_path / "t", llm="policy", peft_adapter="t")
-    assert not stale.exists()
     nan = float("nan")
     cases = {
         "shape": (lambda s: first_moments(s).update(exp_avg=torch.zeros(1)), r"\['exp_avg'\] has shape \[1\]"),
