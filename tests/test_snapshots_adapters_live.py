@@ -4,7 +4,8 @@ A snapshot scores and generates like a plain model holding the weights it froze,
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
 and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
-trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause.
+trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause; a
+step that would leave an adapter non-finite is undone; the next save removes what a save killed half-way left.
 """
 
 from __future__ import annotations
@@ -380,19 +381,6 @@ def test_under_zero_2_a_step_that_would_leave_non_finite_moments_is_undone(run):
     assert any(not torch.equal(moved[k], after[k]) for k in after)
 
 
-def crafted(source, folder, change) -> str:
-    """A copy of the state saved in ``source`` with ``change(state)`` applied, in ``folder``."""
-    state = torch.load(source / "adapter_state.pt", weights_only=True)
-    change(state)
-    folder.mkdir()
-    torch.save(state, folder / "adapter_state.pt")
-    return str(folder)
-
-
-def first_moments(state: dict) -> dict:
-    return next(entry for entry in state["optimizer"].values() if entry)
-
-
 def test_the_next_save_removes_the_staging_folder_a_killed_save_left_and_nothing_else(run, tmp_path):
     import subprocess
     import sys
@@ -408,43 +396,3 @@ def test_the_next_save_removes_the_staging_folder_a_killed_save_left_and_nothing
     run.save_adapter(tmp_path / "u", llm="policy", peft_adapter="u")
     assert not stale.exists() and (other / "notes.txt").is_file() and (tmp_path / "u" / "adapter_state.pt").is_file()
     run.delete_adapter("u", llm="policy")
-
-
-def test_a_damaged_or_crafted_state_is_refused_naming_the_field_and_changes_nothing(run, tmp_path):
-    """Moments of another shape or dtype, a step count of -1, a NaN in a weight or a moment: each is refused
-    naming the field, into the adapter it came from and into a new name alike, and neither changes. The intact
-    state, loaded after, trains on as the original."""
-    run.create_adapter("t", rank=2, seed=3, targets=["attention"], llm="policy")
-    train_steps(run, "policy", 2, adapter="t", seed=15)
-    run.save_adapter(tmp_path / "t", llm="policy", peft_adapter="t")
-    nan = float("nan")
-    cases = {
-        "shape": (lambda s: first_moments(s).update(exp_avg=torch.zeros(1)), r"\['exp_avg'\] has shape \[1\]"),
-        "step": (lambda s: first_moments(s).update(step=torch.tensor(-1.0)), r"\['step'\] must be a whole number"),
-        "dtype": (lambda s: first_moments(s).update(exp_avg_sq=first_moments(s)["exp_avg_sq"].bfloat16()),
-                  r"\['exp_avg_sq'\] is torch.bfloat16"),
-        "moment_nan": (lambda s: first_moments(s)["exp_avg"].fill_(nan), r"\['exp_avg'\] holds a value that is not "
-                                                                          r"finite \(nan\)"),
-        "weight_nan": (lambda s: next(iter(s["weights"].values())).fill_(nan), r"weights\[.*\] holds a value that "
-                                                                                r"is not finite \(nan\)"),
-    }
-    before = run.state_dict(llm="policy")
-    for label, (change, match) in cases.items():
-        path = crafted(tmp_path / "t", tmp_path / label, change)
-        for name in ("t", "t_new"):
-            with pytest.raises(Exception, match=match):
-                run.load_adapter(path, name, llm="policy")
-    with pytest.raises(Exception, match="holds a value that is not finite"):
-        run.load_adapter(tmp_path / "weight_nan", "t", optimizer=False, llm="policy")
-    after = run.state_dict(llm="policy")
-    assert after.keys() == before.keys()  # no t_new
-    assert all(torch.equal(after[k], before[k]) for k in before)
-    run.load_adapter(tmp_path / "t", "t_copy", llm="policy")
-    for name in ("t", "t_copy"):
-        train_steps(run, "policy", 1, adapter=name, seed=16)
-    state = run.state_dict(llm="policy")
-    got, want = lora_weights(state, "t_copy"), lora_weights(state, "t")
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
-    for name in ("t", "t_copy"):
-        run.delete_adapter(name, llm="policy")
