@@ -62,9 +62,12 @@ def copied_step(served, trained):
         steps.record = copy.stepped
     try:
         yield copy
-    except BaseException:  # torch stopped inside the step (a scalar that overflows float32, say): a part was taken
+    except Exception as err:  # torch stopped inside the step (a scalar that overflows float32, say): a part was taken
         if copy.stepped is not None:
             undo(served, copy)
+            names = sorted({adapter_of(name, adapters) for name, _, _ in copy.model} - {None})
+            err.args = (f"{err}; the optimizer step stopped half-way and was undone (adapter(s) {names} hold the "
+                        "weights and optimizer moments of before it): lower this step's learning_rate",)
         raise
     finally:
         if steps is not None:
