@@ -7,7 +7,7 @@ datums, back-propagates, clips with ``torch.nn.utils.clip_grad_norm_`` and steps
 hyperparameters of that step. It checks the returned per-token log-probs, loss sums and gradient norms too, that
 gradients of three calls accumulate to those of one call over their union, that a DPO loss run on the client equals
 autograd through the plain model, and that bad data and misuse are refused with the field at fault while the servers
-go on.
+go on; and that an adapter state damaged or crafted on disk is refused naming the field, changing nothing.
 """
 
 from __future__ import annotations
@@ -286,6 +286,9 @@ def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(
         run.forward_backward_custom(good, bad_metrics_loss, llm="r2z2")
     with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] must be >= 0"):
         run.optim_step({"learning_rate": -1.0}, llm="r2z2")
+    with pytest.raises(InvalidArgument, match=r"adam_params\['learning_rate'\] x adam_params\['weight_decay'\] is "
+                                              r"1e\+40: AdamW multiplies each weight by 1 - learning_rate x"):
+        run.optim_step({"learning_rate": 1e20, "weight_decay": 1e20}, llm="r2z2")  # the decay would flip the weights
     with pytest.raises(Exception, match="set llms.frozen.trainable: true"):
         run.forward_backward(good, "importance_sampling", llm="frozen")
     before = run.state_dict(llm="r2z2")
@@ -295,3 +298,70 @@ def test_bad_data_and_misuse_are_refused_naming_the_field_and_the_servers_go_on(
         run.update(["a"], [[" b"]], llm="r2z2")
     assert run.state_dict(llm="r2z2").keys() == before.keys()
     assert run.optim_step({"learning_rate": 1e-2}, llm="r2z2")["optimizer_steps"] == 1
+
+
+def crafted(source, folder, change) -> str:
+    """A copy of the state saved in ``source`` with ``change(state)`` applied, in ``folder``."""
+    state = torch.load(source / "adapter_state.pt", weights_only=True)
+    change(state)
+    folder.mkdir()
+    torch.save(state, folder / "adapter_state.pt")
+    return str(folder)
+
+
+def first_moments(state: dict) -> dict:
+    return next(entry for entry in state["optimizer"].values() if entry)
+
+
+def test_a_damaged_or_crafted_state_is_refused_naming_the_field_and_changes_nothing(run, tmp_path):
+    """Moments of another shape or dtype, a step count of -1, a NaN in a weight or a moment: each is refused
+    naming the field, into the adapter it came from and into a new name alike, and neither changes. The intact
+    state, loaded after, trains on as the original."""
+    run.create_adapter("t", rank=2, seed=3, targets=["attention"], llm="r1z0")
+    adapter_steps(run, "t", seed=50, steps=2)
+    run.save_adapter(tmp_path / "t", llm="r1z0", peft_adapter="t")
+    nan = float("nan")
+    cases = {
+        "shape": (lambda s: first_moments(s).update(exp_avg=torch.zeros(1)), r"\['exp_avg'\] has shape \[1\]"),
+        "step": (lambda s: first_moments(s).update(step=torch.tensor(-1.0)), r"\['step'\] must be a whole number"),
+        "dtype": (lambda s: first_moments(s).update(exp_avg_sq=first_moments(s)["exp_avg_sq"].bfloat16()),
+                  r"\['exp_avg_sq'\] is torch.bfloat16"),
+        "moment_nan": (lambda s: first_moments(s)["exp_avg"].fill_(nan), r"\['exp_avg'\] holds a value that is not "
+                                                                          r"finite \(nan\)"),
+        "weight_nan": (lambda s: next(iter(s["weights"].values())).fill_(nan), r"weights\[.*\] holds a value that "
+                                                                                r"is not finite \(nan\)"),
+    }
+    before = run.state_dict(llm="r1z0")  # every adapter, and the plain reference's "default"
+    for label, (change, match) in cases.items():
+        path = crafted(tmp_path / "t", tmp_path / label, change)
+        for name in ("t", "t_new"):
+            with pytest.raises(Exception, match=match):
+                run.load_adapter(path, name, llm="r1z0")
+    with pytest.raises(Exception, match="holds a value that is not finite"):
+        run.load_adapter(tmp_path / "weight_nan", "t", optimizer=False, llm="r1z0")
+    after = run.state_dict(llm="r1z0")
+    assert after.keys() == before.keys()  # no t_new
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    run.load_adapter(tmp_path / "t", "t_copy", llm="r1z0")
+    for name in ("t", "t_copy"):
+        adapter_steps(run, name, seed=60, steps=1)
+    state = run.state_dict(llm="r1z0")
+    got, want = lora_weights(state, "t_copy"), lora_weights(state, "t")
+    assert len(want) > 4 and any(not torch.equal(want[k], v) for k, v in lora_weights(after, "t").items())
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    for name in ("t", "t_copy"):
+        run.delete_adapter(name, llm="r1z0")
+
+
+def adapter_steps(run, adapter: str, seed: int, steps: int) -> None:
+    for k in range(steps):
+        data = [inputs_for("cross_entropy", d) for d in make_data(seed + k)]
+        run.forward_backward(data, "cross_entropy", llm="r1z0", peft_adapter=adapter)
+        run.optim_step({"learning_rate": 2e-3}, llm="r1z0", peft_adapter=adapter)
+
+
+def lora_weights(state: dict, adapter: str) -> dict:
+    """One adapter's LoRA weights in a run's state dict, named without the adapter's name."""
+    marker = f".{adapter}."
+    return {k.replace(marker, "."): v for k, v in state.items() if marker in k and "lora_" in k}

@@ -4,7 +4,8 @@ A snapshot scores and generates like a plain model holding the weights it froze,
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
 and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
-trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause.
+trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause; a
+step that would leave an adapter non-finite is undone; the next save removes what a save killed half-way left.
 """
 
 from __future__ import annotations
@@ -325,3 +326,73 @@ def test_under_zero_2_an_adapter_whose_gradients_another_call_discarded_is_told(
     assert told_once["optimizer_steps"] == 0
     after = run.state_dict(llm="z2")
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_step_that_would_leave_an_adapter_non_finite_is_undone_and_every_adapter_trains_on(run):
+    """Adam adds ``weight_decay * w`` to the gradient: at 1e30 its square overflows the second moment. The step is
+    refused after it was taken, undone on both replicas (weights, moments, step counts: the adapter's next step equals
+    its twin's, which never saw it), and the other adapter's pending gradients and training go on."""
+    names = ("bad", "bad_twin", "other", "other_twin")
+    for name in names:
+        run.create_adapter(name, rank=4, seed=9, llm="policy")
+    for name in ("bad", "bad_twin"):
+        run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter=name)
+        run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=name)  # moments and a step count
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="other")  # pending meanwhile
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="bad")
+    before = run.state_dict(llm="policy")
+    with pytest.raises(Exception, match=r"optimizer step 1 left a value that is not finite on replica 0 \(adapter "
+                                        r"'bad''s optimizer state exp_avg_sq .*: inf\): the step was undone on every "
+                                        r"replica \(adapter\(s\) \['bad'\] hold the weights and optimizer moments of "
+                                        r"before it\).*those of \['other'\] are kept"):
+        run.optim_step({"learning_rate": 5e-3, "weight_decay": 1e30}, llm="policy", peft_adapter="bad")
+    after = run.state_dict(llm="policy")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="other")["adapters"] == ["other"]
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="other_twin")
+    run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="other_twin")
+    for name in ("bad", "bad_twin"):
+        run.forward_backward([datum_of(4)], "cross_entropy", llm="policy", peft_adapter=name)
+        run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=name)
+    state = run.state_dict(llm="policy")
+    for adapter, twin in (("bad", "bad_twin"), ("other", "other_twin")):
+        got, want = lora_weights(state, adapter), lora_weights(state, twin)
+        assert any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    for name in names:
+        run.delete_adapter(name, llm="policy")
+
+
+def test_under_zero_2_a_step_that_would_leave_non_finite_moments_is_undone(run):
+    """Under ZeRO 2 the optimizer steps DeepSpeed's float32 partitions, copied to the model's weights after: both
+    are put back."""
+    train_steps(run, "z2", 1, seed=13)
+    run.forward_backward([datum_of(5)], "cross_entropy", llm="z2")
+    before = run.state_dict(llm="z2")
+    with pytest.raises(Exception, match=r"not finite .*: the step was undone on every replica \(adapter\(s\) "
+                                        r"\['default'\]"):
+        run.optim_step({"learning_rate": 5e-3, "weight_decay": 1e30}, llm="z2")
+    after = run.state_dict(llm="z2")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    train_steps(run, "z2", 1, seed=14)
+    moved = run.state_dict(llm="z2")
+    assert all(bool(torch.isfinite(v).all()) for v in moved.values())
+    assert any(not torch.equal(moved[k], after[k]) for k in after)
+
+
+def test_the_next_save_removes_the_staging_folder_a_killed_save_left_and_nothing_else(run, tmp_path):
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale, other = tmp_path / f".old.partial-{ended.pid}", tmp_path / f".notes.partial-{ended.pid}"
+    for folder in (stale, other):  # as a save killed half-way leaves it; and a folder that only looks like one
+        (folder / "peft").mkdir(parents=True)
+        (folder / "adapter_state.pt").write_bytes(b"half")
+    (other / "notes.txt").write_text("not written by save_adapter")
+    run.create_adapter("u", rank=2, seed=3, targets=["attention"], llm="policy")
+    run.save_adapter(tmp_path / "u", llm="policy", peft_adapter="u")
+    assert not stale.exists() and (other / "notes.txt").is_file() and (tmp_path / "u" / "adapter_state.pt").is_file()
+    run.delete_adapter("u", llm="policy")

@@ -86,7 +86,8 @@ class AdapterCalls:
         saved rank, alpha and targets (an existing one of the same shapes is overwritten in place). With
         ``optimizer=True`` its Adam moments and step counts are the saved ones, else fresh. Needs ZeRO 0 in
         float32 on a trained LLM, and no pending gradients on ``name``. Returns ``{"adapter", "path", "created",
-        "optimizer_state", "rank"}``.
+        "optimizer_state", "rank"}``. A damaged or crafted state (a weight or moment of another shape or dtype, not
+        finite, a step count below 1) is refused naming the field, and nothing changes.
         """
         folder = os.path.abspath(os.fspath(path))
         if not os.path.isdir(folder):

@@ -152,7 +152,7 @@ class ClientTraining:
                          ) -> concurrent.futures.Future:
         """Like :meth:`optim_step`, returning a future."""
         name = self._open(llm)
-        settings = step_kind.check_step_settings(adam_params, self.config.llms[name].training.optimizer.type)
+        settings = step_kind.check_step_settings(adam_params, self.config.llms[name].training.optimizer)
         return step_kind.send(self._run, name, step_kind.OptimStepRequest(settings, peft_adapter))
 
     def optim_step(self, adam_params=None, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
@@ -171,5 +171,12 @@ class ClientTraining:
             ``{"optimizer_steps": 1 (0 when no gradient was pending), "adapters": [trained adapters],
             "grad_norm": the global gradient norm before clipping (None only with tensor parallelism under ZeRO 0)}``
             (also written by the run's tracking, as ``update``'s statistics are).
+
+        Raises:
+            InvalidArgument: a setting out of range, or (AdamW) ``learning_rate x weight_decay >= 1``, which zeroes
+                or flips the weights.
+            NonFiniteUpdate (from the servers): a gradient was not finite (no step), or the step left a weight or
+                moment that is not finite: the step is undone (where LoRA adapters train), the adapter's pending
+                gradients are discarded, every other adapter's are kept where they can be (ZeRO 0 in float32).
         """
         return self._tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))

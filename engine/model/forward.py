@@ -227,10 +227,26 @@ def gradient_anchor(served: ServedModel) -> torch.Tensor | None:
     first, the anchor's backward runs last: every weight's gradient becomes ready at the very end of backward,
     in the same order on every replica, whatever the shape of the pass. (ZeRO-3 partitions the weights
     themselves and reduces per module; the anchor is not needed, nor possible, there.)
+
+    Its value is exactly 0 and its gradient exactly 0 whatever the weights hold: it reaches every adapter's
+    weights, and one adapter's NaN (``NaN * 0`` is NaN) must reach no other adapter's loss or gradients.
     """
     if served.engine.zero_optimization_partition_weights():
         return None
     weights = [p for p in served.module.parameters() if p.requires_grad]
     if not weights:
         return None
-    return torch.stack([p.reshape(-1)[:1].sum() for p in weights]).sum() * 0.0
+    return _ExactZero.apply(*(p.reshape(-1)[:1] for p in weights))
+
+
+class _ExactZero(torch.autograd.Function):
+    """A zero tied to its inputs: the value 0 and zero gradients, whatever the inputs or the incoming gradient hold."""
+
+    @staticmethod
+    def forward(ctx, *values):
+        ctx.like = [(v.shape, v.dtype, v.device) for v in values]
+        return torch.zeros((), dtype=values[0].dtype, device=values[0].device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)

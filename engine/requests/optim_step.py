@@ -38,9 +38,11 @@ class OptimStepRequest:
     adapter: str | None = None  # None: every adapter with gradients
 
 
-def check_step_settings(adam_params, optimizer_type: str) -> dict:
+def check_step_settings(adam_params, optimizer) -> dict:
     """The step's hyperparameters from a dict or an object with those attributes (``tinker.AdamParams``); None
-    values are left out (the config's ``training.optimizer`` applies). Raises naming the field at fault."""
+    values are left out (the config's ``training.optimizer`` applies). ``optimizer``: the LLM's
+    ``training.optimizer`` (its type alone checks each field on its own). Raises naming the field at fault."""
+    optimizer_type = optimizer if isinstance(optimizer, str) else optimizer.type
     if adam_params is None:
         return {}
     if isinstance(adam_params, dict):
@@ -66,7 +68,24 @@ def check_step_settings(adam_params, optimizer_type: str) -> dict:
             raise InvalidArgument(f"adam_params[{key!r}] is for Adam, but this LLM's optimizer is SGD "
                                   "(training.optimizer.type): give learning_rate, weight_decay and grad_clip_norm only")
         out[key] = float(value)
+    if optimizer_type == "adamw" and not isinstance(optimizer, str):
+        _check_decay(out, optimizer)
     return out
+
+
+def _check_decay(settings: dict, optimizer) -> None:
+    """AdamW multiplies each weight by ``1 - lr * weight_decay`` before its step: at ``lr * weight_decay >= 1`` the
+    weights are zeroed or flipped (and overflow at large values), whatever the gradients."""
+    lr, decay = settings.get("learning_rate", optimizer.lr), settings.get("weight_decay", optimizer.weight_decay)
+    if lr * decay < 1:
+        return
+    names = [f"adam_params[{key!r}]" if key in settings else
+             f"the config's {key} (training.optimizer.{config}: {value:g})"
+             for key, config, value in (("learning_rate", "lr", lr), ("weight_decay", "weight_decay", decay))]
+    raise InvalidArgument(f"{names[0]} x {names[1]} is {lr * decay:g}: AdamW multiplies each weight by 1 - "
+                          "learning_rate x weight_decay at every step, which must stay in (0, 1] (at >= 1 the "
+                          "weights are zeroed or flipped, and overflow); keep learning_rate x weight_decay below 1 "
+                          "(typically about 1e-5, e.g. learning_rate 1e-4 with weight_decay 0.1)")
 
 
 def send(run: Run, llm: str, request: OptimStepRequest) -> Future:

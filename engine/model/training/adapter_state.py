@@ -5,11 +5,15 @@
 targets) and, on a trainable LLM, its optimizer state (each parameter's Adam moments and step count), plus
 ``<path>/peft`` (``adapter_config.json`` and ``adapter_model.safetensors``, which plain ``peft`` loads). The LLM's
 group leader writes (the replicas hold the same weights); the folder must not exist yet, so nothing is
-overwritten. ``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
+overwritten. It is written as ``.<name>.partial-<pid>`` beside it and renamed when whole; such a folder that a
+save killed half-way left behind is removed, with a log line, by the next save into the same parent folder.
+``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
 (or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
 moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved), and need
 the engine to step its torch optimizer itself (ZeRO 0 in float32), whose state is kept per parameter; ZeRO-3 and
-tensor parallelism, which hold no whole weights on a rank, are refused.
+tensor parallelism, which hold no whole weights on a rank, are refused. Every field of a state is checked before
+anything changes (:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused
+naming the field, and the adapter keeps its weights and moments.
 
 This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) nor choose paths.
 """
@@ -17,13 +21,16 @@ This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from llmrl.engine.log import logger
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params
+from llmrl.engine.model.training.adapter_state_checks import check_against, check_values, loaded
 
 STATE_FILE = "adapter_state.pt"
 FORMAT = 1
@@ -81,6 +88,7 @@ def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
 def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments: dict | None) -> None:
     from safetensors.torch import save_file
 
+    remove_stale_staging(folder.parent)
     staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
     (staging / "peft").mkdir(parents=True)
     try:
@@ -97,12 +105,64 @@ def _write(served: ServedModel, name: str, folder: Path, weights: dict, moments:
         raise
 
 
+STAGING = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>[0-9]+)")
+STAGED = {STATE_FILE: None, "peft": {"adapter_config.json", "adapter_model.safetensors"}}  # what _write puts there
+
+
+def remove_stale_staging(parent: Path) -> list[Path]:
+    """Remove the staging folders (``.<name>.partial-<pid>``) that a save killed half-way left in ``parent``: named
+    so, holding nothing but what :func:`_write` writes, by a process of this host that no longer runs. Each is
+    logged; returns them."""
+    removed = []
+    for entry in parent.iterdir() if parent.is_dir() else []:
+        match = STAGING.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or not _staged_only(entry):
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or _running(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        logger.warning("removed %s: what a save_adapter of %s killed half-way (process %d, no longer running) "
+                       "left behind", entry, parent / match["name"], pid)
+        removed.append(entry)
+    return removed
+
+
+def _staged_only(folder: Path) -> bool:
+    for entry in folder.iterdir():
+        if entry.name not in STAGED or entry.is_symlink():
+            return False
+        inside = STAGED[entry.name]
+        if (inside is None) != entry.is_file():
+            return False
+        if inside is not None and not all(f.name in inside and f.is_file() and not f.is_symlink()
+                                          for f in entry.iterdir()):
+            return False
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process (or a number we cannot ask about): left alone
+    return True
+
+
 def read_state(path: str) -> dict:
     """The saved state under ``path``; raises FileNotFoundError / ValueError naming what is wrong with it."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{path} holds no adapter state ({STATE_FILE}); save one with save_adapter")
-    state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")  # plain data: nothing runs
+    except Exception as err:  # noqa: BLE001 - a damaged file, named (torch's long message suggests unsafe loading)
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}); the file is damaged or was not written by "
+                         "save_adapter: save the adapter again") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not an adapter state; save the adapter again")
     if state.get("format") != FORMAT:
         raise ValueError(f"{file} has format {state.get('format')!r}; this llmrl reads format {FORMAT}")
     return state
@@ -123,6 +183,7 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
                          "without the optimizer state")
     if name in served.snapshots:
         raise ValueError(f"{name!r} is a snapshot of LLM {served.llm.name!r}; load into an adapter")
+    check_values(state, path, optimizer)  # nothing is made or changed before the whole state is checked
     created = name not in served.adapters
     if created:
         how = state["how"]
@@ -169,7 +230,8 @@ def _check_base(served: ServedModel, name: str, path: str, state: dict) -> None:
     compared to 1% (a base model served in bfloat16 rounds them); states saved without a sample are not checked."""
     here = base_sample(served.model, name)
     for key, saved in (state.get("base") or {}).items():
-        if key in here and not torch.allclose(here[key], saved, rtol=1e-2, atol=1e-6):
+        if key in here and (here[key].shape != saved.shape or not torch.allclose(here[key], saved, rtol=1e-2,
+                                                                                  atol=1e-6)):
             raise ValueError(f"{path} was saved from LoRA weights trained on another base model ({state.get('model')!r}"
                              f"; LLM {served.llm.name!r} serves {served.llm.model!r}): the base weights of {key} "
                              "differ. Load it on the model it was saved from")
@@ -193,17 +255,16 @@ def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: 
                          "weights would act scaled differently; load it into a new adapter name, which is made with "
                          f"the saved rank and alpha ({state.get('how')})")
     _check_base(served, name, path, state)
+    steps = served.adapter_steps
+    check_against(state, params, steps.optimizer if optimizer and steps is not None else None, path)
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(weights[key].to(p.device, p.dtype))
-    steps = served.adapter_steps
     if steps is None:
         return
     for key, p in params.items():
         steps.optimizer.state.pop(p, None)  # fresh moments, unless the saved ones are asked for
         saved = (state["optimizer"] or {}).get(key)
-        if optimizer and saved is not None:
-            # torch keeps Adam's step count on the CPU (unless fused or capturable): it stays where it was saved
-            steps.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(p.device).clone())
-                                        if torch.is_tensor(v) else v for k, v in saved.items()}
+        if optimizer and saved:
+            steps.optimizer.state[p] = {k: loaded(v, k, p.device) for k, v in saved.items()}
 

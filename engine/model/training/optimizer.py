@@ -8,7 +8,9 @@ own group (tagged ``llmrl_adapter``), everything else trained (heads, unfrozen l
 :class:`AdapterSteps` restricts each step to the shared group and the groups of the adapters the step trained:
 the other adapters' weights, moments and step counts stay bit-identical, as if each adapter had an optimizer of
 its own. Every ZeRO stage calls the torch optimizer's ``step`` with the groups it is stepping, so the filter works
-at that one point. The tag is kept in the optimizer's state dict, so checkpoints restore it.
+at that one point (and so does the copy that lets a step be undone, see
+:mod:`llmrl.engine.model.training.finite_steps`). The tag is kept in the optimizer's state dict, so checkpoints
+restore it.
 
 This module does not decide which adapters a step trained (:mod:`llmrl.engine.model.training.trainer` does).
 """
@@ -54,6 +56,17 @@ def make_optimizer(module: torch.nn.Module, adapters: list[str], spec) -> torch.
     return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 
 
+def copy_groups(records: list, optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """Append ``(adapter, tensor, copy, copy of its optimizer state)`` for each tensor of ``groups`` to
+    ``records`` (before a step, to undo it)."""
+    with torch.no_grad():
+        for group in groups:
+            for p in group["params"]:
+                state = {k: v.detach().clone() if torch.is_tensor(v) else v
+                         for k, v in optimizer.state.get(p, {}).items()}
+                records.append((group.get(ADAPTER_KEY), p, p.detach().clone(), state))
+
+
 class AdapterSteps:
     """Wraps a torch optimizer's ``step`` so that, inside :meth:`only`, it steps the untagged groups and the groups
     of the named adapters only (outside, every group, as a plain optimizer)."""
@@ -61,10 +74,14 @@ class AdapterSteps:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.trained: set[str | None] | None = None  # None: every group
+        self.record: list | None = None  # where a step copies what it changes (finite_steps.copied_step)
         original = optimizer.step
 
         def step(*args, **kwargs):
             groups = optimizer.param_groups
+            if self.record is not None:
+                stepped = [g for g in groups if self.trained is None or g.get(ADAPTER_KEY) in self.trained]
+                copy_groups(self.record, optimizer, stepped)
             if self.trained is None:
                 return original(*args, **kwargs)
             # DeepSpeed may have narrowed param_groups to the group it is stepping: filter what it hands over.

@@ -11,11 +11,12 @@ so replicas always hold the same weights.
 Each vote also carries the trainer calls the rank has made so far: replicas whose updaters parted (one calls
 ``backward`` once per local sample, and the shares are uneven) all raise :class:`ReplicasOutOfStep` at the
 first vote where they differ, naming each replica's counts, instead of waiting in a collective until the
-timeout. A non-finite loss (voted before ``backward``) or gradient (voted before the step; DeepSpeed's own
-norm check under ZeRO 1-3) skips the optimizer step on every replica and raises :class:`NonFiniteUpdate`
-naming the step and the statistic. A step touches only the adapters whose passes had gradients since the last
-step (see :mod:`llmrl.engine.model.training.optimizer`). ``loss.backward()`` on the trainer's outputs raises at once
-with the fix (``trainer.backward``).
+timeout. A non-finite loss (voted before ``backward``) or gradient (voted before the step; DeepSpeed's own norm
+check under ZeRO 1-3) skips the optimizer step on every replica, and a step that leaves a non-finite weight or
+moment is undone (voted after it, :mod:`llmrl.engine.model.training.finite_steps`); each raises
+:class:`NonFiniteUpdate` naming the step and the statistic. A step touches only the adapters whose passes had
+gradients since the last step (see :mod:`llmrl.engine.model.training.optimizer`). ``loss.backward()`` on the
+trainer's outputs raises at once with the fix (``trainer.backward``).
 
 A training forward longer than ``training.max_tokens_per_micro_batch`` tokens is run without gradients, and its
 backward is replayed in passes within that budget (:mod:`llmrl.engine.model.training.passes`); the replicas decide
@@ -37,6 +38,7 @@ from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training import guards
+from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
 from llmrl.engine.model.training.passes import (
@@ -276,7 +278,8 @@ class EngineTrainer(ModelAccess, Trainer):
                                   f"{self.optimizer_steps} step(s) of this update were taken")
         steps = self.served.adapter_steps
         self.last_lr = float(self.engine.optimizer.param_groups[0]["lr"])  # the rate this step takes (lr_schedule)
-        with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext():
+        with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext(), \
+                copied_step(self.served, self.trained_adapters) as copy:
             self.engine.step()
         clear_zero3_gradients(self.engine)
         self.pending_micro_steps = self.backwards_since_step = 0
@@ -286,6 +289,7 @@ class EngineTrainer(ModelAccess, Trainer):
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
                                   f"DeepSpeed skipped the step on every replica; {self.optimizer_steps} step(s) of "
                                   "this update were taken")
+        keep_finite(self, copy, lambda bad: self._agree(STEP, bad))  # undone on every replica, or kept by all
         self.optimizer_steps += 1
 
     @property
@@ -336,10 +340,6 @@ class EngineTrainer(ModelAccess, Trainer):
 
 class ReplicasOutOfStep(RuntimeError):
     """The replicas' updaters did not make the same trainer calls."""
-
-
-class NonFiniteUpdate(FloatingPointError):
-    """A loss or gradient was not finite: no replica took the optimizer step."""
 
 
 class DirectBackward(RuntimeError):
