@@ -162,7 +162,7 @@ class Registry:
             for base in {os.path.realpath(folder), os.path.abspath(folder)}:
                 text = re.sub(re.escape(base) + "(%new|%old)?", lambda _: path, text)
             for root in {os.path.realpath(self.save_dir), self.save_dir}:
-                text = text.replace(root, "<--save-dir>")
+                text = text.replace(root, "<save-dir>")
             if text == str(err):
                 raise
             raise StateError(f"{type(err).__name__}: {text}", err) from None

@@ -41,13 +41,11 @@ class FakeCaller:
 
     def forward_backward(self, data, loss_fn, config=None, *, llm, peft_adapter):
         self.calls.append(("forward_backward", peft_adapter))
-        return self.forward(data, loss_fn, config, llm=llm, peft_adapter=peft_adapter, noted=True)
+        return _outputs(data)
 
-    def forward(self, data, loss_fn="cross_entropy", config=None, *, llm, peft_adapter, noted=False):
-        if not noted:
-            self.calls.append(("forward", peft_adapter))
-        outputs = [{"logprobs": [-1.0] * len(d["model_input"])} for d in data]
-        return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": float(len(data))}}
+    def forward(self, data, loss_fn="cross_entropy", config=None, *, llm, peft_adapter):
+        self.calls.append(("forward", peft_adapter))
+        return _outputs(data)
 
     def optim_step(self, params, *, llm, peft_adapter):
         self.calls.append(("optim_step", peft_adapter))
@@ -61,6 +59,12 @@ class FakeCaller:
 
     def count(self, method: str) -> int:
         return sum(1 for called, _ in self.calls if called == method)
+
+
+def _outputs(data) -> dict:
+    """Fixed outputs of a forward (log-prob -1 at every position)."""
+    outputs = [{"logprobs": [-1.0] * len(d["model_input"])} for d in data]
+    return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": float(len(data))}}
 
 
 def fake_service(save_dir: str):
