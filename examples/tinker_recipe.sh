@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=$1; MODULE=$2; shift 2
 DIR=$(mktemp -d)
-.venv/bin/llmrl tinker --config "$CONFIG" --port 0 --api-key tml-local --ready-file "$DIR/url" \
+# a key of this run only, in the environment (never on a command line, which every user of the machine can read)
+export TINKER_API_KEY=tml-$(.venv/bin/python -c "import secrets; print(secrets.token_urlsafe(24))")
+.venv/bin/llmrl tinker --config "$CONFIG" --port 0 --ready-file "$DIR/url" \
     --save-dir "$DIR/saved" > "$DIR/service.log" 2>&1 &
 SERVICE=$!
 trap 'kill $SERVICE 2>/dev/null; wait $SERVICE 2>/dev/null || true' EXIT
@@ -25,6 +27,6 @@ echo "llmrl tinker: serving at $(cat "$DIR/url") (log: $DIR/service.log); runnin
 # or =delete yourself to choose otherwise).
 EXISTING=raise
 for arg in "$@"; do [[ $arg == behavior_if_log_dir_exists=* ]] && EXISTING=; done
-TINKER_BASE_URL=$(cat "$DIR/url") TINKER_API_KEY=tml-local TINKER_TELEMETRY=0 \
+TINKER_BASE_URL=$(cat "$DIR/url") TINKER_TELEMETRY=0 \
     .venv/bin/python -m "$MODULE" model_name="$MODEL" renderer_name=role_colon \
     ${EXISTING:+behavior_if_log_dir_exists=$EXISTING} "$@"

@@ -27,7 +27,7 @@ import shlex
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmrl.engine.processes import RUN_PID_ENV
 from llmrl.engine.transport.secret import ENV as SECRET_ENV
@@ -80,6 +80,7 @@ class RunRequest:
 
     options: RunOptions
     dry_run: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # for the ranks' environment, never their command lines
 
 
 def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str], list[str]]:
@@ -194,6 +195,11 @@ def main(request: RunRequest) -> int:
             print(f"llmrl: the hostfile offers {sum(slots.values())} slots but the config needs {config.world_size} "
                   f"ranks (1 client + {config.num_server_ranks} servers); edit the slots", file=sys.stderr)
             return 2
+        if request.env and len(slots) > 1 and not options.no_ssh:
+            print(f"llmrl: {', '.join(sorted(request.env))} would reach the other nodes on pdsh's command line, "
+                  "which every user can read: start each node with --no_ssh, or give it another way (llmrl tinker: "
+                  "--api-key-file F, a file on rank 0's node)", file=sys.stderr)
+            return 2
         if options.no_ssh:
             if not options.master_addr:
                 print("llmrl: --no_ssh with a hostfile needs --master_addr (the address of node 0)", file=sys.stderr)
@@ -218,7 +224,7 @@ def main(request: RunRequest) -> int:
     local = local_ranks(options, config.world_size, slots)
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:
         exit_file = os.path.join(tmp, "exit-code")
-        env = {**os.environ, "LLMRL_EXIT_CODE_FILE": exit_file, RUN_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **request.env, "LLMRL_EXIT_CODE_FILE": exit_file, RUN_PID_ENV: str(os.getpid())}
         problem = _give_secret(env, options, tmp)
         if problem:
             print(f"llmrl: {problem}", file=sys.stderr)

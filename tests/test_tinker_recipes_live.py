@@ -2,7 +2,8 @@
 arithmetic (single turn), guess-the-number (multi-turn), and chat SFT on the cookbook's own example conversations.
 Each must finish, write one ``metrics.jsonl`` row per step with the recipe's own metrics (reward, or NLL), and show
 that the training steps happened on the service (the KL between the sampler's and the learner's log-probs is
-reported, and it is near 0 on the first step: both read the same weights).
+reported, and it is near 0 on the first step: both read the same weights). The service is given its key by
+``--api-key``, which only the command's own line shows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from testkit.scripts import run_module
-from testkit.tinker import start_tinker, stop_tinker
+from testkit.tinker import command_lines_holding, start_tinker, stop_tinker
 
 pytestmark = pytest.mark.slow
 KEY = "tml-llmrl-recipes"
@@ -29,9 +30,16 @@ def service(tiny):
                                 "model_kwargs": {"max_position_embeddings": 4096},
                                 "training": {"optimizer": {"type": "adamw", "lr": 1e-4}}}},
               "threads_per_rank": 1}
-    running = start_tinker(config, Path(tempfile.mkdtemp(prefix="tinker-recipes-")), KEY)
+    running = start_tinker(config, Path(tempfile.mkdtemp(prefix="tinker-recipes-")), KEY, key_by="flag")
     yield {**running, "model": tiny["llama"]}
     stop_tinker(running)
+
+
+def test_a_key_given_by_api_key_shows_in_the_command_only(service):
+    """``--api-key K`` (documented as visible to other local users) still works, and ``llmrl tinker`` hands K to
+    the launcher and the ranks in their environment: no line but the command's own shows it."""
+    assert len(command_lines_holding(service, "llmrl")) >= 3
+    assert list(command_lines_holding(service, KEY)) == [service["process"].pid]
 
 
 def run_recipe(service, tmp_path, module: str, *args: str) -> list[dict]:

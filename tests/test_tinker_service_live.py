@@ -1,7 +1,9 @@
 """The Tinker service through the public ``tinker`` SDK: a training client's ``forward_backward`` + ``optim_step``
 equal the same calls made through ``Caller`` on the same config (1e-6 on every weight), ``forward`` returns the
 log-probs the Caller's ``forward`` returns, sampling reads a saved sampler's snapshot and honours stops, and bad
-requests reach the SDK as errors naming their cause, while the service goes on.
+requests reach the SDK as errors naming their cause, while the service goes on. The key is in no process's command
+line, a ``tinker://`` path never leads out of ``--save-dir``, and a ``create_model`` resent leaves the trained
+client as it was (issue 63).
 
 The service runs as ``llmrl tinker`` in a child process (its readiness is a file it writes); the reference run is a
 :class:`LiveRun` driving a Caller with the same config.
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from testkit import LiveRun
-from testkit.tinker import start_tinker, stop_tinker
+from testkit.tinker import command_lines_holding, start_tinker, stop_tinker
 
 pytestmark = pytest.mark.slow
 KEY = "tml-llmrl-test"
@@ -251,3 +253,71 @@ def test_gspo_through_the_sdk_equals_the_callers(service, client, reference):
                                    rtol=0)
     training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
     reference.optim_step({"learning_rate": 1e-3}, peft_adapter="gspo_ref")
+
+
+def test_the_key_shows_in_no_command_line_of_the_services_processes(service):
+    """Given by ``--api-key-file``, the key is in no ``/proc/<pid>/cmdline`` of the command, the launcher or the
+    ranks (``--api-key`` showed it in five)."""
+    assert len(command_lines_holding(service, "llmrl")) >= 3  # the command, the launcher, the ranks: all were read
+    assert command_lines_holding(service, KEY) == {}
+
+
+def test_a_state_outside_the_save_dir_loads_into_no_client_and_errors_name_no_host_folder(service, client):
+    import shutil
+
+    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    path = training.save_state("escape").result().path
+    saved = next((service["folder"] / "saved").rglob("escape"))
+    shutil.copytree(saved, service["folder"] / "weights" / "x")  # <save-dir>/../weights/x: a state, outside
+    for load in (lambda: client.create_training_client_from_state("tinker://../weights/x").result(),
+                 lambda: training.load_state("tinker://../weights/x").result()):
+        with pytest.raises(Exception, match=r"'tinker://\.\./weights/x' is not a checkpoint path") as refused:
+            load()
+        assert str(service["folder"]) not in str(refused.value)
+    with pytest.raises(Exception, match="no saved state at 'tinker://") as missing:
+        client.create_training_client_from_state(path.replace("/escape", "/absent")).result()
+    assert str(service["folder"]) not in str(missing.value)
+    training.forward([sdk_datum(d) for d in datums(60)], "cross_entropy").result()  # the client goes on
+
+
+def post(service, route: str, body: dict) -> dict:
+    """A raw JSON request to the service, as the SDK sends it again after a failed connection."""
+    import http.client
+    import json
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(service["url"])
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.request("POST", f"/api/v1/{route}", body=json.dumps(body),
+                           headers={"X-API-Key": KEY, "Content-Type": "application/json"})
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        return answer
+    finally:
+        connection.close()
+
+
+def test_create_model_resent_leaves_the_trained_client_as_it_was(service, client):
+    """The resend registered a fresh, untrained adapter under the same model id: the trained one was lost, and
+    the client's next request waited 10 s for a seq_id its new queue expected."""
+    import tinker
+
+    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+    data = [sdk_datum(d) for d in datums(70)]
+    training.forward_backward(data, "importance_sampling").result()
+    training.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    trained = [o["logprobs"].to_torch() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]
+    session, seq = training.model_id.rsplit(":train:", 1)
+    answer = post(service, "create_model", {"session_id": session, "model_seq_id": int(seq), "base_model": "tiny",
+                                             "lora_config": {"rank": 4, "seed": 9}, "type": "create_model"})
+    assert answer["model_id"] == training.model_id
+    while True:  # its future: the first request's answer
+        done = post(service, "retrieve_future", {"request_id": answer["request_id"]})
+        if done.get("type") != "try_again":
+            break
+    assert done == {"type": "create_model", "model_id": training.model_id}
+    after = [o["logprobs"].to_torch() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]
+    for got, want in zip(after, trained):  # still the trained adapter
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -5,6 +5,8 @@ optimizer, the sampling parameters, the prompt's chunks and the sample fields th
   (a datum's per-token clip thresholds are read by ``ppo``, ``cispo`` and ``gspo``; ``cross_entropy`` without
   ``weights`` weighs every target token 1); ``stable_reinforce`` (whose
   sampling data is not public) is refused with the losses to use instead.
+- A training client's id is Tinker's ``<session_id>:train:<model_seq_id>``; it begins the client's ``tinker://``
+  paths, so a session id with a ``/`` is refused.
 - Training clients step AdamW, Tinker's optimizer (decoupled weight decay): a service whose config names another
   (``training.optimizer.type``) refuses to make one.
 - Sampling: ``temperature`` 0 is greedy decoding, computed once and copied to each of ``num_samples`` (Hugging Face
@@ -98,3 +100,14 @@ def chunk_tokens(chunk: dict) -> list[int]:
     if chunk.get("type", "encoded_text") != "encoded_text":
         raise ValueError(f"prompt chunks of type {chunk.get('type')!r} are not supported: llmrl serves text models")
     return [int(t) for t in chunk["tokens"]]
+
+
+def new_model_id(body: dict) -> str:
+    """The id of the training client a request makes, Tinker's ``<session_id>:train:<model_seq_id>`` (it begins the
+    client's ``tinker://`` paths: the session id holds no ``/``)."""
+    session, seq = body["session_id"], body.get("model_seq_id", 0)
+    if not isinstance(session, str) or not session or "/" in session:
+        raise ValueError(f"session_id {session!r} must be a non-empty string without '/' (create_session gives one)")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise ValueError(f"model_seq_id must be a non-negative integer, got {seq!r}")
+    return f"{session}:train:{seq}"

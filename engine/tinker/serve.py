@@ -1,13 +1,15 @@
-"""Rank 0's script of a Tinker service: ``llmrl tinker --config CONFIG [--host H] [--port P] [--api-key K]`` (or
-``llmrl run --config CONFIG -m llmrl.engine.tinker.serve ...``).
+"""Rank 0's script of a Tinker service: ``llmrl tinker --config CONFIG [--host H] [--port P] [--api-key-file F]``
+(or ``llmrl run --config CONFIG -m llmrl.engine.tinker.serve ...``).
 
 It creates the run's Caller, serves Tinker's REST API on ``host:port`` (127.0.0.1:8000 by default) until Ctrl-C (the
-run exits 130) or SIGTERM (143), and prints the lines a Tinker script needs: ``TINKER_BASE_URL`` and
-``TINKER_API_KEY``. The key is ``--api-key``, else the ``TINKER_API_KEY`` of this environment, else one drawn now
-(it must start with ``tml-``, as the SDK checks). ``--ready-file`` names a file, which must not exist yet, written
-once the service answers (for scripts and tests that start it in the background). The config's first LLM (or
-``--llm``) is the base model: it must hold a LoRA adapter, and train with ZeRO 0 in float32 (training clients are
-adapters created at run time).
+run exits 130) or SIGTERM (143), and prints the lines a Tinker script needs: ``TINKER_BASE_URL``, and
+``TINKER_API_KEY`` when it drew the key. The key is the first line of ``--api-key-file``, else ``--api-key`` (which
+every local user can read in the processes' command lines: it is warned about; ``llmrl tinker`` hands it to the ranks
+in their environment), else the ``TINKER_API_KEY`` of this environment, else one drawn now (it must start with
+``tml-``, as the SDK checks). ``--ready-file`` names a file, which must not exist yet, written once the service
+answers (for scripts and tests that start it in the background). The config's first LLM (or ``--llm``) is the base
+model: it must hold a LoRA adapter, and train with ZeRO 0 in float32 (training clients are adapters created at run
+time).
 
 This module starts and stops the service; the calls are :mod:`llmrl.engine.tinker.service`'s.
 """
@@ -20,24 +22,57 @@ import secrets
 import sys
 import threading
 
+KEY_ENV = "TINKER_API_KEY"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmrl tinker", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
-    parser.add_argument("--api-key", default=None, help="the key clients send (must start with tml-)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="a file whose first line is the key clients send (must start with tml-); else "
+                             f"${KEY_ENV}, else a key drawn now")
+    parser.add_argument("--api-key", default=None,
+                        help="the key itself: other local users can read it in the command line (give "
+                             f"--api-key-file or ${KEY_ENV} instead)")
     parser.add_argument("--llm", default=None, help="the LLM to serve (default: the config's first)")
     parser.add_argument("--save-dir", default="tinker-checkpoints", help="where save_weights writes checkpoints")
     parser.add_argument("--ready-file", default=None, help="write the base URL here once serving")
     return parser.parse_args(argv)
 
 
+def service_key(args: argparse.Namespace, environ) -> tuple[str, str]:
+    """``(key, where it came from)``: ``--api-key-file``'s first line, else ``--api-key``, else ``$TINKER_API_KEY``,
+    else drawn now. ValueError for a file that cannot be read, two sources given, or a key without ``tml-``."""
+    if args.api_key_file and args.api_key:
+        raise ValueError("give the key once: --api-key-file or --api-key, not both")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key, source = f.readline().strip(), f"--api-key-file {args.api_key_file}"
+        except OSError as err:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {err.strerror}") from None
+    elif args.api_key:
+        key, source = args.api_key, "--api-key"
+    elif environ.get(KEY_ENV):
+        key, source = environ[KEY_ENV], f"${KEY_ENV}"
+    else:
+        return f"tml-{secrets.token_urlsafe(24)}", "drawn"
+    if not key.startswith("tml-"):
+        raise ValueError(f"the API key of {source} must start with 'tml-' (the tinker SDK refuses others)")
+    return key, source
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    key = args.api_key or os.environ.get("TINKER_API_KEY") or f"tml-{secrets.token_urlsafe(24)}"
-    if not key.startswith("tml-"):
-        print("llmrl tinker: the API key must start with 'tml-' (the tinker SDK refuses others)", file=sys.stderr)
+    try:
+        key, source = service_key(args, os.environ)
+    except ValueError as err:
+        print(f"llmrl tinker: {err}", file=sys.stderr)
         return 2
+    if source == "--api-key":
+        print("llmrl tinker: warning: --api-key puts the key in this process's command line, which every user of "
+              f"this machine can read: give --api-key-file F or ${KEY_ENV} instead", file=sys.stderr)
     if args.ready_file and os.path.lexists(args.ready_file):
         print(f"llmrl tinker: --ready-file {args.ready_file} exists; it is not overwritten: remove it, or name a file "
               "that does not exist yet", file=sys.stderr)
@@ -52,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{server.server_address[0]}:{server.server_address[1]}"
         thread = threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True)
         thread.start()
+        told = f"  export {KEY_ENV}={key}" if source == "drawn" else f"  # {KEY_ENV}: the key of {source}"
         print(f"llmrl tinker: serving {service.llm!r} ({service.model_name}) at {url}\n"
-              f"  export TINKER_BASE_URL={url}\n  export TINKER_API_KEY={key}", flush=True)
+              f"  export TINKER_BASE_URL={url}\n{told}", flush=True)
         if args.ready_file:
             with open(args.ready_file + ".tmp", "w") as f:
                 f.write(url)

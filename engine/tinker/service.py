@@ -21,6 +21,11 @@ Caller's primitives.
   into an existing one (``Caller.load_adapter``). Paths, and the ``training_runs`` listings, are
   :mod:`llmrl.engine.tinker.checkpoints`'.
 
+A request that makes or changes state is idempotent by its ids (the SDK resends one whose connection failed): the
+same ``session_id`` and ``model_seq_id`` (``create_model``, ``load_weights`` into a new client), a training client's
+``seq_id``, the same ``session_id`` and ``sampling_session_seq_id`` (``create_sampling_session``) or checkpoint
+(``delete``) get the first request's future or answer back; nothing is made or applied twice.
+
 This module holds the service's state and the mapping; HTTP is :mod:`llmrl.engine.tinker.http`'s.
 """
 
@@ -35,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmrl.engine.tinker.batching import SampleBatcher
-from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, checkpoint_name, folder_size, now
+from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, StateError, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.params import (
     check_loss,
@@ -43,6 +48,7 @@ from llmrl.engine.tinker.params import (
     chunk_tokens,
     generate_kwargs,
     loss_inputs,
+    new_model_id,
     refuse_unserved,
 )
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
@@ -91,7 +97,9 @@ class TinkerService:
         self._ids = itertools.count(1)
         self._adapter_ids = itertools.count(1)  # training client k trains adapter tinker_k
         self.models: dict[str, TrainingClient] = {}
+        self._making: dict[str, str] = {}  # model id -> the request making it: a resent request gets it back
         self.samplers: dict[str, Sampler] = {}
+        self._sampling_sessions: dict[tuple, str] = {}  # (session, sampling_session_seq_id) -> its sampler's id
         self.batcher = SampleBatcher(self._generate)
 
     # ------------------------------------------------------------------ sessions
@@ -105,7 +113,7 @@ class TinkerService:
     # ------------------------------------------------------------------ training clients
 
     def create_model(self, body: dict) -> dict:
-        model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
+        model_id = new_model_id(body)
         lora = body.get("lora_config") or {}
         targets = [name for name, key in (("attention", "train_attn"), ("mlp", "train_mlp"),
                                           ("unembed", "train_unembed")) if lora.get(key, True)]
@@ -120,7 +128,15 @@ class TinkerService:
             self._register(model_id, adapter, body, rank)
             return Outcome("json", {"type": "create_model", "model_id": model_id})
 
-        return {"request_id": self.futures.submit(work), "model_id": model_id}
+        return self._make_once(model_id, work)
+
+    def _make_once(self, model_id: str, work) -> dict:
+        """Submit the request making training client ``model_id``, once: a request resent with the same
+        ``session_id`` and ``model_seq_id`` (the SDK resends one whose connection failed) gets the first one's id."""
+        with self._lock:
+            if model_id not in self._making:
+                self._making[model_id] = self.futures.submit(work)
+            return {"request_id": self._making[model_id], "model_id": model_id}
 
     def _register(self, model_id: str, adapter: str, body: dict, rank: int) -> None:
         base_model = body.get("base_model") or self.model_name
@@ -196,24 +212,29 @@ class TinkerService:
 
         def work() -> Outcome:
             folder = self.registry.state_folder(client.model_id, name)  # run ids are this service's own
-            if os.path.isdir(folder + "%old") and not os.path.isdir(folder):  # an overwrite cut between its renames
-                os.replace(folder + "%old", folder)  # the old state, whole
-            shutil.rmtree(folder + "%old", ignore_errors=True)  # an overwrite cut after them: the replaced state
-            replace = os.path.isdir(folder)  # "%new" and "%old" end no escaped name
-            if replace and not body.get("overwrite"):
-                raise ValueError(f"this training client already saved a state named {name!r}: pick another name, "
-                                 "or save_state(name, overwrite=True) to replace it")
-            shutil.rmtree(folder + "%new", ignore_errors=True)  # left by a save that failed
-            self.caller.save_adapter(folder + "%new" if replace else folder, peft_adapter=client.adapter, llm=self.llm)
-            if replace:  # the old state stays whole until the new one is
-                os.replace(folder, folder + "%old")
-                os.replace(folder + "%new", folder)
-                shutil.rmtree(folder + "%old")
-            record = Checkpoint(client.model_id, "weights", name, now(), size_bytes=folder_size(folder))
-            self.registry.add(record)
-            return Outcome("json", {"type": "save_weights", "path": record.tinker_path})
+            with self.registry.naming(f"tinker://{client.model_id}/weights/{name}", folder):
+                return self._save(client, name, folder, bool(body.get("overwrite")))
 
         return self._in_order(client, body, work)
+
+    def _save(self, client: TrainingClient, name: str, folder: str, overwrite: bool) -> Outcome:
+        """``save_weights``' work: the state written (an existing one replaced once the new one is, if asked)."""
+        if os.path.isdir(folder + "%old") and not os.path.isdir(folder):  # an overwrite cut between its renames
+            os.replace(folder + "%old", folder)  # the old state, whole
+        shutil.rmtree(folder + "%old", ignore_errors=True)  # an overwrite cut after them: the replaced state
+        replace = os.path.isdir(folder)  # "%new" and "%old" end no escaped name
+        if replace and not overwrite:
+            raise ValueError(f"this training client already saved a state named {name!r}: pick another name, "
+                             "or save_state(name, overwrite=True) to replace it")
+        shutil.rmtree(folder + "%new", ignore_errors=True)  # left by a save that failed
+        self.caller.save_adapter(folder + "%new" if replace else folder, peft_adapter=client.adapter, llm=self.llm)
+        if replace:  # the old state stays whole until the new one is
+            os.replace(folder, folder + "%old")
+            os.replace(folder + "%new", folder)
+            shutil.rmtree(folder + "%old")
+        record = Checkpoint(client.model_id, "weights", name, now(), size_bytes=folder_size(folder))
+        self.registry.add(record)
+        return Outcome("json", {"type": "save_weights", "path": record.tinker_path})
 
     def load_weights(self, body: dict) -> dict:
         """Into an existing training client (``model_id``, deprecated ``load_state``), or into a new one made from
@@ -224,47 +245,54 @@ class TinkerService:
 
             def load_into() -> Outcome:
                 folder = self.registry.folder_of(body.get("path"))
-                self.caller.load_adapter(folder, client.adapter, optimizer=optimizer, llm=self.llm)
+                with self.registry.naming(body["path"], folder):
+                    self.caller.load_adapter(folder, client.adapter, optimizer=optimizer, llm=self.llm)
                 return Outcome("json", {"type": "load_weights", "path": body["path"]})
 
             return self._in_order(client, body, load_into)
-        model_id = f"{body['session_id']}:train:{body.get('model_seq_id', 0)}"
+        model_id = new_model_id(body)
 
         def create_from() -> Outcome:
             check_optimizer({} if optimizer else body, self.optimizer_type)  # the config's: AdamW either way
             folder = self.registry.folder_of(body.get("path"))
-            with self._lock:
-                known = model_id in self.models
-            if not known:  # a resent request finds its client made
-                adapter = f"tinker_{next(self._adapter_ids)}"
+            adapter = f"tinker_{next(self._adapter_ids)}"
+            with self.registry.naming(body["path"], folder):
                 out = self.caller.load_adapter(folder, adapter, optimizer=optimizer, llm=self.llm)
-                self._register(model_id, adapter, body, out["rank"])
+            self._register(model_id, adapter, body, out["rank"])
             return Outcome("json", {"type": "load_weights", "path": body["path"], "model_id": model_id})
 
-        return {"request_id": self.futures.submit(create_from), "model_id": model_id}
+        return self._make_once(model_id, create_from)
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> dict:
-        record = self.registry.remove(run_id, checkpoint_id)
-        if record.snapshot is not None:
+        record = self.registry.remove(run_id, checkpoint_id)  # None: deleted already (a resent request)
+        if record is not None and record.snapshot is not None:
             self.caller.drop_snapshot(record.snapshot, llm=self.llm)
-        else:
-            shutil.rmtree(self.registry.state_folder(run_id, record.name))  # a folder this service wrote
+        elif record is not None:
+            folder = self.registry.state_folder(run_id, record.name)
+            with self.registry.naming(record.tinker_path, folder):
+                shutil.rmtree(folder)  # a folder this service wrote
         return {}
 
     # ------------------------------------------------------------------ samplers
 
     def create_sampling_session(self, body: dict) -> dict:
+        """A sampler; one per ``(session_id, sampling_session_seq_id)``: a resent request gets the same one."""
+        key = (body.get("session_id"), body.get("sampling_session_seq_id"))
+        with self._lock:
+            known = self._sampling_sessions.get(key) if None not in key else None
+        if known is not None:
+            return {"type": "create_sampling_session", "sampling_session_id": known}
         path = body.get("model_path")
         if path:
             record = self.registry.find(path)
             if record is None or record.snapshot is None:
                 raise LookupError(f"no sampler weights at {path!r} on this service (sampler weights live as long "
                                   "as the service; save_weights_for_sampler(name) makes them)")
-            return {"type": "create_sampling_session",
-                    "sampling_session_id": self._new_sampler(record.snapshot, self.model_name, path).sampler_id}
-        return {"type": "create_sampling_session",
-                "sampling_session_id": self._new_sampler(self.base_adapter, body.get("base_model") or self.model_name
-                                                         ).sampler_id}
+            weights, base_model = record.snapshot, self.model_name
+        else:
+            weights, base_model = self.base_adapter, body.get("base_model") or self.model_name
+        sampler = self._new_sampler(weights, base_model, path or None, key=None if None in key else key)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
 
     def get_sampler(self, sampler_id: str) -> dict:
         sampler = self._sampler(sampler_id)
@@ -328,10 +356,14 @@ class TinkerService:
             raise LookupError(f"no sampling session {sampler_id!r}")
         return sampler
 
-    def _new_sampler(self, weights: str, base_model: str, path: str | None = None) -> Sampler:
+    def _new_sampler(self, weights: str, base_model: str, path: str | None = None, key: tuple | None = None) -> Sampler:
         with self._lock:
+            if key in self._sampling_sessions:  # the same request, resent while the first was answered
+                return self.samplers[self._sampling_sessions[key]]
             sampler = Sampler(f"sampler-{next(self._ids)}", weights, base_model, path)
             self.samplers[sampler.sampler_id] = sampler
+            if key is not None:
+                self._sampling_sessions[key] = sampler.sampler_id
         return sampler
 
 
@@ -339,6 +371,8 @@ def classify(err: BaseException) -> str:
     """Tinker's error category: "user" for requests refused for their content, "server" otherwise."""
     from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, RequestError
 
+    if isinstance(err, StateError):  # an error about a saved state, its folders named by its path
+        return classify(err.cause)
     if isinstance(err, (InvalidArgument, InvalidArgumentType, ValueError, LookupError)):
         return "user"
     if isinstance(err, RequestError) and getattr(err, "remote_type", None) in ("ValueError", "InvalidArgument"):
