@@ -48,6 +48,7 @@ from llmrl.engine.tinker.params import (
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
 EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
+UNDECLARED_POSITIONS = 1 << 20  # a datum's tokens and values at most, for a model that declares no maximum length
 
 
 @dataclass
@@ -83,6 +84,7 @@ class TinkerService:
 
         self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
         self.model_name = spec.model
+        self.positions = info.get("max_length") or UNDECLARED_POSITIONS  # bounds what a request may make us allocate
         self.registry = Registry(save_dir)
         self.poll_wait = poll_wait
         self._token = secrets.token_hex(4)  # session ids differ between services: their runs never share a folder
@@ -137,7 +139,7 @@ class TinkerService:
                                "model_name": client.base_model, "tokenizer_id": self.tokenizer_id}}
 
     def forward_backward(self, body: bytes) -> dict:
-        request = parse_forward_backward(body)
+        request = parse_forward_backward(body, self.positions)
         client = self._client(request["model_id"])
 
         def work() -> Outcome:
