@@ -183,7 +183,7 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
         torch.testing.assert_close(trained[key], want[key], atol=1e-5, rtol=0)
     for key, value in lora_weights(before, "default").items():  # the other adapter: bit-identical
         torch.testing.assert_close(lora_weights(after, "default")[key], value, atol=0, rtol=0)
-    with pytest.raises(Exception, match="not starting with 'lora_'"):
+    with pytest.raises(Exception, match="refused by llmrl's rule for adapter names"):
         run.create_adapter("lora_x", llm="policy")
     with pytest.raises(Exception, match="not an adapter created at run time"):
         run.delete_adapter("default", llm="policy")
