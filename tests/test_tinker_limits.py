@@ -1,10 +1,11 @@
 """What a request may cost the Tinker service before it is refused, in process (no model): a ``forward_backward``
 tensor announcing more values than the model has positions is refused before it is densified (a 104-byte body made
-rank 0 allocate hundreds of MB); a body nested 200k deep is a 400, not a 500 the SDK retries; connections that say
-nothing (half a request line, a body that stops) are closed after the server's idle timeout, a client without the
-key keeps no connection, and connections beyond the cap are answered 503 without a thread each. After each, the
-server still answers. The events are observed (the server closing a socket: ``recv`` returns ``b""``), never
-waited for with a fixed sleep; the generous bounds only stop a test that would hang."""
+rank 0 allocate hundreds of MB), and so is a sample request for more samples than one request may ask; a body
+nested 200k deep is a 400, not a 500 the SDK retries; connections that say nothing (half a request line, a body
+that stops) are closed after the server's idle timeout, a client without the key keeps no connection, and
+connections beyond the cap are answered 503 without a thread each. After each, the server still answers. The
+events are observed (the server closing a socket: ``recv`` returns ``b""``), never waited for with a fixed sleep;
+the generous bounds only stop a test that would hang."""
 
 from __future__ import annotations
 
@@ -126,6 +127,38 @@ def test_a_sparse_tensor_whose_indices_do_not_fit_its_shape_is_a_value_error_nam
             tensor_values(bad, 6, "weights")
     with pytest.raises(ValueError, match="weights holds 6 values .*more than the 5 positions"):
         tensor_values(sparse([0, 1, 1], [2], [5.0], [2, 3]), 5, "weights")
+
+
+@pytest.mark.parametrize("count", [10**6, 0, -3, "2", True])
+def test_a_sample_request_for_more_samples_than_the_service_draws_at_once_is_a_400_naming_num_samples(count):
+    """Before: a million samples got a million ids on rank 0 before any was drawn (and 0 or -3 were sent on)."""
+    import itertools
+
+    from llmrl.engine.tinker.batching import SampleBatcher
+    from llmrl.engine.tinker.futures import Futures
+    from llmrl.engine.tinker.service import MAX_NUM_SAMPLES, Sampler, TinkerService, classify
+
+    class Caller:
+        info = {"main": {"max_length": 64}}
+
+        def generate(self, prompts, **kwargs):
+            return [[] for _ in prompts]
+
+    service = TinkerService.__new__(TinkerService)
+    service.caller, service.llm, service._lock, service._ids = Caller(), "main", threading.Lock(), itertools.count(1)
+    service.futures, service.samplers = Futures(classify), {"s": Sampler("s", "default", "tiny")}
+    service.batcher = SampleBatcher(service._generate)
+    server = start(service)
+    try:
+        body = {"sampling_session_id": "s", "num_samples": count, "sampling_params": {"max_tokens": 2},
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}
+        status, detail = post(server, "asample", json.dumps(body).encode())
+        assert (status, detail) == (400, f"ValueError: num_samples must be an int from 1 to {MAX_NUM_SAMPLES}, got "
+                                         f"{count!r}: send several requests for more samples")
+        assert healthy(server)
+    finally:
+        stop(server)
+        service.futures.close()
 
 
 def test_a_body_nested_200k_deep_is_a_400_not_a_500_the_sdk_retries():
