@@ -4,7 +4,8 @@ A snapshot scores and generates like a plain model holding the weights it froze,
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
 and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
-trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause.
+trained weights. Snapshots and created adapters survive save and resume, and past the LLM's cap are refused by name.
+Misuse is refused naming the cause.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def config(tiny, checkpoint: str | None = None) -> dict:
     trained = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
-            "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
+            "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}],
+                         "max_run_time_adapters": 1},
             "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}},
                    "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]},
             "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
@@ -191,6 +193,25 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
     assert not any(".x." in k for k in run.state_dict(llm="policy"))
     with pytest.raises(Exception, match="unknown peft_adapter 'x'"):
         run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="x")
+
+
+def test_past_its_cap_an_adapter_or_snapshot_is_refused_by_name_and_a_freed_place_serves_the_next(run):
+    """``max_run_time_adapters: 1`` on LLM ``declared``: a second adapter or a snapshot is refused naming the cap,
+    the LLM goes on serving, and a deleted adapter frees its place. Names PEFT treats specially are refused too."""
+    run.create_adapter("one", rank=2, llm="declared")
+    with pytest.raises(Exception, match=r"adapter 'two' is refused: LLM 'declared' holds 1 adapters created at "
+                                        r"run time and snapshots \(one\), its cap \(llms.declared.max_run_time_"
+                                        r"adapters: 1"):
+        run.create_adapter("two", rank=2, llm="declared")
+    with pytest.raises(Exception, match=r"snapshot 'ref' is refused: LLM 'declared' holds 1"):
+        run.snapshot("ref", llm="declared", peft_adapter="x")
+    assert len(run.score(CONTEXTS, CANDIDATES, llm="declared", peft_adapter="one")) == len(CONTEXTS)
+    run.delete_adapter("one", llm="declared")
+    assert run.snapshot("ref", llm="declared", peft_adapter="x")["snapshot"] == "ref"
+    run.drop_snapshot("ref", llm="declared")
+    for name in ("a", "lo", "update", "keys", "to"):
+        with pytest.raises(Exception, match=f"'{name}' is refused by llmrl's rule for adapter names: it must not be"):
+            run.create_adapter(name, llm="policy")
 
 
 def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, tiny, tmp_path):
