@@ -232,16 +232,17 @@ class _Server(ThreadingHTTPServer):
 
 
 def _refuse(request: socket.socket, most: int) -> None:
-    """Answer 503 without blocking: what the client sent so far is read and dropped (closing a socket with unread
-    bytes would reset the connection before the answer is read)."""
+    """Answer 503 without blocking: what the client sent so far (up to 1 MB) is read and dropped (closing a socket
+    with unread bytes would reset the connection before the answer is read)."""
     body = json.dumps({"detail": f"the service is serving its {most} connections at once: retry shortly"}).encode()
     answer = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
               b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
         request.setblocking(False)
         try:
-            while request.recv(65536):
-                pass
+            for _ in range(16):  # bounded: a client streaming a large body must not hold the accepting thread
+                if not request.recv(65536):
+                    break
         except BlockingIOError:
             pass
         request.send(answer)
