@@ -161,6 +161,22 @@ def test_a_sample_request_for_more_samples_than_the_service_draws_at_once_is_a_4
         service.futures.close()
 
 
+def test_a_body_over_the_services_limit_is_refused_before_it_is_read():
+    """Before: a body of up to 1 GB was read, and its dense tensors became lists of eight times its size."""
+    from llmrl.engine.tinker.http import MAX_BODY
+
+    server = start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=BOUND) as sock:
+            sock.sendall(b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nX-API-Key: " + KEY.encode()
+                         + f"\r\nContent-Length: {100 << 20}\r\n\r\n".encode())
+            answer = closed_by_server(sock)  # answered without waiting for the body, then closed
+        assert MAX_BODY <= 64 << 20 and answer.startswith(b"HTTP/1.1 413") and b"send fewer datums" in answer
+        assert healthy(server)
+    finally:
+        stop(server)
+
+
 def test_a_body_nested_200k_deep_is_a_400_not_a_500_the_sdk_retries():
     class Service:
         def create_session(self, body: dict) -> dict:

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from llmrl.engine.tinker.futures import Outcome
 
-MAX_BODY = 1 << 30
+MAX_BODY = 64 << 20  # bytes of a request body (the SDK sends forward_backward in chunks of about 5 MB)
 IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent (the SDK's pool drops its idle connections after 5)
 MAX_CONNECTIONS = 256  # connections served at once, each on a thread of its own
 
@@ -105,7 +105,8 @@ def make_server(service, host: str, port: int, api_key: str, idle_timeout: float
             if length < 0:
                 raise HTTPError(400, f"Content-Length {text!r} is not a number of bytes")
             if length > MAX_BODY:
-                raise HTTPError(413, f"request body of {length} bytes is over {MAX_BODY}")
+                raise HTTPError(413, f"request body of {length} bytes is over this service's {MAX_BODY}: send fewer "
+                                "datums per request (the tinker SDK splits its requests in chunks of about 5 MB)")
             try:
                 data = self.rfile.read(length)
             except OSError:  # silent for idle_timeout (TimeoutError), or gone: the connection ends here
