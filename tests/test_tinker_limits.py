@@ -212,7 +212,8 @@ def test_silent_connections_are_closed_after_the_idle_timeout_and_a_client_witho
             sock.close()
         with socket.create_connection(("127.0.0.1", port), timeout=BOUND) as sock:  # no key: closed at once
             sock.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-wrong\r\n\r\n")
-            assert closed_by_server(sock).startswith(b"HTTP/1.1 401")
+            answer = closed_by_server(sock)
+            assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer
         assert healthy(server)
     finally:
         stop(server)

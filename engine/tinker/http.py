@@ -185,12 +185,11 @@ def make_server(service, host: str, port: int, api_key: str, idle_timeout: float
                 data, kind = value.value, "application/x-protobuf"
             else:
                 data, kind = json.dumps(value).encode(), "application/json"
-            close = self._body_left_unread()
-            if close:
+            if self._body_left_unread():
                 self.close_connection = True  # the client opens a fresh connection for its next request
             try:
                 self.send_response(status)
-                if close:
+                if self.close_connection:  # told, the client does not send its next request on this one
                     self.send_header("Connection", "close")
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
