@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from llmrl.engine.tinker.futures import Outcome
 
 MAX_BODY = 64 << 20  # bytes of a request body (the SDK sends forward_backward in chunks of about 5 MB)
-IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent (the SDK's pool drops its idle connections after 5)
+IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent (a pooled client connection closed meanwhile is reopened)
 MAX_CONNECTIONS = 256  # connections served at once, each on a thread of its own
 
 JSON_ROUTES = {  # POST path -> the service method taking the JSON body
