@@ -302,28 +302,28 @@ def test_adapters_trained_in_turn_step_apart_and_a_failed_call_keeps_the_others_
     parameters), A.fb, B.fb, A.step, B.step equals each trained alone, and B's failed call leaves A's pending
     gradients to A's step. (A failure on B wiped A's gradients, and A's step then reported success with nothing to
     apply; optim_step(A) was refused for good while B's were pending.)"""
-    for name in ("a", "b", "alone_a", "alone_b"):
+    for name in ("ta", "tb", "alone_a", "alone_b"):
         run.create_adapter(name, rank=4, seed=9, llm="policy")  # one seed: every adapter starts the same
-    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="a")
-    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="b")
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["adapters"] == ["a"]
-    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="a")  # pending while b steps
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="b")["adapters"] == ["b"]
+    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="ta")
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="tb")
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["adapters"] == ["ta"]
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="ta")  # pending while b steps
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="tb")["adapters"] == ["tb"]
     with pytest.raises(Exception, match="loss of backward call 1 was not finite") as info:
-        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="b")
-    assert "those of ['a'] are kept" in str(info.value)
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["optimizer_steps"] == 1
+        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="tb")
+    assert "those of ['ta'] are kept" in str(info.value)
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["optimizer_steps"] == 1
     for adapter, seeds in (("alone_a", (1, 3)), ("alone_b", (2,))):
         for seed in seeds:
             run.forward_backward([datum_of(seed)], "cross_entropy", llm="policy", peft_adapter=adapter)
             run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=adapter)
     state = run.state_dict(llm="policy")
-    for adapter, alone in (("a", "alone_a"), ("b", "alone_b")):
+    for adapter, alone in (("ta", "alone_a"), ("tb", "alone_b")):
         got, want = lora_weights(state, adapter), lora_weights(state, alone)
         assert got.keys() == want.keys() and any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
         for key in want:
             torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
-    for name in ("a", "b", "alone_a", "alone_b"):
+    for name in ("ta", "tb", "alone_a", "alone_b"):
         run.delete_adapter(name, llm="policy")
 
 
