@@ -4,8 +4,9 @@ A snapshot scores and generates like a plain model holding the weights it froze,
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
 and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
-trained weights. Snapshots and created adapters survive save and resume. Misuse is refused naming the cause; a
-step that would leave an adapter non-finite is undone; the next save removes what a save killed half-way left.
+trained weights. Snapshots and created adapters survive save and resume, and past the LLM's cap are refused by name.
+Misuse is refused naming the cause; a step that would leave an adapter non-finite is undone; the next save removes
+what a save killed half-way left.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def config(tiny, checkpoint: str | None = None) -> dict:
     trained = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
-            "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}]},
+            "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}],
+                         "max_run_time_adapters": 1},
             "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}},
                    "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]},
             "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
@@ -184,7 +186,7 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
         torch.testing.assert_close(trained[key], want[key], atol=1e-5, rtol=0)
     for key, value in lora_weights(before, "default").items():  # the other adapter: bit-identical
         torch.testing.assert_close(lora_weights(after, "default")[key], value, atol=0, rtol=0)
-    with pytest.raises(Exception, match="not starting with 'lora_'"):
+    with pytest.raises(Exception, match="refused by llmrl's rule for adapter names"):
         run.create_adapter("lora_x", llm="policy")
     with pytest.raises(Exception, match="not an adapter created at run time"):
         run.delete_adapter("default", llm="policy")
@@ -192,6 +194,25 @@ def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(r
     assert not any(".x." in k for k in run.state_dict(llm="policy"))
     with pytest.raises(Exception, match="unknown peft_adapter 'x'"):
         run.score(CONTEXTS, CANDIDATES, llm="policy", peft_adapter="x")
+
+
+def test_past_its_cap_an_adapter_or_snapshot_is_refused_by_name_and_a_freed_place_serves_the_next(run):
+    """``max_run_time_adapters: 1`` on LLM ``declared``: a second adapter or a snapshot is refused naming the cap,
+    the LLM goes on serving, and a deleted adapter frees its place. Names PEFT treats specially are refused too."""
+    run.create_adapter("one", rank=2, llm="declared")
+    with pytest.raises(Exception, match=r"adapter 'two' is refused: LLM 'declared' holds 1 adapters created at "
+                                        r"run time and snapshots \(one\), its cap \(llms.declared.max_run_time_"
+                                        r"adapters: 1"):
+        run.create_adapter("two", rank=2, llm="declared")
+    with pytest.raises(Exception, match=r"snapshot 'ref' is refused: LLM 'declared' holds 1"):
+        run.snapshot("ref", llm="declared", peft_adapter="x")
+    assert len(run.score(CONTEXTS, CANDIDATES, llm="declared", peft_adapter="one")) == len(CONTEXTS)
+    run.delete_adapter("one", llm="declared")
+    assert run.snapshot("ref", llm="declared", peft_adapter="x")["snapshot"] == "ref"
+    run.drop_snapshot("ref", llm="declared")
+    for name in ("a", "lo", "update", "keys", "to"):
+        with pytest.raises(Exception, match=f"'{name}' is refused by llmrl's rule for adapter names: it must not be"):
+            run.create_adapter(name, llm="policy")
 
 
 def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, tiny, tmp_path):
@@ -282,28 +303,28 @@ def test_adapters_trained_in_turn_step_apart_and_a_failed_call_keeps_the_others_
     parameters), A.fb, B.fb, A.step, B.step equals each trained alone, and B's failed call leaves A's pending
     gradients to A's step. (A failure on B wiped A's gradients, and A's step then reported success with nothing to
     apply; optim_step(A) was refused for good while B's were pending.)"""
-    for name in ("a", "b", "alone_a", "alone_b"):
+    for name in ("ta", "tb", "alone_a", "alone_b"):
         run.create_adapter(name, rank=4, seed=9, llm="policy")  # one seed: every adapter starts the same
-    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="a")
-    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="b")
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["adapters"] == ["a"]
-    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="a")  # pending while b steps
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="b")["adapters"] == ["b"]
+    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="ta")
+    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="tb")
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["adapters"] == ["ta"]
+    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="ta")  # pending while b steps
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="tb")["adapters"] == ["tb"]
     with pytest.raises(Exception, match="loss of backward call 1 was not finite") as info:
-        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="b")
-    assert "those of ['a'] are kept" in str(info.value)
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="a")["optimizer_steps"] == 1
+        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="tb")
+    assert "those of ['ta'] are kept" in str(info.value)
+    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["optimizer_steps"] == 1
     for adapter, seeds in (("alone_a", (1, 3)), ("alone_b", (2,))):
         for seed in seeds:
             run.forward_backward([datum_of(seed)], "cross_entropy", llm="policy", peft_adapter=adapter)
             run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=adapter)
     state = run.state_dict(llm="policy")
-    for adapter, alone in (("a", "alone_a"), ("b", "alone_b")):
+    for adapter, alone in (("ta", "alone_a"), ("tb", "alone_b")):
         got, want = lora_weights(state, adapter), lora_weights(state, alone)
         assert got.keys() == want.keys() and any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
         for key in want:
             torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
-    for name in ("a", "b", "alone_a", "alone_b"):
+    for name in ("ta", "tb", "alone_a", "alone_b"):
         run.delete_adapter(name, llm="policy")
 
 

@@ -110,6 +110,7 @@ def plumbing(seeds: list):
     service.caller, service.llm, service.model_name, service.registry = Caller(), "main", "tiny", Registry()
     service.futures, service._lock, service.models, service._making = Futures(classify), threading.Lock(), {}, {}
     service._adapter_ids, service.poll_wait, service.optimizer_type = itertools.count(1), 0.1, "adamw"
+    service.positions = 64
     return service
 
 

@@ -196,6 +196,35 @@ def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(s
     training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
 
 
+def test_a_request_whose_cost_passes_the_models_bounds_is_refused_before_it_is_paid(service, client):
+    """A 100-byte body announcing a sparse tensor of 8M values (rank 0 densified it: 400 MB) and a body nested
+    200k deep (a 500, retried by the SDK) are 400s naming their cause; the service goes on."""
+    import http.client
+    import json
+    import urllib.parse
+
+    from tinker.proto import tinker_public_pb2 as pb
+
+    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    weights = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[8_000_000], sparse_csr=pb.SparseCsr())
+    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=bytes(12)))],
+                     loss_fn_inputs={"weights": weights})
+    url = urllib.parse.urlsplit(service["url"])
+    for route, body, cause in (
+            ("forward_backward", pb.ForwardBackwardRequest(model_id=training.model_id, loss_fn="cross_entropy",
+                                                           data=[datum]).SerializeToString(),
+             "data[0].loss_fn_inputs['weights'] holds 8000000 values"),
+            ("create_session", b"[" * 200_000 + b"]" * 200_000, "nests")):
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        connection.request("POST", f"/api/v1/{route}", body=body, headers={"X-API-Key": KEY})
+        response = connection.getresponse()
+        status, detail = response.status, json.loads(response.read())["detail"]
+        connection.close()
+        assert status == 400 and cause in detail, detail
+    out = training.forward_backward([sdk_datum(d) for d in datums(5)], "cross_entropy").result()  # it goes on
+    assert len(out.loss_fn_outputs) == 3
+
+
 def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_state(service, client):
     import tinker
 

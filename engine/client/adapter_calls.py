@@ -32,7 +32,7 @@ class AdapterCalls:
         ``server_memory()`` lists them. Snapshots need ZeRO 0-2 and are saved with ``save`` (and taken again on
         resume). Returns ``{"snapshot", "source", "bytes"}``.
         """
-        return self._adapters("snapshot", kind.check_name(name, "snapshot name"), llm,
+        return self._adapters("snapshot", kind.check_new_name(name, "snapshot name"), llm,
                               {"source": peft_adapter})
 
     def drop_snapshot(self, name: str, *, llm: str | None = None) -> dict:
@@ -55,7 +55,7 @@ class AdapterCalls:
         Returns ``{"adapter", "parameters"}``.
         """
         args = kind.check_create_args(rank, alpha, seed, targets)
-        return self._adapters("create_adapter", kind.check_name(name, "adapter name"), llm, args)
+        return self._adapters("create_adapter", kind.check_new_name(name, "adapter name"), llm, args)
 
     def delete_adapter(self, name: str, *, llm: str | None = None) -> dict:
         """Delete an adapter made by :meth:`create_adapter`: its weights, optimizer state and cached keys."""

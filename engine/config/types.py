@@ -116,6 +116,8 @@ class LLMConfig:
     prefix_reuse: bool = True
     kv_cache_mb: float = 0.0
     trunk_reuse_mb: float = 0.0
+    max_run_time_adapters: int = 64  # adapters created at run time and snapshots held at once (model/adapter_caps.py)
+    run_time_adapters_mb: float = 16384.0  # their weights together, in MB
     trust_remote_code: bool = False
     revision: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)

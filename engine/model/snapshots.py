@@ -12,7 +12,8 @@ name, so that a read never meets keys computed with other weights.
 A model trained without LoRA gets a weight snapshot: a copy of every trained parameter (the model's and the
 heads'), which :meth:`ServedModel.adapter` swaps in (tensor pointers, no copy) for the reads that name it, and back.
 Snapshots need ZeRO 0-2 (ZeRO-3 partitions every parameter when the engine is built); they are saved with the
-checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). This module does not decide when to
+checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). Their count and bytes are capped with
+those of adapters created at run time (:mod:`llmrl.engine.model.adapter_caps`). This module does not decide when to
 snapshot; the script does.
 """
 
@@ -23,14 +24,16 @@ import copy
 
 import torch
 
+from llmrl.engine.adapter_names import name_problem
+from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.served import ServedModel
 
 
 def check_adapter_name(name, what: str) -> None:
-    """Refuse a name PEFT would confuse with its own (a ``lora_`` prefix) or that is not an identifier."""
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("lora_"):
-        raise ValueError(f"{what}'s name must be an identifier (letters, digits, _) not starting with 'lora_', got "
-                         f"{name!r}")
+    """Refuse a name that breaks llmrl's rule (:mod:`llmrl.engine.adapter_names`: names PEFT treats specially)."""
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{what}'s name {name!r} is refused by llmrl's rule for adapter names: it {problem}")
 
 
 def uses_lora(served: ServedModel) -> bool:
@@ -97,6 +100,10 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
         return take_weight_snapshot(served, name, prefix_cache)
     model = served.model
     adapter = served.snapshots.get(source, source)  # a snapshot of a snapshot: the same adapter's configuration
+    if name not in served.snapshots:  # a new one (taken again, a snapshot keeps its place)
+        check_room(served, "snapshot", name)
+        check_room(served, "snapshot", name, sum(p.numel() * p.element_size()
+                                                 for p in adapter_params(model, source).values()))
     originals = {key: p.detach().clone() for key, p in adapter_params(model, source).items()}  # the named weights
     if name in served.snapshots and served.snapshots[name] != adapter:
         drop_snapshot(served, name, prefix_cache)
@@ -121,9 +128,13 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
 
 def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
     """A frozen copy of every trained parameter, swapped in by :meth:`ServedModel.adapter` for reads."""
-    weights = {n: p.detach().clone() for n, p in served.module.named_parameters() if p.requires_grad}
-    if not weights:
+    trained = {n: p for n, p in served.module.named_parameters() if p.requires_grad}
+    if not trained:
         raise ValueError(f"LLM {served.llm.name!r} has no trained weight to snapshot")
+    if name not in served.weight_snapshots:
+        check_room(served, "snapshot", name)
+        check_room(served, "snapshot", name, sum(p.numel() * p.element_size() for p in trained.values()))
+    weights = {n: p.detach().clone() for n, p in trained.items()}
     served.weight_snapshots[name] = weights
     if prefix_cache is not None:
         prefix_cache.forget(name)

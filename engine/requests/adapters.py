@@ -2,8 +2,9 @@
 ``delete_adapter`` / ``save_adapter`` / ``load_adapter``: change which LoRA adapters and frozen snapshots an LLM
 holds, on every one of its ranks, and save or load one adapter's state.
 
-Client half: the operation and its arguments are checked (names, rank, seed, targets) and sent to every rank of
-the LLM (every replica must hold the same adapters). Server half: the backend applies it
+Client half: the operation and its arguments are checked (names, those of new adapters and snapshots by llmrl's
+rule: :mod:`llmrl.engine.adapter_names`; rank, seed, targets) and sent to every rank of the LLM (every replica must
+hold the same adapters). Server half: the backend applies it
 (:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`,
 :mod:`llmrl.engine.model.training.adapter_state`); the first replica's answer is returned.
 
@@ -17,6 +18,7 @@ import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from llmrl.engine.adapter_names import name_problem
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests.base import Kind, Run
 
@@ -32,11 +34,21 @@ class AdapterRequest:
 
 
 def check_name(name, what: str) -> str:
+    """The name of an adapter or snapshot that exists (the servers say if it does not): an identifier."""
     if not isinstance(name, str):
         raise InvalidArgumentType(f"{what} must be a string, got {type(name).__name__}")
     if not name.isidentifier():
         raise InvalidArgument(f"{what} must be an identifier (letters, digits and _, not starting with a digit), "
                               f"got {name!r}")
+    return name
+
+
+def check_new_name(name, what: str) -> str:
+    """The name of an adapter or snapshot to make: llmrl's rule (:mod:`llmrl.engine.adapter_names`)."""
+    check_name(name, what)
+    problem = name_problem(name)
+    if problem is not None:
+        raise InvalidArgument(f"{what} {name!r} is refused by llmrl's rule for adapter names: it {problem}")
     return name
 
 

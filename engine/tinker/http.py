@@ -1,12 +1,16 @@
 """The Tinker REST API over HTTP: routes under ``/api/v1/``, the API key, JSON and protobuf bodies, errors.
 
-A :class:`ThreadingHTTPServer` answers each connection on a thread of its own. Every request must carry the
-service's key in ``X-API-Key`` (compared in constant time); a wrong key is a 401. Bodies are JSON, except
-``forward_backward``'s (protobuf), and the results of forward/backward and sampling futures (protobuf, as the SDK
-expects). A request that fails before it becomes a future is answered with a JSON error body (never an empty one:
-the SDK would take an empty 400 for a dropped connection and retry it for minutes): 400 for a bad request, 404 for
-an unknown model, sampler or future, 500 otherwise. A failure inside a future is reported by ``retrieve_future`` with
-its category. Whatever a handler raises, the connection's thread answers and goes on.
+A :class:`ThreadingHTTPServer` answers each connection on a thread of its own, for at most ``max_connections``
+connections at once (one more is answered 503 and closed: the SDK retries it); a connection silent for
+``idle_timeout`` seconds (between requests, or inside one: half a request line, a body that stops coming) is closed,
+so that no client holds a thread by saying nothing. Every request must carry the service's key in ``X-API-Key``
+(compared in constant time), checked before its body is read; a wrong key is a 401, and the connection closes.
+Bodies are JSON, except ``forward_backward``'s (protobuf), and the results of forward/backward and sampling futures
+(protobuf, as the SDK expects). A request that fails before it becomes a future is answered with a JSON error body
+(never an empty one: the SDK would take an empty 400 for a dropped connection and retry it for minutes): 400 for a
+bad request (a body nested deeper than the parser follows included), 404 for an unknown model, sampler or future,
+500 otherwise. A failure inside a future is reported by ``retrieve_future`` with its category. Whatever a handler
+raises, the connection's thread answers and goes on.
 
 This module routes; what each call does is :mod:`llmrl.engine.tinker.service`'s.
 """
@@ -16,14 +20,18 @@ from __future__ import annotations
 import hmac
 import json
 import re
+import socket
 import sys
+import threading
 import traceback
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from llmrl.engine.tinker.futures import Outcome
 
-MAX_BODY = 1 << 30
+MAX_BODY = 64 << 20  # bytes of a request body (the SDK sends forward_backward in chunks of about 5 MB)
+IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent (a pooled client connection closed meanwhile is reopened)
+MAX_CONNECTIONS = 256  # connections served at once, each on a thread of its own
 
 JSON_ROUTES = {  # POST path -> the service method taking the JSON body
     "create_session": "create_session", "create_model": "create_model", "get_info": "get_info",
@@ -42,11 +50,14 @@ class HTTPError(Exception):
         self.status = status
 
 
-def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPServer:
-    """The HTTP server of ``service`` on ``host:port`` (port 0: a free one), refusing any other key."""
+def make_server(service, host: str, port: int, api_key: str, idle_timeout: float = IDLE_TIMEOUT,
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
+    """The HTTP server of ``service`` on ``host:port`` (port 0: a free one), refusing any other key; connections
+    silent for ``idle_timeout`` seconds are closed, and at most ``max_connections`` are served at once."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = idle_timeout  # every read and write of the connection's socket (StreamRequestHandler.setup)
 
         def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
             pass
@@ -64,6 +75,7 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
             self.body_read = False
             try:
                 if not hmac.compare_digest(self.headers.get("X-API-Key", "").encode(), api_key.encode()):
+                    self.close_connection = True  # a client without the key keeps no connection
                     raise HTTPError(401, "wrong or missing API key (X-API-Key; TINKER_API_KEY for the SDK)")
                 path = self.path.split("?", 1)[0]
                 if not path.startswith("/api/v1/"):
@@ -75,6 +87,8 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 self._send(404, {"detail": f"{type(err).__name__}: {err}"})
             except ValueError as err:
                 self._send(400, {"detail": f"{type(err).__name__}: {err}"})
+            except RecursionError:  # a body nested deeper than a handler follows (JSON's parser: about 1000 deep)
+                self._send(400, {"detail": "the request nests too deeply (the API's bodies nest a few levels)"})
             except (TypeError, AttributeError) as err:  # a field of another type than the API's: not retried
                 traceback.print_exc(file=sys.stderr)
                 self._send(400, {"detail": f"a field of the request has the wrong type ({type(err).__name__}: {err})"})
@@ -91,9 +105,18 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
             if length < 0:
                 raise HTTPError(400, f"Content-Length {text!r} is not a number of bytes")
             if length > MAX_BODY:
-                raise HTTPError(413, f"request body of {length} bytes is over {MAX_BODY}")
-            data = self.rfile.read(length)
+                raise HTTPError(413, f"request body of {length} bytes is over this service's {MAX_BODY}: send fewer "
+                                "datums per request (the tinker SDK splits its requests in chunks of about 5 MB)")
+            try:
+                data = self.rfile.read(length)
+            except OSError:  # silent for idle_timeout (TimeoutError), or gone: the connection ends here
+                self.close_connection = True
+                raise HTTPError(408, f"the body did not come: {length} bytes announced, silence for {idle_timeout} s"
+                                ) from None
             self.body_read = True
+            if len(data) < length:
+                self.close_connection = True
+                raise HTTPError(400, f"the body ended after {len(data)} of the {length} bytes of its Content-Length")
             return data
 
         def _body_left_unread(self) -> bool:
@@ -107,6 +130,9 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 body = json.loads(raw or b"{}", object_hook=_Body)
             except json.JSONDecodeError as err:
                 raise HTTPError(400, f"the body is not JSON: {err}") from None
+            except RecursionError:
+                raise HTTPError(400, "the body nests JSON more deeply than the parser follows (about 1000 levels; the "
+                                "API's bodies nest a few)") from None
             if not isinstance(body, dict):
                 raise HTTPError(400, "the body must be a JSON object")
             return body
@@ -159,23 +185,69 @@ def make_server(service, host: str, port: int, api_key: str) -> ThreadingHTTPSer
                 data, kind = value.value, "application/x-protobuf"
             else:
                 data, kind = json.dumps(value).encode(), "application/json"
-            close = self._body_left_unread()
-            if close:
+            if self._body_left_unread():
                 self.close_connection = True  # the client opens a fresh connection for its next request
             try:
                 self.send_response(status)
-                if close:
+                if self.close_connection:  # told, the client does not send its next request on this one
                     self.send_header("Connection", "close")
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-            except OSError:  # the client went away: nothing to answer
-                pass
+            except OSError:  # the client went away, or read nothing for idle_timeout: nothing more to answer
+                self.close_connection = True
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return _Server((host, port), Handler, max_connections)
+
+
+class _Server(ThreadingHTTPServer):
+    """A threading server that serves at most ``max_connections`` connections at once: one more is answered 503
+    (``Retry-After``) and closed on the accepting thread, which never waits for it."""
+
+    daemon_threads = True
+    request_queue_size = 128  # connections the kernel holds before they are accepted (the SDK opens many at once)
+
+    def __init__(self, address, handler, max_connections: int):
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse(request, self.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # a thread of its own, which releases the slot
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # handles, and reports any error, then closes
+        finally:
+            self._slots.release()
+
+
+def _refuse(request: socket.socket, most: int) -> None:
+    """Answer 503 without blocking: what the client sent so far (up to 1 MB) is read and dropped (closing a socket
+    with unread bytes would reset the connection before the answer is read)."""
+    body = json.dumps({"detail": f"the service is serving its {most} connections at once: retry shortly"}).encode()
+    answer = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        request.setblocking(False)
+        try:
+            for _ in range(16):  # bounded: a client streaming a large body must not hold the accepting thread
+                if not request.recv(65536):
+                    break
+        except BlockingIOError:
+            pass
+        request.send(answer)
+    except OSError:  # gone already, or its buffer full: it is closed without an answer
+        pass
 
 
 def _int(query: dict, key: str, default: int) -> int:

@@ -54,6 +54,8 @@ from llmrl.engine.tinker.params import (
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
 EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
+MAX_NUM_SAMPLES = 4096  # samples of one sample request (each gets an id before any is drawn)
+UNDECLARED_POSITIONS = 1 << 20  # a datum's tokens and values at most, for a model that declares no maximum length
 
 
 @dataclass
@@ -89,6 +91,7 @@ class TinkerService:
 
         self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
         self.model_name = spec.model
+        self.positions = info.get("max_length") or UNDECLARED_POSITIONS  # bounds what a request may make us allocate
         self.registry = Registry(save_dir)
         self.poll_wait = poll_wait
         self._token = secrets.token_hex(4)  # session ids differ between services: their runs never share a folder
@@ -153,7 +156,7 @@ class TinkerService:
                                "model_name": client.base_model, "tokenizer_id": self.tokenizer_id}}
 
     def forward_backward(self, body: bytes) -> dict:
-        request = parse_forward_backward(body)
+        request = parse_forward_backward(body, self.positions)
         client = self._client(request["model_id"])
 
         def work() -> Outcome:
@@ -302,7 +305,10 @@ class TinkerService:
         sampler = self._sampler(body["sampling_session_id"])
         refuse_unserved(body)
         tokens = [t for chunk in body["prompt"]["chunks"] for t in chunk_tokens(chunk)]
-        count = int(body.get("num_samples", 1))
+        count = body.get("num_samples", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_NUM_SAMPLES:
+            raise ValueError(f"num_samples must be an int from 1 to {MAX_NUM_SAMPLES}, got {count!r}: send several "
+                             "requests for more samples")
         longest = self.caller.info[self.llm].get("max_length")
         kwargs = generate_kwargs(body.get("sampling_params") or {}, count, bool(body.get("prompt_logprobs")),
                                  None if longest is None else max(1, longest - len(tokens)))

@@ -11,7 +11,7 @@ The engine must step the torch optimizer itself (ZeRO 0 in float32): under ZeRO 
 flat copies of the parameters it was built with, which a parameter added later would not join. Adapters created
 at run time are saved with a checkpoint and created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
 Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
-adapters created at run time can be deleted.
+adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
 
 This module changes the model and optimizer of one rank; the request kind runs it on every rank of the LLM.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.training.lr_schedule import fit_new_groups
@@ -78,6 +79,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     check_adapter_name(name, "an adapter")
     if name in served.adapters or name in served.snapshots:
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
+    check_room(served, "adapter", name)
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
     config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                         lora_dropout=dropout, target_modules=target_modules(model, targets))
@@ -87,6 +89,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         model.add_adapter(name, config)
     params = list(adapter_params(model, name).values())
     try:
+        check_room(served, "adapter", name, sum(p.numel() * p.element_size() for p in params))
         for p in params:
             p.requires_grad_(True)
         steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
