@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from testkit import LiveRun
+from testkit.plain import lora_weights, plain_full_model, plain_model, plain_scores
 
 pytestmark = pytest.mark.slow
 
@@ -43,37 +44,6 @@ def run(tiny):
     live = LiveRun(config(tiny))
     yield live
     assert live.close() == 0
-
-
-def lora_weights(state: dict, adapter: str) -> dict:
-    """``{peft name: tensor}`` of one adapter in a run's state dict, named as a plain PEFT model with that adapter
-    as ``default`` names it."""
-    marker = f".{adapter}."
-    return {k[len("model."):].replace(marker, ".default."): v for k, v in state.items() if marker in k and "lora_" in k}
-
-
-def plain_model(tiny, weights: dict):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("lora_" not in k for k in missing)
-    return model.eval()
-
-
-def plain_scores(model, contexts, candidates) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for context, options in zip(contexts, candidates):
-            scores = []
-            for candidate in options:
-                full = torch.tensor([context + candidate])
-                logp = torch.log_softmax(model(input_ids=full).logits[0].float(), -1)
-                scores.append(sum(logp[len(context) + t - 1, tok] for t, tok in enumerate(candidate)))
-            out.append(torch.stack(scores))
-    return out
 
 
 def train_steps(run, llm: str, steps: int, adapter: str | None = None, seed: int = 0) -> None:
@@ -141,14 +111,6 @@ def test_snapshots_under_zero_2_and_frozen_to_training(run, tiny):
         run.snapshot("default", llm="z2")
     with pytest.raises(Exception, match="ZeRO 0, float32"):
         run.create_adapter("new", llm="z2")
-
-
-def plain_full_model(tiny, state: dict):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
-    return model
 
 
 def test_a_model_trained_without_lora_snapshots_its_weights(run, tiny):

@@ -1,6 +1,7 @@
 """Plain PyTorch / PEFT references the live updater tests compare llmrl against: a plain PEFT model of the tiny
 LLaMA (r 4, alpha 8, every linear layer, as the lora initializer makes it), per-token passes over it, the token
-value head's MLP written out, and the check that an update equals the reference step."""
+value head's MLP written out, and the check that an update equals the reference step; plain models holding a run's
+weights (one adapter's LoRA weights, or every weight) and their candidates' scores."""
 
 from __future__ import annotations
 
@@ -105,3 +106,42 @@ def ppo_tokens_step(tiny, before: dict, prompts: list[str], conts, task_rewards,
     opt.step()
     kl = sum(row[6] for row in rows) / len(rows)
     return {k: p.detach().clone() for k, p in params.items()}, kl
+
+
+def lora_weights(state: dict, adapter: str) -> dict:
+    """``{peft name: tensor}`` of one adapter in a run's state dict, named as a plain PEFT model with that adapter
+    as ``default`` names it."""
+    marker = f".{adapter}."
+    return {k[len("model."):].replace(marker, ".default."): v for k, v in state.items() if marker in k and "lora_" in k}
+
+
+def plain_model(tiny, weights: dict):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    return model.eval()
+
+
+def plain_scores(model, contexts, candidates) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for context, options in zip(contexts, candidates):
+            scores = []
+            for candidate in options:
+                full = torch.tensor([context + candidate])
+                logp = torch.log_softmax(model(input_ids=full).logits[0].float(), -1)
+                scores.append(sum(logp[len(context) + t - 1, tok] for t, tok in enumerate(candidate)))
+            out.append(torch.stack(scores))
+    return out
+
+
+def plain_full_model(tiny, state: dict):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    return model
