@@ -151,37 +151,9 @@ def test_two_row_counts_keep_their_packs_and_a_third_drops_the_oldest(lora_llama
     assert held[1:] == [2 * held[0]] * 5, held  # the packs of the last two row counts are kept, no more
 
 
-@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
-def test_onednn_packs_once_for_every_row_count_and_the_prefill_multiplies_with_it(lora_llama, monkeypatch):
-    model, tok = lora_llama
-    packed = decoder("onednn")
-    rows_seen = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    class Spy:  # counts the rows of each packed product (prefill: the prompts' tokens; steps: one per row)
-        default = real.default
-
-        def __call__(self, x, *args):
-            rows_seen.append(x.numel() // x.shape[-1])
-            return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
-    for samples in (2, 3, 1):
-        assert_same(run(model, tok, packed, {**SAMPLED, "num_return_sequences": samples}),
-                    run(model, tok, decoder(False), {**SAMPLED, "num_return_sequences": samples}))
-    frozen = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
-    assert packed.stats()["weights_packed"] == frozen  # one pack each, whatever the row count
-    assert packed.stats()["packed_for"] == "onednn"
-    assert max(rows_seen) > 2 * len(PROMPTS)  # a prefill's product: every prompt token at once
-
-
-@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
-def test_onednn_products_of_any_row_count_meet_a_bounded_set_of_row_counts(lora_llama, monkeypatch):
-    """oneDNN keeps code for every shape it multiplies (see ``cpu_matmul.on_bounded_rows``): a decode step's rows
-    (one per sequence still decoding: 17 to 21 here, fewer as sequences end) are padded to one of a bounded set of
-    counts, and the decoded tokens and log-probs stay the unpacked decoder's."""
-    model, tok = lora_llama
-    packed = decoder("onednn")
+@pytest.fixture
+def onednn_rows(monkeypatch) -> list[int]:
+    """The rows of each product through oneDNN's linear op (prefill: the prompts' tokens; steps: one per row)."""
     rows_seen = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -193,6 +165,31 @@ def test_onednn_products_of_any_row_count_meet_a_bounded_set_of_row_counts(lora_
             return real(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    return rows_seen
+
+
+@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
+def test_onednn_packs_once_for_every_row_count_and_the_prefill_multiplies_with_it(lora_llama, onednn_rows):
+    model, tok = lora_llama
+    packed = decoder("onednn")
+    rows_seen = onednn_rows
+    for samples in (2, 3, 1):
+        assert_same(run(model, tok, packed, {**SAMPLED, "num_return_sequences": samples}),
+                    run(model, tok, decoder(False), {**SAMPLED, "num_return_sequences": samples}))
+    frozen = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
+    assert packed.stats()["weights_packed"] == frozen  # one pack each, whatever the row count
+    assert packed.stats()["packed_for"] == "onednn"
+    assert max(rows_seen) > 2 * len(PROMPTS)  # a prefill's product: every prompt token at once
+
+
+@pytest.mark.skipif(not available("onednn"), reason="this torch build has no oneDNN")
+def test_onednn_products_of_any_row_count_meet_a_bounded_set_of_row_counts(lora_llama, onednn_rows):
+    """oneDNN keeps code for every shape it multiplies (see ``cpu_matmul.on_bounded_rows``): a decode step's rows
+    (one per sequence still decoding: 17 to 21 here, fewer as sequences end) are padded to one of a bounded set of
+    counts, and the decoded tokens and log-probs stay the unpacked decoder's."""
+    model, tok = lora_llama
+    packed = decoder("onednn")
+    rows_seen = onednn_rows
     for samples in (17, 19, 21):
         settings = {**SAMPLED, "num_return_sequences": samples}
         assert_same(run(model, tok, packed, settings, prompts=PROMPTS[1:2]),
