@@ -48,8 +48,9 @@ USAGE = ("llmrl run --config CONFIG [--hostfile H] [--no_ssh --node_rank R] [--m
          "[--dry-run] [key.sub=value ...] (SCRIPT | -m MODULE) [script args]")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The launcher's options (every one takes a value except the flags --no_ssh and --dry-run)."""
+def add_arguments(parser: argparse.ArgumentParser, script: bool = True) -> None:
+    """The launcher's options (every one takes a value except the flags --no_ssh and --dry-run); without ``script``,
+    not ``-m MODULE`` (``llmrl tinker``: the service is the script)."""
     parser.add_argument("--config", help="the run's YAML config (required)")
     parser.add_argument("--hostfile", help="DeepSpeed hostfile ('hostname slots=N' per line)")
     parser.add_argument("--master_addr", "--master-addr", dest="master_addr", help="address of node 0")
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --no_ssh: which line of the hostfile this node is (0 = the node of rank 0)")
     parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                         help="check everything and print the exact command of every node, without starting anything")
-    parser.add_argument("-m", dest="module", help="run a module as the client script (like python -m)")
+    if script:
+        parser.add_argument("-m", dest="module", help="run a module as the client script (like python -m)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,10 @@ their command lines. This module only rewrites the command line; ``llmrl run`` d
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from llmrl.engine.tinker.serve import KEY_ENV
+from llmrl.engine.tinker.serve import KEY_ENV, add_service_arguments
 from llmrl.launch import run
 
 SERVICE_OPTIONS = ("--host", "--port", "--api-key", "--api-key-file", "--llm", "--save-dir", "--ready-file")
@@ -57,7 +58,27 @@ def take_key(service: list[str]) -> tuple[list[str], str | None]:
     return kept, key
 
 
+def help_parser() -> argparse.ArgumentParser:
+    """The parser whose help ``llmrl tinker --help`` prints: the service's options, then the launcher's (``llmrl
+    run``'s, less the script: the service is the script)."""
+    parser = argparse.ArgumentParser(
+        prog="llmrl tinker", usage=USAGE,
+        description="Start a run whose rank 0 serves Tinker's REST API (the tinker SDK and tinker-cookbook recipes "
+                    "train on the config's LLM). Options and key.sub=value overrides come in any order.")
+    add_service_arguments(parser.add_argument_group("the service"))
+    launcher = parser.add_argument_group("the launcher (as llmrl run)")
+    run.add_arguments(launcher, script=False)
+    return parser
+
+
+USAGE = ("llmrl tinker --config CONFIG [--host H] [--port P] [--api-key-file F] [--llm NAME] [--save-dir D] "
+         "[--ready-file F] [launcher options] [key.sub=value ...]")
+
+
 def parse_argv(argv: list[str]) -> run.RunRequest:
+    if any(token in ("-h", "--help") for token in argv):
+        help_parser().print_help()
+        raise SystemExit(0)
     rest, service = split_service_options(argv)
     service, key = take_key(service)
     if key is not None and any(token.split("=", 1)[0] == "--api-key-file" for token in service):

@@ -27,6 +27,12 @@ KEY_ENV = "TINKER_API_KEY"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmrl tinker", description=__doc__.splitlines()[0])
+    add_service_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_service_arguments(parser) -> None:
+    """The service's own options (``llmrl tinker`` takes them out of its command line and hands them here)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     parser.add_argument("--api-key-file", default=None,
@@ -38,7 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llm", default=None, help="the LLM to serve (default: the config's first)")
     parser.add_argument("--save-dir", default="tinker-checkpoints", help="where save_weights writes checkpoints")
     parser.add_argument("--ready-file", default=None, help="write the base URL here once serving")
-    return parser.parse_args(argv)
 
 
 def service_key(args: argparse.Namespace, environ) -> tuple[str, str]:
