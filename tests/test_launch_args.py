@@ -369,28 +369,3 @@ def test_every_verb_without_a_parser_of_its_own_runs_from_the_command(capsys):
     for verb in VERBS:
         assert verb in usage
 
-
-def test_version_prints_the_installed_distributions_version(capsys):
-    from importlib.metadata import version
-
-    from llmrl.launch.cli import main
-
-    with pytest.raises(SystemExit) as stop:
-        main(["--version"])
-    assert stop.value.code == 0
-    assert capsys.readouterr().out.strip() == f"llmrl {version('llmrl')}"
-
-
-def test_tinker_help_lists_the_services_options_and_the_launchers_but_no_script(capsys):
-    """``llmrl tinker --help`` printed ``llmrl run``'s help: --api-key-file, --port and --save-dir never showed."""
-    from llmrl.launch.cli import main
-
-    with pytest.raises(SystemExit) as stop:
-        main(["tinker", "--config", "c.yaml", "--help"])
-    assert stop.value.code == 0
-    shown = capsys.readouterr().out
-    assert shown.startswith("usage: llmrl tinker --config CONFIG")
-    for option in ("--host", "--port", "--api-key-file", "--api-key", "--llm", "--save-dir", "--ready-file",
-                   "--config", "--hostfile", "--no_ssh", "--node_rank", "--dry-run"):
-        assert f"\n  {option}" in shown, option
-    assert "-m MODULE" not in shown and "SCRIPT" not in shown
