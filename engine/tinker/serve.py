@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 import threading
+import time
 
 KEY_ENV = "TINKER_API_KEY"
 
@@ -99,13 +101,37 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.ready_file + ".tmp", "w") as f:
                 f.write(url)
             os.replace(args.ready_file + ".tmp", args.ready_file)
-        try:  # until Ctrl-C (the run ends with 130) or SIGTERM (143)
-            threading.Event().wait()
-        finally:
-            print("llmrl tinker: stopping", file=sys.stderr, flush=True)
-            server.shutdown()
-            service.futures.close()
+        serve_until_stopped(lambda: (server.shutdown(), service.futures.close()))
     return 0
+
+
+def serve_until_stopped(clean_up) -> None:
+    """Sleep until Ctrl-C (the run ends with 130) or SIGTERM (143), run ``clean_up()`` whole, and raise the first
+    signal's exception (KeyboardInterrupt, or SystemExit(143) as rank 0's host raises for SIGTERM). Ctrl-C reaches the
+    whole process group and DeepSpeed's launcher then sends SIGTERM too: only the first signal counts. A second one
+    raised inside an ``Event``'s wait left its lock broken ("release unlocked lock": the run ended with 1), and one
+    raised in the clean-up cut it short. The previous handlers are back on return."""
+    first: list[int] = []
+
+    def on_signal(number, frame):
+        if first:  # the run is already stopping
+            return
+        first.append(number)
+        if number == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + number)
+
+    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        try:
+            print("llmrl tinker: stopping", file=sys.stderr, flush=True)
+            clean_up()
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
 
 
 if __name__ == "__main__":
