@@ -25,6 +25,7 @@ from llmrl.engine.config.checks import (
     semantic_problems,
     strict_validator,
 )
+from llmrl.engine.config.reference import given_or_default, load_schema
 from llmrl.engine.config.types import (
     Config,
     GenerationSettings,
@@ -39,8 +40,6 @@ from llmrl.engine.config.types import (
 )
 from llmrl.engine.config.yaml12 import yaml_load
 from llmrl.engine.errors import ConfigError, did_you_mean
-
-SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Problem = tuple[str, str]
 
@@ -162,10 +161,6 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -
 
 
 # ----------------------------------------------------------------------------- schema
-
-
-def load_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
 
 
 def _dotted(path) -> str:
@@ -356,7 +351,7 @@ def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
     problems: list[Problem] = []
     for name, llm in data["llms"].items():
         names = [n for n in initializer_names(llm) if n and not n.startswith("__main__:")]
-        if llm.get("tensor_parallel", 1) <= 1 or not names:
+        if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not names:
             continue
         from llmrl.engine.errors import PluginError
         from llmrl.plugins.lora import LoraInitializer
