@@ -3,7 +3,8 @@
 Every problem is collected and reported at once (:class:`~llmrl.engine.errors.ConfigError`), each
 with its dotted path and a hint; a problem of an LLM that only an override created (a misspelt name) also
 suggests the config's closest LLM name. The checks that look across keys or at the machine live in
-:mod:`llmrl.engine.config.checks`; the typed objects and their defaults in :mod:`llmrl.engine.config.types`.
+:mod:`llmrl.engine.config.checks`; the typed objects in :mod:`llmrl.engine.config.types` (their defaults are the
+schema's).
 
 This module does not start processes, build DeepSpeed configs or load models.
 """
@@ -310,7 +311,7 @@ def _explain(error) -> list[Problem]:
 
 def build_config(data: dict, source: str | None = None) -> Config:
     """Turn a validated mapping into frozen, typed objects. Only the keys present are passed on: every default
-    comes from :mod:`llmrl.engine.config.types`."""
+    comes from the schema, through :mod:`llmrl.engine.config.types`."""
     llms = {name: _llm_config(name, raw) for name, raw in data["llms"].items()}
     top = {key: data[key] for key in ("seed", "threads_per_rank", "host_malloc", "cpu_matmul", "log_level",
                                         "max_message_bytes")
