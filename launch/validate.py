@@ -1,8 +1,9 @@
-"""``llmrl validate CONFIG [key=value ...] [--strict-devices]``: check a config without starting anything (``--config
-CONFIG`` works too, as in ``llmrl run``).
+"""``llmrl validate CONFIG [key=value ...] [--strict-devices] [--resolved]``: check a config without starting anything
+(``--config CONFIG`` works too, as in ``llmrl run``).
 
 Everything is checked as ``llmrl run`` would, and the merged config (the file with the overrides applied) is
-printed; GPUs the config names but this machine lacks
+printed, or with ``--resolved`` every key with its value, its default and who set it (:mod:`llmrl.launch.resolved`);
+GPUs the config names but this machine lacks
 are a note, not an error, though (configs are often checked on a login node without GPUs);
 ``--strict-devices`` makes them an error. ``llmrl run`` always refuses a config whose GPUs are missing.
 """
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("--strict-devices", "--strict_devices", dest="strict_devices", action="store_true",
                         help="fail if this machine lacks the GPUs the config names (default: a note)")
+    parser.add_argument("--resolved", action="store_true",
+                        help="print every key of the config with the value the run gets, its default, and whether "
+                             "the file or an override set it")
 
 
 def parse_argv(argv: list[str]) -> argparse.Namespace:
@@ -54,7 +58,13 @@ def main(args: argparse.Namespace) -> int:
               f"{llm.dtype}, heads {sorted(llm.heads) or 'none'}, {training}")
     for note in device_notes(config) if not args.strict_devices else []:
         print(f"  note: {note}")
-    print(merged(args.config, args.overrides), end="")
+    if args.resolved:
+        from llmrl.engine.config.loading import load_yaml
+        from llmrl.launch.resolved import resolved_table
+
+        print(resolved_table(config, load_yaml(args.config), args.overrides), end="")
+    else:
+        print(merged(args.config, args.overrides), end="")
     return 0
 
 

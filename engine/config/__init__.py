@@ -1,8 +1,10 @@
 """A run's configuration: one YAML file, validated against a JSON Schema, turned into frozen typed objects.
 
-``types`` holds the objects and their defaults, ``loading`` reads, overrides, validates and builds,
-``checks`` holds the checks the schema cannot express, ``topology`` computes every rank's role from the
-config alone. This package re-exports what the rest of llmrl uses; importing it loads nothing heavy.
+``schema.json`` describes every key and holds its default, ``reference`` reads it (for the typed objects, the
+checks, ``llmrl validate --resolved`` and the reference page), ``types`` holds the objects, ``loading`` reads,
+overrides, validates and builds, ``checks`` holds the checks the schema cannot express, ``topology`` computes every
+rank's role from the config alone. This package re-exports what the rest of llmrl uses; importing it loads nothing
+heavy.
 """
 
 from __future__ import annotations

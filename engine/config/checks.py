@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from llmrl.engine.config.key_conflicts import deepspeed_problems, inapplicable_problems
+from llmrl.engine.config.reference import given_or_default
 from llmrl.engine.config.types import TRACKING_PACKAGES, Config
 from llmrl.engine.errors import did_you_mean
 
@@ -47,6 +48,14 @@ LORA_TP_MESSAGE = ("LoRA adapters are not split by DeepSpeed's tensor parallelis
 RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
 
 
+def llm_setting(llm: dict, *path: str):
+    """A setting of an LLM's raw mapping (``"replicas"``, or ``"training", "zero_stage"``), or its schema default where
+    the mapping leaves it out."""
+    if len(path) == 1:
+        return given_or_default(llm, "llm", path[0])
+    return given_or_default(llm.get(path[0]), path[0], path[1])
+
+
 def head_key_problem(key: str) -> str | None:
     """Why ``key`` cannot name a head (its output would silently replace an entry of score()'s results, or the
     heads' ``torch.nn.ModuleDict`` would refuse it), or None."""
@@ -68,15 +77,16 @@ def semantic_problems(data: dict) -> list[Problem]:
     """Checks across keys that the schema cannot express; pure (no environment)."""
     problems: list[Problem] = []
     timeouts = data.get("timeouts") or {}
-    heartbeat, dead_after = timeouts.get("heartbeat", 1.0), timeouts.get("dead_after", 20.0)
+    heartbeat = given_or_default(timeouts, "timeouts", "heartbeat")
+    dead_after = given_or_default(timeouts, "timeouts", "dead_after")
     if dead_after <= 2 * heartbeat:
         problems.append(("timeouts.dead_after",
                          f"{dead_after} s must exceed twice timeouts.heartbeat ({heartbeat} s): a "
                          "healthy server would be declared dead between two heartbeats"))
     for name, llm in data["llms"].items():
         at = f"llms.{name}"
-        replicas, tp = llm.get("replicas", 1), llm.get("tensor_parallel", 1)
-        devices = llm.get("devices", "cpu")
+        replicas, tp = llm_setting(llm, "replicas"), llm_setting(llm, "tensor_parallel")
+        devices = llm_setting(llm, "devices")
         if isinstance(devices, list):
             if len(devices) != replicas * tp:
                 problems.append((f"{at}.devices", f"lists {len(devices)} GPU id(s) but the LLM has replicas x "
@@ -90,27 +100,27 @@ def semantic_problems(data: dict) -> list[Problem]:
         problems += inapplicable_problems(at, llm)
         schedule = (llm.get("training") or {}).get("lr_schedule") or {}
         if schedule.get("type") in ("linear", "cosine"):
-            total, warmup = schedule.get("total_steps"), schedule.get("warmup_steps", 0)
+            total, warmup = schedule.get("total_steps"), given_or_default(schedule, "lr_schedule", "warmup_steps")
             if total is None or total <= warmup:
                 problems.append((f"{at}.training.lr_schedule.total_steps",
                                  f"a {schedule['type']} schedule decays until total_steps, which must exceed "
                                  f"warmup_steps ({warmup}); got {total}: set it to the number of optimizer steps of "
                                  "the run (each update reports its optimizer_steps)"))
-        if llm.get("trunk_reuse_mb", 0):
-            why = ("a seq2seq model" if llm.get("type", "causal") != "causal" else
+        if llm_setting(llm, "trunk_reuse_mb"):
+            why = ("a seq2seq model" if llm_setting(llm, "type") != "causal" else
                    "tensor-parallel ranks" if tp > 1 else
-                   "ZeRO-3 (replicas must gather the same weights)" if llm.get("training", {}).get("zero_stage", 0) == 3
+                   "ZeRO-3 (replicas must gather the same weights)" if llm_setting(llm, "training", "zero_stage") == 3
                    else None)
             if why:
                 problems.append((f"{at}.trunk_reuse_mb",
                                  f"frozen-trunk reuse is not supported with {why}: set it to 0"))
-        if llm.get("kv_cache_mb", 0) and llm.get("type", "causal") != "causal":
+        if llm_setting(llm, "kv_cache_mb") and llm_setting(llm, "type") != "causal":
             problems.append((f"{at}.kv_cache_mb", "the cache across calls holds a causal model's context keys and "
                              "values; a seq2seq model re-encodes its contexts: set kv_cache_mb: 0"))
         if llm.get("trainable") is False and llm.get("updater"):
             problems.append((f"{at}.trainable", "an LLM with an updater is trained: remove the updater, or set "
                              "trainable: true (or leave it out)"))
-        dtype = llm.get("dtype", "float32")
+        dtype = llm_setting(llm, "dtype")
         if dtype == "float16" and devices == "cpu":
             problems.append((f"{at}.dtype",
                              "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))
@@ -119,10 +129,10 @@ def semantic_problems(data: dict) -> list[Problem]:
             if tp > 1:
                 problems.append((f"{at}.quantization",
                                  "quantized models cannot be tensor-parallel; set tensor_parallel: 1"))
-            if llm.get("training", {}).get("zero_stage", 0) == 3:
+            if llm_setting(llm, "training", "zero_stage") == 3:
                 problems.append((f"{at}.quantization",
                                  "quantized models cannot be trained with ZeRO-3; use zero_stage 0-2"))
-            if not llm.get("from_pretrained", True):
+            if not llm_setting(llm, "from_pretrained"):
                 problems.append((f"{at}.quantization",
                                  "quantization needs from_pretrained: true (weights to quantize)"))
         for key in llm.get("model_kwargs") or {}:
@@ -185,7 +195,7 @@ def environment_problems(data: dict, check_devices: bool = True, single_node: bo
             if not local.exists() and looks_like_local_path(model):
                 problems.append((f"{at}.model",
                                  f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
-        if check_devices and llm.get("devices", "cpu") != "cpu":
+        if check_devices and llm_setting(llm, "devices") != "cpu":
             if cuda_available is None:
                 import torch
 
@@ -204,7 +214,7 @@ def environment_problems(data: dict, check_devices: bool = True, single_node: bo
             problems.append(limit)
         if llm.get("quantization") and importlib.util.find_spec("bitsandbytes") is None:
             problems.append((f"{at}.quantization", "needs the bitsandbytes package: pip install bitsandbytes"))
-        tp = llm.get("tensor_parallel", 1)
+        tp = llm_setting(llm, "tensor_parallel")
         if tp > 1:
             problems += _tensor_parallel_problems(at, llm, tp)
     if check_devices and cuda_available:
@@ -224,7 +234,7 @@ def auto_device_problems(data: dict, gpu_count: int, single_node: bool | None = 
     if single_node is False:
         return []
     if single_node:
-        first, size, node_rank = 0, 1 + sum(llm.get("replicas", 1) * llm.get("tensor_parallel", 1)
+        first, size, node_rank = 0, 1 + sum(llm_setting(llm, "replicas") * llm_setting(llm, "tensor_parallel")
                                             for llm in data["llms"].values()), 0
     else:
         try:
@@ -234,11 +244,12 @@ def auto_device_problems(data: dict, gpu_count: int, single_node: bool | None = 
         except (KeyError, ValueError):
             return []  # not a launched rank: this node's ranks are unknown
     owners = [name for name, llm in data["llms"].items()
-              for _ in range(llm.get("replicas", 1) * llm.get("tensor_parallel", 1))]  # server rank g: owners[g - 1]
+              for _ in range(llm_setting(llm, "replicas") * llm_setting(llm, "tensor_parallel"))]
+    # server rank g: owners[g - 1]
     highest: dict[str, int] = {}
     for local in range(size):
         rank = first + local
-        if not 1 <= rank <= len(owners) or data["llms"][owners[rank - 1]].get("devices", "cpu") != "auto":
+        if not 1 <= rank <= len(owners) or llm_setting(data["llms"][owners[rank - 1]], "devices") != "auto":
             continue
         highest[owners[rank - 1]] = local - 1 if node_rank == 0 else local
     return [(f"llms.{name}.devices",
@@ -328,7 +339,7 @@ def _tensor_parallel_problems(at: str, llm: dict, tp: int) -> list[Problem]:
 
         try:
             hf_config = AutoConfig.from_pretrained(os.path.expanduser(model),
-                                                   trust_remote_code=llm.get("trust_remote_code", False))
+                                                   trust_remote_code=llm_setting(llm, "trust_remote_code"))
         except Exception as err:  # noqa: BLE001 - reported as a config problem
             return [(f"{at}.model", f"cannot read the model config: {err}")]
     else:

@@ -13,6 +13,8 @@ never raise. This module does not build DeepSpeed configs, optimizers or models.
 
 from __future__ import annotations
 
+from llmrl.engine.config.reference import given_or_default
+
 Problem = tuple[str, str]
 
 # (path inside training.deepspeed, the llmrl key it would override, relative to llms.<name>, a hint for the value)
@@ -72,8 +74,8 @@ def inapplicable_problems(at: str, llm: dict) -> list[Problem]:
     problems: list[Problem] = []
     training = llm.get("training") or {}
     optimizer = training.get("optimizer") or {}
-    problems += _unread(f"{at}.training.optimizer", "optimizer", optimizer, optimizer.get("type", "adam"),
-                        OPTIMIZER_READS)
+    optimizer_type = given_or_default(optimizer, "optimizer", "type")
+    problems += _unread(f"{at}.training.optimizer", "optimizer", optimizer, optimizer_type, OPTIMIZER_READS)
     schedule = training.get("lr_schedule") or {}
     if schedule:
         problems += _unread(f"{at}.training.lr_schedule", "schedule", schedule, schedule["type"], SCHEDULE_READS)

@@ -3,7 +3,8 @@
 Every problem is collected and reported at once (:class:`~llmrl.engine.errors.ConfigError`), each
 with its dotted path and a hint; a problem of an LLM that only an override created (a misspelt name) also
 suggests the config's closest LLM name. The checks that look across keys or at the machine live in
-:mod:`llmrl.engine.config.checks`; the typed objects and their defaults in :mod:`llmrl.engine.config.types`.
+:mod:`llmrl.engine.config.checks`; the typed objects in :mod:`llmrl.engine.config.types` (their defaults are the
+schema's).
 
 This module does not start processes, build DeepSpeed configs or load models.
 """
@@ -25,6 +26,7 @@ from llmrl.engine.config.checks import (
     semantic_problems,
     strict_validator,
 )
+from llmrl.engine.config.reference import given_or_default, load_schema
 from llmrl.engine.config.types import (
     Config,
     GenerationSettings,
@@ -39,8 +41,6 @@ from llmrl.engine.config.types import (
 )
 from llmrl.engine.config.yaml12 import yaml_load
 from llmrl.engine.errors import ConfigError, did_you_mean
-
-SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Problem = tuple[str, str]
 
@@ -162,10 +162,6 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[Problem]) -
 
 
 # ----------------------------------------------------------------------------- schema
-
-
-def load_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
 
 
 def _dotted(path) -> str:
@@ -315,7 +311,7 @@ def _explain(error) -> list[Problem]:
 
 def build_config(data: dict, source: str | None = None) -> Config:
     """Turn a validated mapping into frozen, typed objects. Only the keys present are passed on: every default
-    comes from :mod:`llmrl.engine.config.types`."""
+    comes from the schema, through :mod:`llmrl.engine.config.types`."""
     llms = {name: _llm_config(name, raw) for name, raw in data["llms"].items()}
     top = {key: data[key] for key in ("seed", "threads_per_rank", "host_malloc", "cpu_matmul", "log_level",
                                         "max_message_bytes")
@@ -356,7 +352,7 @@ def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
     problems: list[Problem] = []
     for name, llm in data["llms"].items():
         names = [n for n in initializer_names(llm) if n and not n.startswith("__main__:")]
-        if llm.get("tensor_parallel", 1) <= 1 or not names:
+        if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not names:
             continue
         from llmrl.engine.errors import PluginError
         from llmrl.plugins.lora import LoraInitializer

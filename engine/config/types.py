@@ -1,16 +1,21 @@
-"""The typed, frozen shape of a validated config. Every default is written here, once.
+"""The typed, frozen shape of a validated config.
 
-``load_config`` (in :mod:`llmrl.engine.config.loading`) builds these objects from a mapping that has
-passed the JSON Schema; it passes only the keys a user wrote, so the defaults below are the only ones.
+Every default comes from ``engine/config/schema.json``, the one place it is written: each field below reads its
+key's ``default`` there through :func:`~llmrl.engine.config.reference.schema_field` (a key the schema requires has no
+default here either). ``load_config`` (in :mod:`llmrl.engine.config.loading`) builds these objects from a mapping that
+has passed the JSON Schema; it passes only the keys a user wrote, so the schema's defaults are the only ones.
 
 This module holds data classes, their derived properties and :meth:`PluginSpec.coerce` (the forms a plugin may
-be given in, refused with a TypeError otherwise); it does no loading, no validation of values, no heavy imports.
+be given in, refused with a TypeError otherwise); it does no loading, no validation of values, no heavy imports
+(the schema is read with ``json``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from llmrl.engine.config.reference import TOP_LEVEL, schema_field, section_schema
 
 
 @dataclass(frozen=True)
@@ -18,7 +23,7 @@ class PluginSpec:
     """A plugin: an entry-point name, ``module:attr`` or ``__main__:Name``, and its constructor's arguments."""
 
     plugin: str
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = schema_field("plugin", "args")
 
     @classmethod
     def coerce(cls, value, what: str = "plugin") -> PluginSpec:
@@ -41,95 +46,95 @@ class PluginSpec:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    bits: int = 4
-    quant_type: str = "nf4"
-    compute_dtype: str = "float32"
-    double_quant: bool = False
+    bits: int = schema_field("quantization", "bits")
+    quant_type: str = schema_field("quantization", "quant_type")
+    compute_dtype: str = schema_field("quantization", "compute_dtype")
+    double_quant: bool = schema_field("quantization", "double_quant")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    type: str = "adam"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    momentum: float = 0.0
+    type: str = schema_field("optimizer", "type")
+    lr: float = schema_field("optimizer", "lr")
+    weight_decay: float = schema_field("optimizer", "weight_decay")
+    betas: tuple[float, float] = schema_field("optimizer", "betas")
+    eps: float = schema_field("optimizer", "eps")
+    momentum: float = schema_field("optimizer", "momentum")
 
 
 @dataclass(frozen=True)
 class LRSchedule:
     """``training.lr_schedule`` (the formulas: :mod:`llmrl.engine.model.training.lr_schedule`)."""
 
-    type: str = "constant"  # constant, linear or cosine
-    warmup_steps: int = 0
-    total_steps: int | None = None  # linear and cosine: the step where the decay ends
-    min_lr_ratio: float = 0.0  # linear and cosine: the floor, as a fraction of the optimizer's lr
+    type: str = schema_field("lr_schedule", "type")
+    warmup_steps: int = schema_field("lr_schedule", "warmup_steps")
+    total_steps: int | None = schema_field("lr_schedule", "total_steps")
+    min_lr_ratio: float = schema_field("lr_schedule", "min_lr_ratio")
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    zero_stage: int = 0
-    zero3_gather_mb: int = 4096  # ZeRO-3: weights gathered once per inference call up to this size (0: per layer)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    micro_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_tokens_per_micro_batch: int | None = None  # None: the LLM's token_budget
-    gradient_checkpointing: bool | None = None  # None: on for CUDA devices, off on CPU
-    gradient_clipping: float = 0.0
-    lr_schedule: LRSchedule | None = None
-    deepspeed: dict[str, Any] = field(default_factory=dict)
+    zero_stage: int = schema_field("training", "zero_stage")
+    zero3_gather_mb: int = schema_field("training", "zero3_gather_mb")
+    optimizer: OptimizerConfig = schema_field("training", "optimizer", OptimizerConfig)
+    micro_batch_size: int = schema_field("training", "micro_batch_size")
+    gradient_accumulation_steps: int = schema_field("training", "gradient_accumulation_steps")
+    max_tokens_per_micro_batch: int | None = schema_field("training", "max_tokens_per_micro_batch")
+    gradient_checkpointing: bool | None = schema_field("training", "gradient_checkpointing")
+    gradient_clipping: float = schema_field("training", "gradient_clipping")
+    lr_schedule: LRSchedule | None = schema_field("training", "lr_schedule")
+    deepspeed: dict[str, Any] = schema_field("training", "deepspeed")
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
     """``llms.<name>.generation``: the loop that runs ``generate`` (:mod:`llmrl.engine.model.decoding`)."""
 
-    decoder: str = "auto"  # auto: llmrl's loop where it applies, else Hugging Face's; hf; llmrl (refuse the rest)
-    merge_adapter: bool | str = "auto"  # the active LoRA adapter merged into sampling weights; auto: on CUDA
-    compile: bool | str = "auto"  # capture the decode step (torch.compile, CUDA graphs); auto: on CUDA
-    static_cache: bool | str = "auto"  # a preallocated cache of bucketed shape; auto: when compiling
-    length_bucket: int = 256  # cache lengths are rounded up to a multiple of this
-    attention_window: int = 64  # static-cache steps attend over the filled columns rounded up to this (0: all; >= 16)
-    cache_mb: float = 8192  # the loop's key/value cache per batch (bounds rows x (prompt + new tokens))
-    sampler: str = "multinomial"  # how the loop draws samples: multinomial (Hugging Face's draws) or inverse_cdf
-    pack_weights: bool | str = "auto"  # decode steps multiply with packed weights (mkl, onednn; auto: by CPU) on CPU
-    llama_step: bool | str = "auto"  # Llama-shaped models' decode steps as plain tensor code; auto: on CPU
-    keep_gathered: bool | str = "auto"  # ZeRO-3: the weights a decode step reads kept between calls; auto: if compiled
+    decoder: str = schema_field("generation", "decoder")
+    merge_adapter: bool | str = schema_field("generation", "merge_adapter")
+    compile: bool | str = schema_field("generation", "compile")
+    static_cache: bool | str = schema_field("generation", "static_cache")
+    length_bucket: int = schema_field("generation", "length_bucket")
+    attention_window: int = schema_field("generation", "attention_window")
+    cache_mb: float = schema_field("generation", "cache_mb")
+    sampler: str = schema_field("generation", "sampler")
+    pack_weights: bool | str = schema_field("generation", "pack_weights")
+    llama_step: bool | str = schema_field("generation", "llama_step")
+    keep_gathered: bool | str = schema_field("generation", "keep_gathered")
 
 
 @dataclass(frozen=True)
 class LLMConfig:
     name: str
     model: str
-    tokenizer: str | None = None
-    type: str = "causal"
-    backend: str = "hf"
-    from_pretrained: bool = True
-    dtype: str = "float32"
-    replicas: int = 1
-    tensor_parallel: int = 1
-    devices: str | tuple[int, ...] = "cpu"
-    minibatch_size: int = 64
-    token_budget: int = 8192
-    max_length: int | None = None
-    prefix_reuse: bool = True
-    kv_cache_mb: float = 0.0
-    trunk_reuse_mb: float = 0.0
-    max_run_time_adapters: int = 64  # adapters created at run time and snapshots held at once (model/adapter_caps.py)
-    run_time_adapters_mb: float = 16384.0  # their weights together, in MB
-    trust_remote_code: bool = False
-    revision: str | None = None
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    pad_token_id: int | None = None
-    quantization: QuantizationConfig | None = None
-    initializers: tuple[PluginSpec, ...] = ()
-    heads: dict[str, PluginSpec] = field(default_factory=dict)
-    updater: PluginSpec | None = None
-    trainable: bool | None = None  # None: trained when it has an updater
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    generation: GenerationSettings = field(default_factory=GenerationSettings)
-    checkpoint: str | None = None
+    tokenizer: str | None = schema_field("llm", "tokenizer")
+    type: str = schema_field("llm", "type")
+    backend: str = schema_field("llm", "backend")
+    from_pretrained: bool = schema_field("llm", "from_pretrained")
+    dtype: str = schema_field("llm", "dtype")
+    replicas: int = schema_field("llm", "replicas")
+    tensor_parallel: int = schema_field("llm", "tensor_parallel")
+    devices: str | tuple[int, ...] = schema_field("llm", "devices")
+    minibatch_size: int = schema_field("llm", "minibatch_size")
+    token_budget: int = schema_field("llm", "token_budget")
+    max_length: int | None = schema_field("llm", "max_length")
+    prefix_reuse: bool = schema_field("llm", "prefix_reuse")
+    kv_cache_mb: float = schema_field("llm", "kv_cache_mb")
+    trunk_reuse_mb: float = schema_field("llm", "trunk_reuse_mb")
+    max_run_time_adapters: int = schema_field("llm", "max_run_time_adapters")
+    run_time_adapters_mb: float = schema_field("llm", "run_time_adapters_mb")
+    trust_remote_code: bool = schema_field("llm", "trust_remote_code")
+    revision: str | None = schema_field("llm", "revision")
+    model_kwargs: dict[str, Any] = schema_field("llm", "model_kwargs")
+    pad_token_id: int | None = schema_field("llm", "pad_token_id")
+    quantization: QuantizationConfig | None = schema_field("llm", "quantization")
+    initializers: tuple[PluginSpec, ...] = schema_field("llm", "initializers")
+    heads: dict[str, PluginSpec] = schema_field("llm", "heads")
+    updater: PluginSpec | None = schema_field("llm", "updater")
+    trainable: bool | None = schema_field("llm", "trainable")
+    training: TrainingConfig = schema_field("llm", "training", TrainingConfig)
+    generation: GenerationSettings = schema_field("llm", "generation", GenerationSettings)
+    checkpoint: str | None = schema_field("llm", "checkpoint")
 
     @property
     def num_ranks(self) -> int:
@@ -149,15 +154,15 @@ class LLMConfig:
 
 @dataclass(frozen=True)
 class Timeouts:
-    startup: float = 600.0
-    request: float | None = 3600.0
-    heartbeat: float = 1.0
-    dead_after: float = 20.0
-    collective: float = 1800.0
-    shutdown: float = 30.0
+    startup: float = schema_field("timeouts", "startup")
+    request: float | None = schema_field("timeouts", "request")
+    heartbeat: float = schema_field("timeouts", "heartbeat")
+    dead_after: float = schema_field("timeouts", "dead_after")
+    collective: float = schema_field("timeouts", "collective")
+    shutdown: float = schema_field("timeouts", "shutdown")
 
 
-TRACKING_BACKENDS = ("csv", "tensorboard", "trackio", "wandb", "mlflow")
+TRACKING_BACKENDS = tuple(section_schema("tracking")["properties"]["backends"]["items"]["enum"])
 # the module each tracking back end imports, and the install that provides it (csv needs none)
 TRACKING_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'llmrl[tracking]'"),
                      "trackio": ("trackio", "pip install 'llmrl[tracking-all]' (or pip install trackio)"),
@@ -169,25 +174,25 @@ TRACKING_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'llmrl[tracking
 class TrackingConfig:
     """``tracking``: where the run's scalars go (the writers: :mod:`llmrl.engine.client.tracking`)."""
 
-    backends: tuple[str, ...] = ()  # some of TRACKING_BACKENDS; none: nothing is written
-    dir: str = "runs"  # each run writes under <dir>/<run_name> (MLflow's store: <dir>/mlruns, trackio's: <dir>/trackio)
-    run_name: str | None = None  # None: <script name>-<date>-<time>
-    project: str = "llmrl"  # the W&B / MLflow (experiment) / trackio project
-    server_stats_every: int = 1  # updates between two reports of the servers' memory and cache; 0: never
+    backends: tuple[str, ...] = schema_field("tracking", "backends")
+    dir: str = schema_field("tracking", "dir")
+    run_name: str | None = schema_field("tracking", "run_name")
+    project: str = schema_field("tracking", "project")
+    server_stats_every: int = schema_field("tracking", "server_stats_every")
 
 
 @dataclass(frozen=True)
 class Config:
     llms: dict[str, LLMConfig]
-    seed: int = 0
-    threads_per_rank: int | None = None
-    host_malloc: str = "reuse"  # reuse: server ranks keep freed host memory for the next tensor (server/host_memory)
-    cpu_matmul: str = "auto"  # frozen float32 products of passes on a CPU: torch's (MKL) or oneDNN's; auto: by vendor
-    log_level: str = "info"
-    max_message_bytes: int = 4 << 30
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    source: str | None = None
+    seed: int = schema_field(TOP_LEVEL, "seed")
+    threads_per_rank: int | None = schema_field(TOP_LEVEL, "threads_per_rank")
+    host_malloc: str = schema_field(TOP_LEVEL, "host_malloc")
+    cpu_matmul: str = schema_field(TOP_LEVEL, "cpu_matmul")
+    log_level: str = schema_field(TOP_LEVEL, "log_level")
+    max_message_bytes: int = schema_field(TOP_LEVEL, "max_message_bytes")
+    timeouts: Timeouts = schema_field(TOP_LEVEL, "timeouts", Timeouts)
+    tracking: TrackingConfig = schema_field(TOP_LEVEL, "tracking", TrackingConfig)
+    source: str | None = None  # the file the config was read from (not a config key)
 
     @property
     def default_llm(self) -> str:
