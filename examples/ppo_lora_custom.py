@@ -7,7 +7,7 @@ The three classes are what Lamorel's example writes as a module function (the va
 (LoRA) and an updater (PPO). configs/ppo-babyai-custom.yaml names them ``__main__:ValueHead`` and so on: server
 ranks import this file as a module to find them (its top level only; the RL loop under
 ``if __name__ == "__main__":`` runs on rank 0 alone). With configs/ppo-babyai.yaml the built-in ``value``, ``lora``
-and ``ppo`` plugins serve instead, and the loop is unchanged. docs/porting-from-lamorel.md walks through it.
+and ``ppo`` plugins serve instead, and the loop is unchanged. docs/porting/lamorel.md walks through it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""trlX's examples/ppo_sentiments.py and ppo_dense_sentiments.py, rewritten for llmrl (docs/porting-from-trlx.md).
+"""trlX's examples/ppo_sentiments.py and ppo_dense_sentiments.py, rewritten for llmrl (docs/porting/trlx.md).
 
     llmrl run --config configs/trlx-sentiments.yaml examples/trlx_sentiments.py           # one reward per sample
     llmrl run --config configs/trlx-sentiments.yaml examples/trlx_sentiments.py --dense   # dense per-token rewards

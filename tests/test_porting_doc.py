@@ -1,4 +1,4 @@
-"""docs/porting-from-lamorel.md and docs/porting-from-trlx.md show real code: their file blocks are the shipped
+"""docs/porting/lamorel.md and docs/porting/trlx.md show real code: their file blocks are the shipped
 files, their configs are valid, the hand-written plugins of examples/ppo_lora_custom.py keep their contracts and
 compute what the built-in ones do (the PPO loss equals the built-in updater's terms; the LoRA initializer trains
 adapters only and starts as the plain model), the reward functions of examples/trlx_sentiments.py are trlX's (one
@@ -19,8 +19,8 @@ import yaml
 from llmrl.engine.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "porting-from-lamorel.md")
-TRLX_DOC = os.path.join(ROOT, "docs", "porting-from-trlx.md")
+DOC = os.path.join(ROOT, "docs", "porting", "lamorel.md")
+TRLX_DOC = os.path.join(ROOT, "docs", "porting", "trlx.md")
 EXAMPLE = os.path.join(ROOT, "examples", "ppo_lora_custom.py")
 CUSTOM_CONFIG = os.path.join(ROOT, "configs", "ppo-babyai-custom.yaml")
 TRLX_EXAMPLE = os.path.join(ROOT, "examples", "trlx_sentiments.py")
