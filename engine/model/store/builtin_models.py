@@ -266,11 +266,14 @@ def _from_gguf(name: str, staging: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from llmrl.engine.model.store.gguf_parsing import parsed_once
+
     gguf = _gguf_location(BUILTIN_MODELS[name])
     print(f"llmrl: converting {gguf.name} to a Hugging Face folder in {staging.parent / name} (once, under a minute)",
           file=sys.stderr, flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; an identical plain model built from its config does not.
     config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
