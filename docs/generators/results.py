@@ -91,7 +91,7 @@ def demos() -> list[str]:
         data = _load(name)
         p = provenance(data)
         rows.append([f"`{name}`", _outcome(data["before"]), _outcome(data["after"]),
-                     data.get("improvement_significant"), round(data["wall_seconds"]) if "wall_seconds" in data else None,
+                     data.get("improvement_significant"), round(data.get("wall_seconds") or 0) or None,
                      p["date"], p["hardware"], p["commit"]])
     return lines + _table(["file", "before", "after", "significant", "wall s", "date", "hardware", "commit"], rows)
 
