@@ -41,6 +41,11 @@ def page(name: str) -> Path:
     return REFERENCE / f"{name}.md"
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    return str(path.relative_to(DOCS.parent)) if path.is_relative_to(DOCS.parent) else str(path)
+
+
 def stale() -> list[str]:
     """The generated pages whose committed text is not what their generator renders now (or that are missing)."""
     return [name for name in generators() if not page(name).exists() or page(name).read_text() != render(name)]
@@ -53,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         names = stale()
         for name in names:
-            print(f"stale: {page(name).relative_to(DOCS.parent)} (regenerate with `{COMMAND}`)", file=sys.stderr)
+            print(f"stale: {shown(page(name))} (regenerate with `{COMMAND}`)", file=sys.stderr)
         return 1 if names else 0
     REFERENCE.mkdir(exist_ok=True)
     for name in generators():
         text = render(name)
         if not page(name).exists() or page(name).read_text() != text:
             page(name).write_text(text)
-            print(f"wrote {page(name).relative_to(DOCS.parent)}")
+            print(f"wrote {shown(page(name))}")
     return 0
 
 
