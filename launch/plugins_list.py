@@ -63,6 +63,11 @@ def argument_rows(cls, kind: str) -> list[list[str]]:
         params = []
     names = [p.name for p in params] + [n for n in schema if n not in {p.name for p in params}]
     defaults = {p.name: ("required" if p.default is p.empty else repr(p.default)) for p in params}
+    for base in cls.__mro__[1:]:  # arguments passed on through **kwargs: their default is the base class's
+        if "__init__" in vars(base):
+            for p in list(inspect.signature(base.__init__).parameters.values())[1:]:
+                if p.name in schema and p.name not in defaults and p.default is not p.empty:
+                    defaults[p.name] = repr(p.default)
     return [[n, _type_of(schema.get(n, {})), _allowed(schema.get(n, {})), defaults.get(n, "")] for n in names]
 
 

@@ -25,7 +25,7 @@ import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import preference_loss
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 def check_pairs(batch: UpdateBatch, what: str) -> None:
@@ -81,6 +81,12 @@ class DPOUpdater(ShufflingUpdater):
         loss={"enum": ["sigmoid", "robust", "ipo"]},
         label_smoothing={"type": "number", "minimum": 0, "exclusiveMaximum": 0.5},
         reference={"type": "string", "minLength": 1})
+    describe(args_schema,
+             beta="the strength of the reference",
+             loss="\"sigmoid\" (DPO), \"robust\" or \"ipo\"",
+             label_smoothing="the assumed share of flipped preferences, for \"sigmoid\" and \"robust\"",
+             reference="\"base\" (the model with its adapters disabled) or the name of a snapshot or adapter; "
+                       "per-sample ref_logprobs replace it")
 
     def __init__(self, beta: float = 0.1, loss: str = "sigmoid", label_smoothing: float = 0.0,
                  reference: str = "base", epochs: int = 1, peft_adapter: str | None = None, seed: int = 0):

@@ -18,8 +18,11 @@ class FreezeInitializer(Initializer):
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "freeze": {"type": "array", "items": {"type": "string"}},
-            "unfreeze": {"type": "array", "items": {"type": "string"}},
+            "freeze": {"type": "array", "items": {"type": "string"},
+                       "description": "shell-style patterns of parameter names that stop training (null: every "
+                                      "parameter)"},
+            "unfreeze": {"type": "array", "items": {"type": "string"},
+                         "description": "patterns of parameter names that train again, checked after freeze"},
         },
     }
 

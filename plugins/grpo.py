@@ -50,7 +50,7 @@ from llmrl.plugins.rl_math import (
     sequence_mean,
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
@@ -90,6 +90,12 @@ class GRPOUpdater(ShufflingUpdater):
                                  max_new_tokens={"type": "integer", "minimum": 1})
     args_schema.update({"if": {"properties": {"loss": {"const": "fixed_length"}}, "required": ["loss"]},
                         "then": {"required": ["max_new_tokens"]}})  # Dr. GRPO's divisor; __init__ refuses the rest
+    describe(args_schema,
+             epochs="passes over the batch per update (1: on-policy, the ratio is 1 at the first step)",
+             kl_coef="weight of the KL estimator to the reference (0 skips the reference pass)",
+             scale_rewards="divide the rewards by their group's standard deviation",
+             loss="\"sequence\", \"token\", \"batch_token\" or \"fixed_length\" normalisation",
+             max_new_tokens="the constant divisor of loss: fixed_length (required there, refused elsewhere)")
 
     def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
                  scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0,

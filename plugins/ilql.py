@@ -42,7 +42,7 @@ from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update
 from llmrl.plugins.rollouts import reward_rows_of, rewards_of
 from llmrl.plugins.steering import AdvantageSteering
 from llmrl.plugins.update_batch import check_token_count, sample_token_counts
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 class ILQLUpdater(ShufflingUpdater):
@@ -69,6 +69,16 @@ class ILQLUpdater(ShufflingUpdater):
         awac_scale={"type": "number", "minimum": 0}, awac_beta={"type": "number"},
         alpha={"type": "number", "exclusiveMinimum": 0, "maximum": 1}, sync_every={"type": "integer", "minimum": 1},
         beta={"type": "number"})
+    describe(args_schema,
+             head="the key of the ilql head",
+             tau="the expectile of the value loss",
+             gamma="the discount over tokens",
+             cql_scale="the weight of the CQL term",
+             awac_scale="the weight of the language-model term",
+             awac_beta="the advantage weighting of the language-model term (0: none)",
+             alpha="the Polyak rate of the target Q heads",
+             sync_every="optimizer steps between two Polyak updates",
+             beta="the advantage's weight when sampling with steer")
 
     def __init__(self, head: str = "ilql", tau: float = 0.7, gamma: float = 0.99, cql_scale: float = 0.1,
                  awac_scale: float = 1.0, awac_beta: float = 0.0, alpha: float = 0.001, sync_every: int = 5,

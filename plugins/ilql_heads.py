@@ -47,7 +47,12 @@ class ILQLHeads(Head):
     args_schema = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {"two_qs": {"type": "boolean"}, "hidden": {"type": ["integer", "null"], "minimum": 0}},
+        "properties": {
+            "two_qs": {"type": "boolean", "description": "two Q heads (and two targets), the minimum of the targets "
+                                                         "used, as in trlX"},
+            "hidden": {"type": ["integer", "null"], "minimum": 0,
+                       "description": "the heads' hidden width (null: twice the model's hidden size; 0: linear "
+                                      "heads)"}},
     }
 
     def __init__(self, llm: LLMInfo, two_qs: bool = True, hidden: int | None = None):

@@ -40,7 +40,11 @@ class LoraInitializer(Initializer):
     args_schema = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {"adapters": {"type": "object", "minProperties": 1, "additionalProperties": _ADAPTER_SCHEMA}},
+        "properties": {"adapters": {
+            "type": "object", "minProperties": 1, "additionalProperties": _ADAPTER_SCHEMA,
+            "description": "{name: {r, alpha, dropout, target_modules, layers, last_layers, path}} (null: one adapter "
+                           "'default', r=8, on every linear layer); last_layers: k adapts only the top k layers, "
+                           "layers names them; path loads a saved adapter; dropout must be 0"}},
     }
 
     def __init__(self, adapters: dict | None = None):

@@ -38,8 +38,12 @@ class NextTokenHead(Head):
     args_schema = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {"top_k": {"type": ["integer", "null"], "minimum": 1},
-                       "values": {"enum": ["logprobs", "logits"]}},
+        "properties": {"top_k": {"type": ["integer", "null"], "minimum": 1,
+                                 "description": "keep the top_k largest values per context, with their token ids "
+                                                "(null: the whole vocabulary)"},
+                       "values": {"enum": ["logprobs", "logits"],
+                                  "description": "log-softmax over the whole vocabulary (before any top-k), or raw "
+                                                 "logits"}},
     }
 
     def __init__(self, llm: LLMInfo, top_k: int | None = None, values: str = "logprobs"):

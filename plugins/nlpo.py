@@ -28,7 +28,7 @@ from llmrl.plugins.contracts import Trainer, UpdateBatch
 from llmrl.plugins.ppo_tokens import PPOTokensUpdater
 from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask
 from llmrl.plugins.steering import MaskSteering
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 class NLPOUpdater(PPOTokensUpdater):
@@ -44,6 +44,10 @@ class NLPOUpdater(PPOTokensUpdater):
         **{k: v for k, v in PPOTokensUpdater.args_schema["properties"].items()},
         top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         mask_sync_every={"type": "integer", "minimum": 1}, mask_snapshot={"type": "string", "minLength": 1})
+    describe(args_schema,
+             top_p="the masking policy's top-p set",
+             mask_sync_every="updates between two snapshots of the masking policy",
+             mask_snapshot="the masking policy snapshot's name")
 
     def __init__(self, top_p: float = 0.9, mask_sync_every: int = 20, mask_snapshot: str = "nlpo_mask", **args):
         super().__init__(**args)

@@ -30,7 +30,7 @@ import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import approx_kl, categorical_kl, clipped_surrogate, value_loss
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 @dataclass
@@ -96,6 +96,11 @@ class PPOUpdater(ShufflingUpdater):
     args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
                                  "value_head", "peft_adapter", "seed",
                                  temperature={"type": "number", "exclusiveMinimum": 0})
+    describe(args_schema,
+             value_head="the head key giving V(context) (null: a policy-only update)",
+             kl_coef="weight of the KL term to the model without its LoRA adapters (0 disables it)",
+             temperature="the policy is softmax(scores / temperature) (above 1 explores more); sample with the same "
+                         "temperature in your script")
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.01, kl_coef: float = 0.0,

@@ -73,7 +73,7 @@ from llmrl.plugins.rl_math import (
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
 from llmrl.plugins.task_rewards import SCALES, RewardScaler
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 @dataclass
@@ -131,6 +131,20 @@ class PPOTokensUpdater(ShufflingUpdater):
                                  reward_clip={"type": ["number", "null"], "exclusiveMinimum": 0},
                                  reward_scale={"enum": list(SCALES)},
                                  reward_ref_std={"type": ["number", "null"], "exclusiveMinimum": 0})
+    describe(args_schema,
+             kl_coef="initial KL penalty coefficient beta (0 disables the penalty and the reference pass)",
+             kl_target="adapt beta towards this mean KL per continuation (null: beta stays fixed)",
+             kl_horizon="the KL controller's horizon in continuations",
+             gamma="GAE discount over tokens",
+             lam="GAE lambda over tokens",
+             whiten="whiten advantages over the whole batch",
+             value_clip="value clip around the first pass's values (null disables)",
+             value_head="the token-level head giving V(s_t) (null: no critic, advantages are the discounted "
+                        "per-token returns)",
+             reward_clip="clip every task reward to [-reward_clip, reward_clip] (null: no clip)",
+             reward_scale="null, \"running\" or \"ref\": divide task rewards by the running standard deviation of "
+                          "the continuations' total rewards, or by reward_ref_std",
+             reward_ref_std="the standard deviation \"ref\" divides by (null: the first update's)")
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.05,

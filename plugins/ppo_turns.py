@@ -71,7 +71,7 @@ from llmrl.plugins.rl_math import (
     whiten_stats,
 )
 from llmrl.plugins.rollouts import PromptRows, first_pass, join_prompts, token_rows_of
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list[list[torch.Tensor]]:
@@ -273,6 +273,13 @@ class PPOTurnsUpdater(TurnUpdater):
                                  "value_head", "peft_adapter", "seed",
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
                                  lam={"type": "number", "minimum": 0, "maximum": 1}, whiten={"type": "boolean"})
+    describe(args_schema,
+             kl_coef="weight of the per-token KL estimator to the reference (0: no reference pass)",
+             gamma="GAE discount per turn",
+             lam="GAE lambda per turn",
+             whiten="whiten the turns' advantages over the whole batch",
+             value_clip="value clip around the first pass's values (null disables)",
+             value_head="the token-level head giving the value at each turn's boundary")
 
     def __init__(self, epochs: int = 2, clip_eps: float = 0.2, value_clip: float | None = 0.2,
                  value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.0, gamma: float = 1.0,
@@ -326,6 +333,10 @@ class GRPOTurnsUpdater(TurnUpdater):
     args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
                                  scale_rewards={"type": "boolean"})
+    describe(args_schema,
+             kl_coef="weight of the per-token KL estimator to the reference (0: no reference pass)",
+             gamma="discount per turn of the episode returns",
+             scale_rewards="divide by the group's standard deviation of episode returns")
 
     def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.0, entropy_coef: float = 0.0,
                  gamma: float = 1.0, scale_rewards: bool = True, peft_adapter: str | None = None, seed: int = 0):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.plugins.contracts import ForwardOutputs, Head, LLMInfo, ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 from llmrl.plugins.value_head import mlp
 
 
@@ -35,7 +35,9 @@ class RewardHead(Head):
     args_schema = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {"hidden": {"type": "integer", "minimum": 1}, "layers": {"type": "integer", "minimum": 0}},
+        "properties": {"hidden": {"type": "integer", "minimum": 1, "description": "width of the hidden layers"},
+                       "layers": {"type": "integer", "minimum": 0,
+                                  "description": "number of hidden layers (0: a linear head)"}},
     }
 
     def __init__(self, llm: LLMInfo, hidden: int = 256, layers: int = 0):
@@ -66,6 +68,9 @@ class PairwiseRewardUpdater(ShufflingUpdater):
     per_sample_args = {"margins": "sample"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema("epochs", "seed", head={"type": "string"})
+    describe(args_schema,
+             epochs="passes over the pairs per update",
+             head="the reward head's key")
 
     def __init__(self, epochs: int = 1, head: str = "reward", seed: int = 0):
         self.epochs, self.head = epochs, head

@@ -18,7 +18,7 @@ from __future__ import annotations
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import per_prompt_mean, sequence_mean
 from llmrl.plugins.update_batch import check_token_count, sample_token_counts
-from llmrl.plugins.updater_args import updater_schema
+from llmrl.plugins.updater_args import describe, updater_schema
 
 
 class SFTUpdater(ShufflingUpdater):
@@ -32,6 +32,9 @@ class SFTUpdater(ShufflingUpdater):
 
     args_schema = updater_schema("epochs", "peft_adapter", "seed", loss={"enum": ["token", "sequence"]},
                                  add_eos={"type": "boolean"})
+    describe(args_schema,
+             loss="\"token\" or \"sequence\" normalisation",
+             add_eos="end every target with the EOS token")
     per_sample_args: dict = {}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
 

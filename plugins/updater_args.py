@@ -2,8 +2,10 @@
 is checked the same way in ``ppo``, ``ppo_tokens``, ``grpo`` and ``pairwise_reward``.
 
 :func:`updater_schema` builds an updater's ``args_schema``: closed (an unknown key is an error naming it), made of
-the shared arguments it names and its own. Defaults and meanings stay in each updater's docstring and
-constructor; this module only says what values are allowed. It does not check anything itself
+the shared arguments it names and its own, each with the allowed values and a ``description`` (the shared ones'
+from :data:`SHARED_DESCRIPTIONS`, which an updater may reword with :func:`describe`; the reference page of the
+built-in plugins and ``llmrl plugins --args NAME`` show them). Defaults stay in each updater's constructor; this
+module only says what values are allowed and what they mean. It does not check anything itself
 (:func:`llmrl.plugins.checks.args_problem` does).
 """
 
@@ -22,11 +24,34 @@ SHARED_ARGS: dict[str, dict] = {
     "seed": {"type": "integer"},
 }
 
+SHARED_DESCRIPTIONS: dict[str, str] = {
+    "epochs": "passes over the batch per update",
+    "clip_eps": "policy ratio clip",
+    "clip_eps_high": "the upper ratio clip, when it differs from clip_eps (null: clip_eps)",
+    "value_clip": "value clip around the values at collection time (null disables)",
+    "value_coef": "weight of the value loss",
+    "entropy_coef": "weight of the entropy bonus",
+    "kl_coef": "weight of the KL term to the reference (0 skips the reference pass)",
+    "value_head": "the head key giving the values (null: no critic)",
+    "peft_adapter": "the LoRA adapter to train (null: the active one)",
+    "seed": "seed of the minibatch shuffling",
+}
+
 
 def updater_schema(*shared: str, **own: dict) -> dict:
-    """A closed JSON schema of the ``shared`` arguments (names in :data:`SHARED_ARGS`) and the updater's ``own``."""
+    """A closed JSON schema of the ``shared`` arguments (names in :data:`SHARED_ARGS`, with their shared
+    descriptions) and the updater's ``own``; each property is a copy, so :func:`describe` changes one schema only."""
     unknown = [name for name in shared if name not in SHARED_ARGS]
     if unknown:
         raise KeyError(f"no shared updater argument {unknown}; shared ones: {sorted(SHARED_ARGS)}")
-    return {"type": "object", "additionalProperties": False,
-            "properties": {**{name: SHARED_ARGS[name] for name in shared}, **own}}
+    properties = {**{name: {**SHARED_ARGS[name], "description": SHARED_DESCRIPTIONS[name]} for name in shared},
+                  **{name: dict(spec) for name, spec in own.items()}}
+    return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+def describe(schema: dict, **descriptions: str) -> None:
+    """Set the ``description`` of arguments of ``schema`` (an updater's own, or a shared one reworded for it)."""
+    for name, text in descriptions.items():
+        if name not in schema["properties"]:
+            raise KeyError(f"described argument {name!r} is not in the schema")
+        schema["properties"][name]["description"] = text

@@ -27,7 +27,9 @@ class ValueHead(Head):
     args_schema = {
         "type": "object",
         "additionalProperties": False,
-        "properties": {"hidden": {"type": "integer", "minimum": 1}, "layers": {"type": "integer", "minimum": 0}},
+        "properties": {"hidden": {"type": "integer", "minimum": 1, "description": "width of the hidden layers"},
+                       "layers": {"type": "integer", "minimum": 0,
+                                  "description": "number of hidden layers (0: a linear head)"}},
     }
 
     def __init__(self, llm: LLMInfo, hidden: int = 256, layers: int = 1):

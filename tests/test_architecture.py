@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE = ("engine", "plugins", "launch", "benchmarks", "examples")
+CODE = ("engine", "plugins", "launch", "benchmarks", "examples", "docs")
 PLUGIN_MAY_IMPORT = ("llmrl.engine.errors", "llmrl.engine.graph", "llmrl.engine.config.types",
                      "llmrl.engine.config.checks")
 

@@ -127,7 +127,10 @@ class Caller(ClientTraining, AdapterCalls, EpisodeCalls, TrackingCalls):
             raise RuntimeError("this Caller is closed")
         return self._llm(llm)
 
-    tokenizer = property(lambda self: self.get_tokenizer(), doc="The first LLM's tokenizer (see get_tokenizer).")
+    @property
+    def tokenizer(self):
+        """The first LLM's tokenizer (see :meth:`get_tokenizer`)."""
+        return self.get_tokenizer()
 
     def get_tokenizer(self, llm: str | None = None):
         """The Hugging Face tokenizer LLM ``llm`` serves with, on the client (no model is loaded)."""
