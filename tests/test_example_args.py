@@ -57,7 +57,7 @@ def test_the_success_rates_interval_holds_the_rate_at_every_count(name):
             assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
 
 
-WITH_FLAGS = ["dpo_in_script", "dpo_sentiment", "ilql_sentiment", "ppo_babyai", "ppo_lora_custom",
+WITH_FLAGS = ["dpo_in_script", "dpo_sentiment", "grpo_custom_reward", "ilql_sentiment", "ppo_babyai", "ppo_lora_custom",
               "rlhf_grpo_in_script", "rlhf_sentiment", "score_and_generate", "textworld_agent", "trlx_sentiments"]
 
 

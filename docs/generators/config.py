@@ -106,6 +106,8 @@ def _row(key: Key, paths: list[str]) -> str:
 
 
 def _escape(text: str) -> str:
-    """Text shown as written: no HTML tags from ``<dir>``, no emphasis from ``__main__`` or ``stage3_*``."""
+    """Text shown as written: no HTML tags from ``<dir>``, no emphasis from ``__main__`` or ``stage3_*``, no link
+    from ``server_memory()["decoding"]``."""
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace("*", "\\*")
+    text = text.replace("[", "\\[").replace("]", "\\]")
     return re.sub(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", r"\\_", text)
