@@ -94,10 +94,12 @@ def live_run():
 # The modules that take longest (live runs through DeepSpeed's launcher, several processes, real training), in the
 # order pytest-xdist should start them: it hands whole files (``--dist loadfile``) to its workers in collection
 # order, so the long ones run first and the short ones fill in at the end. A hint for the schedule, not a check.
-LONGEST_FIRST = ("test_interruptions_live", "test_benchmark_smoke", "test_launch_live", "test_demo_smoke",
-                 "test_reliability_live", "test_two_hosts_live", "test_load_live", "test_tinker_recipes_live",
-                 "test_builtin_cache", "test_token_budget_live", "test_rlhf_live", "test_builtin_live",
-                 "test_training_live", "test_adapter_isolation_live", "test_decoding")
+LONGEST_FIRST = ("test_interruptions_live", "test_benchmark_smoke", "test_launch_live", "test_reliability_live",
+                 "test_builtin_cache", "test_demo_smoke", "test_builtin_live", "test_tinker_recipes_live",
+                 "test_two_hosts_live", "test_rlhf_live", "test_builtin_smollm2", "test_token_budget_live",
+                 "test_tinker_service_live", "test_training_live", "test_load_live", "test_serving_live",
+                 "test_hardening_live", "test_adapter_isolation_live", "test_checkpoint_live", "test_links",
+                 "test_plugins_live", "test_decoding", "test_docs_reference")
 
 
 def pytest_collection_modifyitems(items):
