@@ -291,7 +291,7 @@ def test_a_missing_package_is_named_with_its_install(tiny, monkeypatch, tmp_path
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"tracking.backends: the wandb back end needs the wandb package, which "
-                                          r"is not installed: pip install 'llmrl\[tracking-all\]'"):
+                                          r"is not installed: pip install -e '\.\[tracking-local\]' in llmrl's clone"):
         load_config(raw={"llms": {"main": {"model": tiny["llama"]}}, "tracking": {"backends": ["csv", "wandb"]}})
     with pytest.raises(BackendMissing, match="the wandb back end needs the wandb package"):
         tracker(tmp_path, "wandb")

@@ -164,10 +164,12 @@ class Timeouts:
 
 TRACKING_BACKENDS = tuple(section_schema("tracking")["properties"]["backends"]["items"]["enum"])
 # the module each tracking back end imports, and the install that provides it (csv needs none)
-TRACKING_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'llmrl[tracking]'"),
-                     "trackio": ("trackio", "pip install 'llmrl[tracking-all]' (or pip install trackio)"),
-                     "wandb": ("wandb", "pip install 'llmrl[tracking-all]' (or pip install wandb)"),
-                     "mlflow": ("mlflow", "pip install 'llmrl[tracking-all]' (or pip install mlflow-skinny)")}
+_IN_CLONE = "in llmrl's clone"
+TRACKING_PACKAGES = {"tensorboard": ("tensorboard", f"pip install -e '.[tracking]' {_IN_CLONE}"),
+                     "trackio": ("trackio", f"pip install -e '.[tracking-local]' {_IN_CLONE} (or pip install trackio)"),
+                     "wandb": ("wandb", f"pip install -e '.[tracking-local]' {_IN_CLONE} (or pip install wandb)"),
+                     "mlflow": ("mlflow", f"pip install -e '.[tracking-all]' {_IN_CLONE} (or pip install "
+                                          "mlflow-skinny)")}
 
 
 @dataclass(frozen=True)

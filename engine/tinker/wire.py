@@ -23,7 +23,8 @@ def pb():
     try:
         from tinker.proto import tinker_public_pb2
     except ImportError as err:
-        raise ImportError("the Tinker service needs the tinker SDK: pip install 'llmrl[tinker]'") from err
+        raise ImportError("the Tinker service needs the tinker SDK: pip install -e '.[tinker]' in llmrl's "
+                          "clone") from err
     return tinker_public_pb2
 
 
