@@ -16,7 +16,6 @@ memory and cache, logged by ``update`` itself, and this script's episode scalars
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -24,13 +23,13 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, get_type_hints
+from typing import Annotated
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from babyai_text import TextObservation, TextVecEnv  # noqa: E402
+from dataclass_flags import flags_parser  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
@@ -60,15 +59,7 @@ class Args:
 
 
 def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = Args()
-    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
-    for name, value in asdict(defaults).items():
-        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
-        else:
-            parser.add_argument(flag, type=type(value), default=value, help=text)
+    parser = flags_parser(Args, __doc__.splitlines()[0])
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.num_envs, args.steps_per_update, args.updates, args.eval_episodes = 4, 4, 2, 8

@@ -19,16 +19,16 @@ the prompts, reward or evaluation (``examples/rlhf_sentiment.py`` does) and runs
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, get_type_hints
+from typing import Annotated
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the RLHF demo's prompts, reward and evaluation
+from dataclass_flags import flags_parser  # noqa: E402
 from rlhf_sentiment import Reward, build_prompts, evaluate, plot, write_metrics  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
@@ -97,14 +97,7 @@ def group_advantages(rewards: list[float]) -> list[float]:
 
 
 def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
-    for name, value in asdict(Args()).items():
-        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
-        else:
-            parser.add_argument(flag, type=type(value), default=value, help=text)
+    parser = flags_parser(Args, __doc__.splitlines()[0])
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.updates, args.prompts_per_update, args.samples_per_prompt, args.eval_prompts = 2, 4, 2, 8

@@ -28,7 +28,6 @@ trained on.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -36,7 +35,9 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, get_type_hints
+from typing import Annotated
+
+from dataclass_flags import flags_parser  # the examples' folder: on the path as the script's own
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
@@ -74,14 +75,7 @@ class Args:
 
 
 def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
-    for name, value in asdict(Args()).items():
-        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)  # --x / --no-x
-        else:
-            parser.add_argument(flag, type=type(value), default=value, help=text)
+    parser = flags_parser(Args, __doc__.splitlines()[0])
     args = Args(**vars(parser.parse_args()))
     if args.quick:
         args.updates, args.prompts_per_update, args.samples_per_prompt, args.eval_prompts = 2, 4, 2, 8

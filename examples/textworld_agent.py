@@ -18,7 +18,6 @@ own, this script's scalars through ``caller.log``) in a folder named after the r
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -27,10 +26,10 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, get_type_hints
+from typing import Annotated
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from dataclass_flags import flags_parser  # noqa: E402
 from textworld_games import TextWorldEnv, game_path  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -64,14 +63,7 @@ class Args:
 
 
 def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    helps = {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()}
-    for name, value in asdict(Args()).items():
-        flag, text = "--" + name.replace("_", "-"), helps[name].replace("%", "%%")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)
-        else:
-            parser.add_argument(flag, type=type(value), default=value, help=text)
+    parser = flags_parser(Args, __doc__.splitlines()[0])
     args = Args(**vars(parser.parse_args()))
     if args.mode not in ("choose", "write"):
         parser.error(f"--mode must be choose or write, got {args.mode!r}")
