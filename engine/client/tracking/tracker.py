@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from llmrl.engine.client.tracking import registry
-from llmrl.engine.client.tracking.registry import BackendMissing, open_backend
+from llmrl.engine.client.tracking.registry import GROUP, BackendMissing, open_backend
+from llmrl.engine.client.tracking.registry import names as backend_names
 from llmrl.engine.client.tracking.scalars import (
     check_step,
     flatten,
@@ -61,7 +61,7 @@ def config_params(config) -> dict[str, str | float]:
 
 def check_backends(names) -> tuple[str, ...]:
     """Back end names given to a call, checked against the registry."""
-    known = registry.names()
+    known = backend_names()
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, (list, tuple)):
@@ -71,7 +71,7 @@ def check_backends(names) -> tuple[str, ...]:
         if name not in known:
             raise InvalidArgument(f"unknown tracking back end {name!r}{did_you_mean(str(name), known)}; "
                                   f"the back ends are {', '.join(known)} (more come from packages, through the "
-                                  f"entry-point group {registry.GROUP})")
+                                  f"entry-point group {GROUP})")
     return tuple(names)
 
 
