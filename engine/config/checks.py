@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llmrl.engine.config.key_conflicts import deepspeed_problems, inapplicable_problems
 from llmrl.engine.config.reference import given_or_default
-from llmrl.engine.config.types import TRACKING_PACKAGES, Config
+from llmrl.engine.config.types import Config
 from llmrl.engine.errors import did_you_mean
 
 BUILTIN_MODEL_PREFIX = "builtin:"
@@ -318,10 +318,15 @@ def _model_config_json(llm: dict) -> dict | None:
 
 
 def tracking_problems(backends) -> list[Problem]:
-    """The tracking back ends whose package is not installed on this machine (the client's: rank 0 writes)."""
+    """The tracking back ends whose package is not installed on this machine (the client's: rank 0 writes); the
+    packages and installs come from :mod:`llmrl.engine.client.tracking.registry`."""
+    if not backends:
+        return []
+    from llmrl.engine.client.tracking.registry import requirement
+
     problems = []
     for name in backends:
-        module, install = TRACKING_PACKAGES.get(name, (None, ""))
+        module, install = requirement(name) or (None, "")
         if module and importlib.util.find_spec(module) is None:
             problems.append(("tracking.backends", f"the {name} back end needs the {module} package, which is not "
                              f"installed: {install}, or remove {name} from tracking.backends"))

@@ -206,7 +206,9 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
 
 def schema_problems(data: dict, section: str | None = None) -> list[Problem]:
     """Validate against the JSON Schema (or, with ``section``, the value of that top-level key against its
-    definition); one readable problem per schema error."""
+    definition); one readable problem per schema error. The names of ``tracking.backends`` are checked here too,
+    against :mod:`llmrl.engine.client.tracking.registry` (installed packages add back ends: the schema cannot list
+    them)."""
     schema = load_schema()
     if section is not None:
         schema = {"$defs": schema["$defs"], **schema["properties"][section]}
@@ -215,6 +217,11 @@ def schema_problems(data: dict, section: str | None = None) -> list[Problem]:
     for error in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.extend(_explain(error))
     problems.extend(non_finite_problems(data))
+    tracking = data if section == "tracking" else data.get("tracking") if section is None else None
+    if isinstance(tracking, dict) and tracking.get("backends"):
+        from llmrl.engine.client.tracking.registry import name_problems
+
+        problems.extend(name_problems(tracking["backends"], "backends" if section else "tracking.backends"))
     if section is not None:
         problems = [(".".join(p for p in (section, path) if p), message) for path, message in problems]
     return problems

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmrl.engine.config.reference import TOP_LEVEL, schema_field, section_schema
+from llmrl.engine.config.reference import TOP_LEVEL, schema_field
 
 
 @dataclass(frozen=True)
@@ -162,19 +162,10 @@ class Timeouts:
     shutdown: float = schema_field("timeouts", "shutdown")
 
 
-TRACKING_BACKENDS = tuple(section_schema("tracking")["properties"]["backends"]["items"]["enum"])
-# the module each tracking back end imports, and the install that provides it (csv needs none)
-_IN_CLONE = "in llmrl's clone"
-TRACKING_PACKAGES = {"tensorboard": ("tensorboard", f"pip install -e '.[tracking]' {_IN_CLONE}"),
-                     "trackio": ("trackio", f"pip install -e '.[tracking-local]' {_IN_CLONE} (or pip install trackio)"),
-                     "wandb": ("wandb", f"pip install -e '.[tracking-local]' {_IN_CLONE} (or pip install wandb)"),
-                     "mlflow": ("mlflow", f"pip install -e '.[tracking-all]' {_IN_CLONE} (or pip install "
-                                          "mlflow-skinny)")}
-
-
 @dataclass(frozen=True)
 class TrackingConfig:
-    """``tracking``: where the run's scalars go (the writers: :mod:`llmrl.engine.client.tracking`)."""
+    """``tracking``: where the run's scalars go (the writers, and the names ``backends`` may hold:
+    :mod:`llmrl.engine.client.tracking.registry`)."""
 
     backends: tuple[str, ...] = schema_field("tracking", "backends")
     dir: str = schema_field("tracking", "dir")

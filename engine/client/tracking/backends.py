@@ -1,6 +1,8 @@
-"""The tracking back ends: one small writer per tool, each taking ``write(scalars, step, wall_time)`` and
-``close()``. :func:`open_backend` opens one by name; every tool's package is imported only then, and a missing one
-is refused with the back end's name and the install that provides it.
+"""The built-in tracking back ends: one small writer per tool, each following
+:class:`~llmrl.engine.client.tracking.protocol.TrackerBackend` (opened with the run's folders, names and config;
+``write(scalars, step, wall_time)``; ``close()``). Their names, packages and installs are rows of
+:data:`~llmrl.engine.client.tracking.registry.BUILTIN`; every tool's package is imported only when its back end
+opens, and a missing one is refused with the back end's name and the install that provides it.
 
 - ``csv``: ``<run dir>/scalars.csv`` in long format, one row per scalar: ``step,key,value,wall_time`` (pandas:
   ``pd.read_csv(path).pivot_table(index="step", columns="key", values="value")``); a file that exists is appended to.
@@ -13,37 +15,21 @@ is refused with the back end's name and the install that provides it.
 - ``mlflow``: an MLflow run in the file store ``<dir>/mlruns`` (``mlflow ui --backend-store-uri <dir>/mlruns``),
   or in ``MLFLOW_TRACKING_URI`` when set; names MLflow refuses have their other characters replaced by ``_``.
 
-This module chooses no names, steps or paths (the tracker does) and computes no scalar.
+This module chooses no names, steps or paths (the tracker does), registers nothing (the registry does) and computes
+no scalar.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import os
 import re
 from pathlib import Path
 
-from llmrl.engine.config.types import TRACKING_PACKAGES
-
-
-class BackendMissing(ImportError):
-    """A tracking back end's package is not installed."""
-
-
-def _require(name: str):
-    """Import the package back end ``name`` needs, or raise :class:`BackendMissing` saying how to install it."""
-    module, install = TRACKING_PACKAGES[name]
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise BackendMissing(f"the {name} tracking back end needs the {module} package ({err}): {install}, or "
-                             f"remove {name} from tracking.backends") from None
+from llmrl.engine.client.tracking.registry import require as _require
 
 
 class CSVBackend:
-    name = "csv"
-
     def __init__(self, run_dir: Path, **_):
         self.path = run_dir / "scalars.csv"
         new = not self.path.exists() or self.path.stat().st_size == 0
@@ -62,8 +48,6 @@ class CSVBackend:
 
 
 class TensorBoardBackend:
-    name = "tensorboard"
-
     def __init__(self, run_dir: Path, config: dict, **_):
         _require("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
@@ -84,8 +68,6 @@ class TensorBoardBackend:
 
 
 class TrackioBackend:
-    name = "trackio"
-
     def __init__(self, run_dir: Path, root: Path, project: str, run_name: str, config: dict, **_):
         import inspect
         import sys
@@ -116,8 +98,6 @@ class TrackioBackend:
 
 
 class WandbBackend:
-    name = "wandb"
-
     def __init__(self, run_dir: Path, project: str, run_name: str, config: dict, **_):
         mode = None if os.environ.get("WANDB_MODE") else "offline"  # never the network unless the user asks
         if mode == "offline":
@@ -139,8 +119,6 @@ _MLFLOW_REFUSED = re.compile(r"[^\w\-. /:]")
 
 
 class MLflowBackend:
-    name = "mlflow"
-
     def __init__(self, root: Path, project: str, run_name: str, config: dict, **_):
         _require("mlflow")
         from mlflow.tracking import MlflowClient
@@ -171,18 +149,3 @@ class MLflowBackend:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-BACKENDS = {cls.name: cls for cls in (CSVBackend, TensorBoardBackend, TrackioBackend, WandbBackend, MLflowBackend)}
-
-
-def open_backend(name: str, run_dir: Path, root: Path, project: str, run_name: str, config: dict):
-    """Open back end ``name`` for one run. ``run_dir``: this run's folder (made if missing); ``root``: the tracking
-    ``dir`` (MLflow's and trackio's stores, shared by runs); ``config``: flat hyperparameters to record.
-
-    Raises:
-        BackendMissing: its package is not installed.
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return BACKENDS[name](run_dir=run_dir, root=root, project=project, run_name=run_name, config=config)
-

@@ -1,5 +1,5 @@
 """One run's experiment tracking on the client: :class:`Tracker` names the run, counts its steps, and sends each
-batch of scalars to every open back end (:mod:`llmrl.engine.client.tracking.backends`).
+batch of scalars to every open back end (named in :mod:`llmrl.engine.client.tracking.registry`).
 
 The step is the number of training steps taken through the Caller (``update`` and ``optim_step`` calls): an
 update's statistics are written at the step it ends, and a script's scalars logged without ``step`` go to the
@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from llmrl.engine.client.tracking.backends import BackendMissing, open_backend
+from llmrl.engine.client.tracking.registry import GROUP, BackendMissing, open_backend
+from llmrl.engine.client.tracking.registry import names as backend_names
 from llmrl.engine.client.tracking.scalars import (
     check_step,
     flatten,
@@ -29,7 +30,7 @@ from llmrl.engine.client.tracking.scalars import (
     server_totals,
     update_scalars,
 )
-from llmrl.engine.config.types import TRACKING_BACKENDS, TrackingConfig
+from llmrl.engine.config.types import TrackingConfig
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, did_you_mean
 
 
@@ -59,16 +60,18 @@ def config_params(config) -> dict[str, str | float]:
 
 
 def check_backends(names) -> tuple[str, ...]:
-    """Back end names given to a call, checked."""
+    """Back end names given to a call, checked against the registry."""
+    known = backend_names()
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, (list, tuple)):
-        raise InvalidArgumentType(f"backends must be a list of tracking back end names ({', '.join(TRACKING_BACKENDS)})"
+        raise InvalidArgumentType(f"backends must be a list of tracking back end names ({', '.join(known)})"
                                   f", got {type(names).__name__}")
     for name in names:
-        if name not in TRACKING_BACKENDS:
-            raise InvalidArgument(f"unknown tracking back end {name!r}{did_you_mean(str(name), TRACKING_BACKENDS)}; "
-                                  f"the back ends are {', '.join(TRACKING_BACKENDS)}")
+        if name not in known:
+            raise InvalidArgument(f"unknown tracking back end {name!r}{did_you_mean(str(name), known)}; "
+                                  f"the back ends are {', '.join(known)} (more come from packages, through the "
+                                  f"entry-point group {GROUP})")
     return tuple(names)
 
 
@@ -84,6 +87,8 @@ class Tracker:
     def __init__(self, settings: TrackingConfig, llms: list[str], params: dict | None = None):
         from llmrl.engine.config.checks import tracking_problems
 
+        if settings.backends:
+            check_backends(settings.backends)
         problems = tracking_problems(settings.backends)
         if problems:
             raise BackendMissing(problems[0][1])
@@ -114,8 +119,7 @@ class Tracker:
     def _writer(self, name: str):
         writer = self._open.get(name)
         if writer is None:
-            writer = open_backend(name, self.run_dir, self.root, self.settings.project, self.run_name,
-                                            self._params)
+            writer = open_backend(name, self.run_dir, self.root, self.settings.project, self.run_name, self._params)
             self._open[name] = writer
             if not self._exit_hook:
                 atexit.register(self.close)
