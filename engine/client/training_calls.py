@@ -55,7 +55,7 @@ class ClientTraining:
             raise InvalidArgument("forward_backward needs a loss_fn (a built-in loss's name); forward(data) gives the "
                                   "log-probs alone")
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
-        return fb_kind.send(self._run, name, sequences, loss_fn, config, True, peft_adapter)
+        return fb_kind.send(self._run, name, sequences, loss_fn, config, backward=True, adapter=peft_adapter)
 
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None, *, llm: str | None = None,
                          peft_adapter: str | None = None) -> dict:
@@ -92,7 +92,7 @@ class ClientTraining:
         """Like :meth:`forward`, returning a future."""
         name = self._open(llm)
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
-        return fb_kind.send(self._run, name, sequences, loss_fn, config, False, peft_adapter)
+        return fb_kind.send(self._run, name, sequences, loss_fn, config, backward=False, adapter=peft_adapter)
 
     def forward(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
                 llm: str | None = None, peft_adapter: str | None = None) -> dict:

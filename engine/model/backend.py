@@ -92,7 +92,8 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def manage_adapters(self, operation: str, name: str, args: dict) -> dict:
-        """Take or drop a snapshot, create or delete a LoRA adapter (collective)."""
+        """Take or drop a snapshot, create or delete a LoRA adapter, save or load one adapter's state (collective);
+        an operation that is not one of these is refused and changes nothing."""
 
     @abstractmethod
     def save(self, folder: str) -> None:

@@ -175,7 +175,7 @@ def plan_and_agree(served: ServedModel, contexts, candidates, heads=(), adapter:
     return plan, most - calls
 
 
-def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, prefix_cache=None,
+def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, prefix_cache=None, *,
                 trunk_mode: str | None = None, update_pass: bool = False) -> ForwardOutputs:
     """Run a planned forward pass through the engine (gradients follow the caller's grad mode). ``prefix_cache``, for
     no-grad scoring only, is the :class:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache` that lives across calls:

@@ -1,22 +1,24 @@
 """Batched text generation that also returns each generated token's log-prob under the raw model.
 
-Runs Hugging Face ``generate`` on left-padded batches formed by a token budget. Log-probs come from
-the raw logits, before any temperature, top-k or top-p processing, so they agree with ``score`` on the same
-continuation. A sequence ends at its first EOS: the EOS is kept (it was
-generated, its log-prob counts) and nothing after it is returned or counted. A prompt given as token ids is used
-exactly as given (no BOS added, no re-tokenisation); a string prompt is tokenised with special tokens, as
-``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of the same prompt, give its
-``logprobs`` back.
+Runs left-padded batches formed by a token budget in llmrl's own decoding loop (:mod:`llmrl.engine.model.decoding`)
+wherever its :class:`~llmrl.engine.model.decoding.runtime.Decoder` takes the request (the default,
+``generation.decoder: auto``: greedy decoding and sampling of causal models), else in Hugging Face's ``generate``
+(beam search and the other modes, seq2seq models, ``decoder: hf``). Log-probs come from the raw logits, before any
+temperature, top-k or top-p processing, so they agree with ``score`` on the same continuation. A sequence ends at
+its first EOS: the EOS is kept (it was generated, its log-prob counts) and nothing after it is returned or counted.
+A prompt given as token ids is used exactly as given (no BOS added, no re-tokenisation); a string prompt is
+tokenised with special tokens, as ``score`` tokenises contexts, so a sample's ``tokens``, scored as candidate ids of
+the same prompt, give its ``logprobs`` back.
 
-Greedy decoding and sampling read each chosen token's log-prob as the tokens are produced
-(:class:`ChosenLogprobs`): only the current step's raw logits are held (rows x vocabulary), never rows x steps x
-vocabulary. They also read its log-prob under the distribution it was drawn from (``sampling_logprobs``: the step's
-scores after every logits processor, temperature, top-k and top-p included), freeing those scores at once. ``stop``
-strings and token ids end a sequence at the token that completes them (:mod:`llmrl.engine.model.stops`); every
-sample says why it ended (``stop_reason``). ``prompt_logprobs`` runs one more forward pass per prompt. With beam
-search (``num_beams > 1``) and the other decoding modes, Hugging Face's ``output_logits`` are kept and each token's
-log-prob is read from the beam that produced it (``beam_indices``); each returned sequence also carries Hugging
-Face's length-normalised beam score (``sequences_scores``) as ``beam_score``.
+In Hugging Face's ``generate``, greedy decoding and sampling read each chosen token's log-prob as the tokens are
+produced (:class:`ChosenLogprobs`): only the current step's raw logits are held (rows x vocabulary), never rows x
+steps x vocabulary. They also read its log-prob under the distribution it was drawn from (``sampling_logprobs``: the
+step's scores after every logits processor, temperature, top-k and top-p included), freeing those scores at once.
+``stop`` strings and token ids end a sequence at the token that completes them (:mod:`llmrl.engine.model.stops`);
+every sample says why it ended (``stop_reason``). ``prompt_logprobs`` runs one more forward pass per prompt. With
+beam search (``num_beams > 1``) and the other decoding modes, Hugging Face's ``output_logits`` are kept and each
+token's log-prob is read from the beam that produced it (``beam_indices``); each returned sequence also carries
+Hugging Face's length-normalised beam score (``sequences_scores``) as ``beam_score``.
 
 This module does not route requests; it runs on one server rank.
 """
@@ -147,8 +149,8 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     kwargs = plan.kwargs
     eos = _eos_ids(model, tokenizer, kwargs)
     stepwise = _reads_logprobs_stepwise(model, kwargs)
-    loop = decoder if decoder is not None and decoder.takes(
-        kind, kwargs, stepwise, synced, _partitioned(model) and not whole_weights,
+    loop = decoder if decoder is not None and decoder.choose_and_count(
+        kind, kwargs, stepwise=stepwise, synced=synced, zero3=_partitioned(model) and not whole_weights,
         recurrent=keeps_state_outside_attention(model.config),
         configured=config_fields(model.generation_config)) else None
     results: list[list[dict]] = [[] for _ in plan.prompts]

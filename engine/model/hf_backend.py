@@ -268,20 +268,9 @@ class HFBackend(ModelBackend):
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
     def manage_adapters(self, operation, name, args):
-        from llmrl.engine.model import snapshots
-        from llmrl.engine.model.training import adapter_state, new_adapters
+        from llmrl.engine.model import adapter_operations
 
-        if operation == "snapshot":
-            return snapshots.take_snapshot(self.served, name, args.get("source"), self.prefix_cache)
-        if operation == "drop_snapshot":
-            return snapshots.drop_snapshot(self.served, name, self.prefix_cache)
-        if operation == "create_adapter":
-            return new_adapters.create_adapter(self.served, name, prefix_cache=self.prefix_cache, **args)
-        if operation == "save_adapter":
-            return adapter_state.save_adapter(self.served, name, args["path"])
-        if operation == "load_adapter":
-            return adapter_state.load_adapter(self.served, name, args["path"], args["optimizer"], self.prefix_cache)
-        return new_adapters.delete_adapter(self.served, name, self.prefix_cache)
+        return adapter_operations.apply(self.served, self.prefix_cache, operation, name, args)
 
     def weights_changed(self, unchanged_below: int = 0) -> None:
         """The cache across calls holds keys and values computed with the old weights: forget them. When the

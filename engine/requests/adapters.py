@@ -2,9 +2,12 @@
 ``delete_adapter`` / ``save_adapter`` / ``load_adapter``: change which LoRA adapters and frozen snapshots an LLM
 holds, on every one of its ranks, and save or load one adapter's state.
 
-Client half: the operation and its arguments are checked (names, those of new adapters and snapshots by llmrl's
-rule: :mod:`llmrl.engine.adapter_names`; rank, seed, targets) and sent to every rank of the LLM (every replica must
-hold the same adapters). Server half: the backend applies it
+Client half: the operation must be one of :data:`OPERATIONS` (any other is refused before anything is sent), and
+its arguments are checked (names, those of new adapters and snapshots by llmrl's rule:
+:mod:`llmrl.engine.adapter_names`; rank, seed, targets) and sent to every rank of the LLM (every replica must hold
+the same adapters). Server half: an operation not in :data:`OPERATIONS` is refused again (the error goes
+back to the client; the server keeps serving and nothing changes), and the backend applies a known one through the
+table of :mod:`llmrl.engine.model.adapter_operations`, each operation to its own handler
 (:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`,
 :mod:`llmrl.engine.model.training.adapter_state`); the first replica's answer is returned.
 
@@ -52,6 +55,13 @@ def check_new_name(name, what: str) -> str:
     return name
 
 
+def check_operation(operation) -> str:
+    """One of :data:`OPERATIONS`; any other is refused naming the field and the known operations."""
+    if not isinstance(operation, str) or operation not in OPERATIONS:
+        raise InvalidArgument(f"operation must be one of {', '.join(OPERATIONS)}, got {operation!r}")
+    return operation
+
+
 def check_create_args(rank, alpha, seed, targets) -> dict:
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 1:
         raise InvalidArgument(f"rank must be a positive int, got {rank!r}")
@@ -69,11 +79,13 @@ def check_create_args(rank, alpha, seed, targets) -> dict:
 
 
 def send(run: Run, llm: str, request: AdapterRequest) -> Future:
+    check_operation(request.operation)
     replicas = run.replicas(llm)
     return run.submit(NAME, [(ranks, request) for ranks in replicas], lambda values: values[replicas[0][0]])
 
 
 def handle(replica, request: AdapterRequest):
+    check_operation(request.operation)  # a server never guesses what an unknown operation meant
     result = replica.backend.manage_adapters(request.operation, request.name, request.args)
     return result if replica.answers else None
 

@@ -35,12 +35,13 @@ class ForwardBackwardRequest:
     first_index: int = 0  # position of the first sequence in the whole call (for error messages)
 
 
-def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, loss_fn_config: dict, backward: bool,
-         adapter: str | None) -> Future:
+def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, loss_fn_config: dict, *,
+         backward: bool, adapter: str | None) -> Future:
     bounds = split_by_cost([float(len(s.tokens)) for s in sequences], len(run.replicas(llm)))
 
     def share(start: int, stop: int) -> ForwardBackwardRequest:
-        return ForwardBackwardRequest(sequences[start:stop], loss_fn, dict(loss_fn_config), backward, adapter, start)
+        return ForwardBackwardRequest(sequences[start:stop], loss_fn, dict(loss_fn_config), backward=backward,
+                                      adapter=adapter, first_index=start)
 
     parts, leaders = replica_parts(run, llm, bounds, share, keep_empty=True)
 

@@ -12,7 +12,8 @@ per-token rewards (a reward per continuation, or dense per-token rewards) and th
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
 per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
-``ppo``, ``cispo``, ``dro``, with Tinker's names, inputs and definitions). Three submodules hold the maths of one
+``ppo``, ``cispo``, ``dro``, ``gspo``: the keys of :data:`TOKEN_LOSSES`, with Tinker's names, inputs and
+definitions). Three submodules hold the maths of one
 family each, re-exported here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO,
 robust DPO, IPO), :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and
 :func:`polyak_update`) and :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and

@@ -38,7 +38,7 @@ def config_fields(generation_config) -> dict:
     return {k: v for k, v in generation_config.to_diff_dict().items() if k not in INERT_CONFIG_FIELDS}
 
 
-def why_not(kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool, recurrent: bool = False,
+def why_not(kind: str, kwargs: dict, *, stepwise: bool, synced: bool, zero3: bool, recurrent: bool = False,
             configured: dict | None = None) -> str | None:
     """None when llmrl's loop can run this request; else the reason it cannot, in a phrase. ``recurrent``: the model
     keeps state outside attention (:func:`~llmrl.engine.model.attention_span.keeps_state_outside_attention`);

@@ -67,14 +67,16 @@ class Decoder:
         self._addresses: tuple | None = None  # where the last batch's weights lay (with a static cache)
         self.weight_moves = 0  # batches whose weights lay elsewhere than the batch before's
 
-    def takes(self, kind: str, kwargs: dict, stepwise: bool, synced: bool, zero3: bool,
-              recurrent: bool = False, configured: dict | None = None) -> bool:
-        """Whether llmrl's loop runs this request's batches; raises ValueError where the config demands it and it
-        cannot."""
+    def choose_and_count(self, kind: str, kwargs: dict, *, stepwise: bool, synced: bool, zero3: bool,
+                         recurrent: bool = False, configured: dict | None = None) -> bool:
+        """Choose the loop that runs this request's batches and count the choice in :attr:`counts` (with the reason
+        llmrl's loop was passed over); True: llmrl's loop, False: Hugging Face's ``generate``. Raises ValueError
+        where the config demands llmrl's loop (``decoder: llmrl``) and the request cannot use it."""
         if self.settings.decoder == "hf":
             self.counts["hf: configured"] += 1
             return False
-        reason = why_not(kind, kwargs, stepwise, synced, zero3, recurrent, configured)
+        reason = why_not(kind, kwargs, stepwise=stepwise, synced=synced, zero3=zero3, recurrent=recurrent,
+                         configured=configured)
         if reason is not None and self.settings.decoder == "llmrl":
             raise ValueError(f"generation.decoder is 'llmrl' but this request cannot use it: {reason}; set "
                              "llms.<name>.generation.decoder to auto (Hugging Face's generate takes such requests) "
