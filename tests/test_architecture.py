@@ -135,7 +135,7 @@ def test_imports_go_one_way():
             if name.startswith("llmrl.engine.model") and target.startswith("llmrl.engine.requests"):
                 wrong.append(f"{name} -> {target} (the model layer never imports the request kinds: a request "
                              "kind unpacks its request into plain arguments)")
-    assert wrong == []
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_the_engine_imports_no_built_in_plugin():
@@ -148,7 +148,7 @@ def test_the_engine_imports_no_built_in_plugin():
                       f"llmrl.plugins: {', '.join(PLUGIN_API)}; reach a built-in plugin through the registry)"
                       for target in sorted(targets)
                       if target.startswith("llmrl.plugins") and target not in PLUGIN_API]
-    assert wrong == []
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_no_module_over_400_lines_and_every_module_has_a_docstring():
