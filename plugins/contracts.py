@@ -282,7 +282,7 @@ class Updater:
     An updater whose policy is not the model's plain distribution (``nlpo``'s masked policy, ``ilql``'s
     advantage-steered one) may define ``steering(self, view, **options)`` returning a Hugging Face
     ``LogitsProcessor``; ``generate(..., steer=True)`` (or a dict of ``options``) then samples from that policy
-    (:mod:`llmrl.plugins.steering` gives ``view``: the model, heads and adapters).
+    (:class:`llmrl.plugins.steering_api.SteeringView` is ``view``: the model, heads and adapters).
 
     Class attributes:
         args_schema: optional JSON Schema of the constructor's keyword arguments.

@@ -10,44 +10,20 @@ model's; ``sampling_logprobs`` are those of the steered distribution the tokens 
 What a processor may read, :class:`SteeringView`: the model, its heads, its adapters and snapshots. Two taps
 (forward hooks) give it what Hugging Face's processors are not given: :class:`HiddenTap`, the last hidden state of
 the step (``ilql``), and :class:`InputsTap`, the step's model inputs (``nlpo`` runs its masking policy on them,
-with a key/value cache of its own). This module holds the views and the two processors; the maths is in
+with a key/value cache of its own). This module holds the taps and the two processors (the view and the hook's call,
+the contract the engine reaches, are :mod:`llmrl.plugins.steering_api`'s, re-exported here); the maths is in
 :mod:`llmrl.plugins.rl_math` (:func:`~llmrl.plugins.rl_math.ilql.steered_logits`,
 :func:`~llmrl.plugins.rl_math.masking.top_p_mask`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from transformers import LogitsProcessor
 
 from llmrl.plugins.rl_math.ilql import steered_logits
 from llmrl.plugins.rl_math.masking import top_p_mask
-
-
-@dataclass
-class SteeringView:
-    """What ``Updater.steering`` receives."""
-
-    model: Any  # the served model (a PeftModel with LoRA adapters)
-    kind: str  # "causal" or "seq2seq"
-    heads: dict  # head modules by key
-    tokenizer: Any
-    adapter: Callable[[str | None], contextlib.AbstractContextManager]  # run with this adapter or snapshot active
-    has_snapshot: Callable[[str], bool]
-    snapshot: Callable[[str, str | None], None]  # take snapshot ``name`` of adapter ``source`` (None: the active)
-    policy_adapter: str | None = None  # the adapter the request generates with (None: the active one)
-    cache_argument: str = "past_key_values"  # the model's key/value cache argument ("cache" from transformers 5.24)
-
-    @property
-    def base(self):
-        """The transformers model under the PEFT wrapper (what ``generate`` calls at each step)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+from llmrl.plugins.steering_api import SteeringView, steering_processor  # noqa: F401 - their public path too
 
 
 class HiddenTap:
@@ -130,24 +106,3 @@ class MaskSteering(LogitsProcessor):
     def close(self) -> None:
         self.tap.close()
         self.cache = None
-
-
-def steering_processor(updater, view: SteeringView, steer) -> LogitsProcessor:
-    """The processor of ``generate(..., steer=...)``: ``steer`` is True or a dict of the updater's steering options.
-    Raises ValueError naming what is wrong (no updater, an updater without a steered policy, a bad option)."""
-    if updater is None or not callable(getattr(updater, "steering", None)):
-        name = type(updater).__name__ if updater is not None else "none"
-        raise ValueError(f"steer samples from the updater's own policy, but this LLM's updater ({name}) defines "
-                         "none; nlpo and ilql do (updater.plugin), or leave steer out")
-    if steer is True:
-        options = {}
-    elif isinstance(steer, dict):
-        options = dict(steer)
-    else:
-        raise ValueError(f"steer must be true or a dict of the updater's steering options, got {steer!r}")
-    try:  # the options are checked against the hook's signature (a TypeError inside the hook stays one)
-        inspect.signature(updater.steering).bind(view, **options)
-    except TypeError as err:
-        raise ValueError(f"steer={steer!r}: {err}; the updater's steering options: "
-                         f"{list(inspect.signature(updater.steering).parameters)[1:]}") from None
-    return updater.steering(view, **options)

@@ -1,8 +1,9 @@
 """The tree's rules, read from the source (nothing is imported): no module over 400 lines, no import cycle between
 modules (imports inside functions count), the engine never imports ``launch``, plugins never import the request
-path (they may import the engine's leaf modules), every module opens with a docstring, and no function of the engine
-or the plugins takes more than 8 parameters (but the listed known exceptions); and the folder above the repository
-stays off the import path."""
+path (they may import the engine's leaf modules), the engine never imports a built-in plugin (only the plugin API:
+the contracts, their checks, the registry), the model layer never imports the request kinds, every module opens
+with a docstring, and no function of the engine or the plugins takes more than 8 parameters (but the listed known
+exceptions); and the folder above the repository stays off the import path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("engine", "plugins", "launch", "benchmarks", "examples", "docs")
 PLUGIN_MAY_IMPORT = ("llmrl.engine.errors", "llmrl.engine.graph", "llmrl.engine.config.types",
-                     "llmrl.engine.config.checks")
+                     "llmrl.engine.config.checks", "llmrl.engine.token_losses", "llmrl.engine.episode_returns")
+# The seam between the engine and the plugins: the plugin API, the only modules of ``llmrl.plugins`` the engine may
+# import. The contracts and the types they are made of (a Trainer, an UpdateBatch, per-sample arguments, the
+# steering hook's view), their checks and the registry that finds plugins by entry point. Every other module of
+# ``llmrl.plugins`` is a built-in plugin or its maths (``rl_math``), reached by the engine through the registry
+# only; maths the engine needs itself lives in the engine (``llmrl.engine.token_losses``,
+# ``llmrl.engine.episode_returns``) and ``rl_math`` re-exports it. A seam module imports no built-in plugin either.
+PLUGIN_API = ("llmrl.plugins", "llmrl.plugins.contracts", "llmrl.plugins.trainer_api", "llmrl.plugins.update_batch",
+              "llmrl.plugins.per_sample", "llmrl.plugins.steering_api", "llmrl.plugins.checks",
+              "llmrl.plugins.registry")
 
 
 def modules() -> dict[str, Path]:
@@ -123,7 +133,23 @@ def test_imports_go_one_way():
             if (name.startswith("llmrl.plugins") and target.startswith("llmrl.engine")
                     and target not in PLUGIN_MAY_IMPORT):
                 wrong.append(f"{name} -> {target} (plugins import only {', '.join(PLUGIN_MAY_IMPORT)})")
-    assert wrong == []
+            if name.startswith("llmrl.engine.model") and target.startswith("llmrl.engine.requests"):
+                wrong.append(f"{name} -> {target} (the model layer never imports the request kinds: a request "
+                             "kind unpacks its request into plain arguments)")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_engine_imports_no_built_in_plugin():
+    """The engine (and the plugin API it imports) reaches the plugins through the seam only: :data:`PLUGIN_API`."""
+    graph, wrong = import_graph(), []
+    assert set(PLUGIN_API) <= set(graph)  # the seam names modules that exist
+    for name, targets in graph.items():
+        if name.startswith("llmrl.engine") or name in PLUGIN_API:
+            wrong += [f"{name} -> {target} (the engine and the plugin API import only the plugin API of "
+                      f"llmrl.plugins: {', '.join(PLUGIN_API)}; reach a built-in plugin through the registry)"
+                      for target in sorted(targets)
+                      if target.startswith("llmrl.plugins") and target not in PLUGIN_API]
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_no_module_over_400_lines_and_every_module_has_a_docstring():

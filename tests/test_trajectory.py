@@ -114,10 +114,13 @@ def test_the_datum_trains_on_the_models_tokens_only(tokenizer):
 
 
 def test_group_episode_advantages_by_hand():
-    from llmrl import Episode, group_episode_advantages
-    from llmrl.engine.client.episodes import turn_returns
+    import torch
 
-    assert turn_returns([1.0, 0.0, 2.0], gamma=0.5) == [1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0, 2.0]
+    from llmrl import Episode, group_episode_advantages
+    from llmrl.engine.episode_returns import turn_returns
+
+    returns = turn_returns(torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64), gamma=0.5).tolist()
+    assert returns == [1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0, 2.0]
     episodes = [Episode(trajectory=None, rewards=r) for r in ([1.0, 0.0, 2.0], [0.0, 0.0], [0.0, 1.0])]
     # returns with gamma 0.5: 1.5, 0.0, 0.5; mean 2/3; unbiased std sqrt(((5/6)^2 + (2/3)^2 + (1/6)^2) / 2)
     mean, std = 2 / 3, ((25 / 36 + 16 / 36 + 1 / 36) / 2) ** 0.5

@@ -191,25 +191,15 @@ def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turn
         episode.trajectory.add_message(observation)
 
 
-def turn_returns(rewards, gamma: float = 1.0) -> list[float]:
-    """Each turn's discounted return from that turn on: ``G_t = r_t + gamma * G_(t+1)``
-    (:func:`llmrl.plugins.rl_math.turn_returns`)."""
-    import torch
-
-    from llmrl.plugins.rl_math import turn_returns as returns
-
-    return returns(torch.tensor([float(r) for r in rewards], dtype=torch.float64), gamma).tolist()
-
-
 def group_episode_advantages(episodes, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
                              ) -> list[list[float]]:
-    """GRPO over episodes from the same start (:func:`llmrl.plugins.rl_math.group_episode_advantages`, the one
-    ``grpo_turns`` uses): each episode's ``(G - mean) / (std + eps)`` over the group's discounted returns
-    (``scale=False``: centred only), repeated for each of its turns; for client-owned steps
-    (:meth:`Trajectory.datum`)."""
+    """GRPO over episodes from the same start: each episode's ``(G - mean) / (std + eps)`` over the group's
+    discounted returns (``scale=False``: centred only), repeated for each of its turns; for client-owned steps
+    (:meth:`Trajectory.datum`). This adapts :class:`Episode` objects to the one implementation,
+    :func:`llmrl.engine.episode_returns.group_episode_advantages` (the one ``grpo_turns`` uses, on reward tensors)."""
     import torch
 
-    from llmrl.plugins.rl_math import group_episode_advantages as advantages
+    from llmrl.engine.episode_returns import group_episode_advantages as advantages
 
     rewards = [torch.tensor([float(r) for r in e.rewards], dtype=torch.float64) for e in episodes]
     return [a.tolist() for a in advantages(rewards, gamma, scale, eps)]

@@ -26,7 +26,7 @@ class ClientTraining:
 
     def _token_data(self, name: str, data, loss_fn: str | None, loss_fn_config):
         """The checked sequences and loss configuration of a call."""
-        from llmrl.plugins.rl_math import OPTIONAL_INPUTS, TOKEN_LOSSES, UNREAD_WHEN_ZERO, token_loss_settings
+        from llmrl.engine.token_losses import OPTIONAL_INPUTS, TOKEN_LOSSES, UNREAD_WHEN_ZERO, token_loss_settings
 
         info = self.info.get(name, {})
         vocab_size, max_length = info.get("vocab_size"), info.get("max_length")

@@ -354,7 +354,8 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
 
 def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
     """LoRA initializers of tensor-parallel LLMs under any name (an entry point, ``module:Class``, a subclass), found
-    by resolving each initializer as the plugin registry does. Run after the plugins were checked (so that resolving
+    by resolving each initializer, and the built-in LoRA initializer (entry point ``lora``), as the plugin registry
+    does. Run after the plugins were checked (so that resolving
     imports nothing new); ``__main__:Name`` plugins and names that do not resolve are left to the plugin checks."""
     problems: list[Problem] = []
     for name, llm in data["llms"].items():
@@ -362,15 +363,18 @@ def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
         if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not names:
             continue
         from llmrl.engine.errors import PluginError
-        from llmrl.plugins.lora import LoraInitializer
         from llmrl.plugins.registry import resolve
 
+        try:  # the built-in LoRA initializer, found as any plugin is (the engine imports no built-in plugin)
+            lora = resolve("initializer", "lora")
+        except PluginError:
+            return problems
         for plugin in names:
             try:
                 cls = resolve("initializer", plugin)
             except PluginError:
                 continue
-            if isinstance(cls, type) and issubclass(cls, LoraInitializer):
+            if isinstance(cls, type) and issubclass(cls, lora):
                 problems.append((f"llms.{name}.initializers", f"{plugin!r} is a LoRA initializer: {LORA_TP_MESSAGE}"))
                 break
     return problems

@@ -82,9 +82,11 @@ class ModelBackend(ABC):
         """Run the updater on this replica's share (collective); returns its stats."""
 
     @abstractmethod
-    def forward_backward(self, request) -> dict:
-        """Log-probs, a built-in loss and (``request.backward``) its gradients, accumulated until ``optim_step``, for
-        this replica's share of token-level sequences (collective)."""
+    def forward_backward(self, tokens: list[list[int]], inputs: list[dict[str, list[float]]], loss_fn: str | None,
+                         loss_fn_config: dict, backward: bool, adapter: str | None) -> dict:
+        """Log-probs, the built-in loss ``loss_fn`` (None: none) and (``backward``) its gradients, accumulated until
+        ``optim_step``, for this replica's share of token-level sequences: each one's ``tokens`` and per-token loss
+        ``inputs`` (collective)."""
 
     @abstractmethod
     def optim_step(self, settings: dict, adapter: str | None) -> dict:

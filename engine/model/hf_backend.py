@@ -253,10 +253,10 @@ class HFBackend(ModelBackend):
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
-    def forward_backward(self, request):
+    def forward_backward(self, tokens, inputs, loss_fn, loss_fn_config, backward, adapter):
         from llmrl.engine.model.training.client_steps import forward_backward
 
-        return forward_backward(self.served, request)
+        return forward_backward(self.served, tokens, inputs, loss_fn, loss_fn_config, backward, adapter)
 
     def optim_step(self, settings, adapter):
         from llmrl.engine.model.training.client_steps import optim_step

@@ -9,11 +9,11 @@ the policy-gradient losses). :func:`completion_datum` builds one from a prompt a
 
 Targets must be the input shifted by one (the log-prob of target ``t`` is then read in the same forward pass as
 every other), with one exception: a position the loss does not read (its weight or advantage 0, see
-:data:`llmrl.plugins.rl_math.UNREAD_WHEN_ZERO`) may hold any target, as the cookbook's ``rl_loop`` puts ``0`` at
+:data:`llmrl.engine.token_losses.UNREAD_WHEN_ZERO`) may hold any target, as the cookbook's ``rl_loop`` puts ``0`` at
 the prompt's positions. Its loss is 0, and its returned log-prob NaN (not computed: the forward reads the next
 input token's). Other targets are refused with the position at fault.
 
-This module checks and converts; it sends nothing and computes no loss (:func:`llmrl.plugins.rl_math.token_loss`
+This module checks and converts; it sends nothing and computes no loss (:func:`llmrl.engine.token_losses.token_loss`
 does, on the servers).
 """
 

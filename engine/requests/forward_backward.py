@@ -3,13 +3,13 @@ log-probs of token-level data, a built-in loss on them, and (for ``forward_backw
 on the servers until ``optim_step``.
 
 Client half: the data are checked (:mod:`llmrl.engine.requests.datums`) and the loss's configuration too
-(:func:`llmrl.plugins.rl_math.token_loss_settings`) before anything is sent; the sequences are split across the
+(:func:`llmrl.engine.token_losses.token_loss_settings`) before anything is sent; the sequences are split across the
 replicas by their token counts, every replica taking part (their backward passes reduce gradients together). The
 answers come back in datum order: each datum's ``logprobs`` and ``elementwise_loss`` (one value per target token),
 and the loss summed over every datum (``metrics["loss:sum"]``). Server half: the backend runs
 :func:`llmrl.engine.model.training.client_steps.forward_backward` on the replica's share.
 
-This module computes nothing; the losses are :func:`llmrl.plugins.rl_math.token_loss`.
+This module computes nothing; the losses are :func:`llmrl.engine.token_losses.token_loss`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, los
 
 
 def handle(replica, request: ForwardBackwardRequest):
-    result = replica.backend.forward_backward(request)
+    result = replica.backend.forward_backward([seq.tokens for seq in request.sequences],
+                                              [seq.inputs for seq in request.sequences], request.loss_fn,
+                                              request.loss_fn_config, request.backward, request.adapter)
     return result if replica.answers else None
 
 

@@ -39,7 +39,7 @@ def check_loss(loss_fn: str) -> None:
 def loss_inputs(loss_fn: str, given: dict) -> dict:
     """The per-token inputs of a datum ``loss_fn`` reads (with its ``target_tokens``), the others left out;
     ``cross_entropy`` without ``weights`` weighs every token 1 (the SDK's own example gives none)."""
-    from llmrl.plugins.rl_math import OPTIONAL_INPUTS, TOKEN_LOSSES
+    from llmrl.engine.token_losses import OPTIONAL_INPUTS, TOKEN_LOSSES
 
     reads = {"target_tokens", *TOKEN_LOSSES[loss_fn][0], *OPTIONAL_INPUTS.get(loss_fn, ())}
     inputs = {key: value for key, value in given.items() if key in reads}

@@ -13,11 +13,12 @@ across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
 per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
 ``ppo``, ``cispo``, ``dro``, ``gspo``: the keys of :data:`TOKEN_LOSSES`, with Tinker's names, inputs and
-definitions). Three submodules hold the maths of one
-family each, re-exported here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO,
-robust DPO, IPO), :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and
-:func:`polyak_update`) and :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and
-:func:`masked_logprobs`).
+definitions). The engine serves the token losses and the client's episode helpers use the turn returns, so those live
+in :mod:`llmrl.engine.token_losses` and :mod:`llmrl.engine.episode_returns` (the engine never imports a built-in
+plugin) and are re-exported here, with the same names. Three submodules hold the maths of one family each, re-exported
+here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO, robust DPO, IPO),
+:mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and :func:`polyak_update`) and
+:mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and :func:`masked_logprobs`).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
@@ -28,7 +29,6 @@ are summed across replicas by the caller), and nothing checks its inputs' shapes
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -118,31 +118,6 @@ def turn_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: flo
     after = torch.tensor([0.0 if last_value is None else float(last_value)])
     advantages, returns = gae(rewards.float()[:, None], values.float()[:, None], ended, after, gamma, lam)
     return advantages[:, 0], returns[:, 0]
-
-
-def turn_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``[K]`` each turn's discounted return from that turn on: ``G_k = r_k + gamma * G_(k+1)``."""
-    out, running = torch.zeros(rewards.shape[0], dtype=torch.float64), 0.0
-    for k in reversed(range(rewards.shape[0])):
-        running = float(rewards[k]) + gamma * running
-        out[k] = running
-    return out
-
-
-def group_episode_advantages(rewards: list[torch.Tensor], gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
-                             ) -> list[torch.Tensor]:
-    """GRPO over a group of episodes from the same start: each episode's advantage ``(G - mean) / (std + eps)``
-    (``scale=False``: ``G - mean``), ``G`` its discounted return ``sum_k gamma^k r_k`` and the mean and unbiased
-    standard deviation the group's, given to every turn of the episode (``[K]`` per episode). With ``gamma < 1`` a
-    shorter episode to the same rewards returns more. Episodes of equal returns get 0, whatever ``eps``: a turn's
-    own return-to-go is not compared with the group's episode returns, which would give a later turn of equal
-    episodes ``(G_k - G_0) / eps``."""
-    if len(rewards) < 2 or any(r.numel() == 0 for r in rewards):
-        raise ValueError("a GRPO group of episodes needs at least 2 episodes of at least one turn each")
-    totals = torch.stack([turn_returns(r, gamma)[0] for r in rewards])
-    centred = totals - totals.mean()
-    values = centred / (totals.std() + eps) if scale else centred
-    return [value.repeat(r.numel()) for value, r in zip(values, rewards)]
 
 
 # ---- PPO losses --------------------------------------------------------------------------------------------------
@@ -291,103 +266,16 @@ def per_prompt_token_mean(per_token: torch.Tensor, mask: torch.Tensor, candidate
     return sums / counts.clamp(min=1)
 
 
-# ---- losses of client-owned training steps ---------------------------------------------------------------------
+# ---- re-exported: the engine's own maths and the submodules' ---------------------------------------------------
 
-# Per loss: the per-token inputs it reads besides the log-probs, and its configuration with the defaults.
-TOKEN_LOSSES = {
-    "cross_entropy": (("weights",), {}),
-    "importance_sampling": (("logprobs", "advantages"), {}),
-    "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),  # Tinker's
-    "dro": (("logprobs", "advantages"), {"beta": None}),
-    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"),
-             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-}
-
-# Per loss: per-token inputs a datum may add (the tinker SDK's Datum lists them): each token's own clip thresholds,
-# in place of loss_fn_config's.
-OPTIONAL_INPUTS = {name: ("clip_low_threshold", "clip_high_threshold") for name in ("ppo", "cispo", "gspo")}
-
-# Per loss: the inputs that, all 0 at a position, make its loss and gradient there 0 whatever the log-prob (dro's
-# penalty reads every position). Only there may a datum's target differ from the next input token.
-UNREAD_WHEN_ZERO = {"cross_entropy": ("weights",), "importance_sampling": ("advantages",), "ppo": ("advantages",),
-                    "cispo": ("advantages",), "gspo": ("advantages", "sequence_ratio_mask")}
-
-
-def token_loss(name: str, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None = None
-               ) -> torch.Tensor:
-    """Per-token losses ``[T]`` of one sequence; their sum is the sequence's loss. ``logprobs`` are the model's
-    log-probs of the target tokens (differentiable); ``inputs["logprobs"]`` are the sampler's.
-
-    - ``cross_entropy``: ``-weights * logp``;
-    - ``importance_sampling``: ``-exp(logp - logp_sampler) * advantages``;
-    - ``ppo``: ``-min(ratio * A, clip(ratio, clip_low_threshold, clip_high_threshold) * A)``, ``ratio =
-      exp(logp - logp_sampler)`` (thresholds are bounds on the ratio: 0.8 and 1.2 by default; per-token inputs of
-      those names, where a datum gives them, replace loss_fn_config's, for ``cispo`` and ``gspo`` too);
-    - ``cispo``: ``-sg(clip(ratio, low, high)) * A * logp`` (the clipped ratio weighs the log-prob's gradient and gets
-      none of its own); by default one-sided, as Tinker's: 0.0 and 4.0 (a lower bound would keep near-full updates on
-      tokens the policy has moved away from);
-    - ``dro``: ``-(logp * A - beta / 2 * (logp - logp_sampler) ** 2)`` (``beta`` required);
-    - ``gspo`` (GSPO-token): ``ppo``'s loss with every token's ratio worth the sequence ratio ``s = exp(mean over
-      the tokens sequence_ratio_mask marks of (logp - logp_sampler))`` and carrying its own log-prob's gradient:
-      ``ratio_t = sg(s) * exp(logp_t - sg(logp_t))`` (a sequence with no marked token has ``s = 1``).
-
-    Raises ValueError naming the loss and the input or key at fault (an unknown loss, a missing input or key, an
-    unknown key, an input whose length is not the log-probs').
-    """
-    needed, _ = TOKEN_LOSSES[name] if name in TOKEN_LOSSES else ((), {})
-    settings = token_loss_settings(name, config)
-    for key in needed:
-        if key not in inputs:
-            raise ValueError(f"loss_fn {name!r} needs the per-token input {key!r} in every datum's loss_fn_inputs")
-        if inputs[key].shape != logprobs.shape:
-            raise ValueError(f"loss_fn_inputs[{key!r}] has {tuple(inputs[key].shape)} values but the datum has "
-                             f"{tuple(logprobs.shape)} target tokens: give one value per target token")
-    if name == "cross_entropy":
-        return -inputs["weights"] * logprobs
-    advantages, sampler = inputs["advantages"], inputs["logprobs"]
-    ratio = torch.exp(logprobs - sampler)
-    if name == "importance_sampling":
-        return -ratio * advantages
-    low, high = (torch.as_tensor(inputs.get(key, settings.get(key)), dtype=ratio.dtype, device=ratio.device)
-                 for key in ("clip_low_threshold", "clip_high_threshold")) if name in OPTIONAL_INPUTS else (None, None)
-    if name == "ppo":
-        return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    if name == "cispo":
-        return -torch.clamp(ratio, low, high).detach() * advantages * logprobs
-    if name == "gspo":
-        marked = inputs["sequence_ratio_mask"] != 0
-        log_ratio = (logprobs.detach() - sampler)[marked].sum() / marked.sum().clamp(min=1)
-        ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
-        return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    return -(logprobs * advantages - 0.5 * settings["beta"] * (logprobs - sampler) ** 2)
-
-
-def token_loss_settings(name: str, config: dict | None) -> dict:
-    """The configuration of loss ``name``: ``config`` over the defaults. Raises ValueError naming the loss and the
-    key at fault (an unknown loss, an unknown key, a required key missing or not a number)."""
-    if name not in TOKEN_LOSSES:
-        raise ValueError(f"unknown loss_fn {name!r}; the built-in losses are {sorted(TOKEN_LOSSES)}")
-    _, defaults = TOKEN_LOSSES[name]
-    config = dict(config or {})
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise ValueError(f"loss_fn_config of {name!r} has unknown key(s) {unknown}; it takes {sorted(defaults)}")
-    settings = {**defaults, **config}
-    for key, value in settings.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"loss_fn {name!r} needs loss_fn_config[{key!r}] to be a finite number, got {value!r}")
-    low, high = settings.get("clip_low_threshold"), settings.get("clip_high_threshold")
-    if low is not None and not 0 <= low <= 1 <= high:  # 0.2 / 0.28 (the epsilons) would clip every ratio of 1
-        raise ValueError(f"loss_fn {name!r} clips the probability ratio to [clip_low_threshold, clip_high_threshold] "
-                         f"= [{low}, {high}]; these are ratios with 0 <= low <= 1 <= high (1 - eps and 1 + eps, "
-                         "e.g. 0.8 and 1.2), not the epsilons themselves")
-    if settings.get("beta") is not None and settings["beta"] < 0:
-        raise ValueError(f"loss_fn {name!r} needs loss_fn_config['beta'] >= 0 (the weight of its quadratic penalty), "
-                         f"got {settings['beta']}")
-    return settings
-
-
+from llmrl.engine.episode_returns import group_episode_advantages, turn_returns  # noqa: E402,F401
+from llmrl.engine.token_losses import (  # noqa: E402,F401
+    OPTIONAL_INPUTS,
+    TOKEN_LOSSES,
+    UNREAD_WHEN_ZERO,
+    token_loss,
+    token_loss_settings,
+)
 from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update  # noqa: E402,F401
 from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask  # noqa: E402,F401
 from llmrl.plugins.rl_math.preference import preference_loss  # noqa: E402,F401

@@ -3,7 +3,7 @@
 ``forward_backward`` runs the model over a share of token-level sequences through the same
 :class:`~llmrl.engine.model.training.trainer.EngineTrainer` an updater gets (so passes bounded by tokens, votes
 between replicas, non-finite checks and per-adapter bookkeeping are the ones of ``update``), computes a built-in
-per-token loss (:func:`llmrl.plugins.rl_math.token_loss`) and back-propagates its **sum** over the share.
+per-token loss (:func:`llmrl.engine.token_losses.token_loss`) and back-propagates its **sum** over the share.
 DeepSpeed averages gradients over the replicas, so each replica's sum is multiplied by their number: the reduced
 gradient is the gradient of the loss summed over the whole call, as Tinker defines it. Gradients are not applied:
 they accumulate on the engine, call after call, and the :class:`ServedModel` remembers how many backward passes
@@ -19,7 +19,9 @@ gradients in DeepSpeed's own buffers) a failed call discards every adapter's, an
 with it is told at its next call, which is refused once; ``optim_step(adapter=X)`` is refused while another
 adapter's gradients are pending. ``update`` is refused while gradients are pending.
 
-This module does not check the client's data (:mod:`llmrl.engine.requests.datums` does) nor choose a loss.
+This module does not check the client's data (:mod:`llmrl.engine.requests.datums` does) nor choose a loss, and it
+reads no request: the request kinds (:mod:`llmrl.engine.requests.forward_backward`, ``optim_step``) unpack theirs
+into plain arguments.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 from llmrl.engine.model.training.trainer import END, EngineTrainer
-from llmrl.plugins.rl_math import token_loss
+from llmrl.engine.token_losses import token_loss
 
 
 def _trainer(served: ServedModel, what: str) -> EngineTrainer:
@@ -112,37 +114,39 @@ def _refuse_discarded(served: ServedModel, adapters) -> None:
         raise ValueError("; ".join(told))
 
 
-def forward_backward(served: ServedModel, request) -> dict:
-    """One replica's share of a ``forward_backward`` (``request.backward``) or ``forward`` call: per sequence, the
-    log-probs of its targets and their per-token losses, and the share's summed loss."""
-    what = "forward_backward" if request.backward else "forward"
-    trained = request.adapter or served.active_adapter()
+def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[dict[str, list[float]]],
+                     loss_fn: str | None, loss_fn_config: dict, backward: bool, adapter: str | None) -> dict:
+    """One replica's share of a ``forward_backward`` (``backward``) or ``forward`` call: per sequence (its
+    ``tokens`` and its per-token loss ``inputs``), the log-probs of its targets and their per-token losses under
+    ``loss_fn`` (None: log-probs only), and the share's summed loss."""
+    what = "forward_backward" if backward else "forward"
+    trained = adapter or served.active_adapter()
     if served.llm.type != "causal":
         raise ValueError(f"{what} reads next-token log-probs of a causal model; LLM {served.llm.name!r} is "
                          f"{served.llm.type}")
-    if request.backward:
-        _refuse_discarded(served, [request.adapter or served.active_adapter()])
-    trainer = _trainer(served, what) if request.backward else EngineTrainer(served)
+    if backward:
+        _refuse_discarded(served, [adapter or served.active_adapter()])
+    trainer = _trainer(served, what) if backward else EngineTrainer(served)
     trainer.trained_adapters = set()  # this call's
-    contexts = [seq.tokens[:1] for seq in request.sequences]
-    candidates = [[seq.tokens[1:]] for seq in request.sequences]
+    contexts = [seq[:1] for seq in tokens]
+    candidates = [[seq[1:]] for seq in tokens]
     try:
-        with torch.set_grad_enabled(request.backward), frozen_linears(served.module):  # its backward pass too
-            out = trainer.forward(contexts, candidates, peft_adapter=request.adapter, per_token=True)
+        with torch.set_grad_enabled(backward), frozen_linears(served.module):  # its backward pass too
+            out = trainer.forward(contexts, candidates, peft_adapter=adapter, per_token=True)
             logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
-            losses = [token_loss(request.loss_fn, lp, _tensors(seq.inputs, lp.device), request.loss_fn_config)
-                      for lp, seq in zip(logprobs, request.sequences)] if request.loss_fn is not None else []
+            losses = [token_loss(loss_fn, lp, _tensors(given, lp.device), loss_fn_config)
+                      for lp, given in zip(logprobs, inputs)] if loss_fn is not None else []
             total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
-            if request.backward:
+            if backward:
                 trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
         trainer._check_peers(True, END)
     except PeerAborted as err:
-        raise _noted(err, _discard(served, trainer, trained)) if request.backward else err  # noqa: B904 - completed
+        raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
     except Exception as err:
         if not trainer.failed_vote_cast:
             trainer._check_peers(False, END)
-        raise _noted(err, _discard(served, trainer, trained)) if request.backward else err  # noqa: B904 - completed
-    if request.backward:
+        raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
+    if backward:
         served.pending_backwards += 1
         for adapter in trainer.trained_adapters or {None}:
             served.pending_adapters[adapter] = served.pending_adapters.get(adapter, 0) + 1
