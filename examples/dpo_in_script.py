@@ -34,6 +34,7 @@ from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS, before_after_bar
 
 from llmrl import Caller, completion_datum  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 
 GOOD = ["wonderful", "great", "lovely", "excellent", "delightful", "fantastic", "pleasant", "superb"]
 BAD = ["terrible", "awful", "horrible", "dreadful", "miserable", "disappointing", "unpleasant", "boring"]
@@ -127,7 +128,8 @@ def main() -> None:
           flush=True)
     write_metrics(history, os.path.join(args.out, "metrics.csv"))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"args": vars(args), "before": before, "after": after, "wall_seconds": wall, "history": history},
+        json.dump({"provenance": run_provenance(),
+                   "args": vars(args), "before": before, "after": after, "wall_seconds": wall, "history": history},
                   f, indent=2)
     plot(history, before, after, os.path.join(args.out, "curve.png"))
 

@@ -32,6 +32,7 @@ from rlhf_sentiment import Reward, before_after_bars, build_prompts, mean_ci, wr
 
 from llmrl import Caller  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,7 +154,8 @@ def main() -> None:
     wall = time.time() - start
     write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = after["ci95"][0] > before["ci95"][1]
-    summary = {"args": vars(args), "pairs": pair_stats, "before": before, "after": after,
+    summary = {"provenance": run_provenance(),
+               "args": vars(args), "pairs": pair_stats, "before": before, "after": after,
                "improvement_significant": significant, "wall_seconds": wall, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

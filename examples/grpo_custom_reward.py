@@ -46,6 +46,7 @@ from dataclass_flags import flags_parser  # the examples' folder: on the path as
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
+from llmrl.engine.provenance import run_provenance
 
 
 @dataclass
@@ -252,7 +253,8 @@ def main() -> None:
     significant = after["ci95"][0] > before["ci95"][1]
     pairs = [{"prompt": r["prompt"], "before": b, "after": a}
              for r, b, a in zip(held_out, before["completions"], after["completions"])]
-    summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
+    summary = {"provenance": run_provenance(),
+               "args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
                "wall_seconds": wall, "pairs": pairs, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

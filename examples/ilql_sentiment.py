@@ -33,6 +33,7 @@ from rlhf_sentiment import Reward, build_prompts, mean_ci, write_metrics  # noqa
 
 from llmrl import Caller  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,7 +143,8 @@ def main() -> None:
     wall = time.time() - start
     write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = best["ci95"][0] > before["ci95"][1]
-    summary = {"args": vars(args), "dataset": data_stats, "before": before, "after": evaluations[1:],
+    summary = {"provenance": run_provenance(),
+               "args": vars(args), "dataset": data_stats, "before": before, "after": evaluations[1:],
                "best_after": best["label"], "improvement_significant": significant, "wall_seconds": wall,
                "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:

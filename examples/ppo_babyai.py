@@ -33,6 +33,7 @@ from dataclass_flags import flags_parser  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 from llmrl.plugins.rl_math import gae  # noqa: E402
 
 
@@ -253,7 +254,8 @@ def main() -> None:
             writer_csv.writeheader()
             writer_csv.writerows(history)
     significant = after["ci95"][0] > before["ci95"][1]
-    summary = {"args": asdict(args), "before": before, "after": after, "wall_seconds": wall,
+    summary = {"provenance": run_provenance(),
+               "args": asdict(args), "before": before, "after": after, "wall_seconds": wall,
                "improvement_significant": significant, "reuse": reuse, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

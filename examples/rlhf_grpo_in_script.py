@@ -33,6 +33,7 @@ from rlhf_sentiment import Reward, build_prompts, evaluate, plot, write_metrics 
 
 from llmrl import Caller, completion_datum  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 
 
 @dataclass
@@ -121,7 +122,8 @@ def main() -> None:
     wall = time.time() - start
     write_metrics(history, os.path.join(args.out, "metrics.csv"))
     significant = after["ci95"][0] > before["ci95"][1]
-    summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
+    summary = {"provenance": run_provenance(),
+               "args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
                "wall_seconds": wall, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -41,6 +41,7 @@ from dataclass_flags import flags_parser  # the examples' folder: on the path as
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
+from llmrl.engine.provenance import run_provenance
 
 SUBJECTS = ["movie", "weather", "new phone", "restaurant", "train ride", "book", "meeting", "concert", "hotel",
             "neighbourhood", "football game", "lecture", "coffee", "museum", "flight", "apartment", "garden",
@@ -248,7 +249,8 @@ def main() -> None:
     kls = [row["kl"] for row in history if "kl" in row]
     pairs = [{"prompt": p, "before": b, "after": a}
              for p, b, a in zip(held_out, before["continuations"], after["continuations"])]
-    summary = {"args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
+    summary = {"provenance": run_provenance(),
+               "args": asdict(args), "before": before, "after": after, "improvement_significant": significant,
                "final_kl": kls[-1] if kls else None, "max_kl": max(kls) if kls else None,
                "wall_seconds": wall, "matmul_gflops_2_threads": gflops, "pairs": pairs, "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:

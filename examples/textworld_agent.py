@@ -35,6 +35,7 @@ from tqdm import tqdm  # noqa: E402
 
 from llmrl import Caller, episode_batch  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402
+from llmrl.engine.provenance import run_provenance  # noqa: E402
 
 SYSTEM = "You play a text adventure game. Reply with exactly one of the listed commands."
 
@@ -223,7 +224,8 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(history)
     significant = after["ci95"][0] > before["ci95"][1]
-    summary = {"args": asdict(args), "before": before, "after": after, "evaluations": evaluations,
+    summary = {"provenance": run_provenance(),
+               "args": asdict(args), "before": before, "after": after, "evaluations": evaluations,
                "improvement_significant": significant, "wall_seconds": wall, "game_generation_seconds": generated,
                "history": history}
     with open(os.path.join(args.out, "summary.json"), "w") as f:

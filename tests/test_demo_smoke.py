@@ -235,3 +235,4 @@ def test_grpo_with_your_own_prompts_and_reward_quick(tmp_path, tiny):
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and all(float(row["completions"]) == 4 for row in rows)  # 2 prompts x 2 completions
     assert (out / "curve.png").stat().st_size > 0
+    assert {"date", "commit", "hardware", "versions"} <= set(summary["provenance"])

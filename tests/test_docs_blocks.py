@@ -1,7 +1,8 @@
 """The code in README.md and docs/ cannot rot: every YAML block is a config (or a config's section) that the schema and
 the named plugins accept, every Python block compiles, and every command that names a config, a script or an example
 names a file that exists. Full scripts and configs are shipped files the docs point to (their own tests run them);
-``test_porting_doc.py`` checks the blocks that copy them.
+``test_porting_doc.py`` checks the blocks that copy them. And a run records where and when it was measured, which
+the results page shows beside its numbers.
 
 Reference: the config loader itself (:func:`llmrl.engine.config.load_config`), Python's compiler, the file tree."""
 
@@ -72,3 +73,20 @@ def test_the_checks_find_what_they_check():
     assert len(YAML_BLOCKS) >= 5 and len(PYTHON_BLOCKS) >= 10
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert {"configs/ppo-babyai.yaml", "examples/ppo_babyai.py"} <= set(SHIPPED_PATH.findall(readme))
+
+
+def test_a_run_records_where_and_when_it_was_measured():
+    """The provenance the examples write into their summary.json (and the results page shows): today's date, this
+    checkout's commit (git's own answer), this machine's CPU and usable cores, the installed versions."""
+    import datetime
+    import subprocess
+
+    from llmrl.engine.provenance import run_provenance
+
+    found = run_provenance()
+    assert found["date"].startswith(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert found["commit"].split("+")[0] == head.stdout.strip()
+    assert found["hardware"].endswith(f", {len(os.sched_getaffinity(0))} cores")
+    assert set(found["versions"]) >= {"llmrl", "torch", "transformers"}
