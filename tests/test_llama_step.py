@@ -177,8 +177,6 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
 
-    from llmrl.engine.model.decoding import llama_step
-
     tok = reference_models["llama"][1]
     model = family("llama", len(tok))
     original = modeling_llama.LlamaMLP.forward
@@ -203,7 +201,6 @@ def test_code_patched_into_transformers_or_a_module_left_training_sends_the_step
         forward = original
 
     monkeypatch.setattr(modeling_llama, "LlamaMLP", Fused)
-    monkeypatch.setattr(llama_step, "_families", functools.cache(llama_step._families.__wrapped__))
     for layer in model.model.layers:
         layer.mlp.__class__ = Fused
     assert f"Fused (a class of {__name__}) patched" in LlamaStep.why_not(model, 64)

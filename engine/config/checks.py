@@ -260,8 +260,6 @@ def auto_device_problems(data: dict, gpu_count: int, single_node: bool | None = 
             for name, top in highest.items() if top >= gpu_count]
 
 
-# model types whose positions are relative (no table to index past): their n_positions is no input limit
-RELATIVE_POSITION_TYPES = ("t5", "mt5", "umt5", "longt5")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # max_input_length reads them too
 
 
@@ -272,7 +270,11 @@ def position_limit_problem(at: str, llm: dict) -> Problem | None:
     if max_length is None:
         return None
     config = _model_config_json(llm)
-    if not isinstance(config, dict) or config.get("model_type") in RELATIVE_POSITION_TYPES:
+    if not isinstance(config, dict):
+        return None
+    from llmrl.engine.model.families import family_of
+
+    if family_of(config).relative_positions:  # no table to index past: their n_positions is no input limit
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     kwargs = llm.get("model_kwargs") or {}
@@ -352,8 +354,10 @@ def _tensor_parallel_problems(at: str, llm: dict, tp: int) -> list[Problem]:
     if hf_config is None:
         return []
     problems = []
+    from llmrl.engine.model.families import family_of
+
     model_type = getattr(hf_config, "model_type", "?")
-    if model_type in ("gpt2", "gpt_bigcode"):
+    if not family_of(model_type).autotp:
         problems.append((f"{at}.tensor_parallel", f"DeepSpeed AutoTP does not support {model_type} models; "
                          "use tensor_parallel: 1 (replicas work) or a Llama/Qwen/Mistral/OPT/T5-family model"))
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -26,12 +26,10 @@ cache cannot repeat a context's rows). This module reads configs; it runs nothin
 
 from __future__ import annotations
 
+from llmrl.engine.model.families import family_of
+
 _ATTENTION_LAYERS = {"full_attention", "attention", "global"}
 _WINDOWED_LAYERS = {"sliding_attention", "chunked_attention", "local"}
-_RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe",
-                    "jamba", "zamba", "zamba2", "falcon_h1", "bamba", "granitemoehybrid", "qwen3_next", "nemotron_h",
-                    "plamo2", "minimax"}
-_ALIBI_TYPES = ("mpt", "bloom")
 
 
 def _text(config):
@@ -61,7 +59,8 @@ def keeps_state_outside_attention(config) -> bool:
     recurrent layers): such a cache cannot repeat a context's rows for its candidates, so contexts are not shared."""
     text = _text(config)
     model_type = str(getattr(text, "model_type", "") or "")
-    return model_type in _RECURRENT_TYPES or bool(_layer_kinds(text) - _ATTENTION_LAYERS - _WINDOWED_LAYERS)
+    other_kinds = _layer_kinds(text) - _ATTENTION_LAYERS - _WINDOWED_LAYERS
+    return family_of(model_type).state_outside_attention or bool(other_kinds)
 
 
 def why_not_whole_context(config, *, across_calls: bool = False) -> str | None:
@@ -77,7 +76,7 @@ def why_not_whole_context(config, *, across_calls: bool = False) -> str | None:
     longest = getattr(text, "max_position_embeddings", None) or 2**62  # (Phi-3.5's 262,144 window never bites)
     if slides_within(text, longest) or kinds & _WINDOWED_LAYERS or getattr(text, "attention_chunk_size", None):
         return "attention over a sliding window or chunks on some layers"
-    if model_type in _ALIBI_TYPES or getattr(text, "alibi", False):
+    if family_of(model_type).alibi or getattr(text, "alibi", False):
         return "ALiBi position biases"
     varying = _rope_types(text) & {"longrope", "dynamic"}
     if across_calls and varying:

@@ -14,6 +14,8 @@ This module decides nothing else; it runs no model.
 
 from __future__ import annotations
 
+from llmrl.engine.model.families import family_of
+
 # Arguments whose meaning the loop reproduces: the length limits, the sampling settings (applied by Hugging Face's
 # own processors, built from them), the special tokens and the row count.
 TAKEN = frozenset({
@@ -62,18 +64,15 @@ def why_not(kind: str, kwargs: dict, *, stepwise: bool, synced: bool, zero3: boo
     return None
 
 
-# Model types whose layers read ``layer_types`` (built from ``use_sliding_window`` and ``max_window_layers``); others,
-# Mistral among them, apply a configured window to every layer whatever those fields say
-_WINDOW_BY_LAYER_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-
-
 def slides_within(config, length: int) -> bool:
     """Whether some attention layer of the model sees only a sliding window shorter than ``length`` tokens."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
     if not window or window >= length:
         return False
-    if getattr(text, "model_type", None) not in _WINDOW_BY_LAYER_TYPES:
+    # a family whose layers read ``layer_types`` (built from ``use_sliding_window`` and ``max_window_layers``); others,
+    # Mistral among them, apply a configured window to every layer whatever those fields say
+    if not family_of(getattr(text, "model_type", None)).window_by_layer_types:
         return True
     kinds = getattr(text, "layer_types", None)
     return "sliding_attention" in kinds if kinds is not None else bool(getattr(text, "use_sliding_window", True))

@@ -3,7 +3,8 @@
 On a CPU a decode step of a small model is its weight matmuls plus, around them, Hugging Face's module machinery:
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
-(:data:`FAMILIES`: Llama, Mistral, Qwen2 and Qwen3, their own classes), :class:`LlamaStep` runs each decode step
+(the families whose record names their classes, :func:`~llmrl.engine.model.families.step_families`: Llama,
+Mistral, Qwen2 and Qwen3), :class:`LlamaStep` runs each decode step
 (one token per row) as the same operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
     rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head), the MLP
@@ -31,28 +32,10 @@ runs through Hugging Face's forward. This module computes steps; it does not cho
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
-
-# transformers.models.<key>: class prefix (Qwen3's attention also normalises each query and key head)
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-
-
-@functools.cache
-def _families() -> dict:
-    """Each family's ``ForCausalLM`` class -> its base model, decoder layer, attention, MLP and norm classes: the
-    classes (not names) whose computation this module writes out."""
-    import importlib
-
-    out = {}
-    for key, prefix in FAMILIES.items():
-        module = importlib.import_module(f"transformers.models.{key}.modeling_{key}")
-        out[getattr(module, prefix + "ForCausalLM")] = tuple(
-            getattr(module, prefix + suffix) for suffix in ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
-    return out
+from llmrl.engine.model.families import step_families
 
 
 def _head_norms(attention) -> list:
@@ -173,10 +156,12 @@ class LlamaStep:
     def why_not(model, length: int, trunk=None) -> str | None:
         """None when this module computes ``model``'s decode steps for a batch of ``length`` positions; else why
         not. ``trunk``: the frozen trunk whose hook on its depth's layer is expected."""
-        classes = _families().get(type(model))
-        if classes is None:
+        served = step_families()
+        found = served.get(type(model))
+        if found is None:
             return (f"a model of class {type(model).__name__} (this step computes "
-                    f"{', '.join(p + 'ForCausalLM' for p in FAMILIES.values())})")
+                    f"{', '.join(cls.__name__ for cls in served)})")
+        classes = found[1:]  # the base model, decoder layer, attention, MLP and norm classes
         base, decoder_layer, attention, mlp, norm = classes
         inner = model.model
         if type(inner) is not base or type(inner.norm) is not norm or any(

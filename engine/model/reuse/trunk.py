@@ -14,8 +14,9 @@ its first pass, or not at all when this LLM generated them: llmrl's decoding loo
 sampled tokens (:meth:`Trunk.record_decoded`). Replay is off for passes that ask for hidden states of the bottom layers
 (they are not computed), and the skipped layers still add a placeholder to the key/value cache so that the cache length
 the model derives positions and masks from stays right. The states never need invalidating: what they depend on never
-changes. Supported: decoder-only models whose layers sit in ``<model>.model.layers`` and take the hidden states as first
-argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor parallelism (checked by the backend).
+changes. Supported: decoder-only models whose layers sit where their family's record says (``trunk_layers``:
+``<model>.model.layers`` unless it says otherwise, :mod:`~llmrl.engine.model.families`) and take the hidden states as
+first argument (Llama, Qwen2, Mistral, SmolLM, ...), ZeRO stages 0-2, no tensor parallelism (checked by the backend).
 
 Every model call of a scoring pass goes through :func:`make_caller`, told which token paths each row of the call
 computes (:class:`TrunkRow`, built by :func:`common_rows`, :func:`own_rows`, :func:`candidate_rows`); without a
@@ -31,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from llmrl.engine.model.families import family_of
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of, layer_cache
 from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache
 
@@ -84,9 +86,15 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def decoder_layers(model):
-    """The model's list of decoder layers (under PEFT wrappers), or None when it is not where we look."""
+    """The model's list of decoder layers (under PEFT wrappers), or None when it is not where its family's record
+    says (``trunk_layers``: ``model.layers`` for a model type no family claims; None, not served)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", None), "layers", None)
+    path = family_of(base).trunk_layers
+    if path is None:
+        return None
+    layers = base
+    for name in path.split("."):
+        layers = getattr(layers, name, None)
     return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0 else None
 
 

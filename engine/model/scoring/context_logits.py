@@ -7,7 +7,7 @@ context cost one output-layer call on ``[n_contexts, H]``, whatever the candidat
 ``model(ids).logits[:, -1]`` (seq2seq: of the decoder's first position). Models whose forward changes the logits
 after the output layer (soft-capping, a logit scale) or whose last hidden state is not the output layer's input are
 refused by name (:func:`context_logits_problem`) rather than served approximately: only the families listed in
-:data:`~llmrl.engine.model.scoring.vocab_chunks.PLAIN_OUTPUT_MODELS` are served (Llama, GPT-2 and T5 are tested against
+with ``plain_output`` in :mod:`~llmrl.engine.model.families` are served (Llama, GPT-2 and T5 are tested against
 plain Hugging Face).
 
 This module makes one output-layer call and nothing else; which positions are the contexts' last is the scoring
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from llmrl.engine.model.families import family_of, model_types_where
 from llmrl.engine.model.scoring.normalise import at_least_float32
-from llmrl.engine.model.scoring.vocab_chunks import PLAIN_OUTPUT_MODELS, output_layer
+from llmrl.engine.model.scoring.vocab_chunks import output_layer
 
 
 def _base_config(model):
@@ -38,8 +39,9 @@ def context_logits_problem(model) -> str | None:
     """Why the logits after a context cannot be computed exactly for ``model`` from its last hidden state, or None."""
     config = _base_config(model)
     kind = getattr(config, "model_type", None)
-    if kind not in PLAIN_OUTPUT_MODELS:
-        return (f"the logits after the context are served for the model types {', '.join(PLAIN_OUTPUT_MODELS)}, "
+    if not family_of(kind).plain_output:
+        served = ", ".join(model_types_where("plain_output"))
+        return (f"the logits after the context are served for the model types {served}, "
                 f"not {kind!r} (its logits may not be its output layer applied to the last hidden state); score "
                 "candidates=[[\"\"]] with add_eos=True and a token-level head with needs_logits instead")
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):

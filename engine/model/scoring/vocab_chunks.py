@@ -17,7 +17,8 @@ The values are those of the full logits, to float32 rounding (a chunk's matrix p
 ``score`` requests keep the logits of their model calls: their log-probs stay bit-equal to ``generate``'s. Used only
 where it is exact and possible
 (:func:`applies`): models whose logits are exactly the output layer applied to the last hidden state (no soft-capping
-or scaling after it: Llama, Mistral, Qwen2/3, Phi-3, GPT-2, T5), an output layer that is a plain ``nn.Linear``,
+or scaling after it: the families with ``plain_output``, :mod:`~llmrl.engine.model.families`: Llama, Mistral,
+Qwen2/3, Phi-3, GPT-2, T5), an output layer that is a plain ``nn.Linear``,
 weights not partitioned (ZeRO-3 gathers a module's weights only inside its own calls, which would differ between
 replicas), and no head asking for the logits. Elsewhere passes keep logits as before. This module makes no model
 call of its own besides the output layer.
@@ -30,10 +31,9 @@ import contextlib
 import torch
 
 from llmrl.engine.model import cpu_matmul
+from llmrl.engine.model.families import family_of
 from llmrl.engine.model.scoring.normalise import at_least_float32
 
-# Model types whose forward returns lm_head(last hidden state) as the logits, unchanged.
-PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5")
 # rows are normalised in chunks of at most this many logits: 32 MiB in float32, the largest block a server rank's
 # allocator keeps for reuse (host_malloc: reuse), so a chunk's logits are not page-faulted in afresh at every chunk
 # (benchmarks.trunk_update, the demo's update: 2.78 s against 2.94 s with 64 MiB chunks, one after the other)
@@ -60,7 +60,7 @@ def applies(model, token_logits: bool) -> bool:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
-    if getattr(config, "model_type", None) not in PLAIN_OUTPUT_MODELS:
+    if not family_of(getattr(config, "model_type", None)).plain_output:
         return False
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return False
