@@ -227,4 +227,5 @@ def _each(value, fn):
     return {k: fn(v) for k, v in value.items()} if isinstance(value, dict) else fn(value)
 
 
-KIND = Kind(NAME, ScoreRequest, handle)
+KIND = Kind(name=NAME, payload=ScoreRequest, send=send, handle=handle, backend_method="score",
+            caller_methods=("score_async", "score", "custom_module_fns_async", "custom_module_fns"))
