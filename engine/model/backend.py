@@ -9,13 +9,16 @@ keeps derived state (a key/value cache that lives across calls, a separate gener
 must follow) overrides it. ``llms.<name>.backend`` names the implementation in :data:`BACKENDS`; adding one is
 a new module plus a line here and a value in the config schema's enum.
 
-This module defines the interface only; :mod:`llmrl.engine.model.hf_backend` implements it.
+Every request method takes plain arguments (and :class:`ScoreOptions`, a scoring pass's options): a request
+kind's handler unpacks its payload, and this layer never sees one. This module defines the interface only;
+:mod:`llmrl.engine.model.hf_backend` implements it.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +32,16 @@ if TYPE_CHECKING:
     from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
 
 BACKENDS = {"hf": "llmrl.engine.model.hf_backend:HFBackend"}
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """The options of a scoring pass beyond its inputs, heads, adapter and minibatch size."""
+
+    per_token: bool = False  # fill the outputs' per-token log-probs
+    entropy: bool = False  # and per-token entropies
+    add_eos: bool = False  # end every candidate with the EOS token
+    head_kwargs: dict | None = None  # keyword arguments for the heads' forward
 
 
 class ModelBackend(ABC):
@@ -61,11 +74,9 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def score(self, contexts: list, candidates: list | None, heads: tuple[str, ...], adapter: str | None,
-              minibatch_size: int | None, *, per_token: bool = False, entropy: bool = False,
-              add_eos: bool = False) -> ForwardOutputs:
+              minibatch_size: int | None, options: ScoreOptions) -> ForwardOutputs:
         """Score candidates and run heads without gradients (collective under lockstep). Contexts and candidates
-        are strings or token id lists; ``per_token`` / ``entropy`` fill the outputs' per-token tensors;
-        ``add_eos`` ends every candidate with the EOS token."""
+        are strings or token id lists; ``options`` says what else the pass keeps or adds."""
 
     @abstractmethod
     def tokenize(self, contexts: list, candidates: list | None) -> TokenPlan:

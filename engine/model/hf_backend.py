@@ -177,9 +177,11 @@ class HFBackend(ModelBackend):
 
     # ------------------------------------------------------------------ requests
 
-    def score(self, contexts, candidates, heads, adapter, minibatch_size, **options):
+    def score(self, contexts, candidates, heads, adapter, minibatch_size, options):
         plan, extra = plan_and_agree(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                                     must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache, **options)
+                                     must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache,
+                                     per_token=options.per_token, entropy=options.entropy, add_eos=options.add_eos,
+                                     head_kwargs=options.head_kwargs)
         with torch.no_grad(), gathered_weights(self.served.engine, self.llm.training.zero3_gather_mb):
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 

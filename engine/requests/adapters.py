@@ -90,4 +90,6 @@ def handle(replica, request: AdapterRequest):
     return result if replica.answers else None
 
 
-KIND = Kind(NAME, AdapterRequest, handle)
+KIND = Kind(name=NAME, payload=AdapterRequest, send=send, handle=handle, backend_method="manage_adapters",
+            caller_methods=("snapshot", "drop_snapshot", "create_adapter", "delete_adapter", "save_adapter",
+                            "load_adapter"))

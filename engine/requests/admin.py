@@ -60,6 +60,9 @@ def handle_stats(replica, request: StatsRequest):
             "threads": torch.get_num_threads()}
 
 
-KINDS = (Kind(SETUP, SetupRequest, handle_setup, needs_setup=False),
-         Kind(PING, PingRequest, handle_ping, needs_setup=False),
-         Kind(STATS, StatsRequest, handle_stats, needs_setup=False))
+KINDS = (Kind(name=SETUP, payload=SetupRequest, send=send_setup, handle=handle_setup, backend_method=None,
+              caller_methods=("__init__",), needs_setup=False),
+         Kind(name=PING, payload=PingRequest, send=send_ping, handle=handle_ping, backend_method=None,
+              caller_methods=("ping",), needs_setup=False),
+         Kind(name=STATS, payload=StatsRequest, send=send_stats, handle=handle_stats, backend_method="memory",
+              caller_methods=("server_memory",), needs_setup=False))

@@ -3,8 +3,10 @@ client side of a kind may use of the run.
 
 A request kind is declared once, in its own module of this package: a payload dataclass (what one rank
 receives), a client half (``send``: check, split across replicas, assemble the replies into what the
-Caller returns) and a server half (``handle``: run it on a rank's :class:`~llmrl.engine.server.replica.Replica`).
-:class:`Kind` ties the name, the payload type and the handler together for the server's dispatch.
+Caller returns) and a server half (``handle``: run it on a rank's :class:`~llmrl.engine.server.replica.Replica`,
+unpacking the payload into plain arguments for one backend method). :class:`Kind` is that declaration: the
+name, the payload type, both halves, the :class:`~llmrl.engine.model.backend.ModelBackend` method the handler
+calls and the Caller methods that send the kind; ``tests/test_request_kinds.py`` checks each against the code.
 
 Splitting comes in two grains. Whole inputs: :func:`split_evenly` / :func:`split_by_cost` give each replica a
 contiguous range of inputs (:func:`replica_parts`). Pieces of inputs: one input (a context) may be cut into
@@ -27,13 +29,16 @@ from llmrl.engine.config import Config
 Part = tuple[list[int], Any]  # the ranks that receive one payload, and that payload
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Kind:
-    """A request kind as the server sees it."""
+    """A request kind, declared in its own module and named in :data:`llmrl.engine.requests.KINDS`."""
 
     name: str
     payload: type  # the dataclass every rank of the kind receives
-    handle: Callable[[Any, Any], Any]  # handle(replica, payload) -> value (None on ranks that do not answer)
+    send: Callable[..., Future]  # client half: send(run, ...) -> future of what the Caller returns
+    handle: Callable[[Any, Any], Any]  # server half: handle(replica, payload) -> value (None on non-answering ranks)
+    backend_method: str | None  # the ModelBackend method ``handle`` calls (None: it calls none)
+    caller_methods: tuple[str, ...]  # the Caller methods that send this kind (and only they do)
     needs_setup: bool = True  # refused until the client's Caller has set the servers up
 
 

@@ -66,4 +66,6 @@ def handle(replica, request: ForwardBackwardRequest):
     return result if replica.answers else None
 
 
-KIND = Kind(NAME, ForwardBackwardRequest, handle)
+KIND = Kind(name=NAME, payload=ForwardBackwardRequest, send=send, handle=handle, backend_method="forward_backward",
+            caller_methods=("forward_backward_async", "forward_backward", "forward_async", "forward",
+                            "forward_backward_custom"))

@@ -175,4 +175,5 @@ def handle(replica, request: GenerateRequest):
     return results if replica.answers else None
 
 
-KIND = Kind(NAME, GenerateRequest, handle)
+KIND = Kind(name=NAME, payload=GenerateRequest, send=send, handle=handle, backend_method="generate",
+            caller_methods=("generate_async", "generate"))

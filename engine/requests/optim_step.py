@@ -99,4 +99,5 @@ def handle(replica, request: OptimStepRequest):
     return result if replica.answers else None
 
 
-KIND = Kind(NAME, OptimStepRequest, handle)
+KIND = Kind(name=NAME, payload=OptimStepRequest, send=send, handle=handle, backend_method="optim_step",
+            caller_methods=("optim_step_async", "optim_step"))

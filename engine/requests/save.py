@@ -30,4 +30,4 @@ def handle(replica, request: SaveRequest):
     return True
 
 
-KIND = Kind(NAME, SaveRequest, handle)
+KIND = Kind(name=NAME, payload=SaveRequest, send=send, handle=handle, backend_method="save", caller_methods=("save",))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from llmrl.engine.model.backend import ScoreOptions
 from llmrl.engine.requests.base import (
     Kind,
     Piece,
@@ -189,9 +190,10 @@ def _size(item) -> int:
 
 
 def handle(replica, request: ScoreRequest):
+    options = ScoreOptions(per_token=request.per_token, entropy=request.entropy, add_eos=request.add_eos,
+                           head_kwargs=request.head_kwargs)
     out = replica.backend.score(request.contexts, request.candidates, request.heads, request.peft_adapter,
-                                request.minibatch_size, per_token=request.per_token, entropy=request.entropy,
-                                add_eos=request.add_eos, head_kwargs=request.head_kwargs)
+                                request.minibatch_size, options)
     if not replica.answers:
         return None
     scores = out.candidate_scores.detach().float().cpu()
@@ -227,4 +229,5 @@ def _each(value, fn):
     return {k: fn(v) for k, v in value.items()} if isinstance(value, dict) else fn(value)
 
 
-KIND = Kind(NAME, ScoreRequest, handle)
+KIND = Kind(name=NAME, payload=ScoreRequest, send=send, handle=handle, backend_method="score",
+            caller_methods=("score_async", "score", "custom_module_fns_async", "custom_module_fns"))

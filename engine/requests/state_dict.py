@@ -38,4 +38,5 @@ def handle(replica, request: StateDictRequest):
     return replica.backend.state_dict(request.prefix, request.own_replica)
 
 
-KIND = Kind(NAME, StateDictRequest, handle)
+KIND = Kind(name=NAME, payload=StateDictRequest, send=send, handle=handle, backend_method="state_dict",
+            caller_methods=("state_dict",))

@@ -43,4 +43,5 @@ def handle(replica, request: TokenizeRequest):
     return out
 
 
-KIND = Kind(NAME, TokenizeRequest, handle)
+KIND = Kind(name=NAME, payload=TokenizeRequest, send=send, handle=handle, backend_method="tokenize",
+            caller_methods=("tokenize",))

@@ -115,4 +115,5 @@ def handle(replica, request: UpdateRequest):
     return stats if replica.answers else None
 
 
-KIND = Kind(NAME, UpdateRequest, handle)
+KIND = Kind(name=NAME, payload=UpdateRequest, send=send, handle=handle, backend_method="update",
+            caller_methods=("update_async", "update"))
