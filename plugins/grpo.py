@@ -31,8 +31,8 @@ Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group sta
 ``approx_kl`` (old to new policy), ``clip_fraction``, ``entropy`` (when ``entropy_coef`` is set), ``tokens``,
 ``samples``. This module is the algorithm: the steps above and the loss of a minibatch
 (:func:`grpo_token_losses`); the maths is in :mod:`llmrl.plugins.rl_math` (:func:`group_advantages`,
-:func:`clipped_surrogate`, :func:`kl_k3`, the per-prompt means), the input checks and the first pass in
-:mod:`llmrl.plugins.rollouts`; all are tested against hand-computed values.
+:func:`clipped_surrogate`, :func:`kl_k3`, :func:`aggregate` for the normalisations), the input checks and the
+first pass in :mod:`llmrl.plugins.rollouts`; all are tested against hand-computed values.
 """
 
 from __future__ import annotations
@@ -40,15 +40,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.rl_math import (
-    approx_kl,
-    clipped_surrogate,
-    group_advantages,
-    kl_k3,
-    per_prompt_mean,
-    per_prompt_token_mean,
-    sequence_mean,
-)
+from llmrl.plugins.rl_math import aggregate, approx_kl, clipped_surrogate, group_advantages, kl_k3
 from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
 from llmrl.plugins.updater_args import describe, updater_schema
 
@@ -150,10 +142,12 @@ class GRPOUpdater(ShufflingUpdater):
                 entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
                 if entropy is not None:
                     per_token = per_token - self.entropy_coef * entropy
-                if self.loss == "batch_token":
-                    loss = (per_token * mask).sum() * (mb.num_replicas / max(next(step_tokens), 1.0))
+                if self.loss == "batch_token":  # the step's token mean, already whole
+                    loss = aggregate(per_token, mask, "batch_token", out.candidate_context, out.num_contexts,
+                                     step_tokens=next(step_tokens), num_replicas=mb.num_replicas)
                 else:
-                    loss = mb.mean(self._per_prompt(per_token, mask, out))
+                    loss = mb.mean(aggregate(per_token, mask, self.loss, out.candidate_context, out.num_contexts,
+                                             max_new_tokens=self.max_new_tokens))
                 trainer.backward(loss)
                 trainer.step()
                 real = mask.float()
@@ -168,14 +162,6 @@ class GRPOUpdater(ShufflingUpdater):
                      kl=kl_sum / max(continuations, 1),
                      tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch))
         return stats
-
-    def _per_prompt(self, per_token: torch.Tensor, mask: torch.Tensor, out) -> torch.Tensor:
-        if self.loss == "sequence":
-            return per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
-        if self.loss == "fixed_length":
-            per_continuation = (per_token * mask.to(per_token.dtype)).sum(1) / self.max_new_tokens
-            return per_prompt_mean(per_continuation, out.candidate_context, out.num_contexts)
-        return per_prompt_token_mean(per_token, mask, out.candidate_context, out.num_contexts)
 
     def _check_lengths(self, batch: UpdateBatch, prompts: list) -> None:
         """``fixed_length`` divides by ``max_new_tokens``: a longer continuation means the two disagree."""

@@ -59,13 +59,12 @@ import torch
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import (
     AdaptiveKL,
+    aggregate,
     approx_kl,
     clipped_surrogate,
     kl_penalised_rewards,
     mean_and_std,
-    per_prompt_mean,
     refuse_whitening_one,
-    sequence_mean,
     token_gae,
     value_loss,
     whiten,
@@ -229,7 +228,7 @@ class PPOTokensUpdater(ShufflingUpdater):
                 per_token = terms.policy + self.value_coef * terms.value
                 if self.entropy_coef != 0:
                     per_token = per_token - self.entropy_coef * entropy
-                per_prompt = per_prompt_mean(sequence_mean(per_token, mask), out.candidate_context, out.num_contexts)
+                per_prompt = aggregate(per_token, mask, "sequence", out.candidate_context, out.num_contexts)
                 trainer.backward(mb.mean(per_prompt))
                 trainer.step()
                 real = mask.float()

@@ -16,7 +16,7 @@ Statistics per replica: ``loss`` (mean negative log-likelihood per target token)
 from __future__ import annotations
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.rl_math import per_prompt_mean, sequence_mean
+from llmrl.plugins.rl_math import aggregate
 from llmrl.plugins.update_batch import check_token_count, sample_token_counts
 from llmrl.plugins.updater_args import describe, updater_schema
 
@@ -58,11 +58,11 @@ class SFTUpdater(ShufflingUpdater):
                 nll, mask = out.tokens_by_candidate()
                 nll = -nll.float()
                 if self.loss == "sequence":
-                    per_prompt = per_prompt_mean(sequence_mean(nll, mask), out.candidate_context, out.num_contexts)
-                    loss = mb.mean(per_prompt)
+                    loss = mb.mean(aggregate(nll, mask, "sequence", out.candidate_context, out.num_contexts))
                 else:  # every token of the optimizer step weighs the same, whatever micro-step and replica
                     check_token_count(mb, tokens_of, mask, "sft")
-                    loss = (nll * mask).sum() * (mb.num_replicas / max(next(step_tokens), 1.0))
+                    loss = aggregate(nll, mask, "batch_token", out.candidate_context, out.num_contexts,
+                                     step_tokens=next(step_tokens), num_replicas=mb.num_replicas)
                 trainer.backward(loss)
                 trainer.step()
                 nll_sum += float((nll.detach() * mask).sum())

@@ -100,6 +100,30 @@ def test_per_prompt_means_weigh_continuations_or_tokens():
     close(per_prompt_mean(torch.tensor([2.0, 5.0, 2.0]), context, 2), [3.5, 2.0])  # continuations weigh the same
 
 
+
+def test_aggregate_weighs_tokens_continuations_and_prompts_by_mode():
+    from llmrl.plugins.rl_math import aggregate
+
+    per_token = torch.tensor([[1.0, 3.0, 0.0], [5.0, 0.0, 0.0], [2.0, 2.0, 2.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True], [False, False, False]])
+    context = torch.tensor([0, 0, 1, 1])  # the last continuation has no real token
+
+    close(aggregate(per_token, mask, "sequence", context, 2), [3.5, 1.0])  # (2 + 5) / 2, (2 + 0) / 2
+    close(aggregate(per_token, mask, "token", context, 2), [3.0, 2.0])  # (1 + 3 + 5) / 3, 6 / 3
+    close(aggregate(per_token, mask, "fixed_length", context, 2, max_new_tokens=4), [1.125, 0.75])  # (4/4 + 5/4) / 2
+    close(aggregate(per_token, mask, "batch_token", context, 2, step_tokens=30.0, num_replicas=2), 1.0)  # 15 * 2/30
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'.*'fixed_length'"):
+        aggregate(per_token, mask, "mean", context, 2)
+
+
+def test_the_clipped_surrogate_on_epsilons_is_the_one_on_ratio_bounds():
+    from llmrl.plugins.rl_math import clipped_ratio_loss
+
+    ratio, advantages = torch.rand(50) * 2, torch.randn(50)
+    loss, clipped = clipped_surrogate(ratio, advantages, 0.2, 0.28)
+    assert torch.equal(loss, clipped_ratio_loss(ratio, advantages, 0.8, 1.28))
+    assert torch.equal(clipped, ((ratio < 0.8) | (ratio > 1.28)).float())
+
 def test_an_empty_replica_still_reaches_the_weights():
     weight = torch.tensor([2.0, 3.0], requires_grad=True)
     for mean in (lambda empty: per_prompt_mean(empty, torch.zeros(0, dtype=torch.long), 0),

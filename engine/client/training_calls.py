@@ -26,7 +26,7 @@ class ClientTraining:
 
     def _token_data(self, name: str, data, loss_fn: str | None, loss_fn_config):
         """The checked sequences and loss configuration of a call."""
-        from llmrl.engine.token_losses import OPTIONAL_INPUTS, TOKEN_LOSSES, UNREAD_WHEN_ZERO, token_loss_settings
+        from llmrl.engine.token_losses import REGISTRY, token_loss_settings
 
         info = self.info.get(name, {})
         vocab_size, max_length = info.get("vocab_size"), info.get("max_length")
@@ -35,7 +35,7 @@ class ClientTraining:
                 raise InvalidArgument("loss_fn_config was given without a loss_fn")
             return check_data(data, None, vocab_size, max_length), {}
         if not isinstance(loss_fn, str):
-            raise InvalidArgumentType(f"loss_fn must be the name of a built-in loss ({', '.join(TOKEN_LOSSES)}); "
+            raise InvalidArgumentType(f"loss_fn must be the name of a registered loss ({', '.join(REGISTRY)}); "
                                       "for a Python function use forward_backward_custom")
         if loss_fn_config is not None and not isinstance(loss_fn_config, dict):
             raise InvalidArgumentType(f"loss_fn_config must be a dict, got {type(loss_fn_config).__name__}")
@@ -43,9 +43,9 @@ class ClientTraining:
             token_loss_settings(loss_fn, loss_fn_config)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
-        needed = TOKEN_LOSSES[loss_fn][0]
-        return (check_data(data, needed, vocab_size, max_length, unread_when_zero=UNREAD_WHEN_ZERO.get(loss_fn, ()),
-                           optional=OPTIONAL_INPUTS.get(loss_fn, ())), dict(loss_fn_config or {}))
+        loss = REGISTRY[loss_fn]
+        return (check_data(data, loss.inputs, vocab_size, max_length, unread_when_zero=loss.unread_when_zero,
+                           optional=loss.optional_inputs), dict(loss_fn_config or {}))
 
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
                                llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:

@@ -19,8 +19,6 @@ This module maps fields; the service (:mod:`llmrl.engine.tinker.service`) makes 
 
 from __future__ import annotations
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
-
 UNSET_MAX_TOKENS = 4096  # new tokens when max_tokens is unset and the model's length leaves more room (its cache:
 # rows x (prompt + new tokens); a 128k-token context would hold 16 GB a row for an 8B model)
 
@@ -29,19 +27,23 @@ UNSERVED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "targe
 
 
 def check_loss(loss_fn: str) -> None:
+    """Refuse a loss this service does not serve: one not registered (:mod:`llmrl.engine.token_losses`)."""
+    from llmrl.engine.token_losses import REGISTRY
+
     if loss_fn == "stable_reinforce":
         raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
                          "loss_fn=importance_sampling (or ppo, cispo, dro, gspo)")
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(SUPPORTED_LOSSES)}")
+    if loss_fn not in REGISTRY:
+        raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(REGISTRY)}")
 
 
 def loss_inputs(loss_fn: str, given: dict) -> dict:
     """The per-token inputs of a datum ``loss_fn`` reads (with its ``target_tokens``), the others left out;
     ``cross_entropy`` without ``weights`` weighs every token 1 (the SDK's own example gives none)."""
-    from llmrl.engine.token_losses import OPTIONAL_INPUTS, TOKEN_LOSSES
+    from llmrl.engine.token_losses import REGISTRY
 
-    reads = {"target_tokens", *TOKEN_LOSSES[loss_fn][0], *OPTIONAL_INPUTS.get(loss_fn, ())}
+    loss = REGISTRY[loss_fn]
+    reads = {"target_tokens", *loss.inputs, *loss.optional_inputs}
     inputs = {key: value for key, value in given.items() if key in reads}
     if loss_fn == "cross_entropy" and "weights" not in inputs and "target_tokens" in inputs:
         inputs["weights"] = [1.0] * len(inputs["target_tokens"])

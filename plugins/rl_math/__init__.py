@@ -3,19 +3,21 @@
 What is here: advantage estimation (:func:`gae` over ``[T, N]`` environment steps, :func:`token_gae` along each
 row of generated tokens, :func:`group_advantages` within a GRPO group; across a multi-turn episode's turns,
 :func:`turn_spans`, :func:`turn_gae`, :func:`turn_returns` and :func:`group_episode_advantages`), the PPO losses
-(:func:`clipped_surrogate`, :func:`value_loss`), the KL estimators (:func:`approx_kl` between the old and new
-policy, :func:`kl_k3` to a reference per token, :func:`categorical_kl` between two distributions over the same
-candidates), the KL-penalised
-per-token rewards (a reward per continuation, or dense per-token rewards) and their adaptive coefficient
-(:func:`kl_penalised_rewards`, :class:`AdaptiveKL`; the task rewards' clipping and scaling are in
-:mod:`llmrl.plugins.task_rewards`), whitening
+(:func:`clipped_surrogate` on epsilons, over :func:`clipped_ratio_loss` on ratio bounds; :func:`value_loss`), the
+KL estimators (:func:`approx_kl` between the old and new policy, :func:`kl_k3` to a reference per token,
+:func:`categorical_kl` between two distributions over the same candidates), the KL-penalised per-token rewards (a
+reward per continuation, or dense per-token rewards) and their adaptive coefficient (:func:`kl_penalised_rewards`,
+:class:`AdaptiveKL`; the task rewards' clipping and scaling are in :mod:`llmrl.plugins.task_rewards`), whitening
 across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
-continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`), and the
-per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
-``ppo``, ``cispo``, ``dro``, ``gspo``: the keys of :data:`TOKEN_LOSSES`, with Tinker's names, inputs and
-definitions). The engine serves the token losses and the client's episode helpers use the turn returns, so those live
-in :mod:`llmrl.engine.token_losses` and :mod:`llmrl.engine.episode_returns` (the engine never imports a built-in
-plugin) and are re-exported here, with the same names. Three submodules hold the maths of one family each, re-exported
+continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`, and
+:func:`aggregate`, the updaters' loss aggregations ``sequence``, ``token``, ``batch_token`` and ``fixed_length``), and
+the per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
+``ppo``, ``cispo``, ``dro``, ``gspo`` and any other registered with :func:`register_token_loss`: the keys of
+:data:`TOKEN_LOSSES`, with Tinker's names, inputs and definitions; a new one is one decorated function, see
+:func:`register_token_loss`). The engine serves the token losses and the client's episode helpers use the turn
+returns, so those live in :mod:`llmrl.engine.token_losses` and :mod:`llmrl.engine.episode_returns` (the engine never
+imports a built-in plugin) and are re-exported here, with the same names. Three submodules hold the maths of one
+family each, re-exported
 here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO, robust DPO, IPO),
 :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and :func:`polyak_update`) and
 :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and :func:`masked_logprobs`).
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.engine.graph import keep_in_graph
+from llmrl.engine.token_losses import clipped_ratio_loss
 
 # ---- advantages --------------------------------------------------------------------------------------------------
 
@@ -127,9 +130,10 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: f
                       clip_eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, clipped)``: PPO's clipped policy loss ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``
     and, detached, 1.0 where the ratio left ``[1 - eps, 1 + eps_high]``. ``eps_high`` is ``clip_eps`` unless
-    given (DAPO's "clip higher" raises it, e.g. 0.28). ``advantages`` broadcasts against ``ratio``."""
+    given (DAPO's "clip higher" raises it, e.g. 0.28). ``advantages`` broadcasts against ``ratio``. The surrogate
+    itself is :func:`clipped_ratio_loss` (on ratio bounds, as the token losses ``ppo`` and ``gspo`` use it)."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages)
+    loss = clipped_ratio_loss(ratio, advantages, 1.0 - clip_eps, 1.0 + high)
     return loss, ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + high)).float().detach()
 
 
@@ -266,6 +270,34 @@ def per_prompt_token_mean(per_token: torch.Tensor, mask: torch.Tensor, candidate
     return sums / counts.clamp(min=1)
 
 
+AGGREGATIONS = ("sequence", "token", "batch_token", "fixed_length")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, candidate_context: torch.Tensor,
+              num_contexts: int, *, max_new_tokens: int | None = None, step_tokens: float | None = None,
+              num_replicas: int = 1) -> torch.Tensor:
+    """A micro-batch's per-token losses ``[n, T]`` (``mask``: the real tokens) reduced as ``mode`` weighs them:
+
+    - ``"sequence"``: ``[num_contexts]``, each continuation's token mean, then each prompt's mean over them;
+    - ``"token"``: ``[num_contexts]``, each prompt's mean over all the real tokens of its continuations;
+    - ``"fixed_length"``: ``[num_contexts]``, each continuation's token sum divided by ``max_new_tokens``, then each
+      prompt's mean over them;
+    - ``"batch_token"``: the scalar loss itself, the token sum times ``num_replicas / step_tokens`` (``step_tokens``:
+      the real tokens of the whole optimizer step, every replica's; each token of the step weighs the same once the
+      replicas' gradients are averaged).
+
+    The per-prompt forms are averaged over the micro-batch's prompts by the caller (:meth:`UpdateBatch.mean`)."""
+    if mode == "sequence":
+        return per_prompt_mean(sequence_mean(per_token, mask), candidate_context, num_contexts)
+    if mode == "token":
+        return per_prompt_token_mean(per_token, mask, candidate_context, num_contexts)
+    if mode == "fixed_length":
+        per_continuation = (per_token * mask.to(per_token.dtype)).sum(1) / max_new_tokens
+        return per_prompt_mean(per_continuation, candidate_context, num_contexts)
+    if mode == "batch_token":
+        return (per_token * mask).sum() * (num_replicas / max(step_tokens, 1.0))
+    raise ValueError(f"unknown loss aggregation {mode!r}; the aggregations are {list(AGGREGATIONS)}")
+
 # ---- re-exported: the engine's own maths and the submodules' ---------------------------------------------------
 
 from llmrl.engine.episode_returns import group_episode_advantages, turn_returns  # noqa: E402,F401
@@ -273,6 +305,7 @@ from llmrl.engine.token_losses import (  # noqa: E402,F401
     OPTIONAL_INPUTS,
     TOKEN_LOSSES,
     UNREAD_WHEN_ZERO,
+    register_token_loss,
     token_loss,
     token_loss_settings,
 )
