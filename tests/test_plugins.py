@@ -11,20 +11,18 @@ import pytest
 from llmrl.engine.config import PluginSpec, load_config
 from llmrl.engine.errors import ConfigError, PluginError
 from llmrl.plugins import checks, registry
+from testkit.distributions import write_distribution
 
 
 def make_fake_distribution(root):
     """Write a distribution into ``root`` that registers plugins through entry points, one of them broken."""
-    dist = root / "fake_llmrl_plugins-1.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-llmrl-plugins\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+    write_distribution(root, "fake-llmrl-plugins", """
         [llmrl.heads]
         fake_head = fake_llmrl_module:FakeHead
         broken_head = fake_llmrl_broken:Anything
         [llmrl.updaters]
         fake_updater = fake_llmrl_module:FakeUpdater
-    """))
+    """)
     (root / "fake_llmrl_module.py").write_text(textwrap.dedent("""
         import torch
         from llmrl.plugins import Head, Updater

@@ -17,21 +17,19 @@ from llmrl.engine.client.tracking.protocol import contract_problem
 from llmrl.engine.config import TrackingConfig, load_config
 from llmrl.engine.config.loading import tracking_config
 from llmrl.engine.errors import ConfigError, InvalidArgument, PluginError
+from testkit.distributions import write_distribution
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_tracker_distribution(root: Path) -> Path:
     """A package that registers the ``memory`` back end (and a broken one) through entry points."""
-    dist = root / "fake_llmrl_trackers-1.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-llmrl-trackers\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+    write_distribution(root, "fake-llmrl-trackers", """
         [llmrl.trackers]
         memory = fake_llmrl_tracker:MemoryBackend
         no_methods = fake_llmrl_tracker:NoMethods
         csv = fake_llmrl_tracker:MemoryBackend
-    """))
+    """)
     (root / "fake_llmrl_tracker.py").write_text(textwrap.dedent("""
         RUNS = []
 
