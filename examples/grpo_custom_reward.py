@@ -27,6 +27,9 @@ confidence interval.
 Writes, in ``--out``: ``curve.png`` (training reward and KL per update, held-out reward before and after),
 ``metrics.csv`` (one row per update) and ``summary.json`` (arguments, evaluations, every held-out completion before
 and after, timings), and the config's ``tracking`` back ends' files.
+
+It imports two helpers from its own folder (``dataclass_flags.py``: the flags; ``demo_outputs.py``: metrics.csv and
+the figure's parts): copy them with it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
-from dataclass_flags import flags_parser  # the examples' folder: on the path as the script's own
+from dataclass_flags import flags_parser
+from demo_outputs import (  # the examples' folder: on the path as the script's own
+    before_after_bars,
+    curve_and_bars_figure,
+    write_metrics,
+)
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
@@ -187,12 +195,7 @@ def train(caller: Caller, rows: list[dict], reward_fn, args: Args) -> list[dict]
 
 # ------------------------------------------------------------------------------------------------------- outputs
 def plot(history: list[dict], before: dict, after: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    plt, fig, left, right = curve_and_bars_figure()
     x = [row["update"] for row in history]
     left.plot(x, [row["reward"] for row in history], "o-", label="training reward (sampled)")
     left.set_xlabel("update")
@@ -204,23 +207,11 @@ def plot(history: list[dict], before: dict, after: dict, path: str) -> None:
         kl_axis.set_ylabel("KL (nats per completion)")
         kl_axis.legend(loc="lower right")
     left.legend(loc="upper left")
-    values = [before["mean_reward"], after["mean_reward"]]
-    errors = [[max(0.0, v - e["ci95"][0]) for v, e in zip(values, (before, after))],
-              [max(0.0, e["ci95"][1] - v) for v, e in zip(values, (before, after))]]
-    right.bar(["before", "after"], values, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
+    before_after_bars(right, before, after)
     right.set_title(f"greedy, {before['prompts']} held-out\nprompts (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_metrics(history: list[dict], path: str) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
 
 
 def parse_args() -> Args:

@@ -28,7 +28,6 @@ trained on.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -37,7 +36,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
-from dataclass_flags import flags_parser  # the examples' folder: on the path as the script's own
+from dataclass_flags import flags_parser
+from demo_outputs import (  # the examples' folder: on the path as the script's own
+    before_after_bars,
+    curve_and_bars_figure,
+    write_metrics,
+)
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
@@ -173,12 +177,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
 
 
 def plot(history: list[dict], before: dict, after: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    plt, fig, left, right = curve_and_bars_figure()
     x = [row["update"] for row in history]
     left.plot(x, [row["reward"] for row in history], "o-", label="training reward (sampled)")
     left.set_xlabel("update")
@@ -195,22 +194,6 @@ def plot(history: list[dict], before: dict, after: dict, path: str, title: str) 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def before_after_bars(axis, before: dict, after: dict, key: str = "mean_reward") -> None:
-    """A held-out measure (``key``) before and after training as two bars, with their 95% intervals."""
-    values = [before[key], after[key]]
-    errors = [[max(0.0, v - e["ci95"][0]) for v, e in zip(values, (before, after))],  # never below 0 (rounding)
-              [max(0.0, e["ci95"][1] - v) for v, e in zip(values, (before, after))]]
-    axis.bar(["before", "after"], values, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
-
-
-def write_metrics(history: list[dict], path: str) -> None:
-    """``metrics.csv``: one row per update, the columns of the first row."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(history[0]))
-        writer.writeheader()
-        writer.writerows(history)
 
 
 def matmul_gflops(threads: int = 2, size: int = 1536) -> float:

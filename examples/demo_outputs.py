@@ -1,0 +1,39 @@
+"""What the examples write besides their summary: ``metrics.csv`` (one row per update) and the parts of
+``curve.png`` they share (a figure with the training curve on the left and the held-out measure before and after
+training as two bars, with their 95% intervals, on the right).
+
+The examples import this module from their own folder (``llmrl run`` puts a script's folder on the path, as Python
+does). It draws and writes; what is measured is the example's.
+"""
+
+from __future__ import annotations
+
+import csv
+
+
+def write_metrics(history: list[dict], path: str) -> None:
+    """``metrics.csv``: one row per update, the columns of the first row."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(history[0]))
+        writer.writeheader()
+        writer.writerows(history)
+
+
+def curve_and_bars_figure():
+    """``(pyplot, figure, left axis, right axis)``: a wide left axis for the curve, a narrow right one for the bars
+    (matplotlib's Agg back end: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    return plt, fig, left, right
+
+
+def before_after_bars(axis, before: dict, after: dict, key: str = "mean_reward") -> None:
+    """A held-out measure (``key``) before and after training as two bars, with their 95% intervals."""
+    values = [before[key], after[key]]
+    errors = [[max(0.0, v - e["ci95"][0]) for v, e in zip(values, (before, after))],  # never below 0 (rounding)
+              [max(0.0, e["ci95"][1] - v) for v, e in zip(values, (before, after))]]
+    axis.bar(["before", "after"], values, yerr=errors, capsize=8, color=["#bbbbbb", "#4c72b0"])
