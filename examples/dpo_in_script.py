@@ -30,7 +30,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS, before_after_bars, write_metrics  # noqa: E402
+from demo_outputs import before_after_bars, write_metrics  # noqa: E402
+from rlhf_sentiment import FRAMES, HELD_OUT_SUBJECTS, SUBJECTS  # noqa: E402
 
 from llmrl import Caller, completion_datum  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402

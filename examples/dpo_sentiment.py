@@ -28,7 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rlhf_sentiment import Reward, before_after_bars, build_prompts, mean_ci, write_metrics  # noqa: E402
+from demo_outputs import before_after_bars, write_metrics  # noqa: E402
+from rlhf_sentiment import Reward, build_prompts, mean_ci  # noqa: E402
 
 from llmrl import Caller  # noqa: E402
 from llmrl.engine.output_folder import claim_output_folder  # noqa: E402

@@ -36,12 +36,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
-from dataclass_flags import flags_parser
-from demo_outputs import (  # the examples' folder: on the path as the script's own
-    before_after_bars,
-    curve_and_bars_figure,
-    write_metrics,
-)
+from dataclass_flags import flags_parser  # the examples' folder: on the path as the script's own
+from demo_outputs import reward_curve, write_metrics
 
 from llmrl import Caller
 from llmrl.engine.output_folder import claim_output_folder
@@ -177,23 +173,8 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
 
 
 def plot(history: list[dict], before: dict, after: dict, path: str, title: str) -> None:
-    plt, fig, left, right = curve_and_bars_figure()
-    x = [row["update"] for row in history]
-    left.plot(x, [row["reward"] for row in history], "o-", label="training reward (sampled)")
-    left.set_xlabel("update")
-    left.set_ylabel("reward (VADER compound - penalties)")
-    left.set_title(title)
-    if all("kl" in row for row in history):
-        kl_axis = left.twinx()
-        kl_axis.plot(x, [row["kl"] for row in history], "s--", color="#c44e52", label="KL to the starting model")
-        kl_axis.set_ylabel("KL (nats per continuation)")
-        kl_axis.legend(loc="lower right")
-    left.legend(loc="upper left")
-    before_after_bars(right, before, after)
-    right.set_title(f"greedy, {before['prompts']} held-out\nprompts (95% CI)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    reward_curve(history, before, after, path, title=title, reward_label="reward (VADER compound - penalties)",
+                 kl_label="KL to the starting model", kl_unit="continuation")
 
 
 def matmul_gflops(threads: int = 2, size: int = 1536) -> float:
