@@ -1,82 +1,106 @@
-"""The ``adapters`` request kind dispatches each operation explicitly: every known operation reaches its own
-handler, and an unknown one is refused, on the client before anything is sent and on the server before anything
-changes (it never falls through to deleting the adapter). In-process, no launch: the handlers' work functions are
-replaced by recorders."""
+"""Every adapter operation is a request kind of its own (``engine/requests/adapters/``): each one's handler reaches
+its own work function, with the payload's fields, through the backend method of its name; the client sends each to
+every rank; and the server refuses an unknown kind, or a payload of another kind, before anything changes (no
+operation is ever a fallback for another). In-process, no launch: the work functions are replaced by recorders."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
-from llmrl.engine.errors import InvalidArgument
-from llmrl.engine.model import adapter_operations, snapshots
+from llmrl.engine.model import snapshots
 from llmrl.engine.model.hf_backend import HFBackend
 from llmrl.engine.model.training import adapter_state, new_adapters
-from llmrl.engine.requests import adapters as kind
+from llmrl.engine.requests import KINDS
+from llmrl.engine.requests.adapters import (
+    create_adapter,
+    delete_adapter,
+    drop_snapshot,
+    load_adapter,
+    save_adapter,
+    snapshot,
+)
+from llmrl.engine.server.serve import Server
+from llmrl.engine.transport.messages import Request
 
-WORK = {  # operation -> (module, function its handler calls)
-    "snapshot": (snapshots, "take_snapshot"),
-    "drop_snapshot": (snapshots, "drop_snapshot"),
-    "create_adapter": (new_adapters, "create_adapter"),
-    "delete_adapter": (new_adapters, "delete_adapter"),
-    "save_adapter": (adapter_state, "save_adapter"),
-    "load_adapter": (adapter_state, "load_adapter"),
+SERVED, CACHE = object(), object()
+CASES = {  # kind -> (its module, a payload, the work function its backend method calls, the arguments it gets)
+    "snapshot": (snapshot, snapshot.SnapshotRequest("s", "a"), (snapshots, "take_snapshot"),
+                 ((SERVED, "s", "a", CACHE), {})),
+    "drop_snapshot": (drop_snapshot, drop_snapshot.DropSnapshotRequest("s"), (snapshots, "drop_snapshot"),
+                      ((SERVED, "s", CACHE), {})),
+    "create_adapter": (create_adapter, create_adapter.CreateAdapterRequest("b", 4, None, 7, "mlp"),
+                       (new_adapters, "create_adapter"),
+                       ((SERVED, "b", 4, None, 7, "mlp"), {"prefix_cache": CACHE})),
+    "delete_adapter": (delete_adapter, delete_adapter.DeleteAdapterRequest("b"), (new_adapters, "delete_adapter"),
+                       ((SERVED, "b", CACHE), {})),
+    "save_adapter": (save_adapter, save_adapter.SaveAdapterRequest(None, "/nowhere"), (adapter_state, "save_adapter"),
+                     ((SERVED, None, "/nowhere"), {})),
+    "load_adapter": (load_adapter, load_adapter.LoadAdapterRequest("b", "/nowhere", False),
+                     (adapter_state, "load_adapter"), ((SERVED, "b", "/nowhere", False, CACHE), {})),
 }
-ARGS = {"snapshot": {"source": None}, "create_adapter": {"rank": 4, "alpha": None, "seed": 0, "targets": None},
-        "save_adapter": {"path": "/nowhere"}, "load_adapter": {"path": "/nowhere", "optimizer": True}}
 
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The work functions, replaced by recorders of which one ran."""
+    """The work functions, replaced by recorders of which one ran and with what."""
     made = []
-    for operation, (module, function) in WORK.items():
+    for name, (_, _, (module, function), _) in CASES.items():
         monkeypatch.setattr(module, function,
-                            lambda *args, _op=operation, **kwargs: made.append(_op) or {"ran": _op})
+                            lambda *args, _name=name, **kwargs: made.append((_name, args, kwargs)) or {"ran": _name})
     return made
 
 
-def backend():
-    """An HFBackend's state as far as ``manage_adapters`` reads it (no model is loaded)."""
-    return SimpleNamespace(served=object(), prefix_cache=None)
+def replica():
+    """A replica whose backend is an HFBackend's state as far as the adapter methods read it (no model loaded)."""
+    backend = SimpleNamespace(served=SERVED, prefix_cache=CACHE)
+    methods = {name: (lambda request, _name=name: getattr(HFBackend, _name)(backend, request)) for name in CASES}
+    return SimpleNamespace(answers=True, ready=True, handled=Counter(), device=SimpleNamespace(type="cpu"),
+                           backend=SimpleNamespace(**methods))
 
 
-def test_the_client_and_the_server_know_the_same_operations():
-    assert tuple(adapter_operations.HANDLERS) == kind.OPERATIONS
-    assert set(WORK) == set(kind.OPERATIONS)
+def test_each_operation_is_a_kind_of_its_own_named_in_kinds():
+    for name, (module, payload, _, _) in CASES.items():
+        assert KINDS[name] is module.KIND and isinstance(payload, module.KIND.payload)
+        assert module.KIND.backend_method == name
+    assert "adapters" not in KINDS  # no kind carries an operation string any more
 
 
-@pytest.mark.parametrize("operation", kind.OPERATIONS)
-def test_each_known_operation_reaches_its_own_handler(calls, operation):
-    answer = HFBackend.manage_adapters(backend(), operation, "a", ARGS.get(operation, {}))
-    assert answer == {"ran": operation} and calls == [operation]
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_kind_reaches_its_own_work_function_with_the_payloads_fields(calls, name):
+    module, payload, _, (args, kwargs) = CASES[name]
+    assert module.handle(replica(), payload) == {"ran": name}
+    assert calls == [(name, args, kwargs)]
 
 
-@pytest.mark.parametrize("operation", ["delete", "Delete_adapter", "", None, 3, "snapshots"])
-def test_an_unknown_operation_is_refused_by_the_server_and_deletes_nothing(calls, operation):
-    with pytest.raises(InvalidArgument, match="operation must be one of") as raised:
-        HFBackend.manage_adapters(backend(), operation, "a", {})
-    assert all(known in str(raised.value) for known in kind.OPERATIONS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_client_sends_each_kind_to_every_rank_and_returns_the_first_replicas_answer(name):
+    module, payload, _, _ = CASES[name]
+    sent = []
+    run = SimpleNamespace(replicas=lambda llm: [[1, 2], [3, 4]], submit=lambda *args: sent.append(args))
+    module.send(run, "policy", payload)
+    [(kind, parts, assemble)] = sent
+    assert kind == name and parts == [([1, 2], payload), ([3, 4], payload)]
+    assert assemble({1: "first", 3: "second"}) == "first"
+
+
+def _dispatch(kind: str, payload):
+    server = SimpleNamespace(replica=replica(), role=SimpleNamespace(global_rank=1))
+    return Server._dispatch(server, Request(1, kind, payload))
+
+
+@pytest.mark.parametrize("kind", ["adapters", "delete", "Delete_adapter", "", "snapshots"])
+def test_the_server_refuses_an_unknown_kind_and_deletes_nothing(calls, kind):
+    with pytest.raises(ValueError, match=f"unknown request kind {kind!r}; this server knows .*'delete_adapter'"):
+        _dispatch(kind, delete_adapter.DeleteAdapterRequest("b"))
     assert calls == []
 
 
-def test_the_request_handler_refuses_an_unknown_operation_before_the_backend(calls):
-    seen = []
-    replica = SimpleNamespace(answers=True, backend=SimpleNamespace(
-        manage_adapters=lambda *args: seen.append(args) or HFBackend.manage_adapters(backend(), *args)))
-    with pytest.raises(InvalidArgument, match="operation must be one of"):
-        kind.handle(replica, kind.AdapterRequest("undo", "a", {}))
-    assert seen == [] and calls == []
-    assert kind.handle(replica, kind.AdapterRequest("delete_adapter", "a", {})) == {"ran": "delete_adapter"}
-    assert calls == ["delete_adapter"]
-
-
-def test_the_client_refuses_an_unknown_operation_before_sending():
-    sent = []
-    run = SimpleNamespace(replicas=lambda llm: [[1]], submit=lambda *args: sent.append(args))
-    with pytest.raises(InvalidArgument, match="operation must be one of .*delete_adapter.*, got 'undo'"):
-        kind.send(run, "policy", kind.AdapterRequest("undo", "a", {}))
-    assert sent == []
-    kind.send(run, "policy", kind.AdapterRequest("delete_adapter", "a", {}))
-    assert len(sent) == 1
+def test_the_server_refuses_a_payload_of_another_kind_and_deletes_nothing(calls):
+    with pytest.raises(TypeError, match="a 'delete_adapter' request carries a DeleteAdapterRequest, got Drop"):
+        _dispatch("delete_adapter", drop_snapshot.DropSnapshotRequest("b"))
+    assert calls == []
+    assert _dispatch("delete_adapter", delete_adapter.DeleteAdapterRequest("b")) == {"ran": "delete_adapter"}
+    assert [call[0] for call in calls] == ["delete_adapter"]

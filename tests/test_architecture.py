@@ -1,9 +1,9 @@
 """The tree's rules, read from the source (nothing is imported): no module over 400 lines, no import cycle between
 modules (imports inside functions count), the engine never imports ``launch``, plugins never import the request
 path (they may import the engine's leaf modules), the engine never imports a built-in plugin (only the plugin API:
-the contracts, their checks, the registry), the model layer never imports the request kinds, every module opens
-with a docstring, and no function of the engine or the plugins takes more than 8 parameters (but the listed known
-exceptions); and the folder above the repository stays off the import path."""
+the contracts, their checks, the registry), the request kinds never import the model layer (the backend receives
+their payloads), every module opens with a docstring, and no function of the engine or the plugins takes more than 8
+parameters (but the listed known exceptions); and the folder above the repository stays off the import path."""
 
 from __future__ import annotations
 
@@ -133,9 +133,9 @@ def test_imports_go_one_way():
             if (name.startswith("llmrl.plugins") and target.startswith("llmrl.engine")
                     and target not in PLUGIN_MAY_IMPORT):
                 wrong.append(f"{name} -> {target} (plugins import only {', '.join(PLUGIN_MAY_IMPORT)})")
-            if name.startswith("llmrl.engine.model") and target.startswith("llmrl.engine.requests"):
-                wrong.append(f"{name} -> {target} (the model layer never imports the request kinds: a request "
-                             "kind unpacks its request into plain arguments)")
+            if name.startswith("llmrl.engine.requests") and target.startswith("llmrl.engine.model"):
+                wrong.append(f"{name} -> {target} (the request kinds never import the model layer: a kind's "
+                             "handler hands its payload to one method of replica.backend)")
     assert wrong == [], "\n".join(wrong)
 
 

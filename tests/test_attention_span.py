@@ -93,7 +93,7 @@ def test_packed_rows_only_where_every_layer_attends_over_the_whole_context(name)
 
 def test_the_cache_across_calls_refuses_what_packing_refuses_and_call_dependent_rotary_frequencies():
     from llmrl.engine.errors import ConfigError
-    from llmrl.engine.model.hf_backend import make_prefix_cache
+    from llmrl.engine.model.hf_startup import make_prefix_cache
 
     llm = SimpleNamespace(name="main", kv_cache_mb=64, dtype="float32")
     window = transformers.MistralConfig(**SMALL, **WINDOWED)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmrl.engine.errors import PluginError
-from llmrl.engine.model.hf_backend import decoder_start_id, num_hidden_states
+from llmrl.engine.model.hf_startup import decoder_start_id, num_hidden_states
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.scoring.planning import Needs, plan_batches
 from llmrl.engine.model.scoring.tokenization import tokenize

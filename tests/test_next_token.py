@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmrl.engine.model.hf_backend import decoder_start_id
+from llmrl.engine.model.hf_startup import decoder_start_id
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.scoring.context_logits import context_logits_problem
 from llmrl.engine.model.scoring.planning import plan_batches

@@ -3,10 +3,11 @@
 
 For each kind: its payload is a dataclass; each Caller method it names exists and reaches the kind's ``send``
 (read with ``ast`` from the Caller's source files, following calls to its own methods and to functions of
-``llmrl.engine.client``); its ``handle`` calls exactly the backend method it names, an abstract method of
-:class:`~llmrl.engine.model.backend.ModelBackend` that :class:`~llmrl.engine.model.hf_backend.HFBackend`
-implements with the same parameters. And no Caller method sends a kind that is not declared, or one whose
-declaration does not name it.
+``llmrl.engine.client``); its ``handle`` calls exactly the backend method it names, handing it the payload as it
+came, an abstract method of :class:`~llmrl.engine.model.backend.ModelBackend` whose one parameter ``request`` is
+annotated with the kind's payload type, and that :class:`~llmrl.engine.model.hf_backend.HFBackend` implements with
+the same parameters. Every request method of the backend serves a kind. And no Caller method sends a kind that is
+not declared, or one whose declaration does not name it.
 """
 
 from __future__ import annotations
@@ -159,13 +160,20 @@ def test_each_caller_method_a_kind_names_exists_and_sends_it(name):
             f"Caller.{method} (named by kind {name!r}) never calls {kind.send.__module__}.{kind.send.__name__}")
 
 
+START_UP = ("load", "prepare", "build")  # ModelBackend's abstract methods that serve no request kind
+
+
+def _backend_calls(handle) -> list[ast.Call]:
+    """The calls ``replica.backend.<method>(...)`` in a handler."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(handle)))
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "backend"]
+
+
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_a_kinds_handler_calls_the_backend_method_it_names_which_every_backend_has(name):
     kind = KINDS[name]
-    tree = ast.parse(textwrap.dedent(inspect.getsource(kind.handle)))
-    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
-              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Attribute)
-              and node.func.value.attr == "backend"}
+    called = {node.func.attr for node in _backend_calls(kind.handle)}
     assert called == ({kind.backend_method} if kind.backend_method else set()), (
         f"kind {name!r} declares backend method {kind.backend_method!r}; its handler calls {sorted(called)}")
     if kind.backend_method is None:
@@ -176,6 +184,44 @@ def test_a_kinds_handler_calls_the_backend_method_it_names_which_every_backend_h
     declared = list(inspect.signature(getattr(ModelBackend, method)).parameters)
     implemented = list(inspect.signature(getattr(HFBackend, method)).parameters)
     assert implemented == declared, f"HFBackend.{method}{implemented} differs from ModelBackend.{method}{declared}"
+
+
+@pytest.mark.parametrize("name", sorted(name for name, kind in KINDS.items() if kind.backend_method))
+def test_a_kinds_backend_method_takes_its_typed_payload_and_the_handler_hands_it_on(name):
+    """One style for every kind: the backend method's one argument is ``request``, annotated with the kind's payload
+    type (imported from the kind's module), and the handler passes its payload through unchanged."""
+    kind = KINDS[name]
+    parameters = dict(inspect.signature(getattr(ModelBackend, kind.backend_method)).parameters)
+    parameters.pop("self")
+    assert list(parameters) == ["request"], (
+        f"ModelBackend.{kind.backend_method} takes {list(parameters)}, not one typed request (the kind's payload)")
+    annotation = parameters["request"].annotation
+    annotation = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    imported = _module(ModelBackend.__module__)[1].get(annotation)
+    assert imported == f"{kind.payload.__module__}:{kind.payload.__name__}", (
+        f"ModelBackend.{kind.backend_method}'s request is annotated {annotation!r} ({imported}), not kind {name!r}'s "
+        f"payload {kind.payload.__module__}.{kind.payload.__name__}")
+    payload = list(inspect.signature(kind.handle).parameters)[1]
+    for call in _backend_calls(kind.handle):
+        passed = [ast.unparse(arg) for arg in call.args] + [ast.unparse(k) for k in call.keywords]
+        assert passed == [payload], (
+            f"kind {name!r}'s handler calls backend.{call.func.attr}({', '.join(passed)}): hand it {payload!r}, the "
+            "payload as it came")
+
+
+def test_every_request_method_of_the_backend_serves_a_kind():
+    served = {kind.backend_method for kind in KINDS.values()}
+    orphans = sorted(set(ModelBackend.__abstractmethods__) - served - set(START_UP))
+    assert orphans == [], f"ModelBackend methods that no request kind calls: {orphans}"
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_every_kind_is_sent_by_a_caller_method_and_its_module_declares_it(name):
+    kind = KINDS[name]
+    module = importlib.import_module(kind.send.__module__)
+    declared = [getattr(module, "KIND", None), *getattr(module, "KINDS", ())]
+    assert kind in declared, f"kind {name!r} is not declared by {module.__name__} (KIND or KINDS)"
+    assert any(_caller_method(method) for method in kind.caller_methods), f"no Caller method sends kind {name!r}"
 
 
 def test_no_caller_method_sends_a_kind_that_is_not_declared_or_does_not_name_it():
@@ -192,7 +238,8 @@ def test_no_caller_method_sends_a_kind_that_is_not_declared_or_does_not_name_it(
 
 
 def test_the_reader_finds_sends_through_helpers_and_client_modules():
-    assert ("llmrl.engine.requests.adapters", "send") in _reached("snapshot", through_public=True)  # via _adapters
+    # snapshot hands its kind's send to the private helper _adapters, which calls it
+    assert ("llmrl.engine.requests.adapters.snapshot", "send") in _reached("snapshot", through_public=True)
     assert ("llmrl.engine.requests.save", "send") in _reached("save", through_public=True)  # via saving.save_run
     assert ("llmrl.engine.requests.admin", "send_stats") in _reached("update", through_public=True)
     assert ("llmrl.engine.requests.admin", "send_stats") not in _reached("update", through_public=False)

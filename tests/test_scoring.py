@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmrl.engine.model.forward import packing
-from llmrl.engine.model.hf_backend import decoder_start_id
+from llmrl.engine.model.hf_startup import decoder_start_id
 from llmrl.engine.model.scoring.packed import attention_per_column
 from llmrl.engine.model.scoring.planning import Needs, packing_pays, plan_batches
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch

@@ -13,7 +13,7 @@ import torch
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.model.generation import generate, plan_generate
-from llmrl.engine.model.hf_backend import decoder_start_id
+from llmrl.engine.model.hf_startup import decoder_start_id
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.scoring.planning import Needs, plan_batches
 from llmrl.engine.model.scoring.tokenization import tokenize

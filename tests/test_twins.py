@@ -12,7 +12,7 @@ from test_scoring import assert_hidden_at_last_tokens
 from test_token_level import assert_per_token, kind_of, text_tokens
 
 from llmrl.engine.model.forward import distinct_contexts
-from llmrl.engine.model.hf_backend import decoder_start_id
+from llmrl.engine.model.hf_startup import decoder_start_id
 from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.scoring.planning import Needs, plan_batches
 from llmrl.engine.model.scoring.tokenization import tokenize

@@ -4,8 +4,8 @@
 ``load_adapter``).
 
 :class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`. The calls check their arguments
-and hand them to the ``adapters`` request kind; the servers do the work (:mod:`llmrl.engine.model.snapshots`,
-:mod:`llmrl.engine.model.training.new_adapters`). This module keeps no state.
+and hand each to its own request kind (:mod:`llmrl.engine.requests.adapters`); the servers do the work
+(:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`). This module keeps no state.
 """
 
 from __future__ import annotations
@@ -14,14 +14,20 @@ import os
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import adapters as kind
+from llmrl.engine.requests.adapters import create_adapter as create_kind
+from llmrl.engine.requests.adapters import delete_adapter as delete_kind
+from llmrl.engine.requests.adapters import drop_snapshot as drop_kind
+from llmrl.engine.requests.adapters import load_adapter as load_kind
+from llmrl.engine.requests.adapters import save_adapter as save_kind
+from llmrl.engine.requests.adapters import snapshot as snapshot_kind
 
 
 class AdapterCalls:
     """``snapshot`` / ``drop_snapshot`` / ``create_adapter`` / ``delete_adapter`` (mixed into Caller)."""
 
-    def _adapters(self, operation: str, name: str, llm: str | None, args: dict) -> dict:
+    def _adapters(self, send, llm: str | None, request) -> dict:
         target = self._open(llm)
-        return self._wait(kind.send(self._run, target, kind.AdapterRequest(operation, name, args)))
+        return self._wait(send(self._run, target, request))
 
     def snapshot(self, name: str, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
         """Freeze the current weights of a LoRA adapter (default: the active one) under ``name``.
@@ -32,12 +38,13 @@ class AdapterCalls:
         ``server_memory()`` lists them. Snapshots need ZeRO 0-2 and are saved with ``save`` (and taken again on
         resume). Returns ``{"snapshot", "source", "bytes"}``.
         """
-        return self._adapters("snapshot", kind.check_new_name(name, "snapshot name"), llm,
-                              {"source": peft_adapter})
+        name = kind.check_new_name(name, "snapshot name")
+        return self._adapters(snapshot_kind.send, llm, snapshot_kind.SnapshotRequest(name, peft_adapter))
 
     def drop_snapshot(self, name: str, *, llm: str | None = None) -> dict:
         """Delete a snapshot and free its memory."""
-        return self._adapters("drop_snapshot", kind.check_name(name, "snapshot name"), llm, {})
+        name = kind.check_name(name, "snapshot name")
+        return self._adapters(drop_kind.send, llm, drop_kind.DropSnapshotRequest(name))
 
     def create_adapter(self, name: str, *, rank: int = 8, alpha: float | None = None, seed: int = 0,
                        targets=None, llm: str | None = None) -> dict:
@@ -55,11 +62,13 @@ class AdapterCalls:
         Returns ``{"adapter", "parameters"}``.
         """
         args = kind.check_create_args(rank, alpha, seed, targets)
-        return self._adapters("create_adapter", kind.check_new_name(name, "adapter name"), llm, args)
+        name = kind.check_new_name(name, "adapter name")
+        return self._adapters(create_kind.send, llm, create_kind.CreateAdapterRequest(name, **args))
 
     def delete_adapter(self, name: str, *, llm: str | None = None) -> dict:
         """Delete an adapter made by :meth:`create_adapter`: its weights, optimizer state and cached keys."""
-        return self._adapters("delete_adapter", kind.check_name(name, "adapter name"), llm, {})
+        name = kind.check_name(name, "adapter name")
+        return self._adapters(delete_kind.send, llm, delete_kind.DeleteAdapterRequest(name))
 
     def save_adapter(self, path: str | os.PathLike, *, peft_adapter: str | None = None, llm: str | None = None
                      ) -> dict:
@@ -78,7 +87,7 @@ class AdapterCalls:
             raise InvalidArgument(f"{folder} exists; save_adapter writes a new folder and overwrites nothing: pick "
                                   "another path")
         name = kind.check_name(peft_adapter, "peft_adapter") if peft_adapter is not None else None
-        return self._adapters("save_adapter", name, llm, {"path": folder})  # None: the active adapter
+        return self._adapters(save_kind.send, llm, save_kind.SaveAdapterRequest(name, folder))  # None: the active one
 
     def load_adapter(self, path: str | os.PathLike, name: str, *, optimizer: bool = True,
                      llm: str | None = None) -> dict:
@@ -94,5 +103,5 @@ class AdapterCalls:
             raise InvalidArgument(f"{folder} is not a folder saved by save_adapter")
         if not isinstance(optimizer, bool):
             raise InvalidArgumentType(f"optimizer must be True or False, got {optimizer!r}")
-        return self._adapters("load_adapter", kind.check_name(name, "adapter name"), llm,
-                              {"path": folder, "optimizer": optimizer})
+        name = kind.check_name(name, "adapter name")
+        return self._adapters(load_kind.send, llm, load_kind.LoadAdapterRequest(name, folder, optimizer))

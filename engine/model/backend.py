@@ -9,16 +9,16 @@ keeps derived state (a key/value cache that lives across calls, a separate gener
 must follow) overrides it. ``llms.<name>.backend`` names the implementation in :data:`BACKENDS`; adding one is
 a new module plus a line here and a value in the config schema's enum.
 
-Every request method takes plain arguments (and :class:`ScoreOptions`, a scoring pass's options): a request
-kind's handler unpacks its payload, and this layer never sees one. This module defines the interface only;
-:mod:`llmrl.engine.model.hf_backend` implements it.
+Every request method serves one request kind and takes that kind's payload, the typed request a rank received,
+as its one argument (``request``): the kind's handler hands it on as it came, and the payload types are named here
+for type checking only (the model layer imports no request kind at run time). This module defines the interface
+only; :mod:`llmrl.engine.model.hf_backend` implements it.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,20 +28,25 @@ from llmrl.engine.config.topology import RankRole
 
 if TYPE_CHECKING:
     from llmrl.engine.model.scoring.tokenization import TokenPlan
+    from llmrl.engine.requests.adapters.create_adapter import CreateAdapterRequest
+    from llmrl.engine.requests.adapters.delete_adapter import DeleteAdapterRequest
+    from llmrl.engine.requests.adapters.drop_snapshot import DropSnapshotRequest
+    from llmrl.engine.requests.adapters.load_adapter import LoadAdapterRequest
+    from llmrl.engine.requests.adapters.save_adapter import SaveAdapterRequest
+    from llmrl.engine.requests.adapters.snapshot import SnapshotRequest
+    from llmrl.engine.requests.admin import StatsRequest
+    from llmrl.engine.requests.forward_backward import ForwardBackwardRequest
+    from llmrl.engine.requests.generate import GenerateRequest
+    from llmrl.engine.requests.optim_step import OptimStepRequest
+    from llmrl.engine.requests.save import SaveRequest
+    from llmrl.engine.requests.score import ScoreRequest
+    from llmrl.engine.requests.state_dict import StateDictRequest
+    from llmrl.engine.requests.tokenize import TokenizeRequest
+    from llmrl.engine.requests.update import UpdateRequest
     from llmrl.engine.server.group import GroupChannel
-    from llmrl.plugins.contracts import ForwardOutputs, UpdateBatch
+    from llmrl.plugins.contracts import ForwardOutputs
 
 BACKENDS = {"hf": "llmrl.engine.model.hf_backend:HFBackend"}
-
-
-@dataclass(frozen=True)
-class ScoreOptions:
-    """The options of a scoring pass beyond its inputs, heads, adapter and minibatch size."""
-
-    per_token: bool = False  # fill the outputs' per-token log-probs
-    entropy: bool = False  # and per-token entropies
-    add_eos: bool = False  # end every candidate with the EOS token
-    head_kwargs: dict | None = None  # keyword arguments for the heads' forward
 
 
 class ModelBackend(ABC):
@@ -71,53 +76,71 @@ class ModelBackend(ABC):
         """Build what runs the model (collective) and return its description for ``Caller.info``."""
 
     # ------------------------------------------------------------------ requests
+    # One method per request kind (``backend_method`` of its Kind), taking the kind's payload as its one argument.
 
     @abstractmethod
-    def score(self, contexts: list, candidates: list | None, heads: tuple[str, ...], adapter: str | None,
-              minibatch_size: int | None, options: ScoreOptions) -> ForwardOutputs:
+    def score(self, request: ScoreRequest) -> ForwardOutputs:
         """Score candidates and run heads without gradients (collective under lockstep). Contexts and candidates
-        are strings or token id lists; ``options`` says what else the pass keeps or adds."""
+        are strings or token id lists; the request's options say what else the pass keeps or adds."""
 
     @abstractmethod
-    def tokenize(self, contexts: list, candidates: list | None) -> TokenPlan:
+    def tokenize(self, request: TokenizeRequest) -> TokenPlan:
         """The token plan ``score`` would run for these inputs."""
 
     @abstractmethod
-    def generate(self, contexts: list, kwargs: dict, adapter: str | None, seed: int | None,
-                 minibatch_size: int | None) -> list[list[dict]]:
+    def generate(self, request: GenerateRequest) -> list[list[dict]]:
         """Per context (a string or token ids), ``num_return_sequences`` samples: ``text``, ``tokens``, raw-model
         ``logprobs``."""
 
     @abstractmethod
-    def update(self, batch: UpdateBatch) -> dict:
-        """Run the updater on this replica's share (collective); returns its stats."""
+    def update(self, request: UpdateRequest) -> dict:
+        """Run the updater on this replica's share (collective; ``request.batch`` makes its
+        :class:`~llmrl.plugins.contracts.UpdateBatch`); returns its stats."""
 
     @abstractmethod
-    def forward_backward(self, tokens: list[list[int]], inputs: list[dict[str, list[float]]], loss_fn: str | None,
-                         loss_fn_config: dict, backward: bool, adapter: str | None) -> dict:
+    def forward_backward(self, request: ForwardBackwardRequest) -> dict:
         """Log-probs, the built-in loss ``loss_fn`` (None: none) and (``backward``) its gradients, accumulated until
         ``optim_step``, for this replica's share of token-level sequences: each one's ``tokens`` and per-token loss
         ``inputs`` (collective)."""
 
     @abstractmethod
-    def optim_step(self, settings: dict, adapter: str | None) -> dict:
+    def optim_step(self, request: OptimStepRequest) -> dict:
         """One optimizer step over the accumulated gradients, with this step's hyperparameters (collective)."""
 
     @abstractmethod
-    def manage_adapters(self, operation: str, name: str, args: dict) -> dict:
-        """Take or drop a snapshot, create or delete a LoRA adapter, save or load one adapter's state (collective);
-        an operation that is not one of these is refused and changes nothing."""
+    def snapshot(self, request: SnapshotRequest) -> dict:
+        """Freeze a copy of an adapter's weights under a new name (collective)."""
 
     @abstractmethod
-    def save(self, folder: str) -> None:
-        """Write this rank's part of a checkpoint into ``folder`` (collective)."""
+    def drop_snapshot(self, request: DropSnapshotRequest) -> dict:
+        """Delete a snapshot and free its memory (collective)."""
 
     @abstractmethod
-    def state_dict(self, prefix: str, own_replica: bool) -> dict[str, torch.Tensor] | None:
+    def create_adapter(self, request: CreateAdapterRequest) -> dict:
+        """Add a LoRA adapter with an optimizer state of its own (collective)."""
+
+    @abstractmethod
+    def delete_adapter(self, request: DeleteAdapterRequest) -> dict:
+        """Delete an adapter made by ``create_adapter`` (collective)."""
+
+    @abstractmethod
+    def save_adapter(self, request: SaveAdapterRequest) -> dict:
+        """Write one adapter's state in a new folder (collective; the group leader writes)."""
+
+    @abstractmethod
+    def load_adapter(self, request: LoadAdapterRequest) -> dict:
+        """Load a saved adapter state into an adapter, created when it does not exist (collective)."""
+
+    @abstractmethod
+    def save(self, request: SaveRequest) -> None:
+        """Write this rank's part of a checkpoint into ``request.folder`` (collective)."""
+
+    @abstractmethod
+    def state_dict(self, request: StateDictRequest) -> dict[str, torch.Tensor] | None:
         """The full weights (gathered; collective) on the group leader, or this replica's own copy."""
 
     @abstractmethod
-    def memory(self) -> dict[str, Any]:
+    def memory(self, request: StatsRequest) -> dict[str, Any]:
         """Memory use of this rank (resident set size, peak, CUDA allocations, parameter bytes)."""
 
     def weights_changed(self, unchanged_below: int = 0) -> None:  # noqa: B027 - a notification: no-op default

@@ -22,6 +22,7 @@ import torch
 from llmrl.engine.errors import PeerAborted, PluginError, plugin_error
 from llmrl.engine.model.backend import ModelBackend
 from llmrl.engine.model.forward import forget_zero3_trace, plan_and_agree, plan_forward, run_forward
+from llmrl.engine.model.hf_startup import decoder_start_id, make_prefix_cache, make_trunk, num_hidden_states
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.zero3_gather import gathered_weights
 
@@ -177,31 +178,31 @@ class HFBackend(ModelBackend):
 
     # ------------------------------------------------------------------ requests
 
-    def score(self, contexts, candidates, heads, adapter, minibatch_size, options):
-        plan, extra = plan_and_agree(self.served, contexts, candidates, heads, adapter, minibatch_size,
-                                     must_agree=self.llm.lockstep, prefix_cache=self.prefix_cache,
-                                     per_token=options.per_token, entropy=options.entropy, add_eos=options.add_eos,
-                                     head_kwargs=options.head_kwargs)
+    def score(self, request):
+        plan, extra = plan_and_agree(self.served, request.contexts, request.candidates, request.heads,
+                                     request.peft_adapter, request.minibatch_size, must_agree=self.llm.lockstep,
+                                     prefix_cache=self.prefix_cache, per_token=request.per_token,
+                                     entropy=request.entropy, add_eos=request.add_eos, head_kwargs=request.head_kwargs)
         with torch.no_grad(), gathered_weights(self.served.engine, self.llm.training.zero3_gather_mb):
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 
-    def tokenize(self, contexts, candidates):
-        return plan_forward(self.served, contexts, candidates).plan
+    def tokenize(self, request):
+        return plan_forward(self.served, request.contexts, request.candidates).plan
 
-    def generate(self, contexts, kwargs, adapter, seed, minibatch_size):
+    def generate(self, request):
         from llmrl.engine.model.generation import generate, plan_generate
 
-        served, llm = self.served, self.llm
-        kwargs, steering = dict(kwargs or {}), None
+        served, llm, adapter = self.served, self.llm, request.peft_adapter
+        kwargs, steering = dict(request.kwargs or {}), None
         try:
             served.check_adapter(adapter)
             if kwargs.get("steer") not in (None, False):  # the updater's own policy (plugins/steering.py)
                 steering = self._steering(kwargs.pop("steer"), adapter)
                 kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), steering]
             kwargs.pop("steer", None)
-            plan, error = plan_generate(served.model, self.tokenizer, llm.type, contexts, kwargs,
-                                        llm.token_budget, minibatch_size or llm.minibatch_size, self.max_length,
-                                        vocab_size=self.info.vocab_size), None
+            plan, error = plan_generate(served.model, self.tokenizer, llm.type, request.contexts, kwargs,
+                                        llm.token_budget, request.minibatch_size or llm.minibatch_size,
+                                        self.max_length, vocab_size=self.info.vocab_size), None
         except Exception as err:  # noqa: BLE001 - under lockstep, voted on first
             plan, error = None, err
             if steering is not None:
@@ -226,7 +227,7 @@ class HFBackend(ModelBackend):
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
             try:
                 return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                                seed=seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder(),
+                                seed=request.seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder(),
                                 whole_weights=whole)
             finally:
                 if steering is not None:
@@ -246,33 +247,61 @@ class HFBackend(ModelBackend):
                                     zero3=self.llm.training.zero_stage == 3, trunk=self.module.trunk)
         return self._decoder
 
-    def update(self, batch):
+    def update(self, request):
         from llmrl.engine.model.training.trainer import run_update
 
         try:
-            return run_update(self.served, batch)
+            return run_update(self.served, request.batch(self.role.replica, self.llm.replicas))
         finally:  # an update trains only what sits from the trunk's depth up (the trunk exists only then)
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
-    def forward_backward(self, tokens, inputs, loss_fn, loss_fn_config, backward, adapter):
+    def forward_backward(self, request):
         from llmrl.engine.model.training.client_steps import forward_backward
 
-        return forward_backward(self.served, tokens, inputs, loss_fn, loss_fn_config, backward, adapter)
+        return forward_backward(self.served, [seq.tokens for seq in request.sequences],
+                                [seq.inputs for seq in request.sequences], request.loss_fn, request.loss_fn_config,
+                                request.backward, request.adapter)
 
-    def optim_step(self, settings, adapter):
+    def optim_step(self, request):
         from llmrl.engine.model.training.client_steps import optim_step
 
         try:
-            return optim_step(self.served, settings, adapter)
+            return optim_step(self.served, request.settings, request.adapter)
         finally:
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
 
-    def manage_adapters(self, operation, name, args):
-        from llmrl.engine.model import adapter_operations
+    def snapshot(self, request):
+        from llmrl.engine.model.snapshots import take_snapshot
 
-        return adapter_operations.apply(self.served, self.prefix_cache, operation, name, args)
+        return take_snapshot(self.served, request.name, request.source, self.prefix_cache)
+
+    def drop_snapshot(self, request):
+        from llmrl.engine.model.snapshots import drop_snapshot
+
+        return drop_snapshot(self.served, request.name, self.prefix_cache)
+
+    def create_adapter(self, request):
+        from llmrl.engine.model.training.new_adapters import create_adapter
+
+        return create_adapter(self.served, request.name, request.rank, request.alpha, request.seed, request.targets,
+                              prefix_cache=self.prefix_cache)
+
+    def delete_adapter(self, request):
+        from llmrl.engine.model.training.new_adapters import delete_adapter
+
+        return delete_adapter(self.served, request.name, self.prefix_cache)
+
+    def save_adapter(self, request):
+        from llmrl.engine.model.training.adapter_state import save_adapter
+
+        return save_adapter(self.served, request.name, request.path)
+
+    def load_adapter(self, request):
+        from llmrl.engine.model.training.adapter_state import load_adapter
+
+        return load_adapter(self.served, request.name, request.path, request.optimizer, self.prefix_cache)
 
     def weights_changed(self, unchanged_below: int = 0) -> None:
         """The cache across calls holds keys and values computed with the old weights: forget them. When the
@@ -287,18 +316,18 @@ class HFBackend(ModelBackend):
         else:
             self.prefix_cache.clear()
 
-    def save(self, folder):
+    def save(self, request):
         from llmrl.engine.model.checkpoint import save_shard
 
-        save_shard(self.served, folder)
+        save_shard(self.served, request.folder)
 
-    def state_dict(self, prefix, own_replica):
+    def state_dict(self, request):
         from llmrl.engine.model.checkpoint import full_state_dict, own_state_dict
 
-        state = own_state_dict(self.served) if own_replica else full_state_dict(self.served)
-        return None if state is None else {k: v for k, v in state.items() if k.startswith(prefix)}
+        state = own_state_dict(self.served) if request.own_replica else full_state_dict(self.served)
+        return None if state is None else {k: v for k, v in state.items() if k.startswith(request.prefix)}
 
-    def memory(self):
+    def memory(self, request):
         import resource
 
         import psutil
@@ -329,61 +358,6 @@ class HFBackend(ModelBackend):
             out["snapshots"] = snapshots_report(self.served)
             out["created_adapters"] = list(self.served.created_adapters)
         return out
-
-
-def make_prefix_cache(model, llm):
-    """The cache across calls for ``llms.<name>.kv_cache_mb``; refuses models whose layers do not all attend over
-    the whole context, or whose keys depend on the call (:mod:`llmrl.engine.model.attention_span`)."""
-    from llmrl.engine.errors import ConfigError
-    from llmrl.engine.model.attention_span import why_not_whole_context
-    from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache, model_bytes_per_token
-
-    reason = why_not_whole_context(model.config, across_calls=True)
-    if reason is not None:
-        raise ConfigError([(f"llms.{llm.name}.kv_cache_mb",
-                            f"this model's keys cannot be kept across calls: {reason}; the cache across calls needs "
-                            "full attention over the whole context on every layer: set it to 0")])
-    return PrefixKVCache(int(llm.kv_cache_mb * 2**20), model_bytes_per_token(model.config, getattr(torch, llm.dtype)))
-
-
-def make_trunk(model, llm, depth: int, trainable: bool):
-    """The frozen-trunk store for ``llms.<name>.trunk_reuse_mb``; refuses models with nothing frozen to reuse."""
-    from llmrl.engine.errors import ConfigError
-    from llmrl.engine.model.reuse.trunk import Trunk, decoder_layers
-
-    layers = decoder_layers(model)
-    where = f"llms.{llm.name}.trunk_reuse_mb"
-    if layers is None:
-        raise ConfigError([(where, f"this model ({type(model).__name__}) keeps no decoder layers where frozen-trunk "
-                                   "reuse looks (model.layers, as Llama, Qwen2, Mistral do): set it to 0")])
-    if not trainable:  # an updater from the config or handed to the Caller by the script, or trainable: true
-        raise ConfigError([(where, "frozen-trunk reuse serves updates and this LLM is not trained (no updater, "
-                                   "trainable not set): set it to 0")])
-    if not 0 < depth < len(layers):
-        raise ConfigError([(where, f"the first trainable (or adapted) layer is {depth}: nothing below it to reuse; "
-                                   "train only the top layers (lora's last_layers, or the freeze initializer) or set "
-                                   "it to 0")])
-    return Trunk(model, depth, int(llm.trunk_reuse_mb * 2**20))
-
-
-def num_hidden_states(model, kind: str) -> int:
-    """Entries of Hugging Face's ``hidden_states`` (seq2seq: ``decoder_hidden_states``): the embeddings and one per
-    (decoder) layer."""
-    config = model.config.get_text_config()
-    if kind == "seq2seq":
-        layers = getattr(config, "num_decoder_layers", None) or getattr(config, "decoder_layers", None)
-        if layers:
-            return layers + 1
-    return config.num_hidden_layers + 1
-
-
-def decoder_start_id(model) -> int | None:
-    """The token a seq2seq decoder starts from: the model config's, else its generation config's (some models,
-    BART's descendants among them, keep it only there)."""
-    start = getattr(model.config, "decoder_start_token_id", None)
-    if start is None and getattr(model, "generation_config", None) is not None:
-        start = model.generation_config.decoder_start_token_id
-    return start
 
 
 def _seed(seed: int) -> None:

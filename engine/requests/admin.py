@@ -56,8 +56,8 @@ def handle_ping(replica, request: PingRequest):
 def handle_stats(replica, request: StatsRequest):
     import torch
 
-    return {**replica.backend.memory(), "host_allocator": host_memory.report(), "requests": dict(replica.handled),
-            "threads": torch.get_num_threads()}
+    return {**replica.backend.memory(request), "host_allocator": host_memory.report(),
+            "requests": dict(replica.handled), "threads": torch.get_num_threads()}
 
 
 KINDS = (Kind(name=SETUP, payload=SetupRequest, send=send_setup, handle=handle_setup, backend_method=None,

@@ -153,3 +153,10 @@ def every_rank(run: Run, llms=None) -> list[int]:
     """Every server rank of the given LLMs (default: all that still serve), in rank order."""
     names = [name for name in run.config.llms if name not in run.closed_llms] if llms is None else llms
     return [r for name in names for replica in run.replicas(name) for r in replica]
+
+
+def to_every_replica(run: Run, kind: str, llm: str, payload) -> Future:
+    """The same payload to every rank of ``llm`` (for changes every replica must make alike); a future of the first
+    replica's answer."""
+    replicas = run.replicas(llm)
+    return run.submit(kind, [(ranks, payload) for ranks in replicas], lambda values: values[replicas[0][0]])

@@ -60,9 +60,7 @@ def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, los
 
 
 def handle(replica, request: ForwardBackwardRequest):
-    result = replica.backend.forward_backward([seq.tokens for seq in request.sequences],
-                                              [seq.inputs for seq in request.sequences], request.loss_fn,
-                                              request.loss_fn_config, request.backward, request.adapter)
+    result = replica.backend.forward_backward(request)
     return result if replica.answers else None
 
 

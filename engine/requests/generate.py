@@ -170,8 +170,7 @@ def _with_total(samples: list[dict]) -> list[dict]:
 
 
 def handle(replica, request: GenerateRequest):
-    results = replica.backend.generate(request.contexts, request.kwargs, request.peft_adapter, request.seed,
-                                       request.minibatch_size)
+    results = replica.backend.generate(request)
     return results if replica.answers else None
 
 

@@ -95,7 +95,7 @@ def send(run: Run, llm: str, request: OptimStepRequest) -> Future:
 
 
 def handle(replica, request: OptimStepRequest):
-    result = replica.backend.optim_step(request.settings, request.adapter)
+    result = replica.backend.optim_step(request)
     return result if replica.answers else None
 
 

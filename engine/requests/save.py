@@ -26,7 +26,7 @@ def send(run: Run, folder: str) -> Future:
 
 
 def handle(replica, request: SaveRequest):
-    replica.backend.save(request.folder)
+    replica.backend.save(request)
     return True
 
 

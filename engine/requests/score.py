@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmrl.engine.model.backend import ScoreOptions
 from llmrl.engine.requests.base import (
     Kind,
     Piece,
@@ -190,10 +189,7 @@ def _size(item) -> int:
 
 
 def handle(replica, request: ScoreRequest):
-    options = ScoreOptions(per_token=request.per_token, entropy=request.entropy, add_eos=request.add_eos,
-                           head_kwargs=request.head_kwargs)
-    out = replica.backend.score(request.contexts, request.candidates, request.heads, request.peft_adapter,
-                                request.minibatch_size, options)
+    out = replica.backend.score(request)
     if not replica.answers:
         return None
     scores = out.candidate_scores.detach().float().cpu()

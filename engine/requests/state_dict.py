@@ -35,7 +35,7 @@ def send(run: Run, llm: str, prefix: str, replica: int | None) -> Future:
 
 
 def handle(replica, request: StateDictRequest):
-    return replica.backend.state_dict(request.prefix, request.own_replica)
+    return replica.backend.state_dict(request)
 
 
 KIND = Kind(name=NAME, payload=StateDictRequest, send=send, handle=handle, backend_method="state_dict",

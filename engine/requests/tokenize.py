@@ -29,7 +29,7 @@ def send(run: Run, llm: str, request: TokenizeRequest) -> Future:
 
 
 def handle(replica, request: TokenizeRequest):
-    plan = replica.backend.tokenize(request.contexts, request.candidates)
+    plan = replica.backend.tokenize(request)
     tokenizer = replica.backend.tokenizer
     out = []
     for ctx in plan.contexts:

@@ -5,9 +5,10 @@ Client half: samples are split evenly across replicas. Keyword arguments are che
 :func:`refuse_engine_settings`; every number finite, :mod:`llmrl.engine.requests.finite`; the updater's declared
 per-sample arguments shaped like the call, :mod:`llmrl.plugins.per_sample`) before anything is sent; the
 per-sample ones (declared, or by the length rule for an updater that declares nothing) are sliced like the
-contexts, the others reach every replica whole. Every replica
-takes part, even with no sample (its collectives must line up with the others'). Server half: the backend runs the
-updater on an :class:`~llmrl.plugins.contracts.UpdateBatch`; each replica's leader answers with its stats.
+contexts, the others reach every replica whole. Every replica takes part, even with no sample (its collectives
+must line up with the others'). Server half: the backend runs the updater on the share's
+:class:`~llmrl.plugins.contracts.UpdateBatch` (:meth:`UpdateRequest.batch`); each replica's leader answers with its
+stats.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ class UpdateRequest:
     replica_sizes: list[int] = field(default_factory=list)
     per_sample: list[str] = field(default_factory=list)  # the kwargs sliced with the samples
 
+    def batch(self, replica: int, num_replicas: int) -> UpdateBatch:
+        """What the updater receives: this share as replica ``replica`` of ``num_replicas``."""
+        return UpdateBatch(contexts=self.contexts, candidates=self.candidates, kwargs=self.kwargs,
+                           indices=self.indices, global_size=self.global_size, replica=replica,
+                           num_replicas=num_replicas, replica_sizes=self.replica_sizes,
+                           per_sample_keys=tuple(self.per_sample))
+
 
 def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwargs: dict,
          declared: dict | None = None, updater: str = "", whole: list | tuple | None = None) -> Future:
@@ -106,12 +114,7 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
 
 
 def handle(replica, request: UpdateRequest):
-    llm = replica.llm
-    batch = UpdateBatch(contexts=request.contexts, candidates=request.candidates, kwargs=request.kwargs,
-                        indices=request.indices, global_size=request.global_size, replica=replica.role.replica,
-                        num_replicas=llm.replicas, replica_sizes=request.replica_sizes,
-                        per_sample_keys=tuple(request.per_sample))
-    stats = replica.backend.update(batch)
+    stats = replica.backend.update(request)
     return stats if replica.answers else None
 
 
