@@ -2,8 +2,9 @@
 modules (imports inside functions count), the engine never imports ``launch``, plugins never import the request
 path (they may import the engine's leaf modules), the engine never imports a built-in plugin (only the plugin API:
 the contracts, their checks, the registry), the request kinds never import the model layer (the backend receives
-their payloads), every module opens with a docstring, and no function of the engine or the plugins takes more than 8
-parameters (but the listed known exceptions); and the folder above the repository stays off the import path."""
+their payloads) and the model layer imports them for annotations only (under ``if TYPE_CHECKING:``), every module
+opens with a docstring, and no function of the engine or the plugins takes more than 8 parameters (but the listed
+known exceptions); and the folder above the repository stays off the import path."""
 
 from __future__ import annotations
 
@@ -41,12 +42,25 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only, never run)."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
+    return inside
+
+
+def imports(name: str, path: Path, known: dict[str, Path], run_time_only: bool = False) -> set[str]:
     """The modules of ``known`` that ``name`` imports anywhere in its file (a name imported from a package counts
-    as its submodule when there is one)."""
+    as its submodule when there is one); with ``run_time_only``, not those under ``if TYPE_CHECKING:``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_blocks(tree) if run_time_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -107,9 +121,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(run_time_only: bool = False) -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {name: imports(name, path, known, run_time_only) for name, path in known.items()}
 
 
 def test_the_cycle_finder_finds_a_cycle_and_only_it():
@@ -136,7 +150,17 @@ def test_imports_go_one_way():
             if name.startswith("llmrl.engine.requests") and target.startswith("llmrl.engine.model"):
                 wrong.append(f"{name} -> {target} (the request kinds never import the model layer: a kind's "
                              "handler hands its payload to one method of replica.backend)")
+    for name, targets in import_graph(run_time_only=True).items():
+        wrong += [f"{name} -> {target} (the model layer names a request kind's payload type in annotations only, "
+                  "under `if TYPE_CHECKING:`; it never runs a request kind's code)"
+                  for target in sorted(targets)
+                  if name.startswith("llmrl.engine.model") and target.startswith("llmrl.engine.requests")]
     assert wrong == [], "\n".join(wrong)
+
+
+def test_imports_under_type_checking_are_told_apart():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\nimport c\n")
+    assert len(_type_checking_blocks(tree)) == 2  # the import and its alias
 
 
 def test_the_engine_imports_no_built_in_plugin():
