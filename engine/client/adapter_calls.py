@@ -3,7 +3,8 @@
 ``delete_adapter``), and one adapter's state saved to a folder and loaded back (``save_adapter`` /
 ``load_adapter``).
 
-:class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`. The calls check their arguments
+:class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
+:class:`~llmrl.engine.client.call_context.CallContext`. The calls check their arguments
 and hand them to the ``adapters`` request kind; the servers do the work (:mod:`llmrl.engine.model.snapshots`,
 :mod:`llmrl.engine.model.training.new_adapters`). This module keeps no state.
 """
@@ -11,17 +12,29 @@ and hand them to the ``adapters`` request kind; the servers do the work (:mod:`l
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import adapters as kind
 
+if TYPE_CHECKING:
+    from llmrl.engine.client.call_context import CallContext
+
 
 class AdapterCalls:
-    """``snapshot`` / ``drop_snapshot`` / ``create_adapter`` / ``delete_adapter`` (mixed into Caller)."""
+    """``snapshot`` / ``drop_snapshot`` / ``create_adapter`` / ``delete_adapter`` / ``save_adapter`` /
+    ``load_adapter``.
+
+    Args:
+        context: the Caller's shared run and wait.
+    """
+
+    def __init__(self, context: CallContext):
+        self._context: CallContext = context
 
     def _adapters(self, operation: str, name: str, llm: str | None, args: dict) -> dict:
-        target = self._open(llm)
-        return self._wait(kind.send(self._run, target, kind.AdapterRequest(operation, name, args)))
+        target = self._context.open(llm)
+        return self._context.wait(kind.send(self._context.run, target, kind.AdapterRequest(operation, name, args)))
 
     def snapshot(self, name: str, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
         """Freeze the current weights of a LoRA adapter (default: the active one) under ``name``.
