@@ -4,7 +4,8 @@ path (they may import the engine's leaf modules), the engine never imports a bui
 the contracts, their checks, the registry), the request kinds never import the model layer (the backend receives
 their payloads) and the model layer imports them for annotations only (under ``if TYPE_CHECKING:``), every module
 opens with a docstring, and no function of the engine or the plugins takes more than 8 parameters (but the listed
-known exceptions); and the folder above the repository stays off the import path."""
+known exceptions); the Caller is a composition of parts, not a stack of mixins; and the folder above the repository
+stays off the import path."""
 
 from __future__ import annotations
 
@@ -212,6 +213,8 @@ KNOWN_LONG_SIGNATURES = {
     "engine/client/caller.py::Caller.score_async": 13,  # public API: keyword-only options
     "engine/client/caller.py::Caller.score": 13,  # public API: keyword-only options
     "engine/client/episodes.py::run_episodes": 11,
+    "engine/client/inference_calls.py::InferenceCalls.score_async": 13,  # the Caller's public API, delegated here
+    "engine/client/inference_calls.py::InferenceCalls.score": 13,
     "engine/model/decoding/loop.py::decode": 17,  # the decoder's loop: its state wants an object of its own
     "engine/model/decoding/runtime.py::Decoder.decode": 11,
     "engine/model/forward.py::plan_forward": 13,
@@ -276,3 +279,40 @@ def test_no_function_takes_more_than_8_parameters_but_the_known_exceptions():
     assert new == [], f"functions over {MAX_PARAMETERS} parameters: group them (a dataclass, keyword options)"
     assert grown == [], "known exceptions may not grow"
     assert stale == [], "KNOWN_LONG_SIGNATURES lists more than there is"
+
+
+# ---- the Caller is a composition of parts, not a stack of mixins ---------------------------------------------------
+
+CLIENT = ROOT / "engine" / "client"
+
+
+def client_class_bases(source: str) -> dict[str, list[str]]:
+    """Each class of a module by name, with the names of its bases that the module imports from
+    ``llmrl.engine.client`` (a class of the client built on another: a mixin), and ``Caller`` with all its bases."""
+    tree = ast.parse(source)
+    from_client = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and (node.module or "").startswith("llmrl.engine.client") for alias in node.names}
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = [ast.unparse(base) for base in node.bases]
+            found[node.name] = [b for b in bases if b != "object"] if node.name == "Caller" else \
+                [b for b in bases if b.split(".")[0] in from_client]
+    return found
+
+
+def test_the_caller_is_a_composition_of_parts_not_a_stack_of_mixins():
+    """The Caller inherits from nothing: each part (calls, training, adapters, tracking...) is an object it holds,
+    given what it uses in its constructor; no class of the client inherits from another client class."""
+    caller = client_class_bases((CLIENT / "caller.py").read_text())
+    assert caller.get("Caller") == [], f"Caller inherits from {caller.get('Caller')}: hold parts, do not mix them in"
+    mixed = [f"{path.relative_to(ROOT)}::{name}({', '.join(bases)})" for path in sorted(CLIENT.rglob("*.py"))
+             for name, bases in client_class_bases(path.read_text()).items() if bases]
+    assert mixed == [], "client classes built on other client classes (mixins sharing implicit attributes)"
+
+
+def test_the_composition_rule_finds_a_mixin():
+    source = "from llmrl.engine.client.adapter_calls import AdapterCalls\nclass Caller(AdapterCalls):\n    pass\n"
+    assert client_class_bases(source) == {"Caller": ["AdapterCalls"]}
+    assert client_class_bases("from llmrl.engine.client.x import A\nclass B(A, dict): pass\n") == {"B": ["A"]}
+    assert client_class_bases("class Caller(object): pass\n") == {"Caller": []}

@@ -2,12 +2,14 @@
 :data:`llmrl.engine.requests.KINDS`): checked here against the code, from the source.
 
 For each kind: its payload is a dataclass; each Caller method it names exists and reaches the kind's ``send``
-(read with ``ast`` from the Caller's source files, following calls to its own methods and to functions of
-``llmrl.engine.client``); its ``handle`` calls exactly the backend method it names, handing it the payload as it
-came, an abstract method of :class:`~llmrl.engine.model.backend.ModelBackend` whose one parameter ``request`` is
-annotated with the kind's payload type, and that :class:`~llmrl.engine.model.hf_backend.HFBackend` implements with
-the same parameters. Every request method of the backend serves a kind. And no Caller method sends a kind that is
-not declared, or one whose declaration does not name it.
+(read with ``ast`` from the Caller's source files, following calls to its own methods, to the methods of its
+parts (``self.<part>.<method>``, a part being an attribute assigned with a class annotation: ``self._x: Part =
+...``) and to functions of ``llmrl.engine.client``); its ``handle`` calls exactly the backend method it names,
+handing it the payload as it came, an abstract method of :class:`~llmrl.engine.model.backend.ModelBackend` whose one
+parameter ``request`` is annotated with the kind's payload type, and that
+:class:`~llmrl.engine.model.hf_backend.HFBackend` implements with the same parameters. Every request method of the
+backend serves a kind. And no Caller method sends a kind that is not declared, or one whose declaration does not
+name it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,29 @@ def _caller_method(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _own_method(module: str, qualname: str, name: str) -> tuple[str, str] | None:
+    """Method ``name`` of the class that function ``qualname`` of ``module`` belongs to (what ``self.name`` is)."""
+    owner = qualname.rpartition(".")[0]
+    if owner and _is_function(module, f"{owner}.{name}"):
+        return module, f"{owner}.{name}"
+    return _caller_method(name)
+
+
+def _part_method(module: str, qualname: str, part: str, name: str) -> tuple[str, str] | None:
+    """What ``self.<part>.<name>`` is in function ``qualname``: method ``name`` of the class ``self.<part>`` is
+    annotated with in the owner's class body (``self.<part>: Part = ...``), a class of ``llmrl.engine.client``."""
+    owner = qualname.rpartition(".")[0]
+    node, names = _function(module, owner) if owner else None, _module(module)[1]
+    for sub in ast.walk(node) if node is not None else ():
+        if (isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Attribute) and sub.target.attr == part
+                and isinstance(sub.target.value, ast.Name) and sub.target.value.id == "self"
+                and isinstance(sub.annotation, ast.Name) and ":" in names.get(sub.annotation.id, "")):
+            mod, _, cls = names[sub.annotation.id].partition(":")
+            if mod.startswith(CLIENT + ".") and _is_function(mod, f"{cls}.{name}"):
+                return mod, f"{cls}.{name}"
+    return None
+
+
 def _is_public(name: str) -> bool:
     return not name.startswith("_") or (name.startswith("__") and name.endswith("__"))
 
@@ -95,10 +120,15 @@ def _edges(module: str, qualname: str) -> tuple[set[tuple[str, str]], set[tuple[
             calls.add((mod, func))
 
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+        if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute)
+                and isinstance(sub.value.value, ast.Name) and sub.value.value.id == "self"):
+            where = _part_method(module, qualname, sub.value.attr, sub.attr)
+            if where is not None:
+                calls.add(where)
+        elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
             base = sub.value.id
             if base == "self":
-                where = _caller_method(sub.attr)
+                where = _own_method(module, qualname, sub.attr)
                 if where is not None:
                     calls.add(where)
             elif base in names and ":" not in names[base]:
@@ -117,15 +147,19 @@ def _is_function(module: str, qualname: str) -> bool:
 
 def _reached(name: str, through_public: bool) -> set[tuple[str, str]]:
     """The ``send*`` functions Caller method ``name`` reaches; unless ``through_public``, not through another
-    public Caller method (that one sends them itself)."""
+    public Caller method (that one sends them itself), nor through a part's method of the same name as one (the
+    part's half of that Caller method), but from that Caller method itself (its delegation)."""
     start = _caller_method(name)
     seen, todo, sends = {start}, [start], set()
     while todo:
-        sent, calls = _edges(*todo.pop())
+        current = todo.pop()
+        sent, calls = _edges(*current)
         sends |= sent
         for call in calls:
             method = call[1].rpartition(".")[2]
-            crosses = call[0].startswith(CLIENT) and _caller_method(method) == call and _is_public(method)
+            entry = _caller_method(method)
+            crosses = (call[0].startswith(CLIENT) and _is_public(method) and entry is not None
+                       and current != entry)
             if call not in seen and (through_public or not crosses):
                 seen.add(call)
                 todo.append(call)

@@ -4,6 +4,8 @@ the registry replaced."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -56,8 +58,7 @@ def test_the_client_checks_a_registered_loss_by_its_declaration(toy_loss):
     from llmrl.engine.client.training_calls import ClientTraining
     from llmrl.engine.errors import InvalidArgument
 
-    client = ClientTraining()
-    client.info = {}
+    client = ClientTraining(SimpleNamespace(info={}), tracking=None)  # a part of the Caller, given what it reads
     datum = {"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 0.0]}}
     _, config = client._token_data("m", [datum], toy_loss, {"scale": 0.5})
     assert config == {"scale": 0.5}

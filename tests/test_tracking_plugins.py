@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -94,13 +93,12 @@ def test_a_third_party_back_end_validates_and_the_caller_tracker_writes_through_
                                           r"\(did you mean 'memory'\?\)"):
         load_config(raw={"llms": {"main": {"model": tiny["llama"]}}, "tracking": {"backends": ["memroy"]}})
 
-    from llmrl.engine.client.tracking_calls import TrackingCalls
+    from llmrl.engine.client.tracking_calls import start_tracker
 
-    caller = SimpleNamespace(config=config)
-    TrackingCalls._start_tracking(caller, None)  # what Caller() runs on rank 0, without a launch
-    caller.tracker.log({"reward": {"mean": 0.5}})
-    caller.tracker.log_update("main", [{"loss": 2.0}, {"loss": 4.0}], samples=None, seconds=1.0)
-    caller.tracker.close()
+    tracker = start_tracker(config, None)  # what Caller() runs on rank 0, without a launch
+    tracker.log({"reward": {"mean": 0.5}})
+    tracker.log_update("main", [{"loss": 2.0}, {"loss": 4.0}], samples=None, seconds=1.0)
+    tracker.close()
 
     import fake_llmrl_tracker
 

@@ -3,14 +3,16 @@
 ``delete_adapter``), and one adapter's state saved to a folder and loaded back (``save_adapter`` /
 ``load_adapter``).
 
-:class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`. The calls check their arguments
-and hand each to its own request kind (:mod:`llmrl.engine.requests.adapters`); the servers do the work
-(:mod:`llmrl.engine.model.snapshots`, :mod:`llmrl.engine.model.training.new_adapters`). This module keeps no state.
+:class:`AdapterCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
+:class:`~llmrl.engine.client.call_context.CallContext`. The calls check their arguments and hand each to its own
+request kind (:mod:`llmrl.engine.requests.adapters`); the servers do the work (:mod:`llmrl.engine.model.snapshots`,
+:mod:`llmrl.engine.model.training.new_adapters`). This module keeps no state.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import adapters as kind
@@ -21,13 +23,24 @@ from llmrl.engine.requests.adapters import load_adapter as load_kind
 from llmrl.engine.requests.adapters import save_adapter as save_kind
 from llmrl.engine.requests.adapters import snapshot as snapshot_kind
 
+if TYPE_CHECKING:
+    from llmrl.engine.client.call_context import CallContext
+
 
 class AdapterCalls:
-    """``snapshot`` / ``drop_snapshot`` / ``create_adapter`` / ``delete_adapter`` (mixed into Caller)."""
+    """``snapshot`` / ``drop_snapshot`` / ``create_adapter`` / ``delete_adapter`` / ``save_adapter`` /
+    ``load_adapter``.
+
+    Args:
+        context: the Caller's shared run and wait.
+    """
+
+    def __init__(self, context: CallContext):
+        self._context: CallContext = context
 
     def _adapters(self, send, llm: str | None, request) -> dict:
-        target = self._open(llm)
-        return self._wait(send(self._run, target, request))
+        target = self._context.open(llm)
+        return self._context.wait(send(self._context.run, target, request))
 
     def snapshot(self, name: str, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
         """Freeze the current weights of a LoRA adapter (default: the active one) under ``name``.

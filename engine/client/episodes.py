@@ -22,8 +22,8 @@ Credit assignment: :func:`episode_batch` turns groups of episodes into an ``upda
 (``ppo_turns``, ``grpo_turns``); for client-owned steps, :meth:`Trajectory.datum` takes per-turn advantages, and
 :func:`group_episode_advantages` gives GRPO's over a group of episodes from the same start.
 
-:class:`EpisodeCalls` makes it ``Caller.run_episodes``. This module drives the Caller; it computes no loss and keeps
-no state between calls.
+``Caller.run_episodes`` calls :func:`run_episodes` with the Caller. This module drives the Caller; it computes no
+loss and keeps no state between calls.
 """
 
 from __future__ import annotations
@@ -51,14 +51,6 @@ class Episode:
     @property
     def total_reward(self) -> float:
         return sum(self.rewards)
-
-
-class EpisodeCalls:
-    """``run_episodes`` (mixed into Caller)."""
-
-    def run_episodes(self, envs, **kwargs) -> list[Episode]:
-        """Play one episode in each of ``envs`` with this Caller's LLM as the agent (:func:`run_episodes`)."""
-        return run_episodes(self, envs, **kwargs)
 
 
 def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, system: str | None = None,

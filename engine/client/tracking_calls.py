@@ -1,41 +1,59 @@
-"""The Caller's experiment tracking: :meth:`TrackingCalls.log` for a script's own scalars, ``server_memory`` (the
-servers' own figures), and the statistics that each ``update`` and ``optim_step`` returns, written with the call's
-time and the servers' memory and cache figures,
-by the run's :class:`~llmrl.engine.client.tracking.Tracker` (back ends from the config's ``tracking`` section, or
-``Caller(tracking=...)``).
+"""The Caller's experiment tracking: :func:`start_tracker` (the run's tracker, from the config and
+``Caller(tracking=...)``), :meth:`TrackingCalls.log` for a script's own scalars, ``server_memory`` (the servers'
+own figures), and the statistics that each ``update`` and ``optim_step`` returns, written with the call's time and
+the servers' memory and cache figures, by the run's :class:`~llmrl.engine.client.tracking.Tracker` (back ends from
+the config's ``tracking`` section, or ``Caller(tracking=...)``).
 
-:class:`TrackingCalls` is a part of :class:`~llmrl.engine.client.caller.Caller` (it reads the Caller's run and
-config). It tracks the blocking calls: a future from ``update_async`` is not tracked (log what it returns with
-:meth:`TrackingCalls.log`). This module writes no file and computes no scalar itself.
+:class:`TrackingCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
+:class:`~llmrl.engine.client.call_context.CallContext` and the tracker. It tracks the blocking calls: a future
+from ``update_async`` is not tracked (log what it returns with :meth:`TrackingCalls.log`). This module writes no
+file and computes no scalar itself.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.log import logger
 from llmrl.engine.requests import admin
 
+if TYPE_CHECKING:
+    from llmrl.engine.client.call_context import CallContext
+    from llmrl.engine.client.tracking import Tracker
+
+
+def start_tracker(config, tracking) -> Tracker:
+    """The run's :class:`~llmrl.engine.client.tracking.Tracker`: the config's ``tracking`` section with
+    ``Caller(tracking=...)``'s replacements, its steps going on from a resumed checkpoint's."""
+    from llmrl.engine.client.saving import resumed_tracking
+    from llmrl.engine.client.tracking import Tracker, config_params
+    from llmrl.engine.config.loading import tracking_config
+
+    try:
+        settings = tracking_config(config.tracking, tracking)
+    except ValueError as err:
+        raise InvalidArgument(f"Caller(tracking=...): {err}") from None
+    tracker = Tracker(settings, list(config.llms), config_params(config))
+    position = resumed_tracking(config)
+    if position:  # steps go on from the checkpoint's
+        tracker.resume(position)
+    return tracker
+
 
 class TrackingCalls:
-    """``log`` and the tracking of training steps (mixed into Caller)."""
+    """``log``, ``server_memory`` and the tracking of training steps.
 
-    def _start_tracking(self, tracking) -> None:
-        from llmrl.engine.client.tracking import Tracker, config_params
-        from llmrl.engine.config.loading import tracking_config
+    Args:
+        context: the Caller's shared run and wait.
+        tracker: the run's tracker (:func:`start_tracker`).
+    """
 
-        try:
-            settings = tracking_config(self.config.tracking, tracking)
-        except ValueError as err:
-            raise InvalidArgument(f"Caller(tracking=...): {err}") from None
-        self.tracker = Tracker(settings, list(self.config.llms), config_params(self.config))
-        from llmrl.engine.client.saving import resumed_tracking
-
-        position = resumed_tracking(self.config)
-        if position:  # steps go on from the checkpoint's
-            self.tracker.resume(position)
+    def __init__(self, context: CallContext, tracker: Tracker):
+        self._context: CallContext = context
+        self.tracker = tracker
 
     def log(self, metrics: dict, step: int | None = None, *, backends=None) -> None:
         """Write your script's own scalars through the run's tracking (the back ends of the config's ``tracking``
@@ -56,16 +74,15 @@ class TrackingCalls:
             stats = caller.update(contexts, candidates, **batch)   # written on its own: update/loss, ...
             caller.log({"reward": mean_reward, "success": success_rate})
         """
-        if self._closed:
-            raise RuntimeError("this Caller is closed")
+        self._context.check_open()
         self.tracker.log(metrics, step, backends)
 
-    def _tracked(self, llm: str | None, samples, send: Callable):
+    def tracked(self, llm: str | None, samples, send: Callable):
         """The result of the future ``send()`` returns, after writing what it reported as one training step of
         ``llm`` (a failed write is logged as an error, and the result still returned: the servers took the step)."""
-        name = self._open(llm)
+        name = self._context.open(llm)
         start = time.perf_counter()
-        result = self._wait(send())
+        result = self._context.wait(send())
         seconds = time.perf_counter() - start
         count = len(samples) if samples is not None and hasattr(samples, "__len__") else None
         try:
@@ -79,14 +96,14 @@ class TrackingCalls:
         """Memory use of every server rank still serving (resident set size, peak, CUDA allocations, parameter
         bytes, the key/value cache's and the frozen trunk's statistics when they are on), and under ``"requests"``
         how many requests of each kind (``"score"``, ``"generate"``, ...) the rank received."""
-        self._open()
-        return self._wait(admin.send_stats(self._run))
+        self._context.open()
+        return self._context.wait(admin.send_stats(self._context.run))
 
     def _server_stats(self) -> tuple[dict, dict]:
         """Every serving rank's ``stats`` reply and the LLM each rank serves."""
-        return self.server_memory(), {rank: role.llm for rank, role in self._run.roles.items()}
+        return self.server_memory(), {rank: role.llm for rank, role in self._context.run.roles.items()}
 
-    def _close_tracking(self, quiet: bool) -> None:
+    def close(self, quiet: bool) -> None:
         """Close the tracking back ends; with ``quiet``, a failure is logged instead of raised."""
         try:
             self.tracker.close()

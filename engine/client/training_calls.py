@@ -1,11 +1,14 @@
-"""The Caller's calls for training steps whose loss and schedule live in the script (Tinker's primitives):
-``forward_backward``, ``forward``, ``forward_backward_custom`` and ``optim_step``.
+"""The Caller's training calls: ``update`` (the LLM's updater on every replica) and the steps whose loss and
+schedule live in the script (Tinker's primitives): ``forward_backward``, ``forward``, ``forward_backward_custom``
+and ``optim_step``.
 
-:class:`ClientTraining` is a part of :class:`~llmrl.engine.client.caller.Caller` (it reads the Caller's run,
-config and LLM descriptions); the calls check their arguments here and hand them to the ``forward_backward`` and
-``optim_step`` request kinds. ``forward_backward_custom`` runs the script's loss on the client: a forward pass gives
-the per-token log-probs, autograd gives d loss / d log-prob, and a ``cross_entropy`` pass weighted by minus those
-derivatives back-propagates ``sum(dL/dlogp * logp)``, whose gradient is the loss's own.
+:class:`ClientTraining` is a part of :class:`~llmrl.engine.client.caller.Caller`: it is given the Caller's shared
+:class:`~llmrl.engine.client.call_context.CallContext` (run, config, LLM descriptions) and its tracking part (each
+``update`` and ``optim_step`` is a tracked step); the calls check their arguments here and hand them to the
+``update``, ``forward_backward`` and ``optim_step`` request kinds. ``forward_backward_custom`` runs the script's loss
+on the client: a forward pass gives the per-token log-probs, autograd gives d loss / d log-prob, and a
+``cross_entropy`` pass weighted by minus those derivatives back-propagates ``sum(dL/dlogp * logp)``, whose gradient
+is the loss's own.
 
 This module computes no loss on the model (the servers do) and keeps no training state (the servers do).
 """
@@ -14,21 +17,60 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+from typing import TYPE_CHECKING
 
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import forward_backward as fb_kind
 from llmrl.engine.requests import optim_step as step_kind
+from llmrl.engine.requests import update as update_kind
 from llmrl.engine.requests.datums import check_data
+
+if TYPE_CHECKING:
+    from llmrl.engine.client.call_context import CallContext
+    from llmrl.engine.client.tracking_calls import TrackingCalls
 
 
 class ClientTraining:
-    """``forward_backward`` / ``forward`` / ``forward_backward_custom`` / ``optim_step`` (mixed into Caller)."""
+    """``update``, ``forward_backward``, ``forward``, ``forward_backward_custom`` and ``optim_step``.
+
+    Args:
+        context: the Caller's shared run, config, LLM descriptions and wait.
+        tracking: where each ``update`` and ``optim_step`` is written as a training step.
+    """
+
+    def __init__(self, context: CallContext, tracking: TrackingCalls):
+        self._context: CallContext = context
+        self._tracking: TrackingCalls = tracking
+
+    def update_async(self, contexts, candidates=None, *, llm: str | None = None, **kwargs
+                     ) -> concurrent.futures.Future:
+        """Like :meth:`update`, returning a future."""
+        name = self._context.open(llm)
+        contexts, candidates = self._context.inputs(name, contexts, candidates)
+        info = self._context.info.get(name, {})
+        return update_kind.send(self._context.run, name, contexts, candidates, kwargs, info.get("per_sample"),
+                           info.get("updater") or "", info.get("whole_args"))
+
+    def update(self, contexts, candidates=None, *, llm: str | None = None, **kwargs) -> list[dict]:
+        """Run the LLM's updater on every replica, each on its share of the batch. Contexts and candidates are
+        strings or token ids as in :meth:`score`; the updater receives them as given (token ids as lists of ints)
+        and may pass them to ``trainer.forward``.
+
+        The updater's declared per-sample arguments (``Updater.per_sample_args``) are checked against the call and
+        sliced like the contexts; for an updater that declares none, arguments whose length equals the number of
+        contexts are. The others reach every replica whole. NaN or infinite numbers anywhere are refused.
+
+        Returns:
+            The updater's statistics, one dict per replica (also written by the run's tracking, see :meth:`log`).
+        """
+        return self._tracking.tracked(llm, contexts, lambda: self.update_async(contexts, candidates, llm=llm, **kwargs))
+
 
     def _token_data(self, name: str, data, loss_fn: str | None, loss_fn_config):
         """The checked sequences and loss configuration of a call."""
         from llmrl.engine.token_losses import REGISTRY, token_loss_settings
 
-        info = self.info.get(name, {})
+        info = self._context.info.get(name, {})
         vocab_size, max_length = info.get("vocab_size"), info.get("max_length")
         if loss_fn is None:
             if loss_fn_config:
@@ -50,12 +92,12 @@ class ClientTraining:
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
                                llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
         """Like :meth:`forward_backward`, returning a future."""
-        name = self._open(llm)
+        name = self._context.open(llm)
         if loss_fn is None:
             raise InvalidArgument("forward_backward needs a loss_fn (a built-in loss's name); forward(data) gives the "
                                   "log-probs alone")
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
-        return fb_kind.send(self._run, name, sequences, loss_fn, config, backward=True, adapter=peft_adapter)
+        return fb_kind.send(self._context.run, name, sequences, loss_fn, config, backward=True, adapter=peft_adapter)
 
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None, *, llm: str | None = None,
                          peft_adapter: str | None = None) -> dict:
@@ -84,22 +126,22 @@ class ClientTraining:
             {"loss:sum": float}}``: each target token's log-prob under the weights before this call's gradients,
             and its loss.
         """
-        return self._wait(self.forward_backward_async(data, loss_fn, loss_fn_config, llm=llm,
-                                                      peft_adapter=peft_adapter))
+        return self._context.wait(self.forward_backward_async(data, loss_fn, loss_fn_config, llm=llm,
+                                                              peft_adapter=peft_adapter))
 
     def forward_async(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
                       llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
         """Like :meth:`forward`, returning a future."""
-        name = self._open(llm)
+        name = self._context.open(llm)
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
-        return fb_kind.send(self._run, name, sequences, loss_fn, config, backward=False, adapter=peft_adapter)
+        return fb_kind.send(self._context.run, name, sequences, loss_fn, config, backward=False, adapter=peft_adapter)
 
     def forward(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
                 llm: str | None = None, peft_adapter: str | None = None) -> dict:
         """:meth:`forward_backward` without gradients: each datum's per-token log-probs (and, with ``loss_fn``, its
         per-token losses and their sum). With no ``loss_fn`` the datums need only ``model_input`` and
         ``target_tokens``; other inputs are not read. Pending gradients are left as they are."""
-        return self._wait(self.forward_async(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter))
+        return self._context.wait(self.forward_async(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter))
 
     def forward_backward_custom(self, data, loss_fn, *, llm: str | None = None,
                                 peft_adapter: str | None = None) -> dict:
@@ -119,7 +161,7 @@ class ClientTraining:
         if not callable(loss_fn):
             raise InvalidArgumentType(f"loss_fn must be a function (data, logprobs) -> (loss, metrics), got "
                                       f"{type(loss_fn).__name__}; built-in losses are named in forward_backward")
-        name = self._open(llm)
+        name = self._context.open(llm)
         sequences, _ = self._token_data(name, data, None, None)
         forward = self.forward(data, llm=name, peft_adapter=peft_adapter)
         logprobs = [out["logprobs"].clone().requires_grad_(True) for out in forward["loss_fn_outputs"]]
@@ -151,9 +193,9 @@ class ClientTraining:
     def optim_step_async(self, adam_params=None, *, llm: str | None = None, peft_adapter: str | None = None
                          ) -> concurrent.futures.Future:
         """Like :meth:`optim_step`, returning a future."""
-        name = self._open(llm)
-        settings = step_kind.check_step_settings(adam_params, self.config.llms[name].training.optimizer)
-        return step_kind.send(self._run, name, step_kind.OptimStepRequest(settings, peft_adapter))
+        name = self._context.open(llm)
+        settings = step_kind.check_step_settings(adam_params, self._context.config.llms[name].training.optimizer)
+        return step_kind.send(self._context.run, name, step_kind.OptimStepRequest(settings, peft_adapter))
 
     def optim_step(self, adam_params=None, *, llm: str | None = None, peft_adapter: str | None = None) -> dict:
         """One optimizer step over the gradients accumulated by ``forward_backward`` calls since the last step.
@@ -179,4 +221,5 @@ class ClientTraining:
                 moment that is not finite: the step is undone (where LoRA adapters train), the adapter's pending
                 gradients are discarded, every other adapter's are kept where they can be (ZeRO 0 in float32).
         """
-        return self._tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm, peft_adapter=peft_adapter))
+        return self._tracking.tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm,
+                                                                               peft_adapter=peft_adapter))

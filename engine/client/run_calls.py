@@ -1,0 +1,86 @@
+"""The Caller's calls about the run as a whole: ``save`` (a checkpoint of every LLM), ``ping``, ``servers`` and
+``close_llm`` (one LLM's servers stopped while the others go on).
+
+:class:`RunCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
+:class:`~llmrl.engine.client.call_context.CallContext`, the generator of ``generate``'s seeds and the tracker (a
+checkpoint holds both). This module writes no checkpoint itself (:mod:`llmrl.engine.client.saving` does) and stops
+no rank itself (the run's links do).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import TYPE_CHECKING
+
+from llmrl.engine.client import saving
+from llmrl.engine.errors import InvalidArgumentType, LLMClosedError, RequestTimeoutError
+from llmrl.engine.requests import admin
+
+if TYPE_CHECKING:
+    from llmrl.engine.client.call_context import CallContext
+    from llmrl.engine.client.tracking import Tracker
+
+
+class RunCalls:
+    """``save``, ``ping``, ``servers`` and ``close_llm``.
+
+    Args:
+        context: the Caller's shared run, config and wait.
+        seeds: the generator of ``generate``'s seeds, whose state a checkpoint keeps.
+        tracker: the run's tracker, whose step a checkpoint keeps.
+    """
+
+    def __init__(self, context: CallContext, seeds: random.Random, tracker: Tracker):
+        self._context: CallContext = context
+        self._seeds = seeds
+        self._tracker = tracker
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`)."""
+        self._context.open()
+        run = self._context.run
+        if run.closed_llms:
+            raise LLMClosedError(f"cannot save: LLM(s) {sorted(run.closed_llms)} were closed with close_llm(), "
+                                 "and a checkpoint holds every LLM of the run; save before closing an LLM")
+        return saving.save_run(run, self._context.wait, os.fspath(path), self._seeds, self._tracker.position())
+
+    def ping(self, rank: int | None = None) -> float:
+        """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
+        self._context.open()
+        rank = self._context.run.ping_target(rank)
+        start = time.perf_counter()
+        self._context.wait(admin.send_ping(self._context.run, rank))
+        return time.perf_counter() - start
+
+    def servers(self) -> dict[int, dict]:
+        """Every server rank: its LLM, replica, tensor-parallel rank, host, pid, and whether its LLM was closed."""
+        return {rank: {"llm": h.llm, "replica": h.replica, "tp_rank": h.tp_rank, "host": h.host, "pid": h.pid,
+                       "closed": h.llm in self._context.run.closed_llms}
+                for rank, h in sorted(self._context.run.links.hellos.items())}
+
+    def close_llm(self, llm: str) -> None:
+        """Stop one LLM's servers cleanly while the run's other LLMs go on serving (free its memory once it is no
+        longer needed: a reward model after scoring, a reference policy).
+
+        Calls already sent to it are answered first; this returns when its ranks have exited (code 0: the run
+        still ends cleanly). Later calls naming it raise :class:`~llmrl.engine.errors.LLMClosedError`, and so does
+        ``save`` (a checkpoint holds every LLM). Closing an LLM twice does nothing.
+
+        Raises:
+            InvalidArgument: ``llm`` is not an LLM of this run.
+            ServerDiedError: one of its ranks died instead of stopping.
+        """
+        self._context.check_open()
+        if not isinstance(llm, str):
+            llms = ", ".join(self._context.config.llms)
+            raise InvalidArgumentType(f"close_llm needs the name of an LLM (one of {llms}), got {type(llm).__name__}")
+        if llm in self._context.run.closed_llms:
+            return
+        name = self._context.target(llm)
+        try:
+            self._context.run.close_llm(name, self._context.timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"LLM {name!r} did not stop within {self._context.timeout:g} s (timeouts.request)"
+                                      ) from None
