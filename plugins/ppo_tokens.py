@@ -68,8 +68,8 @@ from llmrl.plugins.rl_math import (
     whiten_batch,
 )
 from llmrl.plugins.rollouts import check_inputs, first_pass
-from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
 from llmrl.plugins.task_rewards import SCALES, RewardScaler
+from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
 from llmrl.plugins.updater_args import describe, updater_schema
 
 
