@@ -30,7 +30,8 @@ Statistics per replica: ``reward`` (mean), ``reward_std`` (mean within-group sta
 ``ppo_tokens`` reports it; 0 without a KL term), ``kl_penalty`` (mean per-token estimator during training),
 ``approx_kl`` (old to new policy), ``clip_fraction``, ``entropy`` (when ``entropy_coef`` is set), ``tokens``,
 ``samples``. This module is the algorithm: the steps above and the loss of a minibatch
-(:func:`grpo_token_losses`); the maths is in :mod:`llmrl.plugins.rl_math` (:func:`group_advantages`,
+(:func:`grpo_token_losses`, :meth:`GRPOUpdater.minibatch_loss`); the passes over the batch are
+:func:`llmrl.plugins.token_policy.train_epochs`, the maths is in :mod:`llmrl.plugins.rl_math` (:func:`group_advantages`,
 :func:`clipped_surrogate`, :func:`kl_k3`, :func:`aggregate` for the normalisations), the input checks and the
 first pass in :mod:`llmrl.plugins.rollouts`; all are tested against hand-computed values.
 """
@@ -40,8 +41,17 @@ from __future__ import annotations
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
-from llmrl.plugins.rl_math import aggregate, approx_kl, clipped_surrogate, group_advantages, kl_k3
-from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
+from llmrl.plugins.rl_math import (
+    aggregate,
+    approx_kl,
+    clipped_surrogate,
+    collected_kl,
+    group_advantages,
+    kl_penalty,
+    penalised,
+)
+from llmrl.plugins.rollouts import check_inputs, first_pass
+from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
 from llmrl.plugins.updater_args import describe, updater_schema
 
 
@@ -52,11 +62,9 @@ def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_lo
     (detached; zeros without a reference) and 1.0 where the ratio was clipped. ``advantages`` is ``[n]``."""
     loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps,
                                       clip_eps_high)
-    kl = torch.zeros_like(loss)
-    if ref_logprobs is not None and kl_coef != 0:
-        kl = kl_k3(logprobs, ref_logprobs)
-        loss = loss + kl_coef * kl
-    return loss, kl.detach(), clipped
+    reference = ref_logprobs if kl_coef != 0 else None
+    kl = kl_penalty(logprobs, reference, like=loss)
+    return penalised(loss, None if reference is None else kl, kl_coef), kl.detach(), clipped
 
 
 class GRPOUpdater(ShufflingUpdater):
@@ -117,51 +125,39 @@ class GRPOUpdater(ShufflingUpdater):
             reward_sum += float(p.rewards.sum())
             std_sum += float(p.rewards.std())
             if "ref_logprobs" in p.tensors:
-                kl_sum += float(((p.tensors["old_logprobs"] - p.tensors["ref_logprobs"]) * p.mask).sum())
+                kl_sum += collected_kl(p.tensors["old_logprobs"], p.tensors["ref_logprobs"], p.mask)
         continuations = sum(len(p.rewards) for p in prompts)
-        position = {index: k for k, index in enumerate(batch.indices)}
-        sums: dict[str, float] = {}
-        tokens = 0.0
         tokens_of = {i: float(p.mask.sum()) for i, p in zip(batch.indices, prompts)}
-        for _ in range(self.epochs):
-            step_tokens = iter(batch.step_totals(trainer.micro_batch_size, tokens_of, trainer.sum_across_replicas,
-                                                 self.generator) if self.loss == "batch_token" else ())
-            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
-                rows = [prompts[position[i]] for i in mb.indices]
-                out = trainer.forward(mb.contexts, mb.candidates, peft_adapter=self.peft_adapter, per_token=True,
-                                      entropy=self.entropy_coef != 0)
-                logp, mask = out.tokens_by_candidate()
-                width, device = logp.shape[1], logp.device
-                advantages = torch.cat([p.tensors["advantages"] for p in rows]).to(device) if rows else \
-                    torch.zeros(0, device=device)
-                ref = join_prompts(rows, "ref_logprobs", width, device) if self.kl_coef > 0 else None
-                old = join_prompts(rows, "old_logprobs", width, device)
-                per_token, kl, clipped = grpo_token_losses(logp.float(), old, ref, advantages, self.clip_eps,
-                                                           self.kl_coef, self.clip_eps_high)
-                policy = (per_token - self.kl_coef * kl).detach()
-                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
-                if entropy is not None:
-                    per_token = per_token - self.entropy_coef * entropy
-                if self.loss == "batch_token":  # the step's token mean, already whole
-                    loss = aggregate(per_token, mask, "batch_token", out.candidate_context, out.num_contexts,
-                                     step_tokens=next(step_tokens), num_replicas=mb.num_replicas)
-                else:
-                    loss = mb.mean(aggregate(per_token, mask, self.loss, out.candidate_context, out.num_contexts,
-                                             max_new_tokens=self.max_new_tokens))
-                trainer.backward(loss)
-                trainer.step()
-                real = mask.float()
-                tokens += float(real.sum())
-                approx = approx_kl(logp.detach().float() - old)
-                for key, value in (("policy_loss", policy), ("kl_penalty", kl),
-                                   ("clip_fraction", clipped), ("approx_kl", approx), ("entropy", entropy)):
-                    if value is not None:
-                        sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
-        stats = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+        totals = train_epochs(batch, trainer, prompts, self.minibatch_loss, self.epochs, self.generator,
+                              step_token_counts=tokens_of if self.loss == "batch_token" else None)
+        stats = totals.token_means()
         stats.update(reward=reward_sum / max(continuations, 1), reward_std=std_sum / max(len(prompts), 1),
                      kl=kl_sum / max(continuations, 1),
                      tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch))
         return stats
+
+    def minibatch_loss(self, trainer: Trainer, m: Minibatch) -> MinibatchTerms:
+        """One minibatch's loss, normalised as ``loss`` says, and its per-token statistics."""
+        out, logp, mask, entropy = policy_forward(trainer, m.batch, self.peft_adapter,
+                                                  entropy=self.entropy_coef != 0)
+        device = logp.device
+        advantages = torch.cat([p.tensors["advantages"] for p in m.rows]).to(device) if m.rows else \
+            torch.zeros(0, device=device)
+        ref = m.take("ref_logprobs", logp) if self.kl_coef > 0 else None
+        old = m.take("old_logprobs", logp)
+        per_token, kl, clipped = grpo_token_losses(logp.float(), old, ref, advantages, self.clip_eps, self.kl_coef,
+                                                   self.clip_eps_high)
+        policy = (per_token - self.kl_coef * kl).detach()
+        per_token = penalised(per_token, entropy=entropy, entropy_coef=self.entropy_coef)
+        if self.loss == "batch_token":  # the step's token mean, already whole
+            loss = aggregate(per_token, mask, "batch_token", out.candidate_context, out.num_contexts,
+                             step_tokens=m.step_tokens, num_replicas=m.batch.num_replicas)
+        else:
+            loss = m.batch.mean(aggregate(per_token, mask, self.loss, out.candidate_context, out.num_contexts,
+                                          max_new_tokens=self.max_new_tokens))
+        approx = approx_kl(logp.detach().float() - old)
+        return MinibatchTerms(loss, mask, {"policy_loss": policy, "kl_penalty": kl, "clip_fraction": clipped,
+                                           "approx_kl": approx, "entropy": entropy})
 
     def _check_lengths(self, batch: UpdateBatch, prompts: list) -> None:
         """``fixed_length`` divides by ``max_new_tokens``: a longer continuation means the two disagree."""

@@ -44,15 +44,14 @@ continuation KL to the reference at collection), ``kl_coef`` (the beta used), ``
 to new policy), ``clip_fraction`` (tokens whose ratio was clipped), ``tokens``, ``samples``.
 
 This module is the algorithm: the order of the steps above and the loss of a minibatch
-(:func:`token_ppo_losses`). The maths is in :mod:`llmrl.plugins.rl_math` (:func:`kl_penalised_rewards`,
-:func:`token_gae`, :func:`clipped_surrogate`, :func:`value_loss`, :class:`AdaptiveKL`, whitening) and
+(:meth:`PPOTokensUpdater.minibatch_loss`); the passes over the batch are
+:func:`llmrl.plugins.token_policy.train_epochs`. The maths is in :mod:`llmrl.plugins.rl_math`
+(:func:`kl_penalised_rewards`, :func:`token_gae`, :func:`token_ppo_losses`, :class:`AdaptiveKL`, whitening) and
 :mod:`llmrl.plugins.task_rewards` (reward clipping and scaling), the input checks
 and the first pass in :mod:`llmrl.plugins.rollouts`; both are tested against hand-computed values.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -60,39 +59,18 @@ from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import (
     AdaptiveKL,
     aggregate,
-    approx_kl,
-    clipped_surrogate,
+    collected_kl,
     kl_penalised_rewards,
-    mean_and_std,
+    penalised,
     refuse_whitening_one,
     token_gae,
-    value_loss,
-    whiten,
-    whiten_stats,
+    token_ppo_losses,
+    whiten_batch,
 )
-from llmrl.plugins.rollouts import check_inputs, first_pass, join_prompts
+from llmrl.plugins.rollouts import check_inputs, first_pass
 from llmrl.plugins.task_rewards import SCALES, RewardScaler
+from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
 from llmrl.plugins.updater_args import describe, updater_schema
-
-
-@dataclass
-class TokenLosses:
-    """Per-token terms, ``[n, T]`` (meaningful where the mask is True)."""
-
-    policy: torch.Tensor
-    value: torch.Tensor
-    approx_kl: torch.Tensor  # (ratio - 1) - log ratio, detached
-    clipped: torch.Tensor  # 1.0 where the ratio left [1 - clip_eps, 1 + clip_eps], detached
-
-
-def token_ppo_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     values: torch.Tensor | None, old_values: torch.Tensor | None, returns: torch.Tensor | None,
-                     clip_eps: float, value_clip: float | None) -> TokenLosses:
-    """The clipped policy loss and the (clipped) value loss of every token."""
-    log_ratio = logprobs - old_logprobs
-    policy, clipped = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps)
-    return TokenLosses(policy, value_loss(values, returns, old_values, value_clip, like=policy), approx_kl(log_ratio),
-                       clipped)
 
 
 class PPOTokensUpdater(ShufflingUpdater):
@@ -194,52 +172,22 @@ class PPOTokensUpdater(ShufflingUpdater):
             rewards = kl_penalised_rewards(t["task_rewards"], policy, ref, p.mask, beta)
             values = t["values"] if "values" in t else torch.zeros_like(rewards)
             t["advantages"], t["returns"] = token_gae(rewards, values, p.mask, self.gamma, self.lam)
-            collected["kl"] += float(((policy - ref) * p.mask).sum())
+            collected["kl"] += collected_kl(policy, ref, p.mask)
             collected["reward"] += float(p.rewards.sum())
             collected["value_error"] += float((((values - t["returns"]) ** 2) * p.mask).sum())
             collected["tokens"] += float(p.mask.sum())
             collected["continuations"] += len(p.rewards)
         if self.whiten:
-            stats = sum((whiten_stats(p.tensors["advantages"], p.mask) for p in prompts),
-                        torch.zeros(3, dtype=torch.float64))
-            mean, std = mean_and_std(trainer.sum_across_replicas(stats))
-            for p in prompts:
-                p.tensors["advantages"] = whiten(p.tensors["advantages"], p.mask, mean, std)
+            whitened = whiten_batch([p.tensors["advantages"] for p in prompts], [p.mask for p in prompts],
+                                    trainer.sum_across_replicas)
+            for p, advantages in zip(prompts, whitened):
+                p.tensors["advantages"] = advantages
         totals = trainer.sum_across_replicas([collected["kl"], collected["continuations"]])
         mean_kl = float(totals[0] / max(float(totals[1]), 1.0))
 
-        sums: dict[str, float] = {}
-        tokens = 0.0
-        heads = [self.value_head] if self.value_head else []
-        position = {index: k for k, index in enumerate(batch.indices)}
-        for _ in range(self.epochs):
-            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
-                rows = [prompts[position[i]] for i in mb.indices]
-                out, logp, mask, entropy = self.policy_pass(trainer, mb, heads)
-                width, device = logp.shape[1], logp.device
-
-                def take(key, rows=rows, width=width, device=device):
-                    return join_prompts(rows, key, width, device)
-
-                values = out.tokens_by_candidate(out.heads[self.value_head].float())[0] if self.value_head else None
-                terms = token_ppo_losses(logp.float(), take("old_logprobs"), take("advantages"), values,
-                                         take("values") if self.value_head else None, take("returns"),
-                                         self.clip_eps, self.value_clip)
-                per_token = terms.policy + self.value_coef * terms.value
-                if self.entropy_coef != 0:
-                    per_token = per_token - self.entropy_coef * entropy
-                per_prompt = aggregate(per_token, mask, "sequence", out.candidate_context, out.num_contexts)
-                trainer.backward(mb.mean(per_prompt))
-                trainer.step()
-                real = mask.float()
-                tokens += float(real.sum())
-                for key, value in (("policy_loss", terms.policy), ("value_loss", terms.value),
-                                   ("approx_kl", terms.approx_kl), ("clip_fraction", terms.clipped),
-                                   ("entropy", entropy)):
-                    if value is not None:
-                        sums[key] = sums.get(key, 0.0) + float((value.detach() * real).sum())
+        passes = train_epochs(batch, trainer, prompts, self.minibatch_loss, self.epochs, self.generator)
         n = max(collected["continuations"], 1.0)
-        stats = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+        stats = passes.token_means()
         stats.update(reward=collected["reward"] / n, kl=collected["kl"] / n, kl_coef=beta,
                      value_error=collected["value_error"] / max(collected["tokens"], 1.0),
                      tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl)
@@ -247,6 +195,22 @@ class PPOTokensUpdater(ShufflingUpdater):
             stats["reward_divisor"] = divisor
         self.kl.update(mean_kl, int(totals[1]))
         return stats
+
+    def minibatch_loss(self, trainer: Trainer, m: Minibatch) -> MinibatchTerms:
+        """One minibatch's loss (each continuation's token mean, then each prompt's, then the step's) and its
+        per-token statistics."""
+        heads = [self.value_head] if self.value_head else []
+        out, logp, mask, entropy = self.policy_pass(trainer, m.batch, heads)
+        values = out.tokens_by_candidate(out.heads[self.value_head].float())[0] if self.value_head else None
+        terms = token_ppo_losses(logp.float(), m.take("old_logprobs", logp), m.take("advantages", logp), values,
+                                 m.take("values", logp) if self.value_head else None, m.take("returns", logp),
+                                 self.clip_eps, self.value_clip)
+        per_token = penalised(terms.policy + self.value_coef * terms.value,
+                              entropy=entropy if self.entropy_coef != 0 else None, entropy_coef=self.entropy_coef)
+        per_prompt = aggregate(per_token, mask, "sequence", out.candidate_context, out.num_contexts)
+        return MinibatchTerms(m.batch.mean(per_prompt), mask, {
+            "policy_loss": terms.policy, "value_loss": terms.value, "approx_kl": terms.approx_kl,
+            "clip_fraction": terms.clipped, "entropy": entropy})
 
     def prepare(self, batch: UpdateBatch, trainer: Trainer) -> None:
         """Before the first pass (``nlpo`` makes sure its masking policy exists); nothing here."""
@@ -258,10 +222,7 @@ class PPOTokensUpdater(ShufflingUpdater):
     def policy_pass(self, trainer: Trainer, mb: UpdateBatch, heads: list) -> tuple:
         """One training pass of the policy: its outputs, ``[n, T]`` log-probs, mask and entropies (reported even
         without an entropy bonus)."""
-        out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter, per_token=True,
-                              entropy=True)
-        logp, mask = out.tokens_by_candidate()
-        return out, logp, mask, out.tokens_by_candidate(out.token_entropy)[0].float()
+        return policy_forward(trainer, mb, self.peft_adapter, heads, entropy=True)
 
     def _shape_task_rewards(self, prompts: list, trainer: Trainer) -> float:
         """Clip each prompt's ``task_rewards`` rows in place and, with ``reward_scale``, divide them by the

@@ -46,7 +46,8 @@ Statistics per replica: ``reward`` (mean episode return), ``turns`` (mean per ep
 ``value_loss`` and ``value_error`` (``ppo_turns``), ``kl_penalty``, ``approx_kl``, ``clip_fraction``, ``entropy``
 (when ``entropy_coef`` is set; computing it over the whole vocabulary at every token costs), all over the model's
 tokens, ``tokens`` (model tokens), ``samples``. The maths is in :mod:`llmrl.plugins.rl_math`, the first
-pass in :mod:`llmrl.plugins.rollouts`; this module reads the turns and runs the steps.
+pass in :mod:`llmrl.plugins.rollouts`, the passes over the batch in :func:`llmrl.plugins.token_policy.train_epochs`;
+this module reads the turns, gives the advantages and the loss of a minibatch (:meth:`TurnUpdater.minibatch_loss`).
 """
 
 from __future__ import annotations
@@ -57,20 +58,18 @@ import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import (
-    approx_kl,
-    clipped_surrogate,
     group_episode_advantages,
-    kl_k3,
-    mean_and_std,
+    kl_penalty,
+    penalised,
     per_prompt_mean,
-    refuse_whitening_one,
     sequence_mean,
+    token_ppo_losses,
     turn_gae,
     turn_spans,
-    value_loss,
-    whiten_stats,
+    whiten_batch,
 )
-from llmrl.plugins.rollouts import PromptRows, first_pass, join_prompts, token_rows_of
+from llmrl.plugins.rollouts import PromptRows, first_pass, token_rows_of
+from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
 from llmrl.plugins.updater_args import describe, updater_schema
 
 
@@ -154,14 +153,16 @@ def spread(per_turn: list[torch.Tensor], spans: list[list[tuple[int, int]]], wid
 
 
 class TurnUpdater(ShufflingUpdater):
-    """What ``ppo_turns`` and ``grpo_turns`` share: the inputs, the first pass and the training passes; a subclass
-    gives the per-turn advantages (:meth:`advantages`)."""
+    """What ``ppo_turns`` and ``grpo_turns`` share: the inputs, the first pass and the loss of a minibatch
+    (:meth:`minibatch_loss`, which :func:`~llmrl.plugins.token_policy.train_epochs` runs); a subclass gives the
+    per-turn advantages (:meth:`advantages`)."""
 
     name = "turns"
     per_sample_args = {"model_mask": "token", "turn_rewards": "candidate", "old_logprobs": "token",
                        "ref_logprobs": "token", "bootstrap": "candidate"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
-    value_head: str | None = None
+    value_head: str | None = None  # no critic (grpo_turns): no value term
+    value_clip: float | None = None
 
     def __init__(self, epochs: int, clip_eps: float, kl_coef: float, entropy_coef: float, gamma: float,
                  peft_adapter: str | None, seed: int):
@@ -204,54 +205,41 @@ class TurnUpdater(ShufflingUpdater):
             return {"reward": collected["reward"] / max(episodes, 1), "turns": collected["turns"] / max(episodes, 1),
                     "tokens": int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), "samples": len(batch),
                     "skipped": 1}
-        position = {index: k for k, index in enumerate(batch.indices)}
-        sums: dict[str, float] = {}
-        tokens = 0.0
-        heads = [self.value_head] if self.value_head else []
-        for _ in range(self.epochs):
-            for mb in batch.minibatches(trainer.micro_batch_size, shuffle=True, generator=self.generator):
-                rows = [prompts[position[i]] for i in mb.indices]
-                out = trainer.forward(mb.contexts, mb.candidates, heads=heads, peft_adapter=self.peft_adapter,
-                                      per_token=True, entropy=self.entropy_coef != 0)
-                logp, scored = out.tokens_by_candidate()
-                width, device = logp.shape[1], logp.device
-
-                def take(key, rows=rows, width=width, device=device):
-                    return join_prompts(rows, key, width, device)
-
-                if not torch.equal(take("mask"), scored.bool()):
-                    raise RuntimeError(f"the {self.name} updater's inputs were read for other token counts than the "
-                                       "pass scored (candidates must be scored exactly as their token ids)")
-
-                own = take("model_mask").bool()
-                old = take("old_logprobs")
-                policy, clipped = clipped_surrogate(torch.exp(logp.float() - old), take("advantages"), self.clip_eps)
-                kl = kl_k3(logp.float(), take("ref_logprobs")) if self.kl_coef > 0 else torch.zeros_like(policy)
-                entropy = out.tokens_by_candidate(out.token_entropy)[0].float() if self.entropy_coef != 0 else None
-                per_token = policy + self.kl_coef * kl - (self.entropy_coef * entropy if entropy is not None else 0.0)
-                per_token = torch.where(own, per_token, 0.0)
-                per_episode = sequence_mean(per_token, own)  # (where: an environment token's term never reaches it)
-                if self.value_head:
-                    boundary = take("boundaries").bool()
-                    values = out.tokens_by_candidate(out.heads[self.value_head].float())[0]
-                    v_loss = value_loss(values, take("returns"), take("values"), self.value_clip, like=policy)
-                    per_episode = per_episode + self.value_coef * sequence_mean(v_loss, boundary)
-                    sums["value_loss"] = sums.get("value_loss", 0.0) + float((v_loss.detach() * boundary).sum())
-                trainer.backward(mb.mean(per_prompt_mean(per_episode, out.candidate_context, out.num_contexts)))
-                trainer.step()
-                real = own.float()
-                tokens += float(real.sum())
-                for key, value in (("policy_loss", policy), ("kl_penalty", kl), ("clip_fraction", clipped),
-                                   ("approx_kl", approx_kl(logp.detach().float() - old)), ("entropy", entropy)):
-                    if value is not None:
-                        sums[key] = sums.get(key, 0.0) + float(torch.where(own, value.detach(), 0.0).sum())
-        stats = {key: value / max(tokens, 1.0) for key, value in sums.items() if key != "value_loss"}
-        if "value_loss" in sums:
-            stats["value_loss"] = sums["value_loss"] / max(collected["turns"] * self.epochs, 1)
+        passes = train_epochs(batch, trainer, prompts, self.minibatch_loss, self.epochs, self.generator)
+        stats = passes.token_means()
+        if "value_loss" in passes.sums:
+            stats["value_loss"] = passes.sums["value_loss"] / max(collected["turns"] * self.epochs, 1)
             stats["value_error"] = self.value_error
         stats.update(reward=collected["reward"] / max(episodes, 1), turns=collected["turns"] / max(episodes, 1),
                      tokens=int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), samples=len(batch))
         return stats
+
+    def minibatch_loss(self, trainer: Trainer, m: Minibatch) -> MinibatchTerms:
+        """One minibatch's loss over the model's tokens (each episode's mean, plus the value loss's mean over its
+        turns; then each start's, then the step's) and its statistics."""
+        heads = [self.value_head] if self.value_head else []
+        out, logp, scored, entropy = policy_forward(trainer, m.batch, self.peft_adapter, heads,
+                                                    entropy=self.entropy_coef != 0)
+        if not torch.equal(m.take("mask", logp), scored.bool()):
+            raise RuntimeError(f"the {self.name} updater's inputs were read for other token counts than the pass "
+                               "scored (candidates must be scored exactly as their token ids)")
+        own = m.take("model_mask", logp).bool()
+        values = out.tokens_by_candidate(out.heads[self.value_head].float())[0] if self.value_head else None
+        terms = token_ppo_losses(logp.float(), m.take("old_logprobs", logp), m.take("advantages", logp), values,
+                                 m.take("values", logp) if self.value_head else None,
+                                 m.take("returns", logp) if self.value_head else None, self.clip_eps, self.value_clip)
+        kl = kl_penalty(logp.float(), m.take("ref_logprobs", logp) if self.kl_coef > 0 else None, like=terms.policy)
+        per_token = penalised(terms.policy, kl, self.kl_coef, entropy, self.entropy_coef)
+        per_token = torch.where(own, per_token, 0.0)
+        per_episode = sequence_mean(per_token, own)  # (where: an environment token's term never reaches it)
+        sums = {}
+        if self.value_head:
+            boundary = m.take("boundaries", logp).bool()
+            per_episode = per_episode + self.value_coef * sequence_mean(terms.value, boundary)
+            sums["value_loss"] = float((terms.value.detach() * boundary).sum())
+        loss = m.batch.mean(per_prompt_mean(per_episode, out.candidate_context, out.num_contexts))
+        return MinibatchTerms(loss, own, {"policy_loss": terms.policy, "kl_penalty": kl, "clip_fraction": terms.clipped,
+                                          "approx_kl": terms.approx_kl, "entropy": entropy}, sums)
 
 
 class PPOTurnsUpdater(TurnUpdater):
@@ -306,13 +294,11 @@ class PPOTurnsUpdater(TurnUpdater):
             squared += sum(float(((g - v) ** 2).sum()) for (_, g), v in zip(pairs, values))
             count += sum(len(s) for s in p.spans)
         self.value_error = squared / max(count, 1)
-        if self.whiten:
+        if self.whiten:  # over every turn of the batch, as one tensor (one sum: the same on every replica count)
             flat = torch.cat([a for episodes in per_turn for a in episodes] or [torch.zeros(0)])
-            stats = whiten_stats(flat, torch.ones_like(flat, dtype=torch.bool))
-            stats = trainer.sum_across_replicas(stats)
-            refuse_whitening_one(float(stats[0]), "turn")
-            mean, std = mean_and_std(stats)
-            per_turn = [[(a - mean) / (std + 1e-8) for a in episodes] for episodes in per_turn]
+            whitened = iter(whiten_batch([flat], None, trainer.sum_across_replicas, unit="turn")[0].split(
+                [a.numel() for episodes in per_turn for a in episodes]))
+            per_turn = [[next(whitened) for _ in episodes] for episodes in per_turn]
         for p, episodes in zip(prompts, per_turn):
             p.tensors["advantages"] = spread(episodes, p.spans, p.mask.shape[1])
 

@@ -13,7 +13,8 @@ runs the gradient-free pass over the batch (old log-probs, values, reference log
 per prompt (:class:`PromptRows`), which the training passes read back in minibatch order (:func:`join_prompts`).
 
 It computes no loss and no advantage: the maths is in :mod:`llmrl.plugins.rl_math`, the algorithms in
-:mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo`.
+:mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo`, their training passes in
+:mod:`llmrl.plugins.token_policy`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from llmrl.plugins.grpo import grpo_token_losses
-from llmrl.plugins.ppo_tokens import token_ppo_losses
 from llmrl.plugins.reward_model import bradley_terry_loss
 from llmrl.plugins.rl_math import (
     AdaptiveKL,
@@ -20,6 +19,7 @@ from llmrl.plugins.rl_math import (
     per_prompt_mean,
     sequence_mean,
     token_gae,
+    token_ppo_losses,
     whiten_stats,
 )
 from llmrl.plugins.rollouts import rewards_of, token_rows_of

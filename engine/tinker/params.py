@@ -31,8 +31,9 @@ def check_loss(loss_fn: str) -> None:
     from llmrl.engine.token_losses import REGISTRY
 
     if loss_fn == "stable_reinforce":
+        first, *others = [name for name, loss in REGISTRY.items() if "advantages" in loss.inputs]
         raise ValueError("loss_fn 'stable_reinforce' is not supported (its sampling data is not public): pass "
-                         "loss_fn=importance_sampling (or ppo, cispo, dro, gspo)")
+                         f"loss_fn={first} (or {', '.join(others)})")
     if loss_fn not in REGISTRY:
         raise ValueError(f"loss_fn {loss_fn!r} is not supported; llmrl serves {', '.join(REGISTRY)}")
 

@@ -8,7 +8,9 @@ KL estimators (:func:`approx_kl` between the old and new policy, :func:`kl_k3` t
 :func:`categorical_kl` between two distributions over the same candidates), the KL-penalised per-token rewards (a
 reward per continuation, or dense per-token rewards) and their adaptive coefficient (:func:`kl_penalised_rewards`,
 :class:`AdaptiveKL`; the task rewards' clipping and scaling are in :mod:`llmrl.plugins.task_rewards`), whitening
-across replicas (:func:`whiten_stats`, :func:`mean_and_std`, :func:`whiten`) and the means that weigh tokens,
+across replicas (:func:`whiten_batch`, over :func:`whiten_stats`, :func:`mean_and_std` and :func:`whiten`), the
+per-token terms of a token-level PPO or GRPO minibatch (:func:`token_ppo_losses`, :func:`kl_penalty`,
+:func:`penalised`; :func:`collected_kl`, the KL statistic of a collection) and the means that weigh tokens,
 continuations and prompts (:func:`sequence_mean`, :func:`per_prompt_mean`, :func:`per_prompt_token_mean`, and
 :func:`aggregate`, the updaters' loss aggregations ``sequence``, ``token``, ``batch_token`` and ``fixed_length``), and
 the per-token losses of client-owned training steps (:func:`token_loss`: ``cross_entropy``, ``importance_sampling``,
@@ -23,8 +25,9 @@ here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss
 :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and :func:`masked_logprobs`).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
-:mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens` and :mod:`llmrl.plugins.grpo` do; whitening statistics
-are summed across replicas by the caller), and nothing checks its inputs' shapes beyond what torch does
+:mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens`, :mod:`llmrl.plugins.grpo` and
+:mod:`llmrl.plugins.ppo_turns` do; whitening statistics are summed across replicas by a function the caller
+passes), and nothing checks its inputs' shapes beyond what torch does
 (:mod:`llmrl.plugins.rollouts` checks the per-sample arguments first).
 """
 
@@ -150,6 +153,39 @@ def value_loss(values: torch.Tensor | None, returns: torch.Tensor | None, old_va
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
 
 
+@dataclass
+class TokenLosses:
+    """Per-token terms of a token-level PPO minibatch, ``[n, T]`` (meaningful where the mask is True)."""
+
+    policy: torch.Tensor
+    value: torch.Tensor  # zeros without a critic
+    approx_kl: torch.Tensor  # (ratio - 1) - log ratio, detached
+    clipped: torch.Tensor  # 1.0 where the ratio left [1 - clip_eps, 1 + clip_eps], detached
+
+
+def token_ppo_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     values: torch.Tensor | None, old_values: torch.Tensor | None, returns: torch.Tensor | None,
+                     clip_eps: float, value_clip: float | None) -> TokenLosses:
+    """The clipped policy loss (:func:`clipped_surrogate`, ``ratio = exp(logprobs - old_logprobs)``) and the
+    (clipped) value loss (:func:`value_loss`) of every token, with the old-to-new KL estimate and the clipped
+    tokens."""
+    log_ratio = logprobs - old_logprobs
+    policy, clipped = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps)
+    return TokenLosses(policy, value_loss(values, returns, old_values, value_clip, like=policy), approx_kl(log_ratio),
+                       clipped)
+
+
+def penalised(loss: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+              entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> torch.Tensor:
+    """Per token, ``loss + kl_coef * kl - entropy_coef * entropy``, each term only when given (None: not in the
+    loss)."""
+    if kl is not None:
+        loss = loss + kl_coef * kl
+    if entropy is not None:
+        loss = loss - entropy_coef * entropy
+    return loss
+
+
 # ---- KL ----------------------------------------------------------------------------------------------------------
 
 
@@ -164,6 +200,18 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     KL(policy || reference) of DeepSeekMath (Schulman's k3)."""
     diff = ref_logprobs - logprobs
     return torch.exp(diff) - diff - 1.0
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Per token, the KL estimator to the reference (:func:`kl_k3`), or zeros shaped ``like`` without a reference
+    (no KL term)."""
+    return torch.zeros_like(like) if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+
+
+def collected_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """The summed per-token log-ratio ``logprob - ref_logprob`` over the real tokens of ``[n, T]`` rows: the KL of
+    the collecting policy to the reference, summed over the continuations (the updaters report its mean)."""
+    return float(((logprobs - ref_logprobs) * mask).sum())
 
 
 def categorical_kl(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -236,6 +284,23 @@ def refuse_whitening_one(count: float, unit: str) -> None:
 def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
     """``(values - mean) / (std + eps)`` on the real tokens, zero elsewhere."""
     return (values - mean) / (std + eps) * mask
+
+
+def whiten_batch(values: list[torch.Tensor], masks: list[torch.Tensor] | None, total, unit: str | None = None,
+                 eps: float = 1e-8) -> list[torch.Tensor]:
+    """Whiten every tensor of ``values`` with the mean and standard deviation of them all (on ``masks``' True
+    entries, zero elsewhere; every entry, unmasked, without masks). ``total`` sums the local ``[count, sum, sum of
+    squares]`` over every replica (the updater's ``trainer.sum_across_replicas``: one collective). With ``unit``,
+    refuses a batch holding a single one (:func:`refuse_whitening_one`)."""
+    every = [torch.ones_like(v, dtype=torch.bool) for v in values] if masks is None else masks
+    stats = sum((whiten_stats(v, m) for v, m in zip(values, every)), torch.zeros(3, dtype=torch.float64))
+    stats = total(stats)
+    if unit is not None:
+        refuse_whitening_one(float(stats[0]), unit)
+    mean, std = mean_and_std(stats)
+    if masks is None:
+        return [(v - mean) / (std + eps) for v in values]
+    return [whiten(v, m, mean, std, eps) for v, m in zip(values, masks)]
 
 
 # ---- means over tokens, continuations and prompts ----------------------------------------------------------------
