@@ -4,11 +4,13 @@ On a CPU a decode step of a small model is its weight matmuls plus, around them,
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
 (the families whose record names their classes, :func:`~llmrl.engine.model.families.step_families`: Llama,
-Mistral, Qwen2 and Qwen3), :class:`LlamaStep` runs each decode step
+Mistral, Qwen2, Qwen3 and Phi-3), :class:`LlamaStep` runs each decode step
 (one token per row) as the same operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
-    rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head), the MLP
-    ``down(act(gate(x)) * up(x))``, the residual adds;
+    rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head; of each head's first
+    part only where the rotation is partial), the MLP ``down(act(gate(x)) * up(x))``, the residual adds; a family
+    whose projections are packed (Phi-3's ``qkv_proj`` and ``gate_up_proj``) says in its record how to compute them
+    as its modeling code does (``Family.step_projections``);
   - attention by ``scaled_dot_product_attention`` with the query heads of each key/value head grouped as Hugging
     Face groups them for one query token, under the padding mask, with the layer's own scale;
   - the key/value cache preallocated for the batch's whole length and written in place, one column a step;
