@@ -42,7 +42,7 @@ import torch
 
 from llmrl.engine.model.decoding.options import DecodeOptions
 from llmrl.engine.model.decoding.sampling import draw, weights_and_normaliser
-from llmrl.engine.model.decoding.strategies import Batch, WrittenOutStrategy, choose
+from llmrl.engine.model.decoding.strategies import PaddedBatch, WrittenOutStrategy, choose
 
 
 @dataclass
@@ -107,7 +107,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, options: DecodeOptions)
     config, processors = _hf_setup(model, ids, kwargs, device, mask.repeat_interleave(options.num_return, dim=0))
     # the trunk keeps the states of a batch without a static cache or a cache across calls
     recording = options.trunk if options.past is None and options.static is None else None
-    batch = Batch(ids, mask, (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0),
+    batch = PaddedBatch(ids, mask, (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0),
                   torch.arange(ids.shape[0], device=device).repeat_interleave(options.num_return),
                   options.num_return, int(config.max_new_tokens), options.pad_id, recording)
     logits, prompts, prompt_states = prefill(model, batch, options)
@@ -130,7 +130,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, options: DecodeOptions)
                    strategy.hf_cache() if options.keep_cache else None, isinstance(strategy, WrittenOutStrategy))
 
 
-def prefill(model, batch: Batch, options: DecodeOptions):
+def prefill(model, batch: PaddedBatch, options: DecodeOptions):
     """The prompts through Hugging Face's forward (only the columns after those ``options.past`` holds): the first
     step's float32 logits per row, the prompts' cache (one row per prompt) and, with the batch's ``recording``, the
     states the trunk captured (else None)."""
@@ -149,7 +149,7 @@ def prefill(model, batch: Batch, options: DecodeOptions):
     return out.logits[:, -1].float()[batch.source], cache, states  # (indexing copies)
 
 
-def decode_n_tokens(strategy, batch: Batch, rule: TokenRule, logits: torch.Tensor):
+def decode_n_tokens(strategy, batch: PaddedBatch, rule: TokenRule, logits: torch.Tensor):
     """The steps from the prefill's ``logits`` until every row ended or ``batch.max_new`` tokens: the tokens (rows
     x steps, on the device) and each step's raw and sampling log-probs (lists of rows)."""
     width, rows, device = batch.width, batch.rows, batch.ids.device

@@ -33,7 +33,7 @@ from llmrl.engine.model.decoding.static_step import StaticDecoder, bucket
 
 
 @dataclass(frozen=True)
-class Batch:
+class PaddedBatch:
     """One batch of left-padded prompts as the strategies see it."""
 
     ids: torch.Tensor  # prompts x width, left-padded, on the model's device
@@ -64,13 +64,13 @@ class CacheStrategy(Protocol):
 
     recorded: list  # with the batch's ``recording``: the states entering the trunk's depth at each step
 
-    def why_not(self, model, batch: Batch) -> str | None:
+    def why_not(self, model, batch: PaddedBatch) -> str | None:
         """None when this strategy decodes ``batch`` of ``model``; else why not, in a phrase."""
 
-    def rows(self, batch: Batch) -> int:
+    def rows(self, batch: PaddedBatch) -> int:
         """The rows the steps run at (the batch's, or more: the extra ones are dropped)."""
 
-    def prefill(self, model, batch: Batch, prompts) -> None:
+    def prefill(self, model, batch: PaddedBatch, prompts) -> None:
         """Take over ``prompts``, the Hugging Face cache of the batch's prompts (one row per prompt, every column
         filled), as the cache the steps use (each row its prompt's)."""
 
@@ -82,7 +82,7 @@ class CacheStrategy(Protocol):
         """The cache the steps filled, as a Hugging Face cache (for the cache kept across calls)."""
 
 
-def _last_positions(batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+def _last_positions(batch: PaddedBatch, rows: torch.Tensor) -> torch.Tensor:
     return batch.positions[rows, -1:].clone()
 
 
@@ -93,13 +93,13 @@ class DynamicCacheStrategy:
         self.cache_name = cache_name
         self.recorded: list = []
 
-    def why_not(self, model, batch: Batch) -> str | None:
+    def why_not(self, model, batch: PaddedBatch) -> str | None:
         return None
 
-    def rows(self, batch: Batch) -> int:
+    def rows(self, batch: PaddedBatch) -> int:
         return batch.rows
 
-    def prefill(self, model, batch: Batch, prompts) -> None:
+    def prefill(self, model, batch: PaddedBatch, prompts) -> None:
         self.model, self.batch, self.cache = model, batch, prompts
         if batch.num_return > 1:
             self.cache.batch_repeat_interleave(batch.num_return)
@@ -128,18 +128,18 @@ class StaticCacheStrategy:
         self.static, self.cache_name = static, cache_name
         self.recorded: list = []  # (a static cache never records: the trunk keeps states of dynamic caches only)
 
-    def _shape(self, batch: Batch) -> tuple[int, int]:
+    def _shape(self, batch: PaddedBatch) -> tuple[int, int]:
         return bucket(batch.rows, batch.length, self.static.length_bucket)
 
-    def why_not(self, model, batch: Batch) -> str | None:
+    def why_not(self, model, batch: PaddedBatch) -> str | None:
         if slides_within(model.config, self._shape(batch)[1]):
             return "a sliding attention window shorter than the bucketed cache (static sliding layers keep the window)"
         return None
 
-    def rows(self, batch: Batch) -> int:
+    def rows(self, batch: PaddedBatch) -> int:
         return self._shape(batch)[0]
 
-    def prefill(self, model, batch: Batch, prompts) -> None:
+    def prefill(self, model, batch: PaddedBatch, prompts) -> None:
         self.model, self.batch = model, batch
         padded, length = self._shape(batch)
         into = torch.cat([batch.source, batch.source.new_zeros(padded - batch.rows)])  # extra rows: the first prompt
@@ -170,15 +170,15 @@ class WrittenOutStrategy:
         self.trunk = trunk  # the frozen trunk whose hook on its depth's layer is expected
         self.recorded: list = []
 
-    def why_not(self, model, batch: Batch) -> str | None:
+    def why_not(self, model, batch: PaddedBatch) -> str | None:
         if batch.max_new <= 1:
             return "a single new token (no decode step to run)"
         return LlamaStep.why_not(model, batch.length, self.trunk)
 
-    def rows(self, batch: Batch) -> int:
+    def rows(self, batch: PaddedBatch) -> int:
         return batch.rows
 
-    def prefill(self, model, batch: Batch, prompts) -> None:
+    def prefill(self, model, batch: PaddedBatch, prompts) -> None:
         # (built where the caller holds the packs of the steps' rows: its linear layers call the packs)
         recording = batch.recording
         self.config, self.batch = model.config, batch
@@ -200,7 +200,7 @@ class WrittenOutStrategy:
         return self.stepper.hf_cache(self.config)
 
 
-def choose(model, batch: Batch, options: DecodeOptions) -> CacheStrategy:
+def choose(model, batch: PaddedBatch, options: DecodeOptions) -> CacheStrategy:
     """The first configured strategy that takes ``batch``: the static cache (``options.static``), the written-out
     step (``options.llama_step``), else the dynamic cache."""
     configured: list = []
