@@ -215,8 +215,6 @@ KNOWN_LONG_SIGNATURES = {
     "engine/client/episodes.py::run_episodes": 11,
     "engine/client/inference_calls.py::InferenceCalls.score_async": 13,  # the Caller's public API, delegated here
     "engine/client/inference_calls.py::InferenceCalls.score": 13,
-    "engine/model/decoding/loop.py::decode": 17,  # the decoder's loop: its state wants an object of its own
-    "engine/model/decoding/runtime.py::Decoder.decode": 11,
     "engine/model/forward.py::plan_forward": 13,
     "engine/model/generation.py::plan_generate": 9,
     "engine/model/generation.py::generate": 11,

@@ -14,6 +14,7 @@ import torch
 from llmrl.engine.config.types import GenerationSettings
 from llmrl.engine.model.decoding import loop
 from llmrl.engine.model.decoding.llama_step import LlamaStep
+from llmrl.engine.model.decoding.options import DecodeOptions
 from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
 from testkit.decoding import plain_logprobs
@@ -241,9 +242,9 @@ def test_the_cache_kept_across_calls_is_hugging_faces(reference_models):
     kept = []
     for llama_step in (True, False):
         torch.manual_seed(0)
-        kept.append(loop.decode(model, "cache", ids, mask, 2, {"max_new_tokens": 6, "min_new_tokens": 6,
-                                                                "do_sample": True}, tok.pad_token_id, {2},
-                                keep_cache=True, llama_step=llama_step))
+        kept.append(loop.decode(model, ids, mask, DecodeOptions(
+            cache_name="cache", generate_kwargs={"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": True},
+            pad_id=tok.pad_token_id, eos={2}, num_return=2, keep_cache=True, llama_step=llama_step)))
     ours, theirs = kept
     assert ours.llama_step and not theirs.llama_step
     assert torch.equal(ours.tokens, theirs.tokens)

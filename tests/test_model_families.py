@@ -13,7 +13,8 @@ from llmrl.engine.model import families
 from llmrl.engine.model.families import DEFAULT, Family, StepClasses, family_of, model_types_where, register
 
 # The lists as they stood in the modules before the registry
-STEP = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # decoding/llama_step.py
+STEP = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+        "phi3": "Phi3"}  # decoding/llama_step.py (Phi-3 added since, with its packed projections)
 WINDOW_BY_LAYER_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # decoding/eligibility.py
 PLAIN_OUTPUT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "t5")  # scoring/vocab_chunks.py
 RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe", "jamba",

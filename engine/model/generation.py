@@ -35,6 +35,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from llmrl.engine.model.attention_span import keeps_state_outside_attention
 from llmrl.engine.model.decoding.batches import Batch, split_prompt_rows
 from llmrl.engine.model.decoding.eligibility import config_fields
+from llmrl.engine.model.decoding.options import DecodeOptions
 from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
 from llmrl.engine.model.scoring.planning import group_greedily
@@ -224,8 +225,9 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         recorder = StopRecorder(tokenizer, *stop, rows=len(prompts) * num_return, start=width) \
             if stop[0] or stop[1] else None
         past = cached_past(use, prompts, num_return, repeat_rows=False)[0] if use is not None else None
-        decoded = loop.decode(model, cache_kwarg(model), ids.to(device), mask.to(device), num_return, kwargs,
-                              tokenizer.pad_token_id, eos, recorder, past, keep_cache=use is not None)
+        decoded = loop.decode(model, ids.to(device), mask.to(device), DecodeOptions(
+            cache_name=cache_kwarg(model), generate_kwargs=kwargs, pad_id=tokenizer.pad_token_id, eos=eos,
+            num_return=num_return, recorder=recorder, past=past, keep_cache=use is not None))
         kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens,
                              decoded.logprobs, decoded.sampling_logprobs, None, causal=True)
         if use is not None:

@@ -4,11 +4,13 @@ On a CPU a decode step of a small model is its weight matmuls plus, around them,
 per layer about a hundred small operations and Python calls (keyword plumbing, mask and cache objects, the growing
 key/value cache copied by ``torch.cat`` at every step). For decoder layers whose computation is Llama's
 (the families whose record names their classes, :func:`~llmrl.engine.model.families.step_families`: Llama,
-Mistral, Qwen2 and Qwen3), :class:`LlamaStep` runs each decode step
+Mistral, Qwen2, Qwen3 and Phi-3), :class:`LlamaStep` runs each decode step
 (one token per row) as the same operations in the same order, over the model's own modules' weights:
   - RMSNorm in float32 (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), the model's own rotary module, the
-    rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head), the MLP
-    ``down(act(gate(x)) * up(x))``, the residual adds;
+    rotation ``x cos + rotate_half(x) sin`` (after Qwen3's norm of each query and key head; of each head's first
+    part only where the rotation is partial), the MLP ``down(act(gate(x)) * up(x))``, the residual adds; a family
+    whose projections are packed (Phi-3's ``qkv_proj`` and ``gate_up_proj``) says in its record how to compute them
+    as its modeling code does (``Family.step_projections``);
   - attention by ``scaled_dot_product_attention`` with the query heads of each key/value head grouped as Hugging
     Face groups them for one query token, under the padding mask, with the layer's own scale;
   - the key/value cache preallocated for the batch's whole length and written in place, one column a step;
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
-from llmrl.engine.model.families import step_families
+from llmrl.engine.model.families import family_of, step_families
 
 
 def _head_norms(attention) -> list:
@@ -128,22 +130,36 @@ def _norm_steps(x, weight, eps):
 
 
 def _rotated(x, cos, sin):
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:  # a partial rotation (``partial_rotary_factor``): the rest of each head passes as is
+        return torch.cat((_rotated(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _activation(act):
+    """A callable computing ``act(x)``: an unhooked module's own ``forward``."""
+    return act.forward if isinstance(act, torch.nn.Module) and not _hooked(act) else act
+
+
+def _separate_projections(layer, linear, activation):
+    """Llama's ``(qkv, mlp)``: separate query, key and value projections, and ``down(act(gate(x)) * up(x))`` (a
+    family with other projections says how it reads them: ``Family.step_projections``)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    q, k, v = (linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj"))
+    gate, up, down = (linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj"))
+    act = activation(mlp.act_fn)
+    return (lambda x: (q(x), k(x), v(x))), (lambda x: down(act(gate(x)) * up(x)))
 
 
 class _Layer:
     """One decoder layer's callables and shapes, resolved once per batch."""
 
-    def __init__(self, layer, float32: bool):
-        attention, mlp = layer.self_attn, layer.mlp
+    def __init__(self, layer, float32: bool, projections):
+        attention = layer.self_attn
         self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-        self.q, self.k, self.v, self.o = (_linear(getattr(attention, name), float32)
-                                          for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.gate, self.up, self.down = (_linear(getattr(mlp, name), float32)
-                                         for name in ("gate_proj", "up_proj", "down_proj"))
-        act = mlp.act_fn
-        self.act = act.forward if isinstance(act, torch.nn.Module) and not _hooked(act) else act
+        self.qkv, self.mlp = projections(layer, lambda module: _linear(module, float32), _activation)
+        self.o = _linear(attention.o_proj, float32)
         self.head_dim, self.groups, self.scale = attention.head_dim, attention.num_key_value_groups, attention.scaling
         self.q_norm, self.k_norm = (_norm(getattr(attention, name)) if hasattr(attention, name) else None
                                     for name in ("q_norm", "k_norm"))  # per head, before the rotation (Qwen3)
@@ -200,7 +216,8 @@ class LlamaStep:
         input states :meth:`step` hands back (the frozen trunk's depth), or None."""
         inner = model.model
         float32 = inner.embed_tokens.weight.dtype == torch.float32
-        self.layers = [_Layer(layer, float32) for layer in inner.layers[: model.config.num_hidden_layers]]
+        projections = family_of(model).step_projections or _separate_projections
+        self.layers = [_Layer(layer, float32, projections) for layer in inner.layers[: model.config.num_hidden_layers]]
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, _norm(inner.norm)
         self.head = _linear(model.get_output_embeddings(), float32)
         self.capture_at = capture_at
@@ -230,20 +247,21 @@ class LlamaStep:
                 captured = hidden[:, None]
             x = layer.norm_in(hidden)
             dim = layer.head_dim
-            q, k = layer.q(x).view(rows, -1, dim), layer.k(x).view(rows, -1, dim)
+            q, k, v = layer.qkv(x)
+            q, k = q.view(rows, -1, dim), k.view(rows, -1, dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
             keys, values = self.keys[index], self.values[index]
             keys[:, :, column] = k
-            values[:, :, column] = layer.v(x).view(rows, -1, dim)
+            values[:, :, column] = v.view(rows, -1, dim)
             heads = keys.shape[1]
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.view(rows, heads, layer.groups, dim), keys[:, :, :column + 1], values[:, :, :column + 1],
                 attn_mask=mask, scale=layer.scale)
             hidden = hidden + layer.o(out.reshape(rows, -1))
             x = layer.norm_post(hidden)
-            hidden = hidden + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+            hidden = hidden + layer.mlp(x)
         self.filled += 1
         return self.head(self.norm(hidden)).float(), captured
 

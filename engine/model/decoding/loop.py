@@ -10,7 +10,11 @@ logits agree to the bit. Each token's raw log-prob (before any processing:
 what ``score`` returns) and its log-prob under the processed distribution it was drawn from are read as it is chosen;
 one step's logits are held at a time.
 
-The cache is Hugging Face's ``DynamicCache`` (grown each step), or with ``llama_step`` (the CPU default) one
+As gpt-fast's ``generate.py``, the loop is three small functions: :func:`prefill` (the prompts through Hugging Face's
+forward), :func:`decode_one_token` (one token per row chosen from a step's logits, with its two log-probs) and
+:func:`decode_n_tokens` (the steps until every row ended); :func:`decode` composes them, with its options in one
+:class:`~.options.DecodeOptions`. How the key/value cache is held and a step computed is a strategy
+(:mod:`.strategies`): Hugging Face's ``DynamicCache`` (grown each step), or with ``llama_step`` (the CPU default) one
 preallocated for the batch that :class:`~.llama_step.LlamaStep`'s written-out steps fill in place, or, with a
 :class:`~.static_step.StaticDecoder`, a preallocated ``StaticCache`` of bucketed shape whose step may be captured;
 not for a model with a sliding window shorter than the bucketed length (Mistral, Gemma 2...), whose static sliding
@@ -36,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.engine.model.decoding.eligibility import slides_within
-from llmrl.engine.model.decoding.llama_step import LlamaStep
+from llmrl.engine.model.decoding.options import DecodeOptions
 from llmrl.engine.model.decoding.sampling import draw, weights_and_normaliser
+from llmrl.engine.model.decoding.strategies import PaddedBatch, WrittenOutStrategy, choose
 
 
 @dataclass
@@ -60,6 +64,20 @@ def finish_interval(device: torch.device, recorder, keep_cache: bool) -> int:
     return CUDA_FINISH_CHECK if device.type == "cuda" and recorder is None and not keep_cache else 1
 
 
+@dataclass(frozen=True)
+class TokenRule:
+    """How each step's token is chosen, and when a row has ended."""
+
+    processors: object  # Hugging Face's LogitsProcessorList for the request
+    copy: bool  # the processors get a copy of the raw logits (:func:`_processed`)
+    do_sample: bool
+    sampler: str  # how samples are drawn (:mod:`.sampling`)
+    pad_id: int  # chosen for rows that ended
+    eos_ids: torch.Tensor  # the ids that end a row
+    recorder: object = None  # stop strings and token ids (:class:`~llmrl.engine.model.stops.StopRecorder`), or None
+    check: int = 1  # steps between checks that every row ended (:func:`finish_interval`)
+
+
 def _hf_setup(model, ids: torch.Tensor, kwargs: dict, device, row_mask: torch.Tensor):
     """The generation config and logits processors Hugging Face's ``generate`` would build for these arguments.
     ``row_mask``: each row's attention mask (a repetition penalty leaves a row's left padding out, as there)."""
@@ -79,133 +97,103 @@ def _keeps_last_logits_only(model) -> dict:
 
 
 @torch.no_grad()
-def decode(model, cache_name: str, ids: torch.Tensor, mask: torch.Tensor, num_return: int, kwargs: dict,
-           pad_id: int, eos: set[int], recorder=None, static=None, sampler: str = "multinomial", past=None,
-           keep_cache: bool = False, packer=None, owners: dict | None = None, trunk=None,
-           llama_step: bool = False) -> Decoded:
-    """Decode ``ids`` (prompts x width, left-padded, on the model's device) with Hugging Face ``model``.
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, options: DecodeOptions) -> Decoded:
+    """Decode ``ids`` (prompts x width, left-padded, on the model's device; ``mask`` their attention mask) with
+    Hugging Face ``model`` as ``options`` say (:class:`~.options.DecodeOptions`): the prefill, a cache strategy
+    (:func:`~.strategies.choose`), then the steps. Returns each row's tokens and log-probs (and with
+    ``options.keep_cache`` the final cache)."""
+    device = ids.device
+    kwargs = {k: v for k, v in options.generate_kwargs.items() if k != "num_return_sequences"}
+    config, processors = _hf_setup(model, ids, kwargs, device, mask.repeat_interleave(options.num_return, dim=0))
+    # the trunk keeps the states of a batch without a static cache or a cache across calls
+    recording = options.trunk if options.past is None and options.static is None else None
+    batch = PaddedBatch(ids, mask, (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0),
+                  torch.arange(ids.shape[0], device=device).repeat_interleave(options.num_return),
+                  options.num_return, int(config.max_new_tokens), options.pad_id, recording)
+    logits, prompts, prompt_states = prefill(model, batch, options)
+    strategy = choose(model, batch, options)
+    known = _out_of_place()
+    rule = TokenRule(processors, not all(type(processor) in known for processor in processors), config.do_sample,
+                     options.sampler, options.pad_id, torch.tensor(sorted(options.eos), dtype=torch.long,
+                                                                   device=device),
+                     options.recorder, finish_interval(device, options.recorder, options.keep_cache))
+    packs = options.packer.for_rows(model, strategy.rows(batch), options.owners) if options.packer is not None \
+        else contextlib.nullcontext()
+    with packs:  # (the written-out step resolves its linear layers within: they call the packs)
+        strategy.prefill(model, batch, prompts)
+        del prompts  # (the strategy's cache holds the prompts' keys and values now)
+        tokens, raw, sampled = decode_n_tokens(strategy, batch, rule, logits)
+    if prompt_states is not None and all(state is not None for state in strategy.recorded):
+        recording.record_decoded([ids[p][mask[p].bool()].tolist() for p in range(ids.shape[0])], prompt_states,
+                                 strategy.recorded, tokens, options.num_return, options.eos)
+    return Decoded(tokens.cpu(), torch.stack(raw, dim=1).cpu(), torch.stack(sampled, dim=1).cpu(),
+                   strategy.hf_cache() if options.keep_cache else None, isinstance(strategy, WrittenOutStrategy))
 
-    ``kwargs`` are the request's generate arguments (those :mod:`.eligibility` takes); ``recorder`` a
-    :class:`~llmrl.engine.model.stops.StopRecorder` or None; ``static`` a
-    :class:`~.static_step.StaticDecoder` or None (a dynamic cache, no capture); ``sampler`` how samples are drawn
-    (:mod:`.sampling`). ``past``: a Hugging Face cache holding the first columns of every prompt row (the cache
-    across calls, :func:`~llmrl.engine.model.reuse.generation_prefix.cached_past`); only the columns after them are
-    prefilled. ``keep_cache`` returns the final cache in :attr:`Decoded.cache`. ``packer``: a
-    :class:`~.packed_linears.PackedWeights` whose packs the decode steps multiply with (``owners``: the memory it is
-    told of, :meth:`~.packed_linears.PackedWeights.for_rows`), or None. ``trunk``: a
-    :class:`~llmrl.engine.model.reuse.trunk.Trunk` that keeps the states this batch computes below its depth for the
-    update that will score these samples (with a dynamic cache and no ``past`` only), or None. ``llama_step``: with a
-    dynamic cache, the decode steps run as :class:`~.llama_step.LlamaStep` where it takes the model."""
+
+def prefill(model, batch: PaddedBatch, options: DecodeOptions):
+    """The prompts through Hugging Face's forward (only the columns after those ``options.past`` holds): the first
+    step's float32 logits per row, the prompts' cache (one row per prompt) and, with the batch's ``recording``, the
+    states the trunk captured (else None)."""
     from transformers import DynamicCache
 
-    device = ids.device
-    config, processors = _hf_setup(model, ids, {k: v for k, v in kwargs.items() if k != "num_return_sequences"},
-                                   device, mask.repeat_interleave(num_return, dim=0))
-    prompts, width = ids.shape
-    rows, max_new = prompts * num_return, int(config.max_new_tokens)
-    source = torch.arange(prompts, device=device).repeat_interleave(num_return)
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    prefill = DynamicCache(config=model.config) if past is None else past
+    past = options.past
+    cache = DynamicCache(config=model.config) if past is None else past
     covered = past.get_seq_length() if past is not None else 0
-    keeping = trunk if trunk is not None and past is None and static is None else None
-    with keeping.active("record") if keeping is not None else contextlib.nullcontext(), \
-            _contiguous_head_input(model) if device.type == "cpu" else contextlib.nullcontext():
-        out = model(input_ids=ids[:, covered:], attention_mask=mask, position_ids=positions[:, covered:],
-                    use_cache=True, **{cache_name: prefill}, **_keeps_last_logits_only(model))
-        prefill_states = keeping.take_captured() if keeping is not None else None
-    fed_states: list[torch.Tensor] = []
-    logits = out.logits[:, -1].float()[source]  # indexing copies
-    del out
-    padded, length = _bucketed(static, rows, width + max_new) if static is not None else (rows, 0)
-    if static is not None and slides_within(model.config, length):
-        static = None  # Hugging Face's static sliding layers hold only the window: this call grows a cache instead
-    if static is not None:
-        into = torch.cat([source, source.new_zeros(padded - rows)])  # extra rows: copies of the first prompt
-        cache = static.cache(model, padded, length)
-        for index, layer in enumerate(prefill.layers):
-            cache.update(layer.keys[into], layer.values[into], index)
-        del prefill
-        attention = torch.ones((padded, length), dtype=mask.dtype, device=device)
-        attention[:, :width] = mask[into]
-        step_positions = positions[into, -1:].clone()
-    elif llama_step and max_new > 1 and LlamaStep.why_not(model, width + max_new, trunk) is None:  # (steps to run)
-        padded, into, cache = rows, source, prefill  # the steps' cache: built from the prefill's below
-        attention = torch.zeros((rows, width + max_new), dtype=torch.bool, device=device)
-        attention[:, :width] = mask[source].bool()
-        step_positions = positions[source, -1:].clone()
-    else:
-        llama_step, padded, into, cache = False, rows, source, prefill
-        if num_return > 1:
-            cache.batch_repeat_interleave(num_return)
-        attention = mask[source]
-        step_positions = positions[source, -1:].clone()
-    sequences = torch.full((rows, width + max_new), pad_id, dtype=torch.long, device=device)
-    sequences[:, :width] = ids[source]
+    recording = batch.recording
+    with recording.active("record") if recording is not None else contextlib.nullcontext(), \
+            _contiguous_head_input(model) if batch.ids.device.type == "cpu" else contextlib.nullcontext():
+        out = model(input_ids=batch.ids[:, covered:], attention_mask=batch.mask,
+                    position_ids=batch.positions[:, covered:], use_cache=True, **{options.cache_name: cache},
+                    **_keeps_last_logits_only(model))
+        states = recording.take_captured() if recording is not None else None
+    return out.logits[:, -1].float()[batch.source], cache, states  # (indexing copies)
+
+
+def decode_n_tokens(strategy, batch: PaddedBatch, rule: TokenRule, logits: torch.Tensor):
+    """The steps from the prefill's ``logits`` until every row ended or ``batch.max_new`` tokens: the tokens (rows
+    x steps, on the device) and each step's raw and sampling log-probs (lists of rows)."""
+    width, rows, device = batch.width, batch.rows, batch.ids.device
+    sequences = torch.full((rows, batch.length), rule.pad_id, dtype=torch.long, device=device)
+    sequences[:, :width] = batch.ids[batch.source]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     raw, sampled = [], []
-    check = finish_interval(device, recorder, keep_cache)
-    known = _out_of_place()
-    copy = not all(type(processor) in known for processor in processors)
-    with packer.for_rows(model, padded, owners) if packer is not None else contextlib.nullcontext():
-        stepper = None
-        if static is None and llama_step:  # resolved within the packs' block: its linear layers call the packs
-            stepper = LlamaStep(model, cache, source, width + max_new, keeping.depth if keeping is not None else None)
-            cache = prefill = None  # its keys and values are in the step's cache now
-        for step in range(max_new):
-            scores = _processed(processors, sequences[:, :width + step], logits, copy)
-            drawn_normaliser = None  # the processed distribution's, where drawing computed it
-            if config.do_sample and sampler == "inverse_cdf":  # drawn from exp(score - max): no softmax
-                weights, drawn_normaliser = weights_and_normaliser(scores)
-                chosen = draw(weights, sampler)
-                del weights
-            elif config.do_sample:
-                chosen = draw(torch.softmax(scores, dim=-1), sampler)
-            else:
-                chosen = torch.argmax(scores, dim=-1)
-            # Hugging Face's padding of ended rows
-            chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)
-            column = chosen[:, None]
-            # without processors the two distributions are one
-            normaliser = drawn_normaliser if drawn_normaliser is not None and scores is logits \
-                else torch.logsumexp(logits, dim=-1)
-            raw.append(logits.gather(-1, column).squeeze(-1) - normaliser)
-            if scores is not logits:
-                normaliser = drawn_normaliser if drawn_normaliser is not None else torch.logsumexp(scores, dim=-1)
-            sampled.append(scores.gather(-1, column).squeeze(-1) - normaliser)
-            sequences[:, width + step] = chosen
-            finished |= torch.isin(chosen, eos_ids)
-            if recorder is not None:
-                finished |= recorder(sequences[:, :width + step + 1], None).to(device)
-            if step + 1 == max_new or ((step + 1) % check == 0 and bool(finished.all())):
-                break
-            step_positions += 1
-            feed = chosen if padded == rows else torch.cat([chosen, chosen.new_full((padded - rows,), pad_id)])
-            if static is not None:
-                logits = static.step(model, cache_name, cache, feed[:, None], step_positions, attention,
-                                     width + step + 1)[:rows]
-            elif stepper is not None:
-                attention[:, stepper.filled] = True
-                logits, state = stepper.step(feed, step_positions, attention)
-                if keeping is not None:
-                    fed_states.append(state)
-            else:
-                attention = torch.cat([attention, attention.new_ones((rows, 1))], dim=1)
-                with keeping.active("record") if keeping is not None else contextlib.nullcontext():
-                    out = model(input_ids=feed[:, None], position_ids=step_positions, attention_mask=attention,
-                                use_cache=True, **{cache_name: cache})
-                    if keeping is not None:
-                        fed_states.append(keeping.take_captured())
-                logits = out.logits[:, -1].float()  # a view of this step's own logits (no copy in float32)
-                del out
-    steps = len(raw)
-    if stepper is not None and keep_cache:
-        cache = stepper.hf_cache(model.config)
-    if prefill_states is not None and all(state is not None for state in fed_states):
-        keeping.record_decoded([ids[p][mask[p].bool()].tolist() for p in range(prompts)], prefill_states, fed_states,
-                               sequences[:, width:width + steps], num_return, eos)
-    return Decoded(sequences[:, width:width + steps].cpu(), torch.stack(raw, dim=1).cpu(),
-                   torch.stack(sampled, dim=1).cpu(), cache if keep_cache else None, stepper is not None)
+    for step in range(batch.max_new):
+        chosen, raw_logprob, sampled_logprob = decode_one_token(rule, logits, sequences[:, :width + step], finished)
+        raw.append(raw_logprob)
+        sampled.append(sampled_logprob)
+        sequences[:, width + step] = chosen
+        finished |= torch.isin(chosen, rule.eos_ids)
+        if rule.recorder is not None:
+            finished |= rule.recorder(sequences[:, :width + step + 1], None).to(device)
+        if step + 1 == batch.max_new or ((step + 1) % rule.check == 0 and bool(finished.all())):
+            break
+        logits = strategy.step(chosen)
+    return sequences[:, width:width + len(raw)], raw, sampled
+
+
+def decode_one_token(rule: TokenRule, logits: torch.Tensor, sequences: torch.Tensor, finished: torch.Tensor):
+    """One token per row from a step's raw ``logits`` (rows x vocabulary, float32), after ``sequences`` (rows x
+    columns so far): chosen as Hugging Face's ``generate`` chooses it (the pad token for ``finished`` rows), with its
+    raw log-prob and its log-prob under the processed distribution it was drawn from."""
+    scores = _processed(rule.processors, sequences, logits, rule.copy)
+    drawn_normaliser = None  # the processed distribution's, where drawing computed it
+    if rule.do_sample and rule.sampler == "inverse_cdf":  # drawn from exp(score - max): no softmax
+        weights, drawn_normaliser = weights_and_normaliser(scores)
+        chosen = draw(weights, rule.sampler)
+        del weights
+    elif rule.do_sample:
+        chosen = draw(torch.softmax(scores, dim=-1), rule.sampler)
+    else:
+        chosen = torch.argmax(scores, dim=-1)
+    chosen = torch.where(finished, torch.full_like(chosen, rule.pad_id), chosen)  # Hugging Face's padding of ended rows
+    column = chosen[:, None]
+    # without processors the two distributions are one
+    normaliser = drawn_normaliser if drawn_normaliser is not None and scores is logits \
+        else torch.logsumexp(logits, dim=-1)
+    raw = logits.gather(-1, column).squeeze(-1) - normaliser
+    if scores is not logits:
+        normaliser = drawn_normaliser if drawn_normaliser is not None else torch.logsumexp(scores, dim=-1)
+    return chosen, raw, scores.gather(-1, column).squeeze(-1) - normaliser
 
 
 def _out_of_place() -> set:
@@ -245,9 +233,3 @@ def _contiguous_head_input(model):
         yield
     finally:
         handle.remove()
-
-
-def _bucketed(static, rows: int, length: int) -> tuple[int, int]:
-    from llmrl.engine.model.decoding.static_step import bucket
-
-    return bucket(rows, length, static.length_bucket)

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from dataclasses import replace
 
 from llmrl.engine.model.decoding.eligibility import why_not
 from llmrl.engine.model.decoding.kept_weights import KeptWeights, is_its_shard, weights_read
 from llmrl.engine.model.decoding.merged_lora import MergedLora, lora_layers, shared_weights, why_not_mergeable
+from llmrl.engine.model.decoding.options import DecodeOptions
 
 
 def _on(value, on_cuda: bool) -> bool:
@@ -108,9 +110,9 @@ class Decoder:
         return decode_batches([len(p) for p in plan.prompts], new_tokens, plan.num_return, token_budget, max_rows,
                               cache_tokens)
 
-    def decode(self, model, cache_name: str, ids, mask, num_return: int, kwargs: dict, pad_id: int, eos: set,
-               recorder, past=None, keep_cache: bool = False):
-        """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be."""
+    def decode(self, model, ids, mask, options: DecodeOptions):
+        """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be.
+        ``options``: the request's :class:`~.options.DecodeOptions`; this decoder sets their decoder's part."""
         from llmrl.engine.model.decoding.loop import decode
 
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -131,9 +133,9 @@ class Decoder:
                 if self.static is not None:
                     self._note_addresses(read, merged_layers)
                 owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
-                decoded = decode(inner, cache_name, ids, mask, num_return, kwargs, pad_id, eos, recorder, self.static,
-                                 self.settings.sampler, past, keep_cache, self.packed, owners, self.trunk,
-                                 self.llama_step)
+                decoded = decode(inner, ids, mask, replace(
+                    options, static=self.static, sampler=self.settings.sampler, packer=self.packed, owners=owners,
+                    trunk=self.trunk, llama_step=self.llama_step))
                 self.llama_step_batches += decoded.llama_step
                 return decoded
         finally:

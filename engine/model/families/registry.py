@@ -2,7 +2,8 @@
 about, found by the model's ``model_type``.
 
 Every fact the engine keeps about particular families lives in their records: which Hugging Face classes the
-written-out decode step (:mod:`~llmrl.engine.model.decoding.llama_step`) computes, whether the sliding window follows
+written-out decode step (:mod:`~llmrl.engine.model.decoding.llama_step`) computes (and how it reads packed
+projections), whether the sliding window follows
 ``layer_types``, whether the logits are a plain output layer over the last hidden state, where the frozen trunk finds
 the decoder layers, whether positions are relative, whether DeepSpeed AutoTP shards it, whether some layer keeps state
 outside attention, whether it uses ALiBi. A model type no family claims gets the defaults of :class:`Family` (what the
@@ -22,7 +23,7 @@ class StepClasses(NamedTuple):
     """The Hugging Face classes of a family whose decode step :mod:`~llmrl.engine.model.decoding.llama_step` writes
     out: the model class and the classes of its modules (Llama's layout: ``model.layers[i].self_attn`` with
     ``q_proj``..``o_proj``, ``mlp`` with ``gate_proj``/``up_proj``/``down_proj``, RMSNorms; Qwen3's ``q_norm`` and
-    ``k_norm`` where they exist)."""
+    ``k_norm`` where they exist; other projections where the family's ``step_projections`` reads them)."""
 
     causal_lm: type
     model: type
@@ -44,6 +45,12 @@ class Family:
     # the written-out decode step serves it: a function importing and returning its classes (imported when asked,
     # so a patched modeling module is seen), or None
     step_classes: Callable[[], StepClasses] | None = None
+    # with ``step_classes``, where a decoder layer's projections are not Llama's separate ``q_proj``/``k_proj``/
+    # ``v_proj`` and ``gate_proj``/``up_proj``/``down_proj``: a function ``(layer, linear, activation) -> (qkv, mlp)``
+    # computing, for the normed hidden states ``x`` (rows x hidden), ``qkv(x) -> (queries, keys, values)`` (each rows
+    # x heads*head_dim) and ``mlp(x)``, from ``linear(module)`` and ``activation(module)`` (the step's calls of a
+    # linear layer and of an activation); None: Llama's (Phi-3's packed ones: families/phi3.py)
+    step_projections: Callable | None = None
     # its layers read ``layer_types`` (built from ``use_sliding_window`` and ``max_window_layers``) to decide which
     # slide; otherwise a configured ``sliding_window`` applies to every layer (Mistral)
     window_by_layer_types: bool = False
