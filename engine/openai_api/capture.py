@@ -158,7 +158,8 @@ def _why(branches: list[Branch], llm: str, prompt: list[int]) -> str | None:
     completion = len(ids) - len(latest.steps[-1][1]["tokens"])
     if at >= completion:
         return (f"the prompt differs from the earlier trajectory at id {at}, inside the model's last completion: "
-                "its text was tokenised into other ids (or edited) before it came back")
+                "the chat template or the client gave it back in other ids (reasoning dropped, its text tokenised "
+                "another way, an edit)")
     return (f"the prompt differs from the earlier trajectory at id {at}, before the model's last completion: the "
             "chat template (or the client) rewrote the history (earlier reasoning dropped, a message edited)")
 

@@ -33,7 +33,8 @@ class Endpoint:
         self.url = f"http://{host}:{port}"
         self.base_url = f"{self.url}/v1"
         self.api_key = api_key
-        threading.Thread(target=server.serve_forever, name="llmrl-openai-http", daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.1,), name="llmrl-openai-http",  # close waits <= 0.1 s
+                         daemon=True).start()
 
     def rollout(self, rollout_id: str) -> CapturedRollout:
         """The calls captured under ``rollout_id`` so far, as trajectories (the rollout stays kept).
