@@ -189,3 +189,17 @@ def test_llmrl_openai_hands_its_options_to_the_endpoint_and_refuses_a_key_on_the
     assert request.options.overrides == ["llms.main.replicas=2"]
     with pytest.raises(SystemExit, match="api-key-file"):
         parse_argv(["--config", "c.yaml", "--api-key", "k"])
+
+
+def test_llmrl_openais_key_comes_from_its_file_else_the_environment_else_is_drawn(tmp_path):
+    from llmrl.engine.openai_api.serve import KEY_ENV, endpoint_key, parse_args
+
+    (tmp_path / "key").write_text("from-file\nignored\n")
+    assert endpoint_key(parse_args(["--api-key-file", str(tmp_path / "key")]), {KEY_ENV: "env"})[0] == "from-file"
+    assert endpoint_key(parse_args([]), {KEY_ENV: "from-env"}) == ("from-env", f"${KEY_ENV}")
+    drawn, source = endpoint_key(parse_args([]), {})
+    assert source == "drawn" and len(drawn) > 20 and drawn != endpoint_key(parse_args([]), {})[0]
+    (tmp_path / "empty").write_text("\n")
+    for name in ("empty", "missing"):
+        with pytest.raises(ValueError, match=name):
+            endpoint_key(parse_args(["--api-key-file", str(tmp_path / name)]), {})

@@ -19,6 +19,7 @@ neither is answered and not captured. This module maps calls; HTTP is :mod:`llmr
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 
 from llmrl.engine.openai_api import chat_format
@@ -37,6 +38,9 @@ class OpenAIService:
         self.llm = llm
         self.captures = Captures(timeout)
         self.created = int(time.time())
+        # A fast tokenizer is not safe to use from several threads at once (its padding and truncation settings are
+        # shared state: "Already borrowed"); rendering and decoding take a moment next to generate.
+        self.tokenizing = threading.Lock()
 
     def served(self) -> list[str]:
         closed = getattr(getattr(self.caller, "_run", None), "closed_llms", set())
@@ -53,36 +57,25 @@ class OpenAIService:
         request = chat_request(body)
         llm = self._llm(request.model)
         tokenizer = self.tokenizer(llm)
-        prompt = chat_format.render(tokenizer, request.messages, request.tools)
+        with self.tokenizing:
+            prompt = chat_format.render(tokenizer, request.messages, request.tools)
         samples = self._generate(llm, prompt, request.sampling, _rollout(rollout_header, request.user))
         parse = request.tools is not None and chat_format.writes_tool_calls(tokenizer)
-        choices = []
-        for k, sample in enumerate(samples):
-            content, calls = chat_format.read_completion(tokenizer, sample["tokens"], sample.get("stop"), parse)
-            message = {"role": "assistant", "content": content if content or not calls else None}
-            if calls:
-                message["tool_calls"] = calls
-            choice = {"index": k, "message": message, "finish_reason": "tool_calls" if calls else
-                      _finish(sample), "logprobs": None}
-            if request.sampling.logprobs:
-                choice["logprobs"] = {"content": [_token_logprob(tokenizer, t, lp) for t, lp in
-                                                  zip(sample["tokens"], sample["sampling_logprobs"])]}
-            choices.append(choice)
+        with self.tokenizing:
+            choices = [_chat_choice(tokenizer, k, sample, parse, request.sampling.logprobs)
+                       for k, sample in enumerate(samples)]
         return _answer("chat.completion", llm, choices, len(prompt), samples)
 
     def completions(self, body: dict, rollout_header: str | None) -> dict:
         request = completion_request(body)
         llm = self._llm(request.model)
         tokenizer = self.tokenizer(llm)
-        prompt = tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        with self.tokenizing:
+            prompt = tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         samples = self._generate(llm, prompt, request.sampling, _rollout(rollout_header, request.user))
-        choices = []
-        for k, sample in enumerate(samples):
-            text, _ = chat_format.read_completion(tokenizer, sample["tokens"], sample.get("stop"), False)
-            choice = {"index": k, "text": text, "finish_reason": _finish(sample), "logprobs": None}
-            if request.sampling.logprobs:
-                choice["logprobs"] = _completion_logprobs(tokenizer, sample)
-            choices.append(choice)
+        with self.tokenizing:
+            choices = [_completion_choice(tokenizer, k, sample, request.sampling.logprobs)
+                       for k, sample in enumerate(samples)]
         return _answer("text_completion", llm, choices, len(prompt), samples)
 
     def _llm(self, model: str) -> str:
@@ -124,6 +117,27 @@ def _plain(sample: dict) -> dict:
     return {"tokens": [int(t) for t in values(sample["tokens"])], "logprobs": raw,
             "sampling_logprobs": values(sample["sampling_logprobs"]) if sample.get("sampling_logprobs") is not None
             else raw, "stop_reason": sample.get("stop_reason"), "stop": sample.get("stop")}
+
+
+def _chat_choice(tokenizer, index: int, sample: dict, parse_calls: bool, logprobs: bool) -> dict:
+    content, calls = chat_format.read_completion(tokenizer, sample["tokens"], sample.get("stop"), parse_calls)
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": index, "message": message, "finish_reason": "tool_calls" if calls else _finish(sample),
+              "logprobs": None}
+    if logprobs:
+        choice["logprobs"] = {"content": [_token_logprob(tokenizer, t, lp) for t, lp in
+                                          zip(sample["tokens"], sample["sampling_logprobs"])]}
+    return choice
+
+
+def _completion_choice(tokenizer, index: int, sample: dict, logprobs: bool) -> dict:
+    text, _ = chat_format.read_completion(tokenizer, sample["tokens"], sample.get("stop"), False)
+    choice = {"index": index, "text": text, "finish_reason": _finish(sample), "logprobs": None}
+    if logprobs:
+        choice["logprobs"] = _completion_logprobs(tokenizer, sample)
+    return choice
 
 
 def _finish(sample: dict) -> str:
