@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.ready_file + ".tmp", "w") as f:
                 f.write(endpoint.base_url)
             os.replace(args.ready_file + ".tmp", args.ready_file)
-        serve_until_stopped(endpoint.close)
+        serve_until_stopped(endpoint.close, "llmrl openai")
     return 0
 
 
