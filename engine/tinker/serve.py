@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve_until_stopped(clean_up) -> None:
+def serve_until_stopped(clean_up, name: str = "llmrl tinker") -> None:
     """Sleep until Ctrl-C (the run ends with 130) or SIGTERM (143), run ``clean_up()`` whole, and raise the first
     signal's exception (KeyboardInterrupt, or SystemExit(143) as rank 0's host raises for SIGTERM). Ctrl-C reaches the
     whole process group and DeepSpeed's launcher then sends SIGTERM too: only the first signal counts. A second one
@@ -127,7 +127,7 @@ def serve_until_stopped(clean_up) -> None:
             time.sleep(3600)
     finally:
         try:
-            print("llmrl tinker: stopping", file=sys.stderr, flush=True)
+            print(f"{name}: stopping", file=sys.stderr, flush=True)
             clean_up()
         finally:
             for number, handler in previous.items():

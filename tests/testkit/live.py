@@ -167,6 +167,15 @@ class LiveRun:
             raise value
         return value
 
+    def function(self, target: str, *args, timeout: float | None = 600.0, **kwargs):
+        """Call ``module:attr`` in the run's client process as ``attr(caller, *args, **kwargs)`` (a test kit helper
+        that holds something the Caller cannot send back, such as a server on a thread)."""
+        self._send(("function", target, args, kwargs))
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise value
+        return value
+
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)

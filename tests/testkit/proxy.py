@@ -7,6 +7,7 @@ exceptions. ``("many", method, calls)`` starts the calls with ``method_async`` a
 returns their results in order; ``("threads", method, n, rounds, calls)`` makes the calls from n threads at
 once; ``("with_client_only", method, args, kwargs, key)`` passes an object servers cannot decode as ``key``;
 ``("in_callback", first, then)`` makes the call ``then`` in the done-callback of ``first``'s future;
+``("function", "module:attr", args, kwargs)`` calls a test kit function with the Caller first;
 ``("exit", code)`` ends the script with that code.
 
 Used only by tests (see :class:`testkit.live.LiveRun`).
@@ -14,6 +15,7 @@ Used only by tests (see :class:`testkit.live.LiveRun`).
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import sys
 from multiprocessing.connection import Client
@@ -119,6 +121,10 @@ def main() -> int:
                 result = _threads(caller, *message[1:])
             elif message[0] == "in_callback":  # the call made in the done-callback of another call's future
                 result = _in_callback(caller, *message[1:])
+            elif message[0] == "function":  # a test kit function called with the Caller: ("module:attr", ...)
+                _, target, args, kwargs = message
+                module, _, attr = target.partition(":")
+                result = getattr(importlib.import_module(module), attr)(caller, *args, **kwargs)
             elif message[0] == "with_client_only":  # one keyword argument holds [ClientOnly()]
                 _, method, args, kwargs, key = message
                 result = getattr(caller, method)(*args, **{**kwargs, key: [ClientOnly()]})
