@@ -7,6 +7,11 @@ configuration, :func:`clipped_ratio_loss` is PPO's clipped surrogate (one defini
 :func:`llmrl.plugins.rl_math.clipped_surrogate` also uses), and :data:`TOKEN_LOSSES`, :data:`OPTIONAL_INPUTS` and
 :data:`UNREAD_WHEN_ZERO` are read-only views of the registry.
 
+Another package adds a loss with one module and one line: the module defines the function under
+``@register_token_loss("name", inputs=...)``, and its ``pyproject.toml`` names that function in the entry-point
+group ``llmrl.token_losses`` (``name = "package.module:function"``); the registry imports it on first use, on the
+client and on every replica.
+
 Pure functions of tensors, at the engine's level because the engine serves these losses itself (the client checks a
 call's loss, a replica computes it, the Tinker service accepts its name); :mod:`llmrl.plugins.rl_math` re-exports
 them for plugins and scripts. Nothing here reads a request, calls the model or checks a datum
@@ -35,7 +40,57 @@ class RegisteredLoss:
     unread_when_zero: tuple[str, ...] = ()  # all 0 at a position: its loss and gradient there are 0 (): none such
 
 
-REGISTRY: dict[str, RegisteredLoss] = {}
+ENTRY_POINT_GROUP = "llmrl.token_losses"  # another package's losses: each entry point names a registered function
+
+
+class _Registry(Mapping):
+    """The registered losses by name. The first read imports the functions named in the entry-point group
+    :data:`ENTRY_POINT_GROUP` (their modules register them with :func:`register_token_loss`), in every process that
+    reads it: the client that checks a call and the replicas that compute it alike."""
+
+    def __init__(self):
+        self._losses: dict[str, RegisteredLoss] = {}
+        self._loaded = False
+
+    def add(self, loss: RegisteredLoss) -> None:
+        if loss.name in self._losses:
+            raise ValueError(f"a token loss named {loss.name!r} is already registered")
+        self._losses[loss.name] = loss
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        import importlib.metadata
+
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                function = entry.load()
+            except Exception as err:  # noqa: BLE001 - re-raised naming the entry point
+                raise ImportError(f"the token loss {entry.name!r} ({entry.value}, entry point group "
+                                  f"{ENTRY_POINT_GROUP!r}) failed to import: {err}") from err
+            if entry.name not in self._losses or self._losses[entry.name].compute is not function:
+                raise ValueError(f"the entry point {entry.name!r} of {ENTRY_POINT_GROUP!r} names {entry.value}, which "
+                                 f"is not registered as the token loss {entry.name!r}: decorate it with "
+                                 f"@register_token_loss({entry.name!r}, inputs=...)")
+
+    def __getitem__(self, name: str) -> RegisteredLoss:
+        self._load()
+        return self._losses[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self._load()
+        return iter(dict(self._losses))
+
+    def __len__(self) -> int:
+        self._load()
+        return len(self._losses)
+
+    def __delitem__(self, name: str) -> None:  # unregister (a test's loss, say)
+        del self._losses[name]
+
+
+REGISTRY = _Registry()
 
 
 def register_token_loss(name: str, inputs: tuple[str, ...], config: dict | None = None,
@@ -47,10 +102,8 @@ def register_token_loss(name: str, inputs: tuple[str, ...], config: dict | None 
     all 0 at a position, make the loss and its gradient 0 there whatever the log-prob (only there may a datum's
     target differ from the next input token). Refuses a name already registered."""
     def register(fn):
-        if name in REGISTRY:
-            raise ValueError(f"a token loss named {name!r} is already registered")
-        REGISTRY[name] = RegisteredLoss(name, fn, tuple(inputs), dict(config or {}), tuple(optional_inputs),
-                                        tuple(unread_when_zero))
+        REGISTRY.add(RegisteredLoss(name, fn, tuple(inputs), dict(config or {}), tuple(optional_inputs),
+                                    tuple(unread_when_zero)))
         return fn
     return register
 

@@ -104,3 +104,45 @@ def test_the_views_hold_the_tables_the_registry_replaced():
         TOKEN_LOSSES["x"] = ((), {})  # read-only
     TOKEN_LOSSES["ppo"][1]["clip_low_threshold"] = 0.0  # a copy: the registry keeps its defaults
     assert token_loss_settings("ppo", None)["clip_low_threshold"] == 0.8
+
+
+def test_another_package_adds_a_loss_with_one_module_and_one_entry_point(tmp_path, monkeypatch):
+    """A module with the decorated function and one line in the package's entry points: the registry imports it on
+    its first read, and the loss is then computed like a built-in one (here: ``-weights * logp`` by hand)."""
+    from testkit.distributions import write_distribution
+
+    site = tmp_path / "site"
+    write_distribution(site, "fake-llmrl-losses", """
+        [llmrl.token_losses]
+        weighted_nll = fake_llmrl_losses:weighted_nll
+    """)
+    (site / "fake_llmrl_losses.py").write_text(
+        "from llmrl.engine.token_losses import register_token_loss\n\n\n"
+        "@register_token_loss('weighted_nll', inputs=('weights',))\n"
+        "def weighted_nll(logprobs, inputs, settings):\n"
+        "    return -inputs['weights'] * logprobs\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(REGISTRY, "_loaded", False)
+    try:
+        assert "weighted_nll" in TOKEN_LOSSES
+        logprobs = torch.tensor([-0.5, -2.0])
+        weights = torch.tensor([1.0, 0.25])
+        assert torch.equal(token_loss("weighted_nll", logprobs, {"weights": weights}), torch.tensor([0.5, 0.5]))
+    finally:
+        if "weighted_nll" in REGISTRY:
+            del REGISTRY["weighted_nll"]
+
+
+def test_an_entry_point_that_does_not_register_its_loss_is_refused_naming_it(tmp_path, monkeypatch):
+    from testkit.distributions import write_distribution
+
+    site = tmp_path / "site"
+    write_distribution(site, "fake-llmrl-bad-losses", """
+        [llmrl.token_losses]
+        forgotten = fake_llmrl_bad_losses:forgotten
+    """)
+    (site / "fake_llmrl_bad_losses.py").write_text("def forgotten(logprobs, inputs, settings):\n    return logprobs\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(REGISTRY, "_loaded", False)
+    with pytest.raises(ValueError, match="'forgotten'.*not registered.*@register_token_loss"):
+        list(REGISTRY)
