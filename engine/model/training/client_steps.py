@@ -36,7 +36,8 @@ from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
-from llmrl.engine.model.training.trainer import END, EngineTrainer
+from llmrl.engine.model.training.replica_votes import END
+from llmrl.engine.model.training.trainer import EngineTrainer
 from llmrl.engine.token_losses import token_loss
 
 
@@ -139,12 +140,12 @@ def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[
             total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
             if backward:
                 trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
-        trainer._check_peers(True, END)
+        trainer.votes.check_peers(True, END)
     except PeerAborted as err:
         raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
     except Exception as err:
         if not trainer.failed_vote_cast:
-            trainer._check_peers(False, END)
+            trainer.votes.check_peers(False, END)
         raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
     if backward:
         served.pending_backwards += 1
