@@ -95,7 +95,7 @@ class EngineTrainer(ModelAccess, Trainer):
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None, logits=False, logprobs=True) -> ForwardOutputs:
         served, votes = self.served, self.votes
-        if torch.is_grad_enabled() and (peft_adapter in served.snapshots or peft_adapter in served.weight_snapshots):
+        if torch.is_grad_enabled() and served.run_time.is_snapshot(peft_adapter):
             raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
                              "without gradients")
         empty = self.last_forward_empty = len(contexts) == 0
@@ -242,8 +242,8 @@ class DirectBackward(RuntimeError):
 
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     """Run the LLM's updater on this rank's share; returns its stats (plain Python)."""
-    if served.pending_backwards:
-        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending_backwards} forward_backward "
+    if served.pending.backwards:
+        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending.backwards} forward_backward "
                          "call(s) not yet applied: call optim_step() before update() (the update's step would apply "
                          "them too)")
     if served.updater is None:
