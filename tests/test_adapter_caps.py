@@ -14,6 +14,7 @@ import torch
 
 from llmrl.engine.config.types import LLMConfig
 from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.model.served_state import PendingGradients, RunTimeAdapters
 from llmrl.engine.model.snapshots import drop_snapshot, take_snapshot
 from llmrl.engine.model.training.new_adapters import create_adapter, delete_adapter
 from llmrl.engine.requests.adapters import check_name, check_new_name
@@ -35,8 +36,8 @@ def served_model(**caps):
     return SimpleNamespace(
         llm=LLMConfig(name="main", model="tiny", **caps), model=model, module=module, device=torch.device("cpu"),
         engine=SimpleNamespace(module=module, optimizer=optimizer), adapter_steps=SimpleNamespace(optimizer=optimizer),
-        adapters=["default"], snapshots={}, created_adapters={}, weight_snapshots={}, pending_adapters={},
-        discarded={}, active_adapter=lambda: "default", check_adapter=lambda name: None)
+        adapters=["default"], run_time=RunTimeAdapters(), pending=PendingGradients(),
+        active_adapter=lambda: "default", check_adapter=lambda name: None)
 
 
 def test_plain_peft_mistakes_these_names_which_is_why_they_are_refused():
@@ -63,7 +64,8 @@ def test_a_name_peft_treats_specially_is_refused_by_llmrls_rule_on_the_client_an
         create_adapter(served, name, rank=4, alpha=None, seed=0, targets=None)
     with pytest.raises(ValueError, match="refused by llmrl's rule for adapter names: .*such as 'my_"):
         take_snapshot(served, name, None)
-    assert not served.created_adapters and not served.snapshots and set(served.model.peft_config) == {"default"}
+    assert not served.run_time.created and not served.run_time.snapshots
+    assert set(served.model.peft_config) == {"default"}
 
 
 def test_ordinary_names_pass_the_rule():
@@ -109,6 +111,6 @@ def test_an_adapter_or_snapshot_past_the_bytes_cap_is_refused_and_leaves_the_mod
     with pytest.raises(ValueError, match=r"snapshot 'ref2' \(0\.\d MB\) is refused"):
         take_snapshot(served, "ref2", "one")
     assert [n for n, _ in served.model.named_parameters()] == names
-    assert len(served.adapter_steps.optimizer.param_groups) == groups and "two" not in served.created_adapters
+    assert len(served.adapter_steps.optimizer.param_groups) == groups and "two" not in served.run_time.created
     drop_snapshot(served, "ref")
     create_adapter(served, "two", rank=4, alpha=None, seed=1, targets=None)

@@ -4,7 +4,8 @@ path (they may import the engine's leaf modules), the engine never imports a bui
 the contracts, their checks, the registry), the request kinds never import the model layer (the backend receives
 their payloads) and the model layer imports them for annotations only (under ``if TYPE_CHECKING:``), every module
 opens with a docstring, and no function of the engine or the plugins takes more than 8 parameters (but the listed
-known exceptions); the Caller is a composition of parts, not a stack of mixins; and the folder above the repository
+known exceptions); the Caller is a composition of parts, not a stack of mixins; a part's state is assigned by the part
+alone, and the classes that compose parts stay under their attribute caps; and the folder above the repository
 stays off the import path."""
 
 from __future__ import annotations
@@ -314,3 +315,64 @@ def test_the_composition_rule_finds_a_mixin():
     assert client_class_bases(source) == {"Caller": ["AdapterCalls"]}
     assert client_class_bases("from llmrl.engine.client.x import A\nclass B(A, dict): pass\n") == {"B": ["A"]}
     assert client_class_bases("class Caller(object): pass\n") == {"Caller": []}
+
+
+# ---- classes split by responsibility: a part's state is its own -----------------------------------------------------
+
+# The state each part of a composed class owns: only the part's methods assign it (``self.<name> = ...``, ``+=``);
+# no other class of its folder does (EngineTrainer holds a ReplicaVotes and a DeferredBackward and asks them).
+PART_STATE = {
+    "engine/model/training/replica_votes.py::ReplicaVotes": ("calls", "failed_vote_cast"),
+    "engine/model/training/deferred_backward.py::DeferredBackward": ("forwards", "max_tokens", "passes_with_gradients"),
+}
+# The most attributes these classes may hold (a dataclass's fields, and what the methods assign on ``self``): their
+# counts when their parts came out (ServedModel had 19, EngineTrainer 18). A new concern is a new part, not more
+# attributes; lower a cap as a class shrinks.
+ATTRIBUTE_CAPS = {"engine/model/served.py::ServedModel": 15, "engine/model/training/trainer.py::EngineTrainer": 15}
+
+
+def _assigned(target: ast.AST) -> list[ast.AST]:
+    """The names a target of an assignment assigns (a tuple's items, one by one)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [t for item in target.elts for t in _assigned(item)]
+    return [target.value] if isinstance(target, ast.Starred) else [target]
+
+
+def class_attributes(source: str) -> dict[str, set[str]]:
+    """Each class of a module by name, with the attributes it holds: its annotated fields (a dataclass's) and the
+    names its methods assign on ``self`` (``self.x.y = ...`` assigns on ``self.x``, not on ``self``)."""
+    found = {}
+    for cls in ast.walk(ast.parse(source)):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+        for node in ast.walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            names.update(t.attr for target in targets for t in _assigned(target) if isinstance(t, ast.Attribute)
+                         and isinstance(t.value, ast.Name) and t.value.id == "self")
+        found[cls.name] = names
+    return found
+
+
+def test_the_attribute_finder_finds_fields_and_assignments_on_self():
+    source = ("class A:\n    x: int = 0\n    def m(self):\n        self.a = self.b = 1\n        c, self.d = 1, 2\n"
+              "        self.e += 1\n        self.f.g = 3\n        other.h = 4\nclass B: pass\n")
+    assert class_attributes(source) == {"A": {"x", "a", "b", "d", "e"}, "B": set()}
+
+
+def test_a_parts_state_is_assigned_by_the_part_alone_and_composed_classes_stay_small():
+    """Issue 65: EngineTrainer held the votes among ranks and the deferred backward as ~18 attributes of one self,
+    and ServedModel, a "narrow handle", held the pending gradients and run-time adapters among its 19 fields."""
+    held = {f"{path.relative_to(ROOT).as_posix()}::{name}": attributes for path in modules().values()
+            if path.relative_to(ROOT).parts[0] in ("engine", "plugins")
+            for name, attributes in class_attributes(path.read_text()).items()}
+    intruders = [f"{where} assigns self.{name}, {part}'s" for part, state in PART_STATE.items()
+                 for where, attributes in held.items() if where != part
+                 and where.rpartition("/")[0] == part.rpartition("/")[0] for name in sorted(set(state) & attributes)]
+    assert intruders == [], "a part's state is assigned by the part's own methods: ask the part"
+    missing = [part for part in [*PART_STATE, *ATTRIBUTE_CAPS] if part not in held]
+    assert missing == [], "PART_STATE / ATTRIBUTE_CAPS name classes that are gone"
+    grown = [f"{name}: {len(held[name])} attributes {sorted(held[name])} (cap {cap})"
+             for name, cap in ATTRIBUTE_CAPS.items() if len(held[name]) > cap]
+    assert grown == [], "a class that composes parts grew: give the new concern a part of its own"

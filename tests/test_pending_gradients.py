@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llmrl.engine.model.served_state import PendingGradients
 from llmrl.engine.model.training import client_steps
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 
@@ -19,7 +20,7 @@ def served_with(zero_stage: int):
     for p in params.values():
         p.grad = torch.full((3,), 2.0)
     optimizer = torch.optim.AdamW([{"params": [p], ADAPTER_KEY: name} for name, p in params.items()])
-    served = SimpleNamespace(pending_adapters={"a": 1, "b": 2}, pending_backwards=3, discarded={},
+    served = SimpleNamespace(pending=PendingGradients(backwards=3, adapters={"a": 1, "b": 2}),
                              adapter_steps=SimpleNamespace(optimizer=optimizer),
                              engine=SimpleNamespace(optimizer=optimizer),
                              llm=SimpleNamespace(training=SimpleNamespace(zero_stage=zero_stage)))
@@ -36,13 +37,13 @@ def test_under_zero_0_a_failed_call_discards_its_own_adapters_gradients_only():
     note = client_steps._discard(served, trainer, "b")
     assert "2 earlier forward_backward call(s) of adapter 'b'" in note and "those of ['a'] are kept" in note
     assert params["b"].grad is None and torch.equal(params["a"].grad, torch.full((3,), 2.0))
-    assert served.pending_adapters == {"a": 1} and served.pending_backwards == 1 and served.discarded == {}
+    assert served.pending.adapters == {"a": 1} and served.pending.backwards == 1 and served.pending.discarded == {}
 
 
 def test_under_zero_2_every_adapters_go_and_each_other_one_is_told_once():
     served, trainer, params = served_with(2)
     client_steps._discard(served, trainer, "b")
-    assert params["a"].grad is None and served.pending_adapters == {} and served.pending_backwards == 0
+    assert params["a"].grad is None and served.pending.adapters == {} and served.pending.backwards == 0
     client_steps._refuse_discarded(served, ["b"])  # the failed call's own adapter was told by its error
     with pytest.raises(ValueError, match="adapter 'a''s 1 forward_backward call.* discarded when a call on adapter "
                                          "'b'"):
@@ -56,5 +57,5 @@ def test_a_failed_step_of_every_adapter_discards_all_and_tells_no_one_later():
         served, trainer, params = served_with(zero_stage)
         note = client_steps._discard(served, trainer, None)
         assert note.startswith("the gradients of the 3 earlier forward_backward call(s)")
-        assert all(p.grad is None for p in params.values()) and served.pending_adapters == {}
-        assert served.discarded == {}
+        assert all(p.grad is None for p in params.values()) and served.pending.adapters == {}
+        assert served.pending.discarded == {}

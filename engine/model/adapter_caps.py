@@ -16,10 +16,11 @@ MB = 1 << 20
 
 def held(served: ServedModel) -> tuple[list[str], int]:
     """The adapters created at run time and the snapshots ``served`` holds, and their weights' bytes."""
-    names = [*served.created_adapters, *served.snapshots, *served.weight_snapshots]
-    lora = set(served.created_adapters) | set(served.snapshots)
+    names = [*served.run_time.created, *served.run_time.snapshots, *served.run_time.weight_snapshots]
+    lora = set(served.run_time.created) | set(served.run_time.snapshots)
     size = sum(p.numel() * p.element_size() for name, p in served.model.named_parameters() if _owner(name) in lora)
-    size += sum(p.numel() * p.element_size() for weights in served.weight_snapshots.values() for p in weights.values())
+    copies = served.run_time.weight_snapshots.values()
+    size += sum(p.numel() * p.element_size() for weights in copies for p in weights.values())
     return names, size
 
 

@@ -52,8 +52,8 @@ def own_state_dict(served: ServedModel) -> dict[str, torch.Tensor]:
 
 def save_shard(served: ServedModel, staging: str) -> None:
     """This rank's part of a save (collective over the LLM's ranks)."""
-    if served.pending_backwards:
-        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending_backwards} forward_backward "
+    if served.pending.backwards:
+        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending.backwards} forward_backward "
                          "call(s) not yet applied, which a checkpoint does not keep: call optim_step() before save()")
     llm_dir = Path(staging) / served.llm.name
     served.engine.save_checkpoint(str(llm_dir / "deepspeed"), tag=TAG)
@@ -69,12 +69,13 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     updater_state = served.updater.state_dict() if hasattr(served.updater, "state_dict") else None
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "updater": updater_state,
-                "created_adapters": [[name, how] for name, how in served.created_adapters.items()],
-                "snapshots": dict(served.snapshots), "scalings": _adapter_scalings(served),
+                "created_adapters": [[name, how] for name, how in served.run_time.created.items()],
+                "snapshots": dict(served.run_time.snapshots), "scalings": _adapter_scalings(served),
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
-    if served.weight_snapshots:  # a model trained without LoRA: its snapshots are copies of its trained weights
-        copies = {name: {k: v.cpu() for k, v in weights.items()} for name, weights in served.weight_snapshots.items()}
+    weight_snapshots = served.run_time.weight_snapshots
+    if weight_snapshots:  # a model trained without LoRA: its snapshots are copies of its trained weights
+        copies = {name: {k: v.cpu() for k, v in weights.items()} for name, weights in weight_snapshots.items()}
         torch.save(copies, state_dir / f"weight-snapshots-rank-{served.role.group_rank}.pt")
 
 
@@ -165,7 +166,7 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         apply_config_settings(served, root)
     snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
     if snapshots_file.is_file():
-        served.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
+        served.run_time.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
     if state:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
@@ -231,7 +232,7 @@ def _recreate_adapters(served: ServedModel, state: dict) -> None:
     from llmrl.engine.model.training.new_adapters import create_adapter
 
     for name, how in state.get("created_adapters") or []:
-        if name not in served.created_adapters:
+        if name not in served.run_time.created:
             create_adapter(served, name, **how)
     for name, source in (state.get("snapshots") or {}).items():
         take_snapshot(served, name, source)  # its weights come with the checkpoint's

@@ -352,11 +352,11 @@ class HFBackend(ModelBackend):
             out["decoding"] = self._decoder.stats()
         if self.served is not None and self.llm.training.zero_stage == 3:
             out["zero3_gathered_calls"] = getattr(self.served.engine, "llmrl_gathered_calls", 0)
-        if self.served is not None and (self.served.snapshots or self.served.created_adapters):
+        if self.served is not None and (self.served.run_time.snapshots or self.served.run_time.created):
             from llmrl.engine.model.snapshots import snapshots_report
 
             out["snapshots"] = snapshots_report(self.served)
-            out["created_adapters"] = list(self.served.created_adapters)
+            out["created_adapters"] = list(self.served.run_time.created)
         return out
 
 

@@ -3,7 +3,9 @@
 :class:`ServedModel` is built by the Hugging Face backend once the DeepSpeed engine exists. It says what
 the rank serves (the LLM's config, its place in the run, the engine around the model and heads, the
 tokenizer, the adapters, heads and updater) and offers the few rules every user of it shares: which
-LoRA adapter is active, which heads exist, what the requested heads need from a forward pass.
+LoRA adapter is active, which heads exist, what the requested heads need from a forward pass. What changes between
+requests lives in two objects it owns (:mod:`llmrl.engine.model.served_state`): ``pending``, the gradients
+``forward_backward`` left for ``optim_step``, and ``run_time``, the adapters and snapshots made while serving.
 
 This module holds no request logic and runs no model.
 """
@@ -19,6 +21,7 @@ import torch
 from llmrl.engine.config import LLMConfig, PluginSpec
 from llmrl.engine.config.topology import RankRole
 from llmrl.engine.model.scoring.planning import Needs
+from llmrl.engine.model.served_state import PendingGradients, RunTimeAdapters
 
 if TYPE_CHECKING:
     from llmrl.engine.server.group import GroupChannel
@@ -40,6 +43,9 @@ def needs_of(heads: list) -> Needs:
 
 @dataclass
 class ServedModel:
+    """One rank's served model: set when the engine is built (``adapter_steps`` too, when it trains), then read;
+    only ``pending`` and ``run_time`` change while it serves."""
+
     llm: LLMConfig
     role: RankRole
     device: torch.device
@@ -53,12 +59,8 @@ class ServedModel:
     updater: Updater | None = None
     updater_name: str | None = None
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
-    pending_backwards: int = 0  # forward_backward calls whose gradients wait for optim_step (training/client_steps.py)
-    pending_adapters: dict = field(default_factory=dict)  # adapter -> its calls among them
-    discarded: dict = field(default_factory=dict)  # adapter -> why its pending gradients went (client_steps._discard)
-    snapshots: dict = field(default_factory=dict)  # snapshot name -> the adapter it copies (engine/model/snapshots.py)
-    weight_snapshots: dict = field(default_factory=dict)  # snapshot name -> {parameter name: frozen copy} (no LoRA)
-    created_adapters: dict = field(default_factory=dict)  # adapters created at run time: name -> how (in order)
+    pending: PendingGradients = field(default_factory=PendingGradients)  # forward_backward's, for optim_step
+    run_time: RunTimeAdapters = field(default_factory=RunTimeAdapters)  # adapters and snapshots made while serving
 
     @property
     def module(self):
@@ -90,7 +92,7 @@ class ServedModel:
         return active if isinstance(active, str) or active is None else str(active)
 
     def check_adapter(self, name: str | None) -> None:
-        known = [*self.snapshots, *self.weight_snapshots]
+        known = [*self.run_time.snapshots, *self.run_time.weight_snapshots]
         if name is not None and name not in self.adapters and name not in known:
             snapshots = f"; snapshots: {', '.join(sorted(known))}" if known else ""
             raise ValueError(f"unknown peft_adapter {name!r} for LLM {self.llm.name!r}; adapters: "
@@ -104,8 +106,8 @@ class ServedModel:
             yield
             return
         self.check_adapter(name)
-        if name in self.weight_snapshots:
-            frozen = self.weight_snapshots[name]
+        if name in self.run_time.weight_snapshots:
+            frozen = self.run_time.weight_snapshots[name]
             params = {n: p for n, p in self.module.named_parameters() if n in frozen}
             trained = {n: p.data for n, p in params.items()}
             try:

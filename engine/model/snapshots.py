@@ -99,27 +99,27 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     if source is None:
         return take_weight_snapshot(served, name, prefix_cache)
     model = served.model
-    adapter = served.snapshots.get(source, source)  # a snapshot of a snapshot: the same adapter's configuration
-    if name not in served.snapshots:  # a new one (taken again, a snapshot keeps its place)
+    adapter = served.run_time.snapshots.get(source, source)  # a snapshot of a snapshot: the same adapter's config
+    if name not in served.run_time.snapshots:  # a new one (taken again, a snapshot keeps its place)
         check_room(served, "snapshot", name)
         check_room(served, "snapshot", name, sum(p.numel() * p.element_size()
                                                  for p in adapter_params(model, source).values()))
     originals = {key: p.detach().clone() for key, p in adapter_params(model, source).items()}  # the named weights
-    if name in served.snapshots and served.snapshots[name] != adapter:
+    if name in served.run_time.snapshots and served.run_time.snapshots[name] != adapter:
         drop_snapshot(served, name, prefix_cache)
-    if name not in served.snapshots:
+    if name not in served.run_time.snapshots:
         with flags_kept(model):
             model.add_adapter(name, copy.deepcopy(model.peft_config[adapter]))
     copies = adapter_params(model, name)
     if copies.keys() != originals.keys():
         with flags_kept(model):
             model.delete_adapter(name)
-        served.snapshots.pop(name, None)
+        served.run_time.snapshots.pop(name, None)
         raise RuntimeError(f"snapshot {name!r} does not mirror adapter {source!r}: parameters differ")
     for key, p in copies.items():
         p.data = originals[key]
         p.requires_grad_(False)
-    served.snapshots[name] = adapter
+    served.run_time.snapshots[name] = adapter
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
@@ -131,28 +131,29 @@ def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> d
     trained = {n: p for n, p in served.module.named_parameters() if p.requires_grad}
     if not trained:
         raise ValueError(f"LLM {served.llm.name!r} has no trained weight to snapshot")
-    if name not in served.weight_snapshots:
+    if name not in served.run_time.weight_snapshots:
         check_room(served, "snapshot", name)
         check_room(served, "snapshot", name, sum(p.numel() * p.element_size() for p in trained.values()))
     weights = {n: p.detach().clone() for n, p in trained.items()}
-    served.weight_snapshots[name] = weights
+    served.run_time.weight_snapshots[name] = weights
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"snapshot": name, "source": None, "bytes": snapshot_bytes(served, name)}
 
 
 def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
-    if name in served.weight_snapshots:
-        del served.weight_snapshots[name]
+    if name in served.run_time.weight_snapshots:
+        del served.run_time.weight_snapshots[name]
         if prefix_cache is not None:
             prefix_cache.forget(name)
         return {"dropped": name}
-    if name not in served.snapshots:
+    if name not in served.run_time.snapshots:
+        known = sorted([*served.run_time.snapshots, *served.run_time.weight_snapshots])
         raise ValueError(f"LLM {served.llm.name!r} has no snapshot {name!r}; snapshots: "
-                         f"{', '.join(sorted([*served.snapshots, *served.weight_snapshots])) or 'none'}")
+                         f"{', '.join(known) or 'none'}")
     with flags_kept(served.model):
         served.model.delete_adapter(name)
-    del served.snapshots[name]
+    del served.run_time.snapshots[name]
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
@@ -160,11 +161,11 @@ def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
 
 
 def snapshot_bytes(served: ServedModel, name: str) -> int:
-    tensors = served.weight_snapshots.get(name) or adapter_params(served.model, name)
+    tensors = served.run_time.weight_snapshots.get(name) or adapter_params(served.model, name)
     return sum(p.numel() * p.element_size() for p in tensors.values())
 
 
 def snapshots_report(served: ServedModel) -> dict:
     """Every snapshot: the adapter it copies (None: the trained weights) and its bytes (for ``server_memory``)."""
-    names = {**served.snapshots, **{name: None for name in served.weight_snapshots}}
+    names = {**served.run_time.snapshots, **{name: None for name in served.run_time.weight_snapshots}}
     return {name: {"source": source, "bytes": snapshot_bytes(served, name)} for name, source in sorted(names.items())}

@@ -19,7 +19,7 @@ def steering_for(served: ServedModel, prefix_cache, steer, adapter: str | None):
     if served.llm.lockstep:
         raise ValueError("steer needs ZeRO 0-2: under ZeRO-3 the heads and snapshots it reads are partitioned")
     view = SteeringView(served.model, served.llm.type, dict(served.module.heads), served.tokenizer, served.adapter,
-                        lambda name: name in served.snapshots or name in served.weight_snapshots,
+                        served.run_time.is_snapshot,
                         lambda name, source: take_snapshot(served, name, source, prefix_cache), adapter,
                         cache_kwarg(served.model))
     return steering_processor(served.updater, view, steer)

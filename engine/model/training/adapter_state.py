@@ -46,15 +46,15 @@ def _check(served: ServedModel, name: str, what: str) -> None:
         raise ValueError(f"{what} keeps an adapter's optimizer state per parameter, which needs the engine to step "
                          f"its torch optimizer itself (ZeRO 0, float32); LLM {llm!r} runs ZeRO "
                          f"{served.llm.training.zero_stage} in {served.llm.dtype}: use Caller.save for the whole run")
-    if name in served.pending_adapters:
+    if name in served.pending.adapters:
         raise ValueError(f"adapter {name!r} has forward_backward gradients not yet applied, which {what} does not "
                          "keep: call optim_step first")
 
 
 def _how(served: ServedModel, name: str) -> dict:
     """How to make the adapter again: its creation arguments, or the configuration of a declared adapter."""
-    if name in served.created_adapters:
-        return dict(served.created_adapters[name])
+    if name in served.run_time.created:
+        return dict(served.run_time.created[name])
     config = served.model.peft_config[name]
     targets = config.target_modules
     return {"rank": int(config.r), "alpha": float(config.lora_alpha), "seed": 0,
@@ -65,7 +65,7 @@ def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
     """Write adapter ``name``'s (None: the active adapter's) state under ``path`` (the group leader writes)."""
     name = name or served.active_adapter()
     if name is None or name not in served.adapters:
-        what = "a snapshot (frozen)" if name in served.snapshots else "not an adapter"
+        what = "a snapshot (frozen)" if name in served.run_time.snapshots else "not an adapter"
         raise ValueError(f"{name!r} is {what} of LLM {served.llm.name!r}; its trained adapters: {served.adapters}")
     _check(served, name, "save_adapter")
     params = adapter_params(served.model, name)
@@ -174,14 +174,14 @@ def load_adapter(served: ServedModel, name: str, path: str, optimizer: bool, pre
 
     state = read_state(path)
     _check(served, name, "load_adapter")
-    served.discarded.pop(name, None)  # new weights: a note of gradients lost on the old ones no longer applies
+    served.pending.discarded.pop(name, None)  # new weights: a note of gradients lost on the old ones no longer applies
     if optimizer and served.adapter_steps is None:
         raise ValueError(f"LLM {served.llm.name!r} holds no optimizer to load {path}'s moments into: set "
                          f"llms.{served.llm.name}.trainable: true, or load without the optimizer state")
     if optimizer and state["optimizer"] is None:
         raise ValueError(f"{path} was saved without optimizer state (by an LLM that is not trained): load it "
                          "without the optimizer state")
-    if name in served.snapshots:
+    if name in served.run_time.snapshots:
         raise ValueError(f"{name!r} is a snapshot of LLM {served.llm.name!r}; load into an adapter")
     check_values(state, path, optimizer)  # nothing is made or changed before the whole state is checked
     created = name not in served.adapters

@@ -36,7 +36,8 @@ from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
-from llmrl.engine.model.training.trainer import END, EngineTrainer
+from llmrl.engine.model.training.replica_votes import END
+from llmrl.engine.model.training.trainer import EngineTrainer
 from llmrl.engine.token_losses import token_loss
 
 
@@ -47,8 +48,8 @@ def _trainer(served: ServedModel, what: str) -> EngineTrainer:
         raise ValueError(f"{what} trains LLM {name!r}, which holds no optimizer: set llms.{name}.trainable: true in "
                          "the config (an LLM with an updater is trainable too)")
     trainer = EngineTrainer(served)
-    trainer.pending_micro_steps = served.pending_backwards
-    trainer.trained_adapters = set(served.pending_adapters)
+    trainer.pending_micro_steps = served.pending.backwards
+    trainer.trained_adapters = set(served.pending.adapters)
     return trainer
 
 
@@ -81,10 +82,10 @@ def set_aside(served: ServedModel, adapters):
 def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -> str:
     """Forget the pending gradients of ``adapter`` (the failed call's), and every other adapter's unless
     :func:`isolated`; returns what to tell the script."""
-    before = dict(served.pending_adapters)
+    before = dict(served.pending.adapters)
     if adapter is None:  # a step of every adapter failed: each one's gradients were the call's own
         trainer.discard_partial_accumulation()
-        served.pending_adapters, served.pending_backwards = {}, 0
+        served.pending.keep(())
         earlier = sum(before.values())
         return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
                 "discarded on every replica") if earlier else "no gradient was pending"
@@ -92,14 +93,13 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
     with set_aside(served, others):
         trainer.discard_partial_accumulation()
     lost = {a: n for a, n in before.items() if a not in others}
-    served.pending_adapters = {a: n for a, n in before.items() if a in others}
-    served.pending_backwards = sum(served.pending_adapters.values())
+    served.pending.keep(others)
     for other in lost:
         if other != adapter:
-            served.discarded[other] = (f"the gradients of adapter {other!r}'s {lost[other]} forward_backward call(s) "
-                                       f"since its last optim_step were discarded when a call on adapter {adapter!r} "
-                                       "failed (ZeRO 1-3 and half precision hold every adapter's gradients together); "
-                                       "nothing was run: send them again")
+            served.pending.discarded[other] = (
+                f"the gradients of adapter {other!r}'s {lost[other]} forward_backward call(s) since its last "
+                f"optim_step were discarded when a call on adapter {adapter!r} failed (ZeRO 1-3 and half precision "
+                "hold every adapter's gradients together); nothing was run: send them again")
     kept = f" (those of {sorted(others, key=str)} are kept)" if others else ""
     if not lost.get(adapter):
         return f"no gradient of adapter {adapter!r} was pending{kept}"
@@ -109,7 +109,7 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
 
 def _refuse_discarded(served: ServedModel, adapters) -> None:
     """Tell adapters, once, that another's failed call discarded their pending gradients."""
-    told = [served.discarded.pop(adapter) for adapter in list(adapters) if adapter in served.discarded]
+    told = [served.pending.discarded.pop(adapter) for adapter in list(adapters) if adapter in served.pending.discarded]
     if told:
         raise ValueError("; ".join(told))
 
@@ -139,17 +139,17 @@ def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[
             total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
             if backward:
                 trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
-        trainer._check_peers(True, END)
+        trainer.votes.check_peers(True, END)
     except PeerAborted as err:
         raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
     except Exception as err:
         if not trainer.failed_vote_cast:
-            trainer._check_peers(False, END)
+            trainer.votes.check_peers(False, END)
         raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
     if backward:
-        served.pending_backwards += 1
+        served.pending.backwards += 1
         for adapter in trainer.trained_adapters or {None}:
-            served.pending_adapters[adapter] = served.pending_adapters.get(adapter, 0) + 1
+            served.pending.adapters[adapter] = served.pending.adapters.get(adapter, 0) + 1
     outputs = [{"logprobs": lp.detach().cpu(), "elementwise_loss": loss.detach().float().cpu()} if losses else
                {"logprobs": lp.detach().cpu()} for lp, loss in zip(logprobs, losses or logprobs)]
     return {"outputs": outputs, "loss": float(total.detach())}
@@ -165,16 +165,16 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
         if adapter not in served.adapters:
             raise ValueError(f"{adapter!r} is a snapshot: it has no gradients and takes no step")
         _refuse_discarded(served, [adapter])
-        others = sorted((a for a in served.pending_adapters if a != adapter), key=str)
+        others = sorted((a for a in served.pending.adapters if a != adapter), key=str)
         if others and not isolated(served):
             raise ValueError(f"optim_step(adapter={adapter!r}) would also step adapter(s) {others}, whose "
                              "forward_backward gradients are pending too (under ZeRO 1-3 or half precision an "
                              "optimizer step takes every pending gradient); call optim_step() without adapter= to "
                              "step them all, or step each before training the next")
-        trainer.trained_adapters = {adapter} & set(served.pending_adapters)
-        trainer.pending_micro_steps = served.pending_adapters.get(adapter, 0)
+        trainer.trained_adapters = {adapter} & set(served.pending.adapters)
+        trainer.pending_micro_steps = served.pending.adapters.get(adapter, 0)
     else:
-        _refuse_discarded(served, list(served.discarded))
+        _refuse_discarded(served, list(served.pending.discarded))
     if trainer.pending_micro_steps == 0:
         return {"optimizer_steps": 0, "adapters": [], "grad_norm": None}
     stepped = sorted(a for a in trainer.trained_adapters if a is not None)
@@ -183,8 +183,7 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
             trainer.flush()
     except Exception as err:
         raise _noted(err, _discard(served, trainer, adapter))  # noqa: B904 - the same error, its message completed
-    served.pending_adapters = {a: n for a, n in served.pending_adapters.items() if a in others}
-    served.pending_backwards = sum(served.pending_adapters.values())
+    served.pending.keep(others)
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
     norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
     return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}

@@ -27,4 +27,4 @@ class ModelAccess:
         take_snapshot(self.served, name, source)
 
     def has_snapshot(self, name: str) -> bool:
-        return name in self.served.snapshots or name in self.served.weight_snapshots
+        return self.served.run_time.is_snapshot(name)

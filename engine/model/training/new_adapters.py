@@ -77,7 +77,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
                          f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")
     check_adapter_name(name, "an adapter")
-    if name in served.adapters or name in served.snapshots:
+    if name in served.adapters or name in served.run_time.snapshots:
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
     check_room(served, "adapter", name)
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
@@ -99,7 +99,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
             model.delete_adapter(name)
         raise
     served.adapters.append(name)
-    served.created_adapters[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
+    served.run_time.created[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
@@ -108,14 +108,14 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
 
 def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
     llm = served.llm.name
-    if name not in served.created_adapters:
+    if name not in served.run_time.created:
         declared = " (it was declared in the config)" if name in served.adapters else ""
         raise ValueError(f"{name!r} is not an adapter created at run time on LLM {llm!r}{declared}; created: "
-                         f"{', '.join(served.created_adapters) or 'none'}")
-    if name in served.pending_adapters:
+                         f"{', '.join(served.run_time.created) or 'none'}")
+    if name in served.pending.adapters:
         raise ValueError(f"adapter {name!r} has forward_backward gradients not yet applied: call optim_step first")
-    if name in served.snapshots.values():
-        users = sorted(k for k, v in served.snapshots.items() if v == name)
+    if name in served.run_time.snapshots.values():
+        users = sorted(k for k, v in served.run_time.snapshots.items() if v == name)
         raise ValueError(f"snapshot(s) {users} copy adapter {name!r}: drop them first")
     optimizer = served.adapter_steps.optimizer
     index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
@@ -125,8 +125,8 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     served.adapters.remove(name)
-    del served.created_adapters[name]
-    served.discarded.pop(name, None)  # a note of gradients lost on an adapter that is gone
+    del served.run_time.created[name]
+    served.pending.discarded.pop(name, None)  # a note of gradients lost on an adapter that is gone
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)

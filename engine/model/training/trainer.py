@@ -22,6 +22,8 @@ A training forward longer than ``training.max_tokens_per_micro_batch`` tokens is
 backward is replayed in passes within that budget (:mod:`llmrl.engine.model.training.passes`); the replicas decide
 together, so that their backward passes run the same modules.
 
+The votes are :mod:`llmrl.engine.model.training.replica_votes` (the calls counted, and every vote taken), the
+deferred backward :mod:`llmrl.engine.model.training.deferred_backward`: two parts the trainer composes and drives.
 This module does not pick what to train on; updaters (plugins) do.
 """
 
@@ -33,110 +35,86 @@ from dataclasses import replace
 import torch
 
 from llmrl.engine.errors import PeerAborted, plugin_error
-from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.cpu_matmul import frozen_linears
-from llmrl.engine.model.forward import ForwardPlan, plan_and_agree, plan_forward, plan_part, run_forward
+from llmrl.engine.model.forward import plan_and_agree
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training import guards
+from llmrl.engine.model.training.deferred_backward import DeferredBackward, adapters_off, throwaway_inputs
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
-from llmrl.engine.model.training.passes import (
-    DeferredForward,
-    form_passes,
-    leaf_outputs,
-    micro_batch_tokens,
-    pass_surrogate,
-    refuse_too_long,
-    sub_plan,
+from llmrl.engine.model.training.passes import refuse_too_long
+from llmrl.engine.model.training.replica_votes import (
+    BACKWARD,
+    END,
+    FORWARD,
+    STEP,
+    SUM,
+    ReplicasOutOfStep,
+    ReplicaVotes,
 )
-from llmrl.engine.model.zero3_gather import clear_zero3_gradients, gathered_weights
+from llmrl.engine.model.zero3_gather import clear_zero3_gradients
 from llmrl.engine.server.group import OutOfStep
 from llmrl.plugins.contracts import ForwardOutputs, Trainer, UpdateBatch
 from llmrl.plugins.per_sample import slicing_note
 
-# What a trainer's vote says it is about to do (the first entry of its position, see GroupChannel.agree).
-FORWARD, BACKWARD, STEP, SUM, END = 1, 2, 3, 4, 5
-_DOING = {FORWARD: "about to call trainer.forward", BACKWARD: "about to call trainer.backward",
-          STEP: "about to take an optimizer step", SUM: "about to call trainer.sum_across_replicas",
-          END: "at the end of the update"}
-
 
 class EngineTrainer(ModelAccess, Trainer):
+    """The :class:`~llmrl.plugins.contracts.Trainer` an updater drives on one rank: the contract's calls, the
+    optimizer steps and the bookkeeping between them. Two parts of its own do the rest: :attr:`votes`
+    (:class:`~llmrl.engine.model.training.replica_votes.ReplicaVotes`: the calls counted and voted on with the
+    other ranks) and :attr:`deferred` (:class:`~llmrl.engine.model.training.deferred_backward.DeferredBackward`:
+    forward passes within the token budget, and the backward of those deferred)."""
+
     def __init__(self, served: ServedModel):
         self.served = served
         self.engine = served.engine
         self.llm = served.info
         self.micro_batch_size = served.llm.training.micro_batch_size
         self.gradient_accumulation_steps = served.llm.training.gradient_accumulation_steps
-        self.failed_vote_cast = False
         self.optimizer_steps = 0
-        self.calls = {FORWARD: 0, BACKWARD: 0, STEP: 0, SUM: 0}  # what this rank's updater has called so far
         self.pending_micro_steps = self.backwards_since_step = 0  # micro-steps, backward calls since the last step
         self.last_lr: float | None = None  # the learning rate of the last optimizer step
         self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
         self.last_forward_empty = False
-        self.max_tokens = served.llm.training.max_tokens_per_micro_batch or served.llm.token_budget
-        self.deferred: list[DeferredForward] = []  # forwards since the last backward, to replay in passes
-        self.passes_with_gradients = 0  # forward passes whose activations a backward pass read
+        self.votes = ReplicaVotes(served.group, served.llm)
+        max_tokens = served.llm.training.max_tokens_per_micro_batch or served.llm.token_budget
+        self.deferred = DeferredBackward(served, self.votes, max_tokens)
 
-    def _position(self, doing: int) -> tuple[int, ...]:
-        return (doing, self.calls[FORWARD], self.calls[BACKWARD], self.calls[STEP], self.calls[SUM])
+    @property
+    def failed_vote_cast(self) -> bool:
+        """Whether this rank has cast its last vote (its failure told, or every rank raising alike)."""
+        return self.votes.failed_vote_cast
 
-    def _vote(self, ok: bool, doing: int, value: int = 0) -> tuple[bool, int]:
-        """A vote of the LLM's ranks from this trainer's position; raises :class:`ReplicasOutOfStep` when the
-        replicas' updaters have not made the same calls."""
-        try:
-            return self.served.group.agree(ok, value, self._position(doing))
-        except OutOfStep as err:
-            self.failed_vote_cast = True  # every rank raises here: no further vote
-            raise ReplicasOutOfStep(out_of_step_message(self.served, err.positions)) from None
-
-    def _check_peers(self, ok: bool, doing: int) -> None:
-        if not self._vote(ok, doing)[0]:
-            if not ok:
-                self.failed_vote_cast = True
-                return
-            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped "
-                              f"{_DOING.get(doing, 'at its next step')}")
+    @failed_vote_cast.setter
+    def failed_vote_cast(self, value: bool) -> None:  # finite_steps.keep_finite sets it
+        self.votes.failed_vote_cast = value
 
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None, logits=False, logprobs=True) -> ForwardOutputs:
-        served = self.served
-        if torch.is_grad_enabled() and (peft_adapter in served.snapshots or peft_adapter in served.weight_snapshots):
+        served, votes = self.served, self.votes
+        if torch.is_grad_enabled() and served.run_time.is_snapshot(peft_adapter):
             raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
                              "without gradients")
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
-            contexts, candidates = self._throwaway_inputs(candidates is not None)
+            contexts, candidates = throwaway_inputs(served.tokenizer, candidates is not None)
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
                                          per_token=per_token, entropy=entropy, add_eos=add_eos, logits=logits,
                                          logprobs=logprobs, head_kwargs=head_kwargs,
-                                         position=self._position(FORWARD))
+                                         position=votes.position(FORWARD))
         except OutOfStep as err:
-            self.failed_vote_cast = True
-            raise ReplicasOutOfStep(out_of_step_message(served, err.positions)) from None
+            raise votes.out_of_step(err) from None
         except PeerAborted:
             raise
         except Exception:
-            self.failed_vote_cast = True
+            votes.failed_vote_cast = True
             raise
-        self.calls[FORWARD] += 1
-        split = False
-        if torch.is_grad_enabled():  # replicas split together: their backward passes must run the same modules
-            # (not with head_kwargs: they are the whole call's, and a pass holds only some of its rows)
-            too_long = micro_batch_tokens(plan.plan) > self.max_tokens and not plan.head_kwargs
-            split = bool(self._agree(FORWARD, int(too_long)))
-        if split:
-            out = self._deferred_forward(plan, extra)
-        else:  # a gradient-free pass under ZeRO-3 gathers the weights once (every replica makes the same passes)
-            with contextlib.nullcontext() if torch.is_grad_enabled() else gathered_weights(
-                    served.engine, served.llm.training.zero3_gather_mb):
-                out = run_forward(served, plan, extra, trunk_mode="replay", update_pass=True)
-            self.passes_with_gradients += int(torch.is_grad_enabled())
+        votes.calls[FORWARD] += 1
+        out = self.deferred.forward(plan, extra, self.without_adapters)
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
                 self.trained_adapters.add(peft_adapter or served.active_adapter())
@@ -147,86 +125,6 @@ class EngineTrainer(ModelAccess, Trainer):
         from llmrl.engine.model.forward import scored_token_counts
         return scored_token_counts(self.served, contexts, candidates, add_eos)
 
-    def _throwaway_inputs(self, with_candidates: bool) -> tuple[list[str], list[list[str]] | None]:
-        tokenizer = self.served.tokenizer
-        return [tokenizer.decode([tokenizer.pad_token_id]) or "a"], [[" a"]] if with_candidates else None
-
-    def _deferred_forward(self, plan: ForwardPlan, extra: int) -> ForwardOutputs:
-        """A forward pass longer than ``max_tokens``: run without gradients now, its backward replayed in passes
-        (see :mod:`llmrl.engine.model.training.passes`)."""
-        with torch.no_grad():
-            out = run_forward(self.served, plan, extra, trunk_mode="replay", update_pass=True)
-        out, leaves = leaf_outputs(out, spent := [])
-        self.deferred.append(DeferredForward(plan.plan, form_passes(plan.plan, self.max_tokens), leaves,
-                                             out.candidate_token_counts.tolist(), plan, self.without_adapters, spent))
-        return out
-
-    def _backward_in_passes(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss``: its own graph, and the passes of the deferred forwards it reads. Every replica
-        deferred the same forwards (they vote); for each, they agree on the number of passes, and one with fewer
-        runs throw-away passes with that forward's heads and adapter."""
-        deferred, self.deferred = self.deferred, []
-        if not deferred:
-            self.engine.backward(loss, scale_wrt_gas=False)
-            return
-        grads = torch.autograd.grad(loss, [leaf for d in deferred for _, _, leaf in d.leaves], retain_graph=True,
-                                    allow_unused=True)
-        pending, first = loss, 0  # the loss's own graph goes back with the first pass
-        for d in deferred:
-            mine, first = grads[first:first + len(d.leaves)], first + len(d.leaves)
-            count, done = self._agree(BACKWARD, len(d.passes)), set()
-            for k in range(count):
-                part = self._replay_pass(d, k if k < len(d.passes) else None, mine, done)
-                self.engine.backward(part if pending is None else pending + part, scale_wrt_gas=False)
-                pending = None
-            self.passes_with_gradients += count
-            d.spent.append(True)
-
-    def _replay_pass(self, deferred: DeferredForward, k: int | None, grads, contexts_done: set[int]) -> torch.Tensor:
-        """Pass ``k`` of a deferred forward (None: a throw-away pass) with gradients, and its share of the loss.
-        Replicas vote before it (its model calls) and after it (whether it succeeded), so that a rank that fails,
-        out of memory for one, stops every rank before the backward's collectives."""
-        whole, plan, error = deferred.forward_plan, None, None
-        try:
-            if k is None:
-                contexts, candidates = self._throwaway_inputs(any(c.candidates for c in deferred.plan.contexts))
-                plan = plan_forward(self.served, contexts, candidates, whole.heads, whole.adapter,
-                                    per_token=whole.needs.per_token)
-            else:
-                plan = plan_part(self.served, whole, sub_plan(deferred.plan, deferred.passes[k]))
-        except Exception as err:  # noqa: BLE001 - voted on, then raised
-            error = err
-        calls = plan.model_calls if plan is not None else 0
-        everyone_ok, most = self._vote(error is None, BACKWARD, calls)
-        self._stop_unless(everyone_ok, error)
-        part = None
-        try:
-            with self.adapters_disabled() if deferred.without_adapters else contextlib.nullcontext():
-                out = run_forward(self.served, plan, most - calls, trunk_mode="replay", update_pass=True)
-            if k is None:
-                heads = [t for v in out.heads.values() for t in (v.values() if isinstance(v, dict) else [v])]
-                part = graph_zero(out.candidate_scores, *heads)
-            else:
-                part = pass_surrogate(deferred, k, out, grads, contexts_done)
-        except Exception as err:  # noqa: BLE001 - voted on, then raised
-            error = err
-        self._stop_unless(self._vote(error is None, BACKWARD)[0], error)
-        return part
-
-    def _agree(self, doing: int, value: int) -> int:
-        """The largest ``value`` of the LLM's ranks; raises :class:`PeerAborted` when another rank failed (it has
-        left the update: going on would wait for it in a collective)."""
-        everyone_ok, most = self._vote(True, doing, value)
-        self._stop_unless(everyone_ok, None)
-        return most
-
-    def _stop_unless(self, everyone_ok: bool, error: Exception | None) -> None:
-        if error is not None:
-            self.failed_vote_cast = True
-            raise error
-        if not everyone_ok:
-            raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped where the replicas met")
-
     def _check_inside_backward(self) -> None:
         if not self.inside_backward:
             raise DirectBackward("call trainer.backward(loss), not loss.backward(): the DeepSpeed engine must run "
@@ -235,29 +133,29 @@ class EngineTrainer(ModelAccess, Trainer):
     def backward(self, loss: torch.Tensor) -> None:
         ok = isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad
         finite = not ok or bool(torch.isfinite(loss.detach()))
-        everyone_ok, bad_replica = self._vote(ok, BACKWARD, 0 if finite else self.served.role.replica + 1)
-        self.calls[BACKWARD] += 1
+        everyone_ok, bad_replica = self.votes.vote(ok, BACKWARD, 0 if finite else self.served.role.replica + 1)
+        self.votes.calls[BACKWARD] += 1
         if not everyone_ok:
             if not ok:
-                self.failed_vote_cast = True
+                self.votes.failed_vote_cast = True
                 raise ValueError("trainer.backward needs a scalar loss tensor that requires grad, got "
                                  f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
             raise PeerAborted(f"another rank of LLM {self.served.llm.name!r} failed; stopped before its backward")
         if bad_replica:
-            self.failed_vote_cast = True  # every rank raises here
+            self.votes.failed_vote_cast = True  # every rank raises here
             value = f" ({float(loss.detach())})" if not finite else ""
-            raise NonFiniteUpdate(f"the loss of backward call {self.calls[BACKWARD]} was not finite on replica "
+            raise NonFiniteUpdate(f"the loss of backward call {self.votes.calls[BACKWARD]} was not finite on replica "
                                   f"{bad_replica - 1}{value}: optimizer step {self.optimizer_steps + 1} was skipped "
                                   f"on every replica; {self.optimizer_steps} step(s) of this update were taken")
         self.inside_backward, self.backwards_since_step = True, self.backwards_since_step + 1
         try:  # batch.mean already weights the samples of the step (scale_wrt_gas=False)
-            self._backward_in_passes(loss)
+            self.deferred.backward(loss)
         finally:
             self.inside_backward = False
-            self.deferred = []
+            self.deferred.clear()
 
     def step(self) -> None:
-        self.calls[STEP] += 1
+        self.votes.calls[STEP] += 1
         self.pending_micro_steps += 1
         if self.pending_micro_steps >= self.gradient_accumulation_steps:
             self.flush()
@@ -268,10 +166,10 @@ class EngineTrainer(ModelAccess, Trainer):
         if self.pending_micro_steps == 0:
             return
         bad = first_non_finite_gradient(self.engine.module)
-        everyone_ok, bad_replica = self._vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
-        self._stop_unless(everyone_ok, None)  # a peer failed before its step: none steps (its collectives would wait)
+        everyone_ok, bad_replica = self.votes.vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
+        self.votes.stop_unless(everyone_ok, None)  # a peer failed before its step: none steps (its collectives wait)
         if bad_replica:
-            self.failed_vote_cast = True
+            self.votes.failed_vote_cast = True
             where = f" ({bad})" if bad is not None else ""
             raise NonFiniteUpdate(f"a gradient was not finite on replica {bad_replica - 1}{where}: optimizer step "
                                   f"{self.optimizer_steps + 1} was skipped on every replica; "
@@ -285,11 +183,11 @@ class EngineTrainer(ModelAccess, Trainer):
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
         if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
-            self.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
+            self.votes.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
                                   f"DeepSpeed skipped the step on every replica; {self.optimizer_steps} step(s) of "
                                   "this update were taken")
-        keep_finite(self, copy, lambda bad: self._agree(STEP, bad))  # undone on every replica, or kept by all
+        keep_finite(self, copy, lambda bad: self.votes.agree(STEP, bad))  # undone on every replica, or kept by all
         self.optimizer_steps += 1
 
     @property
@@ -298,8 +196,8 @@ class EngineTrainer(ModelAccess, Trainer):
 
     def sum_across_replicas(self, values) -> torch.Tensor:
         values = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
-        self._check_peers(True, SUM)
-        self.calls[SUM] += 1
+        self.votes.check_peers(True, SUM)
+        self.votes.calls[SUM] += 1
         return self.served.group.sum_over_replicas(values, self.served.llm.tensor_parallel)
 
     @contextlib.contextmanager
@@ -308,7 +206,7 @@ class EngineTrainer(ModelAccess, Trainer):
         previous = self.without_adapters
         self.without_adapters = True
         try:
-            with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
+            with adapters_off(model):
                 yield
         finally:
             self.without_adapters = previous
@@ -319,7 +217,7 @@ class EngineTrainer(ModelAccess, Trainer):
             raise ValueError(f"the updater called trainer.backward {self.backwards_since_step} time(s) after its last "
                              "trainer.step(): call trainer.step() after each minibatch's backward (those gradients, "
                              "never applied, were discarded: the next update would have added them to its own)")
-        self._check_peers(True, END)
+        self.votes.check_peers(True, END)
 
     def discard_partial_accumulation(self) -> None:
         """Forget gradients accumulated since the last optimizer step (after an aborted update)."""
@@ -335,36 +233,17 @@ class EngineTrainer(ModelAccess, Trainer):
         clear_zero3_gradients(engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
-        self.deferred = []
-
-
-class ReplicasOutOfStep(RuntimeError):
-    """The replicas' updaters did not make the same trainer calls."""
+        self.deferred.clear()
 
 
 class DirectBackward(RuntimeError):
     """``loss.backward()`` was called on the trainer's outputs instead of ``trainer.backward(loss)``."""
 
 
-def out_of_step_message(served: ServedModel, positions: list[tuple[int, ...]]) -> str:
-    """Which calls each replica's updater had made when they parted, and what to do."""
-    tp = served.llm.tensor_parallel
-    lines = []
-    for replica, position in enumerate(positions[::tp]):
-        doing, forward, backward, step, sums = position[:5]
-        lines.append(f"replica {replica} was {_DOING.get(doing, '?')} after {forward} forward, {backward} "
-                     f"backward and {step} step call(s)")
-    return (f"the replicas of LLM {served.llm.name!r} ran their updater out of step: " + "; ".join(lines)
-            + ". Every replica must call trainer.forward / backward / step the same number of times: loop over "
-            "batch.minibatches(size) (every replica gets the same number of minibatches, some possibly empty) "
-            "and call trainer.backward and trainer.step once per minibatch, never once per local sample. No "
-            "replica took a step the others did not.")
-
-
 def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
     """Run the LLM's updater on this rank's share; returns its stats (plain Python)."""
-    if served.pending_backwards:
-        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending_backwards} forward_backward "
+    if served.pending.backwards:
+        raise ValueError(f"LLM {served.llm.name!r} holds the gradients of {served.pending.backwards} forward_backward "
                          "call(s) not yet applied: call optim_step() before update() (the update's step would apply "
                          "them too)")
     if served.updater is None:
@@ -382,7 +261,7 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
         raise
     except BaseException as err:  # sys.exit() in an updater too: the peers are told, the rank serves on
         if not trainer.failed_vote_cast:
-            trainer._check_peers(False, END)
+            trainer.votes.check_peers(False, END)
         trainer.discard_partial_accumulation()
         hint = ""
         if trainer.last_forward_empty and not isinstance(err, (NonFiniteUpdate, ReplicasOutOfStep)):
@@ -396,5 +275,5 @@ def run_update(served: ServedModel, batch: UpdateBatch) -> dict:
         raise plugin_error(f"updater {name!r} failed after {trainer.optimizer_steps} optimizer step(s) "
                            f"(applied on every replica alike): {type(err).__name__}: {err}{hint}", name) from err
     return {**plain_stats(stats or {}), "optimizer_steps": trainer.optimizer_steps, "lr": trainer.last_lr,
-            "passes_with_gradients": trainer.passes_with_gradients}
+            "passes_with_gradients": trainer.deferred.passes_with_gradients}
 
