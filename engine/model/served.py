@@ -59,6 +59,7 @@ class ServedModel:
     snapshots: dict = field(default_factory=dict)  # snapshot name -> the adapter it copies (engine/model/snapshots.py)
     weight_snapshots: dict = field(default_factory=dict)  # snapshot name -> {parameter name: frozen copy} (no LoRA)
     created_adapters: dict = field(default_factory=dict)  # adapters created at run time: name -> how (in order)
+    policy_versions: dict = field(default_factory=dict)  # adapter/snapshot -> its optimizer steps (version_counts)
 
     @property
     def module(self):
