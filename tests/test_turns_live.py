@@ -346,3 +346,39 @@ def test_policy_versions_move_by_one_per_step_and_reach_update_through_trajector
     assert (metrics["staleness:mean"], metrics["staleness:max"]) == (1.5, 3.0)
     run.optim_step({"learning_rate": 1e-3}, llm="grpo")
     run.drop_snapshot("sampler", llm="grpo")
+
+
+def test_async_rollouts_through_a_live_run_hand_over_samples_within_the_bound(run, tiny):
+    """``AsyncRollouts`` sampling from the servers on a thread while the test trains: every batch is within the
+    bound of the version ``optim_step`` returned, and ``forward_backward`` reports the same staleness. (The test's
+    proxy to the script is one socket: a lock keeps its calls whole; a Caller needs none.)"""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from llmrl import AsyncRollouts, completion_datum
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    start = tok.encode(PROMPTS[1])
+    lock = threading.Lock()
+
+    def produce():
+        with lock:
+            (group,) = run.generate([start], llm="grpo", do_sample=True, max_new_tokens=2, num_return_sequences=2)
+        return group
+
+    with lock:
+        version = run.generate([start], llm="grpo", max_new_tokens=1)[0][0]["policy_version"]
+    with AsyncRollouts(produce, max_staleness=1, capacity=4) as rollouts:
+        for _ in range(3):
+            batch = rollouts.take(2, version)
+            assert all(version - v <= 1 for v in batch.versions)
+            data = [completion_datum(start, s["tokens"], weights=[1.0] * len(s["tokens"])) for s in batch.rollouts]
+            with lock:
+                metrics = run.forward_backward(data, "cross_entropy", llm="grpo",
+                                               policy_versions=batch.versions)["metrics"]
+                stepped = run.optim_step({"learning_rate": 1e-3}, llm="grpo")["policy_version"]
+            assert metrics["staleness:max"] == max(batch.staleness)
+            assert stepped == version + 1
+            version = stepped
+    assert rollouts.stats()["taken"] == 6
