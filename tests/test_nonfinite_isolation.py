@@ -79,10 +79,12 @@ def adapters_model() -> torch.nn.Module:
 def served_training(model, adapters=("x", "y")) -> SimpleNamespace:
     from llmrl.engine.model.training.optimizer import AdapterSteps, param_groups
 
+    from llmrl.engine.model.served_state import RunTimeAdapters
+
     optimizer = torch.optim.AdamW(param_groups(model, list(adapters)), lr=1e-2, weight_decay=0.1)
     return SimpleNamespace(adapter_steps=AdapterSteps(optimizer), adapters=list(adapters), module=model,
                            engine=SimpleNamespace(optimizer=optimizer), role=SimpleNamespace(replica=0),
-                           llm=SimpleNamespace(name="m", replicas=1))
+                           llm=SimpleNamespace(name="m", replicas=1), run_time=RunTimeAdapters())
 
 
 def stepped(served, adapter: str, grads: dict, lr: float, votes: list):
@@ -124,8 +126,10 @@ def test_a_step_that_leaves_a_non_finite_moment_or_stops_half_way_is_undone_and_
     for k, p in params.items():
         assert torch.equal(p, start[k]), k
     assert all(not served.adapter_steps.optimizer.state.get(p) for p in params.values())  # no moment, no count
+    assert served.run_time.versions == {}  # an undone step is no policy version
     stepped(served, "x", grads, 1e-2, votes)
     assert votes == [1, 0]
+    assert served.run_time.versions == {"x": 1}  # the kept step is x's first
     plain = {k: torch.nn.Parameter(v.clone()) for k, v in start.items() if ".x." in k}
     reference = torch.optim.AdamW(list(plain.values()), lr=1e-2, weight_decay=0.1)
     for k, p in plain.items():

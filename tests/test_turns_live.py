@@ -290,3 +290,95 @@ def test_episodes_given_as_text_on_one_replica_are_refused_and_no_rank_is_left_b
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused update trains nothing"
     stats = update(run, "ppo", eps, old_logprobs(run, "ppo", eps))
     assert sorted(s["samples"] for s in stats) == [1, 2]
+
+
+def test_policy_versions_move_by_one_per_step_and_reach_update_through_trajectories_and_episode_batch(run, tiny):
+    """Every sample carries the optimizer steps of its weights: the test counts steps itself, from the version of
+    the first sample; the versions go through ``Trajectory`` and ``episode_batch`` to ``update``, whose staleness
+    statistics are worked out by hand. A snapshot keeps its source's version of when it was taken."""
+    from transformers import AutoTokenizer
+
+    from llmrl import Episode, Trajectory, episode_batch
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    start = tok.encode(PROMPTS[0])
+
+    def step():
+        datum = {"model_input": start[:-1], "loss_fn_inputs": {"target_tokens": start[1:],
+                                                                "weights": [1.0] * (len(start) - 1)}}
+        run.forward_backward([datum], "cross_entropy", llm="grpo")
+        return run.optim_step({"learning_rate": 1e-3}, llm="grpo")
+
+    counter = run.generate([start], llm="grpo", max_new_tokens=1)[0][0]["policy_version"]
+    trajectories = [Trajectory(tok, start) for _ in range(2)]
+    for turn in range(2):  # turn 1 sampled at `counter`, turn 2 one step later
+        samples = run.generate([t.prompt for t in trajectories], llm="grpo", seed=turn, do_sample=True,
+                               max_new_tokens=3)
+        assert [s["policy_version"] for (s,) in samples] == [counter] * 2
+        assert {s["policy"] for (s,) in samples} == {"default"}
+        for trajectory, (sample,) in zip(trajectories, samples):
+            trajectory.add_sample(sample)
+            trajectory.add_ids(tok.encode(ENV_WORDS[turn], add_special_tokens=False)[:2])
+        if turn == 0:
+            assert step()["policy_version"] == counter + 1
+            counter += 1
+    assert [t.policy_versions for t in trajectories] == [[counter - 1, counter]] * 2
+    group = [Episode(t, actions=["a", "b"], rewards=[1.0, r]) for t, r in zip(trajectories, (0.0, 2.0))]
+    batch = episode_batch([group])
+    assert batch["policy_versions"] == [[[counter - 1, counter], [counter - 1, counter]]]
+    run.snapshot("sampler", llm="grpo")
+    snapped = counter
+    (stats,) = run.update(**batch, llm="grpo")
+    assert stats["policy_version"] == counter  # the version the update trained from
+    assert stats["staleness_mean"] == 0.5 and stats["staleness_max"] == 1.0  # (1 + 0 + 1 + 0) / 4
+    counter += stats["optimizer_steps"]
+    assert stats["optimizer_steps"] >= 1
+    for _ in range(2):
+        assert step()["policy_version"] == counter + 1
+        counter += 1
+        assert run.generate([start], llm="grpo", max_new_tokens=1)[0][0]["policy_version"] == counter
+    frozen = run.generate([start], llm="grpo", peft_adapter="sampler", max_new_tokens=1)[0][0]
+    assert (frozen["policy"], frozen["policy_version"]) == ("sampler", snapped)
+    datum = {"model_input": start[:-1], "loss_fn_inputs": {"target_tokens": start[1:],
+                                                            "weights": [1.0] * (len(start) - 1)}}
+    metrics = run.forward_backward([datum, datum], "cross_entropy", llm="grpo",
+                                   policy_versions=[counter, counter - 3])["metrics"]
+    assert (metrics["staleness:mean"], metrics["staleness:max"]) == (1.5, 3.0)
+    run.optim_step({"learning_rate": 1e-3}, llm="grpo")
+    run.drop_snapshot("sampler", llm="grpo")
+
+
+def test_async_rollouts_through_a_live_run_hand_over_samples_within_the_bound(run, tiny):
+    """``AsyncRollouts`` sampling from the servers on a thread while the test trains: every batch is within the
+    bound of the version ``optim_step`` returned, and ``forward_backward`` reports the same staleness. (The test's
+    proxy to the script is one socket: a lock keeps its calls whole; a Caller needs none.)"""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from llmrl import AsyncRollouts, completion_datum
+
+    tok = AutoTokenizer.from_pretrained(tiny["llama"])
+    start = tok.encode(PROMPTS[1])
+    lock = threading.Lock()
+
+    def produce():
+        with lock:
+            (group,) = run.generate([start], llm="grpo", do_sample=True, max_new_tokens=2, num_return_sequences=2)
+        return group
+
+    with lock:
+        version = run.generate([start], llm="grpo", max_new_tokens=1)[0][0]["policy_version"]
+    with AsyncRollouts(produce, max_staleness=1, capacity=4) as rollouts:
+        for _ in range(3):
+            batch = rollouts.take(2, version)
+            assert all(version - v <= 1 for v in batch.versions)
+            data = [completion_datum(start, s["tokens"], weights=[1.0] * len(s["tokens"])) for s in batch.rollouts]
+            with lock:
+                metrics = run.forward_backward(data, "cross_entropy", llm="grpo",
+                                               policy_versions=batch.versions)["metrics"]
+                stepped = run.optim_step({"learning_rate": 1e-3}, llm="grpo")["policy_version"]
+            assert metrics["staleness:max"] == max(batch.staleness)
+            assert stepped == version + 1
+            version = stepped
+    assert rollouts.stats()["taken"] == 6

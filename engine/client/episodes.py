@@ -210,8 +210,12 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
     last observation and the next generation prompt, which its trajectory keeps) and one placeholder token, where
     the critic's value of that state is read; the ``bootstrap`` argument marks these episodes. An episode cut by
     ``max_prompt_tokens`` is not bootstrapped (that state is longer than the model should read): it ends at its last
-    turn, with the value 0 after it."""
-    contexts, candidates, masks, rewards, old, flags = [], [], [], [], [], []
+    turn, with the value 0 after it.
+
+    When every turn's sample carried its ``policy_version`` (``generate``'s samples do), ``policy_versions`` holds
+    them, per group, per episode, per turn: ``update`` reports their staleness (see
+    :mod:`llmrl.engine.policy_versions`)."""
+    contexts, candidates, masks, rewards, old, flags, versions = [], [], [], [], [], [], []
     for g, group in enumerate(groups):
         if not group:
             raise ValueError(f"group {g} holds no episode")
@@ -245,10 +249,13 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
         old.append([ep.trajectory.sampling_logprobs[cut:end] + [0.0] * len(tail)
                     for ep, end, tail in zip(group, ends, tails)])
         flags.append([int(truncated) for truncated in cuts])
+        versions.append([ep.trajectory.policy_versions for ep in group])
     batch = {"contexts": contexts, "candidates": candidates, "model_mask": masks, "turn_rewards": rewards,
              "old_logprobs": old}
     if bootstrap:
         batch["bootstrap"] = flags
+    if all(v is not None for group in versions for episode in group for v in episode):
+        batch["policy_versions"] = versions
     return batch
 
 

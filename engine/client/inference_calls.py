@@ -147,10 +147,12 @@ class InferenceCalls:
             including EOS or the stop), ``logprobs`` (each token's raw model log-prob: they agree with ``score``),
             ``sampling_logprobs`` (greedy and sampling: the log-prob under the distribution the token was drawn
             from, after temperature / top-k / top-p; the denominator of an importance ratio against the sampler),
-            ``logprob`` (their sum), ``stop_reason`` (``"stop"``: EOS or a stop; ``"length"``: ``max_new_tokens``)
-            and ``stop`` (the stop string or ids that matched, else None); ``prompt_logprobs`` on request (each
-            prompt token's but the first), and with ``num_beams > 1`` ``beam_score`` (Hugging Face's
-            ``sequences_scores``).
+            ``logprob`` (their sum), ``stop_reason`` (``"stop"``: EOS or a stop; ``"length"``: ``max_new_tokens``),
+            ``stop`` (the stop string or ids that matched, else None), ``policy_version`` (the optimizer steps the
+            weights it was drawn from had taken: the adapter's, a snapshot's source's when it was taken, or the
+            model's without adapters) and ``policy`` (that adapter or snapshot, None without adapters);
+            ``prompt_logprobs`` on request (each prompt token's but the first), and with ``num_beams > 1``
+            ``beam_score`` (Hugging Face's ``sequences_scores``).
         """
         return self._context.wait(self.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                                       minibatch_size=minibatch_size, **generate_kwargs))

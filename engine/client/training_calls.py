@@ -59,9 +59,14 @@ class ClientTraining:
         The updater's declared per-sample arguments (``Updater.per_sample_args``) are checked against the call and
         sliced like the contexts; for an updater that declares none, arguments whose length equals the number of
         contexts are. The others reach every replica whole. NaN or infinite numbers anywhere are refused.
+        ``policy_versions`` (optional, any updater) holds one entry per context: the ``policy_version`` of its
+        samples, as ``generate`` gave them (an int, or nested lists: :func:`llmrl.episode_batch` gives one per turn
+        of each episode); the updater reads it in ``batch.kwargs``.
 
         Returns:
-            The updater's statistics, one dict per replica (also written by the run's tracking, see :meth:`log`).
+            The updater's statistics, one dict per replica (also written by the run's tracking, see :meth:`log`);
+            with ``policy_versions``, each adds ``policy_version`` (the trained adapter's before the update) and
+            its share's ``staleness_mean`` and ``staleness_max`` (that version minus the samples').
         """
         return self._tracking.tracked(llm, contexts, lambda: self.update_async(contexts, candidates, llm=llm, **kwargs))
 
@@ -90,17 +95,19 @@ class ClientTraining:
                            optional=loss.optional_inputs), dict(loss_fn_config or {}))
 
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
-                               llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
+                               llm: str | None = None, peft_adapter: str | None = None,
+                               policy_versions=None) -> concurrent.futures.Future:
         """Like :meth:`forward_backward`, returning a future."""
         name = self._context.open(llm)
         if loss_fn is None:
             raise InvalidArgument("forward_backward needs a loss_fn (a built-in loss's name); forward(data) gives the "
                                   "log-probs alone")
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
-        return fb_kind.send(self._context.run, name, sequences, loss_fn, config, backward=True, adapter=peft_adapter)
+        return fb_kind.send(self._context.run, name, sequences, loss_fn, config, backward=True, adapter=peft_adapter,
+                            policy_versions=policy_versions)
 
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None, *, llm: str | None = None,
-                         peft_adapter: str | None = None) -> dict:
+                         peft_adapter: str | None = None, policy_versions=None) -> dict:
         """Compute a built-in loss on token-level data and its gradients; they accumulate on the servers, call
         after call, until :meth:`optim_step` applies them.
 
@@ -117,6 +124,9 @@ class ClientTraining:
                 every token: GSPO-token).
             loss_fn_config: the loss's settings (thresholds, beta).
             peft_adapter: the LoRA adapter to train (default: the active one).
+            policy_versions: optional, one per datum: the ``policy_version`` of the samples it holds (an int, or a
+                list of them: one per turn), as ``generate`` gave them; the metrics then report their staleness
+                against the trained weights' version (``staleness:mean``, ``staleness:max``).
 
         The loss is the **sum** over every target token of every datum (weigh tokens through the inputs to get a
         mean). The LLM must be trainable (an updater, or ``trainable: true`` in its config).
@@ -124,10 +134,11 @@ class ClientTraining:
         Returns:
             ``{"loss_fn_outputs": [{"logprobs": ..., "elementwise_loss": ...} per datum], "metrics":
             {"loss:sum": float}}``: each target token's log-prob under the weights before this call's gradients,
-            and its loss.
+            and its loss (with ``policy_versions``, the metrics add ``staleness:mean`` and ``staleness:max``).
         """
         return self._context.wait(self.forward_backward_async(data, loss_fn, loss_fn_config, llm=llm,
-                                                              peft_adapter=peft_adapter))
+                                                              peft_adapter=peft_adapter,
+                                                              policy_versions=policy_versions))
 
     def forward_async(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
                       llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
@@ -211,7 +222,8 @@ class ClientTraining:
 
         Returns:
             ``{"optimizer_steps": 1 (0 when no gradient was pending), "adapters": [trained adapters],
-            "grad_norm": the global gradient norm before clipping (None only with tensor parallelism under ZeRO 0)}``
+            "grad_norm": the global gradient norm before clipping (None only with tensor parallelism under ZeRO 0),
+            "policy_version": the trained adapter's version after the step (its optimizer steps)}``
             (also written by the run's tracking, as ``update``'s statistics are).
 
         Raises:

@@ -18,7 +18,8 @@ A sample does not say which prompt it was generated from: add each one to the tr
 Two messages in a row (a tool's output, then the user's) are one environment turn: the generation prompt the
 first one ended with is replaced by the second message, as the template renders them. :meth:`Trajectory.datum`
 gives the whole episode as one Tinker-style datum for ``forward_backward`` (per-turn or per-token advantages on
-the model's tokens, zero on the environment's).
+the model's tokens, zero on the environment's). Each turn keeps its sample's ``policy_version`` (the weights it was
+drawn from, :mod:`llmrl.engine.policy_versions`): :attr:`Trajectory.policy_versions`.
 
 The formatting of one new message assumes what chat templates do: a conversation's rendering is a prefix of the
 rendering of the conversation with one more message, and a message's own text starts at a special token (so that
@@ -39,6 +40,7 @@ _PROBE = "\x00llmrl-probe\x00"  # a content no real message holds: where a rende
 class Turn:
     start: int  # index of the turn's first model token in Trajectory.ids
     end: int  # one past its last
+    policy_version: int | None = None  # the sample's policy_version (None: the sample carried none)
 
 
 class Trajectory:
@@ -70,6 +72,11 @@ class Trajectory:
         """The ids to generate the next turn from."""
         return list(self.ids)
 
+    @property
+    def policy_versions(self) -> list[int | None]:
+        """Per model turn, the ``policy_version`` of the sample it holds (None where the sample carried none)."""
+        return [turn.policy_version for turn in self.turns]
+
     def add_sample(self, sample: dict) -> Turn:
         """Append a ``generate`` sample's ids (exactly as sampled) as the model's turn."""
         tokens = [int(t) for t in _list(sample["tokens"])]
@@ -83,7 +90,8 @@ class Trajectory:
         self.model_mask += [True] * len(tokens)
         self.sampling_logprobs += [float(x) for x in sampled] if sampled is not None else [0.0] * len(tokens)
         self.model_logprobs += [float(x) for x in raw] if raw is not None else [0.0] * len(tokens)
-        turn = Turn(start, len(self.ids))
+        version = sample.get("policy_version")
+        turn = Turn(start, len(self.ids), None if version is None else int(version))
         self.turns.append(turn)
         self._closed, self._prompted = False, False
         self._ended_by = tokens[-1] if tokens and tokens[-1] in _special_ids(self.tokenizer) else None

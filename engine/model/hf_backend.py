@@ -24,6 +24,7 @@ from llmrl.engine.model.backend import ModelBackend
 from llmrl.engine.model.forward import forget_zero3_trace, plan_and_agree, plan_forward, run_forward
 from llmrl.engine.model.hf_startup import decoder_start_id, make_prefix_cache, make_trunk, num_hidden_states
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.version_counts import share_staleness, stamped, update_staleness, version_of
 from llmrl.engine.model.zero3_gather import gathered_weights
 
 
@@ -226,9 +227,9 @@ class HFBackend(ModelBackend):
 
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
             try:
-                return generate(served.model, self.tokenizer, llm.type, plan, self.device, synced=llm.lockstep,
-                                seed=request.seed, extra_batches=extra, prefix_cache=use, decoder=self.decoder(),
-                                whole_weights=whole)
+                return stamped(generate(served.model, self.tokenizer, llm.type, plan, self.device,
+                                        synced=llm.lockstep, seed=request.seed, extra_batches=extra, prefix_cache=use,
+                                        decoder=self.decoder(), whole_weights=whole), served, adapter)
             finally:
                 if steering is not None:
                     steering.close()
@@ -251,7 +252,8 @@ class HFBackend(ModelBackend):
         from llmrl.engine.model.training.trainer import run_update
 
         try:
-            return run_update(self.served, request.batch(self.role.replica, self.llm.replicas))
+            versions = update_staleness(self.served, request.kwargs)  # against the weights before the update
+            return {**run_update(self.served, request.batch(self.role.replica, self.llm.replicas)), **versions}
         finally:  # an update trains only what sits from the trunk's depth up (the trunk exists only then)
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)
@@ -259,15 +261,17 @@ class HFBackend(ModelBackend):
     def forward_backward(self, request):
         from llmrl.engine.model.training.client_steps import forward_backward
 
-        return forward_backward(self.served, [seq.tokens for seq in request.sequences],
-                                [seq.inputs for seq in request.sequences], request.loss_fn, request.loss_fn_config,
-                                request.backward, request.adapter)
+        stale = share_staleness(self.served, request.adapter, request.policy_versions)
+        return {**forward_backward(self.served, [seq.tokens for seq in request.sequences],
+                                   [seq.inputs for seq in request.sequences], request.loss_fn, request.loss_fn_config,
+                                   request.backward, request.adapter), "staleness": stale}
 
     def optim_step(self, request):
         from llmrl.engine.model.training.client_steps import optim_step
 
         try:
-            return optim_step(self.served, request.settings, request.adapter)
+            return {**optim_step(self.served, request.settings, request.adapter),
+                    "policy_version": version_of(self.served, request.adapter)}
         finally:
             trunk = self.module.trunk
             self.weights_changed(unchanged_below=trunk.depth if trunk is not None else 0)

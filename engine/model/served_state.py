@@ -1,5 +1,6 @@
 """What a served model accumulates between requests: the gradients ``forward_backward`` left for ``optim_step``
-(:class:`PendingGradients`), and the adapters and snapshots made while the run serves (:class:`RunTimeAdapters`).
+(:class:`PendingGradients`), and the adapters and snapshots made while the run serves, with the policy version of
+each (:class:`RunTimeAdapters`).
 
 A :class:`~llmrl.engine.model.served.ServedModel` owns one of each (``served.pending``, ``served.run_time``); the
 modules that change them are :mod:`llmrl.engine.model.training.client_steps` (pending gradients),
@@ -43,11 +44,14 @@ class RunTimeAdapters:
         created: adapters created at run time: name -> how it was made (rank, alpha, seed, targets), in order.
         snapshots: LoRA snapshot name -> the adapter it copies.
         weight_snapshots: snapshot name -> {parameter name: frozen copy} (a model trained without LoRA).
+        versions: adapter or snapshot (None: the model without adapters) -> its policy version, the optimizer steps
+            it took (:mod:`llmrl.engine.model.version_counts`; not saved: they start at 0 with the servers).
     """
 
     created: dict = field(default_factory=dict)
     snapshots: dict = field(default_factory=dict)
     weight_snapshots: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
 
     def is_snapshot(self, name) -> bool:
         """Whether ``name`` is a snapshot (frozen: read, never trained)."""

@@ -14,7 +14,8 @@ heads'), which :meth:`ServedModel.adapter` swaps in (tensor pointers, no copy) f
 Snapshots need ZeRO 0-2 (ZeRO-3 partitions every parameter when the engine is built); they are saved with the
 checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). Their count and bytes are capped with
 those of adapters created at run time (:mod:`llmrl.engine.model.adapter_caps`). This module does not decide when to
-snapshot; the script does.
+snapshot; the script does. A snapshot's policy version is its source's when it was taken
+(:mod:`llmrl.engine.model.version_counts`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from llmrl.engine.adapter_names import name_problem
 from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.version_counts import copy_version, forget_version
 
 
 def check_adapter_name(name, what: str) -> None:
@@ -120,6 +122,7 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
         p.data = originals[key]
         p.requires_grad_(False)
     served.run_time.snapshots[name] = adapter
+    copy_version(served, name, source)
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
@@ -136,6 +139,7 @@ def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> d
         check_room(served, "snapshot", name, sum(p.numel() * p.element_size() for p in trained.values()))
     weights = {n: p.detach().clone() for n, p in trained.items()}
     served.run_time.weight_snapshots[name] = weights
+    copy_version(served, name, None)
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"snapshot": name, "source": None, "bytes": snapshot_bytes(served, name)}
@@ -144,6 +148,7 @@ def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> d
 def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
     if name in served.run_time.weight_snapshots:
         del served.run_time.weight_snapshots[name]
+        forget_version(served, name)
         if prefix_cache is not None:
             prefix_cache.forget(name)
         return {"dropped": name}
@@ -154,6 +159,7 @@ def drop_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     del served.run_time.snapshots[name]
+    forget_version(served, name)
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)

@@ -6,8 +6,9 @@ Client half: the data are checked (:mod:`llmrl.engine.requests.datums`) and the 
 (:func:`llmrl.engine.token_losses.token_loss_settings`) before anything is sent; the sequences are split across the
 replicas by their token counts, every replica taking part (their backward passes reduce gradients together). The
 answers come back in datum order: each datum's ``logprobs`` and ``elementwise_loss`` (one value per target token),
-and the loss summed over every datum (``metrics["loss:sum"]``). Server half: the backend runs
-:func:`llmrl.engine.model.training.client_steps.forward_backward` on the replica's share.
+and the loss summed over every datum (``metrics["loss:sum"]``); given the samples' ``policy_versions``, their
+staleness against the trained weights (``metrics["staleness:mean"]``, ``["staleness:max"]``). Server half: the
+backend runs :func:`llmrl.engine.model.training.client_steps.forward_backward` on the replica's share.
 
 This module computes nothing; the losses are :func:`llmrl.engine.token_losses.token_loss`.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.policy_versions import check_policy_versions, staleness_stats
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_by_cost
 from llmrl.engine.requests.datums import Sequence
 
@@ -33,27 +36,36 @@ class ForwardBackwardRequest:
     backward: bool = True
     adapter: str | None = None
     first_index: int = 0  # position of the first sequence in the whole call (for error messages)
+    policy_versions: list | None = None  # the samples' policy versions (None: not given), for their staleness
 
 
 def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, loss_fn_config: dict, *,
-         backward: bool, adapter: str | None) -> Future:
+         backward: bool, adapter: str | None, policy_versions: list | None = None) -> Future:
+    if policy_versions is not None:
+        try:
+            policy_versions = check_policy_versions(policy_versions, len(sequences), "policy_versions")
+        except ValueError as err:
+            raise InvalidArgument(f"{err}; nothing was sent") from None
     bounds = split_by_cost([float(len(s.tokens)) for s in sequences], len(run.replicas(llm)))
 
     def share(start: int, stop: int) -> ForwardBackwardRequest:
+        versions = None if policy_versions is None else policy_versions[start:stop]
         return ForwardBackwardRequest(sequences[start:stop], loss_fn, dict(loss_fn_config), backward=backward,
-                                      adapter=adapter, first_index=start)
+                                      adapter=adapter, first_index=start, policy_versions=versions)
 
     parts, leaders = replica_parts(run, llm, bounds, share, keep_empty=True)
 
     def assemble(values: dict) -> dict:
-        outputs, loss = [], 0.0
+        outputs, loss, stale = [], 0.0, []
         for leader in leaders:
             outputs.extend(values[leader]["outputs"])
             loss += values[leader]["loss"]
+            stale += values[leader].get("staleness") or []
         for seq, out in zip(sequences, outputs):
             if seq.unscored:  # the forward read the next input token there, not the datum's target
                 out["logprobs"][list(seq.unscored)] = float("nan")
         metrics = {"loss:sum": loss} if loss_fn is not None else {}
+        metrics.update({f"staleness:{k.split('_')[1]}": v for k, v in staleness_stats(stale).items()})
         return {"loss_fn_outputs": outputs, "metrics": metrics}
 
     return run.submit(NAME, parts, assemble)

@@ -5,7 +5,9 @@ Client half: samples are split evenly across replicas. Keyword arguments are che
 :func:`refuse_engine_settings`; every number finite, :mod:`llmrl.engine.requests.finite`; the updater's declared
 per-sample arguments shaped like the call, :mod:`llmrl.plugins.per_sample`) before anything is sent; the
 per-sample ones (declared, or by the length rule for an updater that declares nothing) are sliced like the
-contexts, the others reach every replica whole. Every replica takes part, even with no sample (its collectives
+contexts, the others reach every replica whole. ``policy_versions`` (one per sample: the policy versions of the
+samples, :mod:`llmrl.engine.policy_versions`) is taken by every updater and sliced with the samples; the server
+adds the staleness statistics to each replica's. Every replica takes part, even with no sample (its collectives
 must line up with the others'). Server half: the backend runs the updater on the share's
 :class:`~llmrl.plugins.contracts.UpdateBatch` (:meth:`UpdateRequest.batch`); each replica's leader answers with its
 stats.
@@ -17,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.policy_versions import check_policy_versions
 from llmrl.engine.requests.base import Kind, Run, replica_parts, split_evenly
 from llmrl.engine.requests.finite import check_finite, check_numbers
 from llmrl.plugins.contracts import UpdateBatch
@@ -94,6 +97,7 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
         raise InvalidArgument(f"update got no contexts: there is nothing to learn from, and the updater "
                               f"{updater or '(none)'!r} would still take an optimizer step; skip the call when a "
                               "batch is empty; nothing was sent")
+    versions = kwargs.pop("policy_versions", None)  # read by every updater's engine: no declaration needed
     refuse_engine_settings(kwargs, llm, declared, updater)
     refuse_unknown(kwargs, declared, whole, updater)
     check_finite(kwargs)
@@ -101,6 +105,12 @@ def send(run: Run, llm: str, contexts: list, candidates: list[list] | None, kwar
     check_numbers(kwargs, declared, updater)
     n = len(contexts)
     keys = per_sample_keys(kwargs, n, declared)
+    if versions is not None:
+        try:
+            kwargs["policy_versions"] = check_policy_versions(versions, n, "update argument 'policy_versions'")
+        except ValueError as err:
+            raise InvalidArgument(f"{err}; nothing was sent") from None
+        keys.append("policy_versions")
     bounds = split_evenly(n, len(run.replicas(llm)))
     sizes = [stop - start for start, stop in bounds]
 

@@ -11,6 +11,7 @@ and their state: the parameters themselves at ZeRO 0 in float32, DeepSpeed's flo
 half precision, whose model weights are copied here too). It is made only where LoRA adapters train (a few
 tensors); an LLM trained without adapters is checked the same, but the step is not undone (a copy would double
 the model's memory): the error says so. The engine's step count and learning-rate schedule still move on.
+A kept step counts one policy version for each adapter it trained (:mod:`llmrl.engine.model.version_counts`).
 
 This module does not decide when to step (the trainer does) nor which groups a step takes (the optimizer does).
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmrl.engine.model.training.optimizer import adapter_of
+from llmrl.engine.model.version_counts import count_step
 
 
 class NonFiniteUpdate(FloatingPointError):
@@ -37,6 +39,7 @@ class StepCopy:
 
     model: list = field(default_factory=list)
     stepped: list | None = None  # None: nothing is copied (no undo)
+    trained: frozenset = frozenset()  # the adapters the step trains (none: the model without adapters)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def copied_step(served, trained):
     taken = {None, *trained}
     undoable = bool(adapters) and steps is not None
     master = steps is not None and served.engine.optimizer is not steps.optimizer  # DeepSpeed's own copies
-    copy = StepCopy(stepped=[] if undoable else None)
+    copy = StepCopy(stepped=[] if undoable else None, trained=frozenset(trained))
     with torch.no_grad():
         for name, p in served.module.named_parameters():
             if p.requires_grad and adapter_of(name, adapters) in taken:
@@ -115,6 +118,7 @@ def keep_finite(trainer, copy: StepCopy, vote) -> None:
     bad, replicas = first_non_finite(served, copy), served.llm.replicas
     voted = vote(0 if bad is None else replicas - served.role.replica)  # the largest: the first bad replica
     if not voted:
+        count_step(served, copy.trained)  # kept: the trained adapters' policy versions move on
         return
     trainer.failed_vote_cast = True  # every rank raises here
     bad_replica = replicas - voted

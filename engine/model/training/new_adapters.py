@@ -25,6 +25,7 @@ from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.training.lr_schedule import fit_new_groups
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+from llmrl.engine.model.version_counts import forget_version
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
 
@@ -100,6 +101,7 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         raise
     served.adapters.append(name)
     served.run_time.created[name] = {"rank": rank, "alpha": alpha, "seed": seed, "targets": targets}
+    forget_version(served, name)  # a new adapter is at policy version 0
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
@@ -127,6 +129,7 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
     served.adapters.remove(name)
     del served.run_time.created[name]
     served.pending.discarded.pop(name, None)  # a note of gradients lost on an adapter that is gone
+    forget_version(served, name)
     parameters_changed(served)
     if prefix_cache is not None:
         prefix_cache.forget(name)
