@@ -195,19 +195,6 @@ def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return ((torch.exp(log_ratio) - 1.0) - log_ratio).detach()
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per token, ``exp(ref - logprob) - (ref - logprob) - 1``: the non-negative, unbiased estimator of
-    KL(policy || reference) of DeepSeekMath (Schulman's k3)."""
-    diff = ref_logprobs - logprobs
-    return torch.exp(diff) - diff - 1.0
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Per token, the KL estimator to the reference (:func:`kl_k3`), or zeros shaped ``like`` without a reference
-    (no KL term)."""
-    return torch.zeros_like(like) if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
-
-
 def collected_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
     """The summed per-token log-ratio ``logprob - ref_logprob`` over the real tokens of ``[n, T]`` rows: the KL of
     the collecting policy to the reference, summed over the continuations (the updaters report its mean)."""
@@ -222,13 +209,14 @@ def categorical_kl(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.
 
 
 def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                         mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus the task's
-    rewards: with ``scores`` of shape ``[n]``, ``scores[i]`` on row ``i``'s last real token; with ``[n, T]`` (dense
-    rewards, one per token, as trlX's reward functions may return), ``scores[i, t]`` on token ``t``. Zeros after
-    each row's end."""
+                         mask: torch.Tensor, kl_coef: float, estimator: str = "k1") -> torch.Tensor:
+    """``[n, T]`` per-token rewards: ``-kl_coef * KL_t`` on every real token (``KL_t`` the ``estimator``'s,
+    :func:`kl_estimate`; ``k1``: ``logprob - ref_logprob``), plus the task's rewards: with ``scores`` of shape
+    ``[n]``, ``scores[i]`` on row ``i``'s last real token; with ``[n, T]`` (dense rewards, one per token, as trlX's
+    reward functions may return), ``scores[i, t]`` on token ``t``. Zeros after each row's end."""
     mask_f = mask.float()
-    rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
+    kl = (logprobs - ref_logprobs) if estimator == "k1" else kl_estimate(logprobs, ref_logprobs, estimator)
+    rewards = -kl_coef * kl * mask_f
     if scores.dim() == 2:
         return rewards + scores * mask_f
     lengths = mask.sum(1)
@@ -375,5 +363,6 @@ from llmrl.engine.token_losses import (  # noqa: E402,F401
     token_loss_settings,
 )
 from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update  # noqa: E402,F401
+from llmrl.plugins.rl_math.kl import KL_ESTIMATORS, kl_estimate, kl_k3, kl_penalty  # noqa: E402,F401
 from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask  # noqa: E402,F401
 from llmrl.plugins.rl_math.preference import preference_loss  # noqa: E402,F401
