@@ -15,7 +15,9 @@ non-negative, unbiased estimator of DeepSeekMath; the reference is the model wit
 maths, :mod:`llmrl.plugins.rl_math.variants`), ``kl_estimator`` picks k1, k2 or k3 (:mod:`llmrl.plugins.rl_math.kl`),
 ``entropy_coef`` may decay linearly over updates, and ``off_policy`` weighs the policy term by truncated or masked
 importance weights from the sampler's ``behaviour_logprobs`` (:mod:`llmrl.plugins.rl_math.off_policy`; the
-``off_policy_*`` statistics report the mismatch whenever they are given). Normalisation (``loss``), with TRL's ``loss_type`` names in brackets:
+``off_policy_*`` statistics report the mismatch whenever they are given).
+
+Normalisation (``loss``), with TRL's ``loss_type`` names in brackets:
 
 - ``"sequence"`` (``grpo``): a continuation's token losses are averaged, then the group's continuations, then the
   prompts of the optimizer step;

@@ -18,11 +18,15 @@ the per-token losses of client-owned training steps (:func:`token_loss`: ``cross
 :data:`TOKEN_LOSSES`, with Tinker's names, inputs and definitions; a new one is one decorated function, see
 :func:`register_token_loss`). The engine serves the token losses and the client's episode helpers use the turn
 returns, so those live in :mod:`llmrl.engine.token_losses` and :mod:`llmrl.engine.episode_returns` (the engine never
-imports a built-in plugin) and are re-exported here, with the same names. Three submodules hold the maths of one
-family each, re-exported
-here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO, robust DPO, IPO),
-:mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and :func:`polyak_update`) and
-:mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and :func:`masked_logprobs`).
+imports a built-in plugin) and are re-exported here, with the same names. Submodules hold the maths of one
+family each, re-exported here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO,
+robust DPO, IPO), :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and
+:func:`polyak_update`), :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and
+:func:`masked_logprobs`), :mod:`~llmrl.plugins.rl_math.kl` (the KL estimators k1, k2, k3: :func:`kl_k3`,
+:func:`kl_estimate`, :func:`kl_penalty`), :mod:`~llmrl.plugins.rl_math.off_policy` (truncated and masked importance
+sampling from the sampler's log-probs, the mismatch statistics), :mod:`~llmrl.plugins.rl_math.variants` (GSPO's and
+CISPO's policy terms on rows, the entropy schedule) and :mod:`~llmrl.plugins.rl_math.dapo` (DAPO's overlong penalty
+and dynamic sampling filter, for scripts).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens`, :mod:`llmrl.plugins.grpo` and
@@ -362,7 +366,15 @@ from llmrl.engine.token_losses import (  # noqa: E402,F401
     token_loss,
     token_loss_settings,
 )
+from llmrl.plugins.rl_math.dapo import keep_varied_groups, overlong_penalty  # noqa: E402,F401
 from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update  # noqa: E402,F401
 from llmrl.plugins.rl_math.kl import KL_ESTIMATORS, kl_estimate, kl_k3, kl_penalty  # noqa: E402,F401
 from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask  # noqa: E402,F401
+from llmrl.plugins.rl_math.off_policy import (  # noqa: E402,F401
+    OffPolicy,
+    correct_datums,
+    importance_weights,
+    mismatch_stats,
+)
 from llmrl.plugins.rl_math.preference import preference_loss  # noqa: E402,F401
+from llmrl.plugins.rl_math.variants import EntropySchedule, policy_loss  # noqa: E402,F401
