@@ -243,14 +243,23 @@ def dro(logprobs: torch.Tensor, inputs: dict, settings: dict) -> torch.Tensor:
     return -(logprobs * inputs["advantages"] - 0.5 * settings["beta"] * (logprobs - inputs["logprobs"]) ** 2)
 
 
+def sequence_log_ratio(logprobs: torch.Tensor, sampler: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+    """The mean of ``logprobs - sampler`` over the ``marked`` tokens (0 with none): a scalar for one sequence
+    ``[T]``, ``[n, 1]`` for rows ``[n, T]`` (``grpo``'s ``policy_loss: gspo`` passes rows)."""
+    if logprobs.dim() == 1:
+        return (logprobs - sampler)[marked].sum() / marked.sum().clamp(min=1)
+    diff = torch.where(marked, logprobs - sampler, 0.0)
+    return diff.sum(-1, keepdim=True) / marked.sum(-1, keepdim=True).clamp(min=1)
+
+
 @register_token_loss("gspo", inputs=("logprobs", "advantages", "sequence_ratio_mask"),
                      config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, optional_inputs=_CLIPS,
                      unread_when_zero=("advantages", "sequence_ratio_mask"))
 def gspo(logprobs: torch.Tensor, inputs: dict, settings: dict) -> torch.Tensor:
     """GSPO-token: ``ppo``'s loss with every token's ratio worth the sequence ratio ``s = exp(mean over the tokens
     sequence_ratio_mask marks of (logp - logp_sampler))`` and carrying its own log-prob's gradient: ``ratio_t =
-    sg(s) * exp(logp_t - sg(logp_t))`` (a sequence with no marked token has ``s = 1``)."""
+    sg(s) * exp(logp_t - sg(logp_t))`` (a sequence with no marked token has ``s = 1``). Rows ``[n, T]`` work too,
+    each with its own ``s`` (:func:`sequence_log_ratio`)."""
     marked = inputs["sequence_ratio_mask"] != 0
-    log_ratio = (logprobs.detach() - inputs["logprobs"])[marked].sum() / marked.sum().clamp(min=1)
-    ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+    ratio = torch.exp(sequence_log_ratio(logprobs.detach(), inputs["logprobs"], marked) + logprobs - logprobs.detach())
     return clipped_ratio_loss(ratio, inputs["advantages"], *_bounds(ratio, inputs, settings))

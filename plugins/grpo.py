@@ -11,7 +11,13 @@ Per token: ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A) + kl_c
 with ``ratio = exp(logprob - old_logprob)`` and ``KL_t = exp(ref - logprob) - (ref - logprob) - 1`` (the
 non-negative, unbiased estimator of DeepSeekMath; the reference is the model with its LoRA adapters disabled, or
 ``ref_logprobs``). ``clip_eps_high`` sets the upper clip apart (DAPO's "clip higher": ``clip(ratio, 1 - clip_eps,
-1 + clip_eps_high)``). Normalisation (``loss``), with TRL's ``loss_type`` names in brackets:
+1 + clip_eps_high)``). ``policy_loss`` replaces the clipped surrogate by GSPO's or CISPO's (the token losses'
+maths, :mod:`llmrl.plugins.rl_math.variants`), ``kl_estimator`` picks k1, k2 or k3 (:mod:`llmrl.plugins.rl_math.kl`),
+``entropy_coef`` may decay linearly over updates, and ``off_policy`` weighs the policy term by truncated or masked
+importance weights from the sampler's ``behaviour_logprobs`` (:mod:`llmrl.plugins.rl_math.off_policy`; the
+``off_policy_*`` statistics report the mismatch whenever they are given).
+
+Normalisation (``loss``), with TRL's ``loss_type`` names in brackets:
 
 - ``"sequence"`` (``grpo``): a continuation's token losses are averaged, then the group's continuations, then the
   prompts of the optimizer step;
@@ -38,6 +44,8 @@ first pass in :mod:`llmrl.plugins.rollouts`; all are tested against hand-compute
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
@@ -50,20 +58,52 @@ from llmrl.plugins.rl_math import (
     kl_penalty,
     penalised,
 )
+from llmrl.plugins.rl_math.off_policy import OffPolicy
+from llmrl.plugins.rl_math.variants import POLICY_LOSSES, EntropySchedule, policy_loss
 from llmrl.plugins.rollouts import check_inputs, first_pass
-from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
-from llmrl.plugins.updater_args import describe, updater_schema
+from llmrl.plugins.token_policy import (
+    Minibatch,
+    MinibatchTerms,
+    check_off_policy,
+    off_policy_weights,
+    policy_forward,
+    train_epochs,
+)
+from llmrl.plugins.updater_args import SCHEDULED_ENTROPY_COEF, describe, updater_schema
+
+
+@dataclass(frozen=True)
+class LossVariant:
+    """A minibatch's choices beyond PPO's defaults: the policy term (:data:`POLICY_LOSSES`), the KL estimator, the
+    real tokens ``[n, T]`` (``gspo`` takes its sequence ratio over them) and the importance weights ``[n, T]`` of
+    the off-policy correction (None: none)."""
+
+    policy_loss: str = "ppo"
+    kl_estimator: str = "k3"
+    mask: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
 
 def grpo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                      advantages: torch.Tensor, clip_eps: float, kl_coef: float, clip_eps_high: float | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token ``[n, T]``: the loss (clipped policy term + ``kl_coef`` x KL estimator), the KL estimator
-    (detached; zeros without a reference) and 1.0 where the ratio was clipped. ``advantages`` is ``[n]``."""
-    loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps,
-                                      clip_eps_high)
+                      advantages: torch.Tensor, clip_eps: float, kl_coef: float, clip_eps_high: float | None = None,
+                      variant: LossVariant | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token ``[n, T]``: the loss (policy term, times the importance weights when given, + ``kl_coef`` x KL
+    estimator), the KL estimator (detached; zeros without a reference) and 1.0 where the ratio was clipped.
+    ``advantages`` is ``[n]``; the ratio's bounds are ``[1 - clip_eps, 1 + clip_eps_high]`` whatever the policy
+    term (:func:`~llmrl.plugins.rl_math.variants.policy_loss`)."""
+    variant = variant or LossVariant()
+    if variant.policy_loss == "ppo":
+        loss, clipped = clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages[:, None], clip_eps,
+                                          clip_eps_high)
+    else:
+        mask = torch.ones_like(logprobs, dtype=torch.bool) if variant.mask is None else variant.mask.bool()
+        high = 1.0 + (clip_eps if clip_eps_high is None else clip_eps_high)
+        loss, clipped = policy_loss(variant.policy_loss, logprobs, old_logprobs,
+                                    advantages[:, None].expand_as(logprobs), mask, 1.0 - clip_eps, high)
+    if variant.is_weights is not None:
+        loss = loss * variant.is_weights
     reference = ref_logprobs if kl_coef != 0 else None
-    kl = kl_penalty(logprobs, reference, like=loss)
+    kl = kl_penalty(logprobs, reference, like=loss, estimator=variant.kl_estimator)
     return penalised(loss, None if reference is None else kl, kl_coef), kl.detach(), clipped
 
 
@@ -74,7 +114,14 @@ class GRPOUpdater(ShufflingUpdater):
         clip_eps_high: the upper ratio clip, when it differs from ``clip_eps`` (DAPO: 0.28; default: clip_eps).
         kl_coef: weight of the KL estimator to the reference (default 0.04, as DeepSeekMath; 0 skips the
             reference pass).
-        entropy_coef: entropy bonus (default 0).
+        entropy_coef: entropy bonus (default 0), or {start, end, updates}: linear from start to end over that many
+            updates, then end.
+        policy_loss: "ppo" (the clipped surrogate, default), "gspo" (GSPO-token: the sequence's ratio, the geometric
+            mean of its token ratios, on every token) or "cispo" (the clipped ratio, without gradient, weighs
+            ``-A * logprob``); all bounded to [1 - clip_eps, 1 + clip_eps_high].
+        kl_estimator: "k1", "k2" or "k3" (default), the per-token KL estimator in the loss.
+        off_policy: the correction from behaviour_logprobs (the sampler's) to the old log-probs: {mode: none | tis |
+            mis | icepop, level: token | sequence | geometric, low, high} (default: none).
         scale_rewards: divide by the group's standard deviation (default true).
         loss: "sequence", "token", "batch_token" or "fixed_length" normalisation (default "sequence").
         max_new_tokens: the constant divisor of ``loss: fixed_length`` (required there, refused elsewhere).
@@ -82,10 +129,12 @@ class GRPOUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token"}
+    per_sample_args = {"rewards": "candidate", "old_logprobs": "token", "ref_logprobs": "token",
+                       "behaviour_logprobs": "token"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
-    args_schema = updater_schema("epochs", "clip_eps", "clip_eps_high", "kl_coef", "entropy_coef", "peft_adapter",
-                                 "seed", scale_rewards={"type": "boolean"},
+    args_schema = updater_schema("epochs", "clip_eps", "clip_eps_high", "kl_coef", "peft_adapter", "seed",
+                                 "off_policy", "kl_estimator", entropy_coef=SCHEDULED_ENTROPY_COEF,
+                                 policy_loss={"enum": list(POLICY_LOSSES)}, scale_rewards={"type": "boolean"},
                                  loss={"enum": ["sequence", "token", "batch_token", "fixed_length"]},
                                  max_new_tokens={"type": "integer", "minimum": 1})
     args_schema.update({"if": {"properties": {"loss": {"const": "fixed_length"}}, "required": ["loss"]},
@@ -95,22 +144,47 @@ class GRPOUpdater(ShufflingUpdater):
              kl_coef="weight of the KL estimator to the reference (0 skips the reference pass)",
              scale_rewards="divide the rewards by their group's standard deviation",
              loss="\"sequence\", \"token\", \"batch_token\" or \"fixed_length\" normalisation",
-             max_new_tokens="the constant divisor of loss: fixed_length (required there, refused elsewhere)")
+             max_new_tokens="the constant divisor of loss: fixed_length (required there, refused elsewhere)",
+             policy_loss="\"ppo\" (clipped surrogate), \"gspo\" (the sequence's ratio on every token) or \"cispo\" "
+                         "(the clipped ratio, without gradient, weighs -A * logprob); bounded to [1 - clip_eps, 1 + "
+                         "clip_eps_high]",
+             kl_estimator="the per-token KL estimator in the loss: k1, k2 or k3 (default, DeepSeekMath's)")
 
-    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04, entropy_coef: float = 0.0,
-                 scale_rewards: bool = True, loss: str = "sequence", peft_adapter: str | None = None, seed: int = 0,
-                 clip_eps_high: float | None = None, max_new_tokens: int | None = None):
+    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.04,
+                 entropy_coef: float | dict = 0.0, scale_rewards: bool = True, loss: str = "sequence",
+                 peft_adapter: str | None = None, seed: int = 0, clip_eps_high: float | None = None,
+                 max_new_tokens: int | None = None, policy_loss: str = "ppo", kl_estimator: str = "k3",
+                 off_policy: dict | None = None):
         if (loss == "fixed_length") != (max_new_tokens is not None):
             raise ValueError("grpo's max_new_tokens is the divisor of loss: fixed_length (Dr. GRPO), and only of "
                              "it: with loss: fixed_length set max_new_tokens to the generate call's; otherwise leave "
                              "it out")
-        self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
+        if policy_loss != "ppo" and clip_eps > 1:
+            raise ValueError(f"grpo's policy_loss {policy_loss!r} bounds the ratio to [1 - clip_eps, 1 + "
+                             f"clip_eps_high]: clip_eps {clip_eps} would make the lower bound negative; give at most 1 "
+                             "(1: no lower bound)")
+        self.entropy_schedule = EntropySchedule.of(entropy_coef)
+        self.epochs, self.clip_eps, self.kl_coef = epochs, clip_eps, kl_coef
+        self.entropy_coef = self.entropy_schedule.at(0)
         self.clip_eps_high, self.max_new_tokens = clip_eps_high, max_new_tokens
         self.scale_rewards, self.loss, self.peft_adapter = scale_rewards, loss, peft_adapter
+        self.policy_loss, self.kl_estimator, self.off_policy = policy_loss, kl_estimator, OffPolicy.of(off_policy)
+        self.updates_done = 0
         super().__init__(seed)
+
+    def state_dict(self) -> dict:
+        """The shuffling generator and, with an entropy schedule, the updates done (where the schedule is)."""
+        state = super().state_dict()
+        return {**state, "updates_done": self.updates_done} if self.entropy_schedule.scheduled else state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.updates_done = int(state.get("updates_done", 0))
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         rewards = check_inputs(batch, trainer, "grpo", need_reference=self.kl_coef > 0)
+        check_off_policy(batch, self.off_policy, "grpo")
+        self.entropy_coef = self.entropy_schedule.at(self.updates_done)
         lonely = next((i for i, c in zip(batch.indices, batch.candidates) if len(c) < 2), None)
         if lonely is not None:
             given = len(batch.candidates[batch.indices.index(lonely)])
@@ -119,6 +193,7 @@ class GRPOUpdater(ShufflingUpdater):
                              "num_return_sequences >= 2 (and do_sample=True)")
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, None, need_reference=self.kl_coef > 0)
         self._check_lengths(batch, prompts)
+        mismatch = off_policy_weights(prompts, self.off_policy)
         reward_sum, std_sum, kl_sum = 0.0, 0.0, 0.0
         for p in prompts:
             p.tensors["advantages"] = group_advantages(p.rewards, self.scale_rewards)
@@ -133,7 +208,10 @@ class GRPOUpdater(ShufflingUpdater):
         stats = totals.token_means()
         stats.update(reward=reward_sum / max(continuations, 1), reward_std=std_sum / max(len(prompts), 1),
                      kl=kl_sum / max(continuations, 1),
-                     tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch))
+                     tokens=int(sum(float(p.mask.sum()) for p in prompts)), samples=len(batch), **mismatch)
+        if self.entropy_schedule.scheduled:
+            stats["entropy_coef"] = self.entropy_coef
+        self.updates_done += 1
         return stats
 
     def minibatch_loss(self, trainer: Trainer, m: Minibatch) -> MinibatchTerms:
@@ -145,8 +223,10 @@ class GRPOUpdater(ShufflingUpdater):
             torch.zeros(0, device=device)
         ref = m.take("ref_logprobs", logp) if self.kl_coef > 0 else None
         old = m.take("old_logprobs", logp)
+        variant = LossVariant(self.policy_loss, self.kl_estimator, mask,
+                              m.take("is_weights", logp) if self.off_policy.active else None)
         per_token, kl, clipped = grpo_token_losses(logp.float(), old, ref, advantages, self.clip_eps, self.kl_coef,
-                                                   self.clip_eps_high)
+                                                   self.clip_eps_high, variant)
         policy = (per_token - self.kl_coef * kl).detach()
         per_token = penalised(per_token, entropy=entropy, entropy_coef=self.entropy_coef)
         if self.loss == "batch_token":  # the step's token mean, already whole

@@ -38,7 +38,7 @@ class NLPOUpdater(PPOTokensUpdater):
         mask_snapshot: the snapshot's name (default "nlpo_mask").
     """
 
-    per_sample_args = {"rewards": "candidate_or_token", "ref_logprobs": "token"}
+    per_sample_args = {"rewards": "candidate_or_token", "ref_logprobs": "token", "behaviour_logprobs": "token"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     args_schema = updater_schema(
         **{k: v for k, v in PPOTokensUpdater.args_schema["properties"].items()},

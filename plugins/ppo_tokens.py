@@ -34,14 +34,18 @@ What one update does, on every replica (its share of the prompts):
    the clipped policy loss ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with ``ratio =
    exp(logprob - old_logprob)``, ``value_coef`` x the clipped value loss ``0.5 * max((V - R)^2, (V_clipped -
    R)^2)`` (``V_clipped`` within ``value_clip`` of the first pass's value; null: unclipped) and ``-entropy_coef``
-   x the entropy. Normalisation: each continuation's token losses are averaged (every continuation weighs the
-   same whatever its length), then a prompt's continuations, then prompts (:meth:`UpdateBatch.mean`).
+   x the entropy (``entropy_coef`` may decay linearly over updates). With ``off_policy`` and the sampler's
+   ``behaviour_logprobs``, the policy term is weighed by truncated or masked importance weights
+   (:mod:`llmrl.plugins.rl_math.off_policy`); ``kl_estimator`` picks the KL estimator of step 2's penalty (k1, as
+   written there, by default). Normalisation: each continuation's token losses are averaged (every continuation
+   weighs the same whatever its length), then a prompt's continuations, then prompts (:meth:`UpdateBatch.mean`).
 
 Statistics returned per replica: ``reward`` (mean of the continuations' total task rewards as given, before clipping
 and scaling), ``reward_divisor`` (with ``reward_scale``: what task rewards were divided by), ``kl`` (mean per-
 continuation KL to the reference at collection), ``kl_coef`` (the beta used), ``policy_loss``, ``value_loss``,
 ``value_error`` (mean squared error of the first pass's values against the returns), ``entropy``, ``approx_kl`` (old
-to new policy), ``clip_fraction`` (tokens whose ratio was clipped), ``tokens``, ``samples``.
+to new policy), ``clip_fraction`` (tokens whose ratio was clipped), ``tokens``, ``samples``, and, with
+``behaviour_logprobs``, the ``off_policy_*`` mismatch statistics.
 
 This module is the algorithm: the order of the steps above and the loss of a minibatch
 (:meth:`PPOTokensUpdater.minibatch_loss`); the passes over the batch are
@@ -67,10 +71,19 @@ from llmrl.plugins.rl_math import (
     token_ppo_losses,
     whiten_batch,
 )
+from llmrl.plugins.rl_math.off_policy import OffPolicy
+from llmrl.plugins.rl_math.variants import EntropySchedule
 from llmrl.plugins.rollouts import check_inputs, first_pass
 from llmrl.plugins.task_rewards import SCALES, RewardScaler
-from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
-from llmrl.plugins.updater_args import describe, updater_schema
+from llmrl.plugins.token_policy import (
+    Minibatch,
+    MinibatchTerms,
+    check_off_policy,
+    off_policy_weights,
+    policy_forward,
+    train_epochs,
+)
+from llmrl.plugins.updater_args import SCHEDULED_ENTROPY_COEF, describe, updater_schema
 
 
 class PPOTokensUpdater(ShufflingUpdater):
@@ -78,7 +91,11 @@ class PPOTokensUpdater(ShufflingUpdater):
         epochs: passes over the batch per update (default 4).
         clip_eps: policy ratio clip (default 0.2).
         value_clip: value clip around the first pass's values (default 0.2; null disables).
-        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0).
+        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0); entropy_coef may be {start, end, updates}:
+            linear from start to end over that many updates, then end.
+        kl_estimator: the per-token KL estimator in the reward: "k1" (default: logprob - ref), "k2" or "k3".
+        off_policy: the correction from behaviour_logprobs (the sampler's) to the old log-probs: {mode: none | tis |
+            mis | icepop, level: token | sequence | geometric, low, high} (default: none).
         kl_coef: initial KL penalty coefficient beta (default 0.05; 0 disables the penalty and the reference pass).
         kl_target: adapt beta towards this mean KL per continuation (default null: beta stays fixed).
         kl_horizon: the controller's horizon in continuations (default 10000).
@@ -96,10 +113,12 @@ class PPOTokensUpdater(ShufflingUpdater):
         seed: seed of the minibatch shuffling.
     """
 
-    per_sample_args = {"rewards": "candidate_or_token", "old_logprobs": "token", "ref_logprobs": "token"}
+    per_sample_args = {"rewards": "candidate_or_token", "old_logprobs": "token", "ref_logprobs": "token",
+                       "behaviour_logprobs": "token"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
-    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
-                                 "value_head", "peft_adapter", "seed",
+    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "kl_coef",
+                                 "value_head", "peft_adapter", "seed", "off_policy", "kl_estimator",
+                                 entropy_coef=SCHEDULED_ENTROPY_COEF,
                                  kl_target={"type": ["number", "null"], "exclusiveMinimum": 0},
                                  kl_horizon={"type": "number", "exclusiveMinimum": 0},
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
@@ -121,14 +140,16 @@ class PPOTokensUpdater(ShufflingUpdater):
              reward_clip="clip every task reward to [-reward_clip, reward_clip] (null: no clip)",
              reward_scale="null, \"running\" or \"ref\": divide task rewards by the running standard deviation of "
                           "the continuations' total rewards, or by reward_ref_std",
-             reward_ref_std="the standard deviation \"ref\" divides by (null: the first update's)")
+             reward_ref_std="the standard deviation \"ref\" divides by (null: the first update's)",
+             kl_estimator="the per-token KL estimator in the reward: k1 (default: logprob - ref), k2 ((logprob - "
+                          "ref)^2 / 2) or k3 (exp(ref - logprob) - (ref - logprob) - 1)")
 
     def __init__(self, epochs: int = 4, clip_eps: float = 0.2, value_clip: float | None = 0.2,
-                 value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.05,
+                 value_coef: float = 0.5, entropy_coef: float | dict = 0.0, kl_coef: float = 0.05,
                  kl_target: float | None = None, kl_horizon: float = 10000.0, gamma: float = 1.0, lam: float = 0.95,
                  whiten: bool = True, value_head: str | None = "value", peft_adapter: str | None = None,
                  seed: int = 0, reward_clip: float | None = None, reward_scale: str | None = None,
-                 reward_ref_std: float | None = None):
+                 reward_ref_std: float | None = None, kl_estimator: str = "k1", off_policy: dict | None = None):
         if reward_ref_std is not None and reward_scale != "ref":
             raise ValueError(f"reward_ref_std is the standard deviation reward_scale 'ref' divides by; with "
                              f"reward_scale {reward_scale!r} nothing reads it: set reward_scale: ref, or drop it")
@@ -136,7 +157,9 @@ class PPOTokensUpdater(ShufflingUpdater):
             raise ValueError("kl_target adapts kl_coef by multiplying it, so from kl_coef 0 it would stay 0 (and no "
                              "reference pass would run): give kl_coef > 0 as the starting value, or drop kl_target")
         self.epochs, self.clip_eps, self.value_clip = epochs, clip_eps, value_clip
-        self.value_coef, self.entropy_coef = value_coef, entropy_coef
+        self.entropy_schedule = EntropySchedule.of(entropy_coef)
+        self.value_coef, self.entropy_coef = value_coef, self.entropy_schedule.at(0)
+        self.kl_estimator, self.off_policy, self.updates_done = kl_estimator, OffPolicy.of(off_policy), 0
         self.kl = AdaptiveKL(kl_coef, kl_target, kl_horizon)
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_head, self.peft_adapter = value_head, peft_adapter
@@ -146,7 +169,8 @@ class PPOTokensUpdater(ShufflingUpdater):
     def state_dict(self) -> dict:
         """Saved in checkpoints: the shuffling generator, the adapted KL coefficient and the reward scaler's
         statistics."""
-        return {**super().state_dict(), "kl_coef": self.kl.value, "task_rewards": self.task_rewards.state_dict()}
+        state = {**super().state_dict(), "kl_coef": self.kl.value, "task_rewards": self.task_rewards.state_dict()}
+        return {**state, "updates_done": self.updates_done} if self.entropy_schedule.scheduled else state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -154,9 +178,12 @@ class PPOTokensUpdater(ShufflingUpdater):
             self.kl.value = float(state["kl_coef"])
         if "task_rewards" in state:  # checkpoints written before reward scaling have none
             self.task_rewards.load_state_dict(state["task_rewards"])
+        self.updates_done = int(state.get("updates_done", 0))
 
     def update(self, batch: UpdateBatch, trainer: Trainer) -> dict[str, float]:
         rewards = check_inputs(batch, trainer, "ppo_tokens", need_reference=self.kl.value > 0, dense=True)
+        check_off_policy(batch, self.off_policy, "ppo_tokens")
+        self.entropy_coef = self.entropy_schedule.at(self.updates_done)
         beta = self.kl.value
         self.prepare(batch, trainer)
         prompts = first_pass(batch, trainer, rewards, self.peft_adapter, self.value_head, need_reference=beta > 0,
@@ -169,7 +196,7 @@ class PPOTokensUpdater(ShufflingUpdater):
             t = p.tensors
             policy = t.get("kl_logprobs", t["old_logprobs"])  # (nlpo: the unmasked policy's, not the ratio's)
             ref = t.get("ref_logprobs", policy)
-            rewards = kl_penalised_rewards(t["task_rewards"], policy, ref, p.mask, beta)
+            rewards = kl_penalised_rewards(t["task_rewards"], policy, ref, p.mask, beta, self.kl_estimator)
             values = t["values"] if "values" in t else torch.zeros_like(rewards)
             t["advantages"], t["returns"] = token_gae(rewards, values, p.mask, self.gamma, self.lam)
             collected["kl"] += collected_kl(policy, ref, p.mask)
@@ -184,13 +211,17 @@ class PPOTokensUpdater(ShufflingUpdater):
                 p.tensors["advantages"] = advantages
         totals = trainer.sum_across_replicas([collected["kl"], collected["continuations"]])
         mean_kl = float(totals[0] / max(float(totals[1]), 1.0))
+        mismatch = off_policy_weights(prompts, self.off_policy)
 
         passes = train_epochs(batch, trainer, prompts, self.minibatch_loss, self.epochs, self.generator)
         n = max(collected["continuations"], 1.0)
         stats = passes.token_means()
         stats.update(reward=collected["reward"] / n, kl=collected["kl"] / n, kl_coef=beta,
                      value_error=collected["value_error"] / max(collected["tokens"], 1.0),
-                     tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl)
+                     tokens=int(collected["tokens"]), samples=len(batch), batch_kl=mean_kl, **mismatch)
+        if self.entropy_schedule.scheduled:
+            stats["entropy_coef"] = self.entropy_coef
+        self.updates_done += 1
         if self.task_rewards.scale is not None:
             stats["reward_divisor"] = divisor
         self.kl.update(mean_kl, int(totals[1]))
@@ -205,11 +236,12 @@ class PPOTokensUpdater(ShufflingUpdater):
         terms = token_ppo_losses(logp.float(), m.take("old_logprobs", logp), m.take("advantages", logp), values,
                                  m.take("values", logp) if self.value_head else None, m.take("returns", logp),
                                  self.clip_eps, self.value_clip)
-        per_token = penalised(terms.policy + self.value_coef * terms.value,
+        policy = terms.policy * m.take("is_weights", logp) if self.off_policy.active else terms.policy
+        per_token = penalised(policy + self.value_coef * terms.value,
                               entropy=entropy if self.entropy_coef != 0 else None, entropy_coef=self.entropy_coef)
         per_prompt = aggregate(per_token, mask, "sequence", out.candidate_context, out.num_contexts)
         return MinibatchTerms(m.batch.mean(per_prompt), mask, {
-            "policy_loss": terms.policy, "value_loss": terms.value, "approx_kl": terms.approx_kl,
+            "policy_loss": policy, "value_loss": terms.value, "approx_kl": terms.approx_kl,
             "clip_fraction": terms.clipped, "entropy": entropy})
 
     def prepare(self, batch: UpdateBatch, trainer: Trainer) -> None:

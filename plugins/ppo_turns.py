@@ -33,7 +33,10 @@ Advantages, one per turn, spread over the turn's tokens:
   (:func:`~llmrl.plugins.rl_math.group_episode_advantages`; ``gamma`` < 1 favours shorter episodes).
 
 Per model token: PPO's clipped policy loss with ``ratio = exp(logprob - old_logprob)``, plus ``kl_coef`` x the
-KL estimator to the reference (:func:`~llmrl.plugins.rl_math.kl_k3`), minus ``entropy_coef`` x the entropy.
+KL estimator to the reference (:func:`~llmrl.plugins.rl_math.kl_k3`, or the ``kl_estimator`` chosen), minus
+``entropy_coef`` x the entropy (which may decay linearly over updates). With ``off_policy`` and the sampler's
+``behaviour_logprobs`` (the trajectory's ``sampling_logprobs``), the policy term is weighed by truncated or masked
+importance weights over the model's tokens (:mod:`llmrl.plugins.rl_math.off_policy`).
 Normalisation: an episode's model tokens are averaged (environment tokens weigh nothing), plus, for ``ppo_turns``,
 ``value_coef`` x the mean over its turns of the (clipped) value loss; then a start's episodes are averaged, then
 starts (:meth:`UpdateBatch.mean`).
@@ -53,11 +56,13 @@ this module reads the turns, gives the advantages and the loss of a minibatch (:
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass, field
 
 import torch
 
 from llmrl.plugins.contracts import ShufflingUpdater, Trainer, UpdateBatch
 from llmrl.plugins.rl_math import (
+    OffPolicy,
     group_episode_advantages,
     kl_penalty,
     penalised,
@@ -68,9 +73,31 @@ from llmrl.plugins.rl_math import (
     turn_spans,
     whiten_batch,
 )
+from llmrl.plugins.rl_math.variants import EntropySchedule
 from llmrl.plugins.rollouts import PromptRows, first_pass, token_rows_of
-from llmrl.plugins.token_policy import Minibatch, MinibatchTerms, policy_forward, train_epochs
-from llmrl.plugins.updater_args import describe, updater_schema
+from llmrl.plugins.token_policy import (
+    Minibatch,
+    MinibatchTerms,
+    check_off_policy,
+    off_policy_weights,
+    policy_forward,
+    train_epochs,
+)
+from llmrl.plugins.updater_args import SCHEDULED_ENTROPY_COEF, describe, updater_schema
+
+
+@dataclass(frozen=True)
+class TurnTerms:
+    """The loss's optional terms both turn updaters take: the entropy bonus's schedule, the KL estimator and the
+    off-policy correction."""
+
+    entropy: EntropySchedule = field(default_factory=EntropySchedule)
+    kl_estimator: str = "k3"
+    off_policy: OffPolicy = field(default_factory=OffPolicy)
+
+    @classmethod
+    def of(cls, entropy_coef: float | dict, kl_estimator: str, off_policy: dict | None) -> TurnTerms:
+        return cls(EntropySchedule.of(entropy_coef), kl_estimator, OffPolicy.of(off_policy))
 
 
 def read_turns(batch: UpdateBatch, prompts: list[PromptRows], name: str) -> list[list[torch.Tensor]]:
@@ -159,16 +186,26 @@ class TurnUpdater(ShufflingUpdater):
 
     name = "turns"
     per_sample_args = {"model_mask": "token", "turn_rewards": "candidate", "old_logprobs": "token",
-                       "ref_logprobs": "token", "bootstrap": "candidate"}
+                       "ref_logprobs": "token", "bootstrap": "candidate", "behaviour_logprobs": "token"}
     whole_args: tuple = ()  # nothing else: any other keyword argument is refused
     value_head: str | None = None  # no critic (grpo_turns): no value term
     value_clip: float | None = None
 
-    def __init__(self, epochs: int, clip_eps: float, kl_coef: float, entropy_coef: float, gamma: float,
-                 peft_adapter: str | None, seed: int):
-        self.epochs, self.clip_eps, self.kl_coef, self.entropy_coef = epochs, clip_eps, kl_coef, entropy_coef
+    def __init__(self, epochs: int, clip_eps: float, kl_coef: float, gamma: float, peft_adapter: str | None,
+                 seed: int, terms: TurnTerms):
+        self.epochs, self.clip_eps, self.kl_coef = epochs, clip_eps, kl_coef
+        self.terms, self.entropy_coef, self.updates_done = terms, terms.entropy.at(0), 0
         self.gamma, self.peft_adapter = gamma, peft_adapter
         super().__init__(seed)
+
+    def state_dict(self) -> dict:
+        """The shuffling generator and, with an entropy schedule, the updates done (where the schedule is)."""
+        state = super().state_dict()
+        return {**state, "updates_done": self.updates_done} if self.terms.entropy.scheduled else state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.updates_done = int(state.get("updates_done", 0))
 
     def advantages(self, prompts: list[PromptRows], rewards: list[list[torch.Tensor]], trainer: Trainer) -> None:
         raise NotImplementedError
@@ -189,11 +226,16 @@ class TurnUpdater(ShufflingUpdater):
         if "bootstrap" in batch.kwargs and not self.value_head:
             raise ValueError(f"{self.name} has no critic to bootstrap truncated episodes from: drop bootstrap "
                              "(llmrl.episode_batch(groups) without bootstrap=True), or train with ppo_turns")
+        check_off_policy(batch, self.terms.off_policy, self.name)
+        self.entropy_coef = self.terms.entropy.at(self.updates_done)
         zeros = [torch.zeros(len(c)) for c in batch.candidates]
         prompts = first_pass(batch, trainer, zeros, self.peft_adapter, self.value_head,
                              need_reference=self.kl_coef > 0)
         rewards = read_turns(batch, prompts, self.name)
         self.advantages(prompts, rewards, trainer)
+        mismatch = off_policy_weights(prompts, self.terms.off_policy, mask_key="model_mask")
+        scheduled = {"entropy_coef": self.entropy_coef} if self.terms.entropy.scheduled else {}
+        self.updates_done += 1
         episodes = sum(len(r) for r in rewards)
         collected = {"reward": sum(float(r.sum()) for e in rewards for r in e),
                      "turns": sum(r.numel() for e in rewards for r in e)}
@@ -204,14 +246,15 @@ class TurnUpdater(ShufflingUpdater):
             # step would still move the weights along the optimizer's momentum
             return {"reward": collected["reward"] / max(episodes, 1), "turns": collected["turns"] / max(episodes, 1),
                     "tokens": int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), "samples": len(batch),
-                    "skipped": 1}
+                    "skipped": 1, **mismatch, **scheduled}
         passes = train_epochs(batch, trainer, prompts, self.minibatch_loss, self.epochs, self.generator)
         stats = passes.token_means()
         if "value_loss" in passes.sums:
             stats["value_loss"] = passes.sums["value_loss"] / max(collected["turns"] * self.epochs, 1)
             stats["value_error"] = self.value_error
         stats.update(reward=collected["reward"] / max(episodes, 1), turns=collected["turns"] / max(episodes, 1),
-                     tokens=int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), samples=len(batch))
+                     tokens=int(sum(float(p.tensors["model_mask"].sum()) for p in prompts)), samples=len(batch),
+                     **mismatch, **scheduled)
         return stats
 
     def minibatch_loss(self, trainer: Trainer, m: Minibatch) -> MinibatchTerms:
@@ -228,8 +271,10 @@ class TurnUpdater(ShufflingUpdater):
         terms = token_ppo_losses(logp.float(), m.take("old_logprobs", logp), m.take("advantages", logp), values,
                                  m.take("values", logp) if self.value_head else None,
                                  m.take("returns", logp) if self.value_head else None, self.clip_eps, self.value_clip)
-        kl = kl_penalty(logp.float(), m.take("ref_logprobs", logp) if self.kl_coef > 0 else None, like=terms.policy)
-        per_token = penalised(terms.policy, kl, self.kl_coef, entropy, self.entropy_coef)
+        kl = kl_penalty(logp.float(), m.take("ref_logprobs", logp) if self.kl_coef > 0 else None, like=terms.policy,
+                        estimator=self.terms.kl_estimator)
+        policy = terms.policy * m.take("is_weights", logp) if self.terms.off_policy.active else terms.policy
+        per_token = penalised(policy, kl, self.kl_coef, entropy, self.entropy_coef)
         per_token = torch.where(own, per_token, 0.0)
         per_episode = sequence_mean(per_token, own)  # (where: an environment token's term never reaches it)
         sums = {}
@@ -238,7 +283,7 @@ class TurnUpdater(ShufflingUpdater):
             per_episode = per_episode + self.value_coef * sequence_mean(terms.value, boundary)
             sums["value_loss"] = float((terms.value.detach() * boundary).sum())
         loss = m.batch.mean(per_prompt_mean(per_episode, out.candidate_context, out.num_contexts))
-        return MinibatchTerms(loss, own, {"policy_loss": terms.policy, "kl_penalty": kl, "clip_fraction": terms.clipped,
+        return MinibatchTerms(loss, own, {"policy_loss": policy, "kl_penalty": kl, "clip_fraction": terms.clipped,
                                           "approx_kl": terms.approx_kl, "entropy": entropy}, sums)
 
 
@@ -247,8 +292,10 @@ class PPOTurnsUpdater(TurnUpdater):
         epochs: passes over the batch per update (default 2).
         clip_eps: policy ratio clip (default 0.2).
         value_clip: value clip around the first pass's values (default 0.2; null disables).
-        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0).
+        value_coef / entropy_coef: loss weights (defaults 0.5 and 0.0); entropy_coef may be {start, end, updates}.
         kl_coef: weight of the per-token KL estimator to the reference (default 0: no reference pass).
+        kl_estimator: "k1", "k2" or "k3" (default), the per-token KL estimator in the loss.
+        off_policy: the correction from behaviour_logprobs (the sampler's) to the old log-probs (default: none).
         gamma / lam: GAE's discount and lambda per turn (defaults 1.0 and 0.95).
         whiten: whiten the turns' advantages over the whole batch (default true).
         value_head: the token-level head giving the value at each turn's boundary (default "value").
@@ -257,8 +304,9 @@ class PPOTurnsUpdater(TurnUpdater):
     """
 
     name = "ppo_turns"
-    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "entropy_coef", "kl_coef",
-                                 "value_head", "peft_adapter", "seed",
+    args_schema = updater_schema("epochs", "clip_eps", "value_clip", "value_coef", "kl_coef",
+                                 "value_head", "peft_adapter", "seed", "off_policy", "kl_estimator",
+                                 entropy_coef=SCHEDULED_ENTROPY_COEF,
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
                                  lam={"type": "number", "minimum": 0, "maximum": 1}, whiten={"type": "boolean"})
     describe(args_schema,
@@ -270,10 +318,11 @@ class PPOTurnsUpdater(TurnUpdater):
              value_head="the token-level head giving the value at each turn's boundary")
 
     def __init__(self, epochs: int = 2, clip_eps: float = 0.2, value_clip: float | None = 0.2,
-                 value_coef: float = 0.5, entropy_coef: float = 0.0, kl_coef: float = 0.0, gamma: float = 1.0,
+                 value_coef: float = 0.5, entropy_coef: float | dict = 0.0, kl_coef: float = 0.0, gamma: float = 1.0,
                  lam: float = 0.95, whiten: bool = True, value_head: str = "value", peft_adapter: str | None = None,
-                 seed: int = 0):
-        super().__init__(epochs, clip_eps, kl_coef, entropy_coef, gamma, peft_adapter, seed)
+                 seed: int = 0, kl_estimator: str = "k3", off_policy: dict | None = None):
+        super().__init__(epochs, clip_eps, kl_coef, gamma, peft_adapter, seed,
+                         TurnTerms.of(entropy_coef, kl_estimator, off_policy))
         if not value_head:
             raise ValueError("ppo_turns needs a token-level value head (value_head); without a critic use grpo_turns")
         self.value_clip, self.value_coef, self.lam, self.whiten = value_clip, value_coef, lam, whiten
@@ -308,7 +357,9 @@ class GRPOTurnsUpdater(TurnUpdater):
         epochs: passes over the batch per update (default 1).
         clip_eps: policy ratio clip (default 0.2).
         kl_coef: weight of the per-token KL estimator to the reference (default 0: no reference pass).
-        entropy_coef: entropy bonus (default 0).
+        entropy_coef: entropy bonus (default 0), or {start, end, updates}: linear over updates.
+        kl_estimator: "k1", "k2" or "k3" (default), the per-token KL estimator in the loss.
+        off_policy: the correction from behaviour_logprobs (the sampler's) to the old log-probs (default: none).
         gamma: discount per turn of the episode returns (default 1.0).
         scale_rewards: divide by the group's standard deviation of episode returns (default true).
         peft_adapter: the LoRA adapter to train (default: the active one).
@@ -316,7 +367,8 @@ class GRPOTurnsUpdater(TurnUpdater):
     """
 
     name = "grpo_turns"
-    args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "entropy_coef", "peft_adapter", "seed",
+    args_schema = updater_schema("epochs", "clip_eps", "kl_coef", "peft_adapter", "seed", "off_policy",
+                                 "kl_estimator", entropy_coef=SCHEDULED_ENTROPY_COEF,
                                  gamma={"type": "number", "minimum": 0, "maximum": 1},
                                  scale_rewards={"type": "boolean"})
     describe(args_schema,
@@ -324,9 +376,12 @@ class GRPOTurnsUpdater(TurnUpdater):
              gamma="discount per turn of the episode returns",
              scale_rewards="divide by the group's standard deviation of episode returns")
 
-    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.0, entropy_coef: float = 0.0,
-                 gamma: float = 1.0, scale_rewards: bool = True, peft_adapter: str | None = None, seed: int = 0):
-        super().__init__(epochs, clip_eps, kl_coef, entropy_coef, gamma, peft_adapter, seed)
+    def __init__(self, epochs: int = 1, clip_eps: float = 0.2, kl_coef: float = 0.0,
+                 entropy_coef: float | dict = 0.0, gamma: float = 1.0, scale_rewards: bool = True,
+                 peft_adapter: str | None = None, seed: int = 0, kl_estimator: str = "k3",
+                 off_policy: dict | None = None):
+        super().__init__(epochs, clip_eps, kl_coef, gamma, peft_adapter, seed,
+                         TurnTerms.of(entropy_coef, kl_estimator, off_policy))
         self.scale_rewards = scale_rewards
 
     def advantages(self, prompts, rewards, trainer) -> None:

@@ -9,7 +9,8 @@ when there is one), each as long as the continuation's scored tokens. This modul
 ``[continuations, tokens]`` float32 rows in the order of :class:`~llmrl.plugins.contracts.ForwardOutputs`
 (prompts in order, their continuations in order), and refuses wrong shapes with an error naming the argument and
 the prompt. Before any pass, :func:`check_inputs` refuses a call these updaters cannot train on; :func:`first_pass`
-runs the gradient-free pass over the batch (old log-probs, values, reference log-probs) and keeps what it computed
+runs the gradient-free pass over the batch (old log-probs, values, reference log-probs; the sampler's
+``behaviour_logprobs`` laid out when given) and keeps what it computed
 per prompt (:class:`PromptRows`), which the training passes read back in minibatch order (:func:`join_prompts`).
 
 It computes no loss and no advantage: the maths is in :mod:`llmrl.plugins.rl_math`, the algorithms in
@@ -222,6 +223,9 @@ def first_pass(batch: UpdateBatch, trainer: Trainer, rewards: list[torch.Tensor]
         if given_ref:
             rows["ref_logprobs"] = token_rows_of(mb.kwargs["ref_logprobs"], counts, lengths, mb.indices,
                                                  "ref_logprobs")
+        if "behaviour_logprobs" in mb.kwargs:  # the sampler's, for the off-policy correction
+            rows["behaviour_logprobs"] = token_rows_of(mb.kwargs["behaviour_logprobs"], counts, lengths, mb.indices,
+                                                       "behaviour_logprobs")
         if reward_rows:
             rows["task_rewards"] = reward_rows_of(mb.kwargs["rewards"], counts, lengths, mb.indices)
         if value_head:

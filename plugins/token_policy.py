@@ -7,7 +7,9 @@ What a minibatch's loss is, and which statistics it adds, is the updater's: it p
 function ``(trainer, minibatch) -> MinibatchTerms`` (:data:`MinibatchLoss`), which receives a :class:`Minibatch`
 (the sub-batch, the first pass's rows of its samples and, for ``grpo``'s ``batch_token`` loss, its optimizer step's
 token total) and returns :class:`MinibatchTerms` (the scalar to back-propagate, per-token terms to report and
-other sums). :func:`policy_forward` is the training pass most of them make.
+other sums). :func:`policy_forward` is the training pass most of them make. :func:`off_policy_weights` sets, once
+per update, each sample's importance weights from the sampler's ``behaviour_logprobs`` (the updaters' ``off_policy``
+argument; the maths is :mod:`llmrl.plugins.rl_math.off_policy`) and gives the mismatch statistics.
 
 This module computes no loss, no advantage and no statistic of its own, reads no per-sample argument and runs no
 first pass (:mod:`llmrl.plugins.rollouts` does); the maths is in :mod:`llmrl.plugins.rl_math`.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmrl.plugins.contracts import Trainer, UpdateBatch
+from llmrl.plugins.rl_math.off_policy import OffPolicy, importance_weights, mismatch_stats
 from llmrl.plugins.rollouts import PromptRows, join_prompts
 
 
@@ -111,3 +114,31 @@ def policy_forward(trainer: Trainer, mb: UpdateBatch, peft_adapter: str | None, 
                           entropy=entropy)
     logp, mask = out.tokens_by_candidate()
     return out, logp, mask, out.tokens_by_candidate(out.token_entropy)[0].float() if entropy else None
+
+
+def check_off_policy(batch: UpdateBatch, options: OffPolicy, name: str) -> None:
+    """Refuse, before any pass, a correction without the sampler's log-probs to correct from."""
+    if options.active and "behaviour_logprobs" not in batch.kwargs:
+        raise ValueError(f"{name}'s off_policy mode {options.mode!r} weighs each token by exp(old_logprob - "
+                         "behaviour_logprob): pass behaviour_logprobs (per continuation, the sampler's log-prob of "
+                         "each token: generate's sampling_logprobs) in caller.update(...), or set off_policy mode none")
+
+
+def off_policy_weights(prompts: list[PromptRows], options: OffPolicy, mask_key: str | None = None
+                       ) -> dict[str, float]:
+    """With the sampler's ``behaviour_logprobs`` in the rows: each prompt's ``[k, T]`` ``is_weights`` (its
+    importance weights over its tokens, ``mask`` or ``tensors[mask_key]``; set only when ``options`` corrects) and
+    the mismatch statistics of this replica's tokens (:func:`~llmrl.plugins.rl_math.off_policy.mismatch_stats`).
+    Without them: no weights and no statistics."""
+    if not prompts or "behaviour_logprobs" not in prompts[0].tensors:
+        return {}
+    ratios, corrected = [], []
+    for p in prompts:
+        mask = p.mask if mask_key is None else p.tensors[mask_key].bool()
+        log_ratio = p.tensors["old_logprobs"] - p.tensors["behaviour_logprobs"]
+        weights, hit = importance_weights(log_ratio, mask, options)
+        if options.active:
+            p.tensors["is_weights"] = weights
+        ratios.append(log_ratio[mask])
+        corrected.append(hit[mask])
+    return mismatch_stats(torch.cat(ratios), torch.cat(corrected))

@@ -22,6 +22,24 @@ SHARED_ARGS: dict[str, dict] = {
     "value_head": {"type": ["string", "null"]},
     "peft_adapter": {"type": ["string", "null"]},
     "seed": {"type": "integer"},
+    # the enums are rl_math's MODES, LEVELS (off_policy.py) and KL_ESTIMATORS (kl.py); a test checks they agree
+    "off_policy": {"type": ["object", "null"], "additionalProperties": False,
+                   "properties": {"mode": {"enum": ["none", "tis", "mis", "icepop"]},
+                                  "level": {"enum": ["token", "sequence", "geometric"]},
+                                  "low": {"type": "number", "minimum": 0},
+                                  "high": {"type": "number", "exclusiveMinimum": 0}}},
+    "kl_estimator": {"enum": ["k1", "k2", "k3"]},
+}
+
+# ``entropy_coef`` of the token-level policy updaters: a number, or a linear schedule over updates
+# (:class:`llmrl.plugins.rl_math.variants.EntropySchedule`); an updater passes it as its own ``entropy_coef``.
+SCHEDULED_ENTROPY_COEF = {
+    "oneOf": [{"type": "number"},
+              {"type": "object", "additionalProperties": False, "required": ["start", "end", "updates"],
+               "properties": {"start": {"type": "number"}, "end": {"type": "number"},
+                              "updates": {"type": "integer", "minimum": 1}}}],
+    "description": "weight of the entropy bonus: a number, or {start, end, updates}: linear from start to end over "
+                   "that many updates, then end",
 }
 
 SHARED_DESCRIPTIONS: dict[str, str] = {
@@ -35,6 +53,12 @@ SHARED_DESCRIPTIONS: dict[str, str] = {
     "value_head": "the head key giving the values (null: no critic)",
     "peft_adapter": "the LoRA adapter to train (null: the active one)",
     "seed": "seed of the minibatch shuffling",
+    "off_policy": "importance-sampling correction from behaviour_logprobs (the sampler's) to the old log-probs: "
+                  "{mode: none | tis | mis | icepop, level: token | sequence | geometric, low, high}; tis truncates "
+                  "the weight at high (default 2), mis masks weights outside [low, high] (defaults 0 and 2), icepop "
+                  "likewise with [0.5, 5] (null: none)",
+    "kl_estimator": "the per-token KL estimator to the reference: k1 (logprob - ref), k2 ((logprob - ref)^2 / 2) or "
+                    "k3 (exp(ref - logprob) - (ref - logprob) - 1)",
 }
 
 

@@ -226,12 +226,13 @@ KNOWN_LONG_SIGNATURES = {
     "engine/model/scoring/packed.py::_packed_call": 10,
     "engine/model/scoring/run.py::run_batch": 10,
     "engine/model/training/trainer.py::EngineTrainer.forward": 10,
-    "plugins/grpo.py::GRPOUpdater.__init__": 10,  # updaters: one parameter per config key
+    "plugins/grpo.py::GRPOUpdater.__init__": 13,  # updaters: one parameter per config key
     "plugins/ilql.py::ILQLUpdater.__init__": 12,
     "plugins/ppo.py::ppo_terms": 10,
     "plugins/ppo.py::PPOUpdater.__init__": 10,
-    "plugins/ppo_tokens.py::PPOTokensUpdater.__init__": 17,
-    "plugins/ppo_turns.py::PPOTurnsUpdater.__init__": 12,
+    "plugins/ppo_tokens.py::PPOTokensUpdater.__init__": 19,
+    "plugins/ppo_turns.py::GRPOTurnsUpdater.__init__": 10,
+    "plugins/ppo_turns.py::PPOTurnsUpdater.__init__": 14,
     "plugins/rl_math/ilql.py::ilql_losses": 10,
     "plugins/trainer_api.py::Trainer.forward": 10,
 }

@@ -18,11 +18,15 @@ the per-token losses of client-owned training steps (:func:`token_loss`: ``cross
 :data:`TOKEN_LOSSES`, with Tinker's names, inputs and definitions; a new one is one decorated function, see
 :func:`register_token_loss`). The engine serves the token losses and the client's episode helpers use the turn
 returns, so those live in :mod:`llmrl.engine.token_losses` and :mod:`llmrl.engine.episode_returns` (the engine never
-imports a built-in plugin) and are re-exported here, with the same names. Three submodules hold the maths of one
-family each, re-exported
-here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO, robust DPO, IPO),
-:mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and :func:`polyak_update`) and
-:mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and :func:`masked_logprobs`).
+imports a built-in plugin) and are re-exported here, with the same names. Submodules hold the maths of one
+family each, re-exported here: :mod:`~llmrl.plugins.rl_math.preference` (``dpo``'s :func:`preference_loss`: DPO,
+robust DPO, IPO), :mod:`~llmrl.plugins.rl_math.ilql` (``ilql``'s :func:`ilql_losses`, steered logits and
+:func:`polyak_update`), :mod:`~llmrl.plugins.rl_math.masking` (``nlpo``'s :func:`top_p_mask` and
+:func:`masked_logprobs`), :mod:`~llmrl.plugins.rl_math.kl` (the KL estimators k1, k2, k3: :func:`kl_k3`,
+:func:`kl_estimate`, :func:`kl_penalty`), :mod:`~llmrl.plugins.rl_math.off_policy` (truncated and masked importance
+sampling from the sampler's log-probs, the mismatch statistics), :mod:`~llmrl.plugins.rl_math.variants` (GSPO's and
+CISPO's policy terms on rows, the entropy schedule) and :mod:`~llmrl.plugins.rl_math.dapo` (DAPO's overlong penalty
+and dynamic sampling filter, for scripts).
 
 What is not: no function reads a batch, calls the model or talks to other replicas (the updaters in
 :mod:`llmrl.plugins.ppo`, :mod:`llmrl.plugins.ppo_tokens`, :mod:`llmrl.plugins.grpo` and
@@ -195,19 +199,6 @@ def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return ((torch.exp(log_ratio) - 1.0) - log_ratio).detach()
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per token, ``exp(ref - logprob) - (ref - logprob) - 1``: the non-negative, unbiased estimator of
-    KL(policy || reference) of DeepSeekMath (Schulman's k3)."""
-    diff = ref_logprobs - logprobs
-    return torch.exp(diff) - diff - 1.0
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Per token, the KL estimator to the reference (:func:`kl_k3`), or zeros shaped ``like`` without a reference
-    (no KL term)."""
-    return torch.zeros_like(like) if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
-
-
 def collected_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
     """The summed per-token log-ratio ``logprob - ref_logprob`` over the real tokens of ``[n, T]`` rows: the KL of
     the collecting policy to the reference, summed over the continuations (the updaters report its mean)."""
@@ -222,13 +213,14 @@ def categorical_kl(logits: torch.Tensor, base_logits: torch.Tensor, mask: torch.
 
 
 def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                         mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """``[n, T]`` per-token rewards: ``-kl_coef * (logprob - ref_logprob)`` on every real token, plus the task's
-    rewards: with ``scores`` of shape ``[n]``, ``scores[i]`` on row ``i``'s last real token; with ``[n, T]`` (dense
-    rewards, one per token, as trlX's reward functions may return), ``scores[i, t]`` on token ``t``. Zeros after
-    each row's end."""
+                         mask: torch.Tensor, kl_coef: float, estimator: str = "k1") -> torch.Tensor:
+    """``[n, T]`` per-token rewards: ``-kl_coef * KL_t`` on every real token (``KL_t`` the ``estimator``'s,
+    :func:`kl_estimate`; ``k1``: ``logprob - ref_logprob``), plus the task's rewards: with ``scores`` of shape
+    ``[n]``, ``scores[i]`` on row ``i``'s last real token; with ``[n, T]`` (dense rewards, one per token, as trlX's
+    reward functions may return), ``scores[i, t]`` on token ``t``. Zeros after each row's end."""
     mask_f = mask.float()
-    rewards = -kl_coef * (logprobs - ref_logprobs) * mask_f
+    kl = (logprobs - ref_logprobs) if estimator == "k1" else kl_estimate(logprobs, ref_logprobs, estimator)
+    rewards = -kl_coef * kl * mask_f
     if scores.dim() == 2:
         return rewards + scores * mask_f
     lengths = mask.sum(1)
@@ -374,6 +366,15 @@ from llmrl.engine.token_losses import (  # noqa: E402,F401
     token_loss,
     token_loss_settings,
 )
+from llmrl.plugins.rl_math.dapo import keep_varied_groups, overlong_penalty  # noqa: E402,F401
 from llmrl.plugins.rl_math.ilql import ilql_losses, polyak_update  # noqa: E402,F401
+from llmrl.plugins.rl_math.kl import KL_ESTIMATORS, kl_estimate, kl_k3, kl_penalty  # noqa: E402,F401
 from llmrl.plugins.rl_math.masking import masked_logprobs, top_p_mask  # noqa: E402,F401
+from llmrl.plugins.rl_math.off_policy import (  # noqa: E402,F401
+    OffPolicy,
+    correct_datums,
+    importance_weights,
+    mismatch_stats,
+)
 from llmrl.plugins.rl_math.preference import preference_loss  # noqa: E402,F401
+from llmrl.plugins.rl_math.variants import EntropySchedule, policy_loss  # noqa: E402,F401
