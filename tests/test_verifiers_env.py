@@ -7,6 +7,7 @@ whose ``respond`` raises or hangs ends with its error, and the batch goes on and
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -22,9 +23,9 @@ from llmrl.engine.envs.verifiers_env import Play, run_verifiers  # noqa: E402
 TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}"
     "{%- endfor %}{{- '\n</tools><|im_end|>\n' }}{%- endif %}"
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') }}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m.get('content') or '') }}"
     "{% for c in m.get('tool_calls') or [] %}{{ '<tool_call>{\"name\": \"' + c['function']['name'] + "
-    "'\", \"arguments\": ' + c['function']['arguments'] + '}</tool_call>' }}{% endfor %}"
+    "'\", \"arguments\": ' + (c['function']['arguments'] | tojson) + '}</tool_call>' }}{% endfor %}"
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 KEY = "llmrl-test-key"
 
@@ -132,7 +133,7 @@ def test_a_tool_call_runs_the_python_tool_and_its_result_reaches_the_model(serve
 
     result = run_verifiers(endpoint, [Tool(vf.TaskData(prompt="What is 2+3? Use the tool."))],
                            Play(k=2, concurrency=1, tools=(add,)))
-    assert [r.reward for r in result.rollouts[0]] == [1.0, 0.0]
+    assert [r.reward for r in result.rollouts[0]] == [1.0, 0.0], [r.error for r in result.rollouts[0]]
     rollout = result.rollouts[0][0]
     assert [m["role"] for m in rollout.messages] == ["user", "assistant", "tool", "assistant"]
     assert rollout.messages[2]["content"] == "5"
@@ -140,7 +141,9 @@ def test_a_tool_call_runs_the_python_tool_and_its_result_reaches_the_model(serve
     schema = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
     (trajectory,) = rollout.trajectories
-    second_prompt = rendered(tokenizer, rollout.messages[:-1], [schema])
+    as_sent = json.loads(json.dumps(rollout.messages[:-1]))  # the endpoint gives templates the arguments as a mapping
+    as_sent[1]["tool_calls"][0]["function"]["arguments"] = {"a": 2, "b": 3}
+    second_prompt = rendered(tokenizer, as_sent, [schema])
     assert caller.calls[1][0] == [second_prompt]
     assert trajectory.ids == second_prompt + sample_ids(caller, "5")
     assert [trajectory.ids[t.start:t.end] for t in trajectory.turns] == [sample_ids(caller, call),
