@@ -135,7 +135,8 @@ class VerifiersResult:
         return {"rollouts": len(flat), "trainable": sum(r.trainable for r in flat),
                 "failed": sum(r.error is not None for r in flat),
                 "forked": sum(r.error is None and len(r.trajectories) > 1 for r in flat),
-                "truncated": sum(r.truncated for r in flat), "groups": kept, "groups_left_out": len(self.rollouts) - kept,
+                "truncated": sum(r.truncated for r in flat), "groups": kept,
+                "groups_left_out": len(self.rollouts) - kept,
                 "mean_reward": sum(scored) / len(scored) if scored else None,
                 "errors": {r.rollout_id: r.error for r in flat if r.error is not None}}
 
