@@ -1,7 +1,8 @@
 """A small OpenEnv environment served on loopback for tests: :class:`GuessEnvironment` (game ``seed``: guess a
 number from 1 to 10; each step says ``higher``, ``lower`` or ``right``, reward 1 when right, -0.1 otherwise, done
-when right or after four guesses; a guess of 0 makes the environment raise), served by ``openenv.core.create_app`` under uvicorn on a
-thread of the test process (:func:`serve`), ready once its ``/health`` answers."""
+when right or after four guesses; a guess of 0 makes the environment raise), served by
+``openenv.core.create_app`` under uvicorn on a thread of the test process (:func:`serve`), ready once its
+``/health`` answers."""
 
 from __future__ import annotations
 
