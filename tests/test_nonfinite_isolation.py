@@ -77,9 +77,8 @@ def adapters_model() -> torch.nn.Module:
 
 
 def served_training(model, adapters=("x", "y")) -> SimpleNamespace:
-    from llmrl.engine.model.training.optimizer import AdapterSteps, param_groups
-
     from llmrl.engine.model.served_state import RunTimeAdapters
+    from llmrl.engine.model.training.optimizer import AdapterSteps, param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, list(adapters)), lr=1e-2, weight_decay=0.1)
     return SimpleNamespace(adapter_steps=AdapterSteps(optimizer), adapters=list(adapters), module=model,
