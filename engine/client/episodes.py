@@ -15,7 +15,10 @@ token-exact :class:`~llmrl.engine.client.trajectory.Trajectory` of chat turns, i
 
 The environments are split in two halves: while the servers compute one half's actions (the ``*_async`` futures),
 the other half's environments step. Every episode ends when its environment says done, after ``max_turns``, or
-when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which). A
+when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which), or
+when its environment fails: a ``step`` that raises, answers in another shape, with an observation that is not text
+or a reward that is not finite ends that episode alone, with ``Episode.error`` saying why (``cut_by`` is
+``"error"``), and the others go on; :func:`episode_batch` leaves it out. A
 truncated episode's trajectory keeps the state it was cut in (the last observation and the next generation prompt:
 what a critic bootstraps from); an ended one stops at the model's last turn.
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
@@ -33,6 +36,7 @@ import random
 from dataclasses import dataclass, field
 
 from llmrl.engine.client.trajectory import Trajectory
+from llmrl.engine.log import logger
 
 MODES = ("choose", "write")
 
@@ -45,7 +49,8 @@ class Episode:
     infos: list[dict] = field(default_factory=list)
     done: bool = False
     truncated: bool = False  # cut short: by max_turns or max_prompt_tokens, or by the environment's `truncated`
-    cut_by: str | None = None  # what cut it short: "max_turns", "max_prompt_tokens" or "environment"
+    cut_by: str | None = None  # what cut it short: "max_turns", "max_prompt_tokens", "environment" or "error"
+    error: str | None = None  # why the environment failed it (its step raised or answered malformed): not trained on
     _info: dict = field(default_factory=dict, repr=False)  # the latest info (admissible actions)
 
     @property
@@ -161,8 +166,9 @@ def _reset(env, index: int):
     return result
 
 
-def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
-    episode.trajectory.add_sample(sample)
+def _step(env, index: int, action: str) -> tuple:
+    """``env.step(action)`` as ``(observation, reward, terminated, truncated, info)``; raises naming the environment
+    when it answers in another shape, with an observation that is not text or a reward that is not finite."""
     result = env.step(action)
     if isinstance(result, tuple) and len(result) == 5:  # gymnasium
         observation, reward, terminated, cut, info = result
@@ -172,8 +178,31 @@ def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turn
         raise TypeError(f"envs[{index}].step() must return (observation, reward, terminated, truncated, info) or "
                         f"(observation, reward, done, info); got {type(result).__name__}"
                         f"{f' of {len(result)}' if isinstance(result, tuple) else ''}")
+    if not terminated and not isinstance(observation, str):
+        raise TypeError(f"envs[{index}].step() returned an observation of type {type(observation).__name__}; "
+                        "observations are text")
+    reward = float(reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"envs[{index}].step() returned the reward {reward}, which is not finite")
+    return observation, reward, terminated, cut, info
+
+
+def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
+    episode.trajectory.add_sample(sample)
+    try:
+        observation, reward, terminated, cut, info = _step(env, index, action)
+    except Exception as err:  # noqa: BLE001 - this episode ends with the error; the others go on
+        episode.error = f"{type(err).__name__}: {err}"
+        episode.actions.append(action)
+        episode.rewards.append(0.0)
+        episode.infos.append({"error": episode.error})
+        episode.done = episode.truncated = True
+        episode.cut_by = "error"
+        logger.warning(f"environment {index} failed at turn {len(episode.actions)}; its episode ends here and is "
+                       f"left out of episode_batch ({episode.error})")
+        return
     episode.actions.append(action)
-    episode.rewards.append(float(reward))
+    episode.rewards.append(reward)
     episode.infos.append(dict(info or {}))
     episode._info = dict(info or {})
     episode.done = bool(terminated) or bool(cut) or len(episode.actions) >= max_turns
@@ -204,7 +233,8 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
     the candidates are each episode's ids after it up to its last model token (an observation after it carries no
     loss), with its ``model_mask``, ``turn_rewards`` and ``old_logprobs`` (the log-probs its tokens were sampled
     with). Refuses a group whose episodes do not share their start ids, and an
-    episode whose numbers of turns and rewards differ.
+    episode whose numbers of turns and rewards differ. An episode whose environment failed (``Episode.error``) is
+    left out, with a warning saying how many were; a group left with none is dropped.
 
     ``bootstrap=True`` (``ppo_turns``): a truncated episode's candidate goes on to the state it was cut in (the
     last observation and the next generation prompt, which its trajectory keeps) and one placeholder token, where
@@ -216,6 +246,12 @@ def episode_batch(groups, bootstrap: bool = False) -> dict:
     them, per group, per episode, per turn: ``update`` reports their staleness (see
     :mod:`llmrl.engine.policy_versions`)."""
     contexts, candidates, masks, rewards, old, flags, versions = [], [], [], [], [], [], []
+    failed = sum(ep.error is not None for group in groups for ep in group)
+    if failed:
+        logger.warning(f"episode_batch leaves out {failed} episode(s) whose environment failed (Episode.error)")
+        groups = [kept for kept in ([ep for ep in group if ep.error is None] for group in groups) if kept]
+        if not groups:
+            raise ValueError("every episode's environment failed (Episode.error): there is nothing to train on")
     for g, group in enumerate(groups):
         if not group:
             raise ValueError(f"group {g} holds no episode")
