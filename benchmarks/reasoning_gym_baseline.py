@@ -6,8 +6,8 @@
 Each task is a :class:`llmrl.engine.envs.ReasoningGymTask` (chat prompts, the default system prompt asking for
 ``<answer>...</answer>``); the completions are decoded greedily, left-padded in batches. Per task it prints the mean
 reward with the task's own extraction (``tag``, the dataset's ``score_answer``), the pass rate (reward 1), and a
-lenient score that reads the completion's first number or word instead (does the model know the answer but miss the
-format?). It writes nothing.
+lenient score that reads the first number or word after ``<answer>``, else the completion's last one (does the
+model know the answer but miss the format?). It writes nothing.
 """
 
 from __future__ import annotations
@@ -56,10 +56,13 @@ def complete(tokenizer, model, prompts: list, max_new_tokens: int, batch: int) -
 
 
 def lenient(completion: str) -> str | None:
-    """The first number or word after an opening answer tag if there is one, else in the completion."""
-    tail = completion.split("<answer>", 1)[-1]
-    match = FIRST_TOKEN.search(tail)
-    return match.group(0) if match else None
+    """The first number or word after an opening answer tag if there is one, else the completion's last one (an
+    explanation tends to end with its result)."""
+    if "<answer>" in completion:
+        match = FIRST_TOKEN.search(completion.split("<answer>", 1)[1])
+        return match.group(0) if match else None
+    found = FIRST_TOKEN.findall(completion)
+    return found[-1] if found else None
 
 
 def main() -> None:
@@ -67,8 +70,8 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--items", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1000)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=30)
     parser.add_argument("--tasks", default=",".join(CANDIDATES))
     args = parser.parse_args()
 

@@ -26,9 +26,9 @@ VERBS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in VERBS and hasattr(VERBS[argv[0]][0], "parse_argv"):
-        # Verbs that read their own command line: `run`, `eval`, `tinker` and `openai` (launcher options and overrides in
-        # any order, then the script's own arguments) and `validate` (options between overrides), which one
-        # argparse parser with sub-commands cannot express.
+        # Verbs that read their own command line: `run`, `eval`, `tinker` and `openai` (launcher options and
+        # overrides in any order, then the script's own arguments) and `validate` (options between overrides), which
+        # one argparse parser with sub-commands cannot express.
         module = VERBS[argv[0]][0]
         return module.main(module.parse_argv(argv[1:]))
     parser = argparse.ArgumentParser(prog="llmrl", description="Hugging Face LLMs as RL agents, on DeepSpeed ranks.")
