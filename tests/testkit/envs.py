@@ -44,3 +44,9 @@ class ThreeValueEnv(DoorEnv):
 
     def step(self, action: str):
         return super().step(action)[:3]
+
+
+def even_length_reward(prompt: str, completion: str) -> float:
+    """1.0 for a completion of an even number of characters: a reward that varies with what a random model writes
+    (the evaluation harness's live test)."""
+    return float(len(completion) % 2 == 0)
