@@ -2,12 +2,14 @@
 (no run, no servers): which task leaves a small model something to learn.
 
     .venv/bin/python -m benchmarks.reasoning_gym_baseline [--model builtin:smollm2-135m-instruct] [--items 30]
+        [--tasks leg_counting,count_bits] [--answer-format tag|last_line|last_number|full]
 
 Each task is a :class:`llmrl.engine.envs.ReasoningGymTask` (chat prompts, the default system prompt asking for
-``<answer>...</answer>``); the completions are decoded greedily, left-padded in batches. Per task it prints the mean
-reward with the task's own extraction (``tag``, the dataset's ``score_answer``), the pass rate (reward 1), and a
-lenient score that reads the first number or word after ``<answer>``, else the completion's last one (does the
-model know the answer but miss the format?). It writes nothing.
+``<answer>...</answer>``, or for the last line with ``--answer-format last_line`` or ``last_number``); the
+completions are decoded greedily, left-padded in batches. Per task it prints the mean reward with the task's own
+extraction and the dataset's ``score_answer``, the pass rate (reward 1), and a lenient score that reads the first
+number or word after ``<answer>``, else the completion's last one (does the model know the answer but miss the
+format?). It writes nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=30)
     parser.add_argument("--tasks", default=",".join(CANDIDATES))
+    parser.add_argument("--answer-format", default="tag", choices=("tag", "last_line", "last_number", "full"),
+                        help="the answer convention the prompts ask for and the reward reads")
     args = parser.parse_args()
 
     import torch
@@ -83,7 +87,8 @@ def main() -> None:
     tokenizer, model = load(args.model)
     print(f"{'task':18} {'reward':>7} {'pass':>6} {'lenient':>8} {'seconds':>8}  first completion")
     for name in args.tasks.split(","):
-        task = ReasoningGymTask(name, size=args.items, seed=args.seed, dataset_args=CANDIDATES[name])
+        task = ReasoningGymTask(name, size=args.items, seed=args.seed, dataset_args=CANDIDATES[name],
+                                answer_format=args.answer_format)
         start = time.perf_counter()
         completions = complete(tokenizer, model, task.prompts(), args.max_new_tokens, args.batch)
         rewards = [task.reward(i, c) for i, c in enumerate(completions)]

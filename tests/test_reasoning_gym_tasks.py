@@ -51,6 +51,19 @@ def test_last_line_extraction_and_text_prompts():
                                                                                                  entry)
 
 
+def test_last_number_extraction_reads_a_sentence():
+    task = ReasoningGymTask("basic_arithmetic", size=3, seed=2, answer_format="last_number",
+                            dataset_args={"max_digits": 1, "max_terms": 2})
+    reference = reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=2, max_digits=1, max_terms=2)
+    for index in range(3):
+        entry = reference[index]
+        assert task.reward(index, f"First 1 + 2 = 3, then the result is {entry['answer']}.") == 1.0
+        assert task.reward(index, f"The result is {entry['answer']}, or 123456.") == reference.score_answer(
+            "123456", entry)
+        assert task.reward(index, "I cannot tell.") == reference.score_answer(None, entry)
+    assert "last line" in task.prompts()[0][0]["content"]
+
+
 def test_chat_prompts_hold_the_system_prompt_and_the_question():
     task = ReasoningGymTask("count_bits", size=2, seed=5, system_prompt="Be brief. Use <answer> tags.")
     reference = reasoning_gym.create_dataset("count_bits", size=2, seed=5)

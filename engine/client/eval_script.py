@@ -40,7 +40,8 @@ def add_eval_arguments(parser) -> None:
                         help="reasoning-gym: the dataset's seed (keep it away from the seeds you train on)")
     parser.add_argument("--dataset-args", dest="dataset_args", default="{}",
                         help='reasoning-gym: the dataset\'s settings as JSON (\'{"max_digits": 1}\')')
-    parser.add_argument("--answer-format", dest="answer_format", default="tag", choices=("tag", "last_line", "full"),
+    parser.add_argument("--answer-format", dest="answer_format", default="tag",
+                        choices=("tag", "last_line", "last_number", "full"),
                         help="reasoning-gym: how the answer is read from a completion")
     parser.add_argument("--system-prompt", dest="system_prompt", default=None,
                         help="reasoning-gym: the instruction before each question (default: ask for <answer> tags)")

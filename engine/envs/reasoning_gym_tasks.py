@@ -4,8 +4,9 @@ verifier reward (a completion's text -> the dataset's own ``score_answer`` on th
 held-out splits (:meth:`ReasoningGymTask.held_out`).
 
 Answer extraction (``answer_format``): ``"tag"`` takes the last ``<answer>...</answer>`` (reasoning-gym's own
-convention, as ``reasoning_gym.utils.extract_answer``), ``"last_line"`` the last non-empty line, ``"full"`` the
-whole completion stripped; or pass a function ``completion -> str | None``. A completion with no answer scores what
+convention, as ``reasoning_gym.utils.extract_answer``), ``"last_line"`` the last non-empty line, ``"last_number"``
+the last number (numeric datasets, small models that answer in a sentence), ``"full"`` the whole completion
+stripped; or pass a function ``completion -> str | None``. A completion with no answer scores what
 ``score_answer(None, entry)`` gives (0.0 for every dataset we know).
 
 reasoning-gym draws entry ``i`` of a dataset with seed ``s`` from ``Random(s + i)``: seed 1's first entry is seed 0's
@@ -23,6 +24,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 DEFAULT_SYSTEM_PROMPT = ("Answer the question. Give only the final answer between <answer> and </answer> tags, "
                          "for example <answer>42</answer>.")
 LAST_LINE_SYSTEM_PROMPT = "Answer the question. Write the final answer alone on the last line."
@@ -40,13 +42,20 @@ def extract_last_line(completion: str) -> str | None:
     return lines[-1] if lines else None
 
 
+def extract_last_number(completion: str) -> str | None:
+    """The last number in ``completion`` (``-12``, ``3.5``); None when there is none. For small models that answer
+    in a sentence ("6 + 5 = 11, so the answer is 11.")."""
+    numbers = NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
 def extract_full(completion: str) -> str | None:
     """The whole completion, stripped; None when empty."""
     return completion.strip() or None
 
 
 EXTRACTORS: dict[str, Callable[[str], str | None]] = {
-    "tag": extract_tag, "last_line": extract_last_line, "full": extract_full}
+    "tag": extract_tag, "last_line": extract_last_line, "last_number": extract_last_number, "full": extract_full}
 
 
 def extractor(answer_format: str | Callable[[str], str | None]) -> Callable[[str], str | None]:
@@ -70,9 +79,9 @@ class ReasoningGymTask:
             ``reasoning_gym.create_dataset`` takes them.
         system_prompt: the instruction put before each question (a system message, or the first paragraph of a
             text prompt); None for none. The default asks for ``<answer>...</answer>``; with
-            ``answer_format="last_line"`` and the default, one that asks for the answer on the last line.
-        answer_format: how the answer is taken out of a completion: ``"tag"``, ``"last_line"``, ``"full"`` or a
-            function ``completion -> str | None``.
+            ``answer_format="last_line"`` or ``"last_number"``, for the answer on the last line.
+        answer_format: how the answer is taken out of a completion: ``"tag"``, ``"last_line"``,
+            ``"last_number"``, ``"full"`` or a function ``completion -> str | None``.
         chat: prompts as chat messages (for an instruct model's chat template); False: plain text.
         exclude_questions: questions to skip (the entries kept are the first ``size`` others).
 
@@ -98,7 +107,8 @@ class ReasoningGymTask:
         self.answer_format = answer_format
         self.extract = extractor(answer_format)
         if system_prompt is True:
-            system_prompt = LAST_LINE_SYSTEM_PROMPT if answer_format == "last_line" else DEFAULT_SYSTEM_PROMPT
+            last = answer_format in ("last_line", "last_number")
+            system_prompt = LAST_LINE_SYSTEM_PROMPT if last else DEFAULT_SYSTEM_PROMPT
         self.system_prompt = system_prompt or None
         excluded = set(exclude_questions)
         scan = 4 * (size + len(excluded)) + 16  # entries are drawn lazily: a large size costs nothing
