@@ -1,4 +1,4 @@
-"""The ``llmrl`` command: one verb per module (run, tinker, openai, validate, env, plugins, cache).
+"""The ``llmrl`` command: one verb per module (run, eval, tinker, openai, validate, env, plugins, cache).
 
 This module only parses the command line and dispatches; it holds no verb's logic."""
 
@@ -9,9 +9,11 @@ import sys
 from typing import NoReturn
 
 from llmrl.launch import cache, env, openai, plugins_list, run, tinker, validate
+from llmrl.launch import eval as eval_verb
 
 VERBS = {
     "run": (run, "launch a run: rank 0 runs SCRIPT, the other ranks serve the config's LLMs"),
+    "eval": (eval_verb, "evaluate a task (reasoning_gym:NAME, MODULE:ATTR): mean reward and pass@k with intervals"),
     "tinker": (tinker, "serve Tinker's REST API from a run (the tinker SDK and tinker-cookbook recipes train here)"),
     "openai": (openai, "serve an OpenAI-compatible API from a run (/v1/chat/completions, /v1/completions)"),
     "validate": (validate, "check a config without starting anything"),
@@ -24,9 +26,9 @@ VERBS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in VERBS and hasattr(VERBS[argv[0]][0], "parse_argv"):
-        # Verbs that read their own command line: `run`, `tinker` and `openai` (launcher options and overrides in
-        # any order, then the script's own arguments) and `validate` (options between overrides), which one
-        # argparse parser with sub-commands cannot express.
+        # Verbs that read their own command line: `run`, `eval`, `tinker` and `openai` (launcher options and
+        # overrides in any order, then the script's own arguments) and `validate` (options between overrides), which
+        # one argparse parser with sub-commands cannot express.
         module = VERBS[argv[0]][0]
         return module.main(module.parse_argv(argv[1:]))
     parser = argparse.ArgumentParser(prog="llmrl", description="Hugging Face LLMs as RL agents, on DeepSpeed ranks.")

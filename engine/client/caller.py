@@ -13,7 +13,9 @@ of its own module given what it uses in its constructor:
   script (``forward_backward``, ``optim_step``...);
 - :class:`~llmrl.engine.client.adapter_calls.AdapterCalls`: snapshots and adapters made at run time;
 - :class:`~llmrl.engine.client.tracking_calls.TrackingCalls`: experiment tracking (``log``, ``server_memory``);
-- :class:`~llmrl.engine.client.run_calls.RunCalls`: ``save``, ``ping``, ``servers``, ``close_llm``.
+- :class:`~llmrl.engine.client.run_calls.RunCalls`: ``save``, ``ping``, ``servers``, ``close_llm``;
+- :class:`~llmrl.engine.client.evaluation.Evaluation`: ``evaluate`` (a task's mean reward and pass@k, with
+  confidence intervals, through ``generate`` and ``log``).
 
 Each public method of the Caller is a thin delegation to its part (:func:`~llmrl.engine.client.call_context.delegated`
 gives it the part's docstring and checks the two signatures agree); the Caller itself holds the start-up,
@@ -36,6 +38,7 @@ from llmrl.engine.client import saving
 from llmrl.engine.client.adapter_calls import AdapterCalls
 from llmrl.engine.client.call_context import CallContext, delegated
 from llmrl.engine.client.episodes import Episode, run_episodes
+from llmrl.engine.client.evaluation import Evaluation
 from llmrl.engine.client.hosting import current_run, startup_bar
 from llmrl.engine.client.inference_calls import InferenceCalls
 from llmrl.engine.client.run_calls import RunCalls
@@ -96,6 +99,7 @@ class Caller:
         self._training: ClientTraining = ClientTraining(self._context, self._tracking)
         self._adapters: AdapterCalls = AdapterCalls(self._context)
         self._run_calls: RunCalls = RunCalls(self._context, seeds, self.tracker)
+        self._evaluation: Evaluation = Evaluation(self._inference.generate, self._tracking.log)
         target = self._context.target(llm)
         plugins: dict[str, dict[str, Any]] = {target: given} if given else {}
         bar = startup_bar(progress, len(run.roles))
@@ -294,6 +298,13 @@ class Caller:
     def load_adapter(self, path: str | os.PathLike, name: str, *, optimizer: bool = True,
                      llm: str | None = None) -> dict:
         return self._adapters.load_adapter(path, name, optimizer=optimizer, llm=llm)
+
+    @delegated(Evaluation.evaluate)
+    def evaluate(self, task, *, samples: int = 0, k: Sequence[int] | None = None, greedy: bool = True,
+                 seed: int = 0, ci: str = "normal", confidence: float = 0.95, log: bool | str = True,
+                 **generate_kwargs) -> dict:
+        return self._evaluation.evaluate(task, samples=samples, k=k, greedy=greedy, seed=seed, ci=ci,
+                                         confidence=confidence, log=log, **generate_kwargs)
 
     def run_episodes(self, envs, **kwargs) -> list[Episode]:
         """Play one episode in each of ``envs`` with this Caller's LLM as the agent (:func:`run_episodes`)."""

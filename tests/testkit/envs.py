@@ -2,7 +2,8 @@
 its gymnasium-shaped and misshapen variants).
 
 Reward 1 for ``"open door"``, 0 for anything else; the episode ends after ``turns`` steps. Observations name the
-room and the last action, so every turn's message differs. Test code, never shipped.
+room and the last action, so every turn's message differs. :func:`even_length_reward` is a reward the evaluation
+harness's live test can send to the run's client by reference. Test code, never shipped.
 """
 
 from __future__ import annotations
@@ -44,3 +45,9 @@ class ThreeValueEnv(DoorEnv):
 
     def step(self, action: str):
         return super().step(action)[:3]
+
+
+def even_length_reward(prompt: str, completion: str) -> float:
+    """1.0 for a completion of an even number of characters: a reward that varies with what a random model writes
+    (the evaluation harness's live test)."""
+    return float(len(completion) % 2 == 0)
