@@ -36,6 +36,7 @@ from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+from llmrl.engine.model.training.own_optimizers import own_norm
 from llmrl.engine.model.training.replica_votes import END
 from llmrl.engine.model.training.trainer import EngineTrainer
 from llmrl.engine.token_losses import token_loss
@@ -186,6 +187,9 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
     served.pending.keep(others)
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
     norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
+    own = own_norm(served, stepped)  # adapters created at run time step outside DeepSpeed's norm
+    if own is not None:
+        norm = own if norm is None else (norm * norm + own * own) ** 0.5
     return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}
 
 

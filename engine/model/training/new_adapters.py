@@ -25,6 +25,7 @@ from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.training.lr_schedule import fit_new_groups
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+from llmrl.engine.model.training.own_optimizers import OwnOptimizer
 from llmrl.engine.model.version_counts import forget_version
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
@@ -59,6 +60,24 @@ def target_modules(model, targets) -> str | list[str]:
     return sorted(set(names))
 
 
+def refuse_own_optimizer(served: ServedModel) -> None:
+    """Refuse the layouts where an adapter created at run time cannot have an optimizer of its own (tested: ZeRO 0
+    and 1-2 in float32 and bfloat16, 1 and 2 replicas), naming the config field."""
+    llm, training = served.llm.name, served.llm.training
+    why = None
+    if training.zero_stage == 3:
+        why = f"llms.{llm}.training.zero_stage is 3 (ZeRO-3 partitions the model it would adapt): use ZeRO 0-2"
+    elif served.llm.dtype not in ("float32", "bfloat16"):
+        why = (f"llms.{llm}.dtype is {served.llm.dtype} (DeepSpeed scales float16 losses, which the adapter's own "
+               "optimizer would not undo): use bfloat16 or float32")
+    elif served.llm.tensor_parallel > 1:
+        why = f"llms.{llm}.tensor_parallel is {served.llm.tensor_parallel}: use 1"
+    if why is not None:
+        raise ValueError(f"adapters created at run time on LLM {llm!r} get an optimizer of their own outside "
+                         f"DeepSpeed's flat parameter copies, which is not supported here: {why}; or declare the "
+                         "adapter in the config")
+
+
 def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
                    prefix_cache=None, dropout: float = 0.0) -> dict:
     from peft import LoraConfig, TaskType
@@ -70,10 +89,9 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     steps = served.adapter_steps
     if steps is None:
         raise ValueError(f"LLM {llm!r} holds no optimizer: set llms.{llm}.trainable: true to train new adapters")
-    if served.engine.optimizer is not steps.optimizer:
-        raise ValueError(f"adapters created at run time need the engine to step its torch optimizer itself (ZeRO 0, "
-                         f"float32); LLM {llm!r} runs ZeRO {served.llm.training.zero_stage} in {served.llm.dtype}, "
-                         "whose flat parameter copies are built once: declare the adapter in the config instead")
+    own = served.engine.optimizer is not steps.optimizer  # DeepSpeed's flat copies are built once: not joinable
+    if own:
+        refuse_own_optimizer(served)
     if served.module.trunk is not None:
         raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
                          f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")
@@ -93,8 +111,12 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         check_room(served, "adapter", name, sum(p.numel() * p.element_size() for p in params))
         for p in params:
             p.requires_grad_(True)
-        steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
-        fit_new_groups(getattr(served.engine, "lr_scheduler", None))  # its first step takes the schedule's rate
+        if own:
+            served.run_time.optimizers[name] = OwnOptimizer(adapter_params(model, name),
+                                                            served.llm.training.optimizer)
+        else:
+            steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+            fit_new_groups(getattr(served.engine, "lr_scheduler", None))  # its first step takes the schedule's rate
     except Exception:
         with flags_kept(model):
             model.delete_adapter(name)
@@ -119,11 +141,12 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
     if name in served.run_time.snapshots.values():
         users = sorted(k for k, v in served.run_time.snapshots.items() if v == name)
         raise ValueError(f"snapshot(s) {users} copy adapter {name!r}: drop them first")
-    optimizer = served.adapter_steps.optimizer
-    index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
-    for p in optimizer.param_groups[index]["params"]:
-        optimizer.state.pop(p, None)
-    del optimizer.param_groups[index]
+    if served.run_time.optimizers.pop(name, None) is None:
+        optimizer = served.adapter_steps.optimizer
+        index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
+        for p in optimizer.param_groups[index]["params"]:
+            optimizer.state.pop(p, None)
+        del optimizer.param_groups[index]
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     served.adapters.remove(name)

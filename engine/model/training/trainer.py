@@ -43,6 +43,7 @@ from llmrl.engine.model.training.deferred_backward import DeferredBackward, adap
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
+from llmrl.engine.model.training.own_optimizers import reduce_own, step_own
 from llmrl.engine.model.training.passes import refuse_too_long
 from llmrl.engine.model.training.replica_votes import (
     BACKWARD,
@@ -178,7 +179,10 @@ class EngineTrainer(ModelAccess, Trainer):
         self.last_lr = float(self.engine.optimizer.param_groups[0]["lr"])  # the rate this step takes (lr_schedule)
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext(), \
                 copied_step(self.served, self.trained_adapters) as copy:
+            own = reduce_own(self.served, self.trained_adapters)  # before DeepSpeed's step may clear gradients
             self.engine.step()
+            if own and self.engine.was_step_applied():
+                step_own(self.served, own, copy.stepped)
         clear_zero3_gradients(self.engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
@@ -230,6 +234,8 @@ class EngineTrainer(ModelAccess, Trainer):
                 optimizer.zero_grad()
         for p in engine.module.parameters():
             p.grad = None
+        for own in self.served.run_time.optimizers.values():
+            own.zero_grad()
         clear_zero3_gradients(engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
