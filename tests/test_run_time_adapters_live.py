@@ -62,7 +62,7 @@ def runs(tiny, tmp_path_factory):
                 out[name, "norms"].append(stepped["grad_norm"])
             out[name, "end"] = run.state_dict(llm=name)
             run.snapshot("s", llm=name, peft_adapter="t")
-            out[name, "scores"] = [run.forward(make_data(9), None, llm=name, peft_adapter=a)["outputs"]
+            out[name, "scores"] = [run.forward(make_data(9), None, llm=name, peft_adapter=a)["loss_fn_outputs"]
                                    for a in ("t", "s")]
             run.save_adapter(folder / name, llm=name, peft_adapter="t")
             run.load_adapter(folder / name, "u", llm=name)
