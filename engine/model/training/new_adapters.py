@@ -2,14 +2,18 @@
 
 A new adapter is a PEFT adapter added to the served model, its initial weights drawn from ``seed`` exactly as the
 ``lora`` initializer draws a config-declared adapter's (the same configuration and seed give the same weights),
-and an optimizer parameter group of its own, tagged with its name: its moments and steps are its own, and a step
-that trains another adapter leaves it bit-identical (:mod:`llmrl.engine.model.training.optimizer`). ``targets``
-names what it adapts: ``"attention"``, ``"mlp"``, ``"unembed"`` (the output layer), or module names as PEFT takes
-them; the default is PEFT's ``all-linear`` (attention and MLP).
+and an optimizer parameter group of its own, tagged with its name (or an optimizer of its own, below): its moments and
+steps are its own, and a step that trains another adapter leaves it bit-identical
+(:mod:`llmrl.engine.model.training.optimizer`). ``targets`` names what it adapts: ``"attention"``, ``"mlp"``,
+``"unembed"`` (the output layer), or module names as PEFT takes them; the default is PEFT's ``all-linear``
+(attention and MLP).
 
-The engine must step the torch optimizer itself (ZeRO 0 in float32): under ZeRO 1-3 or bf16/fp16 DeepSpeed keeps
-flat copies of the parameters it was built with, which a parameter added later would not join. Adapters created
-at run time are saved with a checkpoint and created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
+Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed
+owns the step (ZeRO 1-2, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
+which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
+own (:mod:`llmrl.engine.model.training.own_optimizers`). ZeRO-3, float16 and tensor parallelism are refused there,
+naming the field (:func:`refuse_own_optimizer`). Adapters created at run time are saved with a checkpoint and
+created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
 Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
 adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
 
