@@ -8,8 +8,8 @@ moments (the copy then steps as the original); a snapshot of it scores as it doe
 Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8); bfloat16: the served and the reference
 forwards round differently, and Adam moves a weight by about its learning rate whatever the size of its gradient, so
 a gradient near zero whose sign the rounding flips moves its weight the other way: the weights' change over the
-three steps is compared as a whole (2-norm of the difference over 2-norm of the change), and the gradient norms to
-5e-2 relative.
+three steps is compared as a whole (2-norm of the difference over 2-norm of the change: 0.15; measured 0.02-0.08),
+and the gradient norms to 5e-2 relative (measured 1e-2).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weigh
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 NEW = {"rank": 2, "seed": 3, "targets": ["attention", "mlp"]}
 RATES = [3e-3, 2e-3, 2.5e-3]
-TOLERANCE = {"float32": 1e-5, "bfloat16": 0.2}  # float32: absolute; bfloat16: relative to the change (2-norm)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 0.15}  # float32: absolute; bfloat16: relative to the change (2-norm)
 
 
 def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
@@ -151,8 +151,8 @@ def test_a_run_time_adapter_steps_as_plain_peft_with_adamw_over_float32_masters(
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_run_time_adapter_saved_loaded_and_snapshotted_acts_as_itself(runs, name):
     scores_t, scores_s = runs[name, "scores"]
-    for t, s in zip(scores_t, scores_s):
-        assert torch.equal(t["logprobs"], s["logprobs"])
+    for t, s in zip(scores_t, scores_s):  # (float32 matmuls of trained and frozen LoRA layers may round apart)
+        torch.testing.assert_close(t["logprobs"], s["logprobs"], atol=1e-6, rtol=0)
     copied, start = runs[name, "copied"], runs[name, "start"]
     t = {k.replace(".t.", "."): v for k, v in copied.items() if ".t." in k and ".lora_" in k}
     u = {k.replace(".u.", "."): v for k, v in copied.items() if ".u." in k and ".lora_" in k}
