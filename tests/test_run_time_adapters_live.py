@@ -1,6 +1,7 @@
 """Adapters created at run time where DeepSpeed owns the optimizer step (ZeRO 1-2, bfloat16), which step with an
-optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): ``create_adapter`` then three
-``forward_backward`` + ``optim_step(peft_adapter=...)`` equal a plain PEFT model stepped by torch AdamW over float32
+optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two adapters created, then three times
+``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a
+plain PEFT model stepped by torch AdamW over float32
 master copies of the adapter's weights (the forward in the model's dtype), for 1 and 2 replicas; the configured
 adapter and the base weights stay bit-identical; ``save_adapter`` / ``load_adapter`` carry the adapter and its
 moments (the copy then steps as the original), and so does a checkpoint (a resumed run steps it as the saved one
@@ -26,7 +27,8 @@ LAYOUTS = {"f32z2r1": ("float32", 2, 1), "bf16z0r1": ("bfloat16", 0, 1), "bf16z2
            "f32z1r2": ("float32", 1, 2), "bf16z2r2": ("bfloat16", 2, 2)}
 ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
-NEW = {"rank": 2, "seed": 3, "targets": ["attention", "mlp"]}
+NEW = {"rank": 2, "targets": ["attention", "mlp"]}
+ADAPTERS = {"t": 3, "v": 20}  # created at run time: name -> seed (and the offset of its data's seeds)
 RATES = [3e-3, 2e-3, 2.5e-3]
 RESUMED = ["f32z2r1", "bf16z2r2"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.15}  # float32: absolute; bfloat16: relative to the change (2-norm)
@@ -55,16 +57,20 @@ def runs(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("run-time-adapters")
     with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
         with pytest.raises(Exception, match=r"llms\.z3\.training\.zero_stage is 3"):
-            run.create_adapter("t", llm="z3", **NEW)
+            run.create_adapter("t", llm="z3", **NEW, seed=3)
         for name in LAYOUTS:
             out[name, "start"] = run.state_dict(llm=name)
-            run.create_adapter("t", llm=name, **NEW)
+            for adapter in ADAPTERS:
+                run.create_adapter(adapter, llm=name, **NEW, seed=ADAPTERS[adapter])
+                out[name, adapter, "norms"] = []
             out[name, "created"] = run.state_dict(llm=name)
-            out[name, "norms"] = []
-            for k, rate in enumerate(RATES):
-                run.forward_backward(make_data(k), "cross_entropy", llm=name, peft_adapter="t")
-                stepped = run.optim_step({"learning_rate": rate}, llm=name, peft_adapter="t")
-                out[name, "norms"].append(stepped["grad_norm"])
+            for k, rate in enumerate(RATES):  # both adapters' gradients pending at once, each stepped alone
+                for adapter in ADAPTERS:
+                    run.forward_backward(make_data(k + ADAPTERS[adapter]), "cross_entropy", llm=name,
+                                         peft_adapter=adapter)
+                for adapter in ADAPTERS:
+                    stepped = run.optim_step({"learning_rate": rate}, llm=name, peft_adapter=adapter)
+                    out[name, adapter, "norms"].append(stepped["grad_norm"])
             out[name, "end"] = run.state_dict(llm=name)
         run.save(folder / "checkpoint")
         for name in LAYOUTS:
@@ -80,7 +86,7 @@ def runs(tiny, tmp_path_factory):
                 run.optim_step({"learning_rate": 2e-3}, llm=name, peft_adapter=adapter)
             out[name, "copied"] = run.state_dict(llm=name)
             run.drop_snapshot("s", llm=name)
-            for adapter in ("t", "u"):
+            for adapter in ("t", "u", "v"):
                 run.delete_adapter(adapter, llm=name)
             out[name, "deleted"] = run.state_dict(llm=name)
     for name in RESUMED:  # the masters and moments of t come back with the checkpoint
@@ -97,21 +103,21 @@ def step_after_save(run, name: str) -> None:
     run.optim_step({"learning_rate": 2e-3}, llm=name, peft_adapter="t")
 
 
-def reference(tiny, dtype: str, created: dict):
-    """A plain PEFT model holding ``created`` (adapters default and t), AdamW over float32 masters of t's weights,
-    stepped as the run was; t's weights at the end and the gradient norms."""
+def reference(tiny, dtype: str, created: dict, adapter: str):
+    """A plain PEFT model holding ``created`` (adapters default and ``adapter``), AdamW over float32 masters of the
+    adapter's weights, stepped as the run stepped it; its weights at the end and the gradient norms."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=getattr(torch, dtype)).eval()
     peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
-    peft.add_adapter("t", LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear"))
+    peft.add_adapter(adapter, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear"))
     named = dict(peft.named_parameters())
     with torch.no_grad():
         for key, p in named.items():
             p.copy_(created[f"model.{key}"])
-    peft.set_adapter("t")
-    params = {k: p for k, p in named.items() if ".lora_" in k and ".t." in k}
+    peft.set_adapter(adapter)
+    params = {k: p for k, p in named.items() if ".lora_" in k and f".{adapter}." in k}
     masters = {k: p.detach().float().clone().requires_grad_(True) for k, p in params.items()}
     optimizer = torch.optim.AdamW(list(masters.values()), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     norms = []
@@ -119,7 +125,8 @@ def reference(tiny, dtype: str, created: dict):
         for p in params.values():
             p.requires_grad_(True)
             p.grad = None
-        loss = sum((-torch.tensor(d["loss_fn_inputs"]["weights"]) * logprobs(peft, d)).sum() for d in make_data(k))
+        loss = sum((-torch.tensor(d["loss_fn_inputs"]["weights"]) * logprobs(peft, d)).sum()
+                   for d in make_data(k + ADAPTERS[adapter]))
         loss.backward()
         for key, m in masters.items():
             m.grad = params[key].grad.float()
@@ -142,26 +149,27 @@ def same(a: dict, b: dict, keys) -> bool:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_run_time_adapter_steps_as_plain_peft_with_adamw_over_float32_masters(runs, tiny, name):
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+def test_a_run_time_adapter_steps_as_plain_peft_with_adamw_over_float32_masters(runs, tiny, name, adapter):
     dtype = LAYOUTS[name][0]
     start, created, end = runs[name, "start"], runs[name, "created"], runs[name, "end"]
     untouched = list(start)  # the base and the configured adapter
-    assert same(start, created, untouched) and same(start, end, untouched), "only t may move"
-    expected, norms = reference(tiny, dtype, created)
-    assert expected.keys() == {k for k in end if ".t." in k and ".lora_" in k}
+    assert same(start, created, untouched) and same(start, end, untouched), "only t and v may move"
+    expected, norms = reference(tiny, dtype, created, adapter)
+    assert expected.keys() == {k for k in end if f".{adapter}." in k and ".lora_" in k}
     moved = max(float((want.float() - created[k].float()).abs().max()) for k, want in expected.items())
     assert moved > 1e-3
     worst = max(float((end[k].float() - want.float()).abs().max()) for k, want in expected.items())
     change = torch.cat([(want.float() - created[k].float()).reshape(-1) for k, want in expected.items()])
     off = torch.cat([(end[k].float() - want.float()).reshape(-1) for k, want in expected.items()])
     relative = float(off.norm() / change.norm())
-    print(f"{name}: largest change {moved:.3g}; difference to the reference: largest {worst:.3g}, "
-          f"relative to the change (2-norm) {relative:.3g}")
+    print(f"{name} {adapter}: largest change {moved:.3g}; difference to the reference: largest {worst:.3g}, "
+          f"relative to the change (2-norm) {relative:.3g}; grad norms {runs[name, adapter, 'norms']} vs {norms}")
     if dtype == "float32":
         assert worst <= TOLERANCE[dtype], worst
     else:  # Adam moves a weight by about lr whatever its gradient's size: rounding flips near-zero gradients' signs
         assert relative <= TOLERANCE[dtype], relative
-    torch.testing.assert_close(torch.tensor(runs[name, "norms"]), torch.tensor(norms),
+    torch.testing.assert_close(torch.tensor(runs[name, adapter, "norms"]), torch.tensor(norms),
                                rtol=1e-4 if dtype == "float32" else 5e-2, atol=0)
 
 
