@@ -24,11 +24,14 @@ class PendingGradients:
         adapters: adapter (None: the model without adapters) -> its calls among them.
         discarded: adapter -> why its pending gradients went with another adapter's failed call (told once, at
             its next call).
+        engine_backwards: backward passes DeepSpeed ran since its last step (none: a step of adapters with
+            optimizers of their own leaves DeepSpeed's step out, which would find no gradient to finalize).
     """
 
     backwards: int = 0
     adapters: dict = field(default_factory=dict)
     discarded: dict = field(default_factory=dict)
+    engine_backwards: int = 0
 
     def keep(self, adapters) -> None:
         """Keep the pending calls of ``adapters`` only (the others' gradients were stepped or discarded)."""

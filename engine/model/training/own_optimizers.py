@@ -143,6 +143,23 @@ def step_own(served, names, record: list | None) -> None:
         served.run_time.optimizers[name].step(settings, clip, record, name)
 
 
+def engine_step(served, own) -> bool:
+    """DeepSpeed's step (its optimizer, clipping, schedule); whether it was applied. Left out when every adapter
+    the step trains steps with an optimizer of its own and DeepSpeed ran no backward since its last step (another
+    adapter's ``optim_step`` took it): DeepSpeed would find no gradient to finalize. The schedule and step count
+    move on all the same, as they do for each ``optim_step`` at ZeRO 0."""
+    engine, trained = served.engine, served.adapter_steps.trained if served.adapter_steps is not None else None
+    if own and served.pending.engine_backwards == 0 and trained is not None and trained <= {None, *own}:
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if scheduler is not None:
+            scheduler.step()
+        engine.global_steps += 1
+        return True
+    engine.step()
+    served.pending.engine_backwards = 0
+    return engine.was_step_applied()
+
+
 def own_norm(served, names) -> float | None:
     """The norm of the (reduced, unclipped) gradients of the own optimizers of ``names`` at their last step."""
     norms = [served.run_time.optimizers[n].last_norm for n in names if n in served.run_time.optimizers]

@@ -43,7 +43,7 @@ from llmrl.engine.model.training.deferred_backward import DeferredBackward, adap
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
-from llmrl.engine.model.training.own_optimizers import reduce_own, step_own
+from llmrl.engine.model.training.own_optimizers import engine_step, reduce_own, step_own
 from llmrl.engine.model.training.passes import refuse_too_long
 from llmrl.engine.model.training.replica_votes import (
     BACKWARD,
@@ -180,13 +180,13 @@ class EngineTrainer(ModelAccess, Trainer):
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext(), \
                 copied_step(self.served, self.trained_adapters) as copy:
             own = reduce_own(self.served, self.trained_adapters)  # before DeepSpeed's step may clear gradients
-            self.engine.step()
-            if own and self.engine.was_step_applied():
+            applied = engine_step(self.served, own)
+            if own and applied:
                 step_own(self.served, own, copy.stepped)
         clear_zero3_gradients(self.engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
-        if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
+        if not applied:  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
             self.votes.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
                                   f"DeepSpeed skipped the step on every replica; {self.optimizer_steps} step(s) of "
