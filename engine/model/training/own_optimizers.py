@@ -94,8 +94,11 @@ class OwnOptimizer:
             p.grad = master.grad = None
 
     def state_dict(self) -> dict:
+        """A copy (torch's own state dict holds the live moments, which later steps change in place)."""
+        import copy
+
         return {"masters": {k: m.detach().cpu().clone() for k, m in self.masters.items()},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         """Masters, moments and step counts as :meth:`state_dict` saved them; the weights follow the masters."""
