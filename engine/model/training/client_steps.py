@@ -74,7 +74,7 @@ def separable(served: ServedModel, adapters) -> bool:
     if isolated(served):
         return True
     own = served.run_time.optimizers
-    if not all(a in own for a in adapters):
+    if not own or not all(a in own for a in adapters):
         return False
     return not any(p.requires_grad and adapter_of(name, served.adapters) is None
                    for name, p in served.module.named_parameters())
