@@ -1,11 +1,11 @@
 """Adapters created at run time where DeepSpeed owns the optimizer step (ZeRO 1-2, bfloat16), which step with an
 optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two adapters created, then three times
-``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a
-plain PEFT model stepped by torch AdamW over float32
-master copies of the adapter's weights (the forward in the model's dtype), for 1 and 2 replicas; the configured
-adapter and the base weights stay bit-identical; ``save_adapter`` / ``load_adapter`` carry the adapter and its
-moments (the copy then steps as the original), and so does a checkpoint (a resumed run steps it as the saved one
-would have); a snapshot of it scores as it does; ZeRO-3 is refused naming the field.
+``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a plain
+PEFT model stepped by torch AdamW over float32 master copies of the adapter's weights (the forward in the model's
+dtype), for 1 and 2 replicas; the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
+``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does a checkpoint (a
+resumed run steps it as the saved one would have); a snapshot of it scores as it does; ZeRO-3 is refused naming the
+field.
 
 Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8); bfloat16: the served and the reference
 forwards round differently, and Adam moves a weight by about its learning rate whatever the size of its gradient, so
