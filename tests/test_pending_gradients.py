@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmrl.engine.model.served_state import PendingGradients
+from llmrl.engine.model.served_state import PendingGradients, RunTimeAdapters
 from llmrl.engine.model.training import client_steps
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 
@@ -23,7 +23,8 @@ def served_with(zero_stage: int):
     served = SimpleNamespace(pending=PendingGradients(backwards=3, adapters={"a": 1, "b": 2}),
                              adapter_steps=SimpleNamespace(optimizer=optimizer),
                              engine=SimpleNamespace(optimizer=optimizer),
-                             llm=SimpleNamespace(training=SimpleNamespace(zero_stage=zero_stage)))
+                             llm=SimpleNamespace(training=SimpleNamespace(zero_stage=zero_stage)),
+                             run_time=RunTimeAdapters())
 
     def discard_partial_accumulation():  # as the trainer's: every gradient on every parameter goes
         for p in params.values():

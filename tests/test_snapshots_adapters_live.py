@@ -109,8 +109,8 @@ def test_snapshots_under_zero_2_and_frozen_to_training(run, tiny):
                   plain_scores(plain_model(tiny, lora_weights(frozen, "default")), CONTEXTS, CANDIDATES))
     with pytest.raises(Exception, match="a trained adapter"):
         run.snapshot("default", llm="z2")
-    with pytest.raises(Exception, match="ZeRO 0, float32"):
-        run.create_adapter("new", llm="z2")
+    run.create_adapter("new", llm="z2")  # under ZeRO-2 with an optimizer of its own (test_run_time_adapters_live)
+    run.delete_adapter("new", llm="z2")
 
 
 def test_a_model_trained_without_lora_snapshots_its_weights(run, tiny):
@@ -218,7 +218,7 @@ def test_one_adapters_state_saved_and_loaded_into_new_adapters_trains_on_as_the_
     assert saved["optimizer_state"] and saved["adapter"] == "s"
     with pytest.raises(Exception, match="exists; save_adapter writes a new folder"):
         run.save_adapter(tmp_path / "s", llm="policy", peft_adapter="s")
-    with pytest.raises(Exception, match=r"ZeRO 0, float32"):  # ZeRO-2 keeps moments in flat partitions
+    with pytest.raises(Exception, match=r"declared in the config"):  # ZeRO-2 keeps its moments in flat partitions
         run.save_adapter(tmp_path / "z2", llm="z2")
     run.load_adapter(tmp_path / "s", "s_copy", llm="policy")
     run.load_adapter(tmp_path / "s", "s_fresh", optimizer=False, llm="policy")

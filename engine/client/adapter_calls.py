@@ -71,7 +71,9 @@ class AdapterCalls:
             targets: ``"attention"``, ``"mlp"``, ``"unembed"`` (the output layer), or module names, alone or in a
                 list; default: every linear layer of the transformer blocks (attention and MLP).
 
-        The LLM must already hold a LoRA adapter (the ``lora`` initializer) and be trained with ZeRO 0 in float32.
+        The LLM must already hold a LoRA adapter (the ``lora`` initializer) and be trained with ZeRO 0, 1 or 2, in
+        float32 or bfloat16 (under ZeRO 1-2 or bfloat16 the adapter steps with an optimizer of its own: float32
+        masters, gradients averaged over the replicas and clipped by its own norm).
         Returns ``{"adapter", "parameters"}``.
         """
         args = kind.check_create_args(rank, alpha, seed, targets)
@@ -91,9 +93,9 @@ class AdapterCalls:
 
         Unlike :meth:`save`, which checkpoints the whole run, this saves one adapter, to load into a new adapter
         of this run or of another (:meth:`load_adapter`). ``path`` must not exist (nothing is overwritten) and
-        must be readable by every server rank that will load it. Needs ZeRO 0 in float32 on a trained LLM, and
-        no pending ``forward_backward`` gradients on the adapter. Returns ``{"adapter", "path", "parameters",
-        "optimizer_state"}``.
+        must be readable by every server rank that will load it. Needs ZeRO 0-2 on a trained LLM (under ZeRO 1-2
+        or bfloat16, an adapter created at run time), no tensor parallelism, and no pending ``forward_backward``
+        gradients on the adapter. Returns ``{"adapter", "path", "parameters", "optimizer_state"}``.
         """
         folder = os.path.abspath(os.fspath(path))
         if os.path.exists(folder):

@@ -7,8 +7,10 @@ leader: the model as a Hugging Face folder, or each LoRA adapter as a PEFT folde
 heads' weights). The client swaps the staging folder into place (:mod:`llmrl.engine.client.saving`).
 ``load_checkpoint`` restores all of it when ``llms.<name>.checkpoint`` names a checkpoint (same LLM layout). The
 rank state also lists the LoRA adapters created at run time and the snapshots (made again, in order, before
-DeepSpeed loads their weights and optimizer state), and ``state/weight-snapshots-rank-<r>.pt`` holds the frozen
-weights of a model trained without LoRA. A save is refused while ``forward_backward`` gradients are pending.
+DeepSpeed loads their weights and optimizer state; with the float32 masters and moments of those that step with an
+optimizer of their own, :mod:`llmrl.engine.model.training.own_optimizers`), and
+``state/weight-snapshots-rank-<r>.pt`` holds the frozen weights of a model trained without LoRA. A save is refused
+while ``forward_backward`` gradients are pending.
 
 This module works on a :class:`~llmrl.engine.model.served.ServedModel`; it does not choose paths.
 """
@@ -71,6 +73,7 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "updater": updater_state,
                 "created_adapters": [[name, how] for name, how in served.run_time.created.items()],
                 "snapshots": dict(served.run_time.snapshots), "scalings": _adapter_scalings(served),
+                "own_optimizers": {name: own.state_dict() for name, own in served.run_time.optimizers.items()},
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
     weight_snapshots = served.run_time.weight_snapshots
@@ -164,6 +167,13 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
         served.engine.optimizer.clip_grad = float(served.llm.training.gradient_clipping)  # the config's, as ZeRO-0
     if load_optimizer and served.adapter_steps is not None:
         apply_config_settings(served, root)
+    for name, own in served.run_time.optimizers.items():  # masters and moments of run-time adapters stepped apart
+        saved = (state.get("own_optimizers") or {}).get(name)
+        if saved is None:
+            raise ValueError(f"checkpoint {root} holds no optimizer state of adapter {name!r}, created at run time on "
+                             f"LLM {served.llm.name!r} (saved by another layout, ZeRO 0 in float32?): resume with the "
+                             "ZeRO stage and dtype it was saved with")
+        own.load_state_dict(saved)
     snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
     if snapshots_file.is_file():
         served.run_time.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)

@@ -24,11 +24,14 @@ class PendingGradients:
         adapters: adapter (None: the model without adapters) -> its calls among them.
         discarded: adapter -> why its pending gradients went with another adapter's failed call (told once, at
             its next call).
+        engine_backwards: backward passes DeepSpeed ran since its last step (none: a step of adapters with
+            optimizers of their own leaves DeepSpeed's step out, which would find no gradient to finalize).
     """
 
     backwards: int = 0
     adapters: dict = field(default_factory=dict)
     discarded: dict = field(default_factory=dict)
+    engine_backwards: int = 0
 
     def keep(self, adapters) -> None:
         """Keep the pending calls of ``adapters`` only (the others' gradients were stepped or discarded)."""
@@ -46,12 +49,16 @@ class RunTimeAdapters:
         weight_snapshots: snapshot name -> {parameter name: frozen copy} (a model trained without LoRA).
         versions: adapter or snapshot (None: the model without adapters) -> its policy version, the optimizer steps
             it took (:mod:`llmrl.engine.model.version_counts`; not saved: they start at 0 with the servers).
+        optimizers: adapter created at run time -> its own optimizer, where DeepSpeed owns the step (ZeRO 1-2,
+            bfloat16: :mod:`llmrl.engine.model.training.own_optimizers`); absent where the engine's torch optimizer
+            holds it in a group of its own (ZeRO 0, float32).
     """
 
     created: dict = field(default_factory=dict)
     snapshots: dict = field(default_factory=dict)
     weight_snapshots: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
+    optimizers: dict = field(default_factory=dict)
 
     def is_snapshot(self, name) -> bool:
         """Whether ``name`` is a snapshot (frozen: read, never trained)."""

@@ -9,11 +9,14 @@ overwritten. It is written as ``.<name>.partial-<pid>`` beside it and renamed wh
 save killed half-way left behind is removed, with a log line, by the next save into the same parent folder.
 ``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
 (or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
-moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved), and need
-the engine to step its torch optimizer itself (ZeRO 0 in float32), whose state is kept per parameter; ZeRO-3 and
-tensor parallelism, which hold no whole weights on a rank, are refused. Every field of a state is checked before
-anything changes (:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused
-naming the field, and the adapter keeps its weights and moments.
+moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved). The state is
+kept per parameter: in the engine's torch optimizer at ZeRO 0 in float32, in the adapter's own optimizer (moments
+of its float32 masters) for an adapter created at run time under ZeRO 1-2 or bfloat16; a configured adapter there
+is in DeepSpeed's flat buffers and refused. ZeRO-3 and tensor parallelism, which hold no whole weights on a rank,
+are refused. A bfloat16 adapter is saved and loaded as its bfloat16 weights: loading one makes its masters from
+those. Every field of a state is checked before anything changes
+(:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused naming the field,
+and the adapter keeps its weights and moments.
 
 This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) nor choose paths.
 """
@@ -42,10 +45,12 @@ def _check(served: ServedModel, name: str, what: str) -> None:
         raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions them (ZeRO-3 or "
                          "tensor parallelism): use Caller.save for the whole run")
     steps = served.adapter_steps
-    if steps is not None and served.engine.optimizer is not steps.optimizer:
-        raise ValueError(f"{what} keeps an adapter's optimizer state per parameter, which needs the engine to step "
-                         f"its torch optimizer itself (ZeRO 0, float32); LLM {llm!r} runs ZeRO "
-                         f"{served.llm.training.zero_stage} in {served.llm.dtype}: use Caller.save for the whole run")
+    declared = name in served.adapters and name not in served.run_time.created
+    if steps is not None and served.engine.optimizer is not steps.optimizer and declared:
+        raise ValueError(f"{what} keeps an adapter's optimizer state per parameter; LLM {llm!r} runs ZeRO "
+                         f"{served.llm.training.zero_stage} in {served.llm.dtype}, where DeepSpeed holds adapter "
+                         f"{name!r} (declared in the config) in its flat buffers: use Caller.save for the whole run, "
+                         "or an adapter created at run time (which steps with an optimizer of its own)")
     if name in served.pending.adapters:
         raise ValueError(f"adapter {name!r} has forward_backward gradients not yet applied, which {what} does not "
                          "keep: call optim_step first")
@@ -70,11 +75,13 @@ def save_adapter(served: ServedModel, name: str | None, path: str) -> dict:
     _check(served, name, "save_adapter")
     params = adapter_params(served.model, name)
     optimizer = served.adapter_steps.optimizer if served.adapter_steps is not None else None
+    own = served.run_time.optimizers.get(name)  # its moments belong to its float32 masters
+    optimizer, stepped = (own.optimizer, own.masters) if own is not None else (optimizer, params)
     moments = None
     if optimizer is not None:
         moments = {key: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
                          for k, v in optimizer.state[p].items()}
-                   for key, p in params.items() if p in optimizer.state}
+                   for key, p in stepped.items() if p in optimizer.state}
     folder = Path(path)
     if served.role.is_group_leader:
         if folder.exists():
@@ -256,10 +263,21 @@ def _copy_in(served: ServedModel, name: str, path: str, state: dict, optimizer: 
                          f"the saved rank and alpha ({state.get('how')})")
     _check_base(served, name, path, state)
     steps = served.adapter_steps
-    check_against(state, params, steps.optimizer if optimizer and steps is not None else None, path)
+    own = served.run_time.optimizers.get(name)
+    if own is not None:
+        check_against(state, own.masters, own.optimizer if optimizer else None, path)
+    else:
+        check_against(state, params, steps.optimizer if optimizer and steps is not None else None, path)
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(weights[key].to(p.device, p.dtype))
+    if own is not None:
+        own.reset()  # masters from the loaded weights, fresh moments
+        for key, master in own.masters.items():
+            saved = (state["optimizer"] or {}).get(key)
+            if optimizer and saved:
+                own.optimizer.state[master] = {k: loaded(v, k, master.device) for k, v in saved.items()}
+        return
     if steps is None:
         return
     for key, p in params.items():

@@ -14,7 +14,9 @@ are restored after it).
 Gradients are pending per adapter (a Tinker training client is one). Where they sit on the parameters themselves
 (ZeRO 0 in float32, nothing trained outside the adapters: :func:`isolated`), ``optim_step(adapter=X)`` steps X
 alone while the other adapters' gradients are set aside and put back, and a failed call of X (out of memory on one
-replica, a non-finite loss) discards X's pending gradients only. Elsewhere (ZeRO 1-3 and half precision keep
+replica, a non-finite loss) discards X's pending gradients only. So it is between adapters created at run time that
+step with optimizers of their own (ZeRO 1-2, bfloat16: :func:`separable`), whose gradients stay on their
+parameters. Elsewhere (ZeRO 1-3 and half precision keep
 gradients in DeepSpeed's own buffers) a failed call discards every adapter's, and each adapter whose gradients went
 with it is told at its next call, which is refused once; ``optim_step(adapter=X)`` is refused while another
 adapter's gradients are pending. ``update`` is refused while gradients are pending.
@@ -35,7 +37,8 @@ from llmrl.engine.graph import keep_in_graph
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
-from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+from llmrl.engine.model.training.optimizer import ADAPTER_KEY, adapter_of
+from llmrl.engine.model.training.own_optimizers import own_norm
 from llmrl.engine.model.training.replica_votes import END
 from llmrl.engine.model.training.trainer import EngineTrainer
 from llmrl.engine.token_losses import token_loss
@@ -64,12 +67,27 @@ def isolated(served: ServedModel) -> bool:
                    for p in g["params"])
 
 
+def separable(served: ServedModel, adapters) -> bool:
+    """Whether the pending gradients of ``adapters`` can be stepped or discarded apart from each other's:
+    :func:`isolated`, or each is an adapter created at run time with an optimizer of its own (its gradients on its
+    own parameters, outside DeepSpeed's buffers) and no parameter outside the adapters trains."""
+    if isolated(served):
+        return True
+    own = served.run_time.optimizers
+    if not own or not all(a in own for a in adapters):
+        return False
+    return not any(p.requires_grad and adapter_of(name, served.adapters) is None
+                   for name, p in served.module.named_parameters())
+
+
 @contextlib.contextmanager
 def set_aside(served: ServedModel, adapters):
     """Inside, the gradients of ``adapters`` are off their parameters (no step or discard sees them); put back
     after."""
     saved = [(p, p.grad) for g in served.adapter_steps.optimizer.param_groups if g.get(ADAPTER_KEY) in adapters
              for p in g["params"] if p.grad is not None]
+    saved += [(p, p.grad) for a in adapters if a in served.run_time.optimizers
+              for p in served.run_time.optimizers[a].params.values() if p.grad is not None]
     for p, _ in saved:
         p.grad = None
     try:
@@ -89,7 +107,7 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
         earlier = sum(before.values())
         return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
                 "discarded on every replica") if earlier else "no gradient was pending"
-    others = {a for a in before if a != adapter} if isolated(served) else set()
+    others = {a for a in before if a != adapter} if separable(served, before) else set()
     with set_aside(served, others):
         trainer.discard_partial_accumulation()
     lost = {a: n for a, n in before.items() if a not in others}
@@ -166,7 +184,7 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
             raise ValueError(f"{adapter!r} is a snapshot: it has no gradients and takes no step")
         _refuse_discarded(served, [adapter])
         others = sorted((a for a in served.pending.adapters if a != adapter), key=str)
-        if others and not isolated(served):
+        if others and not separable(served, [adapter, *others]):
             raise ValueError(f"optim_step(adapter={adapter!r}) would also step adapter(s) {others}, whose "
                              "forward_backward gradients are pending too (under ZeRO 1-3 or half precision an "
                              "optimizer step takes every pending gradient); call optim_step() without adapter= to "
@@ -186,6 +204,9 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
     served.pending.keep(others)
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
     norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
+    own = own_norm(served, stepped)  # adapters created at run time step outside DeepSpeed's norm
+    if own is not None:
+        norm = own if norm is None else (norm * norm + own * own) ** 0.5
     return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm}
 
 

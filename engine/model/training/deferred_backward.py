@@ -100,6 +100,7 @@ class DeferredBackward:
         runs throw-away passes with that forward's heads and adapter."""
         deferred, self.forwards = self.forwards, []
         engine = self.served.engine
+        self.served.pending.engine_backwards += 1
         if not deferred:
             engine.backward(loss, scale_wrt_gas=False)
             return

@@ -8,9 +8,11 @@ float range overflows the weights, and a huge gradient overflows Adam's second m
 make every later step of that adapter fail, and its state is saved that way. The copy covers the groups the step
 takes (:class:`~llmrl.engine.model.training.optimizer.AdapterSteps` records the tensors the torch optimizer steps,
 and their state: the parameters themselves at ZeRO 0 in float32, DeepSpeed's float32 partitions under ZeRO 1-3 or
-half precision, whose model weights are copied here too). It is made only where LoRA adapters train (a few
-tensors); an LLM trained without adapters is checked the same, but the step is not undone (a copy would double
-the model's memory): the error says so. The engine's step count and learning-rate schedule still move on.
+half precision, whose model weights are copied here too, and the float32 masters of adapters created at run time
+that step with an optimizer of their own, :mod:`llmrl.engine.model.training.own_optimizers`). It is made only where
+LoRA adapters train (a few tensors); an LLM trained without adapters is checked the same, but the step is not
+undone (a copy would double the model's memory): the error says so. The engine's step count and learning-rate
+schedule still move on.
 A kept step counts one policy version for each adapter it trained (:mod:`llmrl.engine.model.version_counts`).
 
 This module does not decide when to step (the trainer does) nor which groups a step takes (the optimizer does).
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmrl.engine.model.training.optimizer import adapter_of
+from llmrl.engine.model.training.own_optimizers import optimizer_for
 from llmrl.engine.model.version_counts import count_step
 
 
@@ -79,12 +82,12 @@ def copied_step(served, trained):
 
 def first_non_finite(served, copy: StepCopy) -> str | None:
     """The first weight or optimizer moment of the step that holds a NaN or an infinity, named, or None."""
-    optimizer = served.adapter_steps.optimizer if served.adapter_steps is not None else None
     tensors = [(f"weight {name}", t) for name, t, _ in copy.model]
     for owner, p, _, _ in copy.stepped or []:
         whose = "the shared weights'" if owner is None else f"adapter {owner!r}'s"
+        state = optimizer_for(served, owner).state.get(p, {})
         tensors += [(f"{whose} optimizer state {k} ({tuple(p.shape)})", v)
-                    for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and v.is_floating_point()]
+                    for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()]
         tensors.append((f"{whose} stepped tensor ({tuple(p.shape)})", p))
     if not tensors:
         return None
@@ -98,9 +101,9 @@ def first_non_finite(served, copy: StepCopy) -> str | None:
 
 def undo(served, copy: StepCopy) -> None:
     """Put back every tensor and optimizer state the step changed."""
-    optimizer = served.adapter_steps.optimizer
     with torch.no_grad():
-        for _, p, data, state in copy.stepped:
+        for owner, p, data, state in copy.stepped:
+            optimizer = optimizer_for(served, owner)
             p.copy_(data)
             if state:
                 optimizer.state[p] = state

@@ -2,14 +2,18 @@
 
 A new adapter is a PEFT adapter added to the served model, its initial weights drawn from ``seed`` exactly as the
 ``lora`` initializer draws a config-declared adapter's (the same configuration and seed give the same weights),
-and an optimizer parameter group of its own, tagged with its name: its moments and steps are its own, and a step
-that trains another adapter leaves it bit-identical (:mod:`llmrl.engine.model.training.optimizer`). ``targets``
-names what it adapts: ``"attention"``, ``"mlp"``, ``"unembed"`` (the output layer), or module names as PEFT takes
-them; the default is PEFT's ``all-linear`` (attention and MLP).
+and an optimizer parameter group of its own, tagged with its name (or an optimizer of its own, below): its moments and
+steps are its own, and a step that trains another adapter leaves it bit-identical
+(:mod:`llmrl.engine.model.training.optimizer`). ``targets`` names what it adapts: ``"attention"``, ``"mlp"``,
+``"unembed"`` (the output layer), or module names as PEFT takes them; the default is PEFT's ``all-linear``
+(attention and MLP).
 
-The engine must step the torch optimizer itself (ZeRO 0 in float32): under ZeRO 1-3 or bf16/fp16 DeepSpeed keeps
-flat copies of the parameters it was built with, which a parameter added later would not join. Adapters created
-at run time are saved with a checkpoint and created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
+Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed
+owns the step (ZeRO 1-2, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
+which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
+own (:mod:`llmrl.engine.model.training.own_optimizers`). ZeRO-3, float16 and tensor parallelism are refused there,
+naming the field (:func:`refuse_own_optimizer`). Adapters created at run time are saved with a checkpoint and
+created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
 Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
 adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
 
@@ -25,6 +29,7 @@ from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.training.lr_schedule import fit_new_groups
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
+from llmrl.engine.model.training.own_optimizers import OwnOptimizer
 from llmrl.engine.model.version_counts import forget_version
 
 TARGET_WORDS = ("attention", "mlp", "unembed")
@@ -59,6 +64,24 @@ def target_modules(model, targets) -> str | list[str]:
     return sorted(set(names))
 
 
+def refuse_own_optimizer(served: ServedModel) -> None:
+    """Refuse the layouts where an adapter created at run time cannot have an optimizer of its own (tested: ZeRO 0
+    and 1-2 in float32 and bfloat16, 1 and 2 replicas), naming the config field."""
+    llm, training = served.llm.name, served.llm.training
+    why = None
+    if training.zero_stage == 3:
+        why = f"llms.{llm}.training.zero_stage is 3 (ZeRO-3 partitions the model it would adapt): use ZeRO 0-2"
+    elif served.llm.dtype not in ("float32", "bfloat16"):
+        why = (f"llms.{llm}.dtype is {served.llm.dtype} (DeepSpeed scales float16 losses, which the adapter's own "
+               "optimizer would not undo): use bfloat16 or float32")
+    elif served.llm.tensor_parallel > 1:
+        why = f"llms.{llm}.tensor_parallel is {served.llm.tensor_parallel}: use 1"
+    if why is not None:
+        raise ValueError(f"adapters created at run time on LLM {llm!r} get an optimizer of their own outside "
+                         f"DeepSpeed's flat parameter copies, which is not supported here: {why}; or declare the "
+                         "adapter in the config")
+
+
 def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
                    prefix_cache=None, dropout: float = 0.0) -> dict:
     from peft import LoraConfig, TaskType
@@ -70,10 +93,9 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     steps = served.adapter_steps
     if steps is None:
         raise ValueError(f"LLM {llm!r} holds no optimizer: set llms.{llm}.trainable: true to train new adapters")
-    if served.engine.optimizer is not steps.optimizer:
-        raise ValueError(f"adapters created at run time need the engine to step its torch optimizer itself (ZeRO 0, "
-                         f"float32); LLM {llm!r} runs ZeRO {served.llm.training.zero_stage} in {served.llm.dtype}, "
-                         "whose flat parameter copies are built once: declare the adapter in the config instead")
+    own = served.engine.optimizer is not steps.optimizer  # DeepSpeed's flat copies are built once: not joinable
+    if own:
+        refuse_own_optimizer(served)
     if served.module.trunk is not None:
         raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
                          f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")
@@ -93,8 +115,12 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
         check_room(served, "adapter", name, sum(p.numel() * p.element_size() for p in params))
         for p in params:
             p.requires_grad_(True)
-        steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
-        fit_new_groups(getattr(served.engine, "lr_scheduler", None))  # its first step takes the schedule's rate
+        if own:
+            served.run_time.optimizers[name] = OwnOptimizer(adapter_params(model, name),
+                                                            served.llm.training.optimizer)
+        else:
+            steps.optimizer.add_param_group({"params": params, ADAPTER_KEY: name})
+            fit_new_groups(getattr(served.engine, "lr_scheduler", None))  # its first step takes the schedule's rate
     except Exception:
         with flags_kept(model):
             model.delete_adapter(name)
@@ -119,11 +145,12 @@ def delete_adapter(served: ServedModel, name: str, prefix_cache=None) -> dict:
     if name in served.run_time.snapshots.values():
         users = sorted(k for k, v in served.run_time.snapshots.items() if v == name)
         raise ValueError(f"snapshot(s) {users} copy adapter {name!r}: drop them first")
-    optimizer = served.adapter_steps.optimizer
-    index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
-    for p in optimizer.param_groups[index]["params"]:
-        optimizer.state.pop(p, None)
-    del optimizer.param_groups[index]
+    if served.run_time.optimizers.pop(name, None) is None:
+        optimizer = served.adapter_steps.optimizer
+        index = next(k for k, g in enumerate(optimizer.param_groups) if g.get(ADAPTER_KEY) == name)
+        for p in optimizer.param_groups[index]["params"]:
+            optimizer.state.pop(p, None)
+        del optimizer.param_groups[index]
     with flags_kept(served.model):
         served.model.delete_adapter(name)
     served.adapters.remove(name)

@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 
+from llmrl.engine.model.training.own_optimizers import torch_optimizer
+
 ADAPTER_KEY = "llmrl_adapter"
 
 
@@ -49,11 +51,7 @@ def param_groups(module: torch.nn.Module, adapters: list[str]) -> list[dict]:
 
 def make_optimizer(module: torch.nn.Module, adapters: list[str], spec) -> torch.optim.Optimizer:
     """The torch optimizer the config names (``training.optimizer``), over :func:`param_groups`."""
-    groups = param_groups(module, adapters)
-    if spec.type == "sgd":
-        return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-    cls = torch.optim.Adam if spec.type == "adam" else torch.optim.AdamW
-    return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    return torch_optimizer(param_groups(module, adapters), spec)
 
 
 def copy_groups(records: list, optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:

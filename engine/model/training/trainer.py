@@ -43,6 +43,7 @@ from llmrl.engine.model.training.deferred_backward import DeferredBackward, adap
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
 from llmrl.engine.model.training.model_access import ModelAccess
+from llmrl.engine.model.training.own_optimizers import engine_step, reduce_own, step_own
 from llmrl.engine.model.training.passes import refuse_too_long
 from llmrl.engine.model.training.replica_votes import (
     BACKWARD,
@@ -178,11 +179,14 @@ class EngineTrainer(ModelAccess, Trainer):
         self.last_lr = float(self.engine.optimizer.param_groups[0]["lr"])  # the rate this step takes (lr_schedule)
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext(), \
                 copied_step(self.served, self.trained_adapters) as copy:
-            self.engine.step()
+            own = reduce_own(self.served, self.trained_adapters)  # before DeepSpeed's step may clear gradients
+            applied = engine_step(self.served, own)
+            if own and applied:
+                step_own(self.served, own, copy.stepped)
         clear_zero3_gradients(self.engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()
-        if not self.engine.was_step_applied():  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
+        if not applied:  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
             self.votes.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
                                   f"DeepSpeed skipped the step on every replica; {self.optimizer_steps} step(s) of "
@@ -230,6 +234,8 @@ class EngineTrainer(ModelAccess, Trainer):
                 optimizer.zero_grad()
         for p in engine.module.parameters():
             p.grad = None
+        for own in self.served.run_time.optimizers.values():
+            own.zero_grad()
         clear_zero3_gradients(engine)
         self.pending_micro_steps = self.backwards_since_step = 0
         self.trained_adapters = set()

@@ -1,0 +1,200 @@
+"""Adapters created at run time where DeepSpeed owns the optimizer step (ZeRO 1-2, bfloat16), which step with an
+optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two adapters created, then three times
+``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a plain
+PEFT model stepped by torch AdamW over float32 master copies of the adapter's weights (the forward in the model's
+dtype), for 1 and 2 replicas; the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
+``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does a checkpoint (a
+resumed run steps it as the saved one would have); a snapshot of it scores as it does; ZeRO-3 is refused naming the
+field.
+
+Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8); bfloat16: the served and the reference
+forwards round differently, and Adam moves a weight by about its learning rate whatever the size of its gradient, so
+a gradient near zero whose sign the rounding flips moves its weight the other way: the weights' change over the
+three steps is compared as a whole (2-norm of the difference over 2-norm of the change: 0.3; measured 0.02-0.15), and
+the gradient norms to 5e-2 relative (measured 5e-3), which a wrong average over the replicas would miss by 2x. PEFT
+makes a run-time adapter float32 in a bfloat16 model, so its weights are their own masters here; the separate
+masters of bfloat16 weights are checked in ``test_own_optimizers.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {"f32z2r1": ("float32", 2, 1), "bf16z0r1": ("bfloat16", 0, 1), "bf16z2r1": ("bfloat16", 2, 1),
+           "f32z1r2": ("float32", 1, 2), "bf16z2r2": ("bfloat16", 2, 2)}
+ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+NEW = {"rank": 2, "targets": ["attention", "mlp"]}
+ADAPTERS = {"t": 3, "v": 20}  # created at run time: name -> seed (and the offset of its data's seeds)
+RATES = [3e-3, 2e-3, 2.5e-3]
+RESUMED = ["f32z2r1", "bf16z2r2"]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3}  # float32: absolute; bfloat16: relative to the change (2-norm)
+
+
+def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for n in lengths:
+        tokens = torch.randint(3, 100, (n,), generator=g).tolist()
+        mask = torch.tensor([0.0] * (n // 2 - 1) + [1.0] * (n - n // 2))
+        data.append({"model_input": tokens[:-1], "loss_fn_inputs": {
+            "target_tokens": tokens[1:], "weights": (mask * (torch.rand(n - 1, generator=g) + 0.5)).tolist()}})
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    """Every layout through the sequence; the states along the way."""
+    llms = {name: {"model": tiny["llama"], "dtype": dtype, "replicas": replicas, "initializers": [LORA],
+                   "trainable": True, "training": {"zero_stage": zero, "optimizer": ADAMW}}
+            for name, (dtype, zero, replicas) in LAYOUTS.items()}
+    llms["z3"] = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
+                  "training": {"zero_stage": 3, "optimizer": ADAMW}}
+    out = {}
+    folder = tmp_path_factory.mktemp("run-time-adapters")
+    with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+        with pytest.raises(Exception, match=r"llms\.z3\.training\.zero_stage is 3"):
+            run.create_adapter("t", llm="z3", **NEW, seed=3)
+        for name in LAYOUTS:
+            out[name, "start"] = run.state_dict(llm=name)
+            for adapter in ADAPTERS:
+                run.create_adapter(adapter, llm=name, **NEW, seed=ADAPTERS[adapter])
+                out[name, adapter, "norms"] = []
+            out[name, "created"] = run.state_dict(llm=name)
+            for k, rate in enumerate(RATES):  # both adapters' gradients pending at once, each stepped alone
+                for adapter in ADAPTERS:
+                    run.forward_backward(make_data(k + ADAPTERS[adapter]), "cross_entropy", llm=name,
+                                         peft_adapter=adapter)
+                for adapter in ADAPTERS:
+                    stepped = run.optim_step({"learning_rate": rate}, llm=name, peft_adapter=adapter)
+                    out[name, adapter, "norms"].append(stepped["grad_norm"])
+            out[name, "end"] = run.state_dict(llm=name)
+        run.save(folder / "checkpoint")
+        for name in LAYOUTS:
+            step_after_save(run, name)
+            out[name, "stepped after the save"] = run.state_dict(llm=name)
+            run.snapshot("s", llm=name, peft_adapter="t")
+            out[name, "scores"] = [run.forward(make_data(9), None, llm=name, peft_adapter=a)["loss_fn_outputs"]
+                                   for a in ("t", "s")]
+            run.save_adapter(folder / name, llm=name, peft_adapter="t")
+            run.load_adapter(folder / name, "u", llm=name)
+            for adapter in ("t", "u"):
+                run.forward_backward(make_data(7), "cross_entropy", llm=name, peft_adapter=adapter)
+                run.optim_step({"learning_rate": 2e-3}, llm=name, peft_adapter=adapter)
+            out[name, "copied"] = run.state_dict(llm=name)
+            run.drop_snapshot("s", llm=name)
+            for adapter in ("t", "u", "v"):
+                run.delete_adapter(adapter, llm=name)
+            out[name, "deleted"] = run.state_dict(llm=name)
+    for name in RESUMED:  # the masters and moments of t come back with the checkpoint
+        llms[name]["checkpoint"] = str(folder / "checkpoint")
+    with LiveRun({"llms": {name: llms[name] for name in RESUMED}, "threads_per_rank": 1}) as run:
+        for name in RESUMED:
+            step_after_save(run, name)
+            out[name, "stepped after the resume"] = run.state_dict(llm=name)
+    return out
+
+
+def step_after_save(run, name: str) -> None:
+    run.forward_backward(make_data(5), "cross_entropy", llm=name, peft_adapter="t")
+    run.optim_step({"learning_rate": 2e-3}, llm=name, peft_adapter="t")
+
+
+def reference(tiny, dtype: str, created: dict, adapter: str):
+    """A plain PEFT model holding ``created`` (adapters default and ``adapter``), AdamW over float32 masters of the
+    adapter's weights, stepped as the run stepped it; its weights at the end and the gradient norms."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=getattr(torch, dtype)).eval()
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    peft.add_adapter(adapter, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear"))
+    named = dict(peft.named_parameters())
+    with torch.no_grad():
+        for key, p in named.items():
+            p.copy_(created[f"model.{key}"])
+    peft.set_adapter(adapter)
+    params = {k: p for k, p in named.items() if ".lora_" in k and f".{adapter}." in k}
+    masters = {k: p.detach().float().clone().requires_grad_(True) for k, p in params.items()}
+    optimizer = torch.optim.AdamW(list(masters.values()), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    norms = []
+    for k, rate in enumerate(RATES):
+        for p in params.values():
+            p.requires_grad_(True)
+            p.grad = None
+        loss = sum((-torch.tensor(d["loss_fn_inputs"]["weights"]) * logprobs(peft, d)).sum()
+                   for d in make_data(k + ADAPTERS[adapter]))
+        loss.backward()
+        for key, m in masters.items():
+            m.grad = params[key].grad.float()
+        norms.append(float(torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in masters.values()]))))
+        optimizer.param_groups[0]["lr"] = rate
+        optimizer.step()
+        with torch.no_grad():
+            for key, m in masters.items():
+                params[key].copy_(m)
+    return {f"model.{k}": p.detach().clone() for k, p in params.items()}, norms
+
+
+def logprobs(model, datum: dict) -> torch.Tensor:
+    logp = torch.log_softmax(model(input_ids=torch.tensor([datum["model_input"]])).logits[0].float(), -1)
+    return logp.gather(1, torch.tensor(datum["loss_fn_inputs"]["target_tokens"])[:, None])[:, 0]
+
+
+def same(a: dict, b: dict, keys) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in keys)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+def test_a_run_time_adapter_steps_as_plain_peft_with_adamw_over_float32_masters(runs, tiny, name, adapter):
+    dtype = LAYOUTS[name][0]
+    start, created, end = runs[name, "start"], runs[name, "created"], runs[name, "end"]
+    untouched = list(start)  # the base and the configured adapter
+    assert same(start, created, untouched) and same(start, end, untouched), "only t and v may move"
+    expected, norms = reference(tiny, dtype, created, adapter)
+    assert expected.keys() == {k for k in end if f".{adapter}." in k and ".lora_" in k}
+    moved = max(float((want.float() - created[k].float()).abs().max()) for k, want in expected.items())
+    assert moved > 1e-3
+    worst = max(float((end[k].float() - want.float()).abs().max()) for k, want in expected.items())
+    change = torch.cat([(want.float() - created[k].float()).reshape(-1) for k, want in expected.items()])
+    off = torch.cat([(end[k].float() - want.float()).reshape(-1) for k, want in expected.items()])
+    relative = float(off.norm() / change.norm())
+    print(f"{name} {adapter}: largest change {moved:.3g}; difference to the reference: largest {worst:.3g}, "
+          f"relative to the change (2-norm) {relative:.3g}; grad norms {runs[name, adapter, 'norms']} vs {norms}")
+    if dtype == "float32":
+        assert worst <= TOLERANCE[dtype], worst
+    else:  # Adam moves a weight by about lr whatever its gradient's size: rounding flips near-zero gradients' signs
+        assert relative <= TOLERANCE[dtype], relative
+    torch.testing.assert_close(torch.tensor(runs[name, adapter, "norms"]), torch.tensor(norms),
+                               rtol=1e-4 if dtype == "float32" else 5e-2, atol=0)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_run_time_adapter_saved_loaded_and_snapshotted_acts_as_itself(runs, name):
+    scores_t, scores_s = runs[name, "scores"]
+    for t, s in zip(scores_t, scores_s):  # (float32 matmuls of trained and frozen LoRA layers may round apart)
+        torch.testing.assert_close(t["logprobs"], s["logprobs"], atol=1e-5, rtol=0)
+    copied, start = runs[name, "copied"], runs[name, "start"]
+    t = {k.replace(".t.", "."): v for k, v in copied.items() if ".t." in k and ".lora_" in k}
+    u = {k.replace(".u.", "."): v for k, v in copied.items() if ".u." in k and ".lora_" in k}
+    assert t.keys() == u.keys() and t
+    assert not same(copied, runs[name, "end"], [k for k in copied if ".t." in k and ".lora_" in k])
+    tolerance = 1e-6 if LAYOUTS[name][0] == "float32" else 1e-2  # bfloat16: u's masters start from t's weights
+    for key in t:
+        torch.testing.assert_close(u[key].float(), t[key].float(), atol=tolerance, rtol=0)
+    assert runs[name, "deleted"].keys() == start.keys() and same(start, runs[name, "deleted"], list(start))
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_run_time_adapter_resumed_from_a_checkpoint_steps_on_as_before_the_save(runs, name):
+    before, after = runs[name, "stepped after the save"], runs[name, "stepped after the resume"]
+    assert before.keys() == after.keys()
+    assert not same(before, runs[name, "end"], [k for k in before if ".t." in k and ".lora_" in k])
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
