@@ -1,7 +1,8 @@
 """The OpenAI-compatible API over HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (and ``/v1/models/<id>``), the key, JSON bodies, errors, and streams.
 
-A :class:`ThreadingHTTPServer` answers each connection on a thread of its own; a connection silent for
+A :class:`~llmrl.engine.transport.capped_http.CappedHTTPServer` answers each connection on a thread of its own, for
+at most ``max_connections`` connections at once (one more is answered 503 and closed); a connection silent for
 ``idle_timeout`` seconds is closed, so that no client holds a thread by saying nothing. Every request must carry
 ``Authorization: Bearer <key>`` (what the OpenAI SDK sends), compared in constant time before its body is read: a
 wrong or missing key is a 401 and the connection closes. Errors have OpenAI's shape (``{"error": {"message",
@@ -23,16 +24,19 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from llmrl.engine.openai_api.params import Refused
+from llmrl.engine.transport.capped_http import CappedHTTPServer
 
 MAX_BODY = 16 << 20  # bytes of a request body (a long conversation with tools is well under a megabyte)
 IDLE_TIMEOUT = 30.0  # seconds a connection may stay silent
+MAX_CONNECTIONS = 256  # connections served at once, each on a thread of its own (one more is answered 503)
 ROLLOUT_HEADER = "X-Rollout-Id"
 POST_ROUTES = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions"}
 
 
-def make_server(service, host: str, port: int, api_key: str, idle_timeout: float = IDLE_TIMEOUT
-                ) -> ThreadingHTTPServer:
-    """The HTTP server of ``service`` on ``host:port`` (port 0: a free one), refusing any other key."""
+def make_server(service, host: str, port: int, api_key: str, idle_timeout: float = IDLE_TIMEOUT,
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
+    """The HTTP server of ``service`` on ``host:port`` (port 0: a free one), refusing any other key; connections
+    silent for ``idle_timeout`` seconds are closed, and at most ``max_connections`` are served at once."""
     if not api_key:
         raise ValueError("the endpoint needs a non-empty API key")
     expected = f"Bearer {api_key}".encode()
@@ -145,9 +149,10 @@ def make_server(service, host: str, port: int, api_key: str, idle_timeout: float
             except OSError:
                 pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    busy = json.dumps({"error": {"message": f"the endpoint is serving its {max_connections} connections at once: "
+                                            "retry shortly", "type": "server_busy", "param": None,
+                                 "code": 503}}).encode()
+    return CappedHTTPServer((host, port), Handler, max_connections, busy)
 
 
 def stream_chunks(answer: dict) -> list[dict]:

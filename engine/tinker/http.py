@@ -20,14 +20,13 @@ from __future__ import annotations
 import hmac
 import json
 import re
-import socket
 import sys
-import threading
 import traceback
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from llmrl.engine.tinker.futures import Outcome
+from llmrl.engine.transport.capped_http import CappedHTTPServer
 
 MAX_BODY = 64 << 20  # bytes of a request body (the SDK sends forward_backward in chunks of about 5 MB)
 IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent (a pooled client connection closed meanwhile is reopened)
@@ -198,56 +197,9 @@ def make_server(service, host: str, port: int, api_key: str, idle_timeout: float
             except OSError:  # the client went away, or read nothing for idle_timeout: nothing more to answer
                 self.close_connection = True
 
-    return _Server((host, port), Handler, max_connections)
-
-
-class _Server(ThreadingHTTPServer):
-    """A threading server that serves at most ``max_connections`` connections at once: one more is answered 503
-    (``Retry-After``) and closed on the accepting thread, which never waits for it."""
-
-    daemon_threads = True
-    request_queue_size = 128  # connections the kernel holds before they are accepted (the SDK opens many at once)
-
-    def __init__(self, address, handler, max_connections: int):
-        self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            _refuse(request, self.max_connections)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)  # a thread of its own, which releases the slot
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)  # handles, and reports any error, then closes
-        finally:
-            self._slots.release()
-
-
-def _refuse(request: socket.socket, most: int) -> None:
-    """Answer 503 without blocking: what the client sent so far (up to 1 MB) is read and dropped (closing a socket
-    with unread bytes would reset the connection before the answer is read)."""
-    body = json.dumps({"detail": f"the service is serving its {most} connections at once: retry shortly"}).encode()
-    answer = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    try:
-        request.setblocking(False)
-        try:
-            for _ in range(16):  # bounded: a client streaming a large body must not hold the accepting thread
-                if not request.recv(65536):
-                    break
-        except BlockingIOError:
-            pass
-        request.send(answer)
-    except OSError:  # gone already, or its buffer full: it is closed without an answer
-        pass
+    busy = json.dumps({"detail": f"the service is serving its {max_connections} connections at once: retry "
+                                 "shortly"}).encode()
+    return CappedHTTPServer((host, port), Handler, max_connections, busy)
 
 
 def _int(query: dict, key: str, default: int) -> int:
