@@ -114,3 +114,25 @@ def node_commands(options: RunOptions, slots: dict[str, int], executable: str = 
                         argv=deepspeed_command(replace(options, no_ssh=True, node_rank=rank, master_addr=master_addr,
                                                        master_port=master_port), world_size, executable))
             for rank, host in enumerate(slots)]
+
+
+def split_options(argv: list[str], names: tuple[str, ...], verb: str) -> tuple[list[str], list[str]]:
+    """``(the rest, the options named in names)``: each named option and its value (``--port 8000`` or
+    ``--port=8000``) moves to the second list, in order (how ``llmrl tinker`` and ``llmrl openai`` hand their own
+    options to the service and the rest to ``llmrl run``). Exits naming ``verb`` when a named option lacks its
+    value."""
+    rest, taken, k = [], [], 0
+    while k < len(argv):
+        token = argv[k]
+        if token.split("=", 1)[0] in names:
+            if "=" in token:
+                taken.append(token)
+            elif k + 1 < len(argv):
+                taken += [token, argv[k + 1]]
+                k += 1
+            else:
+                raise SystemExit(f"{verb}: {token} needs a value")
+        else:
+            rest.append(token)
+        k += 1
+    return rest, taken

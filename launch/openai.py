@@ -15,31 +15,12 @@ import argparse
 
 from llmrl.engine.openai_api.serve import add_service_arguments
 from llmrl.launch import run
+from llmrl.launch.command import split_options
 
 SERVICE_OPTIONS = ("--host", "--port", "--api-key-file", "--llm", "--rollout-timeout", "--ready-file")
 MODULE = "llmrl.engine.openai_api.serve"
 USAGE = ("llmrl openai --config CONFIG [--host H] [--port P] [--api-key-file F] [--llm NAME] [--rollout-timeout S] "
          "[--ready-file F] [launcher options] [key.sub=value ...]")
-
-
-def split_service_options(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``(run's arguments, the endpoint's)``: each endpoint option and its value (``--port 8000`` or
-    ``--port=8000``) moves to the second list."""
-    rest, service, k = [], [], 0
-    while k < len(argv):
-        token = argv[k]
-        if token.split("=", 1)[0] in SERVICE_OPTIONS:
-            if "=" in token:
-                service.append(token)
-            elif k + 1 < len(argv):
-                service += [token, argv[k + 1]]
-                k += 1
-            else:
-                raise SystemExit(f"llmrl openai: {token} needs a value")
-        else:
-            rest.append(token)
-        k += 1
-    return rest, service
 
 
 def help_parser() -> argparse.ArgumentParser:
@@ -60,7 +41,7 @@ def parse_argv(argv: list[str]) -> run.RunRequest:
     if any(token.split("=", 1)[0] == "--api-key" for token in argv):
         raise SystemExit("llmrl openai: the key is not taken on the command line (every local user can read it): "
                          "give --api-key-file F or $LLMRL_OPENAI_API_KEY")
-    rest, service = split_service_options(argv)
+    rest, service = split_options(argv, SERVICE_OPTIONS, "llmrl openai")
     return run.parse_argv([*rest, "-m", MODULE, *service])
 
 

@@ -17,30 +17,15 @@ import sys
 
 from llmrl.engine.tinker.serve import KEY_ENV, add_service_arguments
 from llmrl.launch import run
+from llmrl.launch.command import split_options
 
 SERVICE_OPTIONS = ("--host", "--port", "--api-key", "--api-key-file", "--llm", "--save-dir", "--ready-file")
 MODULE = "llmrl.engine.tinker.serve"
 
 
 def split_service_options(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``(run's arguments, the service's)``: each service option and its value (``--port 8000`` or
-    ``--port=8000``) moves to the second list."""
-    rest, service, k = [], [], 0
-    while k < len(argv):
-        token = argv[k]
-        name = token.split("=", 1)[0]
-        if name in SERVICE_OPTIONS:
-            if "=" in token:
-                service.append(token)
-            elif k + 1 < len(argv):
-                service += [token, argv[k + 1]]
-                k += 1
-            else:
-                raise SystemExit(f"llmrl tinker: {token} needs a value")
-        else:
-            rest.append(token)
-        k += 1
-    return rest, service
+    """``(run's arguments, the service's)``: each service option and its value moves to the second list."""
+    return split_options(argv, SERVICE_OPTIONS, "llmrl tinker")
 
 
 def take_key(service: list[str]) -> tuple[list[str], str | None]:

@@ -2,7 +2,7 @@
 number from 1 to 10; each step says ``higher``, ``lower`` or ``right``, reward 1 when right, -0.1 otherwise, done
 when right or after four guesses; a guess of 0 makes the environment raise), served by
 ``openenv.core.create_app`` under uvicorn on a thread of the test process (:func:`serve`), ready once its
-``/health`` answers."""
+``/health`` answers (a request sent while it starts waits in the socket's backlog)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import contextlib
 import http.client
 import socket
 import threading
-import time
 
 from openenv.core import Action, Environment, Observation, State, create_app
 
@@ -58,15 +57,13 @@ def serve(timeout: float = 60.0):
     app = create_app(GuessEnvironment, GuessAction, GuessObservation, max_concurrent_envs=16)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # listening before the server starts: a request made now waits in the backlog until it serves
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + timeout
-    while not healthy(port):
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the OpenEnv test server did not answer /health within {timeout} s")
-        time.sleep(0.05)  # between polls of /health
+    if not healthy(port, timeout):  # answered once the server is up (the request waited for it), not polled
+        raise RuntimeError(f"the OpenEnv test server did not answer /health within {timeout} s")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -75,9 +72,9 @@ def serve(timeout: float = 60.0):
         sock.close()
 
 
-def healthy(port: int) -> bool:
+def healthy(port: int, timeout: float) -> bool:
     try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         connection.request("GET", "/health")
         ok = connection.getresponse().status == 200
         connection.close()
