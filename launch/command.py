@@ -1,14 +1,23 @@
-"""Build the ``deepspeed ...`` command of a run: pure functions, tested as data.
+"""Build the ``deepspeed ...`` command of a run, and the launcher command it comes down to: pure functions, tested
+as data.
 
-``llmrl run`` calls :func:`deepspeed_command` and only then runs the result. On one machine the
-command asks for ``--num_gpus N`` with N = 1 client + every server rank (it also works on CPU); with
-a hostfile the slots must add up to N, checked before anything starts. :func:`node_commands` gives
-the command of every node of a hostfile run started without ssh (one per node, each with its
-``--node_rank``), which ``llmrl run --dry-run`` prints and a SLURM job runs through ``srun``.
+:func:`deepspeed_command` is the run as DeepSpeed's runner takes it. On one machine it asks for ``--num_gpus N``
+with N = 1 client + every server rank (it also works on CPU); with a hostfile the slots must add up to N, checked
+before anything starts. :func:`node_commands` gives the command of every node of a hostfile run started without
+ssh (one per node, each with its ``--node_rank``), which ``llmrl run --dry-run`` prints and a SLURM job runs
+through ``srun``.
+
+Where the ranks all start on this machine (one machine, or one node started with ``--no_ssh``), the runner only
+starts DeepSpeed's per-node launcher and waits: :func:`node_launcher_command` is that launcher's command, exactly
+as the runner builds it, and ``llmrl run`` starts it directly, without the runner's process (which imports torch
+and DeepSpeed first, about 2 CPU-seconds, to do nothing else). A hostfile run started over ssh goes through the
+runner (pdsh).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -34,7 +43,6 @@ class RunOptions:
     # DeepSpeed's launcher chatter (per-process INFO lines) stays out of the way; None: "warning" with a hostfile,
     # "error" without one (on one machine its only warning is "Unable to find hostfile", printed on every run).
     launcher_log_level: str | None = None
-    extra_launcher_args: list[str] = field(default_factory=list)
 
 
 def hostfile_slots(text: str) -> dict[str, int]:
@@ -72,8 +80,32 @@ def deepspeed_command(options: RunOptions, world_size: int, executable: str = "d
     if options.master_port:
         cmd += ["--master_port", str(options.master_port)]
     cmd += ["--log_level", options.launcher_log_level or ("warning" if options.hostfile else "error")]
-    cmd += list(options.extra_launcher_args)
     cmd += ["--module", "llmrl.launch", "--config", options.config, *options.overrides]
+    cmd += ["-m", options.module] if options.module else [options.script]
+    return cmd + list(options.script_args)
+
+
+def node_launcher_command(options: RunOptions, world_size: int, slots: dict[str, int] | None = None,
+                          python: str | None = None) -> list[str] | None:
+    """The command DeepSpeed's runner executes for ``deepspeed_command(options, world_size)`` when this machine starts
+    the ranks itself: its per-node launcher, ``python -u -m deepspeed.launcher.launch --world_info=...``, with the
+    same ranks (``slots``: the hostfile's, else ``world_size`` on localhost), master, node rank, log level and rank
+    command, in the runner's order (``tests/test_launch_args.py`` compares it with DeepSpeed's own runner). None
+    for a hostfile run started over ssh, which only the runner can start."""
+    if slots is not None and not options.no_ssh:
+        return None
+    if slots is None:
+        world, master_addr = {"localhost": list(range(world_size))}, "127.0.0.1"  # the runner's, whatever was given
+    else:
+        world, master_addr = {host: list(range(count)) for host, count in slots.items()}, options.master_addr
+    world_info = base64.urlsafe_b64encode(json.dumps(world).encode("utf-8")).decode("utf-8")
+    cmd = [python or sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+           f"--master_addr={master_addr}", f"--master_port={options.master_port or DEFAULT_MASTER_PORT}"]
+    if options.no_ssh:
+        cmd.append(f"--node_rank={options.node_rank or 0}")
+    level = options.launcher_log_level or ("warning" if options.hostfile else "error")
+    cmd += ["--module", "--enable_each_rank_log=None", f"--log_level={level}"]  # "None": the runner's default
+    cmd += ["llmrl.launch", "--config", options.config, *options.overrides]
     cmd += ["-m", options.module] if options.module else [options.script]
     return cmd + list(options.script_args)
 

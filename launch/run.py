@@ -1,5 +1,6 @@
-"""``llmrl run``: read the command line, validate the config, count the ranks, print the exact ``deepspeed``
-command, run it.
+"""``llmrl run``: read the command line, validate the config, count the ranks, print the exact command, run it: the
+``deepspeed`` command, or, where this machine starts the ranks itself, the DeepSpeed launcher command that one
+executes (:func:`llmrl.launch.command.node_launcher_command`).
 
 The command line is ``llmrl run [launcher options and key=value overrides, in any order] (SCRIPT | -m
 MODULE) [script args]``. It is read in full (:func:`parse_argv`, a pure function) before anything
@@ -38,6 +39,7 @@ from llmrl.launch.command import (
     deepspeed_executable,
     hostfile_slots,
     node_commands,
+    node_launcher_command,
     node_ranks,
 )
 from llmrl.launch.prepare import prepare_builtin_models
@@ -222,6 +224,7 @@ def main(request: RunRequest) -> int:
     if problem:
         print(f"llmrl: {problem}", file=sys.stderr)
         return 1
+    cmd = node_launcher_command(options, config.world_size, slots) or cmd  # the runner itself only for ssh
     print("llmrl: running " + shlex.join(cmd), file=sys.stderr, flush=True)
     local = local_ranks(options, config.world_size, slots)
     with tempfile.TemporaryDirectory(prefix="llmrl-run-") as tmp:
@@ -329,7 +332,8 @@ def print_dry_run(options: RunOptions, world_size: int, slots: dict[str, int] | 
         print(f"# {text}")
 
     if slots is None:
-        note(f"llmrl dry run: this machine would start all {world_size} ranks with:")
+        note(f"llmrl dry run: this machine would start all {world_size} ranks as this command does (llmrl run starts "
+             "the DeepSpeed launcher it runs directly):")
         print(shlex.join(cmd))
         return
     if not options.no_ssh:

@@ -1,7 +1,8 @@
 """Ctrl-C or SIGTERM at any phase of a run (servers loading, setting up, a call in flight, idle) ends the whole
-run within seconds with 130 (143 for SIGTERM) and no process left; so does killing `llmrl run` itself, the
-DeepSpeed runner or DeepSpeed's per-node launcher, even with SIGKILL. Every test waits for an observable event
-(a line in the run's output, a file the script writes) before it strikes, never for a fixed time."""
+run within seconds with 130 (143 for SIGTERM) and no process left; so does killing `llmrl run` itself or
+DeepSpeed's per-node launcher (which `llmrl run` starts directly on one machine), even with SIGKILL. Every
+test waits for an observable event (a line in the run's output, a file the script writes) before it strikes, never
+for a fixed time."""
 
 from __future__ import annotations
 
@@ -134,23 +135,23 @@ def test_sigterm_ends_the_run_with_143(run, phase):
 
 
 def _launcher_chain(live: Run):
-    """(`llmrl run`, DeepSpeed's runner, DeepSpeed's per-node launcher) of a run."""
+    """(`llmrl run`, DeepSpeed's per-node launcher) of a run: on one machine `llmrl run` starts the launcher itself,
+    where DeepSpeed's runner would only have started it (the runner's own chain is tested in test_processes)."""
     command = psutil.Process(live.process.pid)
-    (runner,) = command.children()
-    (launcher,) = runner.children()
+    (launcher,) = command.children()
     assert "deepspeed.launcher.launch" in " ".join(launcher.cmdline())
-    return command, runner, launcher
+    return command, launcher
 
 
-@pytest.mark.parametrize("victim", ["llmrl run", "runner"])
+@pytest.mark.parametrize("victim", ["llmrl run", "per-node launcher"])
 def test_killing_any_launcher_process_ends_every_rank(run, victim):
     live = run("idle")
     live.wait_for(EVENTS["idle"])
-    command, runner, launcher = _launcher_chain(live)
+    command, launcher = _launcher_chain(live)
     ranks = launcher.children()
     assert len(ranks) == 2
     own_folder = os.path.dirname(ranks[0].environ()["LLMRL_EXIT_CODE_FILE"])  # `llmrl run`'s temporary folder
-    {"llmrl run": command, "runner": runner, "per-node launcher": launcher}[victim].kill()  # SIGKILL
+    {"llmrl run": command, "per-node launcher": launcher}[victim].kill()  # SIGKILL
     code = live.finish()
     if victim != "llmrl run":  # `llmrl run` itself survives to report the failure
         assert code != 0, live.log
@@ -163,7 +164,7 @@ def test_a_server_killed_while_the_script_is_idle_ends_the_run_with_137_naming_i
     """DeepSpeed's launcher then stops the script with SIGTERM: the run used to end with the script's 143."""
     live = run("idle")
     live.wait_for(EVENTS["idle"])
-    _, _, launcher = _launcher_chain(live)
+    _, launcher = _launcher_chain(live)
     (server,) = [r for r in launcher.children() if r.environ().get("RANK") == "1"]
     server.kill()
     assert live.finish() == 137, live.log
@@ -186,7 +187,7 @@ def test_a_frozen_server_does_not_keep_the_run_alive_after_the_script_ended(run)
     forever."""
     live = run("ends")
     live.wait_for(EVENTS["idle"])
-    _, _, launcher = _launcher_chain(live)
+    _, launcher = _launcher_chain(live)
     client = live.client_pid()
     (server,) = [p for p in launcher.children() if p.pid != client]
     server.suspend()

@@ -3,6 +3,7 @@ one machine, and fast, clean failures for a wrong rank count or a broken config.
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
@@ -73,7 +74,11 @@ def test_llmrl_run(tmp_path, tiny):
     result = run(llmrl("run", "--config", config, SCRIPT, out, "--flag"),
                  env={**os.environ, "LLMRL_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr
-    assert "llmrl: running " in result.stderr and "--num_gpus 4" in result.stderr
+    # DeepSpeed's per-node launcher, started directly (the runner would only have started it), for 4 ranks
+    (started,) = [line for line in result.stderr.splitlines() if line.startswith("llmrl: running ")]
+    world_info = next(token for token in started.split() if token.startswith("--world_info="))
+    assert "-m deepspeed.launcher.launch " in started and "deepspeed --" not in started, started
+    assert json.loads(base64.urlsafe_b64decode(world_info.split("=", 1)[1])) == {"localhost": [0, 1, 2, 3]}
     assert os.listdir(cache / "models") == ["tiny-random-llama"]
     built = result.stderr.find("llmrl: building builtin:tiny-random-llama")
     assert 0 <= built < result.stderr.find("llmrl: running"), result.stderr[-3000:]  # before the launcher started

@@ -51,14 +51,14 @@ class LiveRun:
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
         from llmrl.engine.transport.rendezvous import free_port
-        from llmrl.launch.command import RunOptions, deepspeed_command, deepspeed_executable
+        from llmrl.launch.command import RunOptions, node_launcher_command
 
         options = RunOptions(config=self.config_path, module="testkit.proxy",
                              script_args=[f"{host}:{port}", key.hex()], overrides=list(overrides),
                              master_port=free_port())
         self.master_port = options.master_port  # the run's TCP store (rank 0 hosts it)
-        if launcher == "deepspeed":
-            self.command = deepspeed_command(options, self.config.world_size, deepspeed_executable())
+        if launcher == "deepspeed":  # DeepSpeed's per-node launcher, as `llmrl run` starts it on one machine
+            self.command = node_launcher_command(options, self.config.world_size)
         elif launcher == "direct":
             import sys
 
