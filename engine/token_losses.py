@@ -61,9 +61,9 @@ class _Registry(Mapping):
         if self._loaded:
             return
         self._loaded = True
-        import importlib.metadata
+        from llmrl.engine.entry_points import entry_points
 
-        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        for entry in entry_points(ENTRY_POINT_GROUP):
             try:
                 function = entry.load()
             except Exception as err:  # noqa: BLE001 - re-raised naming the entry point

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from llmrl.engine.config.types import PluginSpec
+from llmrl.engine.entry_points import entry_points as installed_entry_points
 from llmrl.engine.errors import PluginError, did_you_mean
 
 GROUPS = {"head": "llmrl.heads", "initializer": "llmrl.initializers", "updater": "llmrl.updaters"}
@@ -32,8 +33,8 @@ importing_script = False  # True while a server imports the RL script (a Caller 
 
 
 def entry_points(kind: str) -> dict[str, importlib.metadata.EntryPoint]:
-    group = GROUPS[kind]
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
+    """The installed plugins of contract ``kind`` by name (read once per process: :mod:`llmrl.engine.entry_points`)."""
+    return {ep.name: ep for ep in installed_entry_points(GROUPS[kind])}
 
 
 def installed_plugins() -> list[dict[str, str]]:
@@ -121,7 +122,7 @@ def resolve(kind: str, name: str):
                               f"installed {kind}s: "
                               f"{', '.join(available) or 'none'} (entry-point group {GROUPS[kind]}); "
                               "local classes can be named module:Class or __main__:Class")
-        targets = sorted({ep.value for ep in importlib.metadata.entry_points(group=GROUPS[kind], name=name)})
+        targets = sorted({ep.value for ep in installed_entry_points(GROUPS[kind], name)})
         if len(targets) > 1:  # which one importlib returns last depends on sys.path's order: never guess
             raise PluginError(f"{kind} plugin {name!r} is registered by several installed packages, with different "
                               f"targets: {', '.join(targets)}; name the one you mean as module:attr (e.g. "

@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("engine", "plugins", "launch", "benchmarks", "examples", "docs")
 PLUGIN_MAY_IMPORT = ("llmrl.engine.errors", "llmrl.engine.graph", "llmrl.engine.config.types",
-                     "llmrl.engine.config.checks", "llmrl.engine.token_losses", "llmrl.engine.episode_returns")
+                     "llmrl.engine.config.checks", "llmrl.engine.token_losses", "llmrl.engine.episode_returns",
+                     "llmrl.engine.entry_points")
 # The seam between the engine and the plugins: the plugin API, the only modules of ``llmrl.plugins`` the engine may
 # import. The contracts and the types they are made of (a Trainer, an UpdateBatch, per-sample arguments, the
 # steering hook's view), their checks and the registry that finds plugins by entry point. Every other module of

@@ -17,12 +17,12 @@ tracker does); it imports nothing from the config (the config's checks import it
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmrl.engine.client.tracking.protocol import contract_problem
+from llmrl.engine.entry_points import entry_points
 from llmrl.engine.errors import InvalidArgument, PluginError, did_you_mean
 
 GROUP = "llmrl.trackers"
@@ -69,7 +69,7 @@ BUILTIN = (
 def _registered() -> dict[str, list[BackendInfo]]:
     """Every entry point of :data:`GROUP`, by name (a name several packages register has several rows)."""
     found: dict[str, list[BackendInfo]] = {}
-    for ep in importlib.metadata.entry_points(group=GROUP):
+    for ep in entry_points(GROUP):
         dist = getattr(ep, "dist", None)
         provider = f"{dist.metadata['Name']} {dist.version}" if dist is not None else "an installed package"
         rows = found.setdefault(ep.name, [])
