@@ -35,10 +35,11 @@ from typing import NoReturn
 # PEFT too (with bitsandbytes and torch's inductor, which it imports): about 3.5 CPU-seconds a LoRA rank. Importing
 # it turns torch.distributions' argument checks off for the whole process (torch._dynamo's one-time patch); a rank
 # with or without adapters runs its updater with them on all the same (llmrl's trainer turns them on for updaters).
-# jsonschema: every rank checks its config against the schema (about 0.2 CPU-s to import, on every rank).
+# jsonschema: every rank checks its config against the schema (about 0.2 CPU-s to import, on every rank);
+# matplotlib: every training example's client draws its learning curve (0.6 CPU-s; no back end is chosen here).
 PRELOAD = ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "peft",
            "deepspeed.runtime.zero.muon.muon_optimizer", "llmrl.launch.rank", "llmrl.engine.model.hf_backend",
-           "jsonschema")
+           "jsonschema", "matplotlib.pyplot")
 # Every module of these packages too (a rank imports most of them, each compiled from source where Python writes no
 # bytecode cache): they import their heavy dependencies lazily, so this costs a fraction of a second, once.
 PRELOAD_PACKAGES = ("llmrl.engine", "llmrl.plugins")
