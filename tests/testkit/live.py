@@ -231,7 +231,9 @@ class LiveRun:
                 pass
 
     def leftover_processes(self) -> list[int]:
-        """PIDs of processes of this run still alive (there should be none after it ends)."""
+        """PIDs of processes of this run still alive (there should be none after it ends): those whose command line
+        names the run's config (ranks), and those of the launcher's session (the launcher, forked or not, leads its
+        own: a forked one's command line is the fork server's)."""
         import psutil
 
         alive = []

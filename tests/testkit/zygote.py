@@ -1,8 +1,8 @@
 """A fork server for :class:`testkit.LiveRun` and the tests of commands: one process per test session imports torch,
 DeepSpeed, transformers, PEFT and llmrl once (:func:`testkit.ranks.preload`), then forks a fresh ``python -m MODULE
-ARGV`` for each request: a :mod:`testkit.ranks` launcher for each run, or a command under test (a benchmark,
-:func:`testkit.scripts.run_module`). Without it each of them imports those libraries again first: about 4
-CPU-seconds, on one core, before it does anything; the suite starts some seventy.
+ARGV`` for each request: a run's launcher (:mod:`testkit.ranks`, or DeepSpeed's per-node launcher), or a command
+under test (a benchmark, :func:`testkit.scripts.run_module`). Without it each of them imports those libraries again
+first: about 4 CPU-seconds, on one core, before it does anything; the suite starts some seventy.
 
 A forked process is what ``python -m MODULE ARGV`` started by :class:`subprocess.Popen` would be: its own session
 (``start_new_session``), the request's environment, working folder and output files, stdin from ``/dev/null``, a
