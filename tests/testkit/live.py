@@ -1,8 +1,8 @@
 """Live runs for tests: :class:`LiveRun` starts a real run (every rank a process) whose client script
 (:mod:`testkit.proxy`) obeys the test process. Ranks are started by :mod:`testkit.ranks` (the environment
-DeepSpeed's launcher gives them, without importing DeepSpeed twice first), forked by the session's server
-(:mod:`testkit.zygote`) where the run's environment allows, or, with ``launcher="deepspeed"``, by the DeepSpeed
-launcher itself, for tests whose subject is what the launcher does.
+DeepSpeed's launcher gives them, without importing DeepSpeed twice first), or, with ``launcher="deepspeed"``, by
+DeepSpeed's per-node launcher itself (fresh processes), for tests whose subject is what the launcher does. Either
+launcher is forked by the session's server (:mod:`testkit.zygote`) where the run's environment allows.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ class LiveRun:
             raise ValueError(f"launcher must be 'direct' or 'deepspeed', not {launcher!r}")
         self.log_path = self.workdir / "run.log"
         self._log = open(self.log_path, "w")
-        self.process = start_launcher(self.command, env, os.getcwd(), self._log, str(self.workdir / "launcher.exit"),
-                                      fork=launcher == "direct")
+        self.process = start_launcher(self.command, env, os.getcwd(), self._log, str(self.workdir / "launcher.exit"))
         self._conn = self._accept(startup_timeout)
         self._conn.send(caller_kwargs or {})
         status, value = self._recv(startup_timeout)
@@ -232,7 +231,9 @@ class LiveRun:
                 pass
 
     def leftover_processes(self) -> list[int]:
-        """PIDs of processes of this run still alive (there should be none after it ends)."""
+        """PIDs of processes of this run still alive (there should be none after it ends): those whose command line
+        names the run's config (ranks), and those of the launcher's session (the launcher, forked or not, leads its
+        own: a forked one's command line is the fork server's)."""
         import psutil
 
         alive = []
@@ -265,25 +266,42 @@ class LiveRun:
 
 
 def start_launcher(command: list[str], env: dict | None, cwd: str, log, status_path: str, fork: bool = True):
-    """Start a run's launcher ``command`` (``python -m testkit.ranks ...``, or DeepSpeed's) in ``cwd`` with
-    :func:`process_environment` (``env`` added), its output to the open file ``log``. A testkit.ranks command
-    (``fork``) is forked by the session's server where it can be (:mod:`testkit.zygote`; ``status_path`` receives
-    its exit status); else, or where it cannot, it is a process of its own session. Returns the process (a Popen,
-    or what the server forked)."""
+    """Start a run's launcher ``command`` (``python -m testkit.ranks ...``, or DeepSpeed's ``python -u -m
+    deepspeed.launcher.launch ...``) in ``cwd`` with :func:`process_environment` (``env`` added), its output to the
+    open file ``log``. A ``python [-u] -m MODULE`` command (``fork``) is forked by the session's server where it can
+    be (:mod:`testkit.zygote`, whose processes write unbuffered as ``-u`` does; ``status_path`` receives its exit
+    status); else, or where it cannot, it is a process of its own session. Either way it leads its own session,
+    which :meth:`LiveRun.leftover_processes` looks for. Returns the process (a Popen, or what the server forked)."""
     import subprocess
 
     from testkit import zygote
 
     full_env = process_environment(env)
-    if fork:
-        # A server started for this run takes its environment: only when nothing in it is read at import time.
-        own_imports = any(os.environ.get(k) != v for k, v in zygote._read_on_import(env or {}).items())
-        process = zygote.start("testkit.ranks", command[3:], full_env, cwd, log.name, status_path,
-                               start_server=not own_imports)
+    module = _python_module(command) if fork else None
+    if module is not None:
+        # A server started for this run takes its environment, but the test process's PYTHONPATH (the server judges
+        # a run's own): only when nothing else in it is read at import time.
+        own = {k: v for k, v in zygote._read_on_import(env or {}).items() if k != "PYTHONPATH"}
+        own_imports = any(os.environ.get(k) != v for k, v in own.items())
+        server_env = {**full_env, "PYTHONPATH": process_environment(None)["PYTHONPATH"]}
+        process = zygote.start(module[0], module[1], full_env, cwd, log.name, status_path,
+                               start_server=not own_imports, server_env=server_env)
         if process is not None:
             return process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                             cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def _python_module(command: list[str]) -> tuple[str, list[str]] | None:
+    """``(MODULE, ARGS)`` of a command ``[sys.executable, (-u), -m, MODULE, *ARGS]``, else None."""
+    import sys
+
+    if command[:1] != [sys.executable]:
+        return None
+    rest = command[1:]
+    while rest[:1] == ["-u"]:  # the server's forked processes write unbuffered
+        rest = rest[1:]
+    return (rest[1], rest[2:]) if len(rest) >= 2 and rest[0] == "-m" else None
 
 
 def process_environment(env: dict | None) -> dict:

@@ -1,8 +1,8 @@
 """A fork server for :class:`testkit.LiveRun` and the tests of commands: one process per test session imports torch,
 DeepSpeed, transformers, PEFT and llmrl once (:func:`testkit.ranks.preload`), then forks a fresh ``python -m MODULE
-ARGV`` for each request: a :mod:`testkit.ranks` launcher for each run, or a command under test (a benchmark,
-:func:`testkit.scripts.run_module`). Without it each of them imports those libraries again first: about 4
-CPU-seconds, on one core, before it does anything; the suite starts some seventy.
+ARGV`` for each request: a run's launcher (:mod:`testkit.ranks`, or DeepSpeed's per-node launcher), or a command
+under test (a benchmark, :func:`testkit.scripts.run_module`). Without it each of them imports those libraries again
+first: about 4 CPU-seconds, on one core, before it does anything; the suite starts some seventy.
 
 A forked process is what ``python -m MODULE ARGV`` started by :class:`subprocess.Popen` would be: its own session
 (``start_new_session``), the request's environment, working folder and output files, stdin from ``/dev/null``, a
@@ -13,10 +13,12 @@ stdout; the processes it starts (a benchmark starting live runs of its own) reac
 socket, named in their environment (:data:`ADDRESS_ENV`).
 
 The interpreter and the libraries read some environment variables when they start or are imported. So a process is
-forked only when its environment agrees with the server's in every such variable (:data:`_READ_ON_IMPORT`); any
-other (a test's own ``PYTHONPATH``, say) is started the plain way, and :func:`start` returns None for it. A
-forked process takes the request's whole environment, and its working folder: it changes to it, and puts it first on
-``sys.path`` where ``python -m`` had put the server's (nothing the server preloaded comes from there). The
+forked only when its environment agrees with the server's in every such variable (:data:`_READ_ON_IMPORT`) but
+``PYTHONPATH``; any other is started the plain way, and :func:`start` returns None for it. A forked process takes the
+request's whole environment, and its working folder: it changes to it, and its ``sys.path`` is the one a fresh
+``python -m`` would have there, the request's ``PYTHONPATH`` folders in place of the server's; where that
+``PYTHONPATH`` could change where a module the server imported comes from, it is started the plain way too
+(:mod:`testkit.zygote_paths`). The
 server's own output goes to ``zygote.log`` beside the first run's log. When the test process ends, the server's
 stdin closes: it kills what is left of its processes' sessions and exits.
 
@@ -26,6 +28,7 @@ Test code, never shipped.
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 import json
 import os
@@ -37,6 +40,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from testkit.zygote_paths import ServerPath
 
 
 class ForkedLauncher:
@@ -99,14 +104,15 @@ _server: dict | None = None  # {"process"} of this test process's server, once s
 
 
 def start(module: str, argv: list[str], env: dict, cwd: str, log_path: str, status_path: str,
-          start_server: bool = True, err_path: str | None = None) -> ForkedLauncher | None:
+          start_server: bool = True, err_path: str | None = None, server_env: dict | None = None
+          ) -> ForkedLauncher | None:
     """Fork ``python -m MODULE ARGV`` with ``env`` in ``cwd``, its output to ``log_path`` (its standard error to
     ``err_path`` if given); None where it cannot be forked (another environment than the server's, or no server).
 
     The test process starts the server on its first call; a process it started (a benchmark, say) asks that same
     server, through the socket named by :data:`ADDRESS_ENV`. Without ``start_server`` (a run given an environment
-    of its own) no server is started for this run: the server takes the environment of the run that starts it, and
-    later plain runs must match it."""
+    of its own) no server is started for this run: the server takes the environment of the run that starts it
+    (``server_env`` if given), and later plain runs must match it."""
     request = {"module": module, "argv": argv, "env": env, "cwd": cwd, "log": log_path, "err": err_path or log_path,
                "status": status_path}
     with _lock:
@@ -116,7 +122,7 @@ def start(module: str, argv: list[str], env: dict, cwd: str, log_path: str, stat
             STARTS["started afresh (its own environment, before any server)"] += 1
             return None
         if _server is None:
-            _start_server(env, os.path.dirname(log_path))
+            _start_server(server_env or env, os.path.dirname(log_path))
         request["env"] = {**env, ADDRESS_ENV: os.environ[ADDRESS_ENV]}  # what it starts can ask the server too
         process = _server["process"]
         if process.poll() is not None:
@@ -184,14 +190,19 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def why_not(server_env: dict, env: dict) -> str | None:
-    """Why a run with ``env`` cannot be forked by a server started with ``server_env``, or None."""
+def why_not(server_env: dict, env: dict, cwd: str | None = None, path: ServerPath | None = None) -> str | None:
+    """Why a run with ``env`` (in ``cwd``) cannot be forked by a server started with ``server_env``, or None. With
+    the server's ``path``, a ``PYTHONPATH`` of its own is judged by :meth:`ServerPath.why_not`; without, it must be
+    the server's."""
     ours, theirs = _read_on_import(server_env), _read_on_import(env)
-    changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    return f"environment: {', '.join(changed)}" if changed else None
+    changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)
+                     and (path is None or k != "PYTHONPATH"))
+    if changed:
+        return f"environment: {', '.join(changed)}"
+    return None if path is None else path.why_not(env.get("PYTHONPATH"), cwd or os.getcwd())
 
 
-def _launcher(request: dict, server_fds: tuple[int, ...]) -> None:
+def _launcher(request: dict, server_fds: tuple[int, ...], sys_path: list[str]) -> None:
     """In the forked child: become ``python -m MODULE ARGV`` and leave with its exit code."""
     from testkit import ranks
 
@@ -211,8 +222,8 @@ def _launcher(request: dict, server_fds: tuple[int, ...]) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
-        if sys.path and sys.path[0] == os.getcwd():  # `python -m` put the server's working folder there
-            sys.path[0] = request["cwd"]
+        sys.path[:] = sys_path  # a fresh `python -m`'s in the request's folder, with its PYTHONPATH
+        importlib.invalidate_caches()  # what the server's finders (and importlib.metadata) saw of them, forgotten
         os.chdir(request["cwd"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -241,8 +252,9 @@ def serve(address: str) -> None:
 
     reply = os.dup(1)  # answers go there; anything printed while preloading goes to the server's log
     os.dup2(2, 1)
-    preload()
     started_with = dict(os.environ)
+    path = ServerPath(started_with.get("PYTHONPATH"), os.getcwd())  # as the interpreter started, before any import
+    preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(16)
@@ -255,13 +267,14 @@ def serve(address: str) -> None:
 
     def fork(line: bytes) -> str:
         request = json.loads(line)
-        reason = why_not(started_with, request["env"])
+        reason = why_not(started_with, request["env"], request["cwd"], path)
         if reason:
             return reason
+        sys_path = path.for_request(request["env"].get("PYTHONPATH"), request["cwd"])
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _launcher(request, (reply, wake, woken, listener.fileno()))  # never returns
+            _launcher(request, (reply, wake, woken, listener.fileno()), sys_path)  # never returns
         running[pid] = request["status"]
         return str(pid)
 
