@@ -164,10 +164,14 @@ def test_broken_config_fails_before_anything_starts(tmp_path, tiny):
 
 
 def test_validate_command(tmp_path, tiny):
+    """`llmrl validate` as a command (forked by the session's server: its subject is what it prints, not how an
+    interpreter starts)."""
+    from testkit.scripts import run_module
+
     good = write_config(tmp_path, {"llms": {"main": {"model": tiny["llama"], "replicas": 2}}})
-    result = run(llmrl("validate", good, "llms.main.tensor_parallel=2"))
+    result = run_module("llmrl.launch.cli", ["validate", good, "llms.main.tensor_parallel=2"])
     assert result.returncode == 0 and "needs 5 ranks" in result.stdout
-    result = run(llmrl("validate", good, "llms.main.tensor_parallel=3"))
+    result = run_module("llmrl.launch.cli", ["validate", good, "llms.main.tensor_parallel=3"])
     assert result.returncode == 2 and "llms.main.tensor_parallel: 3 does not divide" in result.stderr
 
 
