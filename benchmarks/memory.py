@@ -82,10 +82,11 @@ def reset_peak() -> bool:
 
 
 def preload() -> None:
-    """Import what the children import (torch, transformers, PEFT, the llmrl modules of each path, those imported
-    in the middle of a call included), so that children forked afterwards skip it, and that no call's peak counts
-    an import. Runs nothing with torch: no thread pool or CUDA state is there to fork."""
-    import peft.tuners.lora  # noqa: F401  (imported by llmrl's decoding loop, as it starts; it imports bitsandbytes)
+    """Import what the children import before their measured call (torch, transformers, the llmrl modules of each
+    path), so that children forked afterwards skip it. Not PEFT, which llmrl's decoding loop imports as it starts
+    (in the call, as it always was here): imported before the model is built, it raises the peak of the
+    one-prompt-one-batch path several times over (a cause not yet found), so it stays out of both ways. Runs
+    nothing with torch: no thread pool or CUDA state is there to fork."""
     import torch  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
 
@@ -105,7 +106,7 @@ def child(path: str, args) -> dict:
 
     from llmrl.engine.model.generation import generate, plan_generate
 
-    preload()  # already done in a forked child
+    preload()  # already done in a forked child; here, so that a fresh child measures the same
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
