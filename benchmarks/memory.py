@@ -14,20 +14,31 @@ by side in one run, each in a child process of its own:
     python -m benchmarks.memory --shape smollm2-1.7b --rows 64 --new-tokens 512 --prompt-tokens 49   # on a GPU
 
 Every path runs on the same random-weight Llama (seeded), the same inputs and the same sampling seed, and reports
-the peak memory of the call above what its process held before it: resident memory on CPU (``ru_maxrss``),
-allocated CUDA memory on a GPU (``max_memory_allocated``). The model has few, narrow layers by default so that the
-logits dominate on CPU as they do on a GPU. Each row prints both peaks, their ratio, and the largest difference
-between the two paths' results (for generate, where the sampled tokens are identical: seeded sampling on a GPU is
-not bit-reproducible even between two plain HF runs). It writes nothing.
+the peak memory of the call above what its process held before it: resident memory on CPU (the peak ``VmHWM`` of
+``/proc/self/status``, reset at the start of the call through ``/proc/self/clear_refs``, above ``VmRSS`` then; where
+that file cannot be written, ``ru_maxrss`` above the resident memory then), allocated CUDA memory on a GPU
+(``max_memory_allocated``). The model has few, narrow layers by default so that the logits dominate on CPU as they do
+on a GPU. Each row prints both peaks, their ratio, and the largest difference between the two paths' results (for
+generate, where the sampled tokens are identical: seeded sampling on a GPU is not bit-reproducible even between two
+plain HF runs). It writes nothing.
+
+Each path runs in a child process of its own. On CPU, where the peak can be reset, the benchmark imports torch,
+transformers and llmrl once and forks a child per path, which then skips those imports (some CPU-seconds each). On
+a GPU (CUDA must not be initialised before a fork), where the peak cannot be reset (a forked child would inherit its
+parent's ``ru_maxrss``), or with ``--fresh-processes``, each path runs in a fresh interpreter instead (``python -m
+benchmarks.memory --child PATH``). A child sends its result back as one JSON object: through a pipe, or as the last
+line of its output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import traceback
 
 SHAPES = {  # LlamaConfig arguments; every shape has SmolLM2's 49,152-entry vocabulary
     "narrow": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -53,12 +64,49 @@ def resident_kb() -> int:
         return int(f.read().split()[1]) * resource.getpagesize() // 1024
 
 
+def status_kb(field: str) -> int:
+    """``field`` (``VmRSS``, ``VmHWM``) of ``/proc/self/status``, in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident memory (``VmHWM``) to its resident memory now (Linux: ``5`` written to
+    ``/proc/self/clear_refs``); False where that file cannot be written (then only ``ru_maxrss`` tells a peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def preload() -> None:
+    """Import what the children import before their measured call (torch, transformers, the llmrl modules of each
+    path), so that children forked afterwards skip it. Not PEFT, which llmrl's decoding loop imports as it starts
+    (in the call, as it always was here): imported before the model is built, it raises the peak of the
+    one-prompt-one-batch path several times over (a cause not yet found), so it stays out of both ways. Runs
+    nothing with torch: no thread pool or CUDA state is there to fork."""
+    import torch  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    from llmrl.engine.config.types import GenerationSettings  # noqa: F401
+    from llmrl.engine.model.decoding import batches, llama_step, loop, packed_linears, static_step  # noqa: F401
+    from llmrl.engine.model.decoding.runtime import Decoder  # noqa: F401
+    from llmrl.engine.model.generation import generate, plan_generate  # noqa: F401
+    from llmrl.engine.model.module import ModelWithHeads  # noqa: F401
+    from llmrl.engine.model.scoring import results  # noqa: F401
+    from llmrl.engine.model.scoring.planning import Needs, plan_batches  # noqa: F401
+    from llmrl.engine.model.scoring.tokenization import tokenize  # noqa: F401
+
+
 def child(path: str, args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmrl.engine.model.generation import generate, plan_generate
 
+    preload()  # already done in a forked child; here, so that a fresh child measures the same
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -71,16 +119,11 @@ def child(path: str, args) -> dict:
                for i in range(args.prompts)]
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": True,
                 "num_return_sequences": args.rows // args.prompts, "pad_token_id": 0}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        before = resident_kb() * 1024
+    peak = start_measuring(device)
     if path.startswith("score"):
-        return score_child(path, model, args, device, before)
+        return score_child(path, model, args, device, peak)
     if path.startswith("one-prompt"):
-        return one_prompt_child(path, model, prompts[0], args, device, before)
+        return one_prompt_child(path, model, prompts[0], args, device, peak)
     with torch.no_grad():
         if path == "llmrl":
             plan = plan_generate(model, IdsTokenizer(), "causal", prompts, settings, 10**9, 10**6, None)
@@ -96,18 +139,28 @@ def child(path: str, args) -> dict:
             logits = torch.stack(out.logits, dim=1).float()
             values = (logits.gather(-1, chosen[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu()
             tokens, logprobs = chosen.cpu().tolist(), values.tolist()
-    return {"peak_bytes": peak_since(before, device), "tokens": tokens, "logprobs": logprobs, "device": str(device)}
+    return {"peak_bytes": peak(), "tokens": tokens, "logprobs": logprobs, "device": str(device)}
 
 
-def peak_since(before: int, device) -> int:
+def start_measuring(device):
+    """Start measuring this process's peak memory from now; returns the function that tells the peak since then,
+    in bytes, above what the process held now: CUDA allocated memory on a GPU, else resident memory (``VmHWM``
+    reset now, else ``ru_maxrss``, the process's whole peak)."""
     import torch
 
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() - before
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        return lambda: torch.cuda.max_memory_allocated() - before
+    if reset_peak():
+        before = status_kb("VmRSS") * 1024
+        return lambda: status_kb("VmHWM") * 1024 - before
+    before = resident_kb() * 1024
+    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
-def one_prompt_child(path: str, model, prompt: list[int], args, device, before: int) -> dict:
+def one_prompt_child(path: str, model, prompt: list[int], args, device, peak) -> dict:
     """``--one-prompt-rows`` samples of one prompt in llmrl's loop; ``one-prompt-one-batch`` lets its rows run in one
     batch, as llmrl did before, ``one-prompt-runs`` bounds them by ``--max-rows``."""
     import torch
@@ -124,11 +177,11 @@ def one_prompt_child(path: str, model, prompt: list[int], args, device, before: 
         plan = plan_generate(model, IdsTokenizer(), "causal", [prompt], settings, 10**9,
                              10**6 if whole else args.max_rows, None)
         results = generate(model, IdsTokenizer(), "causal", plan, device, seed=args.seed, decoder=loop)
-    return {"peak_bytes": peak_since(before, device), "tokens": [s["tokens"].tolist() for s in results[0]],
+    return {"peak_bytes": peak(), "tokens": [s["tokens"].tolist() for s in results[0]],
             "logprobs": [s["logprobs"].tolist() for s in results[0]], "device": str(device)}
 
 
-def score_child(path: str, model, args, device, before: int) -> dict:
+def score_child(path: str, model, args, device, peak) -> dict:
     """``score(per_token=True, entropy=True)`` of ``--rows`` candidates of ``--new-tokens`` tokens each, through the
     engine's forward without gradients; ``score-one-piece`` normalises every row at once, as llmrl did before."""
     import torch
@@ -151,7 +204,54 @@ def score_child(path: str, model, args, device, before: int) -> dict:
     with torch.no_grad():
         out = module(plan, plan_batches(plan, 10**9, 10**6, needs, encoder_reuse=True), needs)
     values = torch.cat([out.token_logprobs, out.token_entropy]).float().cpu().tolist()
-    return {"peak_bytes": peak_since(before, device), "tokens": [], "logprobs": [values], "device": str(device)}
+    return {"peak_bytes": peak(), "tokens": [], "logprobs": [values], "device": str(device)}
+
+
+def can_fork() -> bool:
+    """Whether the paths can run in forked children: no GPU (CUDA must not be initialised before a fork; checked
+    through NVML, which does not), and a peak resident memory that a child can reset (:func:`reset_peak`)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() through NVML, not the CUDA runtime
+    import torch
+
+    return not torch.cuda.is_available() and reset_peak()
+
+
+def forked(path: str, args) -> dict | None:
+    """``path`` run in a child forked from this process (which imported what it needs: :func:`preload`); its result
+    comes back through a pipe as JSON. None (its traceback printed) if it failed."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read)
+        code = 1
+        try:
+            with os.fdopen(write, "w") as out:
+                json.dump(child(path, args), out)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as result:
+        text = result.read()  # to its end (the child's exit) before waiting: a large result fills the pipe
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return json.loads(text) if code == 0 else None
+
+
+def fresh(path: str, argv) -> dict | None:
+    """``path`` run in a fresh interpreter (``python -m benchmarks.memory --child PATH`` with this run's arguments);
+    its result is the last line of its output. None (the end of its error output printed) if it failed."""
+    command = [sys.executable, "-m", "benchmarks.memory", "--child", path] + (argv or sys.argv[1:])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -167,10 +267,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-rows", type=int, default=64, help="the LLM's minibatch_size (the third row)")
     parser.add_argument("--child", choices=["llmrl", "hf", "score-one-piece", "score-pieces", "one-prompt-one-batch",
                                             "one-prompt-runs"], help=argparse.SUPPRESS)
+    parser.add_argument("--fresh-processes", action="store_true",
+                        help="run each path in a fresh interpreter, even where it could be forked")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args)))
         return 0
+    fork = not args.fresh_processes and can_fork()
+    if fork:
+        preload()
     rows = [("generate", "plain HF with output_logits (llmrl before)", "hf", "llmrl, log-probs read step by step",
              "llmrl"),
             ("score per_token + entropy", "one piece (llmrl before)", "score-one-piece", "pieces of rows",
@@ -180,12 +285,9 @@ def main(argv=None) -> int:
     for title, old_name, old_path, new_name, new_path in rows:
         runs = {}
         for path in (old_path, new_path):
-            command = [sys.executable, "-m", "benchmarks.memory", "--child", path] + (argv or sys.argv[1:])
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            runs[path] = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[path] = forked(path, args) if fork else fresh(path, argv)
+            if runs[path] is None:
+                return 1
         before, now = runs[old_path], runs[new_path]
         same = before["tokens"] == now["tokens"]
         diff = max((abs(a - b) for x, y in zip(before["logprobs"], now["logprobs"]) for a, b in zip(x, y)),

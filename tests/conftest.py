@@ -17,6 +17,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # torch.compile compiles in the compiling process: its default pool of compile workers (one fresh interpreter per core,
 # importing torch and inductor, in every process that compiles) costs more than the tiny models' kernels it builds.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Without a GPU, DeepSpeed's accelerator is the CPU, as `llmrl run` (all-CPU configs), CPU servers and the builtin
+# models' builder set it: the processes the tests start then agree with the fork server's environment
+# (testkit.zygote), and DeepSpeed need not probe for a GPU when it is imported.
+if not any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/kfd")):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Ranks import test plugins (module:attr) from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)

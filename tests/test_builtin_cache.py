@@ -23,6 +23,40 @@ from llmrl.engine.model.store import folders as mc
 
 NAME = "tiny-random-llama"
 BUG_FILES = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]  # what issue 17's bug installed
+BUILDER = [sys.executable, "-m", "llmrl.engine.model.store.builtin_models", "build"]  # the child _build starts
+
+
+class _ForkedBuilder:
+    """``subprocess`` as :mod:`builtin_models` sees it in these tests: its ``call`` of the builder child
+    (:data:`BUILDER`, from ``_build``) runs that same command with the same environment forked by the session's
+    server (:func:`testkit.scripts.run_module`: torch and transformers already imported, where a fresh interpreter
+    spends some 5 CPU-seconds importing them), its output then written to this process's standard output and
+    error, its exit code returned; every other use is the real module's. What ``_build`` does around the child
+    (staging, verification, install, races) runs unchanged."""
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def call(command, env=None, **kwargs):
+        if command[:len(BUILDER)] != BUILDER or kwargs:
+            return subprocess.call(command, env=env, **kwargs)
+        from testkit.scripts import run_module
+
+        done = run_module(BUILDER[2], command[len(BUILDER) - 1:], env=env)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, text in ((1, done.stdout), (2, done.stderr)):
+            os.write(fd, text.encode())
+        return done.returncode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_builder():
+    """Every build of these tests (the module's template included) through :class:`_ForkedBuilder`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bm, "subprocess", _ForkedBuilder())
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +263,16 @@ def test_staging_leftovers_of_dead_processes_on_this_host_are_removed(cache):
 
 @pytest.mark.slow
 def test_two_processes_preparing_at_once_install_one_good_entry(cache):
-    code = f"from llmrl.engine.model.store.builtin_models import prepare_builtin; print(prepare_builtin({NAME!r}))"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    """Two processes (``python -m test_builtin_cache NAME``, this file's main, forked by the session's server, as
+    is each one's builder) started side by side, from two threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from testkit.scripts import run_module
+
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: run_module("test_builtin_cache", [NAME], timeout=300), range(2)))
+    outputs = [(d.stdout, d.stderr) for d in done]
+    assert [d.returncode for d in done] == [0, 0], outputs
     assert [out.strip().splitlines()[-1] for out, _ in outputs] == [str(cache / NAME)] * 2
     assert os.listdir(cache) == [NAME]
     assert_is_the_tiny_llama(cache / NAME)
@@ -352,3 +391,8 @@ def test_an_entry_moved_aside_while_a_waiting_rank_reads_it_is_missing_not_an_er
 
     monkeypatch.setattr(mc.os, "listdir", moved_aside)
     assert mc.inspect_folder(entry, NAME) == ("missing", "")  # wait_until_ready polls again
+
+
+if __name__ == "__main__":  # python -m test_builtin_cache NAME: prepare NAME, print its path (a concurrent preparer)
+    bm.subprocess = _ForkedBuilder()
+    print(bm.prepare_builtin(sys.argv[1]))
