@@ -45,7 +45,7 @@ def test_benchmark_runs_on_a_tiny_model(tmp_path):
 
 def test_memory_benchmark_runs_every_row_on_small_inputs():
     result = run_benchmark("memory", "--prompts", "2", "--rows", "4", "--prompt-tokens", "8", "--new-tokens", "6",
-                           "--one-prompt-rows", "6", "--max-rows", "4")
+                           "--one-prompt-rows", "6", "--max-rows", "4", "--forked-children")
     lines = result.stdout.splitlines()
     assert lines[0].startswith("generate: 4 rows x 6 tokens") and "plain HF with output_logits" in lines[1]
     assert lines[4].startswith("score per_token + entropy: 4 rows x 6 tokens")
