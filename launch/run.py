@@ -282,9 +282,10 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
     Ctrl-C: 130; SIGTERM (or SIGHUP): 128 + the signal. With rank 0 on this node: the script's code, unless a
     server rank here was killed by a signal (the launcher's code says which) and the launcher then stopped the
     script: 128 + that signal.
-    Otherwise the launcher's code when non-zero (128 + the signal when it reports a rank killed by one), else 1 if a
-    rank of this node did not report a clean stop
-    (the DeepSpeed launcher reports its own death by a signal as success), else 0.
+    Otherwise the launcher's code when non-zero (128 + the signal when it reports a rank killed by one, or when it
+    was killed by one itself: the ranks of this node that did not report a clean stop are named), else 1 if a rank
+    of this node did not report a clean stop (DeepSpeed's runner, where one ran, reports its launcher's death by a
+    signal as success), else 0.
     """
     script_code = reported.get(0)
     if stopped_by == signal.SIGINT and script_code in (None, 128 + signal.SIGTERM):
@@ -307,9 +308,12 @@ def run_exit_code(launcher_code: int, stopped_by: int | None, reported: dict[int
         print(f"llmrl: a rank of this node was killed by {_signal_name(killer)} before it could report (the "
               f"script's exit code is unknown); the run ends with {128 + killer}", file=sys.stderr)
         return 128 + killer
+    unclean = sorted(rank for rank, code in reported.items() if code != 0)
+    if launcher_code < 0 and unclean:  # the per-node launcher `llmrl run` started was itself killed by a signal
+        print(f"llmrl: DeepSpeed's launcher of this node was killed by {_signal_name(-launcher_code)}; rank(s) "
+              f"{', '.join(map(str, unclean))} of this node ended without a clean stop", file=sys.stderr)
     if launcher_code != 0:
         return launcher_code if launcher_code > 0 else 128 - launcher_code
-    unclean = sorted(rank for rank, code in reported.items() if code != 0)
     if unclean:
         print(f"llmrl: rank(s) {', '.join(map(str, unclean))} of this node ended without a clean stop (killed, "
               "or their DeepSpeed launcher was); see the other nodes' output for the cause", file=sys.stderr)
