@@ -1,11 +1,13 @@
 """An environment that fails (its ``step`` raises, answers in another shape, with an observation that is not text or
-a reward that is not finite) ends its own episode with ``Episode.error``; the other episodes play on exactly as
+a reward that is not finite, or with ``step_timeout`` a ``step`` that does not return) ends its own episode with
+``Episode.error``; the other episodes play on exactly as
 they play without it, and ``episode_batch`` leaves the failed one out. The Caller is a stand-in that answers every
 prompt with the same text (no server)."""
 
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
@@ -18,6 +20,7 @@ class Counter:
 
     def __init__(self, fault: str | None = None):
         self.fault, self.steps = fault, 0
+        self.release = threading.Event()  # a hanging step returns once the test sets it
 
     def reset(self):
         self.steps = 0
@@ -33,6 +36,8 @@ class Counter:
             return {"text": "next"}, 1.0, False, False, {}
         if self.steps == 2 and self.fault == "reward":
             return "next", math.nan, False, False, {}
+        if self.steps == 2 and self.fault == "hangs":
+            self.release.wait()
         return f"step {self.steps}", 1.0, self.steps == 3, False, {}
 
 
@@ -60,11 +65,17 @@ class Done:
                                           ("shape", "TypeError: envs[1].step() must return"),
                                           ("observation", "TypeError: envs[1].step() returned an observation of type "
                                                           "dict"),
-                                          ("reward", "ValueError: envs[1].step() returned the reward nan")])
+                                          ("reward", "ValueError: envs[1].step() returned the reward nan"),
+                                          ("hangs", "TimeoutError: envs[1].step() did not return within 1 s")])
 def test_a_failing_environment_ends_its_episode_alone(tiny, fault, error):
     caller = EchoCaller(chat_tokenizer(tiny["gpt2"]))
     alone = run_episodes(caller, [Counter(), Counter()], mode="write", max_turns=5)
-    episodes = run_episodes(caller, [Counter(), Counter(fault), Counter()], mode="write", max_turns=5)
+    envs = [Counter(), Counter(fault), Counter()]
+    timeout = {"step_timeout": 1.0} if fault == "hangs" else {}  # a step that never returns until released
+    try:
+        episodes = run_episodes(caller, envs, mode="write", max_turns=5, **timeout)
+    finally:
+        envs[1].release.set()
     failed = episodes[1]
     assert failed.error.startswith(error) and failed.cut_by == "error" and failed.done and failed.truncated
     assert failed.actions == ["go", "go"] and failed.rewards == [1.0, 0.0]  # its failed turn counts nothing
@@ -76,3 +87,9 @@ def test_a_failing_environment_ends_its_episode_alone(tiny, fault, error):
     assert batch == episode_batch([[episodes[0], episodes[2]]])
     with pytest.raises(ValueError, match="every episode's environment failed"):
         episode_batch([[failed]])
+
+
+@pytest.mark.parametrize("step_timeout", [0, -1.0, float("nan"), "5", True])
+def test_a_step_timeout_that_is_not_a_positive_number_of_seconds_is_refused(tiny, step_timeout):
+    with pytest.raises(ValueError, match="step_timeout must be a number of seconds > 0"):
+        run_episodes(EchoCaller(chat_tokenizer(tiny["gpt2"])), [Counter()], step_timeout=step_timeout)

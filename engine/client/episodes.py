@@ -17,8 +17,10 @@ The environments are split in two halves: while the servers compute one half's a
 the other half's environments step. Every episode ends when its environment says done, after ``max_turns``, or
 when its next prompt would be longer than ``max_prompt_tokens`` (the model's context; ``truncated`` says which), or
 when its environment fails: a ``step`` that raises, answers in another shape, with an observation that is not text
-or a reward that is not finite ends that episode alone, with ``Episode.error`` saying why (``cut_by`` is
-``"error"``), and the others go on; :func:`episode_batch` leaves it out. A
+or a reward that is not finite, or (with ``step_timeout``) a ``step`` that has not returned within that many
+seconds ends that episode alone, with ``Episode.error`` saying why (``cut_by`` is ``"error"``), and the others go
+on; :func:`episode_batch` leaves it out. A step that timed out is left running on a daemon thread of its own (Python
+cannot stop it) and its environment is never stepped again. A
 truncated episode's trajectory keeps the state it was cut in (the last observation and the next generation prompt:
 what a critic bootstraps from); an ended one stops at the model's last turn.
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
@@ -60,8 +62,10 @@ class Episode:
 
 def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, system: str | None = None,
                  llm: str | None = None, peft_adapter: str | None = None, temperature: float = 1.0, seed: int = 0,
-                 generate_kwargs: dict | None = None, max_prompt_tokens: int | None = None) -> list[Episode]:
-    """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``."""
+                 generate_kwargs: dict | None = None, max_prompt_tokens: int | None = None,
+                 step_timeout: float | None = None) -> list[Episode]:
+    """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``. ``step_timeout``:
+    seconds an environment's ``step`` may take before its episode ends with an error (None: no limit)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "choose" and generate_kwargs:
@@ -77,6 +81,9 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
             raise ValueError(f"envs[{i}] is the same object as envs[{seen[id(env)]}]: each episode steps its own "
                              "environment (make one per episode, e.g. [make_env() for _ in range(n)])")
         seen[id(env)] = i
+    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and not isinstance(step_timeout, bool)
+                                         and math.isfinite(step_timeout) and step_timeout > 0):
+        raise ValueError(f"step_timeout must be a number of seconds > 0 (None: no limit), got {step_timeout!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0: the most likely action, greedy decoding), got {temperature!r}")
     tokenizer = caller.get_tokenizer(llm)
@@ -123,7 +130,7 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
             for i, result in zip(active, future.result()):
                 action, sample = (_written(result) if mode == "write" else
                                   _chosen(result, _admissible(episodes[i], i), temperature, rng))
-                _play(envs[i], i, episodes[i], action, sample, max_turns)
+                _play(envs[i], i, episodes[i], action, sample, max_turns, step_timeout)
             pending[h] = submit(halves[h])  # this half's next actions compute while the other half steps
     return episodes
 
@@ -166,6 +173,33 @@ def _reset(env, index: int):
     return result
 
 
+def _step_within(env, index: int, action: str, timeout: float | None) -> tuple:
+    """:func:`_step`, on a daemon thread of its own when ``timeout`` is set: TimeoutError if it has not returned by
+    then (the thread is left to finish, or not, on its own)."""
+    if timeout is None:
+        return _step(env, index, action)
+    import threading
+
+    outcome: list = []
+
+    def step() -> None:
+        try:
+            outcome.append((True, _step(env, index, action)))
+        except BaseException as err:  # noqa: BLE001 - handed to the episode's thread below
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=step, name=f"llmrl-env-{index}-step", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise TimeoutError(f"envs[{index}].step() did not return within {timeout:g} s (step_timeout); the environment "
+                           "is left to its thread and not stepped again")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _step(env, index: int, action: str) -> tuple:
     """``env.step(action)`` as ``(observation, reward, terminated, truncated, info)``; raises naming the environment
     when it answers in another shape, with an observation that is not text or a reward that is not finite."""
@@ -187,10 +221,11 @@ def _step(env, index: int, action: str) -> tuple:
     return observation, reward, terminated, cut, info
 
 
-def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turns: int) -> None:
+def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turns: int,
+          step_timeout: float | None = None) -> None:
     episode.trajectory.add_sample(sample)
     try:
-        observation, reward, terminated, cut, info = _step(env, index, action)
+        observation, reward, terminated, cut, info = _step_within(env, index, action, step_timeout)
     except Exception as err:  # noqa: BLE001 - this episode ends with the error; the others go on
         episode.error = f"{type(err).__name__}: {err}"
         episode.actions.append(action)
