@@ -192,7 +192,14 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
     run.optim_step(llm="policy")
     path = str(tmp_path / "checkpoint")
     run.save(path)
+
+    def versions(live) -> dict:
+        return {adapter: live.generate(["a"], llm="policy", peft_adapter=adapter, max_new_tokens=1)[0][0]
+                ["policy_version"] for adapter in ("y", "y_then")}
+
+    assert versions(run) == {"y": 4, "y_then": 2}  # 2 + 1 updates + 1 optim_step; the snapshot's, when taken
     with LiveRun(config(tiny, checkpoint=path)) as resumed:
+        assert versions(resumed) == {"y": 4, "y_then": 2}  # the policy versions go on from the checkpoint's
         for llm in ("policy", "z2", "full"):
             saved, loaded = run.state_dict(llm=llm), resumed.state_dict(llm=llm)
             assert saved.keys() == loaded.keys()

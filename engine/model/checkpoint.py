@@ -6,7 +6,8 @@ generators and updater state of every rank, for an exact resume) and ``<llm>/exp
 leader: the model as a Hugging Face folder, or each LoRA adapter as a PEFT folder, the tokenizer, and the
 heads' weights). The client swaps the staging folder into place (:mod:`llmrl.engine.client.saving`).
 ``load_checkpoint`` restores all of it when ``llms.<name>.checkpoint`` names a checkpoint (same LLM layout). The
-rank state also lists the LoRA adapters created at run time and the snapshots (made again, in order, before
+rank state also lists the policy versions (:mod:`llmrl.engine.model.version_counts`: they go on counting after a
+resume), the LoRA adapters created at run time and the snapshots (made again, in order, before
 DeepSpeed loads their weights and optimizer state; with the float32 masters and moments of those that step with an
 optimizer of their own, :mod:`llmrl.engine.model.training.own_optimizers`), and
 ``state/weight-snapshots-rank-<r>.pt`` holds the frozen weights of a model trained without LoRA. A save is refused
@@ -74,6 +75,7 @@ def save_rank_state(served: ServedModel, state_dir: Path) -> None:
                 "created_adapters": [[name, how] for name, how in served.run_time.created.items()],
                 "snapshots": dict(served.run_time.snapshots), "scalings": _adapter_scalings(served),
                 "own_optimizers": {name: own.state_dict() for name, own in served.run_time.optimizers.items()},
+                "policy_versions": [[name, count] for name, count in served.run_time.versions.items()],
                 "cuda": torch.cuda.get_rng_state(served.device) if served.device.type == "cuda" else None},
                state_dir / f"rank-{served.role.group_rank}.pt")
     weight_snapshots = served.run_time.weight_snapshots
@@ -184,6 +186,8 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
             torch.cuda.set_rng_state(state["cuda"], served.device)
         if state.get("updater") is not None and hasattr(served.updater, "load_state_dict"):
             served.updater.load_state_dict(state["updater"])
+        if "policy_versions" in state:  # the steps each policy had taken go on from there (a checkpoint written
+            served.run_time.versions = {name: count for name, count in state["policy_versions"]}  # before: from 0
 
 
 def _refuse_other_optimizer(served: ServedModel, root, layout: dict) -> None:

@@ -6,8 +6,9 @@ The counts live in :attr:`RunTimeAdapters.versions` (``served.run_time.versions`
 that was applied and left every value finite: :func:`llmrl.engine.model.training.finite_steps.keep_finite`) counts
 one for each adapter it trained, whether ``update`` or ``optim_step`` took it; every rank of the LLM takes the same
 steps, so every rank holds the same counts. Taking a snapshot copies its source's count; dropping one, or deleting or
-creating an adapter, forgets the name's. The counts start at 0 when the servers start: a run resumed from a
-checkpoint, or an adapter loaded from a file, counts again from 0.
+creating an adapter, forgets the name's. The counts start at 0 when the servers start; a run resumed from a
+checkpoint takes the counts saved with it (:mod:`llmrl.engine.model.checkpoint`) and goes on from there, while an
+adapter loaded from a file (``load_adapter``) counts again from 0.
 
 This module counts and stamps; it takes no step and decides nothing about staleness.
 """
