@@ -214,7 +214,7 @@ MAX_PARAMETERS = 8
 KNOWN_LONG_SIGNATURES = {
     "engine/client/caller.py::Caller.score_async": 13,  # public API: keyword-only options
     "engine/client/caller.py::Caller.score": 13,  # public API: keyword-only options
-    "engine/client/episodes.py::run_episodes": 11,
+    "engine/client/episodes.py::run_episodes": 12,  # public API (Caller.run_episodes): keyword-only options
     "engine/client/inference_calls.py::InferenceCalls.score_async": 13,  # the Caller's public API, delegated here
     "engine/client/inference_calls.py::InferenceCalls.score": 13,
     "engine/model/forward.py::plan_forward": 13,
