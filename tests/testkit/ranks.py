@@ -21,6 +21,7 @@ as ``__main__`` with the rank's arguments; nothing has started a thread when it 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import os
@@ -56,6 +57,10 @@ def preload() -> None:
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
             importlib.import_module(info.name)
     assert threading.active_count() == 1, f"a thread started while preloading: {threading.enumerate()}"
+    # What was preloaded is kept for good: out of the collector's sight (gc.freeze), a forked process's collections
+    # never walk it, so they do not write to (and copy) the memory pages it shares with this process.
+    gc.collect()
+    gc.freeze()
 
 
 class ForkedRank:
