@@ -35,6 +35,15 @@ def pytest_configure(config):
     config.pluginmanager.register(budget, "llmrl-suite-budget")
 
 
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, transformers, DeepSpeed, the test modules) out of the garbage
+    collector's sight: the tests' collections then walk only what the tests made, not millions of library objects."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def live_runs_in_pytests_basetemp(tmp_path_factory):
     """Each live run's folder (config, log) under pytest's basetemp, which pytest prunes, not loose in /tmp."""
