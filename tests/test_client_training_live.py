@@ -140,11 +140,13 @@ def test_each_built_in_loss_then_optim_step_equals_plain_peft_and_adamw(run, pla
     start = run.state_dict(llm="r1z0")
     for k, (loss_fn, config, adam) in enumerate(STEPS):
         data = [inputs_for(loss_fn, d) for d in make_data(k)]
-        # the sampler's log-probs near the model's, so that ratios fall inside and outside the clip range
+        # the sampler's log-probs near the model's, so that ratios fall inside and outside the clip range (drawn from
+        # a generator of this step's own: the global one's state depends on the tests that ran before in the process)
+        noise = torch.Generator().manual_seed(100 + k)
         for datum in data:
             if "logprobs" in datum["loss_fn_inputs"]:
                 with torch.no_grad():
-                    near = plain.logprobs(datum) + 0.3 * torch.randn(len(datum["model_input"]))
+                    near = plain.logprobs(datum) + 0.3 * torch.randn(len(datum["model_input"]), generator=noise)
                 datum["loss_fn_inputs"]["logprobs"] = near.tolist()
         want_logp = [plain.logprobs(d) for d in data]
         losses = [hand_loss(loss_fn, lp, d, config) for lp, d in zip(want_logp, data)]
