@@ -79,10 +79,19 @@ def deepspeed_command(options: RunOptions, world_size: int, executable: str = "d
         cmd += ["--master_addr", options.master_addr]
     if options.master_port:
         cmd += ["--master_port", str(options.master_port)]
-    cmd += ["--log_level", options.launcher_log_level or ("warning" if options.hostfile else "error")]
-    cmd += ["--module", "llmrl.launch", "--config", options.config, *options.overrides]
-    cmd += ["-m", options.module] if options.module else [options.script]
-    return cmd + list(options.script_args)
+    cmd += ["--log_level", _log_level(options), "--module"]
+    return cmd + _rank_command(options)
+
+
+def _log_level(options: RunOptions) -> str:
+    return options.launcher_log_level or ("warning" if options.hostfile else "error")
+
+
+def _rank_command(options: RunOptions) -> list[str]:
+    """What every rank runs, after the launcher's own options: ``llmrl.launch`` with the config, the overrides and
+    the client script (or ``-m MODULE``) with its arguments."""
+    script = ["-m", options.module] if options.module else [options.script]
+    return ["llmrl.launch", "--config", options.config, *options.overrides, *script, *options.script_args]
 
 
 def node_launcher_command(options: RunOptions, world_size: int, slots: dict[str, int] | None = None,
@@ -90,7 +99,7 @@ def node_launcher_command(options: RunOptions, world_size: int, slots: dict[str,
     """The command DeepSpeed's runner executes for ``deepspeed_command(options, world_size)`` when this machine starts
     the ranks itself: its per-node launcher, ``python -u -m deepspeed.launcher.launch --world_info=...``, with the
     same ranks (``slots``: the hostfile's, else ``world_size`` on localhost), master, node rank, log level and rank
-    command, in the runner's order (``tests/test_launch_args.py`` compares it with DeepSpeed's own runner). None
+    command, in the runner's order (``tests/test_launcher_command.py`` compares it with DeepSpeed's own runner). None
     for a hostfile run started over ssh, which only the runner can start."""
     if slots is not None and not options.no_ssh:
         return None
@@ -103,11 +112,8 @@ def node_launcher_command(options: RunOptions, world_size: int, slots: dict[str,
            f"--master_addr={master_addr}", f"--master_port={options.master_port or DEFAULT_MASTER_PORT}"]
     if options.no_ssh:
         cmd.append(f"--node_rank={options.node_rank or 0}")
-    level = options.launcher_log_level or ("warning" if options.hostfile else "error")
-    cmd += ["--module", "--enable_each_rank_log=None", f"--log_level={level}"]  # "None": the runner's default
-    cmd += ["llmrl.launch", "--config", options.config, *options.overrides]
-    cmd += ["-m", options.module] if options.module else [options.script]
-    return cmd + list(options.script_args)
+    cmd += ["--module", "--enable_each_rank_log=None", f"--log_level={_log_level(options)}"]  # the runner's "None"
+    return cmd + _rank_command(options)
 
 
 @dataclass(frozen=True)

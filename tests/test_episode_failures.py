@@ -24,6 +24,8 @@ class Counter:
 
     def reset(self):
         self.steps = 0
+        if self.fault == "reset hangs":
+            self.release.wait()
         return "count", {}
 
     def step(self, action):
@@ -93,3 +95,12 @@ def test_a_failing_environment_ends_its_episode_alone(tiny, fault, error):
 def test_a_step_timeout_that_is_not_a_positive_number_of_seconds_is_refused(tiny, step_timeout):
     with pytest.raises(ValueError, match="step_timeout must be a number of seconds > 0"):
         run_episodes(EchoCaller(chat_tokenizer(tiny["gpt2"])), [Counter()], step_timeout=step_timeout)
+
+
+def test_a_reset_that_hangs_past_the_step_timeout_raises_naming_the_environment(tiny):
+    envs = [Counter(), Counter("reset hangs")]
+    try:
+        with pytest.raises(TimeoutError, match=r"envs\[1\]\.reset\(\) did not return within 1 s \(step_timeout\)"):
+            run_episodes(EchoCaller(chat_tokenizer(tiny["gpt2"])), envs, step_timeout=1.0)
+    finally:
+        envs[1].release.set()

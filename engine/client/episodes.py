@@ -20,7 +20,8 @@ when its environment fails: a ``step`` that raises, answers in another shape, wi
 or a reward that is not finite, or (with ``step_timeout``) a ``step`` that has not returned within that many
 seconds ends that episode alone, with ``Episode.error`` saying why (``cut_by`` is ``"error"``), and the others go
 on; :func:`episode_batch` leaves it out. A step that timed out is left running on a daemon thread of its own (Python
-cannot stop it) and its environment is never stepped again. A
+cannot stop it) and its environment is never stepped again; a ``reset`` that has not returned within
+``step_timeout`` raises TimeoutError from the call, as a failing ``reset`` raises its error. A
 truncated episode's trajectory keeps the state it was cut in (the last observation and the next generation prompt:
 what a critic bootstraps from); an ended one stops at the model's last turn.
 Credit assignment: :func:`episode_batch` turns groups of episodes into an ``update`` of the multi-turn updaters
@@ -33,6 +34,7 @@ loss and keeps no state between calls.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -65,7 +67,8 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
                  generate_kwargs: dict | None = None, max_prompt_tokens: int | None = None,
                  step_timeout: float | None = None) -> list[Episode]:
     """One episode in each of ``envs`` (see the module); returns them in the order of ``envs``. ``step_timeout``:
-    seconds an environment's ``step`` may take before its episode ends with an error (None: no limit)."""
+    seconds an environment's ``step`` may take before its episode ends with an error, and its ``reset`` before the call
+    raises TimeoutError (None: no limit)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "choose" and generate_kwargs:
@@ -90,7 +93,7 @@ def run_episodes(caller, envs, *, mode: str = "write", max_turns: int = 10, syst
     rng = random.Random(seed)
     episodes = []
     for i, env in enumerate(envs):
-        observation, info = _reset(env, i)
+        observation, info = _within(functools.partial(_reset, env, i), step_timeout, f"envs[{i}].reset()")
         start = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
         episodes.append(Episode(Trajectory(tokenizer, start), _info=dict(info or {})))
     halves = [list(range(0, len(envs), 2)), list(range(1, len(envs), 2))]
@@ -173,27 +176,27 @@ def _reset(env, index: int):
     return result
 
 
-def _step_within(env, index: int, action: str, timeout: float | None) -> tuple:
-    """:func:`_step`, on a daemon thread of its own when ``timeout`` is set: TimeoutError if it has not returned by
-    then (the thread is left to finish, or not, on its own)."""
+def _within(call, timeout: float | None, what: str):
+    """``call()``, on a daemon thread of its own when ``timeout`` is set: TimeoutError naming ``what`` if it has not
+    returned by then (the thread is left to finish, or not, on its own)."""
     if timeout is None:
-        return _step(env, index, action)
+        return call()
     import threading
 
     outcome: list = []
 
-    def step() -> None:
+    def run() -> None:
         try:
-            outcome.append((True, _step(env, index, action)))
-        except BaseException as err:  # noqa: BLE001 - handed to the episode's thread below
+            outcome.append((True, call()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread below
             outcome.append((False, err))
 
-    thread = threading.Thread(target=step, name=f"llmrl-env-{index}-step", daemon=True)
+    thread = threading.Thread(target=run, name=f"llmrl-{what}", daemon=True)
     thread.start()
     thread.join(timeout)
     if not outcome:
-        raise TimeoutError(f"envs[{index}].step() did not return within {timeout:g} s (step_timeout); the environment "
-                           "is left to its thread and not stepped again")
+        raise TimeoutError(f"{what} did not return within {timeout:g} s (step_timeout); the environment is left to "
+                           "its thread and not stepped again")
     ok, value = outcome[0]
     if not ok:
         raise value
@@ -225,7 +228,8 @@ def _play(env, index: int, episode: Episode, action: str, sample: dict, max_turn
           step_timeout: float | None = None) -> None:
     episode.trajectory.add_sample(sample)
     try:
-        observation, reward, terminated, cut, info = _step_within(env, index, action, step_timeout)
+        observation, reward, terminated, cut, info = _within(functools.partial(_step, env, index, action),
+                                                             step_timeout, f"envs[{index}].step()")
     except Exception as err:  # noqa: BLE001 - this episode ends with the error; the others go on
         episode.error = f"{type(err).__name__}: {err}"
         episode.actions.append(action)

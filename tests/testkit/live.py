@@ -283,9 +283,8 @@ def start_launcher(command: list[str], env: dict | None, cwd: str, log, status_p
         # a run's own): only when nothing else in it is read at import time.
         own = {k: v for k, v in zygote._read_on_import(env or {}).items() if k != "PYTHONPATH"}
         own_imports = any(os.environ.get(k) != v for k, v in own.items())
-        server_env = {**full_env, "PYTHONPATH": process_environment(None)["PYTHONPATH"]}
         process = zygote.start(module[0], module[1], full_env, cwd, log.name, status_path,
-                               start_server=not own_imports, server_env=server_env)
+                               start_server=not own_imports, server_env=server_environment(full_env))
         if process is not None:
             return process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
@@ -302,6 +301,12 @@ def _python_module(command: list[str]) -> tuple[str, list[str]] | None:
     while rest[:1] == ["-u"]:  # the server's forked processes write unbuffered
         rest = rest[1:]
     return (rest[1], rest[2:]) if len(rest) >= 2 and rest[0] == "-m" else None
+
+
+def server_environment(full_env: dict) -> dict:
+    """The environment of a fork server a process with ``full_env`` starts: that one, with the test process's own
+    ``PYTHONPATH`` (the server judges a request's ``PYTHONPATH`` against its own, :mod:`testkit.zygote_paths`)."""
+    return {**full_env, "PYTHONPATH": process_environment(None)["PYTHONPATH"]}
 
 
 def process_environment(env: dict | None) -> dict:

@@ -54,9 +54,8 @@ def run_module(module: str, args=(), env: dict | None = None, cwd: str | os.Path
     cwd = str(cwd or os.getcwd())
     command = [sys.executable, "-m", module, *args]
     out, err = workdir / "stdout", workdir / "stderr"
-    server_env = {**full_env, "PYTHONPATH": live.process_environment(None)["PYTHONPATH"]}  # the server judges env's
     process = zygote.start(module, list(args), full_env, cwd, str(out), str(workdir / "exit"), err_path=str(err),
-                           server_env=server_env)
+                           server_env=live.server_environment(full_env))
     if process is None:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     code = _wait_or_kill(process, timeout)
