@@ -266,7 +266,7 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.requires_grad_(False)  # frozen, as a scoring-only LLM is on its server (cpu_matmul applies to it)
     params = sum(p.numel() for p in model.parameters())
-    rates = BestRate(threads)
+    rates = BestRate(threads, size=512 if args.quick else 1536)
     rate = rates()
     per_token = 2 * params / rate
     repeats = 1 if args.quick else args.repeats

@@ -30,12 +30,15 @@ EVENTS = {  # what shows that the run is in the phase
 
 
 class Run:
-    def __init__(self, tmp_path: Path, tiny, phase: str):
+    def __init__(self, tmp_path: Path, tiny, phase: str, spare: bool = False):
+        """A run of LLM ``main`` (rank 1), and with ``spare`` a second one, ``spare`` (rank 2)."""
         self.config = tmp_path / "config.yaml"
+        llms = {"main": {"model": tiny["llama"], "heads": {
+            "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 120}}}}}
+        if spare:
+            llms["spare"] = {"model": tiny["llama"]}
         self.config.write_text(yaml.safe_dump({
-            "llms": {"main": {"model": tiny["llama"], "heads": {
-                "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 120}}}}},
-            "threads_per_rank": 1, "log_level": "debug", "timeouts": {"shutdown": 3}}))
+            "llms": llms, "threads_per_rank": 1, "log_level": "debug", "timeouts": {"shutdown": 3}}))
         self.marks = str(tmp_path / "mark")
         self.log_path = tmp_path / "run.log"
         with open(self.log_path, "w") as log:
@@ -102,8 +105,8 @@ class Run:
 def run(tmp_path, tiny):
     runs = []
 
-    def start(phase):
-        runs.append(Run(tmp_path, tiny, phase))
+    def start(phase, spare=False):
+        runs.append(Run(tmp_path, tiny, phase, spare))
         return runs[-1]
 
     yield start
@@ -171,27 +174,27 @@ def test_a_server_killed_while_the_script_is_idle_ends_the_run_with_137_naming_i
     assert "rank(s) 1 of this node died by SIGKILL without a report" in live.log, live.log
 
 
-def test_a_script_that_ends_with_a_call_in_flight_stops_the_busy_server(run):
-    """The server used to finish the two-minute call after the client had hung up (timeouts.shutdown, 3 s
-    here), and `llmrl run` waited for it; the server's own line says it left mid-call instead."""
-    live = run("in-flight")
+def test_a_script_that_ends_with_a_server_busy_and_one_frozen_ends_the_run(run):
+    """At the script's end LLM ``main``'s server is busy in a two-minute call, and ``spare``'s is frozen (SIGSTOP;
+    stuck in a request alike). The client waits timeouts.shutdown (3 s here), reports both and hangs up. The busy
+    server leaves mid-call by itself, while the frozen one is still there (it used to finish the call, and `llmrl
+    run` waited for it); `llmrl run` kills the frozen one (the DeepSpeed launcher used to wait for it forever)."""
+    live = run("in-flight", spare=True)
     live.wait_for(("mark", "calling"))
+    _, launcher = _launcher_chain(live)
+    assert "rank 1: loading LLM 'main'" in live.log and "rank 2: loading LLM 'spare'" in live.log, live.log
+    ranks = {p.environ().get("RANK"): p for p in launcher.children()}
+    busy, frozen = ranks["1"], ranks["2"]
+    frozen.suspend()
+    Path(f"{live.marks}.go").write_text("")
+    deadline = time.monotonic() + 60
+    while busy.is_running() and busy.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the busy server did not leave:\n{live.log}"
+        time.sleep(0.05)
+    # it left by itself: before `llmrl run` said it would kill what was left (the line comes before the kill)
+    assert "after the script ended" not in live.log, live.log
+    assert frozen.is_running(), live.log
     assert live.finish() == 1, live.log
     assert "did not stop within 3 s of the stop" in live.log
     assert "the client hung up while this rank was still serving" in live.log
-
-
-def test_a_frozen_server_does_not_keep_the_run_alive_after_the_script_ended(run):
-    """A server that cannot stop (SIGSTOP here; stuck in a request alike): the client hangs up after
-    timeouts.shutdown and reports it, `llmrl run` kills what is left; the DeepSpeed launcher used to wait for it
-    forever."""
-    live = run("ends")
-    live.wait_for(EVENTS["idle"])
-    _, launcher = _launcher_chain(live)
-    client = live.client_pid()
-    (server,) = [p for p in launcher.children() if p.pid != client]
-    server.suspend()
-    Path(f"{live.marks}.go").write_text("")
-    assert live.finish() == 1, live.log
-    assert "did not stop within 3 s of the stop" in live.log
     assert "after the script ended and the servers were told to stop" in live.log

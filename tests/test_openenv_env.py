@@ -11,12 +11,9 @@ import re
 
 import pytest
 
-pytest.importorskip("openenv")
-
-from llmrl.engine.client.episodes import run_episodes  # noqa: E402
-from llmrl.engine.envs.openenv_env import OpenEnvEnv, parse_json_action, render_observation  # noqa: E402
-from testkit.openai_fake import chat_tokenizer  # noqa: E402
-from testkit.openenv_server import serve  # noqa: E402
+from llmrl.engine.client.episodes import run_episodes
+from llmrl.engine.envs.openenv_env import OpenEnvEnv, parse_json_action, render_observation
+from testkit.openai_fake import chat_tokenizer
 
 USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
@@ -65,6 +62,10 @@ class _Done:
 
 @pytest.fixture(scope="module")
 def server():
+    """OpenEnv's server (imported here, not when the suite is collected: seconds of imports)."""
+    pytest.importorskip("openenv")
+    from testkit.openenv_server import serve
+
     with serve() as url:
         yield url
 

@@ -5,11 +5,13 @@ although reasoning-gym's nearby seeds share entries (the reason it exists)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-reasoning_gym = pytest.importorskip("reasoning_gym")
+from llmrl.engine.envs import EvalTask, ReasoningGymTask
 
-from llmrl.engine.envs import EvalTask, ReasoningGymTask  # noqa: E402
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="needs the envs extra")
 
 DATASETS = {"basic_arithmetic": {"min_digits": 1, "max_digits": 2}, "leg_counting": {"max_animals": 3},
             "count_bits": {"max_n": 1000}}
@@ -24,8 +26,16 @@ def completions_for(answer: str) -> list[tuple[str, str | None]]:
             ("<answer></answer>", "")]
 
 
+@pytest.fixture(scope="module")
+def reasoning_gym():
+    """The package itself, the reference (imported here, not when the suite is collected: a second of imports)."""
+    import reasoning_gym
+
+    return reasoning_gym
+
+
 @pytest.mark.parametrize("name", sorted(DATASETS))
-def test_the_reward_is_the_datasets_score_of_the_tagged_answer(name):
+def test_the_reward_is_the_datasets_score_of_the_tagged_answer(name, reasoning_gym):
     task = ReasoningGymTask(name, size=6, seed=3, dataset_args=DATASETS[name])
     reference = reasoning_gym.create_dataset(name, size=6, seed=3, **DATASETS[name])
     assert isinstance(task, EvalTask) and len(task.prompts()) == 6
@@ -40,7 +50,7 @@ def test_the_reward_is_the_datasets_score_of_the_tagged_answer(name):
     assert 1.0 in scores and 0.0 in scores  # the cases reach both ends
 
 
-def test_last_line_extraction_and_text_prompts():
+def test_last_line_extraction_and_text_prompts(reasoning_gym):
     task = ReasoningGymTask("leg_counting", size=4, seed=0, answer_format="last_line", chat=False)
     reference = reasoning_gym.create_dataset("leg_counting", size=4, seed=0)
     for index, prompt in enumerate(task.prompts()):
@@ -51,7 +61,7 @@ def test_last_line_extraction_and_text_prompts():
                                                                                                  entry)
 
 
-def test_last_number_extraction_reads_a_sentence():
+def test_last_number_extraction_reads_a_sentence(reasoning_gym):
     task = ReasoningGymTask("basic_arithmetic", size=3, seed=2, answer_format="last_number",
                             dataset_args={"max_digits": 1, "max_terms": 2})
     reference = reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=2, max_digits=1, max_terms=2)
@@ -64,7 +74,7 @@ def test_last_number_extraction_reads_a_sentence():
     assert "last line" in task.prompts()[0][0]["content"]
 
 
-def test_chat_prompts_hold_the_system_prompt_and_the_question():
+def test_chat_prompts_hold_the_system_prompt_and_the_question(reasoning_gym):
     task = ReasoningGymTask("count_bits", size=2, seed=5, system_prompt="Be brief. Use <answer> tags.")
     reference = reasoning_gym.create_dataset("count_bits", size=2, seed=5)
     assert task.prompts()[1] == [{"role": "system", "content": "Be brief. Use <answer> tags."},
@@ -73,7 +83,7 @@ def test_chat_prompts_hold_the_system_prompt_and_the_question():
         {"role": "user", "content": reference[0]["question"]}]
 
 
-def test_the_held_out_split_shares_no_question_with_the_training_split():
+def test_the_held_out_split_shares_no_question_with_the_training_split(reasoning_gym):
     train = ReasoningGymTask("basic_arithmetic", size=30, seed=0, dataset_args={"max_digits": 1, "max_terms": 2})
     # the pitfall: seed 1's first entries are seed 0's next ones
     shifted = reasoning_gym.create_dataset("basic_arithmetic", size=5, seed=1, max_digits=1, max_terms=2)

@@ -1,9 +1,10 @@
 """verifiers tasks through the OpenAI endpoint (:mod:`llmrl.engine.envs.verifiers_env`), on a scripted stand-in for
 ``Caller.generate`` (:mod:`testkit.openai_fake`), so that every reply is known: each rollout's reward is the one its
 task's ``@vf.reward`` functions give by hand on the same completions (weights applied), and its captured trajectory
-holds exactly the ids generate produced, after the chat template's own rendering of each prompt. Three tasks defined
-here: a single-turn question, a guess-a-number game (``respond`` replies), and a task with one Python tool. A rollout
-whose ``respond`` raises or hangs ends with its error, and the batch goes on and counts it."""
+holds exactly the ids generate produced, after the chat template's own rendering of each prompt. Three tasks
+(:mod:`testkit.verifiers_tasks`): a single-turn question, a guess-a-number game (``respond`` replies), and a task
+with one Python tool. A rollout whose ``respond`` raises or hangs ends with its error, and the batch goes on and
+counts it."""
 
 from __future__ import annotations
 
@@ -13,11 +14,8 @@ import threading
 import pytest
 
 from llmrl import openai_endpoint
+from llmrl.engine.envs.verifiers_env import Play, run_verifiers
 from testkit.openai_fake import ScriptedCaller, chat_tokenizer, rendered
-
-vf = pytest.importorskip("verifiers.v1")
-
-from llmrl.engine.envs.verifiers_env import Play, run_verifiers  # noqa: E402
 
 # ChatML that renders tools and writes tool calls as <tool_call> JSON (as the model wrote them, so no fork)
 TEMPLATE = (
@@ -30,26 +28,6 @@ TEMPLATE = (
 KEY = "llmrl-test-key"
 
 
-class Sum(vf.Task[vf.TaskData]):
-    @vf.reward
-    async def correct(self, task, trace) -> float:
-        return float(trace.last_reply == "4")
-
-    @vf.reward(weight=0.5)
-    async def brief(self, trace) -> float:
-        return float(len(trace.last_reply) <= 2)
-
-
-class Guess(vf.Task[vf.TaskData]):
-    @vf.reward
-    async def found(self, trace) -> float:
-        return float(trace.last_reply == "7")
-
-    @vf.metric
-    async def guesses(self, trace) -> float:
-        return float(len(trace.assistant_messages))
-
-
 def guess_reply(task, messages):
     guess = messages[-1]["content"]
     return None if guess == "7" else ("higher" if guess.isdigit() and int(guess) < 7 else "lower")
@@ -58,6 +36,15 @@ def guess_reply(task, messages):
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    """:mod:`testkit.verifiers_tasks` (it imports verifiers: here, not when the suite is collected)."""
+    pytest.importorskip("verifiers.v1")
+    from testkit import verifiers_tasks
+
+    return verifiers_tasks
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +63,11 @@ def sample_ids(caller, text):
     return caller.ids(text)
 
 
-def test_single_turn_rewards_are_the_tasks_own_and_the_ids_are_generates(served, tokenizer):
+def test_single_turn_rewards_are_the_tasks_own_and_the_ids_are_generates(served, tokenizer, tasks):
     caller, endpoint = served
     replies = ["4", "5", "four!"]
     caller.replies.extend(replies)
-    task = Sum(vf.TaskData(prompt="2+2?", system_prompt="Answer with a number."))
+    task = tasks.Sum(tasks.vf.TaskData(prompt="2+2?", system_prompt="Answer with a number."))
     result = run_verifiers(endpoint, [task], Play(k=3, concurrency=1, sampling={"max_tokens": 8}))
     (rollouts,) = result.rollouts
     by_hand = [1.0 * (r == "4") + 0.5 * (len(r) <= 2) for r in replies]  # correct + 0.5 * brief
@@ -103,11 +90,11 @@ def test_single_turn_rewards_are_the_tasks_own_and_the_ids_are_generates(served,
     assert result.stats()["trainable"] == 3 and result.stats()["failed"] == 0
 
 
-def test_a_guessing_game_is_one_trajectory_per_rollout(served, tokenizer):
+def test_a_guessing_game_is_one_trajectory_per_rollout(served, tokenizer, tasks):
     caller, endpoint = served
     games = [["3", "7"], ["9", "8", "7"]]
     caller.replies.extend(reply for game in games for reply in game)
-    task = Guess(vf.TaskData(prompt="Guess my number from 1 to 10."))
+    task = tasks.Guess(tasks.vf.TaskData(prompt="Guess my number from 1 to 10."))
     result = run_verifiers(endpoint, [task], Play(k=2, concurrency=1, respond=guess_reply))
     for rollout, game in zip(result.rollouts[0], games):
         assert rollout.reward == 1.0 and rollout.metrics == {"guesses": float(len(game))}
@@ -121,17 +108,11 @@ def test_a_guessing_game_is_one_trajectory_per_rollout(served, tokenizer):
     assert result.batch()["turn_rewards"] == [[[0.0, 1.0], [0.0, 0.0, 1.0]]]
 
 
-def test_a_tool_call_runs_the_python_tool_and_its_result_reaches_the_model(served, tokenizer):
+def test_a_tool_call_runs_the_python_tool_and_its_result_reaches_the_model(served, tokenizer, tasks):
     caller, endpoint = served
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     caller.replies.extend([call, "5", call, "6"])
-
-    class Tool(vf.Task[vf.TaskData]):
-        @vf.reward
-        async def right(self, trace) -> float:
-            return float(trace.last_reply == "5" and trace.tool_messages[0].content == "5")
-
-    result = run_verifiers(endpoint, [Tool(vf.TaskData(prompt="What is 2+3? Use the tool."))],
+    result = run_verifiers(endpoint, [tasks.Tool(tasks.vf.TaskData(prompt="What is 2+3? Use the tool."))],
                            Play(k=2, concurrency=1, tools=(add,)))
     assert [r.reward for r in result.rollouts[0]] == [1.0, 0.0], [r.error for r in result.rollouts[0]]
     rollout = result.rollouts[0][0]
@@ -150,7 +131,7 @@ def test_a_tool_call_runs_the_python_tool_and_its_result_reaches_the_model(serve
                                                                        sample_ids(caller, "5")]
 
 
-def test_a_failing_or_hanging_environment_ends_its_rollout_and_the_batch_goes_on(served):
+def test_a_failing_or_hanging_environment_ends_its_rollout_and_the_batch_goes_on(served, tasks):
     caller, endpoint = served
     release = threading.Event()
 
@@ -163,7 +144,7 @@ def test_a_failing_or_hanging_environment_ends_its_rollout_and_the_batch_goes_on
 
     caller.replies.extend(["7", "boom", "hang", "7"])
     try:
-        result = run_verifiers(endpoint, [Guess(vf.TaskData(prompt="Guess."))],
+        result = run_verifiers(endpoint, [tasks.Guess(tasks.vf.TaskData(prompt="Guess."))],
                                Play(k=4, concurrency=1, respond=respond, timeout=2.0))
     finally:
         release.set()
