@@ -49,7 +49,7 @@ def run(tiny):
         # ZeRO-3 with a compiled step: the weights it reads kept at the same addresses from call to call
         "grpo-kept": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                       "updater": {"plugin": "grpo", "args": GRPO_ARGS}, "training": sgd(3),
-                      "generation": {"merge_adapter": True, "compile": True, "length_bucket": 16}},
+                      "generation": {"merge_adapter": True, "compile": True, "length_bucket": 32}},
         # no KL term: given old log-probs, the update runs no gradient-free pass (it counts tokens from the ids)
         "grpo-nokl": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA],
                       "updater": {"plugin": "grpo", "args": {**GRPO_ARGS, "kl_coef": 0.0}}, "training": sgd(2)},
