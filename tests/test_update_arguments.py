@@ -118,6 +118,21 @@ def test_declared_arguments_are_sliced_by_the_declaration_and_the_others_go_whol
     assert [r.kwargs["table"] for r in rule] == [[9, 9, 9]] * 2 and rule[0].per_sample == ["advantages"]
 
 
+def test_per_sample_tensors_and_arrays_are_cut_like_lists_on_every_replica_and_minibatch():
+    """Replica 1's share and a later minibatch start past 0: a cut that took the first n entries would pass on
+    replica 0 and give replica 1 replica 0's values."""
+    from llmrl.plugins.contracts import UpdateBatch
+
+    for value in (torch.tensor([0.0, 1.0, 2.0, 3.0]), np.array([0.0, 1.0, 2.0, 3.0])):
+        got = shares({"advantages": value}, {"advantages": "sample"})
+        assert [list(map(float, r.kwargs["advantages"])) for r in got] == [[0.0, 1.0], [2.0, 3.0]]
+        assert type(got[1].kwargs["advantages"]) is type(value)
+    batch = UpdateBatch(contexts=["a", "b", "c"], candidates=None, kwargs={"adv": torch.tensor([5.0, 6.0, 7.0])},
+                        indices=[0, 1, 2], global_size=3, replica=0, num_replicas=1, replica_sizes=[3],
+                        per_sample_keys=("adv",))
+    assert [m.kwargs["adv"].tolist() for m in batch.minibatches(1)] == [[5.0], [6.0], [7.0]]
+
+
 def test_a_declared_argument_given_as_none_is_not_given():
     """``old_logprobs=lp if cached else None``: the replicas see no such argument (the updaters test presence), and
     the call is not refused for a None that has no entries."""
