@@ -5,6 +5,7 @@
 csv and TensorBoard back ends) agree with its own metrics.csv."""
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -93,10 +94,13 @@ def test_rlhf_demo_quick(tmp_path, updater, replicas):
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("script,replicas", [("rlhf_grpo_in_script.py", 2), ("dpo_in_script.py", 1)])
+@pytest.mark.parametrize("script,replicas", [("rlhf_grpo_in_script.py", 2), ("dpo_in_script.py", 1),
+                                             ("reasoning_gym_grpo.py", 1)])
 def test_loss_in_script_demos_quick(tmp_path, script, replicas):
     """The demos whose loss lives in the script (forward_backward / forward_backward_custom, optim_step,
     a snapshot as the reference) end to end with a tiny model."""
+    if script == "reasoning_gym_grpo.py" and importlib.util.find_spec("reasoning_gym") is None:
+        pytest.skip("needs reasoning-gym (the envs extra, which setup.sh installs)")
     out = tmp_path / "out"
     result = demo(tmp_path, "rlhf-sentiment-script-quick.yaml", script, "--quick", "--out", str(out),
                   overrides=[f"llms.policy.replicas={replicas}"])
