@@ -58,7 +58,8 @@ def test_the_success_rates_interval_holds_the_rate_at_every_count(name):
 
 
 WITH_FLAGS = ["dpo_in_script", "dpo_sentiment", "grpo_custom_reward", "ilql_sentiment", "ppo_babyai", "ppo_lora_custom",
-              "rlhf_grpo_in_script", "rlhf_sentiment", "score_and_generate", "textworld_agent", "trlx_sentiments"]
+              "reasoning_gym_grpo", "rlhf_grpo_in_script", "rlhf_sentiment", "score_and_generate", "textworld_agent",
+              "trlx_sentiments"]
 
 
 def test_the_list_of_examples_with_flags_is_whole():

@@ -3,7 +3,8 @@ HTTP from here): a chat call's captured prompt ids are the tokenizer's own chat-
 ids and log-probs (in the trajectory and in the answer's ``logprobs``) equal the Caller's ``generate`` on those ids
 with the same seed; a two-turn chat whose second prompt extends the first call's ids is one trajectory whose ids are
 the template's rendering of the conversation (one whose sample came back in other ids forks, and says so); bad
-requests are 400s naming their field, and the endpoint answers the next request."""
+requests are 400s naming their field, and the endpoint answers the next request; a verifiers task played through
+it is scored by its own rewards and captured token for token."""
 
 from __future__ import annotations
 
@@ -97,6 +98,30 @@ def test_a_two_turn_chat_is_one_trajectory_of_the_templates_ids(served, chat_mod
         assert captured["trajectories"][1]["ids"][:len(prompt)] == prompt
     else:
         pytest.fail(f"no seed gave a reply that came back in its own ids; the last fork: {forked}")
+
+
+def test_a_verifiers_task_on_the_live_model_is_scored_by_its_rewards_and_captured_as_generate_samples(served,
+                                                                                                   chat_model):
+    """run_verifiers on the live run's model (the endpoint in its client): each rollout's rewards are the task's
+    reward functions computed by hand on its reply, and its one trajectory is the template's prompt followed by
+    the tokens and log-probs the Caller's generate draws with the same seed."""
+    pytest.importorskip("verifiers.v1")
+    run, endpoint = served
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "2+2?"}]
+    rollouts = run.function("testkit.openai_live:play_verifiers", "2+2?", "Answer with a number.", k=2,
+                            sampling={"max_tokens": 5, "temperature": 0.9, "seed": 3})
+    prompt = rendered(chat_model[1], messages)
+    ((sample,),) = run.generate([prompt], llm="chat", seed=3, max_new_tokens=5, do_sample=True, temperature=0.9,
+                                top_p=1.0, top_k=0)
+    for rollout in rollouts:
+        assert rollout["error"] is None, rollout
+        reply = rollout["reply"]
+        assert reply == sample["text"]
+        by_hand = {"correct": float(reply == "4"), "brief": 0.5 * (len(reply) <= 2)}  # testkit.verifiers_tasks.Sum
+        assert rollout["rewards"] == by_hand and rollout["reward"] == sum(by_hand.values())
+        (trajectory,) = rollout["trajectories"]
+        assert trajectory["ids"] == prompt + sample["tokens"].tolist()
+        assert trajectory["sampling_logprobs"][len(prompt):] == sample["sampling_logprobs"].tolist()
 
 
 def test_bad_requests_are_400s_naming_the_field_and_the_endpoint_goes_on(served):

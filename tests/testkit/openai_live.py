@@ -24,3 +24,17 @@ def pop(caller, rollout_id: str) -> dict:
 
 def stop(caller) -> None:
     RUNNING.pop("endpoint").close()
+
+
+def play_verifiers(caller, prompt: str, system_prompt: str, k: int, sampling: dict) -> list[dict]:
+    """``k`` rollouts of :class:`testkit.verifiers_tasks.Sum` (a single-turn question) played on the run's model
+    through the running endpoint by :func:`llmrl.engine.envs.verifiers_env.run_verifiers`."""
+    from llmrl.engine.envs.verifiers_env import Play, run_verifiers
+    from testkit import verifiers_tasks as tasks
+
+    task = tasks.Sum(tasks.vf.TaskData(prompt=prompt, system_prompt=system_prompt))
+    result = run_verifiers(RUNNING["endpoint"], [task], Play(k=k, concurrency=1, sampling=sampling))
+    return [{"reward": r.reward, "rewards": r.rewards, "error": r.error and str(r.error),
+             "reply": [m["content"] for m in r.messages if m["role"] == "assistant"][-1],
+             "trajectories": [{"ids": t.ids, "sampling_logprobs": t.sampling_logprobs} for t in r.trajectories]}
+            for r in result.rollouts[0]]
