@@ -50,44 +50,82 @@ class Args:
     eval_prompts: Annotated[int, "held-out prompts in each evaluation (at most 72)"] = 72
     seed: Annotated[int, "seed of the prompt order and the sampling"] = 0
     out: Annotated[str, "where the curve, metrics and summary go"] = "runs/rlhf_grpo_in_script"
+    async_staleness: Annotated[int, "sample on a background thread, at most this many optimizer steps behind the "
+                                    "trained weights (0: sample, then train)"] = 0
     quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts"] = False
 
 
 def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> list[dict]:
+    """The GRPO loop. With ``--async-staleness K`` the batches are sampled on a background thread
+    (:class:`llmrl.AsyncRollouts`) while the main thread trains, each at most K optimizer steps behind the weights
+    it trains; the importance-sampling loss divides by the sampler's own log-probs."""
+    import contextlib
+
     from tqdm import tqdm
 
+    import llmrl
+
     caller.snapshot("reference")  # the starting policy, frozen: the KL penalty's reference
-    order, pool, history = random.Random(args.seed), [], []
-    for update in (bar := tqdm(range(args.updates), desc="GRPO in the script", unit="update")):
-        start = time.time()
+    order, pool, draws, history = random.Random(args.seed), [], iter(range(10**9)), []
+
+    def produce() -> list:  # one rollout: a batch of prompts and their sampled groups
+        nonlocal pool
         if len(pool) < args.prompts_per_update:
             pool += order.sample(prompts, len(prompts))
         batch, pool = pool[:args.prompts_per_update], pool[args.prompts_per_update:]
         groups = caller.generate(batch, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, num_return_sequences=args.samples_per_prompt,
-                                 seed=args.seed * 100003 + update)
-        prompt_ids = [t["ids"] for t in caller.tokenize(batch)]  # the tokens the sampler read
-        samples = [(ids, s, a) for ids, group in zip(prompt_ids, groups)
-                   for s, a in zip(group, group_advantages([reward(s["text"]) for s in group])) if len(s["tokens"])]
-        data = [completion_datum(ids, s["tokens"]) for ids, s, _ in samples]
-        reference = caller.forward(data, peft_adapter="reference")["loss_fn_outputs"]
-        n, kls = len(samples), []
-        for k, ((ids, sample, advantage), ref) in enumerate(zip(samples, reference)):
-            kl = sample["logprobs"] - ref["logprobs"][-len(sample["tokens"]):]  # per token, log pi - log pi_ref
-            kl_to_go = kl.flip(0).cumsum(0).flip(0)  # the KL penalty is a reward: each token answers for those after
-            per_token = (advantage - args.kl_coef * kl_to_go) / (len(kl) * n)  # a mean over tokens, then samples
-            data[k] = completion_datum(ids, sample["tokens"], logprobs=sample["logprobs"], advantages=per_token)
-            kls.append(float(kl.sum()))
-        out = caller.forward_backward(data, "importance_sampling")
-        lr = args.lr * (1 - update / args.updates)  # the schedule lives here
-        step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
-        rewards = [reward(s["text"]) for _, s, _ in samples]
-        history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
-                        "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
-                        "seconds": time.time() - start})
-        caller.log({f"train/{key}": history[-1][key] for key in ("reward", "kl", "loss", "learning_rate")})
-        bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
+                                 seed=args.seed * 100003 + next(draws))
+        return [(batch, groups)]
+
+    def version_of(rollout) -> int:
+        return min(s["policy_version"] for group in rollout[1] for s in group)
+
+    rollouts = llmrl.AsyncRollouts(produce, max_staleness=args.async_staleness, capacity=1,
+                                   version_of=version_of) if args.async_staleness else None
+    version = caller.generate(prompts[:1], max_new_tokens=1)[0][0]["policy_version"] if rollouts else None
+    with rollouts or contextlib.nullcontext():
+        for update in (bar := tqdm(range(args.updates), desc="GRPO in the script", unit="update")):
+            start = time.time()
+            taken = rollouts.take(1, version) if rollouts else None
+            batch, groups = taken.rollouts[0] if taken else produce()[0]
+            prompt_ids = [t["ids"] for t in caller.tokenize(batch)]  # the tokens the sampler read
+            samples = [(ids, s, a) for ids, group in zip(prompt_ids, groups)
+                       for s, a in zip(group, group_advantages([reward(s["text"]) for s in group])) if len(s["tokens"])]
+            data = [completion_datum(ids, s["tokens"]) for ids, s, _ in samples]
+            reference = caller.forward(data, peft_adapter="reference")["loss_fn_outputs"]
+            n, kls = len(samples), []
+            for k, ((ids, sample, advantage), ref) in enumerate(zip(samples, reference)):
+                kl = sample["logprobs"] - ref["logprobs"][-len(sample["tokens"]):]  # per token, log pi - log pi_ref
+                kl_to_go = kl.flip(0).cumsum(0).flip(0)  # the KL penalty is a reward: each token answers for the rest
+                per_token = (advantage - args.kl_coef * kl_to_go) / (len(kl) * n)  # a mean over tokens, then samples
+                data[k] = completion_datum(ids, sample["tokens"], logprobs=sample["logprobs"], advantages=per_token)
+                kls.append(float(kl.sum()))
+            out = caller.forward_backward(data, "importance_sampling",
+                                          policy_versions=[s["policy_version"] for _, s, _ in samples])
+            lr = args.lr * (1 - update / args.updates)  # the schedule lives here
+            step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
+            version = step["policy_version"]
+            rewards = [reward(s["text"]) for _, s, _ in samples]
+            history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
+                            "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
+                            "staleness_max": out["metrics"]["staleness:max"], "dropped": taken.dropped if taken else 0,
+                            **mismatch(samples, out["loss_fn_outputs"]), "seconds": time.time() - start})
+            caller.log({f"train/{key}": history[-1][key] for key in ("reward", "kl", "loss", "learning_rate",
+                                                                      "staleness_max", "ratio_max")})
+            bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
     return history
+
+
+def mismatch(samples: list, outputs: list) -> dict:
+    """The sampler/learner mismatch of a batch: per token, the ratio of the learner's probability (before the step)
+    to the sampler's; its mean and max, and KL(sampler || learner) per token (the mean of log p_sampler - log p)."""
+    import torch
+
+    gaps = torch.cat([out["logprobs"][-len(s["tokens"]):] - s["logprobs"] for (_, s, _), out in zip(samples, outputs)])
+    ratio = gaps.exp()
+    return {"ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()),
+            "kl_sampler_learner": float(-gaps.mean())}
 
 
 def group_advantages(rewards: list[float]) -> list[float]:
