@@ -89,6 +89,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             start = time.time()
             taken = rollouts.take(1, version) if rollouts else None
             batch, groups = taken.rollouts[0] if taken else produce()[0]
+            waited = time.time() - start  # sampling (synchronous), or waiting for the sampler's thread (asynchronous)
             prompt_ids = [t["ids"] for t in caller.tokenize(batch)]  # the tokens the sampler read
             samples = [(ids, s, a) for ids, group in zip(prompt_ids, groups)
                        for s, a in zip(group, group_advantages([reward(s["text"]) for s in group])) if len(s["tokens"])]
@@ -110,7 +111,8 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
                             "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
                             "staleness_max": out["metrics"]["staleness:max"], "dropped": taken.dropped if taken else 0,
-                            **mismatch(samples, out["loss_fn_outputs"]), "seconds": time.time() - start})
+                            **mismatch(samples, out["loss_fn_outputs"]), "waited_for_samples": waited,
+                            "seconds": time.time() - start})
             caller.log({f"train/{key}": history[-1][key] for key in ("reward", "kl", "loss", "learning_rate",
                                                                       "staleness_max", "ratio_max")})
             bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
