@@ -93,8 +93,17 @@ def main() -> None:
         for k in staleness:
             run(args.config, k, os.path.join(folder, f"staleness-{k}"), args.quick)
         print(f"{len(staleness)} runs in {(time.time() - start) / 60:.1f} minutes", flush=True)
-    result = summarize(folder, staleness)
-    with open(os.path.join(folder, "async_grpo.json"), "w") as f:
+    result = {"written by": "llmrl benchmarks.async_grpo", **summarize(folder, staleness)}
+    path = os.path.join(folder, "async_grpo.json")
+    if os.path.exists(path):  # a file of the user's own there is never overwritten
+        with open(path) as f:
+            try:
+                ours = json.load(f).get("written by") == result["written by"]
+            except (ValueError, AttributeError):
+                ours = False
+        if not ours:
+            sys.exit(f"{path} exists and was not written by this benchmark: move it, or give another --out")
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print_table(result)
 
