@@ -1,4 +1,4 @@
-"""Synchronous against asynchronous GRPO, in one sitting: the in-script GRPO demo (``examples/rlhf_grpo_in_script.py``)
+"""Synchronous against asynchronous GRPO, back to back: the in-script GRPO demo (``examples/rlhf_grpo_in_script.py``)
 run with ``--async-staleness`` 0 (sample, then train), 1 and 2 (sample on a background thread within that many
 optimizer steps of the trained weights), back to back on one machine, and a table of their time per update, the
 time each update waited for its samples, the held-out reward before and after, and the sampler/learner mismatch.
