@@ -67,7 +67,6 @@ def train(caller: Caller, task, args: Args) -> list[dict]:
     import torch
     from tqdm import tqdm
 
-    tokenizer = caller.tokenizer
     prompts = task.prompts()
     order, pool, history = random.Random(args.seed), [], []
     for update in (bar := tqdm(range(args.updates), desc=f"GRPO on {args.task}", unit="update")):
@@ -75,7 +74,7 @@ def train(caller: Caller, task, args: Args) -> list[dict]:
         if len(pool) < args.prompts_per_update:
             pool += order.sample(range(len(task)), len(task))
         batch, pool = pool[:args.prompts_per_update], pool[args.prompts_per_update:]
-        ids = [prompt_ids(tokenizer, prompts[i]) for i in batch]  # the tokens the sampler reads, rendered once
+        ids = [t["ids"] for t in caller.tokenize([prompts[i] for i in batch])]  # as generate renders them
         groups = caller.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, num_return_sequences=args.samples_per_prompt,
                                  seed=args.seed * 100003 + update)
@@ -99,14 +98,6 @@ def train(caller: Caller, task, args: Args) -> list[dict]:
         caller.log({f"train/{key}": history[-1][key] for key in ("reward", "groups_with_signal", "tokens", "loss")})
         bar.set_postfix(reward=f"{history[-1]['reward']:.2f}", tokens=f"{history[-1]['tokens']:.1f}")
     return history
-
-
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """A question's token ids as ``generate`` renders it: chat messages through the chat template, text as is."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def evaluate(caller: Caller, task, args: Args, label: str) -> dict:

@@ -60,13 +60,14 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
     (:class:`llmrl.AsyncRollouts`) while the main thread trains, each at most K optimizer steps behind the weights
     it trains; the importance-sampling loss divides by the sampler's own log-probs."""
     import contextlib
+    import itertools
 
     from tqdm import tqdm
 
     import llmrl
 
     caller.snapshot("reference")  # the starting policy, frozen: the KL penalty's reference
-    order, pool, draws, history = random.Random(args.seed), [], iter(range(10**9)), []
+    order, pool, draws, history = random.Random(args.seed), [], itertools.count(), []
 
     def produce() -> list:  # one rollout: a batch of prompts and their sampled groups
         nonlocal pool
