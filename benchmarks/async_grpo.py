@@ -49,6 +49,7 @@ def summarize(folder: str, staleness: list[int]) -> dict:
             "held_out_before": [summary["before"]["mean_reward"], *summary["before"]["ci95"]],
             "held_out_after": [summary["after"]["mean_reward"], *summary["after"]["ci95"]],
             "staleness_max": max(r["staleness_max"] for r in history),
+            "dropped_batches": sum(r.get("dropped", 0) for r in history),
             "ratio_max": max(r["ratio_max"] for r in history),
             "kl_sampler_learner_mean": statistics.fmean(r["kl_sampler_learner"] for r in history),
             "commit": summary["provenance"]["commit"], "date": summary["provenance"]["date"],
@@ -65,13 +66,13 @@ def summarize(folder: str, staleness: list[int]) -> dict:
 
 def print_table(result: dict) -> None:
     print("| staleness | s/update (median) | waited for samples | speed-up | held-out reward before -> after "
-          "(95% CI) | max staleness | max ratio | KL(sampler, learner) per token |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(95% CI) | max staleness | batches dropped | max ratio | KL(sampler, learner) per token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k, r in result["rows"].items():
         b, a = r["held_out_before"], r["held_out_after"]
         print(f"| {k} | {r['seconds_per_update']:.2f} | {r['waited_for_samples']:.2f} | {r['speed_up']:.2f}x | "
               f"{b[0]:+.3f} -> {a[0]:+.3f} ({a[1]:+.3f} to {a[2]:+.3f}) | {r['staleness_max']:g} | "
-              f"{r['ratio_max']:.3f} | {r['kl_sampler_learner_mean']:.4f} |")
+              f"{r.get('dropped_batches', 0):g} | {r['ratio_max']:.3f} | {r['kl_sampler_learner_mean']:.4f} |")
     m = result["model"]
     print(f"model: sampling {m['sampling_seconds']:.2f} s + training {m['training_seconds']:.2f} s per synchronous "
           f"update; on separate devices an update takes the longer of the two: at most "

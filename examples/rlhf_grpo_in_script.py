@@ -82,7 +82,9 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
     def version_of(rollout) -> int:
         return min(s["policy_version"] for group in rollout[1] for s in group)
 
-    rollouts = llmrl.AsyncRollouts(produce, max_staleness=args.async_staleness, capacity=1,
+    # one batch a call, K batches buffered at most: the batch for step k + K is drawn only once step k's was taken,
+    # so none is ever more than K steps old (nothing dropped)
+    rollouts = llmrl.AsyncRollouts(produce, max_staleness=args.async_staleness, capacity=args.async_staleness,
                                    version_of=version_of) if args.async_staleness else None
     version = caller.generate(prompts[:1], max_new_tokens=1)[0][0]["policy_version"] if rollouts else None
     with rollouts or contextlib.nullcontext():

@@ -15,7 +15,8 @@ def write_run(folder, staleness: int, seconds: list[float], waited: list[float])
     run = folder / f"staleness-{staleness}"
     run.mkdir(parents=True)
     history = [{"seconds": s, "waited_for_samples": w, "staleness_max": float(min(staleness, i)),
-                "ratio_max": 1.0 + 0.01 * staleness, "kl_sampler_learner": 0.001 * staleness}
+                "ratio_max": 1.0 + 0.01 * staleness, "kl_sampler_learner": 0.001 * staleness,
+                "dropped": i % 2 * staleness}
                for i, (s, w) in enumerate(zip(seconds, waited))]
     (run / "summary.json").write_text(json.dumps({
         "history": history, "wall_seconds": sum(seconds),
@@ -31,6 +32,7 @@ def test_speed_ups_and_the_separate_device_model_are_computed_from_the_medians(t
     assert rows[0]["speed_up"] == 1.0 and rows[1]["speed_up"] == pytest.approx(6.0 / 4.5)
     assert rows[1]["staleness_max"] == 1.0 and rows[1]["waited_for_samples"] == 0.2
     assert rows[1]["kl_sampler_learner_mean"] == pytest.approx(0.001)
+    assert (rows[0]["dropped_batches"], rows[1]["dropped_batches"]) == (0, 1)  # the second of three updates
     # sampling 2 s + training 4 s per synchronous update: apart, an update takes 4 s, so at most 1.5x
     assert result["model"] == pytest.approx({"sampling_seconds": 2.0, "training_seconds": 4.0,
                                              "speed_up_bound_on_separate_devices": 1.5})

@@ -166,3 +166,115 @@ def test_arguments_are_checked():
         AsyncRollouts(list, max_staleness=0, stale="reweigh")
     with pytest.raises(RuntimeError, match="start the AsyncRollouts first"):
         AsyncRollouts(list, max_staleness=0).take(1, 0)
+
+
+class StartedSampler:
+    """One learner batch a call: it reads the learner's version when the call starts (the weights it samples from),
+    then, unless ``free``, waits for a ticket (sampling takes as long as the test makes it), and returns ``size``
+    rollouts of that version, ids ``(call index, k)``."""
+
+    def __init__(self, size: int, free: bool = False):
+        self.size, self.free, self.version, self.calls = size, free, 0, 0
+        self.tickets: queue.Queue = queue.Queue()
+        self.started = threading.Condition()
+
+    def __call__(self, index: int | None = None) -> list[dict]:
+        with self.started:
+            version, call = self.version, self.calls if index is None else index
+            self.calls += 1
+            self.started.notify_all()
+        if not self.free and self.tickets.get() is None:
+            return []
+        return [{"id": (call, k), "policy_version": version} for k in range(self.size)]
+
+    def wait_started(self, calls: int) -> None:
+        with self.started:
+            assert self.started.wait_for(lambda: self.calls >= calls, timeout=120), f"call {calls - 1} never started"
+
+
+@pytest.mark.parametrize("bound", [1, 2, 3])
+def test_a_capacity_of_max_staleness_batches_drops_nothing_when_a_call_makes_one_batch(bound):
+    """The call for batch k + K starts only once batch k was taken. The sampler here is as fast as can be, and the
+    learner steps only once that call has started (the sampler as far ahead as the bound lets it): every batch is
+    still within K steps of the learner, and nothing is dropped."""
+    size = 3
+    sampler = StartedSampler(size, free=True)
+    with AsyncRollouts(sampler, max_staleness=bound, capacity=bound * size) as rollouts:
+        for step in range(20):
+            batch = rollouts.take(size, sampler.version)
+            assert batch.dropped == 0 and max(batch.staleness) <= bound
+            assert [r["id"] for r in batch.rollouts] == [(step, k) for k in range(size)]
+            sampler.wait_started(step + bound + 1)  # the call for batch step + bound
+            with sampler.started:
+                sampler.version += 1  # the optimizer step
+        assert rollouts.stats()["dropped_stale"] == 0
+
+
+def test_a_resumed_state_hands_over_every_call_once_from_the_buffer_then_from_the_saved_index():
+    """A run saves its state while the producer is between calls (the buffer holds finished ones, a call is in
+    progress), is stopped, and a new AsyncRollouts goes on from that state: the rollouts taken before the save and
+    after the resume are every call's, once each, in order; those buffered at the save come back unchanged. The
+    state goes through the checkpoint's check and a ``torch.save`` / ``torch.load(weights_only=True)`` round trip."""
+    import io
+
+    import torch
+
+    from llmrl.engine.client.client_state import check_client_state
+
+    size, first = 2, AsyncRollouts(StartedSampler(2), max_staleness=5, capacity=8, indexed=True)
+    sampler = first.produce
+    with first:
+        for _ in range(7):
+            sampler.tickets.put(True)  # 7 calls finish: 3 buffered after the take below, the 8th is in progress
+        before = [r["id"] for r in first.take(4 * size, 0).rollouts]  # calls 0-3
+        with first._changed:  # observe the producer's state: 3 more calls buffered, the next one in progress
+            while len(first._buffer) < 3 * size:
+                first._changed.wait()
+        state = first.state_dict()
+        for _ in range(3):
+            sampler.tickets.put(None)
+    assert state["next_call"] == 7 and [entry[0] for entry in state["buffer"]] == [4, 4, 5, 5, 6, 6]
+    check_client_state(state)
+    saved = io.BytesIO()
+    torch.save({"rollouts": state}, saved)
+    saved.seek(0)
+    restored = torch.load(saved, weights_only=True)["rollouts"]
+
+    second_sampler = StartedSampler(size)
+    second = AsyncRollouts(second_sampler, max_staleness=5, capacity=6, indexed=True)
+    second.load_state_dict(restored)
+    with second:
+        for _ in range(3):
+            second_sampler.tickets.put(True)
+        buffered = second.take(3 * size, 0).rollouts
+        after = [r["id"] for r in second.take(3 * size, 0).rollouts]
+        second_sampler.tickets.put(None)
+    assert buffered == [entry[2] for entry in state["buffer"]]
+    ids = before + [r["id"] for r in buffered] + after
+    assert ids == [(call, k) for call in range(10) for k in range(size)], "every call once, in order"
+
+
+def test_state_dict_needs_an_indexed_producer_and_load_goes_before_start():
+    with pytest.raises(RuntimeError, match="indexed=True"):
+        AsyncRollouts(list, max_staleness=0).state_dict()
+    rollouts = AsyncRollouts(StartedSampler(1), max_staleness=0, indexed=True)
+    with pytest.raises(ValueError, match="not an AsyncRollouts state"):
+        rollouts.load_state_dict({"buffer": []})
+    rollouts.start()
+    with pytest.raises(RuntimeError, match="before start"):
+        rollouts.load_state_dict(rollouts.state_dict())
+    rollouts.produce.tickets.put(None)
+    rollouts.close()
+
+
+def test_a_client_state_that_is_not_plain_data_is_refused_naming_where():
+    import torch
+
+    from llmrl.engine.client.client_state import check_client_state
+    from llmrl.engine.errors import InvalidArgument
+
+    check_client_state({"cursor": 3, "buffer": [[0, 1, {"tokens": torch.tensor([1, 2]), "text": "a"}]], "x": None})
+    with pytest.raises(InvalidArgument, match=r"client_state\['buffer'\]\[0\]\[2\] is a Episode"):
+        check_client_state({"buffer": [[0, 1, Episode(Trajectory(Ids(), [5]))]]})
+    with pytest.raises(InvalidArgument, match="a key of type object"):
+        check_client_state({object(): 1})

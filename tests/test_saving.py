@@ -190,3 +190,28 @@ def test_a_resumed_run_tracks_its_steps_after_the_saved_ones(tiny, tmp_path):
     again.resume(saving.resumed_tracking(resumed))
     assert again.log_update("main", [{"loss": 0.5}], 2, 0.1) and again.step == 5
     again.close()
+
+
+def test_the_scripts_client_state_is_saved_in_the_checkpoint_and_read_back_by_the_resumed_run(tiny, tmp_path):
+    """``save(path, client_state=...)`` keeps the script's plain data (tensors included) beside the LLMs' state; a
+    run resuming from the checkpoint reads it back equal, a fresh run reads None. State that is not plain data is
+    refused before anything is written, naming where it sits, and the checkpoint already there is untouched."""
+    import torch
+
+    state = {"step": 3, "rollouts": {"next_call": 5, "buffer": [[4, 2, {"tokens": torch.tensor([7, 8]),
+                                                                        "text": "ab", "reward": -0.5}]]}}
+    run = FakeRun(tiny)
+    saving.save_run(run, lambda future: future.result(), str(tmp_path / "ckpt"), client_state=state)
+    resumed = load_config(raw={"llms": {"main": {"model": tiny["llama"], "checkpoint": str(tmp_path / "ckpt")}}},
+                          check_plugins=False)
+    back = saving.resumed_client_state(resumed)
+    assert back["step"] == 3 and back["rollouts"]["next_call"] == 5
+    (index, version, sample), = back["rollouts"]["buffer"]
+    assert (index, version, sample["text"], sample["reward"]) == (4, 2, "ab", -0.5)
+    assert torch.equal(sample["tokens"], torch.tensor([7, 8]))
+    assert saving.resumed_client_state(load_config(raw={"llms": {"main": {"model": tiny["llama"]}}},
+                                                   check_plugins=False)) is None
+    with pytest.raises(InvalidArgument, match=r"client_state\['cursor'\] is a set"):
+        saving.save_run(run, lambda future: future.result(), str(tmp_path / "ckpt"), client_state={"cursor": {1}})
+    assert run.saves == 1 and weights(tmp_path / "ckpt") == "save 1"  # nothing was sent, nothing replaced
+    assert saving.resumed_client_state(resumed)["step"] == 3

@@ -1,16 +1,28 @@
 """Sampling while training, on the client: :class:`AsyncRollouts` runs the script's sampling on a background thread
 and hands the learner batches whose samples are at most ``max_staleness`` policy versions old.
 
-The script gives a *producer*: a function of no argument that makes finished rollouts through the Caller (single-turn
-``generate`` samples, groups of them, :class:`~llmrl.engine.client.episodes.Episode` objects of ``run_episodes``...)
-and returns them as a list. A background thread calls it again and again and puts what it returns in a bounded
-buffer (``capacity`` rollouts: the producer waits while the buffer is full). The learner calls :meth:`take` with
-the version of the weights it trains now (``optim_step``'s or ``update``'s ``policy_version``, or its own count of
+The script gives a *producer*: a function that makes finished rollouts through the Caller (single-turn ``generate``
+samples, groups of them, :class:`~llmrl.engine.client.episodes.Episode` objects of ``run_episodes``...) and returns
+them as a list. A background thread calls it again and again and puts what each call returns, whole, in a buffer.
+The thread starts a call only while the buffer holds fewer than ``capacity`` rollouts, so it runs at most
+``capacity`` rollouts ahead of the learner (plus the call in progress). The learner calls :meth:`take` with the
+version of the weights it trains now (``optim_step``'s or ``update``'s ``policy_version``, or its own count of
 optimizer steps); a rollout's staleness is that version minus the rollout's (its samples' oldest
 ``policy_version``, see :func:`rollout_version`). With ``stale="drop"`` a rollout staler than ``max_staleness`` is
 dropped and counted; with ``stale="keep"`` it is handed over, with its staleness, for the learner to re-weigh (an
 importance ratio against the sampler's log-probs, which every sample carries). Rollouts are handed over oldest
 first.
+
+**Nothing dropped.** When each call makes one learner batch and the learner takes one optimizer step per batch,
+``capacity = max_staleness`` batches keeps every batch within the bound: the call for batch ``k + K`` starts only
+once batch ``k`` was taken, so it samples from weights at most ``K`` steps older than those that train on it.
+
+**Resume.** With ``indexed=True`` the producer is called with the call's index (0, 1, 2, ...) and derives its data
+(prompts, seeds) from it. :meth:`state_dict` is then the buffer (each rollout with its call's index and version) and
+the index of the first call not finished; ``caller.save(path, client_state={"rollouts": rollouts.state_dict()})``
+keeps it in the checkpoint, and a run resumed from it calls :meth:`load_state_dict` before starting. The rollouts
+buffered at the save are handed over as they were, the call in progress at the save is made again, and every other
+call's rollouts are handed over after the save or before it: none is lost or handed over twice.
 
 :meth:`close` (or leaving the ``with`` block) stops the thread: it waits for the producer call in progress to return
 and drops its rollouts. An exception raised by the producer stops the thread and is raised again in the learner's
@@ -28,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STALE = ("drop", "keep")
+STATE_FORMAT = 1
 
 
 def rollout_version(rollout) -> int:
@@ -71,12 +84,15 @@ class AsyncRollouts:
     """Rollouts produced on a background thread, handed to the learner within a staleness bound (see the module).
 
     Args:
-        produce: a function of no argument returning a list of finished rollouts; called again and again.
+        produce: a function returning a list of finished rollouts, called again and again: of no argument, or of
+            the call's index with ``indexed=True``.
         max_staleness: the most versions a handed-over rollout may lag behind the learner's (0: on-policy).
-        capacity: the most rollouts the buffer holds; the producer waits while it is full.
+        capacity: a call starts only while the buffer holds fewer rollouts than this.
         stale: ``"drop"`` rollouts staler than ``max_staleness`` (counted), or ``"keep"`` them (their staleness is
             reported for the learner to re-weigh).
         version_of: a rollout's policy version (default: :func:`rollout_version`).
+        indexed: call ``produce(index)`` with the call's index (0, 1, 2, ...; a resumed run's go on from its
+            checkpoint's), which makes the rollouts resumable (:meth:`state_dict`).
 
     Example::
 
@@ -93,7 +109,7 @@ class AsyncRollouts:
     """
 
     def __init__(self, produce: Callable[[], list], *, max_staleness: int, capacity: int = 64, stale: str = "drop",
-                 version_of: Callable[[object], int] = rollout_version):
+                 version_of: Callable[[object], int] = rollout_version, indexed: bool = False):
         if not callable(produce):
             raise TypeError(f"produce must be a function returning a list of rollouts, got {type(produce).__name__}")
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -103,8 +119,9 @@ class AsyncRollouts:
         if stale not in STALE:
             raise ValueError(f"stale must be one of {STALE}, got {stale!r}")
         self.produce, self.max_staleness, self.capacity, self.stale = produce, max_staleness, capacity, stale
-        self.version_of = version_of
-        self._buffer: deque = deque()  # (version, rollout), in the order they were produced
+        self.version_of, self.indexed = version_of, bool(indexed)
+        self._buffer: deque = deque()  # (version, rollout, call index), in the order they were produced
+        self._next_call = 0  # the index of the first call whose rollouts are not in the buffer (nor taken)
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -137,7 +154,7 @@ class AsyncRollouts:
                     self._changed.wait()
                 if self._error is not None or not self._buffer:
                     self._raise_stopped()
-                rollout_of, rollout = self._buffer.popleft()
+                rollout_of, rollout, _ = self._buffer.popleft()
                 self._changed.notify_all()  # room for the producer
                 if version - rollout_of > self.max_staleness:
                     if self.stale == "drop":
@@ -158,6 +175,32 @@ class AsyncRollouts:
         the bound, with ``stale="keep"``) and ``buffered`` (waiting now)."""
         with self._changed:
             return {**self._counts, "buffered": len(self._buffer)}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps to resume these rollouts (plain data: for ``caller.save``'s ``client_state``): the
+        rollouts buffered now, each with its version and call index, the index of the first call not finished (made
+        again on resume) and the counts. Needs ``indexed=True``: the index is the producer's data cursor."""
+        if not self.indexed:
+            raise RuntimeError("AsyncRollouts.state_dict needs indexed=True: the producer must draw its data from the "
+                               "call index for a resumed run to go on where this one stopped")
+        with self._changed:
+            return {"format": STATE_FORMAT, "next_call": self._next_call, "counts": dict(self._counts),
+                    "buffer": [[index, version, rollout] for version, rollout, index in self._buffer]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from a :meth:`state_dict` (before :meth:`start`): its buffered rollouts come first, then the
+        producer's calls from its ``next_call``."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict goes before start(): the producer must begin at the saved index")
+        if not self.indexed:
+            raise RuntimeError("AsyncRollouts.load_state_dict needs indexed=True (see state_dict)")
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not an AsyncRollouts state (format {STATE_FORMAT}): keys "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        with self._changed:
+            self._buffer = deque((int(version), rollout, int(index)) for index, version, rollout in state["buffer"])
+            self._next_call = int(state["next_call"])
+            self._counts.update({key: int(value) for key, value in state["counts"].items() if key in self._counts})
 
     def close(self) -> None:
         """Stop the producer's thread: wait for its call in progress to return, drop what is buffered, and raise
@@ -189,18 +232,22 @@ class AsyncRollouts:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                made = list(self.produce())
-                versioned = [(int(self.version_of(rollout)), rollout) for rollout in made]
+            while True:
                 with self._changed:
-                    for item in versioned:
-                        while len(self._buffer) >= self.capacity and not self._stop.is_set():
-                            self._changed.wait()
-                        if self._stop.is_set():
-                            return
-                        self._buffer.append(item)
-                        self._counts["produced"] += 1
-                        self._changed.notify_all()
+                    while len(self._buffer) >= self.capacity and not self._stop.is_set():
+                        self._changed.wait()
+                    if self._stop.is_set():
+                        return
+                    index = self._next_call
+                made = list(self.produce(index) if self.indexed else self.produce())
+                versioned = [(int(self.version_of(rollout)), rollout, index) for rollout in made]
+                with self._changed:
+                    if self._stop.is_set():
+                        return
+                    self._buffer.extend(versioned)  # a call's rollouts, whole
+                    self._next_call = index + 1
+                    self._counts["produced"] += len(versioned)
+                    self._changed.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the learner's thread
             with self._changed:
                 self._error = err

@@ -191,8 +191,12 @@ class Caller:
         return self._training.update(contexts, candidates, llm=llm, **kwargs)
 
     @delegated(RunCalls.save)
-    def save(self, path: str | os.PathLike) -> str:
-        return self._run_calls.save(path)
+    def save(self, path: str | os.PathLike, *, client_state=None) -> str:
+        return self._run_calls.save(path, client_state=client_state)
+
+    @delegated(RunCalls.resumed_client_state)
+    def resumed_client_state(self):
+        return self._run_calls.resumed_client_state()
 
     @delegated(InferenceCalls.state_dict)
     def state_dict(self, llm: str | None = None, prefix: str = "", replica: int | None = None) -> dict:

@@ -37,14 +37,22 @@ class RunCalls:
         self._seeds = seeds
         self._tracker = tracker
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`)."""
+    def save(self, path: str | os.PathLike, *, client_state=None) -> str:
+        """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`), with
+        ``client_state``, the script's own plain-data state (its data cursor, an ``AsyncRollouts.state_dict()``),
+        when given: a run resuming from the checkpoint reads it with ``resumed_client_state()``."""
         self._context.open()
         run = self._context.run
         if run.closed_llms:
             raise LLMClosedError(f"cannot save: LLM(s) {sorted(run.closed_llms)} were closed with close_llm(), "
                                  "and a checkpoint holds every LLM of the run; save before closing an LLM")
-        return saving.save_run(run, self._context.wait, os.fspath(path), self._seeds, self._tracker.position())
+        return saving.save_run(run, self._context.wait, os.fspath(path), self._seeds, self._tracker.position(),
+                               client_state)
+
+    def resumed_client_state(self):
+        """The ``client_state`` that ``save`` kept in the checkpoint this run resumes from (``llms.<name>.checkpoint``),
+        or None: a fresh run, or a checkpoint saved without one."""
+        return saving.resumed_client_state(self._context.run.config)
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""

@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from llmrl.engine.checkpoint_layout import MANIFEST, backups_of, read_manifest, resolve_checkpoint
+from llmrl.engine.client.client_state import check_client_state, read_client_state, write_client_state
 from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.files import fsync_dir, write_json
 from llmrl.engine.requests import save
@@ -47,6 +48,17 @@ def resumed_tracking(config) -> dict | None:
     return _resumed(config, "tracking")
 
 
+def resumed_client_state(config):
+    """The ``client_state`` saved in the checkpoint an LLM resumes from (the first LLM whose checkpoint holds one),
+    or None (see :mod:`llmrl.engine.client.client_state`)."""
+    for llm in config.llms.values():
+        if llm.checkpoint:
+            state = read_client_state(resolve_checkpoint(llm.checkpoint))
+            if state is not None:
+                return state
+    return None
+
+
 def _resumed(config, key: str):
     """Entry ``key`` of the manifest of the first checkpoint an LLM resumes from that holds it, or None."""
     for llm in config.llms.values():
@@ -56,11 +68,14 @@ def _resumed(config, key: str):
     return None
 
 
-def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking: dict | None = None) -> str:
+def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking: dict | None = None,
+             client_state=None) -> str:
     """Write a checkpoint of every LLM of ``run`` to ``path`` atomically; ``wait(future)`` waits for the servers;
-    ``seeds``: the client's :func:`generate_seeds`, kept in the manifest, as ``tracking`` (the tracker's steps).
-    Returns the absolute path."""
+    ``seeds``: the client's :func:`generate_seeds`, kept in the manifest, as ``tracking`` (the tracker's steps);
+    ``client_state``: the script's own state, saved beside (None: none). Returns the absolute path."""
     target = Path(path).expanduser().resolve()
+    if client_state is not None:
+        check_client_state(client_state)  # refused before anything is written
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.staging-*"):  # [ ] * ? in a name: literal
@@ -70,6 +85,8 @@ def save_run(run, wait, path: str, seeds: random.Random | None = None, tracking:
     staging.mkdir()
     try:
         wait(save.send(run, str(staging)))
+        if client_state is not None:
+            write_client_state(staging, client_state)
         config = run.config
         entries = sorted([*os.listdir(staging), MANIFEST])
         manifest = {"format": FORMAT, "id": save_id, "time": time.time(), "llms": list(config.llms),
