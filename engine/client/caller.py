@@ -206,6 +206,10 @@ class Caller:
     def tokenize(self, contexts, candidates=None, *, llm: str | None = None) -> list[dict]:
         return self._inference.tokenize(contexts, candidates, llm=llm)
 
+    @delegated(RunCalls.sync_weights)
+    def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None) -> dict:
+        return self._run_calls.sync_weights(source, target, peft_adapter=peft_adapter)
+
     @delegated(RunCalls.ping)
     def ping(self, rank: int | None = None) -> float:
         return self._run_calls.ping(rank)

@@ -1,5 +1,6 @@
-"""The Caller's calls about the run as a whole: ``save`` (a checkpoint of every LLM), ``ping``, ``servers`` and
-``close_llm`` (one LLM's servers stopped while the others go on).
+"""The Caller's calls about the run as a whole: ``save`` (a checkpoint of every LLM), ``ping``, ``servers``,
+``close_llm`` (one LLM's servers stopped while the others go on) and ``sync_weights`` (one LLM's weights copied into
+another's: a learner's into a sampler's).
 
 :class:`RunCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
 :class:`~llmrl.engine.client.call_context.CallContext`, the generator of ``generate``'s seeds and the tracker (a
@@ -15,8 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 from llmrl.engine.client import saving
-from llmrl.engine.errors import InvalidArgumentType, LLMClosedError, RequestTimeoutError
-from llmrl.engine.requests import admin
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, LLMClosedError, RequestTimeoutError
+from llmrl.engine.requests import admin, read_weights, write_weights
 
 if TYPE_CHECKING:
     from llmrl.engine.client.call_context import CallContext
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class RunCalls:
-    """``save``, ``ping``, ``servers`` and ``close_llm``.
+    """``save``, ``ping``, ``servers``, ``close_llm`` and ``sync_weights``.
 
     Args:
         context: the Caller's shared run, config and wait.
@@ -53,6 +54,28 @@ class RunCalls:
         """The ``client_state`` that ``save`` kept in the checkpoint this run resumes from (``llms.<name>.checkpoint``),
         or None: a fresh run, or a checkpoint saved without one."""
         return saving.resumed_client_state(self._context.run.config)
+
+    def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None) -> dict:
+        """Copy LLM ``source``'s weights into LLM ``target``: a learner's into a sampler that serves the same model
+        (see :mod:`llmrl.engine.model.weight_sync`). With LoRA, one adapter's weights (``peft_adapter``, default
+        the source's active adapter) into the target's adapter of that name; without, the whole model. The target's
+        samples then carry the source's ``policy_version``. It takes its turn among the target's requests: a
+        ``generate`` sent before it samples from the old weights, one sent after from the new.
+
+        Returns the target's answer: ``tensors`` and ``bytes`` copied, ``policy_version``, and ``adapter``."""
+        self._context.check_open()
+        source, target = self._context.target(source), self._context.target(target)
+        if source == target:
+            raise InvalidArgument(f"sync_weights copies one LLM's weights into another; source and target are both "
+                                  f"{source!r}")
+        if peft_adapter is not None and not isinstance(peft_adapter, str):
+            raise InvalidArgumentType(f"peft_adapter must be an adapter's name (a string) or None, got "
+                                      f"{type(peft_adapter).__name__}")
+        run = self._context.run
+        read = self._context.wait(read_weights.send(run, source, read_weights.ReadWeightsRequest(peft_adapter)))
+        request = write_weights.WriteWeightsRequest(read["weights"], read["adapter"], read["version"], source)
+        answer = self._context.wait(write_weights.send(run, target, request))
+        return {**answer, "adapter": read["adapter"]}
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""

@@ -38,11 +38,13 @@ if TYPE_CHECKING:
     from llmrl.engine.requests.forward_backward import ForwardBackwardRequest
     from llmrl.engine.requests.generate import GenerateRequest
     from llmrl.engine.requests.optim_step import OptimStepRequest
+    from llmrl.engine.requests.read_weights import ReadWeightsRequest
     from llmrl.engine.requests.save import SaveRequest
     from llmrl.engine.requests.score import ScoreRequest
     from llmrl.engine.requests.state_dict import StateDictRequest
     from llmrl.engine.requests.tokenize import TokenizeRequest
     from llmrl.engine.requests.update import UpdateRequest
+    from llmrl.engine.requests.write_weights import WriteWeightsRequest
     from llmrl.engine.server.group import GroupChannel
     from llmrl.plugins.contracts import ForwardOutputs
 
@@ -138,6 +140,15 @@ class ModelBackend(ABC):
     @abstractmethod
     def state_dict(self, request: StateDictRequest) -> dict[str, torch.Tensor] | None:
         """The full weights (gathered; collective) on the group leader, or this replica's own copy."""
+
+    @abstractmethod
+    def read_weights(self, request: ReadWeightsRequest) -> dict | None:
+        """One adapter's weights, or the whole model's, gathered, with their policy version, on the group leader
+        (collective; for ``sync_weights``)."""
+
+    @abstractmethod
+    def write_weights(self, request: WriteWeightsRequest) -> dict:
+        """Write synced weights in place into this rank's model and take their policy version."""
 
     @abstractmethod
     def memory(self, request: StatsRequest) -> dict[str, Any]:

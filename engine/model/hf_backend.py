@@ -331,6 +331,17 @@ class HFBackend(ModelBackend):
         state = own_state_dict(self.served) if request.own_replica else full_state_dict(self.served)
         return None if state is None else {k: v for k, v in state.items() if k.startswith(request.prefix)}
 
+    def read_weights(self, request):
+        from llmrl.engine.model.weight_sync import read_weights
+
+        return read_weights(self.served, request.adapter)
+
+    def write_weights(self, request):
+        from llmrl.engine.model.weight_sync import write_weights
+
+        return write_weights(self.served, request.weights, request.adapter, request.version, request.source,
+                             self.prefix_cache)
+
     def memory(self, request):
         import resource
 

@@ -27,11 +27,13 @@ from llmrl.engine.requests import (
     forward_backward,
     generate,
     optim_step,
+    read_weights,
     save,
     score,
     state_dict,
     tokenize,
     update,
+    write_weights,
 )
 from llmrl.engine.requests.adapters import (
     create_adapter,
@@ -58,5 +60,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     load_adapter.KIND,
     save.KIND,
     state_dict.KIND,
+    read_weights.KIND,
+    write_weights.KIND,
     tokenize.KIND,
 )}

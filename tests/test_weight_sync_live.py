@@ -1,0 +1,113 @@
+"""``Caller.sync_weights``: a learner's weights copied into a sampler LLM that serves the same model on other ranks.
+
+After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
+(float32): one LoRA adapter's (the learner has 2 replicas under ZeRO-2), or the whole model's (1 replica, no LoRA).
+The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
+while the sampler has a ``generate`` in flight leaves that call on the old weights. A sync the sampler cannot take
+(it trains, or its adapter has other tensors) is refused naming why, and the sampler keeps its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrl.engine.model.snapshots import without_adapter
+from testkit import LiveRun
+
+pytestmark = pytest.mark.slow
+LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+PROMPT = [1, 45, 96, 173]
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    adam = {"optimizer": {"type": "adam", "lr": 0.01}}
+    llms = {
+        "learner": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "trainable": True,
+                    "training": {**adam, "zero_stage": 2}},
+        "full": {"model": tiny["llama"], "trainable": True, "training": adam},
+        "sampler": {"model": tiny["llama"], "initializers": [LORA]},
+        "sampler_full": {"model": tiny["llama"]},
+    }
+    live = LiveRun({"llms": llms, "threads_per_rank": 1})
+    yield live
+    assert live.close() == 0
+
+
+def step(run, llm: str, k: int) -> int:
+    """One optimizer step of ``llm`` on a cross-entropy datum (different each ``k``); the new policy version."""
+    tokens = PROMPT + [(37 * k + 11) % 250 + 3, (53 * k + 7) % 250 + 3]
+    datum = {"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:],
+                                                            "weights": [1.0] * (len(tokens) - 1)}}
+    run.forward_backward([datum], "cross_entropy", llm=llm)
+    return run.optim_step({"learning_rate": 0.05}, llm=llm)["policy_version"]
+
+
+def lora_weights(state: dict) -> dict:
+    return {k: v for k, v in state.items() if without_adapter(k, "default") is not None}
+
+
+def assert_equal_states(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), f"{key} differs by {float((got[key] - value).abs().max())}"
+
+
+def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run):
+    base = {k: v for k, v in run.state_dict(llm="sampler").items() if without_adapter(k, "default") is None}
+    for k in range(3):
+        version = step(run, "learner", k)
+        synced = run.sync_weights("learner", "sampler")
+        assert (synced["adapter"], synced["policy_version"]) == ("default", version)
+        learner = lora_weights(run.state_dict(llm="learner"))
+        assert synced["tensors"] == len(learner) and synced["bytes"] == sum(v.numel() * 4 for v in learner.values())
+        sampler = run.state_dict(llm="sampler")
+        assert_equal_states(lora_weights(sampler), learner)
+        assert_equal_states({k: v for k, v in sampler.items() if k in base}, base)  # the base is untouched
+        assert run.generate([PROMPT], llm="sampler", max_new_tokens=1)[0][0]["policy_version"] == version
+    assert any(float(v.abs().max()) > 0 for k, v in learner.items() if "lora_B" in k)  # the steps moved B off 0
+    datum = {"model_input": PROMPT + [29], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [29, 31]}}
+    sampler_lp, learner_lp = (run.forward([datum], llm=llm)["loss_fn_outputs"][0]["logprobs"]
+                              for llm in ("sampler", "learner"))
+    assert torch.allclose(torch.as_tensor(sampler_lp), torch.as_tensor(learner_lp), rtol=0, atol=1e-6)
+
+
+def test_a_learner_without_lora_reaches_the_sampler_whole_bit_for_bit_after_every_step(run):
+    for k in range(2):
+        version = step(run, "full", k)
+        synced = run.sync_weights("full", "sampler_full")
+        assert (synced["adapter"], synced["policy_version"]) == (None, version)
+        assert_equal_states(run.state_dict(llm="sampler_full"), run.state_dict(llm="full"))
+        assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=1)[0][0]["policy_version"] == version
+
+
+def test_a_generate_in_flight_finishes_on_the_weights_it_started_with(run):
+    step(run, "learner", 10)
+    run.sync_weights("learner", "sampler")
+    old_version = run.generate([PROMPT], llm="sampler", max_new_tokens=1)[0][0]["policy_version"]
+    old = run.generate([PROMPT], llm="sampler", max_new_tokens=8, seed=1)[0][0]
+    for k in range(11, 14):  # large enough steps for the greedy... sampled tokens to move
+        new_version = step(run, "learner", k)
+    out = run.function("testkit.weight_sync:sync_between_two_generates", PROMPT, "learner", "sampler")
+    assert out["before"] == (old_version, list(old["tokens"]))
+    assert out["after"][0] == new_version == out["synced"]["policy_version"]
+    new = run.generate([PROMPT], llm="learner", max_new_tokens=8, seed=1)[0][0]
+    assert out["after"][1] == list(new["tokens"])  # the sampler now draws what the learner would
+
+
+def test_a_sync_the_sampler_cannot_take_is_refused_and_the_sampler_keeps_its_weights(run):
+    before = run.state_dict(llm="sampler_full")
+    with pytest.raises(Exception, match="trains"):
+        run.sync_weights("learner", "full")
+    with pytest.raises(Exception, match="unknown peft_adapter 'default' for LLM 'sampler_full'"):
+        run.sync_weights("learner", "sampler_full")  # an adapter into a model without LoRA
+    lora_before = run.state_dict(llm="sampler")
+    with pytest.raises(Exception, match="tensors LLM 'sampler' does not hold"):
+        run.sync_weights("full", "sampler")  # a whole model's tensors into one wrapped by PEFT
+    assert_equal_states(run.state_dict(llm="sampler"), lora_before)
+    with pytest.raises(Exception, match="source and target are both"):
+        run.sync_weights("sampler", "sampler")
+    with pytest.raises(Exception, match="unknown llm 'nope'"):
+        run.sync_weights("learner", "nope")
+    assert_equal_states(run.state_dict(llm="sampler_full"), before)
+    assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=2)[0][0]["tokens"] is not None
