@@ -4,15 +4,19 @@ optimizer steps of the trained weights), back to back on one machine, and a tabl
 time each update waited for its samples, the held-out reward before and after, and the sampler/learner mismatch.
 
     .venv/bin/python -m benchmarks.async_grpo [--config configs/rlhf-sentiment-script.yaml] [--staleness 0,1,2]
+        [--sampler-staleness 1] [--sampler-config configs/rlhf-sentiment-script-sampler.yaml]
         [--out runs/async_grpo] [--quick]
     .venv/bin/python -m benchmarks.async_grpo --summarize runs/async_grpo     # the table of runs already made
 
 Each run is ``llmrl run --config CONFIG examples/rlhf_grpo_in_script.py --async-staleness K --out OUT/staleness-K``
-(its summary.json, metrics.csv and curve.png go there). The ratios are the synchronous run's median seconds per
-update over each run's. The model for N devices: with sampling and training on separate devices, an update takes
-max(sampling, training) instead of their sum; the synchronous run's ``waited_for_samples`` is the sampling time
-and the rest of its update the training time, so the bound on the speed-up is (sampling + training) /
-max(sampling, training). It writes ``OUT/async_grpo.json``; it changes no file outside ``OUT``.
+(its summary.json, metrics.csv and curve.png go there). Each ``--sampler-staleness`` K adds a run that samples on
+an LLM of its own (``--sampler-config``'s ``sampler``, on its own rank; the policy's adapter synced into it after
+every step) into ``OUT/staleness-K-sampler``, its row named ``K+sampler``. The ratios are the synchronous run's
+median seconds per update over each run's. The model for N devices: with sampling and training on separate
+devices, an update takes max(sampling, training) instead of their sum; the synchronous run's
+``waited_for_samples`` is the sampling time and the rest of its update the training time, so the bound on the
+speed-up is (sampling + training) / max(sampling, training). It writes ``OUT/async_grpo.json``; it changes no
+file outside ``OUT``.
 """
 
 from __future__ import annotations
@@ -28,18 +32,20 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(config: str, staleness: int, out: str, quick: bool) -> None:
+def run(config: str, staleness: int, out: str, quick: bool, sampler: bool = False) -> None:
     cmd = [os.path.join(os.path.dirname(sys.executable), "llmrl"), "run", "--config", config,
            os.path.join(ROOT, "examples", "rlhf_grpo_in_script.py"), "--async-staleness", str(staleness),
-           "--out", out, *(["--quick"] if quick else [])]
-    print(f"staleness {staleness}: {' '.join(cmd)}", flush=True)
+           "--out", out, *(["--quick"] if quick else []), *(["--sampler", "sampler"] if sampler else [])]
+    print(f"staleness {staleness}{' (sampler rank)' if sampler else ''}: {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
 
 
-def summarize(folder: str, staleness: list[int]) -> dict:
+def summarize(folder: str, staleness: list[int], sampler_staleness: list[int] = ()) -> dict:
     rows = {}
-    for k in staleness:
-        with open(os.path.join(folder, f"staleness-{k}", "summary.json")) as f:
+    labels = [(k, f"staleness-{k}") for k in staleness] + [(f"{k}+sampler", f"staleness-{k}-sampler")
+                                                           for k in sampler_staleness]
+    for k, name in labels:
+        with open(os.path.join(folder, name, "summary.json")) as f:
             summary = json.load(f)
         history = summary["history"]
         rows[k] = {
@@ -54,7 +60,7 @@ def summarize(folder: str, staleness: list[int]) -> dict:
             "kl_sampler_learner_mean": statistics.fmean(r["kl_sampler_learner"] for r in history),
             "commit": summary["provenance"]["commit"], "date": summary["provenance"]["date"],
             "hardware": summary["provenance"]["hardware"]}
-    base = rows[min(rows)]
+    base = rows[min(staleness)]
     sampling = base["waited_for_samples"]
     training = base["seconds_per_update"] - sampling
     for row in rows.values():
@@ -83,18 +89,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "rlhf-sentiment-script.yaml"))
     parser.add_argument("--staleness", default="0,1,2", help="comma-separated; the smallest is the baseline")
+    parser.add_argument("--sampler-staleness", default="1",
+                        help="comma-separated; a run sampling on a sampler LLM of its own at each (empty: none)")
+    parser.add_argument("--sampler-config",
+                        default=os.path.join(ROOT, "configs", "rlhf-sentiment-script-sampler.yaml"))
     parser.add_argument("--out", default="runs/async_grpo")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick runs (a tiny model config)")
     parser.add_argument("--summarize", metavar="FOLDER", help="print the table of the runs in FOLDER, run nothing")
     args = parser.parse_args()
     staleness = sorted(int(k) for k in args.staleness.split(","))
+    with_sampler = sorted(int(k) for k in args.sampler_staleness.split(",") if k.strip())
     folder = args.summarize or args.out
     if not args.summarize:
         start = time.time()
         for k in staleness:
             run(args.config, k, os.path.join(folder, f"staleness-{k}"), args.quick)
-        print(f"{len(staleness)} runs in {(time.time() - start) / 60:.1f} minutes", flush=True)
-    result = {"written by": "llmrl benchmarks.async_grpo", **summarize(folder, staleness)}
+        for k in with_sampler:
+            run(args.sampler_config, k, os.path.join(folder, f"staleness-{k}-sampler"), args.quick, sampler=True)
+        print(f"{len(staleness) + len(with_sampler)} runs in {(time.time() - start) / 60:.1f} minutes", flush=True)
+    result = {"written by": "llmrl benchmarks.async_grpo", **summarize(folder, staleness, with_sampler)}
     path = os.path.join(folder, "async_grpo.json")
     if os.path.exists(path):  # a file of the user's own there is never overwritten
         with open(path) as f:

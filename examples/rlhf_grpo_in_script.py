@@ -2,6 +2,8 @@
 
     llmrl run --config configs/rlhf-sentiment-script.yaml examples/rlhf_grpo_in_script.py
     llmrl run --config configs/rlhf-sentiment-script-quick.yaml examples/rlhf_grpo_in_script.py --quick   # CI
+    llmrl run --config configs/rlhf-sentiment-script-sampler.yaml examples/rlhf_grpo_in_script.py \
+        --async-staleness 1 --sampler sampler       # sampling on a rank of its own, weights synced every step
 
 The same prompts, reward and held-out evaluation as ``examples/rlhf_sentiment.py`` (which runs the ``grpo`` updater
 plugin on the servers); here the algorithm is the ~40 lines of :func:`train`: sample a group of continuations per
@@ -52,6 +54,8 @@ class Args:
     out: Annotated[str, "where the curve, metrics and summary go"] = "runs/rlhf_grpo_in_script"
     async_staleness: Annotated[int, "sample on a background thread, at most this many optimizer steps behind the "
                                     "trained weights (0: sample, then train)"] = 0
+    sampler: Annotated[str, "an LLM of the config that samples while the policy trains on its own ranks; the "
+                            "policy's adapter is copied into it after every step (sync_weights)"] = ""
     quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts"] = False
 
 
@@ -67,6 +71,9 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
     import llmrl
 
     caller.snapshot("reference")  # the starting policy, frozen: the KL penalty's reference
+    policy = caller.config.default_llm
+    if args.sampler:
+        caller.sync_weights(policy, args.sampler)  # the sampler starts from the policy's weights
     order, pool, draws, history = random.Random(args.seed), [], itertools.count(), []
 
     def produce() -> list:  # one rollout: a batch of prompts and their sampled groups
@@ -76,7 +83,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
         batch, pool = pool[:args.prompts_per_update], pool[args.prompts_per_update:]
         groups = caller.generate(batch, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, num_return_sequences=args.samples_per_prompt,
-                                 seed=args.seed * 100003 + next(draws))
+                                 seed=args.seed * 100003 + next(draws), llm=args.sampler or None)
         return [(batch, groups)]
 
     def version_of(rollout) -> int:
@@ -110,6 +117,8 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             lr = args.lr * (1 - update / args.updates)  # the schedule lives here
             step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
             version = step["policy_version"]
+            if args.sampler:
+                caller.sync_weights(policy, args.sampler)  # between two of the sampler's generate calls
             rewards = [reward(s["text"]) for _, s, _ in samples]
             history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
                             "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],

@@ -11,8 +11,8 @@ import pytest
 from benchmarks.async_grpo import summarize
 
 
-def write_run(folder, staleness: int, seconds: list[float], waited: list[float]) -> None:
-    run = folder / f"staleness-{staleness}"
+def write_run(folder, staleness: int, seconds: list[float], waited: list[float], name: str = "") -> None:
+    run = folder / (name or f"staleness-{staleness}")
     run.mkdir(parents=True)
     history = [{"seconds": s, "waited_for_samples": w, "staleness_max": float(min(staleness, i)),
                 "ratio_max": 1.0 + 0.01 * staleness, "kl_sampler_learner": 0.001 * staleness,
@@ -36,3 +36,13 @@ def test_speed_ups_and_the_separate_device_model_are_computed_from_the_medians(t
     # sampling 2 s + training 4 s per synchronous update: apart, an update takes 4 s, so at most 1.5x
     assert result["model"] == pytest.approx({"sampling_seconds": 2.0, "training_seconds": 4.0,
                                              "speed_up_bound_on_separate_devices": 1.5})
+
+
+def test_a_run_with_a_sampler_rank_gets_its_own_row_against_the_same_baseline(tmp_path):
+    write_run(tmp_path, 0, seconds=[6.0, 5.0, 7.0], waited=[2.0, 1.0, 3.0])
+    write_run(tmp_path, 1, seconds=[4.0, 5.0, 4.5], waited=[0.5, 0.1, 0.2])
+    write_run(tmp_path, 1, seconds=[3.0, 4.0, 5.0], waited=[0.0, 0.0, 0.3], name="staleness-1-sampler")
+    rows = summarize(str(tmp_path), [0, 1], [1])["rows"]
+    assert list(rows) == [0, 1, "1+sampler"]
+    assert rows["1+sampler"]["speed_up"] == pytest.approx(6.0 / 4.0)  # the synchronous run's median over its own
+    assert rows["1+sampler"]["waited_for_samples"] == 0.0
