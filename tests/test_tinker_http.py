@@ -108,6 +108,7 @@ def plumbing(seeds: list):
 
     service = TinkerService.__new__(TinkerService)
     service.caller, service.llm, service.model_name, service.registry = Caller(), "main", "tiny", Registry()
+    service.model_names = ("tiny",)
     service.futures, service._lock, service.models, service._making = Futures(classify), threading.Lock(), {}, {}
     service._adapter_ids, service.poll_wait, service.optimizer_type = itertools.count(1), 0.1, "adamw"
     service.positions = 64
@@ -155,6 +156,23 @@ def test_a_training_client_made_without_a_seed_gets_a_random_one_and_a_given_see
         assert service.futures.wait(answer["request_id"], 10).kind == "json"
     service.futures.close()
     assert seeds[0] != seeds[1] and seeds[2] == 7 and all(isinstance(seed, int) for seed in seeds)
+
+
+def test_a_client_naming_another_base_model_is_refused_naming_both_and_nothing_is_made():
+    """A training client or sampler for a model the service does not serve would be answered by the served one:
+    refused (a 400 through the HTTP layer) naming both models; the served model's own name is taken."""
+    seeds = []
+    service = plumbing(seeds)
+    service._sampling_sessions = {}
+    for make in (lambda body: service.create_model({**body, "model_seq_id": 0}),
+                 lambda body: service.create_sampling_session({**body, "sampling_session_seq_id": 0})):
+        with pytest.raises(ValueError, match="base_model 'meta-llama/Llama-3.2-1B' is not the model this service "
+                                             "serves, 'tiny'.*base_model='tiny'"):
+            make({"session_id": "s", "base_model": "meta-llama/Llama-3.2-1B"})
+    assert seeds == [] and service.models == {} and service._making == {}
+    answer = service.create_model({"session_id": "s", "model_seq_id": 1, "base_model": "tiny"})
+    assert service.futures.wait(answer["request_id"], 10).kind == "json" and len(seeds) == 1
+    service.futures.close()
 
 
 def test_an_overwrite_cut_between_its_renames_keeps_the_old_state_readable_and_the_next_save_completes(tmp_path):

@@ -35,7 +35,7 @@ def service(tiny, tmp_path_factory):
     running = start_tinker(config(tiny), tmp_path_factory.mktemp("tinker"), KEY)
     saved = {k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")}
     os.environ.update(TINKER_BASE_URL=running["url"], TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")  # the SDK's
-    yield running
+    yield {**running, "model": tiny["llama"]}
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     stop_tinker(running)
@@ -48,6 +48,11 @@ def client(service):
 
     with tinker.ServiceClient() as sdk:
         yield sdk
+
+
+def served_model(client) -> str:
+    """The served model's name, as the SDK reads it (what a Tinker user passes as ``base_model``)."""
+    return client.get_server_capabilities().supported_models[0].model_name
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def exported_adapter(folder, pattern: str) -> dict:
 def test_sdk_steps_equal_the_callers_on_the_same_config(service, client, reference, tmp_path):
     import tinker
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=3).result()
     adam = tinker.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
     reference.create_adapter("tinker_1", rank=4, seed=3, targets=["attention", "mlp", "unembed"])
     for step in range(2):
@@ -116,7 +121,7 @@ def test_sdk_steps_equal_the_callers_on_the_same_config(service, client, referen
 def test_sampling_reads_a_saved_samplers_weights_and_honours_stops(service, client):
     import tinker
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4).result()
     first = training.save_weights_for_sampler("first-a").result().path
     sampler = client.create_sampling_client(model_path=first).result()
     prompt = tinker.ModelInput.from_ints([5, 17, 33, 8])
@@ -156,7 +161,7 @@ def test_a_datums_own_clip_thresholds_are_read_per_token(service, client):
     """The SDK's Datum lists clip_low_threshold / clip_high_threshold among a datum's inputs: they bound each token's
     ratio in place of loss_fn_config's (they were dropped without a word)."""
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=3).result()
     data = datums(50)
     outputs = training.forward([sdk_datum({"model_input": d["model_input"], "loss_fn_inputs": {
         "target_tokens": d["loss_fn_inputs"]["target_tokens"], "weights": [1.0] * len(d["model_input"])}})
@@ -183,7 +188,7 @@ def test_a_datums_own_clip_thresholds_are_read_per_token(service, client):
 def test_bad_requests_reach_the_sdk_naming_their_cause_and_the_service_goes_on(service, client):
     import tinker
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4).result()
     data = [sdk_datum(d) for d in datums(5)]
     with pytest.raises(Exception, match="stable_reinforce' is not supported"):
         training.forward_backward(data, "stable_reinforce").result()
@@ -205,7 +210,7 @@ def test_a_request_whose_cost_passes_the_models_bounds_is_refused_before_it_is_p
 
     from tinker.proto import tinker_public_pb2 as pb
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4).result()
     weights = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[8_000_000], sparse_csr=pb.SparseCsr())
     datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=bytes(12)))],
                      loss_fn_inputs={"weights": weights})
@@ -238,7 +243,7 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
         out = training.forward([sdk_datum(d) for d in datums(30)], "importance_sampling").result()
         return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
 
-    first = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    first = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=5).result()
     step(first, 10)
     path = first.save_state("one").result().path
     resumed = client.create_training_client_from_state_with_optimizer(path).result()
@@ -269,7 +274,7 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
 def test_gspo_through_the_sdk_equals_the_callers(service, client, reference):
     import tinker
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=8).result()
     reference.create_adapter("gspo_ref", rank=4, seed=8, targets=["attention", "mlp", "unembed"])
     data = datums(40)
     for datum in data:
@@ -294,7 +299,7 @@ def test_the_key_shows_in_no_command_line_of_the_services_processes(service):
 def test_a_state_outside_the_save_dir_loads_into_no_client_and_errors_name_no_host_folder(service, client):
     import shutil
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=6).result()
     path = training.save_state("escape").result().path
     saved = next((service["folder"] / "saved").rglob("escape"))
     shutil.copytree(saved, service["folder"] / "weights" / "x")  # <save-dir>/../weights/x: a state, outside
@@ -333,14 +338,15 @@ def test_create_model_resent_leaves_the_trained_client_as_it_was(service, client
     the client's next request waited 10 s for a seq_id its new queue expected."""
     import tinker
 
-    training = client.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+    training = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=9).result()
     data = [sdk_datum(d) for d in datums(70)]
     training.forward_backward(data, "importance_sampling").result()
     training.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
     trained = [o["logprobs"].to_torch() for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]
     session, seq = training.model_id.rsplit(":train:", 1)
-    answer = post(service, "create_model", {"session_id": session, "model_seq_id": int(seq), "base_model": "tiny",
-                                             "lora_config": {"rank": 4, "seed": 9}, "type": "create_model"})
+    answer = post(service, "create_model", {"session_id": session, "model_seq_id": int(seq),
+                                             "base_model": service["model"], "lora_config": {"rank": 4, "seed": 9},
+                                             "type": "create_model"})
     assert answer["model_id"] == training.model_id
     while True:  # its future: the first request's answer
         done = post(service, "retrieve_future", {"request_id": answer["request_id"]})

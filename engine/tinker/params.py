@@ -7,6 +7,8 @@ optimizer, the sampling parameters, the prompt's chunks and the sample fields th
   sampling data is not public) is refused with the losses to use instead.
 - A training client's id is Tinker's ``<session_id>:train:<model_seq_id>``; it begins the client's ``tinker://``
   paths, so a session id with a ``/`` is refused.
+- A training client or sampler that names a ``base_model`` must name the served one (the config's ``model``, or
+  the folder it resolves to): another name is refused naming both, never answered silently by the served model.
 - Training clients step AdamW, Tinker's optimizer (decoupled weight decay): a service whose config names another
   (``training.optimizer.type``) refuses to make one.
 - Sampling: ``temperature`` 0 is greedy decoding, computed once and copied to each of ``num_samples`` (Hugging Face
@@ -49,6 +51,15 @@ def loss_inputs(loss_fn: str, given: dict) -> dict:
     if loss_fn == "cross_entropy" and "weights" not in inputs and "target_tokens" in inputs:
         inputs["weights"] = [1.0] * len(inputs["target_tokens"])
     return inputs
+
+
+def check_base_model(body: dict, served: tuple[str, ...]) -> None:
+    """Refuse a ``base_model`` other than the served model's names (``served``: the config's ``model`` first)."""
+    named = body.get("base_model")
+    if named is not None and named not in served:
+        raise ValueError(f"base_model {named!r} is not the model this service serves, {served[0]!r}: the answers "
+                         f"would come from {served[0]!r}. Create the client with base_model={served[0]!r} (the name "
+                         "get_server_capabilities lists), or start a service of that model")
 
 
 def check_optimizer(body: dict, config_type: str) -> None:

@@ -43,6 +43,7 @@ from llmrl.engine.tinker.batching import SampleBatcher
 from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, StateError, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.params import (
+    check_base_model,
     check_loss,
     check_optimizer,
     chunk_tokens,
@@ -91,6 +92,7 @@ class TinkerService:
 
         self.tokenizer_id = resolve_model_path(spec.tokenizer or spec.model)
         self.model_name = spec.model
+        self.model_names = (spec.model, resolve_model_path(spec.model))  # what a client's base_model may be
         self.positions = info.get("max_length") or UNDECLARED_POSITIONS  # bounds what a request may make us allocate
         self.registry = Registry(save_dir)
         self.poll_wait = poll_wait
@@ -116,6 +118,7 @@ class TinkerService:
     # ------------------------------------------------------------------ training clients
 
     def create_model(self, body: dict) -> dict:
+        check_base_model(body, self.model_names)
         model_id = new_model_id(body)
         lora = body.get("lora_config") or {}
         targets = [name for name, key in (("attention", "train_attn"), ("mlp", "train_mlp"),
@@ -293,6 +296,7 @@ class TinkerService:
                                   "as the service; save_weights_for_sampler(name) makes them)")
             weights, base_model = record.snapshot, self.model_name
         else:
+            check_base_model(body, self.model_names)
             weights, base_model = self.base_adapter, body.get("base_model") or self.model_name
         sampler = self._new_sampler(weights, base_model, path or None, key=None if None in key else key)
         return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
