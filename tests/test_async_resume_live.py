@@ -74,5 +74,4 @@ def test_an_async_run_killed_mid_step_and_resumed_trains_every_sample_once(tiny,
     buffered, killed = second[0], first[SAVE_AFTER + 1]
     assert buffered["index"] == killed["index"] == SAVE_AFTER + 1
     assert (buffered["tokens"], buffered["version"]) == (killed["tokens"], killed["version"])
-    assert buffered["version"] == SAVE_AFTER  # sampled during the saved step: one step old when trained
     assert buffered["loss"] == pytest.approx(killed["loss"], rel=1e-6)

@@ -38,7 +38,8 @@ class FakeSampler:
 
     def __call__(self) -> list[dict]:
         ticket = self.tickets.get()
-        if ticket is None:  # the test is done
+        if ticket is None:  # the test is done: every later call returns at once too (close() never waits on one)
+            self.tickets.put(None)
             return []
         if isinstance(ticket, BaseException):
             raise ticket
@@ -184,6 +185,7 @@ class StartedSampler:
             self.calls += 1
             self.started.notify_all()
         if not self.free and self.tickets.get() is None:
+            self.tickets.put(None)  # the test is done: every later call returns at once too
             return []
         return [{"id": (call, k), "policy_version": version} for k in range(self.size)]
 
@@ -260,6 +262,11 @@ def test_state_dict_needs_an_indexed_producer_and_load_goes_before_start():
     rollouts = AsyncRollouts(StartedSampler(1), max_staleness=0, indexed=True)
     with pytest.raises(ValueError, match="not an AsyncRollouts state"):
         rollouts.load_state_dict({"buffer": []})
+    with pytest.raises(ValueError, match=r"state\['next_call'\] must be a int"):
+        rollouts.load_state_dict({"format": 1, "buffer": [], "counts": {}})
+    with pytest.raises(ValueError, match=r"state\['buffer'\]\[1\] must be \[call index, version, rollout\]"):
+        rollouts.load_state_dict({"format": 1, "next_call": 2, "counts": {}, "buffer": [[0, 0, "a"], [1, "x", "b"]]})
+    assert rollouts.stats()["buffered"] == 0  # nothing was taken from a bad state
     rollouts.start()
     with pytest.raises(RuntimeError, match="before start"):
         rollouts.load_state_dict(rollouts.state_dict())
@@ -278,3 +285,13 @@ def test_a_client_state_that_is_not_plain_data_is_refused_naming_where():
         check_client_state({"buffer": [[0, 1, Episode(Trajectory(Ids(), [5]))]]})
     with pytest.raises(InvalidArgument, match="a key of type object"):
         check_client_state({object(): 1})
+    # subclasses that torch.save writes but torch.load(weights_only=True) refuses: refused before the save
+    import collections
+
+    import numpy
+
+    Point = collections.namedtuple("Point", "x y")
+    for value, name in ((Point(1, 2), "Point"), (collections.defaultdict(int), "defaultdict"),
+                        (numpy.float64(0.5), "float64")):
+        with pytest.raises(InvalidArgument, match=rf"client_state\['v'\] is a {name}"):
+            check_client_state({"v": value})

@@ -4,7 +4,8 @@ After every optimizer step of the learner and a sync, the sampler's weights equa
 (float32): one LoRA adapter's (the learner has 2 replicas under ZeRO-2), or the whole model's (1 replica, no LoRA).
 The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
 while the sampler has a ``generate`` in flight leaves that call on the old weights. A sync the sampler cannot take
-(it trains, or its adapter has other tensors) is refused naming why, and the sampler keeps its weights."""
+(it trains, its adapter has other tensors or another LoRA scaling) is refused naming why, and the sampler keeps its
+weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
+LORA_ALPHA_64 = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4, "alpha": 64}}}}
 PROMPT = [1, 45, 96, 173]
 
 
@@ -28,6 +30,7 @@ def run(tiny):
         "full": {"model": tiny["llama"], "trainable": True, "training": adam},
         "sampler": {"model": tiny["llama"], "initializers": [LORA]},
         "sampler_full": {"model": tiny["llama"]},
+        "sampler_alpha": {"model": tiny["llama"], "initializers": [LORA_ALPHA_64]},  # same shapes, another scaling
     }
     live = LiveRun({"llms": llms, "threads_per_rank": 1})
     yield live
@@ -105,6 +108,10 @@ def test_a_sync_the_sampler_cannot_take_is_refused_and_the_sampler_keeps_its_wei
     with pytest.raises(Exception, match="tensors LLM 'sampler' does not hold"):
         run.sync_weights("full", "sampler")  # a whole model's tensors into one wrapped by PEFT
     assert_equal_states(run.state_dict(llm="sampler"), lora_before)
+    alpha_before = run.state_dict(llm="sampler_alpha")
+    with pytest.raises(Exception, match="LoRA scaling .* in LLM 'learner' and .* in LLM 'sampler_alpha'"):
+        run.sync_weights("learner", "sampler_alpha")  # same names and shapes, another alpha / r
+    assert_equal_states(run.state_dict(llm="sampler_alpha"), alpha_before)
     with pytest.raises(Exception, match="source and target are both"):
         run.sync_weights("sampler", "sampler")
     with pytest.raises(Exception, match="unknown llm 'nope'"):

@@ -197,9 +197,18 @@ class AsyncRollouts:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not an AsyncRollouts state (format {STATE_FORMAT}): keys "
                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        for key, kind in (("buffer", list), ("next_call", int), ("counts", dict)):
+            if not isinstance(state.get(key), kind):
+                raise ValueError(f"AsyncRollouts state[{key!r}] must be a {kind.__name__}, got "
+                                 f"{type(state.get(key)).__name__}: pass what state_dict() returned")
+        for i, entry in enumerate(state["buffer"]):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in entry[:2]):
+                raise ValueError(f"AsyncRollouts state['buffer'][{i}] must be [call index, version, rollout]: pass "
+                                 "what state_dict() returned")
         with self._changed:
-            self._buffer = deque((int(version), rollout, int(index)) for index, version, rollout in state["buffer"])
-            self._next_call = int(state["next_call"])
+            self._buffer = deque((version, rollout, index) for index, version, rollout in state["buffer"])
+            self._next_call = state["next_call"]
             self._counts.update({key: int(value) for key, value in state["counts"].items() if key in self._counts})
 
     def close(self) -> None:

@@ -73,7 +73,9 @@ class RunCalls:
                                       f"{type(peft_adapter).__name__}")
         run = self._context.run
         read = self._context.wait(read_weights.send(run, source, read_weights.ReadWeightsRequest(peft_adapter)))
-        request = write_weights.WriteWeightsRequest(read["weights"], read["adapter"], read["version"], source)
+        checks = {key: read[key] for key in ("scalings", "base") if key in read}
+        request = write_weights.WriteWeightsRequest(read["weights"], read["adapter"], read["version"], source,
+                                                    checks or None)
         answer = self._context.wait(write_weights.send(run, target, request))
         return {**answer, "adapter": read["adapter"]}
 

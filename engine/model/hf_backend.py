@@ -340,7 +340,7 @@ class HFBackend(ModelBackend):
         from llmrl.engine.model.weight_sync import write_weights
 
         return write_weights(self.served, request.weights, request.adapter, request.version, request.source,
-                             self.prefix_cache)
+                             self.prefix_cache, request.checks)
 
     def memory(self, request):
         import resource

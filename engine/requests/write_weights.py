@@ -22,6 +22,7 @@ class WriteWeightsRequest:
     adapter: str | None  # the adapter written into (None: the whole model)
     version: int  # the learner's policy version of these weights
     source: str  # the LLM they were read from, for messages
+    checks: dict | None = None  # the source adapter's LoRA scalings and a sample of its base weights, compared first
 
 
 def send(run: Run, llm: str, request: WriteWeightsRequest) -> Future:

@@ -69,8 +69,11 @@ def _loop(caller, saved, log_path, steps, save_after, checkpoint, stop_at) -> No
                     version = caller.optim_step({"learning_rate": 0.05})["policy_version"]
                     step += 1
                     if step == save_after + 1:
-                        while rollouts.stats()["buffered"] < 1:  # the next batch, sampled during this step, is
-                            time.sleep(0.01)  # in the buffer: the save holds it (a call in progress would be remade)
+                        deadline = time.monotonic() + 120  # the next batch, sampled during this step, in the
+                        while rollouts.stats()["buffered"] < 1:  # buffer: the save holds it (a call in progress
+                            if time.monotonic() > deadline:  # would be made again)
+                                raise TimeoutError("the producer made no batch in 120 s")
+                            time.sleep(0.01)
                         caller.save(checkpoint, client_state={"rollouts": rollouts.state_dict(), "step": step})
             _write(log, {"done": step})
         except BaseException as err:  # noqa: BLE001 - the test reads it from the log
