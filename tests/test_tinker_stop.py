@@ -50,3 +50,33 @@ def test_a_second_signal_changes_neither_the_exit_code_nor_the_clean_up(first, s
         out, err = child.communicate(timeout=60)
         assert child.returncode == code, err
         assert out == "cleaned up\n" and "RuntimeError" not in err, (out, err)
+
+
+LATE = """
+import os, signal, sys
+from llmrl.engine.tinker.serve import serve_until_stopped
+
+def on_sigterm(signum, frame):  # as rank 0's host installs it (engine/client/hosting.py)
+    raise SystemExit(128 + signum)
+
+signal.signal(signal.SIGTERM, on_sigterm)
+try:
+    serve_until_stopped(lambda: print("cleaned up", flush=True))
+except KeyboardInterrupt:
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, arriving after the clean-up
+    sys.exit(130)
+"""
+
+
+def test_a_second_signal_arriving_after_the_clean_up_changes_nothing():
+    """The launcher's SIGTERM can come after the clean-up, while the process exits: it must neither raise (143) nor,
+    once the interpreter has put the default handlers back, kill the process (-15); the first signal's 130 stands."""
+    child = subprocess.Popen([sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not sleeping_in_the_service_wait(child.pid):
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.01)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 130, err
+    assert out == "cleaned up\n"

@@ -110,7 +110,10 @@ def serve_until_stopped(clean_up, name: str = "llmrl tinker") -> None:
     signal's exception (KeyboardInterrupt, or SystemExit(143) as rank 0's host raises for SIGTERM). Ctrl-C reaches the
     whole process group and DeepSpeed's launcher then sends SIGTERM too: only the first signal counts. A second one
     raised inside an ``Event``'s wait left its lock broken ("release unlocked lock": the run ended with 1), and one
-    raised in the clean-up cut it short. The previous handlers are back on return."""
+    raised in the clean-up cut it short. Once a signal came, SIGINT and SIGTERM stay ignored after the clean-up: the
+    process is ending, and a second signal arriving late (while the interpreter shuts down, when Python has put the
+    default handlers back) would kill it by that signal instead of the first one's exit code. Returning by an
+    exception of ``clean_up`` without a signal puts the previous handlers back."""
     first: list[int] = []
 
     def on_signal(number, frame):
@@ -131,7 +134,7 @@ def serve_until_stopped(clean_up, name: str = "llmrl tinker") -> None:
             clean_up()
         finally:
             for number, handler in previous.items():
-                signal.signal(number, handler)
+                signal.signal(number, signal.SIG_IGN if first else handler)
 
 
 if __name__ == "__main__":
