@@ -182,6 +182,8 @@ def test_zero3_samples_from_its_gathered_weights_with_the_adapter_merged(run, ti
     assert all(torch.equal(v, weights[k]) for k, v in run.state_dict(llm="grpo").items())
 
 
+@pytest.mark.budget(120, why="each of the LLM's 2 ranks compiles the decode step with torch.compile (inductor and a "
+                             "C compiler): 38-73 s on 2 shared cores in fresh-clone runs")
 def test_zero3_with_a_compiled_step_decodes_from_kept_weights_that_never_move(run, tiny):
     """Under ZeRO-3 (2 replicas) with ``compile`` on, ``keep_gathered`` (auto) copies each call's gathered weights
     into buffers kept between calls and merges the trained adapter in place: two rounds of calls, each after an

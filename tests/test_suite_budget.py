@@ -38,3 +38,18 @@ def test_files_are_ranked_by_the_sum_of_their_tests():
     lines = budget.by_file({"tests/a.py::x": 5.0, "tests/a.py::y[1]": 4.0, "tests/b.py::z": 8.0, "tests/c.py::w": 1.0},
                            shown=2)
     assert lines == ["    9.0 s  tests/a.py (2 tests)", "    8.0 s  tests/b.py (1 test)"]
+
+
+def test_a_budget_marker_gives_one_test_its_own_limit_and_needs_a_reason():
+    durations = {"compile": 75.0, "other": 75.0}
+    assert budget.over_the_limit(durations, limits={"compile": 120.0}) == [("other", 75.0)]
+    assert budget.over_the_limit({"compile": 121.0}, limits={"compile": 120.0}) == [("compile", 121.0)]
+    marked = SimpleNamespace(nodeid="t", user_properties=[],
+                             get_closest_marker=lambda name: SimpleNamespace(args=(120,), kwargs={"why": "a compile"}))
+    budget.pytest_collection_modifyitems([marked])
+    assert marked.user_properties == [("budget_seconds", 120.0)]
+    for args, kwargs in (((120,), {}), ((500,), {"why": "long"}), ((30,), {"why": "short"})):
+        bad = SimpleNamespace(nodeid="t", user_properties=[],
+                              get_closest_marker=lambda name, a=args, k=kwargs: SimpleNamespace(args=a, kwargs=k))
+        with pytest.raises(pytest.UsageError, match="needs a reason"):
+            budget.pytest_collection_modifyitems([bad])

@@ -3,6 +3,10 @@ slowest tests, the 15 slowest files and the total of all tests' times, and it fa
 longer than :data:`LIMIT_SECONDS` (its set-up, call and tear-down together, module-scoped fixtures included where
 pytest counts them: in the set-up of the module's first test).
 
+A test whose subject is itself long (a ``torch.compile`` of the decode step, which on 2 shared cores takes most
+of a minute per rank) carries ``@pytest.mark.budget(seconds, why="...")``: its own limit, at most
+:data:`MOST_SECONDS`, with the reason written beside it.
+
 It never fails on the total: on a shared machine the total moves with the machine's load, while one test of over a
 minute is a test that should share a live run, or be split. With pytest-xdist the reports reach the controlling
 process, which does the counting. It times nothing itself; it reads pytest's own durations.
@@ -16,9 +20,28 @@ import os
 import pytest
 
 LIMIT_SECONDS = 60.0
+MOST_SECONDS = 150.0  # the most a budget marker may give one test
 SHOWN = 15
 
 _durations: collections.Counter = collections.Counter()  # node id -> seconds, set-up + call + tear-down
+_limits: dict[str, float] = {}  # node id -> its own limit (a budget marker)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "budget(seconds, why): this test's own time limit (at most 150 s), with the "
+                                       "reason its subject takes that long")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        marker = item.get_closest_marker("budget")
+        if marker is None:
+            continue
+        seconds, why = float(marker.args[0]), marker.kwargs.get("why", "")
+        if not why or not LIMIT_SECONDS < seconds <= MOST_SECONDS:
+            raise pytest.UsageError(f"{item.nodeid}: budget(seconds, why=...) needs a reason and {LIMIT_SECONDS:.0f} < "
+                                    f"seconds <= {MOST_SECONDS:.0f}, got {seconds:g} and {why!r}")
+        item.user_properties.append(("budget_seconds", seconds))  # travels to pytest-xdist's controller
 
 
 def _controller() -> bool:
@@ -29,11 +52,16 @@ def _controller() -> bool:
 def pytest_runtest_logreport(report) -> None:
     if _controller():
         _durations[report.nodeid] += report.duration
+        for key, value in report.user_properties:
+            if key == "budget_seconds":
+                _limits[report.nodeid] = float(value)
 
 
-def over_the_limit(durations: dict[str, float], limit: float = LIMIT_SECONDS) -> list[tuple[str, float]]:
-    """The tests that took longer than ``limit`` seconds, slowest first."""
-    return sorted(((n, t) for n, t in durations.items() if t > limit), key=lambda item: -item[1])
+def over_the_limit(durations: dict[str, float], limit: float = LIMIT_SECONDS,
+                   limits: dict[str, float] | None = None) -> list[tuple[str, float]]:
+    """The tests that took longer than their limit (``limits``' entry, else ``limit`` seconds), slowest first."""
+    limits = _limits if limits is None else limits
+    return sorted(((n, t) for n, t in durations.items() if t > limits.get(n, limit)), key=lambda item: -item[1])
 
 
 def summary(durations: dict[str, float], shown: int = SHOWN) -> list[str]:
@@ -68,8 +96,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for line in by_file(_durations):
         terminalreporter.write_line(line)
     for nodeid, seconds in over_the_limit(_durations):
-        terminalreporter.write_line(f"over the budget: {nodeid} took {seconds:.1f} s, more than {LIMIT_SECONDS:.0f} "
-                                    "s for one test; share a live run with its neighbours, or split it", red=True)
+        limit = _limits.get(nodeid, LIMIT_SECONDS)
+        terminalreporter.write_line(f"over the budget: {nodeid} took {seconds:.1f} s, more than {limit:.0f} s for "
+                                    "this test; share a live run with its neighbours, or split it", red=True)
 
 
 @pytest.hookimpl(trylast=True)
