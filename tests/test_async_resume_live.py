@@ -7,7 +7,6 @@ as the killed run trained it (the weights, the optimizer state and the buffer al
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -30,18 +29,11 @@ def entries(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def wait_for_entry(path, key: str, run: LiveRun, timeout: float = 300.0) -> dict:
-    """The log's first entry holding ``key``, once the loop wrote it (the loop syncs every line)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            found = [e for e in entries(path) if key in e or "error" in e]
-            if found:
-                assert "error" not in found[0], found[0]["error"]
-                return found[0]
-        assert run.process.poll() is None, f"the run ended early:\n{run.log()[-3000:]}"
-        time.sleep(0.05)  # polling the loop's log for its next line, not a wait for time to pass
-    raise AssertionError(f"no {key!r} entry in {timeout} s:\n{run.log()[-3000:]}")
+def wait_for_entry(run: LiveRun, key: str) -> dict:
+    """The loop's first entry holding ``key``, once written (it waits in the run's client, on the loop's event)."""
+    entry = run.function("testkit.async_resume:wait_for", key)
+    assert "error" not in entry, entry["error"]
+    return entry
 
 
 def test_an_async_run_killed_mid_step_and_resumed_trains_every_sample_once(tiny, tmp_path):
@@ -50,7 +42,7 @@ def test_an_async_run_killed_mid_step_and_resumed_trains_every_sample_once(tiny,
     try:
         assert run.function("testkit.async_resume:start", str(first_log), STEPS, SAVE_AFTER, str(checkpoint),
                             STOP_AT) == {"step": 0, "next_call": 0}
-        assert wait_for_entry(first_log, "stopped", run) == {"stopped": STOP_AT}
+        assert wait_for_entry(run, "stopped") == {"stopped": STOP_AT}
     finally:
         run.kill()  # SIGKILL to every process of the run, mid-step
     assert run.leftover_processes() == []
@@ -58,7 +50,7 @@ def test_an_async_run_killed_mid_step_and_resumed_trains_every_sample_once(tiny,
     with LiveRun(config(tiny, str(checkpoint))) as resumed:
         state = resumed.function("testkit.async_resume:start", str(second_log), STEPS, SAVE_AFTER,
                                  str(tmp_path / "unused"))
-        assert wait_for_entry(second_log, "done", resumed) == {"done": STEPS}
+        assert wait_for_entry(resumed, "done") == {"done": STEPS}
         assert resumed.close() == 0
     assert state["step"] == SAVE_AFTER + 1
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 CHILD = """
-import signal, sys
+import os, signal, sys
 from llmrl.engine.tinker.serve import serve_until_stopped
 
 def on_sigterm(signum, frame):  # as rank 0's host installs it (engine/client/hosting.py)
@@ -24,8 +24,12 @@ signal.signal(signal.SIGTERM, on_sigterm)
 try:
     serve_until_stopped(lambda: print("cleaned up", flush=True))
 except KeyboardInterrupt:
+    AFTER_CLEAN_UP
     sys.exit(130)
 """
+PLAIN = CHILD.replace("AFTER_CLEAN_UP", "pass")
+# the launcher's SIGTERM, arriving after the clean-up
+LATE = CHILD.replace("AFTER_CLEAN_UP", "os.kill(os.getpid(), signal.SIGTERM)")
 
 
 def sleeping_in_the_service_wait(pid: int) -> bool:
@@ -38,7 +42,7 @@ def sleeping_in_the_service_wait(pid: int) -> bool:
 @pytest.mark.parametrize("first, second, code", [(signal.SIGINT, signal.SIGTERM, 130), (signal.SIGTERM, None, 143)])
 def test_a_second_signal_changes_neither_the_exit_code_nor_the_clean_up(first, second, code):
     for _ in range(3):
-        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-c", PLAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
         deadline = time.monotonic() + 60
         while not sleeping_in_the_service_wait(child.pid):
@@ -50,22 +54,6 @@ def test_a_second_signal_changes_neither_the_exit_code_nor_the_clean_up(first, s
         out, err = child.communicate(timeout=60)
         assert child.returncode == code, err
         assert out == "cleaned up\n" and "RuntimeError" not in err, (out, err)
-
-
-LATE = """
-import os, signal, sys
-from llmrl.engine.tinker.serve import serve_until_stopped
-
-def on_sigterm(signum, frame):  # as rank 0's host installs it (engine/client/hosting.py)
-    raise SystemExit(128 + signum)
-
-signal.signal(signal.SIGTERM, on_sigterm)
-try:
-    serve_until_stopped(lambda: print("cleaned up", flush=True))
-except KeyboardInterrupt:
-    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, arriving after the clean-up
-    sys.exit(130)
-"""
 
 
 def test_a_second_signal_arriving_after_the_clean_up_changes_nothing():

@@ -89,7 +89,7 @@ def test_a_generate_in_flight_finishes_on_the_weights_it_started_with(run):
     run.sync_weights("learner", "sampler")
     old_version = run.generate([PROMPT], llm="sampler", max_new_tokens=1)[0][0]["policy_version"]
     old = run.generate([PROMPT], llm="sampler", max_new_tokens=8, seed=1)[0][0]
-    for k in range(11, 14):  # large enough steps for the greedy... sampled tokens to move
+    for k in range(11, 14):  # three more steps: the sampler is three versions behind until the sync
         new_version = step(run, "learner", k)
     out = run.function("testkit.weight_sync:sync_between_two_generates", PROMPT, "learner", "sampler")
     assert out["before"] == (old_version, list(old["tokens"]))

@@ -7,7 +7,9 @@ to kill the run there.
 
 Every trained batch is logged as one JSON line (the step, the call index, the sampled tokens, their policy version
 and the loss) to ``log_path``, flushed and synced before the loop goes on; the line ``{"stopped": step}`` says the
-loop is now waiting mid-step. A resumed run (its config names the checkpoint) goes on from the saved state.
+loop is now waiting mid-step. :func:`wait_for` (called through ``LiveRun.function``) returns the first entry
+holding a key once the loop wrote it: the test waits on that event, not on the file. A resumed run (its config
+names the checkpoint) goes on from the saved state.
 
 Test code, never shipped.
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
+
+_written: list[dict] = []  # every entry the loop wrote in this process, in order
+_changed = threading.Condition()
 
 
 def start(caller, log_path: str, steps: int, save_after: int, checkpoint: str, stop_at: int | None = None) -> dict:
@@ -30,10 +34,21 @@ def start(caller, log_path: str, steps: int, save_after: int, checkpoint: str, s
     return {"step": saved["step"] if saved else 0, "next_call": saved["rollouts"]["next_call"] if saved else 0}
 
 
+def wait_for(caller, key: str, timeout: float = 300.0) -> dict:
+    """The first entry the loop wrote holding ``key`` (or an ``error``), once it is written."""
+    with _changed:
+        if not _changed.wait_for(lambda: any(key in e or "error" in e for e in _written), timeout):
+            raise TimeoutError(f"the loop wrote no {key!r} entry in {timeout:g} s; it wrote {_written[-3:]}")
+        return next(e for e in _written if key in e or "error" in e)
+
+
 def _write(log, entry: dict) -> None:
     log.write(json.dumps(entry) + "\n")
     log.flush()
     os.fsync(log.fileno())
+    with _changed:
+        _written.append(entry)
+        _changed.notify_all()
 
 
 def _loop(caller, saved, log_path, steps, save_after, checkpoint, stop_at) -> None:
@@ -69,11 +84,10 @@ def _loop(caller, saved, log_path, steps, save_after, checkpoint, stop_at) -> No
                     version = caller.optim_step({"learning_rate": 0.05})["policy_version"]
                     step += 1
                     if step == save_after + 1:
-                        deadline = time.monotonic() + 120  # the next batch, sampled during this step, in the
-                        while rollouts.stats()["buffered"] < 1:  # buffer: the save holds it (a call in progress
-                            if time.monotonic() > deadline:  # would be made again)
+                        with rollouts._changed:  # the next batch, sampled during this step, in the buffer: the
+                            # save holds it (a call in progress would be made again); test code reads the buffer
+                            if not rollouts._changed.wait_for(lambda: rollouts._buffer or rollouts._error, 120):
                                 raise TimeoutError("the producer made no batch in 120 s")
-                            time.sleep(0.01)
                         caller.save(checkpoint, client_state={"rollouts": rollouts.state_dict(), "step": step})
             _write(log, {"done": step})
         except BaseException as err:  # noqa: BLE001 - the test reads it from the log
