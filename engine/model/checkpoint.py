@@ -27,6 +27,7 @@ from llmrl.engine.checkpoint_layout import TAG, read_manifest, resolve_checkpoin
 from llmrl.engine.files import fsync_tree, write_json
 from llmrl.engine.log import logger
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.zero3_state import zero3_state_dict
 
 
 def full_state_dict(served: ServedModel) -> dict[str, torch.Tensor] | None:
@@ -35,7 +36,9 @@ def full_state_dict(served: ServedModel) -> dict[str, torch.Tensor] | None:
     Collective: every rank of the LLM must call it (ZeRO-3 partitions and tensor-parallel shards are gathered).
     """
     engine = served.engine
-    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+    if engine.zero_optimization_partition_weights() and engine.autotp_size() <= 1:
+        state = zero3_state_dict(engine.module, served.role.group_rank == 0)  # run-time adapters are whole
+    elif engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
         state = engine._consolidated_16bit_state_dict()
     else:
         state = engine.module.state_dict() if served.role.group_rank == 0 else None

@@ -11,7 +11,8 @@ name, so that a read never meets keys computed with other weights.
 
 A model trained without LoRA gets a weight snapshot: a copy of every trained parameter (the model's and the
 heads'), which :meth:`ServedModel.adapter` swaps in (tensor pointers, no copy) for the reads that name it, and back.
-Snapshots need ZeRO 0-2 (ZeRO-3 partitions every parameter when the engine is built); they are saved with the
+Under ZeRO-3 a LoRA snapshot is whole on every rank (a configured adapter's partitioned weights are gathered to copy
+them); a weight snapshot is refused there (it would copy the partitioned model whole). Snapshots are saved with the
 checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). Their count and bytes are capped with
 those of adapters created at run time (:mod:`llmrl.engine.model.adapter_caps`). This module does not decide when to
 snapshot; the script does. A snapshot's policy version is its source's when it was taken
@@ -46,13 +47,13 @@ def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> st
     """The adapter to copy (None: the trained weights of a model without LoRA); raises ValueError naming what
     prevents the snapshot."""
     llm = served.llm.name
-    if served.llm.training.zero_stage == 3:
-        raise ValueError(f"LLM {llm!r} uses ZeRO-3, which partitions every parameter when the engine is built: a "
-                         "snapshot could not be added to it; use ZeRO 0-2 for snapshots")
     check_adapter_name(name, "a snapshot")
     if name in served.adapters:
         raise ValueError(f"{name!r} is a trained adapter of LLM {llm!r}; give the snapshot another name")
     if not uses_lora(served):
+        if served.llm.training.zero_stage == 3:
+            raise ValueError(f"LLM {llm!r} has no LoRA adapter and uses ZeRO-3, which partitions the trained weights "
+                             "a snapshot would copy: use ZeRO 0-2, or LoRA")
         if source is not None:
             raise ValueError(f"LLM {llm!r} has no LoRA adapter: a snapshot copies its trained weights; leave "
                              "peft_adapter out")
@@ -77,6 +78,10 @@ def parameters_changed(served: ServedModel) -> None:
     """Tell the DeepSpeed engine the module's parameters changed: it names parameters (frozen ones included) in
     checkpoints from a map it builds once."""
     served.engine.param_names = {p: name for name, p in served.engine.module.named_parameters()}
+    if served.llm.training.zero_stage == 3:
+        from llmrl.engine.model.zero3_state import release_partitioned_only
+
+        release_partitioned_only(served.engine)
 
 
 def adapter_params(model, adapter: str) -> dict[str, torch.nn.Parameter]:
@@ -106,7 +111,7 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
         check_room(served, "snapshot", name)
         check_room(served, "snapshot", name, sum(p.numel() * p.element_size()
                                                  for p in adapter_params(model, source).values()))
-    originals = {key: p.detach().clone() for key, p in adapter_params(model, source).items()}  # the named weights
+    originals = whole_copies(adapter_params(model, source))  # the named weights
     if name in served.run_time.snapshots and served.run_time.snapshots[name] != adapter:
         drop_snapshot(served, name, prefix_cache)
     if name not in served.run_time.snapshots:
@@ -127,6 +132,18 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     if prefix_cache is not None:
         prefix_cache.forget(name)
     return {"snapshot": name, "source": source, "bytes": snapshot_bytes(served, name)}
+
+
+def whole_copies(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of each of ``params``, whole: ZeRO-3's partitioned weights (a configured adapter's) are gathered
+    first (collective: every rank of the LLM copies the same weights)."""
+    parts = [p for p in params.values() if hasattr(p, "ds_id")]
+    if not parts:
+        return {key: p.detach().clone() for key, p in params.items()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(parts):
+        return {key: p.detach().clone() for key, p in params.items()}
 
 
 def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> dict:

@@ -69,7 +69,7 @@ class _CallPlan:
 
     def __init__(self, module: torch.nn.Module, handles: list):
         self.hooks = frozenset(handle.id for handle in handles)
-        self.params = list(module.parameters())
+        self.params = [p for p in module.parameters() if hasattr(p, "ds_id")]
         self.gathered_bytes = gathered_bytes(self.params)
         self.own_shards = bool(self.params) and all(_is_own_shard(param) for param in self.params)
         self.hook_dicts = _dicts_holding(module, handles, self.hooks)

@@ -11,10 +11,11 @@ save killed half-way left behind is removed, with a log line, by the next save i
 (or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
 moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved). The state is
 kept per parameter: in the engine's torch optimizer at ZeRO 0 in float32, in the adapter's own optimizer (moments
-of its float32 masters) for an adapter created at run time under ZeRO 1-2 or bfloat16; a configured adapter there
-is in DeepSpeed's flat buffers and refused. ZeRO-3 and tensor parallelism, which hold no whole weights on a rank,
-are refused. A bfloat16 adapter is saved and loaded as its bfloat16 weights: loading one makes its masters from
-those. Every field of a state is checked before anything changes
+of its float32 masters) for an adapter created at run time under ZeRO 1-3 or bfloat16; a configured adapter there
+is in DeepSpeed's flat buffers and refused. Under ZeRO-3 an adapter created at run time is whole on every rank and
+saved as it is; weights that ZeRO-3 or tensor parallelism partition are refused. A bfloat16 adapter is saved and
+loaded as its bfloat16 weights: loading one makes its masters from those. Every field of a state is checked before
+anything changes
 (:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused naming the field,
 and the adapter keeps its weights and moments.
 
@@ -41,9 +42,12 @@ FORMAT = 1
 
 def _check(served: ServedModel, name: str, what: str) -> None:
     llm = served.llm.name
-    if served.llm.training.zero_stage == 3 or served.llm.tensor_parallel > 1:
-        raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions them (ZeRO-3 or "
-                         "tensor parallelism): use Caller.save for the whole run")
+    split = served.llm.tensor_parallel > 1 or any(hasattr(p, "ds_id") for p in
+                                                  adapter_params(served.model, name).values())
+    if split:  # an adapter created at run time is whole on every rank under ZeRO-3; a configured one is partitioned
+        raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions adapter {name!r} "
+                         "(ZeRO-3 partitions the adapters declared in the config, tensor parallelism every weight): "
+                         "use Caller.save for the whole run, or an adapter created at run time")
     steps = served.adapter_steps
     declared = name in served.adapters and name not in served.run_time.created
     if steps is not None and served.engine.optimizer is not steps.optimizer and declared:

@@ -11,8 +11,9 @@ steps are its own, and a step that trains another adapter leaves it bit-identica
 Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed
 owns the step (ZeRO 1-2, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
 which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
-own (:mod:`llmrl.engine.model.training.own_optimizers`). ZeRO-3, float16 and tensor parallelism are refused there,
-naming the field (:func:`refuse_own_optimizer`). Adapters created at run time are saved with a checkpoint and
+own (:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside
+the partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 and tensor parallelism are refused there, naming
+the field (:func:`refuse_own_optimizer`). Adapters created at run time are saved with a checkpoint and
 created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
 Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
 adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
@@ -65,13 +66,11 @@ def target_modules(model, targets) -> str | list[str]:
 
 
 def refuse_own_optimizer(served: ServedModel) -> None:
-    """Refuse the layouts where an adapter created at run time cannot have an optimizer of its own (tested: ZeRO 0
-    and 1-2 in float32 and bfloat16, 1 and 2 replicas), naming the config field."""
-    llm, training = served.llm.name, served.llm.training
+    """Refuse the layouts where an adapter created at run time cannot have an optimizer of its own (tested: ZeRO 0-3
+    in float32 and bfloat16, 1 and 2 replicas), naming the config field."""
+    llm = served.llm.name
     why = None
-    if training.zero_stage == 3:
-        why = f"llms.{llm}.training.zero_stage is 3 (ZeRO-3 partitions the model it would adapt): use ZeRO 0-2"
-    elif served.llm.dtype not in ("float32", "bfloat16"):
+    if served.llm.dtype not in ("float32", "bfloat16"):
         why = (f"llms.{llm}.dtype is {served.llm.dtype} (DeepSpeed scales float16 losses, which the adapter's own "
                "optimizer would not undo): use bfloat16 or float32")
     elif served.llm.tensor_parallel > 1:
