@@ -4,9 +4,9 @@ A snapshot scores and generates like a plain model holding the weights it froze,
 source, and again after it is taken anew under the same name (the cache across calls must forget its keys); an
 adapter created with ``create_adapter`` starts equal to a config-declared one of the same configuration and seed
 and trains the same, while the adapter beside it stays bit-identical. A model trained without LoRA snapshots its
-trained weights. Snapshots and created adapters survive save and resume, and past the LLM's cap are refused by name.
-Misuse is refused naming the cause; a step that would leave an adapter non-finite is undone; the next save removes
-what a save killed half-way left.
+trained weights (under ZeRO-3, each rank its partitions). Snapshots and created adapters survive save and resume,
+and past the LLM's cap are refused by name. Misuse is refused naming the cause; a step that would leave an adapter
+non-finite is undone; the next save removes what a save killed half-way left.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def config(tiny, checkpoint: str | None = None) -> dict:
             "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}},
                    "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]},
             "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
-                     "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-4}}}}
+                     "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-4}}},
+            # ZeRO-3 over 2 replicas: a snapshot copies each rank's partitions (and the weights kept whole)
+            "full3": {**trained, "initializers": [], "replicas": 2,
+                      "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-4}}}}
     for llm in llms.values():
         llm["checkpoint"] = checkpoint
     return {"llms": llms, "threads_per_rank": 1}
@@ -113,21 +116,28 @@ def test_snapshots_under_zero_2_and_frozen_to_training(run, tiny):
     run.delete_adapter("new", llm="z2")
 
 
-def test_a_model_trained_without_lora_snapshots_its_weights(run, tiny):
-    train_steps(run, "full", 1, seed=11)
-    frozen = run.state_dict(llm="full")
-    assert run.snapshot("ref", llm="full")["source"] is None
-    train_steps(run, "full", 2, seed=12)
-    now = run.state_dict(llm="full")
+@pytest.mark.parametrize("llm", ["full", "full3"])
+def test_a_model_trained_without_lora_snapshots_its_weights(run, tiny, llm):
+    train_steps(run, llm, 1, seed=11)
+    frozen = run.state_dict(llm=llm)
+    assert run.snapshot("ref", llm=llm)["source"] is None
+    train_steps(run, llm, 2, seed=12)
+    now = run.state_dict(llm=llm)
     assert max(float((now[k] - frozen[k]).abs().max()) for k in now) > 1e-4
-    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="full", peft_adapter="ref"),
-                  plain_scores(plain_full_model(tiny, frozen), CONTEXTS, CANDIDATES))
-    assert_scores(run.score(CONTEXTS, CANDIDATES, llm="full"),  # the trained weights are back in place
-                  plain_scores(plain_full_model(tiny, now), CONTEXTS, CANDIDATES))
+    for _ in range(2):  # reading the snapshot leaves the trained weights (and, under ZeRO-3, their gathers) alone
+        assert_scores(run.score(CONTEXTS, CANDIDATES, llm=llm, peft_adapter="ref"),
+                      plain_scores(plain_full_model(tiny, frozen), CONTEXTS, CANDIDATES))
+        assert_scores(run.score(CONTEXTS, CANDIDATES, llm=llm),  # the trained weights are back in place
+                      plain_scores(plain_full_model(tiny, now), CONTEXTS, CANDIDATES))
+    (sample,), = run.generate([CONTEXTS[0]], llm=llm, peft_adapter="ref", max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        want = plain_full_model(tiny, frozen).generate(input_ids=torch.tensor([CONTEXTS[0]]), max_new_tokens=6,
+                                                       do_sample=False)
+    assert sample["tokens"].tolist() == want[0, len(CONTEXTS[0]):].tolist()[:len(sample["tokens"])]
     with pytest.raises(Exception, match="'ref' is a snapshot"):
-        train_steps(run, "full", 1, adapter="ref")
+        train_steps(run, llm, 1, adapter="ref")
     with pytest.raises(Exception, match="has no LoRA adapter"):
-        run.snapshot("other", llm="full", peft_adapter="default")
+        run.snapshot("other", llm=llm, peft_adapter="default")
 
 
 def test_an_adapter_created_at_run_time_equals_a_declared_one_and_trains_alone(run):
@@ -200,12 +210,12 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
     assert versions(run) == {"y": 4, "y_then": 2}  # 2 + 1 updates + 1 optim_step; the snapshot's, when taken
     with LiveRun(config(tiny, checkpoint=path)) as resumed:
         assert versions(resumed) == {"y": 4, "y_then": 2}  # the policy versions go on from the checkpoint's
-        for llm in ("policy", "z2", "full"):
+        for llm in ("policy", "z2", "full", "full3"):
             saved, loaded = run.state_dict(llm=llm), resumed.state_dict(llm=llm)
             assert saved.keys() == loaded.keys()
             for key in saved:
                 torch.testing.assert_close(loaded[key], saved[key], atol=0, rtol=0)
-        for llm, snapshot in (("policy", "y_then"), ("full", "ref")):
+        for llm, snapshot in (("policy", "y_then"), ("full", "ref"), ("full3", "ref")):
             assert_scores(resumed.score(CONTEXTS, CANDIDATES, llm=llm, peft_adapter=snapshot),
                           run.score(CONTEXTS, CANDIDATES, llm=llm, peft_adapter=snapshot))
         for live in (run, resumed):  # the optimizer's moments of the created adapter came back too

@@ -3,7 +3,9 @@ arithmetic (single turn), guess-the-number (multi-turn), and chat SFT on the coo
 Each must finish, write one ``metrics.jsonl`` row per step with the recipe's own metrics (reward, or NLL), and show
 that the training steps happened on the service (the KL between the sampler's and the learner's log-probs is
 reported, and it is near 0 on the first step: both read the same weights). The service is given its key by
-``--api-key``, which only the command's own line shows.
+``--api-key``, which only the command's own line shows. It serves under ZeRO-3 with 2 replicas: the base model
+partitioned over both ranks, each training client an adapter created at run time, whole on both (the service at
+ZeRO 0 is ``test_tinker_service_live``'s).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ KEY = "tml-llmrl-recipes"
 @pytest.fixture(scope="module")
 def service(tiny):
     lora = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
-    config = {"llms": {"main": {"model": tiny["llama"], "initializers": [lora], "trainable": True,
+    config = {"llms": {"main": {"model": tiny["llama"], "initializers": [lora], "trainable": True, "replicas": 2,
                                 # guess-the-number's prompts grow past the tiny model's 512 positions
                                 "model_kwargs": {"max_position_embeddings": 4096},
-                                "training": {"optimizer": {"type": "adamw", "lr": 1e-4}}}},
+                                "training": {"zero_stage": 3, "optimizer": {"type": "adamw", "lr": 1e-4}}}},
               "threads_per_rank": 1}
     running = start_tinker(config, Path(tempfile.mkdtemp(prefix="tinker-recipes-")), KEY, key_by="flag")
     yield {**running, "model": tiny["llama"]}

@@ -48,8 +48,9 @@ class AdapterCalls:
         Read the snapshot like an adapter, with ``peft_adapter=name`` in ``generate``, ``score``, ``forward`` and
         ``custom_module_fns``, while the adapter goes on training: the policy that sampled a batch, a reference
         policy, a DPO reference. Several can live at once; taking one under an existing name replaces its weights.
-        ``server_memory()`` lists them. Snapshots need ZeRO 0-2 and are saved with ``save`` (and taken again on
-        resume). Returns ``{"snapshot", "source", "bytes"}``.
+        ``server_memory()`` lists them. Under ZeRO-3 a LoRA snapshot is whole on every rank, and a
+        snapshot of a model without LoRA holds each rank's partitions. Snapshots are saved with ``save`` (and taken
+        again on resume). Returns ``{"snapshot", "source", "bytes"}``.
         """
         name = kind.check_new_name(name, "snapshot name")
         return self._adapters(snapshot_kind.send, llm, snapshot_kind.SnapshotRequest(name, peft_adapter))
@@ -71,8 +72,8 @@ class AdapterCalls:
             targets: ``"attention"``, ``"mlp"``, ``"unembed"`` (the output layer), or module names, alone or in a
                 list; default: every linear layer of the transformer blocks (attention and MLP).
 
-        The LLM must already hold a LoRA adapter (the ``lora`` initializer) and be trained with ZeRO 0, 1 or 2, in
-        float32 or bfloat16 (under ZeRO 1-2 or bfloat16 the adapter steps with an optimizer of its own: float32
+        The LLM must already hold a LoRA adapter (the ``lora`` initializer) and be trained with ZeRO 0, 1, 2 or 3, in
+        float32 or bfloat16 (under ZeRO 1-3 or bfloat16 the adapter steps with an optimizer of its own: float32
         masters, gradients averaged over the replicas and clipped by its own norm).
         Returns ``{"adapter", "parameters"}``.
         """
@@ -93,9 +94,9 @@ class AdapterCalls:
 
         Unlike :meth:`save`, which checkpoints the whole run, this saves one adapter, to load into a new adapter
         of this run or of another (:meth:`load_adapter`). ``path`` must not exist (nothing is overwritten) and
-        must be readable by every server rank that will load it. Needs ZeRO 0-2 on a trained LLM (under ZeRO 1-2
-        or bfloat16, an adapter created at run time), no tensor parallelism, and no pending ``forward_backward``
-        gradients on the adapter. Returns ``{"adapter", "path", "parameters", "optimizer_state"}``.
+        must be readable by every server rank that will load it. Needs no tensor parallelism and no pending
+        ``forward_backward`` gradients on the adapter; on a trained LLM under ZeRO 1-3 or bfloat16, an adapter
+        created at run time. Returns ``{"adapter", "path", "parameters", "optimizer_state"}``.
         """
         folder = os.path.abspath(os.fspath(path))
         if os.path.exists(folder):

@@ -232,7 +232,7 @@ class ClientTraining:
             NonFiniteUpdate (from the servers): a gradient was not finite (no step), or the step left a weight or
                 moment that is not finite: the step is undone (where LoRA adapters train), the adapter's pending
                 gradients are discarded, every other adapter's are kept where they can be (ZeRO 0 in float32; adapters
-                created at run time, at ZeRO 0-2).
+                created at run time, at ZeRO 0-3).
         """
         return self._tracking.tracked(llm, None, lambda: self.optim_step_async(adam_params, llm=llm,
                                                                                peft_adapter=peft_adapter))

@@ -107,16 +107,11 @@ class ServedModel:
             return
         self.check_adapter(name)
         if name in self.run_time.weight_snapshots:
+            from llmrl.engine.model.partitioned_snapshots import swapped_in
+
             frozen = self.run_time.weight_snapshots[name]
-            params = {n: p for n, p in self.module.named_parameters() if n in frozen}
-            trained = {n: p.data for n, p in params.items()}
-            try:
-                for n, p in params.items():
-                    p.data = frozen[n]
+            with swapped_in({n: p for n, p in self.module.named_parameters() if n in frozen}, frozen):
                 yield
-            finally:
-                for n, p in params.items():
-                    p.data = trained[n]
             return
         peft_model = self.model
         previous = peft_model.active_adapter

@@ -49,7 +49,7 @@ class RunTimeAdapters:
         weight_snapshots: snapshot name -> {parameter name: frozen copy} (a model trained without LoRA).
         versions: adapter or snapshot (None: the model without adapters) -> its policy version, the optimizer steps
             it took (:mod:`llmrl.engine.model.version_counts`; not saved: they start at 0 with the servers).
-        optimizers: adapter created at run time -> its own optimizer, where DeepSpeed owns the step (ZeRO 1-2,
+        optimizers: adapter created at run time -> its own optimizer, where DeepSpeed owns the step (ZeRO 1-3,
             bfloat16: :mod:`llmrl.engine.model.training.own_optimizers`); absent where the engine's torch optimizer
             holds it in a group of its own (ZeRO 0, float32).
     """

@@ -12,7 +12,8 @@ name, so that a read never meets keys computed with other weights.
 A model trained without LoRA gets a weight snapshot: a copy of every trained parameter (the model's and the
 heads'), which :meth:`ServedModel.adapter` swaps in (tensor pointers, no copy) for the reads that name it, and back.
 Under ZeRO-3 a LoRA snapshot is whole on every rank (a configured adapter's partitioned weights are gathered to copy
-them); a weight snapshot is refused there (it would copy the partitioned model whole). Snapshots are saved with the
+them), and a weight snapshot holds each rank's partitions (:mod:`llmrl.engine.model.partitioned_snapshots`).
+Snapshots are saved with the
 checkpoint and taken again on resume (:mod:`llmrl.engine.model.checkpoint`). Their count and bytes are capped with
 those of adapters created at run time (:mod:`llmrl.engine.model.adapter_caps`). This module does not decide when to
 snapshot; the script does. A snapshot's policy version is its source's when it was taken
@@ -28,6 +29,7 @@ import torch
 
 from llmrl.engine.adapter_names import name_problem
 from llmrl.engine.model.adapter_caps import check_room
+from llmrl.engine.model.partitioned_snapshots import copy_held, held_bytes
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.version_counts import copy_version, forget_version
 
@@ -51,9 +53,6 @@ def check_can_snapshot(served: ServedModel, name: str, source: str | None) -> st
     if name in served.adapters:
         raise ValueError(f"{name!r} is a trained adapter of LLM {llm!r}; give the snapshot another name")
     if not uses_lora(served):
-        if served.llm.training.zero_stage == 3:
-            raise ValueError(f"LLM {llm!r} has no LoRA adapter and uses ZeRO-3, which partitions the trained weights "
-                             "a snapshot would copy: use ZeRO 0-2, or LoRA")
         if source is not None:
             raise ValueError(f"LLM {llm!r} has no LoRA adapter: a snapshot copies its trained weights; leave "
                              "peft_adapter out")
@@ -153,8 +152,8 @@ def take_weight_snapshot(served: ServedModel, name: str, prefix_cache=None) -> d
         raise ValueError(f"LLM {served.llm.name!r} has no trained weight to snapshot")
     if name not in served.run_time.weight_snapshots:
         check_room(served, "snapshot", name)
-        check_room(served, "snapshot", name, sum(p.numel() * p.element_size() for p in trained.values()))
-    weights = {n: p.detach().clone() for n, p in trained.items()}
+        check_room(served, "snapshot", name, sum(held_bytes(p) for p in trained.values()))
+    weights = copy_held(trained)  # under ZeRO-3, this rank's partitions
     served.run_time.weight_snapshots[name] = weights
     copy_version(served, name, None)
     if prefix_cache is not None:

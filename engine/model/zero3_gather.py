@@ -63,13 +63,14 @@ def gathered_weights(engine, cap_mb: int):
 
 class _CallPlan:
     """What every gathered call of one model needs, found once: its weights, their gathered size, whether each is
-    its own rank's whole shard, and the hook dicts that hold DeepSpeed's hooks. Under ZeRO-3 the weights and
-    hooks are fixed when the engine is built (llmrl adds no adapter or snapshot to a ZeRO-3 model); the plan is
-    made again if DeepSpeed's hooks change (``hooks``: their handles' ids)."""
+    its own rank's whole shard, and the hook dicts that hold DeepSpeed's hooks. Under ZeRO-3 the partitioned
+    weights and their hooks are fixed when the engine is built (adapters and snapshots added later are whole on
+    every rank, and not gathered: :mod:`llmrl.engine.model.zero3_state`); the plan is made again if DeepSpeed's
+    hooks change (``hooks``: their handles' ids)."""
 
     def __init__(self, module: torch.nn.Module, handles: list):
         self.hooks = frozenset(handle.id for handle in handles)
-        self.params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+        self.params = [p for p in module.parameters() if hasattr(p, "ds_id")]  # the partitioned ones
         self.gathered_bytes = gathered_bytes(self.params)
         self.own_shards = bool(self.params) and all(_is_own_shard(param) for param in self.params)
         self.hook_dicts = _dicts_holding(module, handles, self.hooks)

@@ -8,7 +8,7 @@ every local user can read in the processes' command lines: it is warned about; `
 in their environment), else the ``TINKER_API_KEY`` of this environment, else one drawn now (it must start with
 ``tml-``, as the SDK checks). ``--ready-file`` names a file, which must not exist yet, written once the service
 answers (for scripts and tests that start it in the background). The config's first LLM (or ``--llm``) is the base
-model: it must hold a LoRA adapter, and train with ZeRO 0-2 in float32 or bfloat16 (training clients are adapters
+model: it must hold a LoRA adapter, and train with ZeRO 0-3 in float32 or bfloat16 (training clients are adapters
 created at run time).
 
 This module starts and stops the service; the calls are :mod:`llmrl.engine.tinker.service`'s.

@@ -15,7 +15,7 @@ Gradients are pending per adapter (a Tinker training client is one). Where they 
 (ZeRO 0 in float32, nothing trained outside the adapters: :func:`isolated`), ``optim_step(adapter=X)`` steps X
 alone while the other adapters' gradients are set aside and put back, and a failed call of X (out of memory on one
 replica, a non-finite loss) discards X's pending gradients only. So it is between adapters created at run time that
-step with optimizers of their own (ZeRO 1-2, bfloat16: :func:`separable`), whose gradients stay on their
+step with optimizers of their own (ZeRO 1-3, bfloat16: :func:`separable`), whose gradients stay on their
 parameters. Elsewhere (ZeRO 1-3 and half precision keep
 gradients in DeepSpeed's own buffers) a failed call discards every adapter's, and each adapter whose gradients went
 with it is told at its next call, which is refused once; ``optim_step(adapter=X)`` is refused while another

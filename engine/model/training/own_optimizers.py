@@ -1,5 +1,5 @@
 """Optimizers of their own for the LoRA adapters created at run time where DeepSpeed owns the optimizer step
-(ZeRO 1-2, or bfloat16): DeepSpeed builds its flat (and, in bfloat16, float32 master) copies of the trainable
+(ZeRO 1-3, or bfloat16): DeepSpeed builds its flat (and, in bfloat16, float32 master) copies of the trainable
 parameters once, when the engine is built, so a parameter added later can never join them.
 
 Such an adapter's parameters stay outside DeepSpeed: they are in no group of its optimizer, so its backward hooks,

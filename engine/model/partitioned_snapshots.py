@@ -1,0 +1,77 @@
+"""Weight snapshots of a model trained without LoRA under ZeRO-3: each rank keeps a copy of its own partitions.
+
+A weight snapshot (:mod:`llmrl.engine.model.snapshots`) freezes every trained weight. Where ZeRO-3 partitions the
+weights, a rank's copy of a weight is its partition (``ds_tensor``, which DeepSpeed's optimizer step writes and
+every gather reads), so the snapshot costs each rank its share of the trained weights, as the weights themselves do.
+
+A read under the snapshot (:func:`swapped_in`) points each weight's partition at the frozen copy; DeepSpeed's
+gathers inside read from there. Before the copy, and before and after a read, every partitioned weight is released
+(its gathered tensor freed, its partition kept; DeepSpeed gathers it again when a module needs it, the small ones
+it keeps whole included), so nothing gathered from the trained partitions is read under the snapshot, and nothing
+gathered from the snapshot is left behind for the trained model. Weights that are not partitioned are swapped
+whole, as :meth:`ServedModel.adapter` swaps them under ZeRO 0-2.
+
+This module does not decide when to snapshot (the script does) nor check names and caps
+(:mod:`llmrl.engine.model.snapshots` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def held(param) -> torch.Tensor:
+    """What this rank holds of ``param``: its ZeRO-3 partition, or the whole weight (not partitioned)."""
+    return param.ds_tensor.data if hasattr(param, "ds_id") else param.data
+
+
+def held_bytes(param) -> int:
+    tensor = held(param)
+    return tensor.numel() * tensor.element_size()
+
+
+def copy_held(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """A frozen copy of what this rank holds of each of ``params``."""
+    _release(params.values())
+    return {name: held(p).detach().clone() for name, p in params.items()}
+
+
+@contextlib.contextmanager
+def swapped_in(params: dict[str, torch.nn.Parameter], frozen: dict[str, torch.Tensor]):
+    """Inside, each of ``params`` reads as its copy in ``frozen``; after, even on an error, as before."""
+    _release(params.values())
+    trained = {name: held(p) for name, p in params.items()}
+    for name, tensor in trained.items():  # a snapshot resumed under another partitioning would be read torn
+        if frozen[name].shape != tensor.shape:
+            raise ValueError(f"the snapshot's copy of {name} has shape {tuple(frozen[name].shape)}, and this rank "
+                             f"holds {tuple(tensor.shape)} of it (resumed with another replica count or ZeRO "
+                             "stage?): take the snapshot again")
+    try:
+        for name, p in params.items():
+            _point(p, frozen[name])
+        yield
+    finally:
+        _release(params.values())
+        for name, p in params.items():
+            _point(p, trained[name])
+
+
+def _point(param, tensor: torch.Tensor) -> None:
+    if hasattr(param, "ds_id"):
+        param.ds_tensor.data = tensor
+    else:
+        param.data = tensor
+
+
+def _release(params) -> None:
+    """Free the gathered tensor of each partitioned weight (its partition stays)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        if hasattr(p, "ds_id"):
+            if p.ds_status == ZeroParamStatus.INFLIGHT:
+                raise RuntimeError(f"ZeRO-3 weight {p.ds_id} is being gathered between calls")
+            if p.ds_status == ZeroParamStatus.AVAILABLE:
+                p.partition(free_data=True)
