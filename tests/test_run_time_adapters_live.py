@@ -52,7 +52,7 @@ def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
 def runs(tiny, tmp_path_factory):
     """Every layout through the sequence; the states along the way."""
     llms = {name: {"model": tiny["llama"], "dtype": dtype, "replicas": replicas, "initializers": [LORA],
-                   "trainable": True, "training": {"zero_stage": zero, "optimizer": ADAMW}}
+                   "trainable": True, "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16}}
             for name, (dtype, zero, replicas) in LAYOUTS.items()}
     out = {}
     folder = tmp_path_factory.mktemp("run-time-adapters")
