@@ -52,7 +52,8 @@ def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
 def runs(tiny, tmp_path_factory):
     """Every layout through the sequence; the states along the way."""
     llms = {name: {"model": tiny["llama"], "dtype": dtype, "replicas": replicas, "initializers": [LORA],
-                   "trainable": True, "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16}}
+                   "trainable": True,  # forward_backward in passes of at most 16 tokens: several per call
+                   "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16}}
             for name, (dtype, zero, replicas) in LAYOUTS.items()}
     out = {}
     folder = tmp_path_factory.mktemp("run-time-adapters")
@@ -79,6 +80,8 @@ def runs(tiny, tmp_path_factory):
             run.snapshot("d", llm=name, peft_adapter="default")  # under ZeRO-3, of partitioned weights
             out[name, "scores"] = [run.forward(make_data(9), None, llm=name, peft_adapter=a)["loss_fn_outputs"]
                                    for a in ("t", "s", "default", "d")]
+            copies = run.state_dict(llm=name)
+            out[name, "d"] = {k: v for k, v in copies.items() if ".default." in k or ".d." in k}
             run.drop_snapshot("d", llm=name)
             run.save_adapter(folder / name, llm=name, peft_adapter="t")
             run.load_adapter(folder / name, "u", llm=name)
@@ -180,6 +183,11 @@ def test_a_run_time_adapter_saved_loaded_and_snapshotted_acts_as_itself(runs, na
     for t, s in [*zip(scores_t, scores_s), *zip(scores_default, scores_d)]:  # (float32 matmuls of trained and
         torch.testing.assert_close(t["logprobs"], s["logprobs"], atol=1e-5, rtol=0)  # frozen layers may round apart)
     assert not torch.allclose(scores_t[0]["logprobs"], scores_d[0]["logprobs"], atol=1e-4)  # two other adapters
+    both = runs[name, "d"]  # d holds weights of its own, equal to the configured adapter's (gathered under ZeRO-3)
+    copied = {k.replace(".d.", ".default."): v for k, v in both.items() if ".d." in k}
+    assert copied and copied.keys() == {k for k in both if ".default." in k}
+    for key, value in copied.items():
+        torch.testing.assert_close(value, both[key], atol=0, rtol=0)
     copied, start = runs[name, "copied"], runs[name, "start"]
     t = {k.replace(".t.", "."): v for k, v in copied.items() if ".t." in k and ".lora_" in k}
     u = {k.replace(".u.", "."): v for k, v in copied.items() if ".u." in k and ".lora_" in k}

@@ -184,7 +184,8 @@ class HFBackend(ModelBackend):
                                      request.peft_adapter, request.minibatch_size, must_agree=self.llm.lockstep,
                                      prefix_cache=self.prefix_cache, per_token=request.per_token,
                                      entropy=request.entropy, add_eos=request.add_eos, head_kwargs=request.head_kwargs)
-        with torch.no_grad(), gathered_weights(self.served.engine, self.llm.training.zero3_gather_mb):
+        with torch.no_grad(), self.served.adapter(plan.adapter), \
+                gathered_weights(self.served.engine, self.llm.training.zero3_gather_mb):  # a snapshot before the gather
             return run_forward(self.served, plan, extra, prefix_cache=self.prefix_cache, trunk_mode="record")
 
     def tokenize(self, request):

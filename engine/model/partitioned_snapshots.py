@@ -5,9 +5,9 @@ weights, a rank's copy of a weight is its partition (``ds_tensor``, which DeepSp
 every gather reads), so the snapshot costs each rank its share of the trained weights, as the weights themselves do.
 
 A read under the snapshot (:func:`swapped_in`) points each weight's partition at the frozen copy; DeepSpeed's
-gathers inside read from there. Before the copy, and before and after a read, every partitioned weight is released
-(its gathered tensor freed, its partition kept; DeepSpeed gathers it again when a module needs it, the small ones
-it keeps whole included), so nothing gathered from the trained partitions is read under the snapshot, and nothing
+gathers inside read from there. Before and after a read, every partitioned weight is released (its gathered tensor
+freed, its partition kept; DeepSpeed gathers it again when a module needs it, the small ones it keeps whole
+included), so nothing gathered from the trained partitions is read under the snapshot, and nothing
 gathered from the snapshot is left behind for the trained model. Weights that are not partitioned are swapped
 whole, as :meth:`ServedModel.adapter` swaps them under ZeRO 0-2.
 
@@ -33,15 +33,23 @@ def held_bytes(param) -> int:
 
 
 def copy_held(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """A frozen copy of what this rank holds of each of ``params``."""
-    _release(params.values())
+    """A frozen copy of what this rank holds of each of ``params``; refuses the ZeRO-3 layouts whose partitions are
+    not all in ``ds_tensor`` on the device (ZeRO++'s secondary partitions, parameters offloaded to CPU or NVMe)."""
+    for name, p in params.items():
+        if hasattr(p, "ds_id") and (getattr(p, "ds_secondary_tensor", None) is not None
+                                    or getattr(p.ds_tensor, "final_location", None) is not None
+                                    or p.ds_tensor.device != p.device):
+            raise ValueError(f"a weight snapshot under ZeRO-3 copies each rank's partition of every trained weight; "
+                             f"{name}'s is kept elsewhere too (ZeRO++ secondary partitions, or offload_param in "
+                             "training.deepspeed): drop those settings, or train with LoRA")
     return {name: held(p).detach().clone() for name, p in params.items()}
 
 
 @contextlib.contextmanager
-def swapped_in(params: dict[str, torch.nn.Parameter], frozen: dict[str, torch.Tensor]):
-    """Inside, each of ``params`` reads as its copy in ``frozen``; after, even on an error, as before."""
-    _release(params.values())
+def swapped_in(params: dict[str, torch.nn.Parameter], frozen: dict[str, torch.Tensor], release):
+    """Inside, each of ``params`` reads as its copy in ``frozen``; after, even on an error, as before. ``release()``
+    frees every gathered weight (DeepSpeed's own release, which waits for gathers in flight)."""
+    release()
     trained = {name: held(p) for name, p in params.items()}
     for name, tensor in trained.items():  # a snapshot resumed under another partitioning would be read torn
         if frozen[name].shape != tensor.shape:
@@ -53,9 +61,11 @@ def swapped_in(params: dict[str, torch.nn.Parameter], frozen: dict[str, torch.Te
             _point(p, frozen[name])
         yield
     finally:
-        _release(params.values())
-        for name, p in params.items():
-            _point(p, trained[name])
+        try:
+            release()
+        finally:  # the trained weights come back even when the release fails
+            for name, p in params.items():
+                _point(p, trained[name])
 
 
 def _point(param, tensor: torch.Tensor) -> None:
@@ -63,15 +73,3 @@ def _point(param, tensor: torch.Tensor) -> None:
         param.ds_tensor.data = tensor
     else:
         param.data = tensor
-
-
-def _release(params) -> None:
-    """Free the gathered tensor of each partitioned weight (its partition stays)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    for p in params:
-        if hasattr(p, "ds_id"):
-            if p.ds_status == ZeroParamStatus.INFLIGHT:
-                raise RuntimeError(f"ZeRO-3 weight {p.ds_id} is being gathered between calls")
-            if p.ds_status == ZeroParamStatus.AVAILABLE:
-                p.partition(free_data=True)

@@ -61,6 +61,7 @@ class ServedModel:
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
     pending: PendingGradients = field(default_factory=PendingGradients)  # forward_backward's, for optim_step
     run_time: RunTimeAdapters = field(default_factory=RunTimeAdapters)  # adapters and snapshots made while serving
+    swapped_in: str | None = None  # the weight snapshot whose weights are in place now (a nested read keeps them)
 
     @property
     def module(self):
@@ -101,17 +102,29 @@ class ServedModel:
     @contextlib.contextmanager
     def adapter(self, name: str | None):
         """Run with the named LoRA adapter active (requires_grad flags are left as they were), or with the weights
-        of the named weight snapshot in place of the trained ones (their tensors swapped in, then back)."""
+        of the named weight snapshot in place of the trained ones (their tensors swapped in, then back). Under
+        ZeRO-3 a weight snapshot must be put in place before the weights are gathered for a call (a read gathers
+        from the partitions in place when it starts): callers that gather enter this first, and the read inside,
+        naming the same snapshot, keeps it."""
         if name is None:
             yield
             return
         self.check_adapter(name)
         if name in self.run_time.weight_snapshots:
             from llmrl.engine.model.partitioned_snapshots import swapped_in
+            from llmrl.engine.model.zero3_state import release_all
 
-            frozen = self.run_time.weight_snapshots[name]
-            with swapped_in({n: p for n, p in self.module.named_parameters() if n in frozen}, frozen):
+            if self.swapped_in == name:  # an outer read put them in place (under ZeRO-3, before gathering them)
                 yield
+                return
+            frozen = self.run_time.weight_snapshots[name]
+            with swapped_in({n: p for n, p in self.module.named_parameters() if n in frozen}, frozen,
+                            lambda: release_all(self.engine)):
+                self.swapped_in = name
+                try:
+                    yield
+                finally:
+                    self.swapped_in = None
             return
         peft_model = self.model
         previous = peft_model.active_adapter

@@ -46,7 +46,8 @@ class RunTimeAdapters:
     Attributes:
         created: adapters created at run time: name -> how it was made (rank, alpha, seed, targets), in order.
         snapshots: LoRA snapshot name -> the adapter it copies.
-        weight_snapshots: snapshot name -> {parameter name: frozen copy} (a model trained without LoRA).
+        weight_snapshots: snapshot name -> {parameter name: frozen copy} (a model trained without LoRA; under
+            ZeRO-3, this rank's flat partition, whose size depends on the replica count).
         versions: adapter or snapshot (None: the model without adapters) -> its policy version, the optimizer steps
             it took (:mod:`llmrl.engine.model.version_counts`; not saved: they start at 0 with the servers).
         optimizers: adapter created at run time -> its own optimizer, where DeepSpeed owns the step (ZeRO 1-3,

@@ -32,6 +32,7 @@ from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.partitioned_snapshots import copy_held, held_bytes
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.version_counts import copy_version, forget_version
+from llmrl.engine.model.zero3_gather import gathered_bytes
 
 
 def check_adapter_name(name, what: str) -> None:
@@ -108,8 +109,7 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     adapter = served.run_time.snapshots.get(source, source)  # a snapshot of a snapshot: the same adapter's config
     if name not in served.run_time.snapshots:  # a new one (taken again, a snapshot keeps its place)
         check_room(served, "snapshot", name)
-        check_room(served, "snapshot", name, sum(p.numel() * p.element_size()
-                                                 for p in adapter_params(model, source).values()))
+        check_room(served, "snapshot", name, gathered_bytes(adapter_params(model, source).values()))  # ZeRO-3: whole
     originals = whole_copies(adapter_params(model, source))  # the named weights
     if name in served.run_time.snapshots and served.run_time.snapshots[name] != adapter:
         drop_snapshot(served, name, prefix_cache)

@@ -3,8 +3,9 @@
 Under ZeRO-3 the weights the engine was built with are partitioned across the LLM's ranks; the LoRA adapters and
 snapshots created at run time are added later, outside DeepSpeed, and every rank holds them whole (they are small,
 and each rank computes their gradients and steps them itself: :mod:`llmrl.engine.model.training.own_optimizers`).
-DeepSpeed's own consolidation (``engine._zero3_consolidated_16bit_state_dict``) assumes every parameter is
-partitioned; :func:`zero3_state_dict` gathers the partitioned ones module by module, as it does, and reads the whole
+DeepSpeed's own consolidation (``engine._zero3_consolidated_16bit_state_dict``) is written for partitioned
+parameters only (it starts by releasing every parameter, which fails on a whole one, and keys weights by their
+``ds_id``); :func:`zero3_state_dict` gathers the partitioned ones module by module, as it does, and reads the whole
 ones as they are.
 
 This module does not save anything (:mod:`llmrl.engine.model.checkpoint` does) and does not handle tensor
@@ -45,6 +46,17 @@ def release_partitioned_only(engine) -> None:
 
     offload.partition_all_parameters = partition_all_parameters
     offload.llmrl_partitioned_only = True
+
+
+def release_all(engine) -> None:
+    """Free every gathered ZeRO-3 weight (DeepSpeed's release, which waits for gathers in flight; the whole
+    parameters passed over); nothing without ZeRO-3."""
+    from llmrl.engine.model.zero3_gather import _offload
+
+    offload = _offload(engine)
+    if offload is not None:
+        release_partitioned_only(engine)
+        offload.partition_all_parameters()
 
 
 @contextlib.contextmanager

@@ -42,12 +42,14 @@ FORMAT = 1
 
 def _check(served: ServedModel, name: str, what: str) -> None:
     llm = served.llm.name
-    split = served.llm.tensor_parallel > 1 or any(hasattr(p, "ds_id") for p in
-                                                  adapter_params(served.model, name).values())
-    if split:  # an adapter created at run time is whole on every rank under ZeRO-3; a configured one is partitioned
+    if served.llm.tensor_parallel > 1:
+        raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} splits every weight over "
+                         f"{served.llm.tensor_parallel} tensor-parallel ranks: use Caller.save for the whole run")
+    if any(hasattr(p, "ds_id") for p in adapter_params(served.model, name).values()):
+        # an adapter created at run time is whole on every rank under ZeRO-3; a configured one is partitioned
         raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions adapter {name!r} "
-                         "(ZeRO-3 partitions the adapters declared in the config, tensor parallelism every weight): "
-                         "use Caller.save for the whole run, or an adapter created at run time")
+                         "(ZeRO-3 partitions the adapters declared in the config): use Caller.save for the whole "
+                         "run, or an adapter created at run time")
     steps = served.adapter_steps
     declared = name in served.adapters and name not in served.run_time.created
     if steps is not None and served.engine.optimizer is not steps.optimizer and declared:

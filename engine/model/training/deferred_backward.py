@@ -75,8 +75,8 @@ class DeferredBackward:
             return self._defer(plan, extra, without_adapters)
         # a gradient-free pass under ZeRO-3 gathers the weights once (every replica makes the same passes)
         served = self.served
-        with contextlib.nullcontext() if torch.is_grad_enabled() else gathered_weights(
-                served.engine, served.llm.training.zero3_gather_mb):
+        with served.adapter(plan.adapter), contextlib.nullcontext() if torch.is_grad_enabled() else gathered_weights(
+                served.engine, served.llm.training.zero3_gather_mb):  # a weight snapshot in place before the gather
             out = run_forward(served, plan, extra, trunk_mode="replay", update_pass=True)
         self.passes_with_gradients += int(torch.is_grad_enabled())
         return out

@@ -9,7 +9,7 @@ steps are its own, and a step that trains another adapter leaves it bit-identica
 (attention and MLP).
 
 Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed
-owns the step (ZeRO 1-2, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
+owns the step (ZeRO 1-3, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
 which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
 own (:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside
 the partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 and tensor parallelism are refused there, naming
