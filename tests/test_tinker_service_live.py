@@ -2,8 +2,8 @@
 equal the same calls made through ``Caller`` on the same config (1e-6 on every weight), ``forward`` returns the
 log-probs the Caller's ``forward`` returns, sampling reads a saved sampler's snapshot and honours stops, and bad
 requests reach the SDK as errors naming their cause, while the service goes on. The key is in no process's command
-line, a ``tinker://`` path never leads out of ``--save-dir``, and a ``create_model`` resent leaves the trained
-client as it was (issue 63).
+line, a ``tinker://`` path never leads out of ``--save-dir``, a ``create_model`` resent leaves the trained
+client as it was (issue 63), and three clients training at once each end where they would alone.
 
 The service runs as ``llmrl tinker`` in a child process (its readiness is a file it writes); the reference run is a
 :class:`LiveRun` driving a Caller with the same config.
@@ -269,6 +269,49 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
     assert rest.list_checkpoints(first.model_id).result().checkpoints == []
     with pytest.raises(Exception, match="no saved state at"):
         client.create_training_client_from_state(path).result()
+
+
+def test_three_clients_training_at_once_each_end_where_it_would_alone(service, client, reference):
+    """Three training clients of the one served model (three adapters: three tenants), each in a thread of its own,
+    send their ``forward_backward`` before any of them steps, so that the three adapters' gradients are pending
+    together; each ``optim_step`` steps its own. Each client then scores as the same calls made alone, one adapter
+    after the other, leave it (the reference Caller), to 1e-6."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tinker
+
+    seeds = (21, 22, 23)
+    adam = tinker.AdamParams(learning_rate=3e-3)
+    settings = {"learning_rate": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                "grad_clip_norm": 0.0}  # the SDK's defaults, which it sends
+    clients = [client.create_lora_training_client(base_model=served_model(client), rank=4, seed=s).result()
+               for s in seeds]
+    together = threading.Barrier(len(clients))
+
+    def train(k: int) -> list[torch.Tensor]:
+        training = clients[k]
+        for step in range(2):
+            training.forward_backward([sdk_datum(d) for d in datums(40 + 10 * k + step)],
+                                      "importance_sampling").result()
+            together.wait(timeout=300)  # every client's gradients are pending before any steps
+            training.optim_step(adam).result()
+            together.wait(timeout=300)
+        out = training.forward([sdk_datum(d) for d in datums(30)], "importance_sampling").result()
+        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        got = list(pool.map(train, range(len(clients))))
+    for k, seed in enumerate(seeds):
+        name = f"alone_{seed}"
+        reference.create_adapter(name, rank=4, seed=seed, targets=["attention", "mlp", "unembed"])
+        for step in range(2):
+            reference.forward_backward(datums(40 + 10 * k + step), "importance_sampling", peft_adapter=name)
+            reference.optim_step(settings, peft_adapter=name)
+        want = reference.forward(datums(30), peft_adapter=name)["loss_fn_outputs"]
+        for g, w in zip(got[k], want):
+            torch.testing.assert_close(g, w["logprobs"], atol=1e-6, rtol=0)
+    assert max(float((a - b).abs().max()) for a, b in zip(got[0], got[1])) > 1e-4  # three adapters, not one
 
 
 def test_gspo_through_the_sdk_equals_the_callers(service, client, reference):
