@@ -39,7 +39,9 @@ def config(tiny, checkpoint: str | None = None) -> dict:
             "full3": {**trained, "initializers": [], "replicas": 2,
                       "training": {"zero_stage": 3, "zero3_gather_mb": 0, "optimizer": {"type": "adam", "lr": 1e-4}}},
             "full3g": {**trained, "initializers": [],
-                       "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-4}}}}
+                       "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-4}}},
+            # LoRA under ZeRO-3 over 2 replicas: adapters created at run time are whole on each, beside the partitions
+            "z3": {**trained, "replicas": 2, "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-3}}}}
     for llm in llms.values():
         llm["checkpoint"] = checkpoint
     return {"llms": llms, "threads_per_rank": 1}
@@ -280,34 +282,36 @@ def datum_of(seed: int, sampler: float | None = None) -> dict:
     return {"model_input": tokens[:-1], "loss_fn_inputs": inputs}
 
 
-def test_adapters_trained_in_turn_step_apart_and_a_failed_call_keeps_the_others_gradients(run):
+@pytest.mark.parametrize("llm", ["policy", "z3"])
+def test_adapters_trained_in_turn_step_apart_and_a_failed_call_keeps_the_others_gradients(run, llm):
     """Two Tinker training clients are two adapters of one model. Under ZeRO 0 in float32 (gradients on the
-    parameters), A.fb, B.fb, A.step, B.step equals each trained alone, and B's failed call leaves A's pending
-    gradients to A's step. (A failure on B wiped A's gradients, and A's step then reported success with nothing to
-    apply; optim_step(A) was refused for good while B's were pending.)"""
+    parameters), and under ZeRO-3 (adapters created at run time step with optimizers of their own), A.fb, B.fb,
+    A.step, B.step equals each trained alone, and B's failed call leaves A's pending gradients to A's step. (A
+    failure on B wiped A's gradients, and A's step then reported success with nothing to apply; optim_step(A) was
+    refused for good while B's were pending.)"""
     for name in ("ta", "tb", "alone_a", "alone_b"):
-        run.create_adapter(name, rank=4, seed=9, llm="policy")  # one seed: every adapter starts the same
-    run.forward_backward([datum_of(1)], "cross_entropy", llm="policy", peft_adapter="ta")
-    run.forward_backward([datum_of(2)], "cross_entropy", llm="policy", peft_adapter="tb")
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["adapters"] == ["ta"]
-    run.forward_backward([datum_of(3)], "cross_entropy", llm="policy", peft_adapter="ta")  # pending while b steps
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="tb")["adapters"] == ["tb"]
+        run.create_adapter(name, rank=4, seed=9, llm=llm)  # one seed: every adapter starts the same
+    run.forward_backward([datum_of(1)], "cross_entropy", llm=llm, peft_adapter="ta")
+    run.forward_backward([datum_of(2)], "cross_entropy", llm=llm, peft_adapter="tb")
+    assert run.optim_step({"learning_rate": 5e-3}, llm=llm, peft_adapter="ta")["adapters"] == ["ta"]
+    run.forward_backward([datum_of(3)], "cross_entropy", llm=llm, peft_adapter="ta")  # pending while b steps
+    assert run.optim_step({"learning_rate": 5e-3}, llm=llm, peft_adapter="tb")["adapters"] == ["tb"]
     with pytest.raises(Exception, match="loss of backward call 1 was not finite") as info:
-        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm="policy", peft_adapter="tb")
+        run.forward_backward([datum_of(4, sampler=-200.0)], "importance_sampling", llm=llm, peft_adapter="tb")
     assert "those of ['ta'] are kept" in str(info.value)
-    assert run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter="ta")["optimizer_steps"] == 1
+    assert run.optim_step({"learning_rate": 5e-3}, llm=llm, peft_adapter="ta")["optimizer_steps"] == 1
     for adapter, seeds in (("alone_a", (1, 3)), ("alone_b", (2,))):
         for seed in seeds:
-            run.forward_backward([datum_of(seed)], "cross_entropy", llm="policy", peft_adapter=adapter)
-            run.optim_step({"learning_rate": 5e-3}, llm="policy", peft_adapter=adapter)
-    state = run.state_dict(llm="policy")
+            run.forward_backward([datum_of(seed)], "cross_entropy", llm=llm, peft_adapter=adapter)
+            run.optim_step({"learning_rate": 5e-3}, llm=llm, peft_adapter=adapter)
+    state = run.state_dict(llm=llm)
     for adapter, alone in (("ta", "alone_a"), ("tb", "alone_b")):
         got, want = lora_weights(state, adapter), lora_weights(state, alone)
         assert got.keys() == want.keys() and any(float(want[k].abs().max()) > 0 for k in want if "lora_B" in k)
         for key in want:
             torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
     for name in ("ta", "tb", "alone_a", "alone_b"):
-        run.delete_adapter(name, llm="policy")
+        run.delete_adapter(name, llm=llm)
 
 
 def test_under_zero_2_an_adapter_whose_gradients_another_call_discarded_is_told(run):
