@@ -92,6 +92,27 @@ def test_a_batch_refused_for_one_requests_input_fails_that_request_only(where):
     assert sorted(map(tuple, map(tuple, calls[1:]))) == [([1, 2],), ([3],), ([5, 500],)]
 
 
+def test_a_samplers_many_calls_do_not_hold_back_another_samplers_one():
+    """Sampler a's six requests make three calls of two; sampler b's two, sent while a's first call runs, make the
+    next call, before a's other two (one call at a time here). Sent as they filled, a's three calls went first."""
+    started, running, release = [], threading.Event(), threading.Event()
+
+    def run(key, prompts):
+        started.append((key, [prompt[0] for prompt in prompts]))
+        if len(started) == 1:
+            running.set()
+            assert release.wait(30)
+        return [f"{key}{prompt}" for prompt in prompts]
+
+    batcher = SampleBatcher(run, window=30, most=2, in_flight=1)  # batches are sent full, never by the window
+    a = [batcher.submit("a", [k]) for k in range(6)]
+    assert running.wait(30)
+    b = [batcher.submit("b", [k]) for k in range(2)]
+    release.set()
+    assert [f.result(30) for f in a + b] == [f"a{[k]}" for k in range(6)] + ["b[0]", "b[1]"]
+    assert started == [("a", [0, 1]), ("b", [0, 1]), ("a", [2, 3]), ("a", [4, 5])]
+
+
 def plumbing(seeds: list):
     """A TinkerService with its request plumbing only (no model behind it); ``create_adapter`` notes the seeds."""
     import itertools
