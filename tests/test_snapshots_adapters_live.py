@@ -31,17 +31,12 @@ def config(tiny, checkpoint: str | None = None) -> dict:
             "declared": {**trained, "initializers": [{"plugin": "lora", "args": {"adapters": {"x": {"r": 4}}}}],
                          "max_run_time_adapters": 1},
             "z2": {**trained, "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-3}},
-                   "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]},
-            "full": {**trained, "initializers": [],  # every weight trained: a snapshot copies them all
-                     "training": {"zero_stage": 2, "optimizer": {"type": "adam", "lr": 1e-4}}},
-            # ZeRO-3: a snapshot copies each rank's partitions. Over 2 replicas, layer by layer (DeepSpeed's hooks
-            # gather each module's weights as it runs); on 1, each call gathers the whole model first
-            "full3": {**trained, "initializers": [], "replicas": 2,
-                      "training": {"zero_stage": 3, "zero3_gather_mb": 0, "optimizer": {"type": "adam", "lr": 1e-4}}},
-            "full3g": {**trained, "initializers": [],
-                       "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-4}}},
-            # LoRA under ZeRO-3 over 2 replicas: adapters created at run time are whole on each, beside the partitions
-            "z3": {**trained, "replicas": 2, "training": {"zero_stage": 3, "optimizer": {"type": "adam", "lr": 1e-3}}}}
+                   "initializers": [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}, "b": {"r": 4}}}}]}}
+    full = {**trained, "initializers": []}  # every weight trained: a snapshot copies them all (ZeRO-3: each rank's
+    adam = {"optimizer": {"type": "adam", "lr": 1e-4}}  # partitions; over 2 replicas layer by layer, on 1 gathered)
+    llms.update(full={**full, "training": {"zero_stage": 2, **adam}}, full3g={**full, "training": {"zero_stage": 3,
+                **adam}}, full3={**full, "replicas": 2, "training": {"zero_stage": 3, "zero3_gather_mb": 0, **adam}},
+                z3={**trained, "replicas": 2, "training": {"zero_stage": 3, **adam}})  # LoRA under ZeRO-3
     for llm in llms.values():
         llm["checkpoint"] = checkpoint
     return {"llms": llms, "threads_per_rank": 1}

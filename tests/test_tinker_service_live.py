@@ -272,10 +272,9 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
 
 
 def test_three_clients_training_at_once_each_end_where_it_would_alone(service, client, reference):
-    """Three training clients of the one served model (three adapters: three tenants), each in a thread of its own,
-    send their ``forward_backward`` before any of them steps, so that the three adapters' gradients are pending
-    together; each ``optim_step`` steps its own. Each client then scores as the same calls made alone, one adapter
-    after the other, leave it (the reference Caller), to 1e-6."""
+    """Three training clients (three adapters: three tenants), each in a thread, send their ``forward_backward``
+    before any steps: the three adapters' gradients are pending together, and each ``optim_step`` steps its own.
+    Each then scores as the same calls made alone, one adapter after the other, leave it (a Caller), to 1e-6."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 

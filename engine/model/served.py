@@ -61,7 +61,6 @@ class ServedModel:
     adapter_steps: Any = None  # an AdapterSteps around the optimizer (engine/model/training/optimizer.py) when training
     pending: PendingGradients = field(default_factory=PendingGradients)  # forward_backward's, for optim_step
     run_time: RunTimeAdapters = field(default_factory=RunTimeAdapters)  # adapters and snapshots made while serving
-    swapped_in: str | None = None  # the weight snapshot whose weights are in place now (a nested read keeps them)
 
     @property
     def module(self):
@@ -114,17 +113,17 @@ class ServedModel:
             from llmrl.engine.model.partitioned_snapshots import swapped_in
             from llmrl.engine.model.zero3_state import release_all
 
-            if self.swapped_in == name:  # an outer read put them in place (under ZeRO-3, before gathering them)
+            if self.run_time.swapped_in == name:  # an outer read put them in place (under ZeRO-3: before the gather)
                 yield
                 return
             frozen = self.run_time.weight_snapshots[name]
             with swapped_in({n: p for n, p in self.module.named_parameters() if n in frozen}, frozen,
                             lambda: release_all(self.engine)):
-                self.swapped_in = name
+                self.run_time.swapped_in = name
                 try:
                     yield
                 finally:
-                    self.swapped_in = None
+                    self.run_time.swapped_in = None
             return
         peft_model = self.model
         previous = peft_model.active_adapter

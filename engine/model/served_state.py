@@ -53,6 +53,7 @@ class RunTimeAdapters:
         optimizers: adapter created at run time -> its own optimizer, where DeepSpeed owns the step (ZeRO 1-3,
             bfloat16: :mod:`llmrl.engine.model.training.own_optimizers`); absent where the engine's torch optimizer
             holds it in a group of its own (ZeRO 0, float32).
+        swapped_in: the weight snapshot whose weights are in place now, or None (a read nested in another keeps them).
     """
 
     created: dict = field(default_factory=dict)
@@ -60,6 +61,7 @@ class RunTimeAdapters:
     weight_snapshots: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     optimizers: dict = field(default_factory=dict)
+    swapped_in: str | None = None
 
     def is_snapshot(self, name) -> bool:
         """Whether ``name`` is a snapshot (frozen: read, never trained)."""
