@@ -10,7 +10,7 @@ request: only the request at fault fails.
 
 Calls are sent in turn, at most ``in_flight`` at once, the key served least recently first: a sampler with a
 thousand requests waiting (several calls of ``most``) does not hold back another sampler's one request for more
-than the calls already sent. (Sent all at once, they queued at the servers in the order they were sent, the
+than the calls already sent. (Every ready call sent at once would queue at the servers in the order sent, the
 other sampler's last.)
 
 This module groups, orders and splits; the service maps the results (:mod:`llmrl.engine.tinker.service`).
