@@ -24,7 +24,7 @@ CONTEXTS = [[5, 17, 33, 8], [40, 41, 42], [9, 9, 10, 11, 12]]
 CANDIDATES = [[[60, 61], [62]], [[7, 8, 9]], [[70], [71, 72], [73]]]
 
 
-def config(tiny, checkpoint: str | None = None) -> dict:
+def config(tiny, checkpoint: str | None = None, skip=()) -> dict:
     trained = {"model": tiny["llama"], "initializers": [LORA], "trainable": True,
                "training": {"optimizer": {"type": "adam", "lr": 1e-3}}}
     llms = {"policy": {**trained, "replicas": 2, "kv_cache_mb": 8},
@@ -39,7 +39,7 @@ def config(tiny, checkpoint: str | None = None) -> dict:
                 z3={**trained, "replicas": 2, "training": {"zero_stage": 3, **adam}})  # LoRA under ZeRO-3
     for llm in llms.values():
         llm["checkpoint"] = checkpoint
-    return {"llms": llms, "threads_per_rank": 1}
+    return {"llms": {k: v for k, v in llms.items() if k not in skip}, "threads_per_rank": 1}
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_created_adapters_and_snapshots_are_saved_and_made_again_on_resume(run, 
                 ["policy_version"] for adapter in ("y", "y_then")}
 
     assert versions(run) == {"y": 4, "y_then": 2}  # 2 + 1 updates + 1 optim_step; the snapshot's, when taken
-    with LiveRun(config(tiny, checkpoint=path)) as resumed:
+    with LiveRun(config(tiny, checkpoint=path, skip=("full3g", "z3"))) as resumed:  # those it does not compare
         assert versions(resumed) == {"y": 4, "y_then": 2}  # the policy versions go on from the checkpoint's
         for llm in ("policy", "z2", "full", "full3"):
             saved, loaded = run.state_dict(llm=llm), resumed.state_dict(llm=llm)
