@@ -210,7 +210,10 @@ class LiveRun:
         return code
 
     def kill(self) -> None:
+        """SIGKILL to the launcher's session; returns once its processes are gone (a rank holding gigabytes takes a
+        moment to exit after the signal), or after 30 s."""
         import signal
+        import time
 
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
@@ -220,6 +223,9 @@ class LiveRun:
             self.process.wait(30)
         except Exception:  # noqa: BLE001
             pass
+        deadline = time.monotonic() + 30
+        while self.leftover_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the event: no process of the run left
         self._cleanup()
 
     def _cleanup(self) -> None:
