@@ -8,7 +8,8 @@ batch together. Requests with a seed are sent alone (a call has one seed, and a 
 on its neighbours). A batch refused for its input (a token id outside the vocabulary, ...) is sent again request by
 request: only the request at fault fails.
 
-Calls are sent in turn, at most ``in_flight`` at once, the key served least recently first: a sampler with a
+Calls are sent in turn, at most ``in_flight`` at once (the service's: its LLM's replicas plus one), the key served
+least recently first: a sampler with a
 thousand requests waiting (several calls of ``most``) does not hold back another sampler's one request for more
 than the calls already sent. (Every ready call sent at once would queue at the servers in the order sent, the
 other sampler's last.)

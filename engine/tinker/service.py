@@ -105,7 +105,8 @@ class TinkerService:
         self._making: dict[str, str] = {}  # model id -> the request making it: a resent request gets it back
         self.samplers: dict[str, Sampler] = {}
         self._sampling_sessions: dict[tuple, str] = {}  # (session, sampling_session_seq_id) -> its sampler's id
-        self.batcher = SampleBatcher(self._generate)
+        # a call in flight per replica (a call of one prompt keeps one busy), and one more waiting at the servers
+        self.batcher = SampleBatcher(self._generate, in_flight=spec.replicas + 1)
 
     # ------------------------------------------------------------------ sessions
 

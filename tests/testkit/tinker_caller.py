@@ -19,7 +19,7 @@ class FakeCaller:
         self.llms = ["main"]
         self.info = {"main": {"adapters": ["default"], "max_length": 64, "kind": "causal"}}
         optimizer = SimpleNamespace(type="adamw")
-        self.config = SimpleNamespace(llms={"main": SimpleNamespace(model="tiny", tokenizer=None,
+        self.config = SimpleNamespace(llms={"main": SimpleNamespace(model="tiny", tokenizer=None, replicas=1,
                                                                     training=SimpleNamespace(optimizer=optimizer))})
         self.calls: list[tuple] = []  # (method, the adapter or folder it acted on)
 
