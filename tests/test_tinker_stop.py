@@ -6,16 +6,23 @@ clean-up runs whole. Reference: the exit codes a run promises (130 for Ctrl-C, 1
 
 from __future__ import annotations
 
+import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 CHILD = """
-import os, signal, sys
+import os, signal, sys, time
 from llmrl.engine.tinker.serve import serve_until_stopped
+
+def sleep(seconds, _sleep=time.sleep):  # the service's wait says when it starts (its handlers are installed by then)
+    time.sleep = _sleep
+    print("waiting", flush=True)
+    _sleep(seconds)
+
+time.sleep = sleep
 
 def on_sigterm(signum, frame):  # as rank 0's host installs it (engine/client/hosting.py)
     raise SystemExit(128 + signum)
@@ -32,9 +39,11 @@ PLAIN = CHILD.replace("AFTER_CLEAN_UP", "pass")
 LATE = CHILD.replace("AFTER_CLEAN_UP", "os.kill(os.getpid(), signal.SIGTERM)")
 
 
-def sleeping_in_the_service_wait(pid: int) -> bool:
-    with open(f"/proc/{pid}/wchan") as f:
-        return "nanosleep" in f.read()
+def started_waiting(child) -> None:
+    """Return once ``child`` prints that its service wait starts (an event: no polling, no fixed time)."""
+    ready, _, _ = select.select([child.stdout], [], [], 300)  # a bound against a child hung before it, not a timing
+    line = child.stdout.readline() if ready else ""
+    assert line == "waiting\n", (line, child.poll())
 
 
 # Ctrl-C with the launcher's SIGTERM right behind it; SIGTERM alone. (Two signals pending at once are handled in the
@@ -44,10 +53,7 @@ def test_a_second_signal_changes_neither_the_exit_code_nor_the_clean_up(first, s
     for _ in range(3):
         child = subprocess.Popen([sys.executable, "-c", PLAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
-        deadline = time.monotonic() + 60
-        while not sleeping_in_the_service_wait(child.pid):
-            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-            time.sleep(0.01)
+        started_waiting(child)
         child.send_signal(first)
         if second is not None:
             child.send_signal(second)
@@ -60,10 +66,7 @@ def test_a_second_signal_arriving_after_the_clean_up_changes_nothing():
     """The launcher's SIGTERM can come after the clean-up, while the process exits: it must neither raise (143) nor,
     once the interpreter has put the default handlers back, kill the process (-15); the first signal's 130 stands."""
     child = subprocess.Popen([sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not sleeping_in_the_service_wait(child.pid):
-        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-        time.sleep(0.01)
+    started_waiting(child)
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
     assert child.returncode == 130, err
