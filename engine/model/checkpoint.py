@@ -182,6 +182,11 @@ def load_checkpoint(served: ServedModel, path: str) -> None:
     snapshots_file = llm_dir / "state" / f"weight-snapshots-rank-{served.role.group_rank}.pt"
     if snapshots_file.is_file():
         served.run_time.weight_snapshots = torch.load(snapshots_file, weights_only=True, map_location=served.device)
+        from llmrl.engine.model.partitioned_snapshots import check_held
+
+        params = dict(served.module.named_parameters())
+        for name, frozen in served.run_time.weight_snapshots.items():
+            check_held(params, name, frozen)
     if state:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])

@@ -9,7 +9,8 @@ gathers inside read from there. Before and after a read, every partitioned weigh
 freed, its partition kept; DeepSpeed gathers it again when a module needs it, the small ones it keeps whole
 included), so nothing gathered from the trained partitions is read under the snapshot, and nothing
 gathered from the snapshot is left behind for the trained model. Weights that are not partitioned are swapped
-whole, as :meth:`ServedModel.adapter` swaps them under ZeRO 0-2.
+whole, as :meth:`ServedModel.adapter` swaps them under ZeRO 0-2. A checkpoint's weight snapshots are checked
+against what this rank holds when it loads (:func:`check_held`).
 
 This module does not decide when to snapshot (the script does) nor check names and caps
 (:mod:`llmrl.engine.model.snapshots` does).
@@ -45,17 +46,25 @@ def copy_held(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     return {name: held(p).detach().clone() for name, p in params.items()}
 
 
+def check_held(params: dict[str, torch.nn.Parameter], snapshot: str, frozen: dict[str, torch.Tensor]) -> None:
+    """Refuse a snapshot (read from a checkpoint) whose copies are not what this rank holds of the weights: taken
+    under another partitioning (another replica count or ZeRO stage), it would be read torn. Checked when the
+    checkpoint loads, where a refusal ends the start-up, not in a read, where the other ranks would wait in a
+    gather for this one."""
+    for name, tensor in frozen.items():
+        if name not in params or held(params[name]).shape != tensor.shape:
+            now = tuple(held(params[name]).shape) if name in params else "nothing"
+            raise ValueError(f"weight snapshot {snapshot!r} holds {name} as {tuple(tensor.shape)}, and this rank "
+                             f"holds {now} of it: the checkpoint was saved with another replica count or ZeRO stage; "
+                             "resume with the saved layout")
+
+
 @contextlib.contextmanager
 def swapped_in(params: dict[str, torch.nn.Parameter], frozen: dict[str, torch.Tensor], release):
     """Inside, each of ``params`` reads as its copy in ``frozen``; after, even on an error, as before. ``release()``
     frees every gathered weight (DeepSpeed's own release, which waits for gathers in flight)."""
     release()
     trained = {name: held(p) for name, p in params.items()}
-    for name, tensor in trained.items():  # a snapshot resumed under another partitioning would be read torn
-        if frozen[name].shape != tensor.shape:
-            raise ValueError(f"the snapshot's copy of {name} has shape {tuple(frozen[name].shape)}, and this rank "
-                             f"holds {tuple(tensor.shape)} of it (resumed with another replica count or ZeRO "
-                             "stage?): take the snapshot again")
     try:
         for name, p in params.items():
             _point(p, frozen[name])
