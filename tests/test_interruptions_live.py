@@ -160,7 +160,22 @@ def test_killing_any_launcher_process_ends_every_rank(run, victim):
         assert code != 0, live.log
     else:  # killed, it could not remove its folder
         shutil.rmtree(own_folder, ignore_errors=True)
-    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    assert _all_ended(ranks), [r.pid for r in ranks]
+
+
+def _all_ended(processes: list[psutil.Process], timeout: float = 20.0) -> bool:
+    """Whether every process has ended (gone, or a zombie) within ``timeout``. A process being killed shows an empty
+    command line before it ends, so `Run.processes` (which matches command lines) no longer sees it: wait here."""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(running(p) for p in processes)
 
 
 def test_a_server_killed_while_the_script_is_idle_ends_the_run_with_137_naming_it(run):
