@@ -207,6 +207,24 @@ class SlowHead(Head):
         return torch.zeros(outputs.num_contexts)
 
 
+class GateHead(Head):
+    """Waits in its forward until the file ``path`` exists (at most ``timeout`` seconds, then raises): a request that
+    keeps its rank busy until the test opens the gate."""
+
+    def __init__(self, llm, path: str, timeout: float = 120.0):
+        super().__init__(llm)
+        self.path = path
+        self.timeout = timeout
+
+    def forward(self, outputs):
+        deadline = time.monotonic() + self.timeout
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gate {self.path} did not open within {self.timeout:g} s")
+            time.sleep(0.01)
+        return torch.zeros(outputs.num_contexts)
+
+
 class BrokenHead(Head):
     """Raises in its forward."""
 

@@ -3,7 +3,8 @@
 After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
 (float32): one LoRA adapter's (the learner has 2 replicas under ZeRO-2), or the whole model's (1 replica, no LoRA).
 The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
-while the sampler has a ``generate`` in flight leaves that call on the old weights. A sync the sampler cannot take
+while the sampler has a ``generate`` in flight leaves that call on the old weights; one sent ``in_flight`` reaches the
+call's batches after it, and each sample says which version it came from. A sync the sampler cannot take
 (it trains, its adapter has other tensors or another LoRA scaling) is refused naming why, and the sampler keeps its
 weights."""
 
@@ -22,13 +23,20 @@ PROMPT = [1, 45, 96, 173]
 
 
 @pytest.fixture(scope="module")
-def run(tiny):
+def gate(tmp_path_factory) -> str:
+    """The file whose creation lets the sampler's ``gate`` head return."""
+    return str(tmp_path_factory.mktemp("gate") / "open")
+
+
+@pytest.fixture(scope="module")
+def run(tiny, gate):
     adam = {"optimizer": {"type": "adam", "lr": 0.01}}
     llms = {
         "learner": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "trainable": True,
                     "training": {**adam, "zero_stage": 2}},
         "full": {"model": tiny["llama"], "trainable": True, "training": adam},
-        "sampler": {"model": tiny["llama"], "initializers": [LORA]},
+        "sampler": {"model": tiny["llama"], "initializers": [LORA],
+                    "heads": {"gate": {"plugin": "llmrl_test_plugins:GateHead", "args": {"path": gate}}}},
         "sampler_full": {"model": tiny["llama"]},
         "sampler_alpha": {"model": tiny["llama"], "initializers": [LORA_ALPHA_64]},  # same shapes, another scaling
     }
@@ -96,6 +104,27 @@ def test_a_generate_in_flight_finishes_on_the_weights_it_started_with(run):
     assert out["after"][0] == new_version == out["synced"]["policy_version"]
     new = run.generate([PROMPT], llm="learner", max_new_tokens=8, seed=1)[0][0]
     assert out["after"][1] == list(new["tokens"])  # the sampler now draws what the learner would
+
+
+def test_a_sync_in_flight_reaches_the_batches_after_it_and_each_sample_says_its_version(run, gate):
+    """The sampler, held busy, has a ``generate`` of four prompts (one per decode batch) and then the sync queued:
+    the call takes the new weights between two batches. Each prompt's tokens are what the weights of its version
+    draw: the old adapter's (as read before) or the learner's."""
+    prompts = [PROMPT, PROMPT[:3], [1, 88, 61], [1, 200, 17, 9]]
+    greedy = {"max_new_tokens": 6, "do_sample": False, "minibatch_size": 1}
+    step(run, "learner", 20)
+    run.sync_weights("learner", "sampler")
+    old = [(s[0]["policy_version"], list(s[0]["tokens"])) for s in run.generate(prompts, llm="sampler", **greedy)]
+    for k in range(21, 24):
+        new_version = step(run, "learner", k)
+    new = [(new_version, list(s[0]["tokens"])) for s in run.generate(prompts, llm="learner", **greedy)]
+    assert all(n[1] != o[1] for n, o in zip(new[1:], old[1:])), "the steps must change the tokens, for the test to see"
+    out = run.function("testkit.weight_sync:sync_in_flight", prompts, "learner", "sampler", gate)
+    assert out["synced"]["policy_version"] == new_version
+    versions = [version for version, _ in out["samples"]]
+    taken = versions.index(new_version)  # the first prompt drawn from the new weights
+    assert 1 <= taken and versions == [old[0][0]] * taken + [new_version] * (len(prompts) - taken), versions
+    assert out["samples"] == old[:taken] + new[taken:]
 
 
 def test_a_sync_the_sampler_cannot_take_is_refused_and_the_sampler_keeps_its_weights(run):

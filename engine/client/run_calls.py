@@ -1,6 +1,6 @@
 """The Caller's calls about the run as a whole: ``save`` (a checkpoint of every LLM), ``ping``, ``servers``,
-``close_llm`` (one LLM's servers stopped while the others go on) and ``sync_weights`` (one LLM's weights copied into
-another's: a learner's into a sampler's).
+``close_llm`` (one LLM's servers stopped while the others go on) and ``sync_weights`` / ``sync_weights_async`` (one
+LLM's weights copied into another's: a learner's into a sampler's).
 
 :class:`RunCalls` is a part of :class:`~llmrl.engine.client.caller.Caller`, given the Caller's shared
 :class:`~llmrl.engine.client.call_context.CallContext`, the generator of ``generate``'s seeds and the tracker (a
@@ -10,6 +10,7 @@ no rank itself (the run's links do).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import random
 import time
@@ -55,14 +56,29 @@ class RunCalls:
         or None: a fresh run, or a checkpoint saved without one."""
         return saving.resumed_client_state(self._context.run.config)
 
-    def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None) -> dict:
+    def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None,
+                     in_flight: bool = False) -> dict:
         """Copy LLM ``source``'s weights into LLM ``target``: a learner's into a sampler that serves the same model
         (see :mod:`llmrl.engine.model.weight_sync`). With LoRA, one adapter's weights (``peft_adapter``, default
         the source's active adapter) into the target's adapter of that name; without, the whole model. The target's
-        samples then carry the source's ``policy_version``. It takes its turn among the target's requests: a
-        ``generate`` sent before it samples from the old weights, one sent after from the new.
+        samples then carry the source's ``policy_version``.
+
+        It takes its turn among the target's requests: a ``generate`` sent before it samples from the old weights,
+        one sent after from the new. With ``in_flight=True`` a ``generate`` in progress on the target takes the new
+        weights between two of its decode batches, when the sync is the next request queued (its batch in progress
+        finishes on the weights it started with): that call's samples may then come from two versions, and each
+        says which in its ``policy_version``. Not for a ``generate`` with prompt log-probs or a ``steer``, nor one
+        reading a weight snapshot: they finish on their weights first.
 
         Returns the target's answer: ``tensors`` and ``bytes`` copied, ``policy_version``, and ``adapter``."""
+        return self._context.wait(self.sync_weights_async(source, target, peft_adapter=peft_adapter,
+                                                          in_flight=in_flight))
+
+    def sync_weights_async(self, source: str, target: str, *, peft_adapter: str | None = None,
+                           in_flight: bool = False) -> concurrent.futures.Future:
+        """``sync_weights`` that returns once the source's weights are read and sent to the target: the future of
+        the target's answer. A learner goes on training while its sampler takes the weights (with ``in_flight``,
+        between two decode batches of the ``generate`` it is running)."""
         self._context.check_open()
         source, target = self._context.target(source), self._context.target(target)
         if source == target:
@@ -71,13 +87,14 @@ class RunCalls:
         if peft_adapter is not None and not isinstance(peft_adapter, str):
             raise InvalidArgumentType(f"peft_adapter must be an adapter's name (a string) or None, got "
                                       f"{type(peft_adapter).__name__}")
+        if not isinstance(in_flight, bool):
+            raise InvalidArgumentType(f"in_flight must be True or False, got {type(in_flight).__name__}")
         run = self._context.run
         read = self._context.wait(read_weights.send(run, source, read_weights.ReadWeightsRequest(peft_adapter)))
         checks = {key: read[key] for key in ("scalings", "base") if key in read}
         request = write_weights.WriteWeightsRequest(read["weights"], read["adapter"], read["version"], source,
-                                                    checks or None)
-        answer = self._context.wait(write_weights.send(run, target, request))
-        return {**answer, "adapter": read["adapter"]}
+                                                    checks or None, in_flight)
+        return write_weights.send(run, target, request)
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,10 @@ class ModelBackend(ABC):
         self.role = role
         self.device = device
         self.group = group
+        # Set by the server: ``take(before)`` runs the next queued request now if it is a weight write sent in flight
+        # (``sync_weights(in_flight=True)``), calling ``before()`` first; True if it ran one. ``generate`` calls it
+        # between decode batches. None: nothing is taken during a request.
+        self.queued_write_taker: Callable[[Callable[[], None]], bool] | None = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -92,7 +97,8 @@ class ModelBackend(ABC):
     @abstractmethod
     def generate(self, request: GenerateRequest) -> list[list[dict]]:
         """Per context (a string or token ids), ``num_return_sequences`` samples: ``text``, ``tokens``, raw-model
-        ``logprobs``."""
+        ``logprobs``, and the ``policy_version`` of the weights each was drawn from (a weight write taken between
+        decode batches, see :attr:`queued_write_taker`, gives the samples after it the new version)."""
 
     @abstractmethod
     def update(self, request: UpdateRequest) -> dict:

@@ -26,6 +26,7 @@ This module does not route requests; it runs on one server rank.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,21 +130,28 @@ def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, tok
     return GenerationPlan(prompts, batches, kwargs, num_return, stop, prompt_logprobs, token_budget, max_rows)
 
 
-def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: bool = False, seed: int | None = None,
-             extra_batches: int = 0, prefix_cache=None, decoder=None, whole_weights: bool = False
-             ) -> list[list[dict]]:
+def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, lockstep: int | None = None,
+             seed: int | None = None, prefix_cache=None, decoder=None, whole_weights: bool = False,
+             between_batches: Callable[[list[list[dict]]], None] | None = None) -> list[list[dict]]:
     """Per prompt, ``num_return_sequences`` dicts with ``text``, ``tokens`` and ``logprobs``.
 
-    ``extra_batches`` runs that many throw-away generate calls after the real ones (ranks of a ZeRO-3
-    group must call generate the same number of times). ``prefix_cache`` (a
-    :class:`~llmrl.engine.model.reuse.prefix_cache.CacheUse`) is the cache across calls: causal greedy decoding and
+    ``lockstep`` (None: the ranks of the LLM decode independently) is the number of throw-away generate calls to
+    run after the real ones, when every rank of a ZeRO-3 group must call generate the same number of times.
+    ``prefix_cache`` (a :class:`~llmrl.engine.model.reuse.prefix_cache.CacheUse`) is the cache across calls: causal
+    greedy decoding and
     sampling read held prompt prefixes from it and hold what they encoded and generated
     (:mod:`llmrl.engine.model.reuse.generation_prefix`); not under lockstep. ``decoder`` (a
     :class:`~llmrl.engine.model.decoding.runtime.Decoder`) runs the batches in llmrl's own loop where it takes the
     request; otherwise Hugging Face's ``generate`` runs them. ``whole_weights``: ZeRO-3's weights are gathered for
     the call (:func:`~llmrl.engine.model.zero3_gather.gathered_weights`), so the model runs as a plain module: no
     layer gathers anything, replicas need no lockstep (nor throw-away batches), and llmrl's loop takes the request.
+    ``between_batches(results)`` is called before each batch but the first, with the samples drawn so far: it may
+    write new weights in place (an in-flight weight sync), which the batches after it read. Not with prompt
+    log-probs (computed after the batches) nor under lockstep (refused).
     """
+    synced, extra_batches = lockstep is not None, lockstep or 0
+    if between_batches is not None and (synced or plan.prompt_logprobs):
+        raise ValueError("weights written between batches need a call without prompt log-probs, outside lockstep")
     use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced else None
     if whole_weights:
         synced, extra_batches = False, 0
@@ -161,7 +169,10 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, synced: 
     if loop is not None:
         loop.new_call()
     try:
-        for batch, rows_each in batches:  # (a prompt cut into runs of its rows gets its samples run after run)
+        for number, (batch, rows_each) in enumerate(batches):  # (a prompt cut into runs of its rows gets its
+            # samples run after run)
+            if number and between_batches is not None:
+                between_batches(results)
             _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
                             rows_each, [results[i] for i in batch], plan.stop, use, loop)
     finally:

@@ -193,6 +193,7 @@ class HFBackend(ModelBackend):
 
     def generate(self, request):
         from llmrl.engine.model.generation import generate, plan_generate
+        from llmrl.engine.model.weight_sync import writes_between_batches
 
         served, llm, adapter = self.served, self.llm, request.peft_adapter
         kwargs, steering = dict(request.kwargs or {}), None
@@ -227,10 +228,13 @@ class HFBackend(ModelBackend):
                 from llmrl.engine.model.reuse.prefix_cache import CacheUse
 
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
+            between = writes_between_batches(served, adapter, self.queued_write_taker) \
+                if not llm.lockstep and not whole and steering is None and not plan.prompt_logprobs else None
             try:
                 return stamped(generate(served.model, self.tokenizer, llm.type, plan, self.device,
-                                        synced=llm.lockstep, seed=request.seed, extra_batches=extra, prefix_cache=use,
-                                        decoder=self.decoder(), whole_weights=whole), served, adapter)
+                                        lockstep=extra if llm.lockstep else None, seed=request.seed, prefix_cache=use,
+                                        decoder=self.decoder(), whole_weights=whole, between_batches=between),
+                               served, adapter)
             finally:
                 if steering is not None:
                     steering.close()

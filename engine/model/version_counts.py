@@ -51,11 +51,14 @@ def forget_version(served: ServedModel, name: str) -> None:
 
 
 def stamped(samples: list[list[dict]], served: ServedModel, adapter: str | None) -> list[list[dict]]:
-    """``generate``'s samples, each with the ``policy_version`` and ``policy`` of the weights it was drawn from."""
+    """``generate``'s samples, each with the ``policy_version`` and ``policy`` of the weights it was drawn from: the
+    weights now, for each sample not stamped yet (one drawn before weights were written during the call was stamped
+    then)."""
     policy, version = policy_of(served, adapter), version_of(served, adapter)
     for per_context in samples:
         for sample in per_context:
-            sample["policy_version"], sample["policy"] = version, policy
+            if "policy_version" not in sample:
+                sample["policy_version"], sample["policy"] = version, policy
     return samples
 
 

@@ -10,8 +10,9 @@ its adapter (``freeze``'s ``unfreeze``, PEFT's ``modules_to_save``) is refused: 
 learner may be laid out in any way (replicas, ZeRO 0-3, tensor parallelism: partitioned weights are gathered as
 ``Caller.state_dict`` gathers them; whole ones are read on the group leader, the adapter's alone). The sampler
 holds whole weights on each rank and does not train (``trainable: false``): its weights are written in place,
-between two of its requests (a ``generate`` in progress finishes on the weights it started with), and its cache of
-keys and values is dropped. Every tensor is checked (name, shape, and its values finite once cast to the
+between two of its requests, or, for a write sent in flight, between two decode batches of the ``generate`` in
+progress (:func:`writes_between_batches`: the samples drawn before keep the old version), and its cache of keys and
+values is dropped. Every tensor is checked (name, shape, and its values finite once cast to the
 sampler's type) before any is written: a mismatch is refused naming the tensor, and the sampler keeps its weights.
 
 This module reads and writes weights; the client relays them (:mod:`llmrl.engine.requests.read_weights`,
@@ -20,13 +21,15 @@ This module reads and writes weights; the client relays them (:mod:`llmrl.engine
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from llmrl.engine.model.checkpoint import full_state_dict
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import without_adapter
 from llmrl.engine.model.training.adapter_state import base_sample, scalings
-from llmrl.engine.model.version_counts import version_of
+from llmrl.engine.model.version_counts import stamped, version_of
 
 
 def read_weights(served: ServedModel, adapter: str | None) -> dict | None:
@@ -62,6 +65,22 @@ def read_weights(served: ServedModel, adapter: str | None) -> dict | None:
     checks = {"scalings": scalings(served.model, adapter), "base": base_sample(served.model, adapter)} \
         if adapter is not None else {}
     return {"weights": state, "version": version, "adapter": adapter, "llm": served.llm.name, **checks}
+
+
+def writes_between_batches(served: ServedModel, adapter: str | None, take) -> Callable | None:
+    """For a ``generate`` reading ``adapter``: the ``between_batches`` hook of
+    :func:`llmrl.engine.model.generation.generate` that takes a weight write sent in flight when it is the next
+    request queued (``take``: the backend's ``queued_write_taker``; None: no hook), stamping the samples drawn so
+    far with the weights they came from first. Never while a weight snapshot's tensors are swapped in for the read:
+    a whole-model write would land in the snapshot's copies."""
+    if take is None:
+        return None
+
+    def between(results: list[list[dict]]) -> None:
+        if served.run_time.swapped_in is None:
+            take(lambda: stamped(results, served, adapter))
+
+    return between
 
 
 def _adapter_key(key: str, served: ServedModel) -> bool:
@@ -117,7 +136,7 @@ def write_weights(served: ServedModel, weights: dict, adapter: str | None, versi
         else:
             prefix_cache.clear()
     return {"tensors": len(weights), "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
-            "policy_version": int(version)}
+            "policy_version": int(version), "adapter": adapter}
 
 
 def _check_same_adapter(served: ServedModel, adapter: str, source: str, checks: dict) -> None:

@@ -31,4 +31,4 @@ def handle(replica, request: ReadWeightsRequest):
 
 
 KIND = Kind(name=NAME, payload=ReadWeightsRequest, send=send, handle=handle, backend_method="read_weights",
-            caller_methods=("sync_weights",))
+            caller_methods=("sync_weights", "sync_weights_async"))

@@ -3,7 +3,9 @@
 of every replica, with the learner's policy version.
 
 Client half: the same payload to every rank of the target LLM; the first replica's answer is returned. Server half:
-:func:`llmrl.engine.model.weight_sync.write_weights`, which checks every tensor before it writes any.
+:func:`llmrl.engine.model.weight_sync.write_weights`, which checks every tensor before it writes any. A write sent
+``in_flight`` is served in its turn, or earlier: inside a ``generate`` in progress, between two decode batches, when
+it is the next request queued (:meth:`llmrl.engine.server.serve.Server._take_queued_write`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class WriteWeightsRequest:
     version: int  # the learner's policy version of these weights
     source: str  # the LLM they were read from, for messages
     checks: dict | None = None  # the source adapter's LoRA scalings and a sample of its base weights, compared first
+    in_flight: bool = False  # taken by a `generate` in progress between two decode batches (the next one queued)
 
 
 def send(run: Run, llm: str, request: WriteWeightsRequest) -> Future:
@@ -35,4 +38,4 @@ def handle(replica, request: WriteWeightsRequest):
 
 
 KIND = Kind(name=NAME, payload=WriteWeightsRequest, send=send, handle=handle, backend_method="write_weights",
-            caller_methods=("sync_weights",))
+            caller_methods=("sync_weights", "sync_weights_async"))

@@ -5,7 +5,9 @@ Start-up: read the run's token and the client's address from rank 0's store, con
 (:mod:`llmrl.engine.server.group`) and load the model while the user's script starts.
 Serving: requests are served one at a time in arrival order (the same order on every rank, so the
 collectives of replicas and tensor-parallel ranks line up). Each request is dispatched by its kind to the
-handler its module declares (:data:`llmrl.engine.requests.KINDS`). An error in a request is sent back to
+handler its module declares (:data:`llmrl.engine.requests.KINDS`); a weight write sent in flight is served inside
+the ``generate`` in progress, between two decode batches, when it is the next request queued (no request is served
+before one sent earlier). An error in a request is sent back to
 the client and the server goes on serving. The reader thread survives whatever the client sends: a request it
 cannot decode (its payload or its header) is answered with an error in its turn; a message a client never sends
 (a Hello, a Reply, an unknown type) is logged and dropped.
@@ -191,6 +193,7 @@ class Server:
         group = join_group(self.config, self.role, self.store, device)
         quiet_libraries(self.config)
         self.replica = Replica(self.config, self.role, device, group)
+        self.replica.backend.queued_write_taker = self._take_queued_write
         self.replica.load()
 
     # ------------------------------------------------------------------ serving
@@ -208,6 +211,25 @@ class Server:
             logger.debug(f"{message.kind} #{message.id} {_sizes(message.payload)} in "
                          f"{1000 * (time.perf_counter() - started):.1f} ms{' (failed)' if reply.error else ''}")
             self._reply(reply)
+
+    def _take_queued_write(self, before) -> bool:
+        """Serve the next queued request now, inside the request in progress, if it is a weight write sent in flight
+        (``sync_weights(in_flight=True)``): a ``generate`` calls this between two decode batches. Only the head of
+        the queue is taken, so no request is served before one that was sent earlier. ``before()`` runs first (the
+        ``generate`` stamps the samples drawn so far). True if a write was served, whether it succeeded or not."""
+        with self.inbox.mutex:
+            head = self.inbox.queue[0] if self.inbox.queue else None
+            if not (isinstance(head, messages.Request) and head.kind == "write_weights"
+                    and getattr(head.payload, "in_flight", False)):
+                return False
+            self.inbox.queue.popleft()
+        before()
+        started = time.perf_counter()
+        reply = self._handle(head)
+        logger.debug(f"write_weights #{head.id} in flight, during #{self.busy_with}, in "
+                     f"{1000 * (time.perf_counter() - started):.1f} ms{' (failed)' if reply.error else ''}")
+        self._reply(reply)
+        return True
 
     def _reply(self, reply: messages.Reply) -> None:
         """Send a reply; a value that cannot be sent (not picklable, over max_message_bytes) becomes an error."""

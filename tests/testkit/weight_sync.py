@@ -1,4 +1,4 @@
-"""A sync sent while a sampler's ``generate`` is in flight, run in a live run's client (through
+"""Syncs sent while a sampler's ``generate`` is in flight, run in a live run's client (through
 :meth:`testkit.live.LiveRun.function`): the Caller's futures stay in the client process. Test code, never shipped."""
 
 from __future__ import annotations
@@ -13,3 +13,17 @@ def sync_between_two_generates(caller, prompt: list[int], source: str, target: s
     first, second = before.result()[0][0], after.result()[0][0]
     return {"synced": synced, "before": (first["policy_version"], list(first["tokens"])),
             "after": (second["policy_version"], list(second["tokens"]))}
+
+
+def sync_in_flight(caller, prompts: list[list[int]], source: str, target: str, gate: str) -> dict:
+    """With ``target`` held busy by its ``gate`` head: a greedy ``generate`` of ``prompts`` (one per decode batch),
+    then ``sync_weights_async(in_flight=True)`` from ``source``, both queued; then the gate opens. The tokens and
+    version of each prompt's sample, and the sync's answer."""
+    busy = caller.custom_module_fns_async(["gate"], ["held"], llm=target)
+    call = caller.generate_async(prompts, llm=target, max_new_tokens=6, do_sample=False, minibatch_size=1)
+    synced = caller.sync_weights_async(source, target, in_flight=True)  # returns once the write was sent
+    with open(gate, "w"):
+        pass
+    busy.result()
+    samples = [per_prompt[0] for per_prompt in call.result()]
+    return {"synced": synced.result(), "samples": [(s["policy_version"], list(s["tokens"])) for s in samples]}
