@@ -55,7 +55,7 @@ class Args:
     async_staleness: Annotated[int, "sample on a background thread, at most this many optimizer steps behind the "
                                     "trained weights (0: sample, then train)"] = 0
     sampler: Annotated[str, "an LLM of the config that samples while the policy trains on its own ranks; the "
-                            "policy's adapter is copied into it after every step (sync_weights)"] = ""
+                            "policy's adapter is copied into it after every step (sync_weights_async, in flight)"] = ""
     quick: Annotated[bool, "a tiny smoke run (CI): 2 updates, 4 prompts, 8 evaluation prompts"] = False
 
 
@@ -75,6 +75,7 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
     if args.sampler:
         caller.sync_weights(policy, args.sampler)  # the sampler starts from the policy's weights
     order, pool, draws, history = random.Random(args.seed), [], itertools.count(), []
+    sync = None  # the sampler's sync in progress
 
     def produce() -> list:  # one rollout: a batch of prompts and their sampled groups
         nonlocal pool
@@ -117,8 +118,11 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             lr = args.lr * (1 - update / args.updates)  # the schedule lives here
             step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
             version = step["policy_version"]
-            if args.sampler:
-                caller.sync_weights(policy, args.sampler)  # between two of the sampler's generate calls
+            if args.sampler:  # the sampler takes the weights between two decode batches of its call in progress,
+                # while this thread goes on; one sync at a time (its answer raises what went wrong)
+                if sync is not None:
+                    sync.result()
+                sync = caller.sync_weights_async(policy, args.sampler, in_flight=True)
             rewards = [reward(s["text"]) for _, s, _ in samples]
             history.append({"update": update + 1, "samples": n, "reward": sum(rewards) / n, "kl": sum(kls) / n,
                             "loss": out["metrics"]["loss:sum"], "learning_rate": lr, "grad_norm": step["grad_norm"],
@@ -128,6 +132,8 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             caller.log({f"train/{key}": history[-1][key] for key in ("reward", "kl", "loss", "learning_rate",
                                                                       "staleness_max", "ratio_max")})
             bar.set_postfix(reward=f"{history[-1]['reward']:+.2f}", kl=f"{history[-1]['kl']:.2f}", lr=f"{lr:.1e}")
+    if sync is not None:
+        sync.result()
     return history
 
 
