@@ -118,8 +118,9 @@ def train(caller: Caller, prompts: list[str], reward: Reward, args: Args) -> lis
             lr = args.lr * (1 - update / args.updates)  # the schedule lives here
             step = caller.optim_step({"learning_rate": lr, "grad_clip_norm": args.grad_clip_norm})
             version = step["policy_version"]
-            if args.sampler:  # the sampler takes the weights between two decode batches of its call in progress,
-                # while this thread goes on; one sync at a time (its answer raises what went wrong)
+            if args.sampler:  # sent while this thread goes on: the sampler takes the weights after its call in
+                # progress, or between two of its decode batches (a call of several); one sync at a time (its answer
+                # raises what went wrong)
                 if sync is not None:
                     sync.result()
                 sync = caller.sync_weights_async(policy, args.sampler, in_flight=True)

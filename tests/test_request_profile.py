@@ -34,3 +34,17 @@ def test_nothing_is_profiled_without_the_variable(tmp_path, monkeypatch):
     with profiled("update", 2, 1, "cpu"):
         assert not torch.autograd.profiler._is_profiler_enabled
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_request_served_inside_a_profiled_one_is_not_profiled_again(tmp_path, monkeypatch):
+    """A weight write sent in flight is served inside the ``generate`` in progress: both may be the second of their
+    kind, and torch's profiler cannot start inside itself."""
+    monkeypatch.setenv("LLMRL_PROFILE", str(tmp_path / "prof"))
+    with profiled("generate", 2, 1, "cpu"):
+        with profiled("write_weights", 2, 1, "cpu"):
+            value = _work()
+    assert torch.isfinite(value)
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["rank1-generate.txt"]
+    with profiled("score", 2, 1, "cpu"):  # and the next one is profiled as before
+        _work()
+    assert (tmp_path / "prof" / "rank1-score.txt").exists()

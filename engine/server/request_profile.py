@@ -2,7 +2,8 @@
 
 With the variable set, each server rank runs the *second* request of every kind (the first one warms up: it compiles,
 allocates caches) under ``torch.profiler``, on the host and, on a GPU, on the device, and writes tables of the
-operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt``. Without the variable
+operations that took the most time, also grouped by input shapes, to ``DIR/rank{R}-{kind}.txt`` (a request served
+inside another, a weight write taken by a ``generate`` in progress, is not profiled). Without the variable
 nothing is imported and nothing changes. This module profiles; it changes no result, and it writes nowhere but ``DIR``.
 
 Stopping the profiler and tabulating a large request (an update of thousands of tokens) can hold the interpreter for
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 PROFILED_CALL = 2  # the second request of each kind
+_running: list[str] = []  # the kind profiled now (a weight write served inside a generate is not profiled again)
 
 
 @contextlib.contextmanager
@@ -25,7 +27,7 @@ def profiled(kind: str, count: int, rank: int, device_type: str):
     """Runs the body under torch's profiler when ``LLMRL_PROFILE`` names a folder and this is the ``count``-th
     request of ``kind`` that is profiled (see the module's docstring); else runs it as is."""
     folder = os.environ.get("LLMRL_PROFILE")
-    if not folder or count != PROFILED_CALL:
+    if not folder or count != PROFILED_CALL or _running:
         yield
         return
     import torch
@@ -34,10 +36,14 @@ def profiled(kind: str, count: int, rank: int, device_type: str):
     cuda = device_type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
-    with profile(activities=activities, record_shapes=True) as prof:
-        yield
-        if cuda:
-            torch.cuda.synchronize()
+    _running.append(kind)
+    try:
+        with profile(activities=activities, record_shapes=True) as prof:
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        _running.pop()
     seconds = time.perf_counter() - start
     events = prof.key_averages()
     sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else [])
