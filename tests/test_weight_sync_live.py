@@ -122,6 +122,7 @@ def test_a_sync_in_flight_reaches_the_batches_after_it_and_each_sample_says_its_
     out = run.function("testkit.weight_sync:sync_in_flight", prompts, "learner", "sampler", gate)
     assert out["synced"]["policy_version"] == new_version
     versions = [version for version, _ in out["samples"]]
+    assert new_version in versions, f"the write was not taken during the call: {versions}"
     taken = versions.index(new_version)  # the first prompt drawn from the new weights
     assert 1 <= taken and versions == [old[0][0]] * taken + [new_version] * (len(prompts) - taken), versions
     assert out["samples"] == old[:taken] + new[taken:]
