@@ -62,6 +62,7 @@ def public_caller_members() -> list[str]:
     return sorted(name for name in dir(Caller) if not name.startswith("_"))
 
 
+@pytest.mark.slow  # a process of its own (mkdocs, 14 s): the full suite, not the unit tier
 def test_the_site_builds_strictly_and_its_api_page_lists_every_public_caller_member(tmp_path):
     site = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT,
