@@ -13,7 +13,8 @@ import pytest
 
 from llmrl.engine.server.host_memory import keep_freed_memory, why_left_alone
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+pytestmark = [pytest.mark.slow,  # fresh interpreters (4, each importing torch): the full suite, not the unit tier
+              pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")]
 
 # A layer's pattern: 16-24 MB activations (the size varies by round, as batches do), freed while a small tensor
 # allocated after them stays alive. Minor page faults counted over the last 16 rounds (the first 4 warm up).
