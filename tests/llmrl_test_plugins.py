@@ -208,8 +208,9 @@ class SlowHead(Head):
 
 
 class GateHead(Head):
-    """Waits in its forward until the file ``path`` exists (at most ``timeout`` seconds, then raises): a request that
-    keeps its rank busy until the test opens the gate."""
+    """Waits in its forward until the file ``path`` exists: a request that keeps its rank busy until the test opens
+    the gate. ``timeout`` bounds the wait (then it raises) so that a test that never opens the gate fails instead of
+    holding the rank; it checks no speed."""
 
     def __init__(self, llm, path: str, timeout: float = 120.0):
         super().__init__(llm)

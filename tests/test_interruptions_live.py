@@ -7,6 +7,7 @@ for a fixed time."""
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -164,18 +165,23 @@ def test_killing_any_launcher_process_ends_every_rank(run, victim):
 
 
 def _all_ended(processes: list[psutil.Process], timeout: float = 20.0) -> bool:
-    """Whether every process has ended (gone, or a zombie) within ``timeout``. A process being killed shows an empty
-    command line before it ends, so `Run.processes` (which matches command lines) no longer sees it: wait here."""
-    def running(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
+    """Whether every process has exited (gone, or a zombie nobody reaped yet) within ``timeout``, waiting on each
+    one's pidfd, which Linux makes readable when the process exits. A process being killed shows an empty command
+    line before it ends, so `Run.processes` (which matches command lines) no longer sees it: wait here."""
     deadline = time.monotonic() + timeout
-    while any(running(p) for p in processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(running(p) for p in processes)
+    for process in processes:
+        try:
+            fd = os.pidfd_open(process.pid)
+        except ProcessLookupError:  # gone, and reaped
+            continue
+        try:
+            if process.is_running():  # (False: the pid names another process now; ours ended)
+                ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    return False
+        finally:
+            os.close(fd)
+    return True
 
 
 def test_a_server_killed_while_the_script_is_idle_ends_the_run_with_137_naming_it(run):

@@ -145,3 +145,12 @@ def test_the_server_serves_a_write_in_flight_only_when_it_is_the_next_request_qu
     assert server._take_queued_write(lambda: events.append("before")) is True
     assert events == ["before", ("handled", 9), ("replied", 9)]
     assert server.inbox.get_nowait() is generate_next and server.inbox.empty()
+
+    def failing_stamp():
+        raise RuntimeError("stamping failed")
+
+    write = messages.Request(9, "write_weights", _write(True))
+    server, events = _server(write)
+    with pytest.raises(RuntimeError, match="stamping failed"):  # the generate fails, and says why
+        server._take_queued_write(failing_stamp)
+    assert events == [] and server.inbox.get_nowait() is write  # the write is still queued: served in its turn

@@ -219,11 +219,12 @@ class Server:
         ``generate`` stamps the samples drawn so far). True if a write was served, whether it succeeded or not."""
         with self.inbox.mutex:
             head = self.inbox.queue[0] if self.inbox.queue else None
-            if not (isinstance(head, messages.Request) and head.kind == "write_weights"
-                    and getattr(head.payload, "in_flight", False)):
-                return False
+        if not (isinstance(head, messages.Request) and head.kind == "write_weights"
+                and getattr(head.payload, "in_flight", False)):
+            return False
+        before()  # (should it raise, the write stays queued and is served in its turn)
+        with self.inbox.mutex:  # still the head: only this thread takes from the inbox
             self.inbox.queue.popleft()
-        before()
         started = time.perf_counter()
         reply = self._handle(head)
         logger.debug(f"write_weights #{head.id} in flight, during #{self.busy_with}, in "
