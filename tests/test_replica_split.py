@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests import generate, score
 from llmrl.engine.requests.base import Piece, split_by_cost
 
@@ -249,3 +249,30 @@ def test_head_kwargs_per_context_are_sliced_like_the_contexts_and_token_heads_ar
     assert [tuple(w.shape) for w in first["tok"]["w"]] == [(i + 1, 1) for i in range(6)]
     assert first["cand"]["n"].tolist() == [i + 1.5 for i in range(6)]
     assert [v.tolist() for v in result[1]["tok"]["v"]] == [[0.0, 100.0]]
+
+
+def test_generate_send_gives_each_replica_its_contexts_adapters():
+    """A list of adapters (one per context) follows the contexts to each replica, one name per prompt sent (a piece
+    sent one prompt per sample repeats its context's); a share whose prompts all name one adapter gets that name."""
+    run = FakeRun(2, fake_samples)
+    request = generate.GenerateRequest(["p0", "p1", "p2"], {"do_sample": True, "num_return_sequences": 2}, seed=1,
+                                       peft_adapter=["a", "b", "b"])
+    generate.send(run, "m", request).result()
+    assert [(p.contexts, p.peft_adapter) for _, p in run.parts] == [
+        (["p0", "p0", "p1"], ["a", "a", "b"]), (["p1", "p2", "p2"], "b")]
+    run = FakeRun(3, fake_samples, lockstep=True)  # a replica with nothing to do gets no list
+    generate.send(run, "m", generate.GenerateRequest(["p0", "p1"], {}, peft_adapter=["a", "b"])).result()
+    assert sorted((p.contexts, str(p.peft_adapter)) for _, p in run.parts) == [([], "None"), (["p0"], "a"),
+                                                                                (["p1"], "b")]
+
+
+@pytest.mark.parametrize("adapters, kind, error", [
+    (["a"], InvalidArgument, "peft_adapter lists 1 adapter name\\(s\\) for 2 context\\(s\\)"),
+    (["a", 3], InvalidArgumentType, "peft_adapter\\[1\\] must be an adapter's name"),
+    ({"a": 1}, InvalidArgumentType, "peft_adapter must be an adapter's name, a list"),
+])
+def test_generate_refuses_adapters_that_do_not_name_one_per_context(adapters, kind, error):
+    run = FakeRun(2, fake_samples)
+    with pytest.raises(kind, match=error):
+        generate.send(run, "m", generate.GenerateRequest(["p0", "p1"], {}, peft_adapter=adapters))
+    assert run.parts == []

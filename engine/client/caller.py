@@ -169,15 +169,15 @@ class Caller:
                                                  head_kwargs=head_kwargs)
 
     @delegated(InferenceCalls.generate_async)
-    def generate_async(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None,
+    def generate_async(self, contexts, *, llm: str | None = None, peft_adapter: str | list[str] | None = None,
                        seed: int | None = None, minibatch_size: int | None = None, **generate_kwargs
                        ) -> concurrent.futures.Future:
         return self._inference.generate_async(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                               minibatch_size=minibatch_size, **generate_kwargs)
 
     @delegated(InferenceCalls.generate)
-    def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,
-                 minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
+    def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | list[str] | None = None,
+                 seed: int | None = None, minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
         return self._inference.generate(contexts, llm=llm, peft_adapter=peft_adapter, seed=seed,
                                         minibatch_size=minibatch_size, **generate_kwargs)
 

@@ -124,7 +124,7 @@ class InferenceCalls:
                                                                peft_adapter=peft_adapter, minibatch_size=minibatch_size,
                                                                add_eos=add_eos, head_kwargs=head_kwargs))
 
-    def generate_async(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None,
+    def generate_async(self, contexts, *, llm: str | None = None, peft_adapter: str | list[str] | None = None,
                        seed: int | None = None, minibatch_size: int | None = None, **generate_kwargs
                        ) -> concurrent.futures.Future:
         """Like :meth:`generate`, returning a future."""
@@ -134,13 +134,20 @@ class InferenceCalls:
                                            seed, inputs.check_minibatch_size(minibatch_size))
         return generate.send(self._context.run, name, request)
 
-    def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | None = None, seed: int | None = None,
-                 minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
+    def generate(self, contexts, *, llm: str | None = None, peft_adapter: str | list[str] | None = None,
+                 seed: int | None = None, minibatch_size: int | None = None, **generate_kwargs) -> list[list[dict]]:
         """Generate continuations with Hugging Face ``generate`` (any of its keyword arguments: ``temperature``,
         ``top_k``, ``top_p``, ...; ``seed`` makes a call reproducible). Contexts are strings (tokenised as :meth:`score`
         tokenises contexts), lists of token ids used as given, or chat messages (as in :meth:`score`). ``stop``:
         strings (matched as Hugging Face's ``stop_strings``) and/or token ids or id lists; ``prompt_logprobs=True``
         adds the prompts' log-probs.
+
+        ``peft_adapter``: the LoRA adapter or snapshot every prompt reads (None: the active adapter), or a list of one
+        name per context. Prompts naming different adapters then run in the same batches, each row on its own
+        adapter (multi-LoRA batching: the base model's pass is shared, as when several tenants or the runs of a sweep
+        sample from one served model); each sample's ``policy`` says which it read. Such a call decodes with the
+        adapters unmerged, without the cache across calls, and takes a weight sync sent in flight only once it ends;
+        not with ``steer``, nor naming a weight snapshot of a model without LoRA.
 
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and

@@ -39,6 +39,7 @@ from llmrl.engine.model.decoding.eligibility import config_fields
 from llmrl.engine.model.decoding.options import DecodeOptions
 from llmrl.engine.model.reuse.generation_prefix import cached_past, keep_generated
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of
+from llmrl.engine.model.row_adapters import RowAdapters
 from llmrl.engine.model.scoring.planning import group_greedily
 from llmrl.engine.model.scoring.tokenization import encode_inputs
 from llmrl.engine.model.stops import StopRecorder, parse_stop, which_stop
@@ -89,6 +90,8 @@ class GenerationPlan:
     prompt_logprobs: bool = False
     token_budget: int = 8192  # the bounds the batches were planned within (llmrl's loop plans its own from them)
     max_rows: int = 64
+    # the adapter of each prompt, where the prompts read different LoRA adapters in one pass (None: one adapter)
+    row_adapters: RowAdapters | None = None
 
 
 def plan_generate(model, tokenizer, kind: str, contexts: list, kwargs: dict, token_budget: int, max_rows: int,
@@ -147,12 +150,15 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, lockstep
     layer gathers anything, replicas need no lockstep (nor throw-away batches), and llmrl's loop takes the request.
     ``between_batches(results)`` is called before each batch but the first, with the samples drawn so far: it may
     write new weights in place (an in-flight weight sync), which the batches after it read. Not with prompt
-    log-probs (computed after the batches) nor under lockstep (refused).
+    log-probs (computed after the batches) nor under lockstep (refused). ``plan.row_adapters``: each prompt reads
+    its own LoRA adapter, in batches that mix them (the caller hooks them into the model:
+    :meth:`~llmrl.engine.model.row_adapters.RowAdapters.hooked`); no cache across calls then.
     """
     synced, extra_batches = lockstep is not None, lockstep or 0
     if between_batches is not None and (synced or plan.prompt_logprobs):
         raise ValueError("weights written between batches need a call without prompt log-probs, outside lockstep")
-    use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced else None
+    rows = plan.row_adapters
+    use = prefix_cache if prefix_cache is not None and kind == "causal" and not synced and rows is None else None
     if whole_weights:
         synced, extra_batches = False, 0
     kwargs = plan.kwargs
@@ -173,21 +179,27 @@ def generate(model, tokenizer, kind: str, plan: GenerationPlan, device, lockstep
             # samples run after run)
             if number and between_batches is not None:
                 between_batches(results)
+            if rows is not None:
+                rows.use_batch(batch)
             _generate_batch(model, tokenizer, kind, [plan.prompts[i] for i in batch], kwargs, device, synced, eos,
-                            rows_each, [results[i] for i in batch], plan.stop, use, loop)
+                            rows_each, [results[i] for i in batch], plan, use, loop)
     finally:
         if loop is not None:
             loop.end_call()
     dummy = [[tokenizer.pad_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id]]
     for _ in range(extra_batches):
+        if rows is not None:
+            rows.use_batch(None)
         _generate_batch(model, tokenizer, kind, dummy, {**kwargs, "num_return_sequences": 1}, device, synced, eos, 1,
-                        [[]], plan.stop)
+                        [[]], plan)
     if plan.prompt_logprobs:
         # one prompt per model call (its logits are width x vocabulary), except under lockstep, where every rank
         # of a ZeRO-3 group makes the same calls: the planned batches, then the throw-away ones
         groups = [*(b for b, _ in plan.batches), *[None] * extra_batches] if synced else \
             [[i] for i in dict.fromkeys(i for b, _ in plan.batches for i in b)]  # each prompt once
         for batch in groups:
+            if rows is not None:
+                rows.use_batch(batch)
             prompts = dummy if batch is None else [plan.prompts[i] for i in batch]
             for k, logprobs in enumerate(prompt_token_logprobs(model, prompts, tokenizer.pad_token_id, device)):
                 for sample in ([] if batch is None else results[batch[k]]):
@@ -218,8 +230,9 @@ def _partitioned(model) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks, stop,
-                    use=None, loop=None) -> None:
+def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos, num_return, sinks,
+                    plan: GenerationPlan, use=None, loop=None) -> None:
+    stop = plan.stop
     if "num_return_sequences" in kwargs:  # this batch's rows per prompt (a prompt's samples may run in runs)
         kwargs = {**kwargs, "num_return_sequences": num_return}
     width = max(len(p) for p in prompts)
@@ -238,7 +251,8 @@ def _generate_batch(model, tokenizer, kind, prompts, kwargs, device, synced, eos
         past = cached_past(use, prompts, num_return, repeat_rows=False)[0] if use is not None else None
         decoded = loop.decode(model, ids.to(device), mask.to(device), DecodeOptions(
             cache_name=cache_kwarg(model), generate_kwargs=kwargs, pad_id=tokenizer.pad_token_id, eos=eos,
-            num_return=num_return, recorder=recorder, past=past, keep_cache=use is not None))
+            num_return=num_return, recorder=recorder, past=past, keep_cache=use is not None,
+            mixed_adapters=plan.row_adapters is not None))
         kept = _keep_samples(tokenizer, prompts, num_return, sinks, stop, recorder, eos, decoded.tokens,
                              decoded.logprobs, decoded.sampling_logprobs, None, causal=True)
         if use is not None:

@@ -192,20 +192,28 @@ class HFBackend(ModelBackend):
         return plan_forward(self.served, request.contexts, request.candidates).plan
 
     def generate(self, request):
+        import contextlib
+        from dataclasses import replace
+
         from llmrl.engine.model.generation import generate, plan_generate
+        from llmrl.engine.model.row_adapters import row_adapters_for
         from llmrl.engine.model.weight_sync import writes_between_batches
 
-        served, llm, adapter = self.served, self.llm, request.peft_adapter
+        served, llm, rows = self.served, self.llm, None
         kwargs, steering = dict(request.kwargs or {}), None
         try:
+            adapter, rows = row_adapters_for(served, request.peft_adapter)  # rows: each prompt its own adapter
             served.check_adapter(adapter)
             if kwargs.get("steer") not in (None, False):  # the updater's own policy (plugins/steering.py)
+                if rows is not None:
+                    raise ValueError("steer reads one adapter's policy: give generate one peft_adapter, not a list")
                 steering = self._steering(kwargs.pop("steer"), adapter)
                 kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), steering]
             kwargs.pop("steer", None)
             plan, error = plan_generate(served.model, self.tokenizer, llm.type, request.contexts, kwargs,
                                         llm.token_budget, request.minibatch_size or llm.minibatch_size,
                                         self.max_length, vocab_size=self.info.vocab_size), None
+            plan = replace(plan, row_adapters=rows)
         except Exception as err:  # noqa: BLE001 - under lockstep, voted on first
             plan, error = None, err
             if steering is not None:
@@ -220,21 +228,22 @@ class HFBackend(ModelBackend):
         if error is not None:
             raise error
         with torch.no_grad(), served.adapter(adapter), \
+                rows.hooked(served.model) if rows is not None else contextlib.nullcontext(), \
                 gathered_weights(served.engine, llm.training.zero3_gather_mb) as whole:
             if llm.lockstep and not whole:
                 forget_zero3_trace(served.engine)
-            use = None
-            if self.prefix_cache is not None and steering is None:  # a steered step reads the whole prompt
+            use = None  # (a steered step reads the whole prompt; the cache holds one adapter's keys per prompt)
+            if self.prefix_cache is not None and steering is None and rows is None:
                 from llmrl.engine.model.reuse.prefix_cache import CacheUse
 
                 use = CacheUse(self.prefix_cache, adapter or served.active_adapter())
-            between = writes_between_batches(served, adapter, self.queued_write_taker) \
-                if not llm.lockstep and not whole and steering is None and not plan.prompt_logprobs else None
+            between = writes_between_batches(served, adapter, self.queued_write_taker) if not llm.lockstep and \
+                not whole and steering is None and not plan.prompt_logprobs and rows is None else None
             try:
                 return stamped(generate(served.model, self.tokenizer, llm.type, plan, self.device,
                                         lockstep=extra if llm.lockstep else None, seed=request.seed, prefix_cache=use,
                                         decoder=self.decoder(), whole_weights=whole, between_batches=between),
-                               served, adapter)
+                               served, adapter if rows is None else rows.names)
             finally:
                 if steering is not None:
                     steering.close()

@@ -50,12 +50,13 @@ def forget_version(served: ServedModel, name: str) -> None:
     served.run_time.versions.pop(name, None)
 
 
-def stamped(samples: list[list[dict]], served: ServedModel, adapter: str | None) -> list[list[dict]]:
+def stamped(samples: list[list[dict]], served: ServedModel, adapter: str | list[str] | None) -> list[list[dict]]:
     """``generate``'s samples, each with the ``policy_version`` and ``policy`` of the weights it was drawn from: the
     weights now, for each sample not stamped yet (one drawn before weights were written during the call was stamped
-    then)."""
-    policy, version = policy_of(served, adapter), version_of(served, adapter)
-    for per_context in samples:
+    then). ``adapter``: the call's, or a list of each prompt's."""
+    for index, per_context in enumerate(samples):
+        name = adapter[index] if isinstance(adapter, list) else adapter
+        policy, version = policy_of(served, name), version_of(served, name)
         for sample in per_context:
             if "policy_version" not in sample:
                 sample["policy_version"], sample["policy"] = version, policy

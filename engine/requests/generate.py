@@ -31,7 +31,7 @@ import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from llmrl.engine.errors import InvalidArgument
+from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests.base import (
     Kind,
     Piece,
@@ -49,7 +49,7 @@ NAME = "generate"
 class GenerateRequest:
     contexts: list[str | list[int]]  # text, or token ids used as given
     kwargs: dict = field(default_factory=dict)  # Hugging Face generate arguments
-    peft_adapter: str | None = None
+    peft_adapter: str | list[str] | None = None  # a list: one adapter per context (multi-LoRA batching)
     seed: int | None = None
     minibatch_size: int | None = None
 
@@ -132,17 +132,20 @@ def send(run: Run, llm: str, request: GenerateRequest) -> Future:
             raise InvalidArgument(f"generate's {name} (prompt plus new tokens) is not taken: pass {instead}, the "
                                   "tokens each sample may add (the prompts of one call have different lengths)")
     k = num_return_sequences(kwargs)
+    adapters = check_adapters(request.peft_adapter, len(contexts))
     shares = plan_shares(len(contexts), k, len(run.replicas(llm)), splits_sequences(kwargs))
 
     def share(pieces: list[Piece]) -> GenerateRequest:
         if not pieces:
-            return replace(request, contexts=[])
+            return replace(request, contexts=[], peft_adapter=None if isinstance(adapters, list) else adapters)
         seed = None if request.seed is None else request.seed + pieces[0].input * k + pieces[0].start
         if one_prompt_per_sample(pieces):
-            return replace(request, contexts=[contexts[p.input] for p in pieces for _ in range(p.size)],
+            inputs = [p.input for p in pieces for _ in range(p.size)]
+            return replace(request, contexts=[contexts[i] for i in inputs], peft_adapter=of_inputs(adapters, inputs),
                            kwargs={**kwargs, "num_return_sequences": 1}, seed=seed)
-        size = pieces[0].size
-        return replace(request, contexts=[contexts[p.input] for p in pieces], seed=seed,
+        size, inputs = pieces[0].size, [p.input for p in pieces]
+        return replace(request, contexts=[contexts[i] for i in inputs], seed=seed,
+                       peft_adapter=of_inputs(adapters, inputs),
                        kwargs=kwargs if size == k else {**kwargs, "num_return_sequences": size})
 
     parts, answering = piece_parts(run, llm, shares, share, keep_empty=run.config.llms[llm].lockstep)
@@ -163,6 +166,32 @@ def send(run: Run, llm: str, request: GenerateRequest) -> Future:
         return [_with_total([s for piece in context for s in piece]) for context in pieces]
 
     return run.submit(NAME, parts, assemble)
+
+
+def check_adapters(adapters, contexts: int):
+    """``peft_adapter`` as given (None, or one adapter's name for every prompt), or checked as a list of one name per
+    context (the prompts then run in batches that mix adapters: multi-LoRA batching)."""
+    if adapters is None or isinstance(adapters, str):
+        return adapters
+    if not isinstance(adapters, (list, tuple)):
+        raise InvalidArgumentType(f"peft_adapter must be an adapter's name, a list of one name per context, or "
+                                  f"None; got {type(adapters).__name__}")
+    if len(adapters) != contexts:
+        raise InvalidArgument(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} context(s): give "
+                              "one name per context, in the contexts' order")
+    bad = next((i for i, name in enumerate(adapters) if not isinstance(name, str)), None)
+    if bad is not None:
+        raise InvalidArgumentType(f"peft_adapter[{bad}] must be an adapter's name (a string), got "
+                                  f"{type(adapters[bad]).__name__}")
+    return list(adapters)
+
+
+def of_inputs(adapters, inputs: list[int]):
+    """A share's ``peft_adapter``: the call's one name, or the names of the contexts it holds (one name where they
+    all name the same: the single-adapter path)."""
+    from llmrl.engine.model.row_adapters import one_adapter_or_rows
+
+    return one_adapter_or_rows([adapters[i] for i in inputs]) if isinstance(adapters, list) else adapters
 
 
 def _with_total(samples: list[dict]) -> list[dict]:

@@ -38,6 +38,7 @@ import torch
 
 from llmrl.engine.model.decoding.eligibility import slides_within
 from llmrl.engine.model.families import family_of, step_families
+from llmrl.engine.model.row_adapters import RowAdapters
 
 
 def _head_norms(attention) -> list:
@@ -85,10 +86,11 @@ _INERT_HOOKS = "transformers.utils.output_capturing"
 
 def _hooked(module, allowed=()) -> bool:
     """Whether ``module`` has a forward hook that skipping its ``__call__`` would skip (other than ``allowed``
-    objects' bound methods and Hugging Face's inert output-capturing hooks)."""
+    objects' bound methods, Hugging Face's inert output-capturing hooks, and the per-row adapter names of
+    :class:`~llmrl.engine.model.row_adapters.RowAdapters`, whose LoRA layers the step calls as modules)."""
     hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
     return any(getattr(hook, "__self__", None) not in allowed and getattr(hook, "__module__", None) != _INERT_HOOKS
-               for hook in hooks)
+               and not isinstance(getattr(hook, "__self__", None), RowAdapters) for hook in hooks)
 
 
 def _linear(module, float32: bool):

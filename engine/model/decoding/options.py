@@ -42,6 +42,8 @@ class DecodeOptions:
     # reuse.generation_prefix.cached_past): only the columns after them are prefilled
     past: Any = None
     keep_cache: bool = False  # return the final cache in Decoded.cache (for the cache across calls)
+    # rows read different LoRA adapters (model.row_adapters): no merged adapter, no static cache (its padding rows)
+    mixed_adapters: bool = False
     # ---- the decoder's part (runtime.Decoder's, from llms.<name>.generation) ----
     static: StaticDecoder | None = None  # static caches and the captured step (None: no static cache)
     sampler: str = "multinomial"  # how samples are drawn (decoding.sampling)

@@ -111,14 +111,16 @@ class Decoder:
                               cache_tokens)
 
     def decode(self, model, ids, mask, options: DecodeOptions):
-        """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be.
+        """Run the loop on one batch (see :func:`.loop.decode`), with the active adapter merged where it can be
+        (not where rows read different adapters: ``options.mixed_adapters``, which runs without a static cache).
         ``options``: the request's :class:`~.options.DecodeOptions`; this decoder sets their decoder's part."""
         from llmrl.engine.model.decoding.loop import decode
 
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         merging, merged_layers = contextlib.nullcontext(), []
         adapter = getattr(model, "active_adapter", None) if hasattr(model, "get_base_model") else None
-        if self.merged is not None and isinstance(adapter, str):
+        static = None if options.mixed_adapters else self.static
+        if self.merged is not None and isinstance(adapter, str) and not options.mixed_adapters:
             layers = lora_layers(inner)
             if layers and why_not_mergeable(layers, adapter, gathered=self.zero3,
                                             shared=shared_weights(inner)) is None:
@@ -126,15 +128,15 @@ class Decoder:
                 merged_layers = [layer for layer in layers if adapter in layer.lora_A]
         # the weights the step reads matter only where their addresses do (5.6 ms a batch for SmolLM2-135M: not
         # walked on the other paths)
-        read = weights_read(inner, merged_layers) if self.static is not None else []
+        read = weights_read(inner, merged_layers) if static is not None else []
         keeping = self.kept.swapped_in(read) if self.kept is not None else contextlib.nullcontext()
         try:
             with merging as merged, keeping:
-                if self.static is not None:
+                if static is not None:
                     self._note_addresses(read, merged_layers)
                 owners = merged.owners() if merged is not None else None  # the merged buffers, for the packs
                 decoded = decode(inner, ids, mask, replace(
-                    options, static=self.static, sampler=self.settings.sampler, packer=self.packed, owners=owners,
+                    options, static=static, sampler=self.settings.sampler, packer=self.packed, owners=owners,
                     trunk=self.trunk, llama_step=self.llama_step))
                 self.llama_step_batches += decoded.llama_step
                 return decoded

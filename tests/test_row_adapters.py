@@ -1,0 +1,134 @@
+"""Multi-LoRA batching (engine/model/row_adapters.py): one ``generate`` call whose prompts name different LoRA
+adapters runs them in shared batches, each row on its own prompt's adapter. Every row is checked against the plain
+PEFT model with that adapter set (``set_adapter``): greedy and beam-search tokens equal Hugging Face's own
+``generate`` there, and each token's log-prob equals a plain forward's to float32 rounding (1e-5). Covered: llmrl's
+loop with the written-out step and with Hugging Face's step, Hugging Face's ``generate``, sampled rows (several per
+prompt, a prompt's rows cut into runs), and prompt log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrl.engine.config.types import GenerationSettings
+from llmrl.engine.model.decoding.runtime import Decoder
+from llmrl.engine.model.generation import generate, plan_generate
+from llmrl.engine.model.row_adapters import RowAdapters, one_adapter_or_rows
+from testkit.decoding import plain_logprobs
+
+PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is"]
+ADAPTERS = ["red", "green", "red", "blue", "green"]
+
+
+@pytest.fixture(scope="module")
+def three_adapters(reference_models):
+    """The tiny Llama with three LoRA adapters of random weights (B too: each changes the model's outputs)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model, tok = reference_models["llama"]
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(type(model.config)(**model.config.to_dict())).eval()
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "up_proj",
+                                                                                     "down_proj"])
+    peft_model = get_peft_model(base, config, adapter_name="red")
+    for name in ("green", "blue"):
+        peft_model.add_adapter(name, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    return peft_model.eval(), tok
+
+
+def alone(model, adapter: str):
+    model.set_adapter(adapter)
+    return model
+
+
+def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64):
+    plan = plan_generate(model, tok, "causal", PROMPTS, kwargs, 8192, max_rows, 512)
+    rows = RowAdapters(adapters)
+    plan = type(plan)(**{**plan.__dict__, "row_adapters": rows})
+    with torch.no_grad(), rows.hooked(model):
+        return generate(model, tok, "causal", plan, "cpu", seed=3, decoder=decoder)
+
+
+def check_logprobs(model, tok, results, adapters=ADAPTERS):
+    for prompt, adapter, samples in zip(PROMPTS, adapters, results):
+        for sample in samples:
+            plain = plain_logprobs(alone(model, adapter), tok, prompt, sample["tokens"].tolist())
+            torch.testing.assert_close(sample["logprobs"], plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["llama_step", "hf step", "hf generate"])
+def test_greedy_rows_each_equal_their_adapter_alone(three_adapters, path):
+    model, tok = three_adapters
+    kwargs = {"max_new_tokens": 8, "do_sample": False}
+    decoder = None if path == "hf generate" else Decoder(
+        GenerationSettings(merge_adapter=True, llama_step=path == "llama_step"), "cpu")
+    results = mixed_call(model, tok, kwargs, decoder=decoder)
+    for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            theirs = alone(model, adapter).generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs,
+                                                    pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+        eos = (theirs == tok.eos_token_id).nonzero()
+        theirs = theirs[: int(eos[0]) + 1] if len(eos) else theirs
+        assert sample["tokens"].tolist() == theirs.tolist(), (prompt, adapter)
+    check_logprobs(model, tok, results)
+    if decoder is not None:
+        stats = decoder.stats()
+        assert stats["calls"] == {"llmrl": 1} and stats["merges"] == 0  # rows of several adapters: never merged
+        assert (stats["llama_step_batches"] > 0) == (path == "llama_step")
+
+
+@pytest.mark.parametrize("max_rows", [64, 2])
+def test_sampled_rows_each_read_their_adapter(three_adapters, max_rows):
+    """Three samples per prompt: in batches of several prompts (each prompt's rows together), and, at most two rows a
+    batch, a prompt's rows cut into two runs."""
+    model, tok = three_adapters
+    decoder = Decoder(GenerationSettings(), "cpu")
+    results = mixed_call(model, tok, {"max_new_tokens": 6, "do_sample": True, "num_return_sequences": 3},
+                         decoder=decoder, max_rows=max_rows)
+    assert [len(samples) for samples in results] == [3] * len(PROMPTS)
+    check_logprobs(model, tok, results)
+    assert decoder.stats()["llama_step_batches"] > 0
+
+
+def test_beam_search_rows_equal_their_adapter_alone(three_adapters):
+    model, tok = three_adapters
+    kwargs = {"max_new_tokens": 5, "num_beams": 2, "do_sample": False}
+    results = mixed_call(model, tok, kwargs)
+    for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
+        plan = plan_generate(alone(model, adapter), tok, "causal", [prompt], kwargs, 8192, 64, 512)
+        ((theirs,),) = generate(model, tok, "causal", plan, "cpu")
+        assert sample["tokens"].tolist() == theirs["tokens"].tolist()
+        torch.testing.assert_close(sample["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_prompt_logprobs_read_each_prompts_adapter(three_adapters):
+    model, tok = three_adapters
+    results = mixed_call(model, tok, {"max_new_tokens": 2, "do_sample": False, "prompt_logprobs": True})
+    for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            logits = alone(model, adapter)(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(sample["prompt_logprobs"], expected, atol=1e-5, rtol=0)
+
+
+def test_a_pass_whose_rows_do_not_divide_among_the_batchs_prompts_is_refused():
+    rows = RowAdapters(["a", "b", "c"])
+    rows.use_batch([2, 0])
+    assert rows.names_of_rows(4) == ["c", "c", "a", "a"]
+    with pytest.raises(RuntimeError, match="3 rows over a batch of 2 prompts"):
+        rows.names_of_rows(3)
+    rows.use_batch(None)  # lockstep's throw-away batch: one row
+    assert rows.names_of_rows(1) == ["a"]
+
+
+def test_one_name_for_every_prompt_is_the_single_adapter_path():
+    assert one_adapter_or_rows(["a", "a"]) == "a"
+    assert one_adapter_or_rows(["a", "b"]) == ["a", "b"]
+    assert one_adapter_or_rows("a") == "a" and one_adapter_or_rows(None) is None
