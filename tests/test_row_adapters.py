@@ -132,3 +132,23 @@ def test_one_name_for_every_prompt_is_the_single_adapter_path():
     assert one_adapter_or_rows(["a", "a"]) == "a"
     assert one_adapter_or_rows(["a", "b"]) == ["a", "b"]
     assert one_adapter_or_rows("a") == "a" and one_adapter_or_rows(None) is None
+
+
+def test_a_request_names_known_adapters_and_no_weight_snapshot_among_others():
+    from types import SimpleNamespace
+
+    from llmrl.engine.model.row_adapters import row_adapters_for
+
+    def check_adapter(name):
+        if name not in ("red", "green", "frozen"):
+            raise ValueError(f"unknown peft_adapter {name!r}")
+
+    served = SimpleNamespace(check_adapter=check_adapter, run_time=SimpleNamespace(weight_snapshots={"frozen": {}}))
+    adapter, rows = row_adapters_for(served, ["red", "green", "red"])
+    assert adapter is None and rows.names == ["red", "green", "red"]
+    assert row_adapters_for(served, ["green", "green"]) == ("green", None)  # one adapter: the single-adapter path
+    assert row_adapters_for(served, "frozen") == ("frozen", None)
+    with pytest.raises(ValueError, match="unknown peft_adapter 'blue'"):
+        row_adapters_for(served, ["red", "blue"])
+    with pytest.raises(ValueError, match="weight snapshot 'frozen' among other adapters"):
+        row_adapters_for(served, ["red", "frozen"])

@@ -75,7 +75,7 @@ def test_a_batch_refused_for_one_requests_input_fails_that_request_only(where):
 
     calls = []
 
-    def run(key, prompts):
+    def run(keys, prompts):
         calls.append(list(prompts))
         if any(token >= 100 for prompt in prompts for token in prompt):
             if where == "server":
@@ -97,7 +97,8 @@ def test_a_samplers_many_calls_do_not_hold_back_another_samplers_one():
     next call, before a's other two (one call at a time here). Sent as they filled, a's three calls went first."""
     started, running, release = [], threading.Event(), threading.Event()
 
-    def run(key, prompts):
+    def run(keys, prompts):
+        (key,) = set(keys)  # (no shared part: each call holds one key's batch)
         started.append((key, [prompt[0] for prompt in prompts]))
         if len(started) == 1:
             running.set()
@@ -111,6 +112,58 @@ def test_a_samplers_many_calls_do_not_hold_back_another_samplers_one():
     release.set()
     assert [f.result(30) for f in a + b] == [f"a{[k]}" for k in range(6)] + ["b[0]", "b[1]"]
     assert started == [("a", [0, 1]), ("b", [0, 1]), ("a", [2, 3]), ("a", [4, 5])]
+
+
+def test_samplers_with_the_same_parameters_share_a_call_and_take_turns_within_its_size():
+    """Keys (sampler, parameters): while the first call runs, batches of a, b, c (the same parameters; c's full at
+    once, a's and b's sent by the window), d (other parameters) and a seeded request wait. Then, by turns: the seeded
+    request alone (never joined), c's batch (a's would exceed ``most`` beside it), d's, and a's and b's in one call,
+    each prompt with its own key."""
+    import time
+
+    started, running, release = [], threading.Event(), threading.Event()
+
+    def run(keys, prompts):
+        started.append([(key[0], prompt[0]) for key, prompt in zip(keys, prompts)])
+        if len(started) == 1:
+            running.set()
+            assert release.wait(30)
+        return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
+
+    batcher = SampleBatcher(run, window=1.0, most=4, in_flight=1, shared=lambda key: key[1])
+    first = [batcher.submit(("z", "p"), [k]) for k in range(4)]
+    assert running.wait(30)
+    a = [batcher.submit(("a", "p"), [k]) for k in range(2)]
+    b = [batcher.submit(("b", "p"), [k]) for k in (10, 11)]
+    seeded = batcher.submit(("s", "p"), [7], alone=True)
+    c = [batcher.submit(("c", "p"), [k]) for k in range(4)]
+    d = [batcher.submit(("d", "q"), [k]) for k in range(4)]
+    deadline = time.monotonic() + 30
+    while len(batcher._ready) < 5:  # every batch waiting (a's and b's once their window passed)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    assert [f.result(30) for f in first + a + b + c + d] == [
+        *(f"z{[k]}" for k in range(4)), "a[0]", "a[1]", "b[10]", "b[11]", *(f"c{[k]}" for k in range(4)),
+        *(f"d{[k]}" for k in range(4))]
+    assert seeded.result(30) == "s[7]"
+    assert started[1:] == [[("s", 7)], [("c", k) for k in range(4)], [("d", k) for k in range(4)],
+                           [("a", 0), ("a", 1), ("b", 10), ("b", 11)]]
+
+
+def test_a_batch_still_in_its_window_joins_a_call_of_the_same_parameters():
+    """Requests of three samplers arriving together (within the window): the first window's end sends all three in
+    one call, each prompt with its own key."""
+    calls = []
+
+    def run(keys, prompts):
+        calls.append([(key[0], prompt[0]) for key, prompt in zip(keys, prompts)])
+        return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
+
+    batcher = SampleBatcher(run, window=1.0, most=8, shared=lambda key: key[1])
+    futures = [batcher.submit((name, "p"), [k]) for name in "abc" for k in range(2)]
+    assert [f.result(30) for f in futures] == [f"{name}{[k]}" for name in "abc" for k in range(2)]
+    assert calls == [[(name, k) for name in "abc" for k in range(2)]]
 
 
 def plumbing(seeds: list):

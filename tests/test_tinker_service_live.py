@@ -18,9 +18,11 @@ import torch
 
 from testkit import LiveRun
 from testkit.tinker import command_lines_holding, start_tinker, stop_tinker
+from testkit.tinker_sdk import datums, exported_adapter, sdk_datum, served_model
 
 pytestmark = pytest.mark.slow
 KEY = "tml-llmrl-test"
+PROMPTS = [[5, 17, 33, 8], [40, 2, 91], [12, 13, 14, 15, 16]]
 
 
 def config(tiny) -> dict:
@@ -50,42 +52,11 @@ def client(service):
         yield sdk
 
 
-def served_model(client) -> str:
-    """The served model's name, as the SDK reads it (what a Tinker user passes as ``base_model``)."""
-    return client.get_server_capabilities().supported_models[0].model_name
-
-
 @pytest.fixture(scope="module")
 def reference(tiny):
     live = LiveRun(config(tiny))
     yield live
     assert live.close() == 0
-
-
-def datums(seed: int, count: int = 3) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in (7, 11, 5)[:count]:
-        tokens = torch.randint(3, 100, (n,), generator=g).tolist()
-        out.append({"model_input": tokens[:-1], "loss_fn_inputs": {
-            "target_tokens": tokens[1:], "advantages": torch.randn(n - 1, generator=g).tolist(),
-            "logprobs": (-torch.rand(n - 1, generator=g) * 3 - 2).tolist()}})
-    return out
-
-
-def sdk_datum(datum: dict):
-    import tinker
-
-    inputs = {k: torch.tensor(v) for k, v in datum["loss_fn_inputs"].items()}
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(datum["model_input"]), loss_fn_inputs=inputs)
-
-
-def exported_adapter(folder, pattern: str) -> dict:
-    """The adapter weights of the newest PEFT file matching ``pattern`` under ``folder``."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.rglob(pattern), key=os.path.getmtime)
-    return load_file(files[-1])
 
 
 def test_sdk_steps_equal_the_callers_on_the_same_config(service, client, reference, tmp_path):
@@ -241,7 +212,10 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
 
     def logprobs(training) -> list[torch.Tensor]:
         out = training.forward([sdk_datum(d) for d in datums(30)], "importance_sampling").result()
-        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+        sampler = training.save_weights_and_get_sampling_client(f"tenant-{k}")
+        together.wait(timeout=300)
+        pending = [sampler.sample(tinker.ModelInput.from_ints(p), 1, greedy) for p in PROMPTS]
+        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs], [p.result().sequences[0] for p in pending]
 
     first = client.create_lora_training_client(base_model=served_model(client), rank=4, seed=5).result()
     step(first, 10)
@@ -274,13 +248,16 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
 def test_three_clients_training_at_once_each_end_where_it_would_alone(service, client, reference):
     """Three training clients (three adapters: three tenants), each in a thread, send their ``forward_backward``
     before any steps: the three adapters' gradients are pending together, and each ``optim_step`` steps its own.
-    Each then scores as the same calls made alone, one adapter after the other, leave it (a Caller), to 1e-6."""
+    Each then scores as the same calls made alone, one adapter after the other, leave it (a Caller), to 1e-6; and
+    their samplers, sampling at once (greedy: the service may run the three adapters' prompts in one batched pass),
+    each give the tokens and log-probs (1e-5) of a ``generate`` of its adapter alone."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import tinker
 
     seeds = (21, 22, 23)
+    greedy = tinker.SamplingParams(max_tokens=6, temperature=0.0)
     adam = tinker.AdamParams(learning_rate=3e-3)
     settings = {"learning_rate": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                 "grad_clip_norm": 0.0}  # the SDK's defaults, which it sends
@@ -297,7 +274,10 @@ def test_three_clients_training_at_once_each_end_where_it_would_alone(service, c
             training.optim_step(adam).result()
             together.wait(timeout=300)
         out = training.forward([sdk_datum(d) for d in datums(30)], "importance_sampling").result()
-        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+        sampler = training.save_weights_and_get_sampling_client(f"tenant-{k}")
+        together.wait(timeout=300)
+        pending = [sampler.sample(tinker.ModelInput.from_ints(p), 1, greedy) for p in PROMPTS]
+        return [o["logprobs"].to_torch() for o in out.loss_fn_outputs], [p.result().sequences[0] for p in pending]
 
     with ThreadPoolExecutor(len(clients)) as pool:
         got = list(pool.map(train, range(len(clients))))
@@ -308,9 +288,13 @@ def test_three_clients_training_at_once_each_end_where_it_would_alone(service, c
             reference.forward_backward(datums(40 + 10 * k + step), "importance_sampling", peft_adapter=name)
             reference.optim_step(settings, peft_adapter=name)
         want = reference.forward(datums(30), peft_adapter=name)["loss_fn_outputs"]
-        for g, w in zip(got[k], want):
+        for g, w in zip(got[k][0], want):
             torch.testing.assert_close(g, w["logprobs"], atol=1e-6, rtol=0)
-    assert max(float((a - b).abs().max()) for a, b in zip(got[0], got[1])) > 1e-4  # three adapters, not one
+        alone = reference.generate(PROMPTS, peft_adapter=name, max_new_tokens=6, do_sample=False)
+        for sampled, (sample,) in zip(got[k][1], alone):
+            assert sampled.tokens == sample["tokens"].tolist()
+            torch.testing.assert_close(torch.tensor(sampled.logprobs), sample["logprobs"], atol=1e-5, rtol=0)
+    assert max(float((a - b).abs().max()) for a, b in zip(got[0][0], got[1][0])) > 1e-4  # three adapters, not one
 
 
 def test_gspo_through_the_sdk_equals_the_callers(service, client, reference):

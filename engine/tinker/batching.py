@@ -4,9 +4,12 @@ Tinker recipes send one ``asample`` request per prompt (32 at once for 8 groups 
 run one by one they would make as many ``generate`` calls, each a batch of one. :class:`SampleBatcher` holds
 requests that read the same weights with the same sampling parameters (one ``key``: a sampler, for a tenant) for
 ``window`` seconds (or until ``most`` have come) and sends them as one ``generate`` call, whose prompts the servers
-batch together. Requests with a seed are sent alone (a call has one seed, and a request's samples must not depend
-on its neighbours). A batch refused for its input (a token id outside the vocabulary, ...) is sent again request by
-request: only the request at fault fails.
+batch together. Batches of other keys that wait with the same ``shared(key)`` (the sampling parameters: other
+tenants' samplers), sent by their window or not yet, join that call, up to ``most`` prompts: the servers then run every tenant's prompts in the same
+batches, each row on its own adapter (multi-LoRA batching, :mod:`llmrl.engine.model.row_adapters`). Requests with a
+seed are sent alone (a call has one seed, and a request's samples must not depend on its neighbours). A batch
+refused for its input (a token id outside the vocabulary, ...) is sent again request by request: only the request at
+fault fails.
 
 Calls are sent in turn, at most ``in_flight`` at once (the service's: its LLM's replicas plus one), the key served
 least recently first: a sampler with a
@@ -29,14 +32,18 @@ REMEMBERED = 4096  # keys whose last call is remembered for the turns (beyond, k
 
 
 class SampleBatcher:
-    """``submit(key, prompt)`` returns a future of that prompt's samples; ``run(key, prompts)`` makes one call."""
+    """``submit(key, prompt)`` returns a future of that prompt's samples; ``run(keys, prompts)`` makes one call
+    (``keys``: each prompt's key). ``shared(key)``: what batches of other keys must share to join a call (None: each
+    call holds one key's batch)."""
 
-    def __init__(self, run: Callable[[tuple, list], list], window: float = 0.02, most: int = 256,
-                 in_flight: int = 2):
+    def __init__(self, run: Callable[[list, list], list], window: float = 0.02, most: int = 256,
+                 in_flight: int = 2, shared: Callable[[tuple], object] | None = None):
         self._run, self._window, self._most, self._in_flight = run, window, most, in_flight
+        self._shared = shared
         self._lock = threading.Lock()
         self._pending: dict[tuple, list[tuple[list[int], Future]]] = {}  # key -> the batch filling up
-        self._ready: OrderedDict[tuple, deque] = OrderedDict()  # key -> its batches waiting to be sent, in order
+        # key -> its batches waiting to be sent, in order, each with whether it goes alone (a seeded request)
+        self._ready: OrderedDict[tuple, deque] = OrderedDict()
         self._running = 0
         self._ticks = itertools.count()
         self._last_sent: dict[tuple, int] = {}  # key -> when its last call was sent (the turns)
@@ -44,7 +51,7 @@ class SampleBatcher:
     def submit(self, key: tuple, prompt: list[int], alone: bool = False) -> Future:
         future: Future = Future()
         if alone:
-            self._enqueue(key, [(prompt, future)])
+            self._enqueue(key, [(prompt, future)], alone=True)
             return future
         with self._lock:
             batch = self._pending.setdefault(key, [])
@@ -68,46 +75,71 @@ class SampleBatcher:
                 return  # sent already, full
         self._enqueue(key, batch)
 
-    def _enqueue(self, key: tuple, batch: list) -> None:
+    def _enqueue(self, key: tuple, batch: list, alone: bool = False) -> None:
         with self._lock:
-            self._ready.setdefault(key, deque()).append(batch)
+            self._ready.setdefault(key, deque()).append((batch, alone))
             self._send_next()
 
     def _send_next(self) -> None:
         """Start calls while fewer than ``in_flight`` run: each time the batch of the key sent least recently
-        (never sent first; between equals, the first to wait). Holds the lock."""
+        (never sent first; between equals, the first to wait), joined by the first batch of each other key that
+        shares its ``shared`` part, in the same order, then the batches of such keys still filling, while the call
+        holds at most ``most`` prompts. Holds the lock."""
         while self._running < self._in_flight and self._ready:
-            key = min(self._ready, key=lambda k: self._last_sent.get(k, -1))
-            batches = self._ready[key]
-            batch = batches.popleft()
-            if not batches:
-                del self._ready[key]
-            self._last_sent[key] = next(self._ticks)
+            by_turn = sorted(self._ready, key=lambda k: self._last_sent.get(k, -1))  # (stable: the first to wait)
+            key = by_turn[0]
+            batch, alone = self._take(key)
+            parts, size = [(key, batch)], len(batch)
+            if self._shared is not None and not alone:
+                group = self._shared(key)
+                for other in by_turn[1:]:
+                    waiting, waiting_alone = self._ready[other][0]
+                    if not waiting_alone and size + len(waiting) <= self._most and self._shared(other) == group:
+                        parts.append((other, self._take(other)[0]))
+                        size += len(waiting)
+                for other, filling in list(self._pending.items()):  # batches still in their window join too
+                    if size + len(filling) <= self._most and self._shared(other) == group:
+                        del self._pending[other]  # (its window's flush then finds it gone)
+                        parts.append((other, filling))
+                        size += len(filling)
+            tick = next(self._ticks)
+            for sent, _ in parts:
+                self._last_sent[sent] = tick
             if len(self._last_sent) > REMEMBERED:
-                self._last_sent = {k: t for k, t in self._last_sent.items() if k in self._ready or k == key}
+                self._last_sent = {k: t for k, t in self._last_sent.items() if k in self._ready or t == tick}
             self._running += 1
-            threading.Thread(target=self._send, args=(key, batch), daemon=True).start()
+            threading.Thread(target=self._send, args=(parts,), daemon=True).start()
 
-    def _send(self, key: tuple, batch: list) -> None:
+    def _take(self, key: tuple) -> tuple[list, bool]:
+        """The first batch waiting for ``key`` (and whether it goes alone), off its queue. Holds the lock."""
+        batches = self._ready[key]
+        taken = batches.popleft()
+        if not batches:
+            del self._ready[key]
+        return taken
+
+    def _send(self, parts: list) -> None:
         try:
-            self._call(key, batch)
+            self._call([(key, request) for key, batch in parts for request in batch])
         finally:
             with self._lock:
                 self._running -= 1
                 self._send_next()
 
-    def _call(self, key: tuple, batch: list) -> None:
+    def _call(self, requests: list) -> None:
+        """One call for ``requests`` (each a key and its (prompt, future)); every future gets its prompt's samples,
+        or the call's error."""
         try:
-            results = self._run(key, [prompt for prompt, _ in batch])
+            results = self._run([key for key, _ in requests], [prompt for _, (prompt, _) in requests])
         except BaseException as err:  # noqa: BLE001 - every request of the batch gets the error
-            if len(batch) > 1 and _refused_for_input(err):  # a request's own input: each alone,
-                for one in batch:  # so that it fails the request that sent it, not its neighbours
-                    self._call(key, [one])
+            if len(requests) > 1 and _refused_for_input(err):  # a request's own input: each alone,
+                for one in requests:  # so that it fails the request that sent it, not its neighbours
+                    self._call([one])
                 return
-            for _, future in batch:
+            for _, (_, future) in requests:
                 future.set_exception(err)
             return
-        for (_, future), result in zip(batch, results):
+        for (_, (_, future)), result in zip(requests, results):
             future.set_result(result)
 
 

@@ -39,6 +39,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from llmrl.engine.model.row_adapters import one_adapter_or_rows
 from llmrl.engine.tinker.batching import SampleBatcher
 from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, StateError, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
@@ -106,7 +107,7 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self._sampling_sessions: dict[tuple, str] = {}  # (session, sampling_session_seq_id) -> its sampler's id
         # a call in flight per replica (a call of one prompt keeps one busy), and one more waiting at the servers
-        self.batcher = SampleBatcher(self._generate, in_flight=spec.replicas + 1)
+        self.batcher = SampleBatcher(self._generate, in_flight=spec.replicas + 1, shared=lambda key: key[1])
 
     # ------------------------------------------------------------------ sessions
 
@@ -332,10 +333,11 @@ class TinkerService:
         request_id = self.futures.submit(work)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{k}" for k in range(count)]}
 
-    def _generate(self, key: tuple, prompts: list[list[int]]) -> list[list[dict]]:
-        """One ``generate`` call for the prompts of requests that share weights and parameters (``key``)."""
-        weights, params = key
-        return self.caller.generate(prompts, llm=self.llm, peft_adapter=weights, **dict(params))
+    def _generate(self, keys: list[tuple], prompts: list[list[int]]) -> list[list[dict]]:
+        """One ``generate`` call for the prompts of requests that share sampling parameters; each prompt reads the
+        weights of its own key (several samplers' prompts: several adapters in one batched pass)."""
+        weights = one_adapter_or_rows([weights for weights, _ in keys])
+        return self.caller.generate(prompts, llm=self.llm, peft_adapter=weights, **dict(keys[0][1]))
 
     # ------------------------------------------------------------------ futures
 
