@@ -10,7 +10,10 @@ ordinary key:
 - not an attribute of the torch containers PEFT keeps each layer's adapters in (``torch.nn.ModuleDict`` and
   ``ParameterDict``: ``update``, ``keys``, ``to``, ``train``, ...), which refuse such a key with a raw KeyError.
 
-This module states the rule; it looks up no adapter and imports torch only to read those containers' attributes.
+Also the rule for a request that names one adapter per prompt (:func:`one_adapter_or_rows`), shared by the client
+and the servers.
+
+This module states the rules; it looks up no adapter and imports torch only to read those containers' attributes.
 """
 
 from __future__ import annotations
@@ -43,3 +46,11 @@ def container_attributes() -> frozenset[str]:
     import torch
 
     return frozenset(dir(torch.nn.ModuleDict())) | frozenset(dir(torch.nn.ParameterDict()))
+
+
+def one_adapter_or_rows(adapters):
+    """A ``generate`` request's ``peft_adapter``: None or one name as given; a list of names, one per prompt, as that
+    name when every prompt names the same one (the single-adapter path, merged weights and all)."""
+    if isinstance(adapters, list) and adapters and all(name == adapters[0] for name in adapters):
+        return adapters[0]
+    return adapters

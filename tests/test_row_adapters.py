@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmrl.engine.adapter_names import one_adapter_or_rows
 from llmrl.engine.config.types import GenerationSettings
 from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
-from llmrl.engine.model.row_adapters import RowAdapters, one_adapter_or_rows
+from llmrl.engine.model.row_adapters import RowAdapters
 from testkit.decoding import plain_logprobs
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is"]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 
+from llmrl.engine.adapter_names import one_adapter_or_rows
+
 
 class RowAdapters:
     """The adapter of each prompt of one ``generate`` call, handed to PEFT's LoRA layers row by row.
@@ -76,14 +78,6 @@ class RowAdapters:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def one_adapter_or_rows(adapters) -> str | list[str] | None:
-    """A request's ``peft_adapter``: None or one name as given; a list of names, one per prompt, as that name when
-    every prompt names the same one (the single-adapter path, merged weights and all)."""
-    if isinstance(adapters, list) and adapters and all(name == adapters[0] for name in adapters):
-        return adapters[0]
-    return adapters
 
 
 def row_adapters_for(served, adapters) -> tuple[str | None, RowAdapters | None]:

@@ -31,6 +31,7 @@ import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from llmrl.engine.adapter_names import one_adapter_or_rows
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 from llmrl.engine.requests.base import (
     Kind,
@@ -189,8 +190,6 @@ def check_adapters(adapters, contexts: int):
 def of_inputs(adapters, inputs: list[int]):
     """A share's ``peft_adapter``: the call's one name, or the names of the contexts it holds (one name where they
     all name the same: the single-adapter path)."""
-    from llmrl.engine.model.row_adapters import one_adapter_or_rows
-
     return one_adapter_or_rows([adapters[i] for i in inputs]) if isinstance(adapters, list) else adapters
 
 

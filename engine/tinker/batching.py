@@ -5,11 +5,11 @@ run one by one they would make as many ``generate`` calls, each a batch of one. 
 requests that read the same weights with the same sampling parameters (one ``key``: a sampler, for a tenant) for
 ``window`` seconds (or until ``most`` have come) and sends them as one ``generate`` call, whose prompts the servers
 batch together. Batches of other keys that wait with the same ``shared(key)`` (the sampling parameters: other
-tenants' samplers), sent by their window or not yet, join that call, up to ``most`` prompts: the servers then run every tenant's prompts in the same
-batches, each row on its own adapter (multi-LoRA batching, :mod:`llmrl.engine.model.row_adapters`). Requests with a
-seed are sent alone (a call has one seed, and a request's samples must not depend on its neighbours). A batch
-refused for its input (a token id outside the vocabulary, ...) is sent again request by request: only the request at
-fault fails.
+tenants' samplers), sent by their window or not yet, join that call, up to ``most`` prompts: the servers then run
+every tenant's prompts in the same batches, each row on its own adapter (multi-LoRA batching,
+:mod:`llmrl.engine.model.row_adapters`). Requests with a seed are sent alone (a call has one seed, and a request's
+samples must not depend on its neighbours). A batch refused for its input (a token id outside the vocabulary, ...) is
+sent again request by request: only the request at fault fails.
 
 Calls are sent in turn, at most ``in_flight`` at once (the service's: its LLM's replicas plus one), the key served
 least recently first: a sampler with a

@@ -39,7 +39,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmrl.engine.model.row_adapters import one_adapter_or_rows
+from llmrl.engine.adapter_names import one_adapter_or_rows
 from llmrl.engine.tinker.batching import SampleBatcher
 from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, StateError, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
