@@ -118,3 +118,11 @@ def test_cache_memory_benchmark_reports_both_servers_and_the_cache_within_its_ca
     found = re.search(r"after +20 calls: cached +([\d.]+), twin +([\d.]+), .*the cache's tensors ([\d.]+) MB "
                       r"of its 1 MB", result.stdout)
     assert found and float(found[1]) > 0 and float(found[2]) > 0 and 0 < float(found[3]) <= 1, result.stdout
+
+
+def test_multi_lora_benchmark_decodes_every_adapters_prompts_in_one_call_with_the_same_tokens():
+    result = run_benchmark("multi_lora", "--shape", "tiny", "--adapters", "3", "--prompts", "2", "--new-tokens", "6",
+                           "--repeats", "1")
+    found = re.search(r"one call is ([\d.]+)x the adapter-a-call rate; greedy tokens the same: True; largest "
+                      r"log-prob difference (\S+)", result.stdout)
+    assert found and float(found[1]) > 0 and float(found[2]) < 1e-5, result.stdout

@@ -18,12 +18,12 @@ from llmrl.engine.model.row_adapters import RowAdapters
 from testkit.decoding import plain_logprobs
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is"]
-ADAPTERS = ["red", "green", "red", "blue", "green"]
+ADAPTERS = ["red", "green", "teal", "blue", "green"]
 
 
 @pytest.fixture(scope="module")
-def three_adapters(reference_models):
-    """The tiny Llama with three LoRA adapters of random weights (B too: each changes the model's outputs)."""
+def adapters(reference_models):
+    """The tiny Llama with four LoRA adapters of random weights (B too: each changes the model's outputs)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -35,6 +35,9 @@ def three_adapters(reference_models):
     peft_model = get_peft_model(base, config, adapter_name="red")
     for name in ("green", "blue"):
         peft_model.add_adapter(name, config)
+    # another rank and other layers (o_proj: teal's alone; up_proj and down_proj: not teal's)
+    peft_model.add_adapter("teal", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
+                                              target_modules=["q_proj", "o_proj"]))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
@@ -47,12 +50,20 @@ def alone(model, adapter: str):
     return model
 
 
-def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64):
+def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64, stacked=True):
+    """One generate call of PROMPTS, each on its adapter: the LoRA layers stacked (stacked_lora), or each running
+    PEFT's own mixed-batch forward."""
+    from llmrl.engine.model.stacked_lora import StackedLora
+
     plan = plan_generate(model, tok, "causal", PROMPTS, kwargs, 8192, max_rows, 512)
     rows = RowAdapters(adapters)
     plan = type(plan)(**{**plan.__dict__, "row_adapters": rows})
-    with torch.no_grad(), rows.hooked(model):
-        return generate(model, tok, "causal", plan, "cpu", seed=3, decoder=decoder)
+    with torch.no_grad(), rows.hooked(model, whole=stacked):
+        layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+        assert all(isinstance(vars(m).get("forward"), StackedLora) == stacked for m in layers)
+        out = generate(model, tok, "causal", plan, "cpu", seed=3, decoder=decoder)
+    assert not any("forward" in vars(m) or m._forward_pre_hooks for m in layers)  # all put back
+    return out
 
 
 def check_logprobs(model, tok, results, adapters=ADAPTERS):
@@ -62,13 +73,14 @@ def check_logprobs(model, tok, results, adapters=ADAPTERS):
             torch.testing.assert_close(sample["logprobs"], plain, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("path", ["llama_step", "hf step", "hf generate"])
-def test_greedy_rows_each_equal_their_adapter_alone(three_adapters, path):
-    model, tok = three_adapters
+@pytest.mark.parametrize("path", ["llama_step", "hf step", "hf generate", "llama_step, peft's mixed forward",
+                                  "hf generate, peft's mixed forward"])
+def test_greedy_rows_each_equal_their_adapter_alone(adapters, path):
+    model, tok = adapters
     kwargs = {"max_new_tokens": 8, "do_sample": False}
-    decoder = None if path == "hf generate" else Decoder(
-        GenerationSettings(merge_adapter=True, llama_step=path == "llama_step"), "cpu")
-    results = mixed_call(model, tok, kwargs, decoder=decoder)
+    decoder = None if path.startswith("hf generate") else Decoder(
+        GenerationSettings(merge_adapter=True, llama_step=path.startswith("llama_step")), "cpu")
+    results = mixed_call(model, tok, kwargs, decoder=decoder, stacked="peft" not in path)
     for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
@@ -81,14 +93,14 @@ def test_greedy_rows_each_equal_their_adapter_alone(three_adapters, path):
     if decoder is not None:
         stats = decoder.stats()
         assert stats["calls"] == {"llmrl": 1} and stats["merges"] == 0  # rows of several adapters: never merged
-        assert (stats["llama_step_batches"] > 0) == (path == "llama_step")
+        assert (stats["llama_step_batches"] > 0) == path.startswith("llama_step")
 
 
 @pytest.mark.parametrize("max_rows", [64, 2])
-def test_sampled_rows_each_read_their_adapter(three_adapters, max_rows):
+def test_sampled_rows_each_read_their_adapter(adapters, max_rows):
     """Three samples per prompt: in batches of several prompts (each prompt's rows together), and, at most two rows a
     batch, a prompt's rows cut into two runs."""
-    model, tok = three_adapters
+    model, tok = adapters
     decoder = Decoder(GenerationSettings(), "cpu")
     results = mixed_call(model, tok, {"max_new_tokens": 6, "do_sample": True, "num_return_sequences": 3},
                          decoder=decoder, max_rows=max_rows)
@@ -97,8 +109,8 @@ def test_sampled_rows_each_read_their_adapter(three_adapters, max_rows):
     assert decoder.stats()["llama_step_batches"] > 0
 
 
-def test_beam_search_rows_equal_their_adapter_alone(three_adapters):
-    model, tok = three_adapters
+def test_beam_search_rows_equal_their_adapter_alone(adapters):
+    model, tok = adapters
     kwargs = {"max_new_tokens": 5, "num_beams": 2, "do_sample": False}
     results = mixed_call(model, tok, kwargs)
     for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
@@ -108,8 +120,8 @@ def test_beam_search_rows_equal_their_adapter_alone(three_adapters):
         torch.testing.assert_close(sample["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
 
 
-def test_prompt_logprobs_read_each_prompts_adapter(three_adapters):
-    model, tok = three_adapters
+def test_prompt_logprobs_read_each_prompts_adapter(adapters):
+    model, tok = adapters
     results = mixed_call(model, tok, {"max_new_tokens": 2, "do_sample": False, "prompt_logprobs": True})
     for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
         ids = tok(prompt)["input_ids"]

@@ -228,8 +228,9 @@ class HFBackend(ModelBackend):
         if error is not None:
             raise error
         with torch.no_grad(), served.adapter(adapter), \
-                rows.hooked(served.model) if rows is not None else contextlib.nullcontext(), \
-                gathered_weights(served.engine, llm.training.zero3_gather_mb) as whole:
+                gathered_weights(served.engine, llm.training.zero3_gather_mb) as whole, \
+                rows.hooked(served.model, whole or llm.training.zero_stage != 3) if rows is not None \
+                else contextlib.nullcontext():
             if llm.lockstep and not whole:
                 forget_zero3_trace(served.engine)
             use = None  # (a steered step reads the whole prompt; the cache holds one adapter's keys per prompt)

@@ -1,22 +1,27 @@
 """Several LoRA adapters in one batched pass (multi-LoRA batching, as S-LoRA and Punica batch the tenants of one
 base model): each row of a ``generate`` batch reads the adapter its prompt names.
 
-:class:`RowAdapters` holds one adapter name per prompt of a call. While :meth:`RowAdapters.hooked` is entered, a
-forward pre-hook on every PEFT LoRA layer of the model hands the layer PEFT's own ``adapter_names`` argument (one
-name per input row), so the layer runs PEFT's mixed-batch forward: the base layer once over every row, then each
-adapter's A and B over its own rows. :meth:`RowAdapters.use_batch` names the prompts the next passes are for (a
-batch's prompt indices, in the batch's order); a pass of R rows over the batch's P prompts gives row r the adapter of
-prompt ``r // (R / P)``, since the rows of one prompt are consecutive: Hugging Face's ``generate`` repeats a prompt's
-row for its return sequences and beams with ``repeat_interleave``, and llmrl's decoding loop repeats its cache rows
-the same way (:mod:`llmrl.engine.model.decoding.loop`).
+:class:`RowAdapters` holds one adapter name per prompt of a call. While :meth:`RowAdapters.hooked` is entered, every
+PEFT LoRA layer of the model runs each row on its own adapter: the base layer once over every row, then the adapters'
+A and B over their own rows. :meth:`RowAdapters.use_batch` names the prompts the next passes are for (a batch's
+prompt indices, in the batch's order); a pass of R rows over the batch's P prompts gives row r the adapter of prompt
+``r // (R / P)``, since the rows of one prompt are consecutive: Hugging Face's ``generate`` repeats a prompt's row
+for its return sequences and beams with ``repeat_interleave``, and llmrl's decoding loop repeats its cache rows the
+same way (:mod:`llmrl.engine.model.decoding.loop`).
 
-The adapters run unmerged in these passes (PEFT's forward: the base product plus each adapter's ``B(A(x)) *
-scaling``), so a row's log-probs agree with those of a call for its adapter alone within float32 rounding (such a
-call decodes from the adapter merged into the weights where it can: :mod:`llmrl.engine.model.decoding.merged_lora`).
-The hook is the only one llmrl's written-out decode step accepts on a layer it calls
-(:mod:`llmrl.engine.model.decoding.llama_step`): that step calls the LoRA layer as a module, so the hook runs there
-too. Not for weight snapshots of a model without LoRA (one set of swapped-in weights at a time), nor DoRA and the
-other LoRA variants (PEFT refuses them in mixed batches), nor a static cache (it pads a batch with rows of no prompt).
+How a layer computes its rows' adapters:
+  - plain LoRA (no variant, no bias), every adapter of the layer in one dtype, weights whole on this rank: the
+    adapters stacked and applied in two batched products over the rows grouped by adapter
+    (:mod:`llmrl.engine.model.stacked_lora`, as Punica's segmented products), the layer's ``forward`` pointed at it
+    for the call;
+  - otherwise PEFT's own mixed-batch forward (its ``adapter_names`` argument, passed by a forward pre-hook), which
+    runs each adapter's A and B over its rows one adapter at a time.
+Either way each row gets PEFT's ``result + B(A(x)) * scaling`` of its adapter, unmerged, so a row's log-probs agree
+with those of a call for its adapter alone within float32 rounding (such a call decodes from the adapter merged into
+the weights where it can: :mod:`llmrl.engine.model.decoding.merged_lora`). llmrl's written-out decode step
+(:mod:`llmrl.engine.model.decoding.llama_step`) calls the LoRA layers as modules, and accepts both. Not for weight
+snapshots of a model without LoRA (one set of swapped-in weights at a time), nor DoRA and the other LoRA variants
+(PEFT refuses them in mixed batches), nor a static cache (it pads a batch with rows of no prompt).
 
 This module names adapters per row; it plans no batch and computes no step.
 """
@@ -41,14 +46,24 @@ class RowAdapters:
 
     def __init__(self, names: list[str]):
         self.names = list(names)
+        self.adapters = tuple(dict.fromkeys(self.names))  # each adapter once, in the order first named
         self._batch: list[str] = []  # the adapter of each prompt of the batch the passes are for
         self._by_rows: dict[int, list[str]] = {}  # row count -> the adapter of each row (made once per batch)
+        self._groups: dict[tuple, RowGroups] = {}  # (row count, device) -> the rows grouped by adapter
 
     def use_batch(self, prompts: list[int] | None) -> None:
         """The next passes are for these prompts of the call (their indices, in the batch's order); None: a
         throw-away batch of one row (lockstep's), which reads the first prompt's adapter."""
         self._batch = [self.names[i] for i in prompts] if prompts is not None else self.names[:1]
-        self._by_rows = {}
+        self._by_rows, self._groups = {}, {}
+
+    def groups_of_rows(self, rows: int, device) -> RowGroups:
+        """The current batch's ``rows`` rows grouped by adapter (:class:`RowGroups`, made once per batch)."""
+        key = (rows, str(device))
+        groups = self._groups.get(key)
+        if groups is None:
+            groups = self._groups[key] = RowGroups.of(self.names_of_rows(rows), self.adapters, device)
+        return groups
 
     def names_of_rows(self, rows: int) -> list[str]:
         """The adapter of each of ``rows`` rows of the current batch."""
@@ -67,17 +82,57 @@ class RowAdapters:
         return args, {**kwargs, "adapter_names": self.names_of_rows(len(args[0]))}
 
     @contextlib.contextmanager
-    def hooked(self, model):
-        """Every LoRA layer of ``model`` runs its rows on their own adapters while this is entered."""
+    def hooked(self, model, whole: bool = True):
+        """Every LoRA layer of ``model`` runs its rows on their own adapters while this is entered. ``whole``: the
+        adapters' weights are whole on this rank (not ZeRO-3 partitions that each module call gathers), so layers
+        of plain LoRA stack them (:mod:`llmrl.engine.model.stacked_lora`)."""
         from peft.tuners.lora import LoraLayer
 
-        handles = [module.register_forward_pre_hook(self.pass_names, with_kwargs=True)
-                   for module in model.modules() if isinstance(module, LoraLayer)]
+        from llmrl.engine.model.stacked_lora import StackedLora
+
+        handles, stacked = [], []
         try:
+            for module in model.modules():
+                if not isinstance(module, LoraLayer):
+                    continue
+                if whole and "forward" not in vars(module) and StackedLora.takes(module, self.adapters):
+                    module.forward = StackedLora(module, self)  # (an instance attribute: removed below)
+                    stacked.append(module)
+                else:
+                    handles.append(module.register_forward_pre_hook(self.pass_names, with_kwargs=True))
             yield self
         finally:
             for handle in handles:
                 handle.remove()
+            for module in stacked:
+                del module.forward
+
+
+class RowGroups:
+    """A pass's rows grouped by adapter, padded to the largest group: ``adapters`` (those with rows in the pass, in
+    the call's order), ``gather`` (adapters x most rows: the row each slot reads; a padding slot reads row 0),
+    ``slots`` (the slots of real rows, flat) and ``rows`` (the row each of those slots is)."""
+
+    def __init__(self, gather, slots, rows, adapters: tuple):
+        self.gather, self.slots, self.rows, self.adapters = gather, slots, rows, adapters
+
+    @classmethod
+    def of(cls, names: list[str], adapters: tuple, device) -> RowGroups:
+        import torch
+
+        members = {name: [r for r, n in enumerate(names) if n == name] for name in adapters}
+        members = {name: rows for name, rows in members.items() if rows}
+        adapters = tuple(members)
+        most = max(len(rows) for rows in members.values())
+        gather = torch.zeros((len(adapters), most), dtype=torch.long)
+        slots, rows = [], []
+        for k, name in enumerate(adapters):
+            for j, row in enumerate(members[name]):
+                gather[k, j] = row
+                slots.append(k * most + j)
+                rows.append(row)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(gather.to(device), as_tensor(slots), as_tensor(rows), adapters)
 
 
 def row_adapters_for(served, adapters) -> tuple[str | None, RowAdapters | None]:
