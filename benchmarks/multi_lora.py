@@ -108,8 +108,10 @@ def main(argv=None) -> int:
           f"{args.shape} {str(dtype).replace('torch.', '')} on {args.device}: one call is {ratio:.2f}x the "
           f"adapter-a-call rate; greedy tokens the same: {same}; largest log-prob difference {gap:.2e}")
     if args.out:
+        from llmrl.engine.provenance import run_provenance
+
         with open(args.out, "w") as f:
-            json.dump({"device": args.device, "shape": args.shape, "dtype": str(dtype), "adapters": args.adapters,
+            json.dump({"provenance": run_provenance(), "device": args.device, "shape": args.shape, "dtype": str(dtype), "adapters": args.adapters,
                        "prompts_per_adapter": args.prompts, "prompt_tokens": args.prompt_tokens,
                        "new_tokens": args.new_tokens, "one_adapter_a_call_s": seconds[False],
                        "one_call_s": seconds[True], "speedup": ratio, "same_tokens": same,
