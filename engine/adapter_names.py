@@ -50,7 +50,8 @@ def container_attributes() -> frozenset[str]:
 
 def one_adapter_or_rows(adapters):
     """A ``generate`` request's ``peft_adapter``: None or one name as given; a list of names, one per prompt, as that
-    name when every prompt names the same one (the single-adapter path, merged weights and all)."""
-    if isinstance(adapters, list) and adapters and all(name == adapters[0] for name in adapters):
-        return adapters[0]
+    name when every prompt names the same one (the single-adapter path, merged weights and all); an empty list
+    (no prompts) as None."""
+    if isinstance(adapters, list) and all(name == adapters[0] for name in adapters):
+        return adapters[0] if adapters else None
     return adapters

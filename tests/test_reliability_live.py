@@ -41,7 +41,8 @@ def run(tiny):
                            "slow": {"plugin": "llmrl_test_plugins:SlowHead", "args": {"seconds": 4}}},
                  "initializers": [{"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}]},
         "trainable": trainable(tiny),
-        "sharded": {"model": tiny["llama"], "replicas": 2, "training": {"zero_stage": 3}},
+        "sharded": {"model": tiny["llama"], "replicas": 2, "training": {"zero_stage": 3, "zero3_gather_mb": 0},
+                    "initializers": [{"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}]},
     }, "threads_per_rank": 1, "timeouts": {"request": 2.5, "collective": 6}}
     live = LiveRun(config)
     yield live
@@ -149,6 +150,18 @@ def test_idle_servers_outlive_the_collective_timeout(run, reference_models):
     for got, want in zip(run.score(CONTEXTS, CANDIDATES, llm="sharded"), reference_scores(model, tok, CONTEXTS,
                                                                                           CANDIDATES)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_rows_of_several_adapters_are_refused_under_zero3_layer_by_layer_and_the_servers_keep_serving(run):
+    """ZeRO-3 over 2 replicas, weights not gathered for a call (zero3_gather_mb 0): each module call gathers its
+    weights with the other replica, so both must run the same adapters. A generate naming two adapters is refused on
+    each replica (each share alone names one: ["a"], ["b"]), and calls of one adapter each are served after it."""
+    with pytest.raises(RequestError, match="zero3_gather_mb"):
+        run.generate(["x y", "z w"], llm="sharded", peft_adapter=["a", "b"], max_new_tokens=2)
+    for adapter in ("a", "b"):
+        (first,), (second,) = run.generate(["x y", "z w"], llm="sharded", peft_adapter=adapter, max_new_tokens=2,
+                                           do_sample=False)
+        assert first["policy"] == second["policy"] == adapter
 
 
 def _dies_cleanly(live: LiveRun, rank: int, limit: float = 60.0):

@@ -260,10 +260,13 @@ def test_generate_send_gives_each_replica_its_contexts_adapters():
     generate.send(run, "m", request).result()
     assert [(p.contexts, p.peft_adapter) for _, p in run.parts] == [
         (["p0", "p0", "p1"], ["a", "a", "b"]), (["p1", "p2", "p2"], "b")]
-    run = FakeRun(3, fake_samples, lockstep=True)  # a replica with nothing to do gets no list
+    run = FakeRun(3, fake_samples, lockstep=True)  # lockstep: each share a list; one with nothing to do: None
     generate.send(run, "m", generate.GenerateRequest(["p0", "p1"], {}, peft_adapter=["a", "b"])).result()
-    assert sorted((p.contexts, str(p.peft_adapter)) for _, p in run.parts) == [([], "None"), (["p0"], "a"),
-                                                                                (["p1"], "b")]
+    assert sorted((p.contexts, str(p.peft_adapter)) for _, p in run.parts) == [([], "None"), (["p0"], "['a']"),
+                                                                                (["p1"], "['b']")]
+    run = FakeRun(2, fake_samples, lockstep=True)  # one adapter for every context: one name, whatever the layout
+    generate.send(run, "m", generate.GenerateRequest(["p0", "p1"], {}, peft_adapter=["a", "a"])).result()
+    assert [p.peft_adapter for _, p in run.parts] == ["a", "a"]
 
 
 @pytest.mark.parametrize("adapters, kind, error", [

@@ -50,12 +50,12 @@ def alone(model, adapter: str):
     return model
 
 
-def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64, stacked=True):
-    """One generate call of PROMPTS, each on its adapter: the LoRA layers stacked (stacked_lora), or each running
+def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64, stacked=True, prompts=PROMPTS):
+    """One generate call of ``prompts``, each on its adapter: the LoRA layers stacked (stacked_lora), or each running
     PEFT's own mixed-batch forward."""
     from llmrl.engine.model.stacked_lora import StackedLora
 
-    plan = plan_generate(model, tok, "causal", PROMPTS, kwargs, 8192, max_rows, 512)
+    plan = plan_generate(model, tok, "causal", prompts, kwargs, 8192, max_rows, 512)
     rows = RowAdapters(adapters)
     plan = type(plan)(**{**plan.__dict__, "row_adapters": rows})
     with torch.no_grad(), rows.hooked(model, whole=stacked):
@@ -66,22 +66,29 @@ def mixed_call(model, tok, kwargs, adapters=ADAPTERS, decoder=None, max_rows=64,
     return out
 
 
-def check_logprobs(model, tok, results, adapters=ADAPTERS):
-    for prompt, adapter, samples in zip(PROMPTS, adapters, results):
+def check_logprobs(model, tok, results, adapters=ADAPTERS, prompts=PROMPTS):
+    for prompt, adapter, samples in zip(prompts, adapters, results):
         for sample in samples:
             plain = plain_logprobs(alone(model, adapter), tok, prompt, sample["tokens"].tolist())
             torch.testing.assert_close(sample["logprobs"], plain, atol=1e-5, rtol=0)
 
 
+# six of nine prompts on one adapter: padding every group to six would more than double the rows (stacked_lora then
+# runs each adapter's rows on their own)
+SKEWED = (PROMPTS + ["a blue box", "the key opens", "go to", "pick up the"],
+          ["red", "green", "red", "blue", "red", "red", "teal", "red", "red"])
+
+
 @pytest.mark.parametrize("path", ["llama_step", "hf step", "hf generate", "llama_step, peft's mixed forward",
-                                  "hf generate, peft's mixed forward"])
+                                  "hf generate, peft's mixed forward", "llama_step, skewed groups"])
 def test_greedy_rows_each_equal_their_adapter_alone(adapters, path):
     model, tok = adapters
     kwargs = {"max_new_tokens": 8, "do_sample": False}
     decoder = None if path.startswith("hf generate") else Decoder(
         GenerationSettings(merge_adapter=True, llama_step=path.startswith("llama_step")), "cpu")
-    results = mixed_call(model, tok, kwargs, decoder=decoder, stacked="peft" not in path)
-    for prompt, adapter, (sample,) in zip(PROMPTS, ADAPTERS, results):
+    prompts, names = SKEWED if "skewed" in path else (PROMPTS, ADAPTERS)
+    results = mixed_call(model, tok, kwargs, names, decoder=decoder, stacked="peft" not in path, prompts=prompts)
+    for prompt, adapter, (sample,) in zip(prompts, names, results):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             theirs = alone(model, adapter).generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs,
@@ -89,7 +96,7 @@ def test_greedy_rows_each_equal_their_adapter_alone(adapters, path):
         eos = (theirs == tok.eos_token_id).nonzero()
         theirs = theirs[: int(eos[0]) + 1] if len(eos) else theirs
         assert sample["tokens"].tolist() == theirs.tolist(), (prompt, adapter)
-    check_logprobs(model, tok, results)
+    check_logprobs(model, tok, results, names, prompts)
     if decoder is not None:
         stats = decoder.stats()
         assert stats["calls"] == {"llmrl": 1} and stats["merges"] == 0  # rows of several adapters: never merged
@@ -157,11 +164,61 @@ def test_a_request_names_known_adapters_and_no_weight_snapshot_among_others():
             raise ValueError(f"unknown peft_adapter {name!r}")
 
     served = SimpleNamespace(check_adapter=check_adapter, run_time=SimpleNamespace(weight_snapshots={"frozen": {}}))
-    adapter, rows = row_adapters_for(served, ["red", "green", "red"])
+    adapter, rows = row_adapters_for(served, ["red", "green", "red"], 3)
     assert adapter is None and rows.names == ["red", "green", "red"]
-    assert row_adapters_for(served, ["green", "green"]) == ("green", None)  # one adapter: the single-adapter path
-    assert row_adapters_for(served, "frozen") == ("frozen", None)
+    assert row_adapters_for(served, ["green", "green"], 2) == ("green", None)  # one adapter: the single-adapter path
+    assert row_adapters_for(served, "frozen", 5) == ("frozen", None)
+    assert row_adapters_for(served, [], 0) == (None, None)  # a replica's empty share
     with pytest.raises(ValueError, match="unknown peft_adapter 'blue'"):
-        row_adapters_for(served, ["red", "blue"])
+        row_adapters_for(served, ["red", "blue"], 2)
     with pytest.raises(ValueError, match="weight snapshot 'frozen' among other adapters"):
-        row_adapters_for(served, ["red", "frozen"])
+        row_adapters_for(served, ["red", "frozen"], 2)
+    with pytest.raises(ValueError, match="lists 3 adapter name\\(s\\) for 2 context"):
+        row_adapters_for(served, ["red", "green", "red"], 2)
+
+
+@pytest.mark.parametrize("base, lora", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "float32"),
+                                        ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("layout", [["red", "green", "green", "red", "green", "red"],
+                                    ["red", "red", "red", "red", "red", "green"]])  # (skewed: adapter by adapter)
+def test_a_stacked_layer_computes_each_rows_adapter_as_peft_does_in_every_dtype(base, lora, layout):
+    """One LoRA layer: each row of the stacked forward against PEFT's forward with that row's adapter active, on
+    that row alone. The tolerance is a hundredth of the adapter's own contribution (rounding the base output to a
+    half-precision adapter's dtype, or the scaling to it, would miss by more)."""
+    from peft import LoraConfig, get_peft_model
+
+    from llmrl.engine.model.stacked_lora import StackedLora
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 24)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(1)
+    peft_model = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=5, target_modules=["proj"],
+                                                  init_lora_weights=False), adapter_name="red")
+    peft_model.add_adapter("green", LoraConfig(r=3, lora_alpha=4, target_modules=["proj"], init_lora_weights=False))
+    layer = peft_model.base_model.model.proj
+    with torch.no_grad():  # an adapter's contribution small beside the base output's, as after a few steps
+        for module in layer.lora_B.values():
+            module.weight.mul_(0.05)
+    layer.base_layer.to(getattr(torch, base))
+    for module in (*layer.lora_A.values(), *layer.lora_B.values()):
+        module.to(getattr(torch, lora))
+    layer.eval()
+    x = torch.randn(len(layout), 3, 16).to(getattr(torch, base))
+    rows = RowAdapters(layout)
+    rows.use_batch(list(range(len(layout))))
+    assert StackedLora.takes(layer, rows.adapters)
+    with torch.no_grad():
+        got = StackedLora(layer, rows)(x)
+        for r, name in enumerate(layout):
+            peft_model.set_adapter(name)
+            want = layer(x[r:r + 1])[0]
+            with peft_model.disable_adapter():
+                own = (want.float() - layer(x[r:r + 1])[0].float()).abs().max()
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got[r].float(), want.float(), atol=float(own) / 100, rtol=0)

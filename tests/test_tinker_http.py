@@ -160,7 +160,7 @@ def test_a_batch_still_in_its_window_joins_a_call_of_the_same_parameters():
         calls.append([(key[0], prompt[0]) for key, prompt in zip(keys, prompts)])
         return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
 
-    batcher = SampleBatcher(run, window=1.0, most=8, shared=lambda key: key[1])
+    batcher = SampleBatcher(run, window=3.0, most=8, shared=lambda key: key[1])  # (six submits well within it)
     futures = [batcher.submit((name, "p"), [k]) for name in "abc" for k in range(2)]
     assert [f.result(30) for f in futures] == [f"{name}{[k]}" for name in "abc" for k in range(2)]
     assert calls == [[(name, k) for name in "abc" for k in range(2)]]
@@ -291,3 +291,24 @@ def test_an_overwrite_cut_between_its_renames_keeps_the_old_state_readable_and_t
     assert save(4, overwrite=True).kind == "json" and held(folder) == "3"
     assert sorted(os.listdir(os.path.dirname(folder))) == ["one"]
     service.futures.close()
+
+
+def test_a_call_of_several_samplers_refused_for_one_input_is_sent_again_sampler_by_sampler():
+    """Sampler a's batch holds a prompt the servers refuse; b's joined a's call. b's requests are answered by one
+    call of b's own, a's good request alone, and only a's bad request fails."""
+    calls = []
+
+    def run(keys, prompts):
+        calls.append([(key[0], prompt[0]) for key, prompt in zip(keys, prompts)])
+        if any(prompt[0] >= 100 for prompt in prompts):
+            raise ValueError("a token id is outside the vocabulary")
+        return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
+
+    batcher = SampleBatcher(run, window=1.0, most=8, shared=lambda key: key[1])
+    good, bad = batcher.submit(("a", "p"), [1]), batcher.submit(("a", "p"), [500])
+    others = [batcher.submit(("b", "p"), [k]) for k in (2, 3)]
+    assert good.result(30) == "a[1]" and [f.result(30) for f in others] == ["b[2]", "b[3]"]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bad.result(30)
+    assert calls == [[("a", 1), ("a", 500), ("b", 2), ("b", 3)], [("a", 1), ("a", 500)], [("a", 1)], [("a", 500)],
+                     [("b", 2), ("b", 3)]]

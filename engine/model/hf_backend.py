@@ -25,7 +25,7 @@ from llmrl.engine.model.forward import forget_zero3_trace, plan_and_agree, plan_
 from llmrl.engine.model.hf_startup import decoder_start_id, make_prefix_cache, make_trunk, num_hidden_states
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.version_counts import share_staleness, stamped, update_staleness, version_of
-from llmrl.engine.model.zero3_gather import gathered_weights
+from llmrl.engine.model.zero3_gather import gathered_weights, gathers_whole
 
 
 class HFBackend(ModelBackend):
@@ -202,7 +202,12 @@ class HFBackend(ModelBackend):
         served, llm, rows = self.served, self.llm, None
         kwargs, steering = dict(request.kwargs or {}), None
         try:
-            adapter, rows = row_adapters_for(served, request.peft_adapter)  # rows: each prompt its own adapter
+            adapter, rows = row_adapters_for(served, request.peft_adapter, len(request.contexts))
+            if isinstance(request.peft_adapter, list) and llm.lockstep and \
+                    not gathers_whole(served.engine, llm.training.zero3_gather_mb):  # (voted on below)
+                raise ValueError(f"LLM {llm.name!r} runs ZeRO-3 layer by layer in lockstep (its weights exceed "
+                                 "training.zero3_gather_mb), where every rank must run the same adapters: give "
+                                 "generate one peft_adapter per call, or raise zero3_gather_mb")
             served.check_adapter(adapter)
             if kwargs.get("steer") not in (None, False):  # the updater's own policy (plugins/steering.py)
                 if rows is not None:
@@ -229,7 +234,7 @@ class HFBackend(ModelBackend):
             raise error
         with torch.no_grad(), served.adapter(adapter), \
                 gathered_weights(served.engine, llm.training.zero3_gather_mb) as whole, \
-                rows.hooked(served.model, whole or llm.training.zero_stage != 3) if rows is not None \
+                rows.hooked(served.model, gathers_whole(served.engine, 0) or whole) if rows is not None \
                 else contextlib.nullcontext():
             if llm.lockstep and not whole:
                 forget_zero3_trace(served.engine)

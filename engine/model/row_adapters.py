@@ -16,12 +16,15 @@ How a layer computes its rows' adapters:
     for the call;
   - otherwise PEFT's own mixed-batch forward (its ``adapter_names`` argument, passed by a forward pre-hook), which
     runs each adapter's A and B over its rows one adapter at a time.
-Either way each row gets PEFT's ``result + B(A(x)) * scaling`` of its adapter, unmerged, so a row's log-probs agree
-with those of a call for its adapter alone within float32 rounding (such a call decodes from the adapter merged into
-the weights where it can: :mod:`llmrl.engine.model.decoding.merged_lora`). llmrl's written-out decode step
-(:mod:`llmrl.engine.model.decoding.llama_step`) calls the LoRA layers as modules, and accepts both. Not for weight
-snapshots of a model without LoRA (one set of swapped-in weights at a time), nor DoRA and the other LoRA variants
-(PEFT refuses them in mixed batches), nor a static cache (it pads a batch with rows of no prompt).
+PEFT's other per-adapter modules (``modules_to_save`` copies, trainable tokens) take ``adapter_names`` too. Each row
+gets its adapter's ``result + B(A(x)) * scaling``, unmerged. In float32 a row's log-probs then agree with those of a
+call for its adapter alone within float32 rounding (such a call decodes from the adapter merged into the weights
+where it can: :mod:`llmrl.engine.model.decoding.merged_lora`); in a half-precision model, where an adapter's output
+is added to the base output in its own dtype alone, PEFT's mixed forward rounds it to the base output's dtype first.
+llmrl's written-out decode step (:mod:`llmrl.engine.model.decoding.llama_step`) calls the LoRA layers as modules,
+and accepts both. Not for weight snapshots of a model without LoRA (one set of swapped-in weights at a time), nor
+DoRA and the other LoRA variants (PEFT refuses them in mixed batches), nor a static cache (it pads a batch with rows
+of no prompt), nor ZeRO-3 in lockstep layer by layer (each rank's share would gather other adapters' weights).
 
 This module names adapters per row; it plans no batch and computes no step.
 """
@@ -87,12 +90,15 @@ class RowAdapters:
         adapters' weights are whole on this rank (not ZeRO-3 partitions that each module call gathers), so layers
         of plain LoRA stack them (:mod:`llmrl.engine.model.stacked_lora`)."""
         from peft.tuners.lora import LoraLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
 
         from llmrl.engine.model.stacked_lora import StackedLora
 
         handles, stacked = [], []
         try:
             for module in model.modules():
+                if isinstance(module, AuxiliaryTrainingWrapper):  # modules_to_save, trainable tokens: PEFT's own
+                    handles.append(module.register_forward_pre_hook(self.pass_names, with_kwargs=True))
                 if not isinstance(module, LoraLayer):
                     continue
                 if whole and "forward" not in vars(module) and StackedLora.takes(module, self.adapters):
@@ -111,10 +117,12 @@ class RowAdapters:
 class RowGroups:
     """A pass's rows grouped by adapter, padded to the largest group: ``adapters`` (those with rows in the pass, in
     the call's order), ``gather`` (adapters x most rows: the row each slot reads; a padding slot reads row 0),
-    ``slots`` (the slots of real rows, flat) and ``rows`` (the row each of those slots is)."""
+    ``slots`` (the slots of real rows, flat), ``rows`` (the row each of those slots is) and ``members`` (each
+    adapter's rows)."""
 
-    def __init__(self, gather, slots, rows, adapters: tuple):
+    def __init__(self, gather, slots, rows, adapters: tuple, members: list):
         self.gather, self.slots, self.rows, self.adapters = gather, slots, rows, adapters
+        self.members = members  # each adapter's rows, unpadded
 
     @classmethod
     def of(cls, names: list[str], adapters: tuple, device) -> RowGroups:
@@ -132,13 +140,17 @@ class RowGroups:
                 slots.append(k * most + j)
                 rows.append(row)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(gather.to(device), as_tensor(slots), as_tensor(rows), adapters)
+        return cls(gather.to(device), as_tensor(slots), as_tensor(rows), adapters,
+                   [as_tensor(members[name]) for name in adapters])
 
 
-def row_adapters_for(served, adapters) -> tuple[str | None, RowAdapters | None]:
-    """A ``generate`` request's ``peft_adapter`` on ``served`` (a :class:`~llmrl.engine.model.served.ServedModel`):
-    the adapter to activate for the call, and its :class:`RowAdapters` where its prompts name different ones (else
-    None). Raises ValueError for an unknown name, and for a weight snapshot among other adapters."""
+def row_adapters_for(served, adapters, contexts: int) -> tuple[str | None, RowAdapters | None]:
+    """A ``generate`` request's ``peft_adapter`` on ``served`` (a :class:`~llmrl.engine.model.served.ServedModel`)
+    for ``contexts`` prompts: the adapter to activate for the call, and its :class:`RowAdapters` where its prompts
+    name different ones (else None). Raises ValueError for a list of another length, an unknown name, and a weight
+    snapshot among other adapters."""
+    if isinstance(adapters, list) and len(adapters) != contexts:
+        raise ValueError(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} context(s)")
     adapters = one_adapter_or_rows(adapters)
     if not isinstance(adapters, list):
         return adapters, None

@@ -35,6 +35,16 @@ def gathered_bytes(params) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
 
 
+def gathers_whole(engine, cap_mb: int) -> bool:
+    """Whether a call's weights are whole on this rank: not partitioned, or gathered for the call by
+    :func:`gathered_weights` (the model within ``cap_mb``). Computes no collective."""
+    offload = _offload(engine)
+    if offload is None:
+        return True
+    plan = _call_plan(offload.module, [*offload.forward_hooks, *offload.backward_hooks])
+    return not plan.params or (cap_mb > 0 and plan.gathered_bytes <= cap_mb * 2**20)
+
+
 @contextlib.contextmanager
 def gathered_weights(engine, cap_mb: int):
     """Inside, ``engine.module`` runs with every weight whole and no ZeRO-3 hook; yields whether it gathered (False:

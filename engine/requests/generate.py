@@ -133,7 +133,8 @@ def send(run: Run, llm: str, request: GenerateRequest) -> Future:
             raise InvalidArgument(f"generate's {name} (prompt plus new tokens) is not taken: pass {instead}, the "
                                   "tokens each sample may add (the prompts of one call have different lengths)")
     k = num_return_sequences(kwargs)
-    adapters = check_adapters(request.peft_adapter, len(contexts))
+    adapters = one_adapter_or_rows(check_adapters(request.peft_adapter, len(contexts)))
+    lockstep = run.config.llms[llm].lockstep  # (every replica's share keeps its list: see of_inputs)
     shares = plan_shares(len(contexts), k, len(run.replicas(llm)), splits_sequences(kwargs))
 
     def share(pieces: list[Piece]) -> GenerateRequest:
@@ -142,11 +143,12 @@ def send(run: Run, llm: str, request: GenerateRequest) -> Future:
         seed = None if request.seed is None else request.seed + pieces[0].input * k + pieces[0].start
         if one_prompt_per_sample(pieces):
             inputs = [p.input for p in pieces for _ in range(p.size)]
-            return replace(request, contexts=[contexts[i] for i in inputs], peft_adapter=of_inputs(adapters, inputs),
+            return replace(request, contexts=[contexts[i] for i in inputs],
+                           peft_adapter=of_inputs(adapters, inputs, lockstep),
                            kwargs={**kwargs, "num_return_sequences": 1}, seed=seed)
         size, inputs = pieces[0].size, [p.input for p in pieces]
         return replace(request, contexts=[contexts[i] for i in inputs], seed=seed,
-                       peft_adapter=of_inputs(adapters, inputs),
+                       peft_adapter=of_inputs(adapters, inputs, lockstep),
                        kwargs=kwargs if size == k else {**kwargs, "num_return_sequences": size})
 
     parts, answering = piece_parts(run, llm, shares, share, keep_empty=run.config.llms[llm].lockstep)
@@ -187,10 +189,14 @@ def check_adapters(adapters, contexts: int):
     return list(adapters)
 
 
-def of_inputs(adapters, inputs: list[int]):
-    """A share's ``peft_adapter``: the call's one name, or the names of the contexts it holds (one name where they
-    all name the same: the single-adapter path)."""
-    return one_adapter_or_rows([adapters[i] for i in inputs]) if isinstance(adapters, list) else adapters
+def of_inputs(adapters, inputs: list[int], lockstep: bool = False):
+    """A share's ``peft_adapter``: the call's one name, or the names of the contexts it holds: one name where they
+    all name the same (the single-adapter path), but under ``lockstep``, where each replica must know that the call
+    names several adapters (ZeRO-3 layer by layer refuses them: its replicas would gather different adapters)."""
+    if not isinstance(adapters, list):
+        return adapters
+    names = [adapters[i] for i in inputs]
+    return names if lockstep else one_adapter_or_rows(names)
 
 
 def _with_total(samples: list[dict]) -> list[dict]:

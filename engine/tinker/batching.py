@@ -83,8 +83,9 @@ class SampleBatcher:
     def _send_next(self) -> None:
         """Start calls while fewer than ``in_flight`` run: each time the batch of the key sent least recently
         (never sent first; between equals, the first to wait), joined by the first batch of each other key that
-        shares its ``shared`` part, in the same order, then the batches of such keys still filling, while the call
-        holds at most ``most`` prompts. Holds the lock."""
+        shares its ``shared`` part, in the same order, then the batch still filling of each such key (the first
+        key's own included) that has no other batch waiting, while the call holds at most ``most`` prompts. Holds
+        the lock."""
         while self._running < self._in_flight and self._ready:
             by_turn = sorted(self._ready, key=lambda k: self._last_sent.get(k, -1))  # (stable: the first to wait)
             key = by_turn[0]
@@ -97,8 +98,9 @@ class SampleBatcher:
                     if not waiting_alone and size + len(waiting) <= self._most and self._shared(other) == group:
                         parts.append((other, self._take(other)[0]))
                         size += len(waiting)
-                for other, filling in list(self._pending.items()):  # batches still in their window join too
-                    if size + len(filling) <= self._most and self._shared(other) == group:
+                for other, filling in list(self._pending.items()):  # batches still in their window join too,
+                    if other not in self._ready and size + len(filling) <= self._most \
+                            and self._shared(other) == group:  # behind none of their own key's (order kept)
                         del self._pending[other]  # (its window's flush then finds it gone)
                         parts.append((other, filling))
                         size += len(filling)
@@ -132,9 +134,12 @@ class SampleBatcher:
         try:
             results = self._run([key for key, _ in requests], [prompt for _, (prompt, _) in requests])
         except BaseException as err:  # noqa: BLE001 - every request of the batch gets the error
-            if len(requests) > 1 and _refused_for_input(err):  # a request's own input: each alone,
-                for one in requests:  # so that it fails the request that sent it, not its neighbours
-                    self._call([one])
+            if len(requests) > 1 and _refused_for_input(err):  # a request's own input: each key's alone, then each
+                keys = list(dict.fromkeys(key for key, _ in requests))  # request alone, so that it fails the request
+                parts = [[r for r in requests if r[0] == key] for key in keys] if len(keys) > 1 else \
+                    [[one] for one in requests]  # that sent it, not its neighbours
+                for part in parts:
+                    self._call(part)
                 return
             for _, (_, future) in requests:
                 future.set_exception(err)

@@ -12,9 +12,9 @@ Caller's primitives.
   client's last few (older ones are dropped: their sessions then answer an error).
 - A **sampler** reads a snapshot, or the base model (the config's own LoRA adapter, which Tinker never trains: a
   LoRA adapter starts as the identity, so it is the base model until trained), through ``generate``; the log-probs
-  it returns are those of the distribution it sampled from (``sampling_logprobs``). Requests that read the same
-  weights with the same parameters within a few milliseconds share one ``generate`` call
-  (:mod:`llmrl.engine.tinker.batching`).
+  it returns are those of the distribution it sampled from (``sampling_logprobs``). Requests with the same
+  sampling parameters within a few milliseconds share one ``generate`` call, each prompt on its own sampler's
+  weights (:mod:`llmrl.engine.tinker.batching`).
 - ``save_weights`` (``save_state``) writes the adapter's weights and Adam state (``Caller.save_adapter``) under the
   service's folder (``overwrite=True`` replaces a state of that name, once the new one is written); ``load_weights``
   loads one into a new training client (``create_training_client_from_state``, with or without the optimizer state) or
