@@ -112,7 +112,8 @@ def main(argv=None) -> int:
 
         with open(args.out, "w") as f:
             json.dump({"provenance": run_provenance(), "device": args.device, "shape": args.shape,
-                       "dtype": str(dtype), "adapters": args.adapters, "prompts_per_adapter": args.prompts, "prompt_tokens": args.prompt_tokens,
+                       "dtype": str(dtype), "adapters": args.adapters, "prompts_per_adapter": args.prompts,
+                       "prompt_tokens": args.prompt_tokens,
                        "new_tokens": args.new_tokens, "one_adapter_a_call_s": seconds[False],
                        "one_call_s": seconds[True], "speedup": ratio, "same_tokens": same,
                        "largest_logprob_difference": gap, "decoding": decoder.stats()["calls"]}, f, indent=2)
