@@ -11,10 +11,10 @@ rounded to the base output's, as PEFT does), with one product per stack instead 
 the groups to the largest would more than double the rows (one tenant's many rows beside others' few), each
 adapter's rows run on their own instead. The stacks are built once per call and set of adapters (the weights do not
 change during a ``generate`` call); adapters of other ranks are padded with zeros to the largest.
-:meth:`StackedLora.takes` names the layers it computes: plain LoRA (no variant such as DoRA, no bias on B) over a linear base layer, every
-adapter of the call that the layer holds in one dtype, in eval mode (dropout off). The others run PEFT's own
-mixed-batch forward. It reads weights as they lie on this rank: the caller passes whole weights only (not ZeRO-3's
-partitions, which a module call gathers).
+:meth:`StackedLora.takes` names the layers it computes: plain LoRA (no variant such as DoRA, no bias on B) over a
+linear base layer, every adapter of the call that the layer holds in one dtype, in eval mode (dropout off). The
+others run PEFT's own mixed-batch forward. It reads weights as they lie on this rank: the caller passes whole
+weights only (not ZeRO-3's partitions, which a module call gathers).
 
 This module computes a layer's output; it groups no rows itself (:class:`~llmrl.engine.model.row_adapters.RowGroups`).
 """
