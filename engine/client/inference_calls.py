@@ -147,7 +147,8 @@ class InferenceCalls:
         adapter (multi-LoRA batching: the base model's pass is shared, as when several tenants or the runs of a sweep
         sample from one served model); each sample's ``policy`` says which it read. Such a call decodes with the
         adapters unmerged, without the cache across calls, and takes a weight sync sent in flight only once it ends;
-        not with ``steer``, nor naming a weight snapshot of a model without LoRA.
+        not with ``steer``, nor naming a weight snapshot of a model without LoRA, nor under ZeRO-3 with replicas
+        whose weights exceed ``training.zero3_gather_mb`` (refused, naming it).
 
         Returns:
             Per context, ``num_return_sequences`` dicts with ``text``, ``tokens`` (the generated ids, up to and
