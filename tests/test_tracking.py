@@ -134,7 +134,11 @@ def test_names_carry_the_llm_in_runs_of_several_and_csv_appends_to_a_named_run(t
         (5, "reward", 2.0)]
 
 
-def test_default_run_names_never_reuse_a_folder(tmp_path):
+def test_default_run_names_never_reuse_a_folder(tmp_path, monkeypatch):
+    """Two runs started within one second get the same default name: the second takes another folder."""
+    from llmrl.engine.client.tracking import tracker as module
+
+    monkeypatch.setattr(module, "default_run_name", lambda: "script-20261203-101500")  # (both in the same second)
     first = Tracker(TrackingConfig(backends=("csv",), dir=str(tmp_path)), ["main"])
     first.log({"a": 1.0})
     second = Tracker(TrackingConfig(backends=("csv",), dir=str(tmp_path)), ["main"])
