@@ -208,9 +208,10 @@ class SlowHead(Head):
 
 
 class GateHead(Head):
-    """Waits in its forward until the file ``path`` exists: a request that keeps its rank busy until the test opens
-    the gate. ``timeout`` bounds the wait (then it raises) so that a test that never opens the gate fails instead of
-    holding the rank; it checks no speed."""
+    """Keeps its rank busy in its forward while the test holds the file ``path`` locked (``fcntl.flock``, exclusive):
+    it waits for a shared lock on it, which the kernel grants the moment the test lets go (or its process ends). A
+    test that never lets go fails after ``timeout`` seconds (the wait's bound, not a measure of speed) instead of
+    holding the rank."""
 
     def __init__(self, llm, path: str, timeout: float = 120.0):
         super().__init__(llm)
@@ -218,11 +219,15 @@ class GateHead(Head):
         self.timeout = timeout
 
     def forward(self, outputs):
-        deadline = time.monotonic() + self.timeout
-        while not os.path.exists(self.path):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gate {self.path} did not open within {self.timeout:g} s")
-            time.sleep(0.01)
+        import fcntl
+        import threading
+
+        with open(self.path) as gate:
+            waiting = threading.Thread(target=fcntl.flock, args=(gate.fileno(), fcntl.LOCK_SH), daemon=True)
+            waiting.start()
+            waiting.join(self.timeout)
+            if waiting.is_alive():
+                raise TimeoutError(f"the gate {self.path} stayed locked for {self.timeout:g} s")
         return torch.zeros(outputs.num_contexts)
 
 

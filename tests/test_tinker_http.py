@@ -119,7 +119,6 @@ def test_samplers_with_the_same_parameters_share_a_call_and_take_turns_within_it
     once, a's and b's sent by the window), d (other parameters) and a seeded request wait. Then, by turns: the seeded
     request alone (never joined), c's batch (a's or b's would exceed ``most`` beside it), d's, and a's and b's in one
     call, each prompt with its own key."""
-    import time
 
     started, running, release = [], threading.Event(), threading.Event()
 
@@ -130,7 +129,14 @@ def test_samplers_with_the_same_parameters_share_a_call_and_take_turns_within_it
             assert release.wait(30)
         return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
 
-    batcher = SampleBatcher(run, window=1.0, most=4, in_flight=1, shared=lambda key: key[1])
+    waiting = threading.Semaphore(0)
+
+    class Observed(SampleBatcher):  # (each batch that starts to wait its turn, told)
+        def _enqueue(self, key, batch, alone=False):
+            super()._enqueue(key, batch, alone)
+            waiting.release()
+
+    batcher = Observed(run, window=1.0, most=4, in_flight=1, shared=lambda key: key[1])
     first = [batcher.submit(("z", "p"), [k]) for k in range(4)]
     assert running.wait(30)
     a = [batcher.submit(("a", "p"), [k]) for k in range(2)]
@@ -138,10 +144,8 @@ def test_samplers_with_the_same_parameters_share_a_call_and_take_turns_within_it
     seeded = batcher.submit(("s", "p"), [7], alone=True)
     c = [batcher.submit(("c", "p"), [k]) for k in range(4)]
     d = [batcher.submit(("d", "q"), [k]) for k in range(4)]
-    deadline = time.monotonic() + 30
-    while len(batcher._ready) < 5:  # every batch waiting (a's and b's once their window passed)
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    for _ in range(6):  # z's, then s's, c's and d's at once, a's and b's once their window passed
+        assert waiting.acquire(timeout=30)
     release.set()
     assert [f.result(30) for f in first + a + b + c + d] == [
         *(f"z{[k]}" for k in range(4)), "a[0]", "a[1]", "b[10]", "b[11]", *(f"c{[k]}" for k in range(4)),

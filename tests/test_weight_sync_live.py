@@ -24,8 +24,10 @@ PROMPT = [1, 45, 96, 173]
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory) -> str:
-    """The file whose creation lets the sampler's ``gate`` head return."""
-    return str(tmp_path_factory.mktemp("gate") / "open")
+    """The file that the sampler's ``gate`` head waits on while the test holds it locked."""
+    path = tmp_path_factory.mktemp("gate") / "gate"
+    path.touch()
+    return str(path)
 
 
 @pytest.fixture(scope="module")

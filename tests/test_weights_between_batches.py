@@ -154,3 +154,20 @@ def test_the_server_serves_a_write_in_flight_only_when_it_is_the_next_request_qu
     with pytest.raises(RuntimeError, match="stamping failed"):  # the generate fails, and says why
         server._take_queued_write(failing_stamp)
     assert events == [] and server.inbox.get_nowait() is write  # the write is still queued: served in its turn
+
+
+def test_the_gate_head_holds_its_rank_while_the_file_is_locked_and_lets_go_with_the_lock(tmp_path):
+    """The live in-flight test's GateHead (llmrl_test_plugins): its forward waits while the file is locked, gives up
+    after its timeout, and returns once the lock is let go."""
+    import fcntl
+
+    from llmrl_test_plugins import GateHead
+
+    gate = tmp_path / "gate"
+    gate.touch()
+    outputs = SimpleNamespace(num_contexts=2)
+    with open(gate, "w") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="stayed locked for 0.2 s"):
+            GateHead(None, str(gate), timeout=0.2).forward(outputs)
+    assert torch.equal(GateHead(None, str(gate), timeout=30).forward(outputs), torch.zeros(2))

@@ -223,8 +223,8 @@ class Server:
                 and getattr(head.payload, "in_flight", False)):
             return False
         before()  # (should it raise, the write stays queued and is served in its turn)
-        with self.inbox.mutex:  # still the head: only this thread takes from the inbox
-            self.inbox.queue.popleft()
+        taken = self.inbox.get_nowait()  # still the head: only this thread takes from the inbox
+        assert taken is head
         started = time.perf_counter()
         reply = self._handle(head)
         logger.debug(f"write_weights #{head.id} in flight, during #{self.busy_with}, in "

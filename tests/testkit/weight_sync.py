@@ -16,16 +16,16 @@ def sync_between_two_generates(caller, prompt: list[int], source: str, target: s
 
 
 def sync_in_flight(caller, prompts: list[list[int]], source: str, target: str, gate: str) -> dict:
-    """With ``target`` held busy by its ``gate`` head: a greedy ``generate`` of ``prompts`` (one per decode batch),
-    then ``sync_weights_async(in_flight=True)`` from ``source``, both queued; then the gate opens. The tokens and
-    version of each prompt's sample, and the sync's answer."""
-    busy = caller.custom_module_fns_async(["gate"], ["held"], llm=target)
-    try:
+    """With ``target`` held busy by its ``gate`` head (the file ``gate`` locked here: see ``GateHead``): a greedy
+    ``generate`` of ``prompts`` (one per decode batch), then ``sync_weights_async(in_flight=True)`` from ``source``,
+    both queued; then the gate opens. The tokens and version of each prompt's sample, and the sync's answer."""
+    import fcntl
+
+    with open(gate, "w") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # (let go when the file closes, whatever happened)
+        busy = caller.custom_module_fns_async(["gate"], ["held"], llm=target)
         call = caller.generate_async(prompts, llm=target, max_new_tokens=6, do_sample=False, minibatch_size=1)
         synced = caller.sync_weights_async(source, target, in_flight=True)  # returns once the write was sent
-    finally:  # the target is let go whatever happened
-        with open(gate, "w"):
-            pass
     busy.result()
     samples = [per_prompt[0] for per_prompt in call.result()]
     return {"synced": synced.result(), "samples": [(s["policy_version"], list(s["tokens"])) for s in samples]}
