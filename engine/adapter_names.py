@@ -19,6 +19,7 @@ This module states the rules; it looks up no adapter and imports torch only to r
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 PEFT_PREFIX = "lora_"
 
@@ -48,6 +49,16 @@ def container_attributes() -> frozenset[str]:
     return frozenset(dir(torch.nn.ModuleDict())) | frozenset(dir(torch.nn.ParameterDict()))
 
 
+@dataclass(frozen=True)
+class ContextAdapters:
+    """A training or scoring pass whose sequences name their own adapters: ``names``, one per sequence of one
+    replica's share (None: a throw-away sequence, run on the base weights), and ``call``, every adapter of the whole
+    call in one order, the same on every replica (:mod:`llmrl.engine.model.token_adapters` runs them)."""
+
+    names: list
+    call: tuple[str, ...]
+
+
 def one_adapter_or_rows(adapters):
     """A ``generate`` request's ``peft_adapter``: None or one name as given; a list of names, one per prompt, as that
     name when every prompt names the same one (the single-adapter path, merged weights and all); an empty list
@@ -55,3 +66,23 @@ def one_adapter_or_rows(adapters):
     if isinstance(adapters, list) and all(name == adapters[0] for name in adapters):
         return adapters[0] if adapters else None
     return adapters
+
+
+def check_adapters(adapters, contexts: int):
+    """``peft_adapter`` as given (None, or one adapter's name for every context), or checked as a list of one name per
+    context (a request's prompts or sequences then run in batches that mix adapters: multi-LoRA batching)."""
+    from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
+
+    if adapters is None or isinstance(adapters, str):
+        return adapters
+    if not isinstance(adapters, (list, tuple)):
+        raise InvalidArgumentType(f"peft_adapter must be an adapter's name, a list of one name per context, or "
+                                  f"None; got {type(adapters).__name__}")
+    if len(adapters) != contexts:
+        raise InvalidArgument(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} context(s): give "
+                              "one name per context, in the contexts' order")
+    bad = next((i for i, name in enumerate(adapters) if not isinstance(name, str)), None)
+    if bad is not None:
+        raise InvalidArgumentType(f"peft_adapter[{bad}] must be an adapter's name (a string), got "
+                                  f"{type(adapters[bad]).__name__}")
+    return list(adapters)

@@ -38,6 +38,7 @@ class ForwardPlan:
     head_kwargs: dict | None = None  # the call's keyword arguments for the heads
     computed: TokenPlan | None = None  # the distinct contexts (None: ``plan`` itself, every context distinct)
     source: list[int] | None = None  # for each request context, its index in ``computed``
+    mixed: tuple[str, ...] | None = None  # contexts naming their own adapters: every adapter of the whole call
 
     @property
     def model_calls(self) -> int:
@@ -57,7 +58,7 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     keys = served.check_heads(heads)
     if head_kwargs is not None and not (isinstance(head_kwargs, dict) and all(isinstance(k, str) for k in head_kwargs)):
         raise ValueError(f"head_kwargs must be a dict with string keys, got {type(head_kwargs).__name__}")
-    served.check_adapter(adapter)
+    adapter, mixed = _adapters(served, adapter, len(contexts))
     if entropy and not per_token:
         raise ValueError("entropy=True needs per_token=True (entropies are given per token)")
     if not logprobs and (entropy or logits):
@@ -69,14 +70,41 @@ def plan_forward(served: ServedModel, contexts, candidates, heads=(), adapter: s
     reuse = shares_contexts(served)
     plan = tokenize(served.tokenizer, llm.type, contexts, candidates, max_length=served.max_length,
                     prefix_reuse=reuse, add_eos=add_eos, vocab_size=served.info.vocab_size)
+    if mixed is not None:
+        for ctx, name in zip(plan.contexts, mixed.names):
+            ctx.adapter = name
     cached = None
-    if prefix_cache is not None:
+    if prefix_cache is not None and mixed is None:
         namespace = adapter or served.active_adapter()
         cached = lambda ids: prefix_cache.held(namespace, ids)  # noqa: E731
     computed, source = distinct_contexts(plan) if not served.model.training else (None, None)  # see its docstring
     batches = plan_batches(computed or plan, llm.token_budget, minibatch_size or llm.minibatch_size, needs,
                            encoder_reuse=reuse, cached=cached, **packing(served))
-    return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source)
+    return ForwardPlan(plan, batches, needs, keys, adapter, head_kwargs or None, computed, source,
+                       mixed.call if mixed is not None else None)
+
+
+def _adapters(served: ServedModel, adapter, contexts: int):
+    """A pass's ``adapter`` (a name or None, or a :class:`~llmrl.engine.model.token_adapters.ContextAdapters`) as
+    (the adapter to activate, the contexts' adapters or None), checked: every name known, one per context, and no
+    weight snapshot (it swaps in a whole set of weights) among other adapters."""
+    from llmrl.engine.adapter_names import ContextAdapters
+
+    if not isinstance(adapter, ContextAdapters):
+        served.check_adapter(adapter)
+        return adapter, None
+    if len(adapter.names) != contexts:
+        raise ValueError(f"peft_adapter lists {len(adapter.names)} adapter name(s) for {contexts} sequence(s)")
+    for name in adapter.call:
+        served.check_adapter(name)
+        if name in served.run_time.weight_snapshots:
+            raise ValueError(f"peft_adapter names weight snapshot {name!r} among other adapters: a weight snapshot "
+                             "(of a model without LoRA) swaps in a whole set of weights for a call; send its data in "
+                             "a call of its own")
+    unknown = {name for name in adapter.names if name is not None} - set(adapter.call)
+    if unknown:
+        raise ValueError(f"peft_adapter names {sorted(unknown)}, not among the call's adapters {list(adapter.call)}")
+    return None, adapter
 
 
 def plan_part(served: ServedModel, whole: ForwardPlan, part: TokenPlan) -> ForwardPlan:
@@ -86,7 +114,7 @@ def plan_part(served: ServedModel, whole: ForwardPlan, part: TokenPlan) -> Forwa
     reuse = shares_contexts(served)
     batches = plan_batches(part, llm.token_budget, llm.minibatch_size, whole.needs, encoder_reuse=reuse,
                            **packing(served))
-    return ForwardPlan(part, batches, whole.needs, whole.heads, whole.adapter, whole.head_kwargs)
+    return ForwardPlan(part, batches, whole.needs, whole.heads, whole.adapter, whole.head_kwargs, mixed=whole.mixed)
 
 
 def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | None]:
@@ -97,7 +125,8 @@ def distinct_contexts(plan: TokenPlan) -> tuple[TokenPlan | None, list[int] | No
     index: dict[tuple, int] = {}
     source = []
     for ctx in plan.contexts:
-        key = (tuple(ctx.ids), ctx.shared, tuple((tuple(c.rest), c.first_scored) for c in ctx.candidates))
+        key = (tuple(ctx.ids), ctx.shared, tuple((tuple(c.rest), c.first_scored) for c in ctx.candidates),
+               ctx.adapter)
         source.append(index.setdefault(key, len(index)))
     if len(index) == len(plan.contexts):
         return None, None
@@ -181,11 +210,13 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, pr
     no-grad scoring only, is the :class:`~llmrl.engine.model.reuse.prefix_cache.PrefixKVCache` that lives across calls:
     its namespace is the adapter the pass runs with. ``trunk_mode`` ("record" while scoring, "replay" in the
     updater's passes) drives the frozen-trunk reuse of an LLM with ``trunk_reuse_mb``."""
+    if plan.mixed is not None:
+        prefix_cache = None  # its entries are per adapter: a pass mixing them neither reads nor adds any
     if prefix_cache is not None:
         from llmrl.engine.model.reuse.prefix_cache import CacheUse
 
         prefix_cache = CacheUse(prefix_cache, plan.adapter or served.active_adapter())
-    with served.adapter(plan.adapter):
+    with served.adapter(plan.adapter), _routed(served, plan.mixed):
         anchor = gradient_anchor(served) if torch.is_grad_enabled() else None
         if served.llm.lockstep:
             forget_zero3_trace(served.engine)
@@ -201,6 +232,23 @@ def run_forward(served: ServedModel, plan: ForwardPlan, extra_calls: int = 0, pr
         finally:
             served.module.prefix_cache = None
             served.module.update_pass = False
+
+
+@contextlib.contextmanager
+def _routed(served: ServedModel, mixed: tuple[str, ...] | None):
+    """Inside, a pass whose contexts name their own adapters (``mixed``: the whole call's) runs each token on its
+    context's adapter (:mod:`llmrl.engine.model.token_adapters`)."""
+    if mixed is None:
+        yield
+        return
+    from llmrl.engine.model.token_adapters import TokenAdapters
+
+    with TokenAdapters(mixed).hooked(served.model) as tokens:
+        served.module.token_adapters = tokens
+        try:
+            yield
+        finally:
+            served.module.token_adapters = None
 
 
 def forget_zero3_trace(engine) -> None:

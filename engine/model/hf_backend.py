@@ -284,7 +284,7 @@ class HFBackend(ModelBackend):
         stale = share_staleness(self.served, request.adapter, request.policy_versions)
         return {**forward_backward(self.served, [seq.tokens for seq in request.sequences],
                                    [seq.inputs for seq in request.sequences], request.loss_fn, request.loss_fn_config,
-                                   request.backward, request.adapter), "staleness": stale}
+                                   request.backward, request.adapters()), "staleness": stale}
 
     def optim_step(self, request):
         from llmrl.engine.model.training.client_steps import optim_step

@@ -63,10 +63,13 @@ def stamped(samples: list[list[dict]], served: ServedModel, adapter: str | list[
     return samples
 
 
-def share_staleness(served: ServedModel, adapter: str | None, versions) -> list[int]:
-    """The staleness of each version of a training call's share against the trained weights' version now."""
+def share_staleness(served: ServedModel, adapter: str | list[str] | None, versions) -> list[int]:
+    """The staleness of each version of a training call's share against the trained weights' version now.
+    ``adapter``: the call's, or a list of each sequence's."""
     if versions is None:
         return []
+    if isinstance(adapter, list):
+        return [s for name, v in zip(adapter, versions) for s in staleness(version_of(served, name), v)]
     return staleness(version_of(served, adapter), versions)
 
 

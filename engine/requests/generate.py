@@ -31,8 +31,8 @@ import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from llmrl.engine.adapter_names import one_adapter_or_rows
-from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
+from llmrl.engine.adapter_names import check_adapters, one_adapter_or_rows
+from llmrl.engine.errors import InvalidArgument
 from llmrl.engine.requests.base import (
     Kind,
     Piece,
@@ -169,24 +169,6 @@ def send(run: Run, llm: str, request: GenerateRequest) -> Future:
         return [_with_total([s for piece in context for s in piece]) for context in pieces]
 
     return run.submit(NAME, parts, assemble)
-
-
-def check_adapters(adapters, contexts: int):
-    """``peft_adapter`` as given (None, or one adapter's name for every prompt), or checked as a list of one name per
-    context (the prompts then run in batches that mix adapters: multi-LoRA batching)."""
-    if adapters is None or isinstance(adapters, str):
-        return adapters
-    if not isinstance(adapters, (list, tuple)):
-        raise InvalidArgumentType(f"peft_adapter must be an adapter's name, a list of one name per context, or "
-                                  f"None; got {type(adapters).__name__}")
-    if len(adapters) != contexts:
-        raise InvalidArgument(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} context(s): give "
-                              "one name per context, in the contexts' order")
-    bad = next((i for i, name in enumerate(adapters) if not isinstance(name, str)), None)
-    if bad is not None:
-        raise InvalidArgumentType(f"peft_adapter[{bad}] must be an adapter's name (a string), got "
-                                  f"{type(adapters[bad]).__name__}")
-    return list(adapters)
 
 
 def of_inputs(adapters, inputs: list[int], lockstep: bool = False):

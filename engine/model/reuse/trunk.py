@@ -44,30 +44,50 @@ class TrunkRow(NamedTuple):
     path: Sequence[int]  # token ids from the start of the sequence up to the last token this call computes of it
     start: int  # where this call's part of the path starts
     columns: Sequence[int]  # the columns of that part in the row
+    adapter: str | None = None  # the LoRA adapter its tokens run on, in a pass mixing adapters (token_adapters)
 
 
 def common_rows(ctxs, common: int) -> list[TrunkRow]:
     """The pass over the prefix every context of a batch shares (one row)."""
-    return [TrunkRow(0, ctxs[0].prefix[:common], 0, list(range(common)))]
+    return [TrunkRow(0, ctxs[0].prefix[:common], 0, list(range(common)), shared_adapter(ctxs))]
+
+
+def shared_adapter(ctxs) -> str | None:
+    """The adapter of a pass every context of ``ctxs`` shares: theirs, or :data:`MIXED` where they differ."""
+    from llmrl.engine.model.token_adapters import MIXED
+
+    adapters = {c.adapter for c in ctxs}
+    return adapters.pop() if len(adapters) == 1 else MIXED
 
 
 def own_rows(ctxs, starts: list[int], remainders: list[list[int]], width: int) -> list[TrunkRow]:
     """A left padded pass over each context's prefix after ``starts[a]`` tokens (``remainders[a]``)."""
-    return [TrunkRow(a, c.prefix, start, list(range(width - len(rest), width)) if rest else [])
+    return [TrunkRow(a, c.prefix, start, list(range(width - len(rest), width)) if rest else [], c.adapter)
             for a, (c, start, rest) in enumerate(zip(ctxs, starts, remainders))]
 
 
 def candidate_rows(ctxs, inputs: list[list[int]], contexts: list[int]) -> list[TrunkRow]:
     """A right padded pass over candidate rows ``inputs[r]``, each after the prefix of ``ctxs[contexts[r]]``."""
-    return [TrunkRow(r, ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))))
-            for r, a in enumerate(contexts)]
+    return [TrunkRow(r, ctxs[a].prefix + inputs[r], len(ctxs[a].prefix), list(range(len(inputs[r]))),
+                     ctxs[a].adapter) for r, a in enumerate(contexts)]
 
 
-def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[list[TrunkRow]]]):
+def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[list[TrunkRow]]],
+                token_adapters=None):
     """``call(rows, **kwargs)``: the model call, through the trunk when there is one. ``calls()`` lists the rows
     of every call the batch will make: it is replayed whole when the trunk holds every token they compute. A
     key/value cache given as ``cache`` reaches the model under the name its ``forward`` takes
-    (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`)."""
+    (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`). ``token_adapters`` (a pass mixing LoRA adapters:
+    :class:`~llmrl.engine.model.token_adapters.TokenAdapters`) is told each call's rows before it runs."""
+    if token_adapters is not None:
+        plain = make_caller(model, needs, trunk, replayable, calls)
+
+        def routed(rows, **kwargs):
+            ids = kwargs["input_ids"]
+            with token_adapters.model_call(rows, ids.shape, ids.device):
+                return plain(rows, **kwargs)
+
+        return routed
     name = cache_kwarg(model)
 
     def named(kwargs: dict) -> dict:
@@ -189,7 +209,7 @@ class Trunk:
     def available(self, calls: Sequence[Sequence[TrunkRow]]) -> bool:
         """Whether the states of every token of every call are held (a batch is replayed whole or not at all: a
         replayed call leaves placeholders where the skipped layers' keys and values would be)."""
-        return all(self.states.held(None, path) == len(path) for rows in calls for _, path, _, columns in rows
+        return all(self.states.held(None, path) == len(path) for rows in calls for _, path, _, columns, _ in rows
                    if len(columns))
 
     def call(self, model, kwargs: dict, rows: Sequence[TrunkRow], replay: bool):
@@ -227,7 +247,7 @@ class Trunk:
         """The states of the rows' tokens laid out as the call's input (``shape``), None if any is not held. Only
         each row's own tokens are copied, not the path before them (a candidate row's whole context)."""
         states = None
-        for r, path, start, columns in rows:
+        for r, path, start, columns, _ in rows:
             if not len(columns):
                 continue
             length, pieces = self.states.match_pieces(None, path)
@@ -246,7 +266,7 @@ class Trunk:
         return states
 
     def _record(self, rows, captured: torch.Tensor) -> None:
-        for r, path, start, columns in rows:
+        for r, path, start, columns, _ in rows:
             if not len(columns):
                 continue
             if start > 0 and self.states.held(None, path, limit=start) < start:

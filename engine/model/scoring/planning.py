@@ -151,6 +151,8 @@ def plan_batches(plan: TokenPlan, token_budget: int, max_rows: int, needs: Needs
         if plan.kind == "causal":
             prefixes = [plan.contexts[i].prefix for i in batch.contexts]
             batch.common = common_prefix_length(*prefixes)
+            if len({plan.contexts[i].adapter for i in batch.contexts}) > 1:  # contexts of several LoRA adapters
+                batch.common = 0
             if packed and batch.common > 0:  # the part the cache across calls holds needs no encoding at all
                 held = cached(prefixes[0][:batch.common]) if cached is not None else 0
                 if (batch.common - min(held, batch.common)) * (len(prefixes) - 1) < COMMON_PASS_MIN_SAVING:

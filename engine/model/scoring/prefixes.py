@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.reuse.hf_kv import cache_from_pieces, cache_of
-from llmrl.engine.model.reuse.trunk import TrunkRow
+from llmrl.engine.model.reuse.trunk import TrunkRow, shared_adapter
 from llmrl.engine.model.scoring.results import BatchPass
 
 
@@ -25,7 +25,8 @@ def encode_common(call, ctxs, common: int, state: BatchPass, device, keep_last: 
     head = ctxs[0].prefix[:common]
     hit, pieces = (prefix_cache.cache.match_pieces(prefix_cache.namespace, head, limit=common - 1)
                    if prefix_cache is not None else (0, []))
-    out = call([TrunkRow(0, head, hit, list(range(common - hit)))], input_ids=torch.tensor([head[hit:]], device=device),
+    rows = [TrunkRow(0, head, hit, list(range(common - hit)), shared_adapter(ctxs))]
+    out = call(rows, input_ids=torch.tensor([head[hit:]], device=device),
                position_ids=torch.arange(hit, common, device=device)[None],
                cache=cache_from_pieces([pieces], [hit]) if hit else None, use_cache=True,
                output_hidden_states=state.needs.hidden, **keep_last)

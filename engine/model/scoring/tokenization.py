@@ -41,6 +41,7 @@ class ContextTokens:
     ids: list[int]  # the context tokenised alone
     shared: int  # causal: length of the prefix shared by the context and all its candidates
     candidates: list[CandidateTokens] = field(default_factory=list)
+    adapter: str | None = None  # its LoRA adapter, in a pass whose contexts name their own (token_adapters)
 
     @property
     def prefix(self) -> list[int]:

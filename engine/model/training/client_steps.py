@@ -32,6 +32,7 @@ import contextlib
 
 import torch
 
+from llmrl.engine.adapter_names import ContextAdapters
 from llmrl.engine.errors import PeerAborted
 from llmrl.engine.graph import keep_in_graph
 from llmrl.engine.model.cpu_matmul import frozen_linears
@@ -84,10 +85,7 @@ def separable(served: ServedModel, adapters) -> bool:
 def set_aside(served: ServedModel, adapters):
     """Inside, the gradients of ``adapters`` are off their parameters (no step or discard sees them); put back
     after."""
-    saved = [(p, p.grad) for g in served.adapter_steps.optimizer.param_groups if g.get(ADAPTER_KEY) in adapters
-             for p in g["params"] if p.grad is not None]
-    saved += [(p, p.grad) for a in adapters if a in served.run_time.optimizers
-              for p in served.run_time.optimizers[a].params.values() if p.grad is not None]
+    saved = _pending_grads(served, adapters)
     for p, _ in saved:
         p.grad = None
     try:
@@ -95,6 +93,14 @@ def set_aside(served: ServedModel, adapters):
     finally:
         for p, grad in saved:
             p.grad = grad
+
+
+def _pending_grads(served: ServedModel, adapters) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """The parameters of ``adapters`` that hold a gradient, with it."""
+    saved = [(p, p.grad) for g in served.adapter_steps.optimizer.param_groups if g.get(ADAPTER_KEY) in adapters
+             for p in g["params"] if p.grad is not None]
+    return saved + [(p, p.grad) for a in adapters if a in served.run_time.optimizers
+                    for p in served.run_time.optimizers[a].params.values() if p.grad is not None]
 
 
 def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -> str:
@@ -107,21 +113,24 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
         earlier = sum(before.values())
         return (f"the gradients of the {earlier} earlier forward_backward call(s) since the last optim_step were "
                 "discarded on every replica") if earlier else "no gradient was pending"
-    others = {a for a in before if a != adapter} if separable(served, before) else set()
+    failed = set(adapter) if isinstance(adapter, tuple) else {adapter}  # a tuple: a call of several adapters
+    label = f"adapter {adapter!r}" if not isinstance(adapter, tuple) else f"adapters {sorted(failed, key=str)}"
+    others = {a for a in before if a not in failed} if separable(served, before) else set()
     with set_aside(served, others):
         trainer.discard_partial_accumulation()
     lost = {a: n for a, n in before.items() if a not in others}
     served.pending.keep(others)
     for other in lost:
-        if other != adapter:
+        if other not in failed:
             served.pending.discarded[other] = (
                 f"the gradients of adapter {other!r}'s {lost[other]} forward_backward call(s) since its last "
-                f"optim_step were discarded when a call on adapter {adapter!r} failed (ZeRO 1-3 and half precision "
+                f"optim_step were discarded when a call on {label} failed (ZeRO 1-3 and half precision "
                 "hold every adapter's gradients together); nothing was run: send them again")
     kept = f" (those of {sorted(others, key=str)} are kept)" if others else ""
-    if not lost.get(adapter):
-        return f"no gradient of adapter {adapter!r} was pending{kept}"
-    return (f"the gradients of the {lost[adapter]} earlier forward_backward call(s) of adapter {adapter!r} since its "
+    earlier = sum(lost.get(a, 0) for a in failed)
+    if not earlier:
+        return f"no gradient of {label} was pending{kept}"
+    return (f"the gradients of the {earlier} earlier forward_backward call(s) of {label} since its "
             f"last optim_step were discarded on every replica{kept}")
 
 
@@ -133,44 +142,75 @@ def _refuse_discarded(served: ServedModel, adapters) -> None:
 
 
 def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[dict[str, list[float]]],
-                     loss_fn: str | None, loss_fn_config: dict, backward: bool, adapter: str | None) -> dict:
+                     loss_fn: str | None, loss_fn_config: dict, backward: bool, adapter) -> dict:
     """One replica's share of a ``forward_backward`` (``backward``) or ``forward`` call: per sequence (its
     ``tokens`` and its per-token loss ``inputs``), the log-probs of its targets and their per-token losses under
-    ``loss_fn`` (None: log-probs only), and the share's summed loss."""
+    ``loss_fn`` (None: log-probs only), and the share's summed loss. ``adapter``: the adapter to run (None: the
+    active one), or a :class:`~llmrl.engine.model.token_adapters.ContextAdapters` naming each sequence's (one pass
+    for them all, each token on its sequence's adapter; each adapter's gradients its own sequences')."""
     what = "forward_backward" if backward else "forward"
-    trained = adapter or served.active_adapter()
+    mixed = isinstance(adapter, ContextAdapters)
+    trained = adapter.call if mixed else adapter or served.active_adapter()
     if served.llm.type != "causal":
         raise ValueError(f"{what} reads next-token log-probs of a causal model; LLM {served.llm.name!r} is "
                          f"{served.llm.type}")
     if backward:
-        _refuse_discarded(served, [adapter or served.active_adapter()])
+        _refuse_discarded(served, trained if mixed else [trained])
     trainer = _trainer(served, what) if backward else EngineTrainer(served)
     trainer.trained_adapters = set()  # this call's
     contexts = [seq[:1] for seq in tokens]
     candidates = [[seq[1:]] for seq in tokens]
-    try:
-        with torch.set_grad_enabled(backward), frozen_linears(served.module):  # its backward pass too
-            out = trainer.forward(contexts, candidates, peft_adapter=adapter, per_token=True)
-            logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
-            losses = [token_loss(loss_fn, lp, _tensors(given, lp.device), loss_fn_config)
-                      for lp, given in zip(logprobs, inputs)] if loss_fn is not None else []
-            total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
-            if backward:
-                trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
-        trainer.votes.check_peers(True, END)
-    except PeerAborted as err:
-        raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
-    except Exception as err:
-        if not trainer.failed_vote_cast:
-            trainer.votes.check_peers(False, END)
-        raise _noted(err, _discard(served, trainer, trained)) if backward else err  # noqa: B904 - completed
+    # a call of several adapters that can each be stepped alone holds their earlier gradients apart: a failure then
+    # discards this call's gradients only, and a success adds them to the earlier ones
+    apart = mixed and backward and separable(served, {*served.pending.adapters, *trained})
+    with held_apart(served, trained) if apart else contextlib.nullcontext():
+        try:
+            with torch.set_grad_enabled(backward), frozen_linears(served.module):  # its backward pass too
+                out = trainer.forward(contexts, candidates, peft_adapter=adapter, per_token=True)
+                logprobs = list(out.token_logprobs.float().split(out.candidate_token_counts.tolist()))
+                losses = [token_loss(loss_fn, lp, _tensors(given, lp.device), loss_fn_config)
+                          for lp, given in zip(logprobs, inputs)] if loss_fn is not None else []
+                total = sum((loss.sum() for loss in losses), torch.zeros((), dtype=torch.float32))
+                if backward:
+                    trainer.backward(keep_in_graph(total, out.token_logprobs) * served.llm.replicas)
+            trainer.votes.check_peers(True, END)
+        except Exception as err:
+            if not isinstance(err, PeerAborted) and not trainer.failed_vote_cast:
+                trainer.votes.check_peers(False, END)
+            if not backward:
+                raise
+            note = _discard_call(served, trainer, trained) if apart else _discard(served, trainer, trained)
+            raise _noted(err, note) from None
     if backward:
         served.pending.backwards += 1
-        for adapter in trainer.trained_adapters or {None}:
-            served.pending.adapters[adapter] = served.pending.adapters.get(adapter, 0) + 1
+        for name in trainer.trained_adapters or {None}:
+            served.pending.adapters[name] = served.pending.adapters.get(name, 0) + 1
     outputs = [{"logprobs": lp.detach().cpu(), "elementwise_loss": loss.detach().float().cpu()} if losses else
                {"logprobs": lp.detach().cpu()} for lp, loss in zip(logprobs, losses or logprobs)]
     return {"outputs": outputs, "loss": float(total.detach())}
+
+
+@contextlib.contextmanager
+def held_apart(served: ServedModel, adapters):
+    """Inside, the pending gradients of ``adapters`` are off their parameters; after, they are added to what the
+    parameters then hold (the new gradients, or nothing where those were discarded)."""
+    saved = _pending_grads(served, adapters)
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad if p.grad is None else p.grad + grad
+
+
+def _discard_call(served: ServedModel, trainer: EngineTrainer, adapters) -> str:
+    """Forget the gradients a failed call of ``adapters`` left (their earlier ones held apart, every other
+    adapter's set aside)."""
+    with set_aside(served, set(served.pending.adapters) - set(adapters)):
+        trainer.discard_partial_accumulation()
+    return (f"this call's gradients were discarded on every replica; the earlier gradients of adapters "
+            f"{sorted(adapters, key=str)} are kept")
 
 
 def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict:

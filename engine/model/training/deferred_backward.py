@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 
+from llmrl.engine.adapter_names import ContextAdapters
 from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.forward import ForwardPlan, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
@@ -126,7 +127,9 @@ class DeferredBackward:
             if k is None:
                 contexts, candidates = throwaway_inputs(self.served.tokenizer,
                                                         any(c.candidates for c in deferred.plan.contexts))
-                plan = plan_forward(self.served, contexts, candidates, whole.heads, whole.adapter,
+                adapter = whole.adapter if whole.mixed is None else ContextAdapters([None] * len(contexts),
+                                                                                     whole.mixed)
+                plan = plan_forward(self.served, contexts, candidates, whole.heads, adapter,
                                     per_token=whole.needs.per_token)
             else:
                 plan = plan_part(self.served, whole, sub_plan(deferred.plan, deferred.passes[k]))

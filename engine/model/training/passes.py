@@ -99,7 +99,8 @@ def form_passes(plan: TokenPlan, budget: int) -> list[PassRows]:
 def sub_plan(plan: TokenPlan, rows: PassRows) -> TokenPlan:
     """The token plan of one pass: its contexts, each with its candidates of this pass only."""
     return TokenPlan(plan.kind, [ContextTokens(plan.contexts[i].ids, plan.contexts[i].shared,
-                                               [plan.contexts[i].candidates[j] for j in js]) for i, js in rows])
+                                               [plan.contexts[i].candidates[j] for j in js], plan.contexts[i].adapter)
+                                 for i, js in rows])
 
 
 @dataclass

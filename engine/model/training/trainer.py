@@ -34,6 +34,7 @@ from dataclasses import replace
 
 import torch
 
+from llmrl.engine.adapter_names import ContextAdapters
 from llmrl.engine.errors import PeerAborted, plugin_error
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.forward import plan_and_agree
@@ -96,12 +97,16 @@ class EngineTrainer(ModelAccess, Trainer):
     def forward(self, contexts, candidates=None, heads=(), peft_adapter=None, *, per_token=False, entropy=False,
                 add_eos=False, head_kwargs=None, logits=False, logprobs=True) -> ForwardOutputs:
         served, votes = self.served, self.votes
-        if torch.is_grad_enabled() and served.run_time.is_snapshot(peft_adapter):
-            raise ValueError(f"{peft_adapter!r} is a snapshot (frozen): train its source, or read the snapshot "
-                             "without gradients")
+        mixed = isinstance(peft_adapter, ContextAdapters)  # each context names its own adapter
+        for name in peft_adapter.call if mixed else [peft_adapter]:
+            if torch.is_grad_enabled() and served.run_time.is_snapshot(name):
+                raise ValueError(f"{name!r} is a snapshot (frozen): train its source, or read the snapshot "
+                                 "without gradients")
         empty = self.last_forward_empty = len(contexts) == 0
         if empty:  # every replica must make the same calls: run a throw-away row, return nothing of it
             contexts, candidates = throwaway_inputs(served.tokenizer, candidates is not None)
+            if mixed:
+                peft_adapter = ContextAdapters([None] * len(contexts), peft_adapter.call)
         try:
             plan, extra = plan_and_agree(served, contexts, candidates, heads, peft_adapter, must_agree=True,
                                          per_token=per_token, entropy=entropy, add_eos=add_eos, logits=logits,
@@ -118,7 +123,7 @@ class EngineTrainer(ModelAccess, Trainer):
         out = self.deferred.forward(plan, extra, self.without_adapters)
         if torch.is_grad_enabled():
             if not self.without_adapters and served.adapters:
-                self.trained_adapters.add(peft_adapter or served.active_adapter())
+                self.trained_adapters.update(peft_adapter.call if mixed else [peft_adapter or served.active_adapter()])
             out = guarded(out, self._check_inside_backward)
         return nothing_of(out) if empty else out
 
