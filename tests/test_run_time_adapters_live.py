@@ -39,6 +39,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3}  # float32: absolute; bfloat16: r
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is", "open it"]
 MIXED = ["t", "default", "s", "v", "t", "d"]
 GREEDY = {"max_new_tokens": 5, "do_sample": False}
+TWINS = {"p": 31, "q": 32, "p2": 31, "q2": 32}  # p and q trained in one call, p2 and q2 (same seeds) alone
 
 
 def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
@@ -86,6 +87,7 @@ def runs(tiny, tmp_path_factory):
                                    for a in ("t", "s", "default", "d")]
             out[name, "mixed"] = run.generate(PROMPTS, llm=name, peft_adapter=MIXED, **GREEDY)
             out[name, "alone"] = {a: run.generate(PROMPTS, llm=name, peft_adapter=a, **GREEDY) for a in set(MIXED)}
+            out[name, "two in one call"] = train_two_in_one_call(run, name)
             copies = run.state_dict(llm=name)
             out[name, "d"] = {k: v for k, v in copies.items() if ".default." in k or ".d." in k}
             run.drop_snapshot("d", llm=name)
@@ -105,6 +107,28 @@ def runs(tiny, tmp_path_factory):
         for name in RESUMED:
             step_after_save(run, name)
             out[name, "stepped after the resume"] = run.state_dict(llm=name)
+    return out
+
+
+def train_two_in_one_call(run, name: str) -> dict:
+    """Adapters p and q trained together (each round one forward_backward whose datums name p or q, then a step of
+    each), and their twins p2 and q2 (created with the same seeds) trained alone on the same data."""
+    for adapter, seed in TWINS.items():
+        run.create_adapter(adapter, llm=name, **NEW, seed=seed)
+    out = {"created": run.state_dict(llm=name), "calls": [], "norms": {a: [] for a in TWINS}}
+    for k in range(2):
+        ours, theirs = make_data(40 + k), make_data(50 + k, lengths=(5, 9))
+        data = [ours[0], theirs[0], ours[1], theirs[1], ours[2]]
+        mixed = run.forward_backward(data, "cross_entropy", llm=name, peft_adapter=["p", "q", "p", "q", "p"])
+        alone = [run.forward_backward(d, "cross_entropy", llm=name, peft_adapter=a) for d, a in ((ours, "p2"),
+                                                                                                  (theirs, "q2"))]
+        out["calls"].append((mixed, alone))
+        for adapter, rate in zip(TWINS, (3e-3, 2e-3, 3e-3, 2e-3)):
+            out["norms"][adapter].append(run.optim_step({"learning_rate": rate}, llm=name,
+                                                        peft_adapter=adapter)["grad_norm"])
+    out["end"] = run.state_dict(llm=name)
+    for adapter in TWINS:
+        run.delete_adapter(adapter, llm=name)
     return out
 
 
@@ -230,3 +254,42 @@ def test_prompts_naming_different_adapters_decode_in_one_call_as_each_alone(runs
             assert mine["tokens"].tolist() == theirs["tokens"].tolist(), (adapter, mine, theirs)
             torch.testing.assert_close(mine["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
     assert len({str(alone[a][0][0]["logprobs"].tolist()) for a in ("t", "v", "default")}) == 3  # adapters differ
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_datums_naming_two_adapters_train_in_one_call_as_each_alone(runs, name):
+    """Multi-LoRA batching of training calls: one forward_backward whose datums name p or q gives each datum the
+    log-probs and loss of a call of its adapter alone, and each adapter the gradients of its own datums: after two
+    rounds of steps, p and q hold the weights of their twins p2 and q2 trained alone (created with the same seeds),
+    with the same gradient norms. float32: log-probs to 1e-5, norms to 1e-4 relative (measured 2e-7), weights to
+    1e-4 absolute and 1e-3 of their change (2-norm; measured 2.8e-5 and 1.8e-4: the two passes sum in another order,
+    and Adam's step divides a near-zero gradient's rounding by its own size); bfloat16 (the passes lay rows out
+    differently, and bfloat16 rounds each layout apart): log-probs to 0.05, weights to 0.3 of their change (2-norm,
+    as above; measured 0.02-0.17) and norms to 5e-2 (measured 2.5e-3). A gradient of the other adapter's datums, or
+    none, moves the weights by the whole change."""
+    got = runs[name, "two in one call"]
+    created, end, norms = got["created"], got["end"], got["norms"]
+    half = LAYOUTS[name][0] == "bfloat16"
+    for one, twin in (("p", "p2"), ("q", "q2")):
+        keys = {k: k.replace(f".{one}.", f".{twin}.") for k in created if f".{one}." in k and ".lora_" in k}
+        assert keys and all(torch.equal(created[k], created[t]) for k, t in keys.items())  # the same start
+        change = torch.cat([(end[t].float() - created[t].float()).reshape(-1) for t in keys.values()])
+        off = torch.cat([(end[k].float() - end[t].float()).reshape(-1) for k, t in keys.items()])
+        assert float(change.abs().max()) > 1e-3
+        print(f"{name} {one}: largest change {float(change.abs().max()):.3g}; difference to {twin}: largest "
+              f"{float(off.abs().max()):.3g}, relative to the change (2-norm) {float(off.norm() / change.norm()):.3g}; "
+              f"grad norms {norms[one]} vs {norms[twin]}")
+        if half:
+            assert float(off.norm() / change.norm()) <= 0.3
+        else:
+            assert float(off.abs().max()) <= 1e-4 and float(off.norm() / change.norm()) <= 1e-3
+        torch.testing.assert_close(torch.tensor(norms[one]), torch.tensor(norms[twin]), atol=0,
+                                   rtol=5e-2 if half else 1e-4)
+    for mixed, (ours, theirs) in got["calls"]:
+        outputs = mixed["loss_fn_outputs"]
+        for mine, alone in zip([outputs[0], outputs[2], outputs[4], outputs[1], outputs[3]],
+                               ours["loss_fn_outputs"] + theirs["loss_fn_outputs"]):
+            for key in ("logprobs", "elementwise_loss"):
+                torch.testing.assert_close(mine[key], alone[key], atol=5e-2 if half else 1e-5, rtol=0)
+        total = ours["metrics"]["loss:sum"] + theirs["metrics"]["loss:sum"]
+        assert mixed["metrics"]["loss:sum"] == pytest.approx(total, rel=1e-2 if half else 1e-5)

@@ -2,10 +2,11 @@
 adapter, and every token of the pass runs on it. Checked in process against plain PEFT with that adapter set
 (``set_adapter``), one sequence at a time: per-token log-probs agree to float32 rounding (1e-5), and the gradients
 of a loss over every sequence equal, adapter by adapter, the gradients of that adapter's sequences' losses alone
-(1e-5 absolute, 1e-4 relative: float32 sums in another order), with no gradient reaching an adapter from another's sequences. Covered: the unpacked layout (a row
-per context, candidate rows after their context), the packed layout (contexts of different adapters side by side in
-one row), tight budgets (many batches), contexts sharing a prefix across adapters (no shared pass is run over it),
-and one token layer in bfloat16 against PEFT's own forward. The refusals are checked too."""
+(1e-5 absolute, 1e-4 relative: float32 sums in another order), with no gradient reaching an adapter from another's
+sequences. Covered: the unpacked layout (a row per context, candidate rows after their context), the packed layout
+(contexts of different adapters side by side in one row), tight budgets (many batches), contexts sharing a prefix
+across adapters (no shared pass is run over it), and one layer in bfloat16 against PEFT's own forward. The refusals
+are checked too."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_a_shared_prefix_of_several_adapters_gets_no_shared_pass(adapters):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("base_dtype,adapter_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("base_dtype,adapter_dtype", [(torch.bfloat16, torch.float32),
+                                                      (torch.bfloat16, torch.bfloat16)])
 def test_one_layer_in_half_precision_adds_as_peft_does(base_dtype, adapter_dtype):
     """A LoRA layer over tokens of two adapters, against PEFT's forward with each token's adapter set: the product
     in the adapter's dtype, the sum in the wider dtype, rounded to the base output's."""
