@@ -68,19 +68,20 @@ def one_adapter_or_rows(adapters):
     return adapters
 
 
-def check_adapters(adapters, contexts: int):
+def check_adapters(adapters, contexts: int, what: str = "context"):
     """``peft_adapter`` as given (None, or one adapter's name for every context), or checked as a list of one name per
-    context (a request's prompts or sequences then run in batches that mix adapters: multi-LoRA batching)."""
+    context (a request's prompts or sequences then run in batches that mix adapters: multi-LoRA batching). ``what``
+    the request calls a context in its messages (``datum`` for token-level data)."""
     from llmrl.engine.errors import InvalidArgument, InvalidArgumentType
 
     if adapters is None or isinstance(adapters, str):
         return adapters
     if not isinstance(adapters, (list, tuple)):
-        raise InvalidArgumentType(f"peft_adapter must be an adapter's name, a list of one name per context, or "
+        raise InvalidArgumentType(f"peft_adapter must be an adapter's name, a list of one name per {what}, or "
                                   f"None; got {type(adapters).__name__}")
     if len(adapters) != contexts:
-        raise InvalidArgument(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} context(s): give "
-                              "one name per context, in the contexts' order")
+        raise InvalidArgument(f"peft_adapter lists {len(adapters)} adapter name(s) for {contexts} {what}(s): give "
+                              f"one name per {what}, in the order of the {what}s")
     bad = next((i for i, name in enumerate(adapters) if not isinstance(name, str)), None)
     if bad is not None:
         raise InvalidArgumentType(f"peft_adapter[{bad}] must be an adapter's name (a string), got "

@@ -279,3 +279,28 @@ def test_generate_refuses_adapters_that_do_not_name_one_per_context(adapters, ki
     with pytest.raises(kind, match=error):
         generate.send(run, "m", generate.GenerateRequest(["p0", "p1"], {}, peft_adapter=adapters))
     assert run.parts == []
+
+
+def fake_token_outputs(request):
+    return {"outputs": [{"logprobs": torch.zeros(len(s.tokens) - 1)} for s in request.sequences], "loss": 0.0}
+
+
+def test_forward_backward_send_gives_each_replica_its_sequences_adapters_and_the_calls():
+    """A list of adapters (one per datum) follows the sequences to each replica; every share also carries every
+    adapter of the call, in the order first named (each replica runs them all: their gradients reduce together), even
+    a share of one adapter. A list naming one adapter is that adapter."""
+    from llmrl.engine.requests import forward_backward
+    from llmrl.engine.requests.datums import Sequence
+
+    run = FakeRun(2, fake_token_outputs)
+    sequences = [Sequence(list(range(n))) for n in (6, 6, 6, 6)]
+    forward_backward.send(run, "m", sequences, None, {}, backward=False, adapter=["b", "a", "b", "b"]).result()
+    assert [(len(p.sequences), p.adapter, p.call_adapters) for _, p in run.parts] == [
+        (2, ["b", "a"], ("b", "a")), (2, ["b", "b"], ("b", "a"))]
+    assert [p.first_index for _, p in run.parts] == [0, 2]
+    share = run.parts[1][1].adapters()
+    assert (share.names, share.call) == (["b", "b"], ("b", "a"))
+    forward_backward.send(run, "m", sequences, None, {}, backward=False, adapter=["a"] * 4).result()
+    assert [(p.adapter, p.call_adapters, p.adapters()) for _, p in run.parts] == [("a", None, "a")] * 2
+    with pytest.raises(InvalidArgument, match="peft_adapter lists 3 adapter name\\(s\\) for 4 datum\\(s\\)"):
+        forward_backward.send(run, "m", sequences, None, {}, backward=False, adapter=["a", "b", "a"])

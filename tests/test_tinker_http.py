@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from llmrl.engine.tinker.batching import SampleBatcher
+from llmrl.engine.tinker.batching import CallBatcher
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.http import make_server
 
@@ -83,7 +83,7 @@ def test_a_batch_refused_for_one_requests_input_fails_that_request_only(where):
             raise ValueError("a token id is outside the vocabulary")
         return [f"samples of {prompt}" for prompt in prompts]
 
-    batcher = SampleBatcher(run, window=0.05, most=3)
+    batcher = CallBatcher(run, window=0.05, most=3)
     good, bad, other = (batcher.submit("key", prompt) for prompt in ([1, 2], [5, 500], [3]))
     assert good.result(10) == "samples of [1, 2]" and other.result(10) == "samples of [3]"
     with pytest.raises((ValueError, RequestError), match="outside the vocabulary|exceeds the model's maximum"):
@@ -105,7 +105,7 @@ def test_a_samplers_many_calls_do_not_hold_back_another_samplers_one():
             assert release.wait(30)
         return [f"{key}{prompt}" for prompt in prompts]
 
-    batcher = SampleBatcher(run, window=30, most=2, in_flight=1)  # batches are sent full, never by the window
+    batcher = CallBatcher(run, window=30, most=2, in_flight=1)  # batches are sent full, never by the window
     a = [batcher.submit("a", [k]) for k in range(6)]
     assert running.wait(30)
     b = [batcher.submit("b", [k]) for k in range(2)]
@@ -131,7 +131,7 @@ def test_samplers_with_the_same_parameters_share_a_call_and_take_turns_within_it
 
     waiting = threading.Semaphore(0)
 
-    class Observed(SampleBatcher):  # (each batch that starts to wait its turn, told)
+    class Observed(CallBatcher):  # (each batch that starts to wait its turn, told)
         def _enqueue(self, key, batch, alone=False):
             super()._enqueue(key, batch, alone)
             waiting.release()
@@ -166,7 +166,7 @@ def test_a_batch_still_in_its_window_joins_a_call_of_the_same_parameters():
         calls.append([(key[0], prompt[0]) for key, prompt in zip(keys, prompts)])
         return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
 
-    batcher = SampleBatcher(run, window=3.0, most=8, shared=lambda key: key[1])  # (six submits well within it)
+    batcher = CallBatcher(run, window=3.0, most=8, shared=lambda key: key[1])  # (six submits well within it)
     futures = [batcher.submit((name, "p"), [k]) for name in "abc" for k in range(2)]
     assert [f.result(30) for f in futures] == [f"{name}{[k]}" for name in "abc" for k in range(2)]
     (call,) = calls  # (whichever window ends first sends it: the keys in any order, each key's prompts in theirs)
@@ -312,7 +312,7 @@ def test_a_call_of_several_samplers_refused_for_one_input_is_sent_again_sampler_
             raise ValueError("a token id is outside the vocabulary")
         return [f"{key[0]}{prompt}" for key, prompt in zip(keys, prompts)]
 
-    batcher = SampleBatcher(run, window=1.0, most=8, shared=lambda key: key[1])
+    batcher = CallBatcher(run, window=1.0, most=8, shared=lambda key: key[1])
     good, bad = batcher.submit(("a", "p"), [1]), batcher.submit(("a", "p"), [500])
     others = [batcher.submit(("b", "p"), [k]) for k in (2, 3)]
     assert good.result(30) == "a[1]" and [f.result(30) for f in others] == ["b[2]", "b[3]"]

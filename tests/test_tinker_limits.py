@@ -134,7 +134,7 @@ def test_a_sample_request_for_more_samples_than_the_service_draws_at_once_is_a_4
     """Before: a million samples got a million ids on rank 0 before any was drawn (and 0 or -3 were sent on)."""
     import itertools
 
-    from llmrl.engine.tinker.batching import SampleBatcher
+    from llmrl.engine.tinker.batching import CallBatcher
     from llmrl.engine.tinker.futures import Futures
     from llmrl.engine.tinker.service import MAX_NUM_SAMPLES, Sampler, TinkerService, classify
 
@@ -147,7 +147,7 @@ def test_a_sample_request_for_more_samples_than_the_service_draws_at_once_is_a_4
     service = TinkerService.__new__(TinkerService)
     service.caller, service.llm, service._lock, service._ids = Caller(), "main", threading.Lock(), itertools.count(1)
     service.futures, service.samplers = Futures(classify), {"s": Sampler("s", "default", "tiny")}
-    service.batcher = SampleBatcher(service._generate)
+    service.batcher = CallBatcher(service._generate)
     server = start(service)
     try:
         body = {"sampling_session_id": "s", "num_samples": count, "sampling_params": {"max_tokens": 2},

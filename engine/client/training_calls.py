@@ -95,7 +95,7 @@ class ClientTraining:
                            optional=loss.optional_inputs), dict(loss_fn_config or {}))
 
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
-                               llm: str | None = None, peft_adapter: str | None = None,
+                               llm: str | None = None, peft_adapter: str | list[str] | None = None,
                                policy_versions=None) -> concurrent.futures.Future:
         """Like :meth:`forward_backward`, returning a future."""
         name = self._context.open(llm)
@@ -107,7 +107,7 @@ class ClientTraining:
                             policy_versions=policy_versions)
 
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None, *, llm: str | None = None,
-                         peft_adapter: str | None = None, policy_versions=None) -> dict:
+                         peft_adapter: str | list[str] | None = None, policy_versions=None) -> dict:
         """Compute a built-in loss on token-level data and its gradients; they accumulate on the servers, call
         after call, until :meth:`optim_step` applies them.
 
@@ -123,7 +123,9 @@ class ClientTraining:
                 sequence's ratio, the geometric mean of the ratios of the tokens ``sequence_ratio_mask`` marks, on
                 every token: GSPO-token).
             loss_fn_config: the loss's settings (thresholds, beta).
-            peft_adapter: the LoRA adapter to train (default: the active one).
+            peft_adapter: the LoRA adapter to train (default: the active one), or a list of one adapter's name per
+                datum: the datums then run in one pass, each on its own adapter, and each adapter gets the gradients
+                of its own datums (many tenants, or the runs of a sweep, on one base model).
             policy_versions: optional, one per datum: the ``policy_version`` of the samples it holds (an int, or a
                 list of them: one per turn), as ``generate`` gave them; the metrics then report their staleness
                 against the trained weights' version (``staleness:mean``, ``staleness:max``).
@@ -141,21 +143,21 @@ class ClientTraining:
                                                               policy_versions=policy_versions))
 
     def forward_async(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
-                      llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
+                      llm: str | None = None, peft_adapter: str | list[str] | None = None) -> concurrent.futures.Future:
         """Like :meth:`forward`, returning a future."""
         name = self._context.open(llm)
         sequences, config = self._token_data(name, data, loss_fn, loss_fn_config)
         return fb_kind.send(self._context.run, name, sequences, loss_fn, config, backward=False, adapter=peft_adapter)
 
     def forward(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
-                llm: str | None = None, peft_adapter: str | None = None) -> dict:
+                llm: str | None = None, peft_adapter: str | list[str] | None = None) -> dict:
         """:meth:`forward_backward` without gradients: each datum's per-token log-probs (and, with ``loss_fn``, its
         per-token losses and their sum). With no ``loss_fn`` the datums need only ``model_input`` and
         ``target_tokens``; other inputs are not read. Pending gradients are left as they are."""
         return self._context.wait(self.forward_async(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter))
 
     def forward_backward_custom(self, data, loss_fn, *, llm: str | None = None,
-                                peft_adapter: str | None = None) -> dict:
+                                peft_adapter: str | list[str] | None = None) -> dict:
         """Gradients of any differentiable function of the per-token log-probs, computed in your script; they
         accumulate until :meth:`optim_step`, like :meth:`forward_backward`'s.
 

@@ -82,7 +82,8 @@ class ModelWithHeads(torch.nn.Module):
                                   dtype=torch.long)
         tokens = _tokens_in_request_order(results, cand_order, wanted, device) if needs.per_token else {}
         # Zeros that tie every output to the lockstep padding calls and to every trainable weight (see forward.py).
-        tie = graph_zero(self._throwaway_calls(extra_calls)) if extra_calls else None
+        with self.token_adapters.throwaway() if self.token_adapters is not None else contextlib.nullcontext():
+            tie = graph_zero(self._throwaway_calls(extra_calls)) if extra_calls else None
         if anchor is not None:
             tie = anchor if tie is None else tie + anchor
         if tie is not None:

@@ -41,13 +41,16 @@ class TokenAdapters:
     def __init__(self, adapters: tuple[str, ...]):
         self.adapters = tuple(adapters)
         self._slot = {name: k for k, name in enumerate(self.adapters)}
-        self._positions: list[torch.Tensor] | None = None  # each adapter's flat positions in the current model call
-        self._tokens = 0
+        # the current model call: token count -> each adapter's flat positions (every token, and the tokens whose
+        # logits the call keeps: the output layer's input); None outside a call
+        self._positions: dict[int, list[torch.Tensor]] | None = None
 
     @contextlib.contextmanager
-    def model_call(self, rows, shape, device):
+    def model_call(self, rows, shape, device, logits_to_keep=0):
         """Inside, the model call whose input has ``shape`` (rows x columns) and computes the token paths ``rows``
-        runs each path's tokens on its adapter (padding and a path of no adapter on the base weights)."""
+        runs each path's tokens on its adapter (padding and a path of no adapter on the base weights).
+        ``logits_to_keep``: the call's (Hugging Face's: the last ``n`` columns, or a boolean mask of the positions
+        kept), where the output layer reads those positions only."""
         owner = torch.full(tuple(shape[:2]), -1, dtype=torch.long)
         for row in rows:
             if not len(row.columns) or row.adapter is None:
@@ -56,25 +59,45 @@ class TokenAdapters:
                 raise RuntimeError("a pass over a prefix shared by contexts of different adapters was planned: its "
                                    "tokens would run on one adapter's weights for all of them")
             owner[row.row, torch.as_tensor(list(row.columns), dtype=torch.long)] = self._slot[row.adapter]
-        flat = owner.reshape(-1)
-        self._positions = [(flat == k).nonzero().squeeze(1).to(device) for k in range(len(self.adapters))]
-        self._tokens = flat.numel()
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dtype == torch.bool:
+            kept = owner[logits_to_keep.cpu()]
+        elif isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            kept = owner[:, -logits_to_keep:].reshape(-1)
+        else:
+            kept = owner.reshape(-1)
+        self._positions = {}
+        for flat in (kept, owner.reshape(-1)):  # (the same count: every position kept)
+            self._positions[flat.numel()] = [(flat == k).nonzero().squeeze(1).to(device)
+                                             for k in range(len(self.adapters))]
+        try:
+            yield
+        finally:
+            self._positions = None
+
+    @contextlib.contextmanager
+    def throwaway(self):
+        """Inside, model calls whose results count for nothing (lockstep padding) run on the base weights, every
+        adapter's layers called with no token (the replicas then run the same modules)."""
+        self._positions = {}
         try:
             yield
         finally:
             self._positions = None
 
     def positions(self, tokens: int, device) -> list[torch.Tensor]:
-        """Each adapter's positions among a layer input's ``tokens`` flattened positions: those of the current model
-        call, or none outside one (a throw-away call of lockstep padding runs on the base weights)."""
+        """Each adapter's positions among a layer input's ``tokens`` flattened positions in the current model call
+        (none in a throw-away call)."""
         if self._positions is None:
+            raise RuntimeError("a LoRA layer ran outside a model call of a pass mixing adapters: its tokens cannot be "
+                               "matched to their adapters; send each adapter's data in a call of its own")
+        if not self._positions:
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return [empty] * len(self.adapters)
-        if tokens != self._tokens:
-            raise RuntimeError(f"a LoRA layer received {tokens} positions in a model call of {self._tokens}: its "
-                               "tokens cannot be matched to their adapters (LoRA on the output layer, which reads "
-                               "some positions only?); send each adapter's data in a call of its own")
-        return self._positions
+        if tokens not in self._positions:
+            raise RuntimeError(f"a LoRA layer received {tokens} positions in a model call of {max(self._positions)}: "
+                               "its tokens cannot be matched to their adapters; send each adapter's data in a call "
+                               "of its own")
+        return self._positions[tokens]
 
     @contextlib.contextmanager
     def hooked(self, model):

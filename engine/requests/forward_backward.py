@@ -52,7 +52,7 @@ class ForwardBackwardRequest:
 
 def send(run: Run, llm: str, sequences: list[Sequence], loss_fn: str | None, loss_fn_config: dict, *,
          backward: bool, adapter: str | list[str] | None, policy_versions: list | None = None) -> Future:
-    adapter = one_adapter_or_rows(check_adapters(adapter, len(sequences)))
+    adapter = one_adapter_or_rows(check_adapters(adapter, len(sequences), "datum"))
     call = tuple(dict.fromkeys(adapter)) if isinstance(adapter, list) else None
     if policy_versions is not None:
         try:

@@ -1,7 +1,8 @@
-"""One ``generate`` call for many Tinker sample requests, and the calls of several samplers sent in turn.
+"""One ``generate`` call for many Tinker sample requests, and the calls of several samplers sent in turn (the same
+for the training calls of several training clients: :mod:`llmrl.engine.tinker.shared_training`).
 
 Tinker recipes send one ``asample`` request per prompt (32 at once for 8 groups of 4, more with several turns);
-run one by one they would make as many ``generate`` calls, each a batch of one. :class:`SampleBatcher` holds
+run one by one they would make as many ``generate`` calls, each a batch of one. :class:`CallBatcher` holds
 requests that read the same weights with the same sampling parameters (one ``key``: a sampler, for a tenant) for
 ``window`` seconds (or until ``most`` have come) and sends them as one ``generate`` call, whose prompts the servers
 batch together. Batches of other keys that wait with the same ``shared(key)`` (the sampling parameters: other
@@ -9,7 +10,8 @@ tenants' samplers), sent by their window or not yet, join that call, up to ``mos
 every tenant's prompts in the same batches, each row on its own adapter (multi-LoRA batching,
 :mod:`llmrl.engine.model.row_adapters`). Requests with a seed are sent alone (a call has one seed, and a request's
 samples must not depend on its neighbours). A batch refused for its input (a token id outside the vocabulary, ...) is
-sent again request by request: only the request at fault fails.
+sent again key by key, then request by request: only the request at fault fails (``split`` says which errors are a
+request's own; for training calls, any).
 
 Calls are sent in turn, at most ``in_flight`` at once (the service's: its LLM's replicas plus one), the key served
 least recently first: a sampler with a
@@ -31,15 +33,18 @@ from concurrent.futures import Future
 REMEMBERED = 4096  # keys whose last call is remembered for the turns (beyond, keys with nothing waiting are forgotten)
 
 
-class SampleBatcher:
+class CallBatcher:
     """``submit(key, prompt)`` returns a future of that prompt's samples; ``run(keys, prompts)`` makes one call
     (``keys``: each prompt's key). ``shared(key)``: what batches of other keys must share to join a call (None: each
-    call holds one key's batch)."""
+    call holds one key's batch). ``split(error)``: whether a call of several requests that raised it is sent again
+    key by key, then request by request (by default, a refusal of the input)."""
 
     def __init__(self, run: Callable[[list, list], list], window: float = 0.02, most: int = 256,
-                 in_flight: int = 2, shared: Callable[[tuple], object] | None = None):
+                 in_flight: int = 2, shared: Callable[[tuple], object] | None = None,
+                 split: Callable[[BaseException], bool] | None = None):
         self._run, self._window, self._most, self._in_flight = run, window, most, in_flight
         self._shared = shared
+        self._split = split or _refused_for_input
         self._lock = threading.Lock()
         self._pending: dict[tuple, list[tuple[list[int], Future]]] = {}  # key -> the batch filling up
         # key -> its batches waiting to be sent, in order, each with whether it goes alone (a seeded request)
@@ -134,7 +139,7 @@ class SampleBatcher:
         try:
             results = self._run([key for key, _ in requests], [prompt for _, (prompt, _) in requests])
         except BaseException as err:  # noqa: BLE001 - every request of the batch gets the error
-            if len(requests) > 1 and _refused_for_input(err):  # a request's own input: each key's alone, then each
+            if len(requests) > 1 and self._split(err):  # a request's own input: each key's alone, then each
                 keys = list(dict.fromkeys(key for key, _ in requests))  # request alone, so that it fails the request
                 parts = [[r for r in requests if r[0] == key] for key in keys] if len(keys) > 1 else \
                     [[one] for one in requests]  # that sent it, not its neighbours

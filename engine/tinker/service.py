@@ -6,7 +6,8 @@ Caller's primitives.
   requests run one at a time in ``seq_id`` order.
 - ``forward_backward`` / ``forward`` and ``optim_step`` are the Caller's, on that adapter (each adapter's gradients
   pending apart: :mod:`llmrl.engine.model.training.client_steps`); how request fields become arguments is
-  :mod:`llmrl.engine.tinker.params`'.
+  :mod:`llmrl.engine.tinker.params`'. Several clients' ``forward_backward`` requests that arrive together share one
+  call, each datum on its client's adapter (:mod:`llmrl.engine.tinker.shared_training`).
 - ``save_weights_for_sampler`` takes a named snapshot of the adapter: with a name it answers a
   ``tinker://<model>/sampler_weights/<name>`` path, without one a sampling session on a snapshot kept among the
   client's last few (older ones are dropped: their sessions then answer an error).
@@ -40,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmrl.engine.adapter_names import one_adapter_or_rows
-from llmrl.engine.tinker.batching import SampleBatcher
+from llmrl.engine.tinker.batching import CallBatcher
 from llmrl.engine.tinker.checkpoints import Checkpoint, Registry, StateError, checkpoint_name, folder_size, now
 from llmrl.engine.tinker.futures import Futures, OrderedQueue, Outcome
 from llmrl.engine.tinker.params import (
@@ -53,6 +54,7 @@ from llmrl.engine.tinker.params import (
     new_model_id,
     refuse_unserved,
 )
+from llmrl.engine.tinker.shared_training import SharedTraining
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
 
 EPHEMERAL_SAMPLERS = 4  # snapshots kept per training client for samplers made without a name
@@ -107,7 +109,8 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self._sampling_sessions: dict[tuple, str] = {}  # (session, sampling_session_seq_id) -> its sampler's id
         # a call in flight per replica (a call of one prompt keeps one busy), and one more waiting at the servers
-        self.batcher = SampleBatcher(self._generate, in_flight=spec.replicas + 1, shared=lambda key: key[1])
+        self.batcher = CallBatcher(self._generate, in_flight=spec.replicas + 1, shared=lambda key: key[1])
+        self.training = SharedTraining(caller, self.llm, in_flight=spec.replicas + 1)
 
     # ------------------------------------------------------------------ sessions
 
@@ -169,11 +172,9 @@ class TinkerService:
             check_loss(loss_fn)
             data = [{"model_input": d["model_input"], "loss_fn_inputs": loss_inputs(loss_fn, d["loss_fn_inputs"])}
                     for d in request["data"]]
-            call = self.caller.forward if forward_only else self.caller.forward_backward
-            out = call(data, loss_fn, request["loss_fn_config"] or None, llm=self.llm, peft_adapter=client.adapter)
-            outputs = [{k: v for k, v in o.items() if k in ("logprobs", "elementwise_loss")}
-                       for o in out["loss_fn_outputs"]]
-            return Outcome("proto", forward_backward_output(outputs, {"loss:sum": out["metrics"]["loss:sum"]}))
+            out = self.training.run(client.adapter, data, loss_fn, request["loss_fn_config"] or None, forward_only,
+                                    together=len(self.models) > 1)  # (other clients' requests may join the call)
+            return Outcome("proto", forward_backward_output(out["outputs"], {"loss:sum": out["loss"]}))
 
         return self._in_order(client, request, work)
 

@@ -84,7 +84,7 @@ def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[
 
         def routed(rows, **kwargs):
             ids = kwargs["input_ids"]
-            with token_adapters.model_call(rows, ids.shape, ids.device):
+            with token_adapters.model_call(rows, ids.shape, ids.device, kwargs.get("logits_to_keep", 0)):
                 return plain(rows, **kwargs)
 
         return routed
