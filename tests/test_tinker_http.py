@@ -321,3 +321,54 @@ def test_a_call_of_several_samplers_refused_for_one_input_is_sent_again_sampler_
     assert sorted(calls[0]) == [("a", 1), ("a", 500), ("b", 2), ("b", 3)]  # (the keys in either order)
     assert sorted(calls[1:]) == [[("a", 1)], [("a", 1), ("a", 500)], [("a", 500)], [("b", 2), ("b", 3)]]
     assert calls.index([("a", 1)]) > calls.index([("a", 1), ("a", 500)])  # a's alone, then each of its requests
+
+
+class FakeTrainingCaller:
+    """forward_backward as a Caller gives it: each datum's per-token log-probs and losses (here: its tokens, and
+    twice them), the loss summed over every datum; a datum whose first token is 0 is refused for the whole call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward_backward(self, data, loss_fn, config, *, llm, peft_adapter):
+        import torch
+
+        self.calls.append([(d["model_input"][0], peft_adapter if isinstance(peft_adapter, str) else peft_adapter[k])
+                           for k, d in enumerate(data)])
+        if any(d["model_input"][0] == 0 for d in data):
+            raise ValueError("a loss input is not finite")
+        outputs = [{"logprobs": torch.tensor(d["model_input"], dtype=torch.float32),
+                    "elementwise_loss": 2 * torch.tensor(d["model_input"], dtype=torch.float32)} for d in data]
+        return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": float(sum(o["elementwise_loss"].sum()
+                                                                               for o in outputs))}}
+
+
+def test_training_requests_of_several_clients_share_one_call_and_a_failed_one_is_sent_again_client_by_client():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmrl.engine.tinker.shared_training import SharedTraining
+
+    caller = FakeTrainingCaller()
+    shared = SharedTraining(caller, "m", in_flight=2, window=2.0)  # (the three requests come well within it)
+    requests = {"a": [{"model_input": [1, 2]}, {"model_input": [3]}], "b": [{"model_input": [4]}],
+                "c": [{"model_input": [5, 6]}]}
+    with ThreadPoolExecutor(3) as pool:
+        futures = {k: pool.submit(shared.run, k, data, "cross_entropy", None, False, True)
+                   for k, data in requests.items()}
+        results = {k: f.result(60) for k, f in futures.items()}
+    assert len(caller.calls) == 1 and sorted(caller.calls[0]) == [(1, "a"), (3, "a"), (4, "b"), (5, "c")]
+    for k, data in requests.items():  # each client its own datums' outputs, and its own loss
+        assert [o["logprobs"].tolist() for o in results[k]["outputs"]] == [d["model_input"] for d in data]
+        assert results[k]["loss"] == 2 * sum(sum(d["model_input"]) for d in data)
+    caller.calls.clear()
+    requests["b"] = [{"model_input": [0]}]  # b's request fails the call it shares: a and c are answered alone
+    with ThreadPoolExecutor(3) as pool:
+        futures = {k: pool.submit(shared.run, k, data, "cross_entropy", None, False, True)
+                   for k, data in requests.items()}
+        assert futures["a"].result(60)["loss"] == 12.0 and futures["c"].result(60)["loss"] == 22.0
+        with pytest.raises(ValueError, match="not finite"):
+            futures["b"].result(60)
+    assert len(caller.calls[0]) == 4 and sorted(caller.calls[1:]) == [[(0, "b")], [(1, "a"), (3, "a")], [(5, "c")]]
+    caller.calls.clear()
+    alone = shared.run("a", requests["a"], "cross_entropy", None, False, False)  # one client: no window
+    assert caller.calls == [[(1, "a"), (3, "a")]] and alone["loss"] == 12.0

@@ -245,7 +245,9 @@ def test_a_saved_state_makes_new_training_clients_with_or_without_its_optimizer_
 def test_three_clients_training_at_once_each_end_where_it_would_alone(service, client, reference):
     """Three training clients (three adapters: three tenants), each in a thread, send their ``forward_backward``
     before any steps: the three adapters' gradients are pending together, and each ``optim_step`` steps its own.
-    Each then scores as the same calls made alone, one adapter after the other, leave it (a Caller), to 1e-6; and
+    Their requests arrive together and may share one call, each datum on its own client's adapter. Each then scores
+    as the same calls made alone, one adapter after the other, leave it (a Caller), to 1e-5 (a shared call sums in
+    another order: measured 2.4e-6 on log-probs of order 7); and
     their samplers, sampling at once (greedy: the service may run the three adapters' prompts in one batched pass),
     each give the tokens and log-probs (1e-5) of a ``generate`` of its adapter alone."""
     import threading
@@ -286,7 +288,7 @@ def test_three_clients_training_at_once_each_end_where_it_would_alone(service, c
             reference.optim_step(settings, peft_adapter=name)
         want = reference.forward(datums(30), peft_adapter=name)["loss_fn_outputs"]
         for g, w in zip(got[k][0], want):
-            torch.testing.assert_close(g, w["logprobs"], atol=1e-6, rtol=0)
+            torch.testing.assert_close(g, w["logprobs"], atol=1e-5, rtol=0)
         alone = reference.generate(PROMPTS, peft_adapter=name, max_new_tokens=6, do_sample=False)
         for sampled, (sample,) in zip(got[k][1], alone):
             assert sampled.tokens == sample["tokens"].tolist()

@@ -251,30 +251,30 @@ class Caller:
 
     @delegated(ClientTraining.forward_backward_async)
     def forward_backward_async(self, data, loss_fn: str, loss_fn_config: dict | None = None, *,
-                               llm: str | None = None, peft_adapter: str | None = None,
+                               llm: str | None = None, peft_adapter: str | list[str] | None = None,
                                policy_versions=None) -> concurrent.futures.Future:
         return self._training.forward_backward_async(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter,
                                                      policy_versions=policy_versions)
 
     @delegated(ClientTraining.forward_backward)
     def forward_backward(self, data, loss_fn: str, loss_fn_config: dict | None = None, *, llm: str | None = None,
-                         peft_adapter: str | None = None, policy_versions=None) -> dict:
+                         peft_adapter: str | list[str] | None = None, policy_versions=None) -> dict:
         return self._training.forward_backward(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter,
                                                policy_versions=policy_versions)
 
     @delegated(ClientTraining.forward_async)
     def forward_async(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
-                      llm: str | None = None, peft_adapter: str | None = None) -> concurrent.futures.Future:
+                      llm: str | None = None, peft_adapter: str | list[str] | None = None) -> concurrent.futures.Future:
         return self._training.forward_async(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter)
 
     @delegated(ClientTraining.forward)
     def forward(self, data, loss_fn: str | None = None, loss_fn_config: dict | None = None, *,
-                llm: str | None = None, peft_adapter: str | None = None) -> dict:
+                llm: str | None = None, peft_adapter: str | list[str] | None = None) -> dict:
         return self._training.forward(data, loss_fn, loss_fn_config, llm=llm, peft_adapter=peft_adapter)
 
     @delegated(ClientTraining.forward_backward_custom)
     def forward_backward_custom(self, data, loss_fn, *, llm: str | None = None,
-                                peft_adapter: str | None = None) -> dict:
+                                peft_adapter: str | list[str] | None = None) -> dict:
         return self._training.forward_backward_custom(data, loss_fn, llm=llm, peft_adapter=peft_adapter)
 
     @delegated(ClientTraining.optim_step_async)
