@@ -126,3 +126,13 @@ def test_multi_lora_benchmark_decodes_every_adapters_prompts_in_one_call_with_th
     found = re.search(r"one call is ([\d.]+)x the adapter-a-call rate; greedy tokens the same: True; largest "
                       r"log-prob difference (\S+)", result.stdout)
     assert found and float(found[1]) > 0 and float(found[2]) < 1e-5, result.stdout
+
+
+def test_multi_lora_training_benchmark_trains_every_adapter_in_one_pass_with_the_same_gradients():
+    result = run_benchmark("multi_lora_training", "--shape", "tiny", "--adapters", "3", "--sequences", "2",
+                           "--tokens", "16", "--repeats", "1")
+    found = re.search(r"one pass is ([\d.]+)x the adapter-a-pass rate; largest log-prob difference (\S+), largest "
+                      r"gradient difference (\S+) \(of gradients up to (\S+)\); gradients of the same weights: True",
+                      result.stdout)
+    assert found and float(found[1]) > 0 and float(found[2]) < 1e-5, result.stdout
+    assert float(found[3]) < 1e-5 * float(found[4]), result.stdout

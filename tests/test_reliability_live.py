@@ -164,6 +164,19 @@ def test_rows_of_several_adapters_are_refused_under_zero3_layer_by_layer_and_the
         assert first["policy"] == second["policy"] == adapter
 
 
+
+def test_a_forward_of_several_adapters_runs_under_zero3_layer_by_layer(run):
+    """The same layout: a ``forward`` whose datums name adapters a and b, one datum per replica. Each replica runs
+    every adapter of the call in every layer (with no token where its share has none), so their module calls gather
+    together; each datum gets the log-probs of a forward of its adapter alone."""
+    data = [{"model_input": [5, 9, 14, 3], "loss_fn_inputs": {"target_tokens": [9, 14, 3, 7]}},
+            {"model_input": [8, 2, 11], "loss_fn_inputs": {"target_tokens": [2, 11, 6]}}]
+    mixed = run.forward(data, llm="sharded", peft_adapter=["a", "b"])["loss_fn_outputs"]
+    for datum, adapter, got in zip(data, ("a", "b"), mixed):
+        (alone,) = run.forward([datum], llm="sharded", peft_adapter=adapter)["loss_fn_outputs"]
+        torch.testing.assert_close(got["logprobs"], alone["logprobs"], atol=1e-5, rtol=0)
+
+
 def _dies_cleanly(live: LiveRun, rank: int, limit: float = 60.0):
     code = live.wait(limit)  # raises (and kills the run) if it is still running after `limit` seconds
     assert code != 0

@@ -158,10 +158,13 @@ class TokenLora:
         wide = out.dtype
         for name, _ in held:
             wide = torch.promote_types(wide, layer.lora_B[name].weight.dtype)
-        summed = out.to(wide)
+        deltas = []
         for name, where in held:  # every adapter of the call, in its order, even with no token here
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             part = flat_x.index_select(0, where).to(lora_a.weight.dtype)
-            delta = lora_b(lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]
-            summed = summed.index_add(0, where, delta.to(wide))
+            deltas.append((lora_b(lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]).to(wide))
+        if not deltas:
+            return result
+        where = torch.cat([where for _, where in held])  # (each token in one adapter's positions at most)
+        summed = out.to(wide).index_add(0, where, torch.cat(deltas))  # one copy of the output, not one per adapter
         return summed.to(result.dtype).reshape(result.shape)
