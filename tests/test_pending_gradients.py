@@ -60,3 +60,32 @@ def test_a_failed_step_of_every_adapter_discards_all_and_tells_no_one_later():
         assert note.startswith("the gradients of the 3 earlier forward_backward call(s)")
         assert all(p.grad is None for p in params.values()) and served.pending.adapters == {}
         assert served.pending.discarded == {}
+
+
+def test_a_call_of_several_adapters_holds_their_earlier_gradients_apart():
+    """A call of adapters a and b (each steppable alone): inside, their pending gradients are off the parameters; a
+    success adds the call's gradients to them, a failure discards the call's alone and keeps the earlier ones (and
+    their pending counts)."""
+    served, trainer, params = served_with(0)
+    with client_steps.held_apart(served, ("a", "b")):
+        assert all(p.grad is None for p in params.values())
+        for p in params.values():
+            p.grad = torch.full((3,), 0.5)  # this call's
+    assert all(torch.equal(p.grad, torch.full((3,), 2.5)) for p in params.values())
+    served, trainer, params = served_with(0)
+    with pytest.raises(RuntimeError, match="out of memory"), client_steps.held_apart(served, ("a", "b")):
+        params["a"].grad = torch.full((3,), 0.5)
+        try:
+            raise RuntimeError("out of memory")
+        except RuntimeError:
+            note = client_steps._discard_call(served, trainer, ("a", "b"))
+            raise
+    assert "this call's gradients were discarded" in note and "['a', 'b'] are kept" in note
+    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in params.values())
+    assert served.pending.adapters == {"a": 1, "b": 2} and served.pending.backwards == 3
+
+
+def test_a_failed_call_of_several_adapters_names_them_all():
+    served, trainer, params = served_with(2)
+    note = client_steps._discard(served, trainer, ("a", "b"))
+    assert "of adapters ['a', 'b']" in note and served.pending.adapters == {} and served.pending.discarded == {}

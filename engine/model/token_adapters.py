@@ -158,13 +158,16 @@ class TokenLora:
         wide = out.dtype
         for name, _ in held:
             wide = torch.promote_types(wide, layer.lora_B[name].weight.dtype)
-        deltas = []
-        for name, where in held:  # every adapter of the call, in its order, even with no token here
-            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-            part = flat_x.index_select(0, where).to(lora_a.weight.dtype)
-            deltas.append((lora_b(lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]).to(wide))
-        if not deltas:
+        if not held:
             return result
-        where = torch.cat([where for _, where in held])  # (each token in one adapter's positions at most)
-        summed = out.to(wide).index_add(0, where, torch.cat(deltas))  # one copy of the output, not one per adapter
+        # the tokens grouped by adapter in one gather, and every adapter's output added in one scatter: one copy of
+        # the input and of the output (and one each in the backward pass), not one per adapter
+        order = torch.cat([where for _, where in held])  # (each token in one adapter's positions at most)
+        parts = flat_x.index_select(0, order).split([len(where) for _, where in held])
+        deltas = []
+        for (name, _), part in zip(held, parts):  # every adapter of the call, in its order, even with no token here
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            part = part.to(lora_a.weight.dtype)
+            deltas.append((lora_b(lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]).to(wide))
+        summed = out.to(wide).index_add(0, order, torch.cat(deltas))
         return summed.to(result.dtype).reshape(result.shape)

@@ -130,7 +130,8 @@ def _discard(served: ServedModel, trainer: EngineTrainer, adapter: str | None) -
     earlier = sum(lost.get(a, 0) for a in failed)
     if not earlier:
         return f"no gradient of {label} was pending{kept}"
-    return (f"the gradients of the {earlier} earlier forward_backward call(s) of {label} since its "
+    their = "their" if isinstance(adapter, tuple) else "its"
+    return (f"the gradients of the {earlier} earlier forward_backward call(s) of {label} since {their} "
             f"last optim_step were discarded on every replica{kept}")
 
 
