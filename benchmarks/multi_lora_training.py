@@ -45,8 +45,7 @@ def one_pass(model, tokenizer, sequences: list, names: list | None, call: tuple,
     if names is None:
         out = module(plan, batches, needs)
     else:
-        with TokenAdapters(call).hooked(model) as tokens:
-            module.token_adapters = tokens
+        with TokenAdapters(call).hooked(model):
             out = module(plan, batches, needs)
     (-out.token_logprobs.sum()).backward()
     sync(device)

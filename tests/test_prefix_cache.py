@@ -260,7 +260,8 @@ def test_after_an_update_of_the_top_layers_entries_keep_the_bottom_and_recompute
                                  packed=packed, trunk=trunk)
         plain, _, _ = run_plan(model, tok, "causal", contexts, candidates, packed=packed)
         for g, p, e in zip(got, plain, reference_scores(model, tok, contexts, candidates)):
-            torch.testing.assert_close(g, p, atol=tolerance, rtol=0)
+            # (a summed score of order 40 rounds by a few 1e-6 in float32: measured 1.1e-5 on an AVX2-only EPYC)
+            torch.testing.assert_close(g, p, atol=tolerance, rtol=tolerance / 10)
             torch.testing.assert_close(g, e, atol=max(tolerance, 1e-4) if dtype == torch.float32 else tolerance,
                                        rtol=0)
     stats = cache.stats()

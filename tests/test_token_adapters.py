@@ -75,8 +75,7 @@ def mixed_pass(model, tok, seqs, names, weights, budget=8192, rows=64, packed=Fa
     for p in params.values():
         p.requires_grad_(True)
         p.grad = None
-    with TokenAdapters(CALL).hooked(model) as tokens:
-        module.token_adapters = tokens
+    with TokenAdapters(CALL).hooked(model):
         out = module(plan, batches, needs)
     logprobs = list(out.token_logprobs.split(out.candidate_token_counts.tolist()))
     sum(w * lp.sum() for w, lp in zip(weights, logprobs)).backward()

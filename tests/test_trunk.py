@@ -72,7 +72,7 @@ def test_replayed_passes_equal_whole_passes(lora_top, record, replay, packed):
     assert trunk.replayed_calls > 0 and trunk.whole_calls == 0
     whole = run(model, tok, needs, *replay, packed=packed[1])
     for (_, a), (_, b) in zip(replayed, whole):
-        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-6)  # (float32 sums of order 40)
         torch.testing.assert_close(a.context_hidden[-1], b.context_hidden[-1], atol=1e-5, rtol=0)
     loss_a, grads_a = loss_and_grads(model, replayed)
     loss_b, grads_b = loss_and_grads(model, whole)
@@ -92,12 +92,12 @@ def test_calls_whose_tokens_were_never_scored_run_whole_and_are_recorded(lora_to
     whole = run(model, tok, Needs(), 8192, 64)
     assert trunk.whole_calls > 0 and trunk.replayed_calls == 0
     for (_, a), (_, b) in zip(replayed, whole):
-        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-6)  # (float32 sums of order 40)
     # what that pass ran whole it recorded (an update's first pass over generated tokens): the next one replays
     again = run(model, tok, Needs(), 8192, 64, trunk=trunk, mode="replay")
     assert trunk.replayed_calls > 0
     for (_, a), (_, b) in zip(again, whole):
-        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-6)  # (float32 sums of order 40)
 
 
 def test_hidden_states_of_the_skipped_layers_are_never_replayed(lora_top):

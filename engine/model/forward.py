@@ -243,12 +243,8 @@ def _routed(served: ServedModel, mixed: tuple[str, ...] | None):
         return
     from llmrl.engine.model.token_adapters import TokenAdapters
 
-    with TokenAdapters(mixed).hooked(served.model) as tokens:
-        served.module.token_adapters = tokens
-        try:
-            yield
-        finally:
-            served.module.token_adapters = None
+    with TokenAdapters(mixed).hooked(served.module.model):
+        yield
 
 
 def forget_zero3_trace(engine) -> None:

@@ -27,6 +27,7 @@ from llmrl.engine.model.scoring.results import cat_long
 from llmrl.engine.model.scoring.run import accepts_logits_to_keep, run_batch
 from llmrl.engine.model.scoring.tokenization import TokenPlan
 from llmrl.engine.model.scoring.vocab_chunks import applies, hidden_instead_of_logits
+from llmrl.engine.model.token_adapters import routing_of
 from llmrl.plugins.contracts import ForwardOutputs
 
 
@@ -45,7 +46,6 @@ class ModelWithHeads(torch.nn.Module):
         self.keep_logits = kind == "causal" and accepts_logits_to_keep(model)
         self.prefix_cache = None  # a CacheUse during no-grad scoring with llms.<name>.kv_cache_mb (see forward)
         self.trunk = None  # a Trunk with llms.<name>.trunk_reuse_mb (see llmrl.engine.model.reuse.trunk)
-        self.token_adapters = None  # a TokenAdapters around a pass whose contexts name their own LoRA adapters
         self.update_pass = False  # set around the updater's passes: they read log-probs from hidden states in chunks
 
     def forward(self, plan: TokenPlan, batches: list[BatchSpec], needs: Needs, head_keys: tuple = (),
@@ -64,8 +64,7 @@ class ModelWithHeads(torch.nn.Module):
         chunked = self.update_pass and applies(self.model, needs.token_logits)
         with hidden_instead_of_logits(self.model) if chunked else contextlib.nullcontext():
             results = [run_batch(self.model, plan, b, needs, self.pad_id, device, self.keep_logits, self.start_id,
-                                 prefix_cache=self.prefix_cache, trunk=self.trunk, token_adapters=self.token_adapters)
-                       for b in batches]
+                                 prefix_cache=self.prefix_cache, trunk=self.trunk) for b in batches]
         # Put candidates (and contexts) back in request order: batch order -> computed order -> request order.
         ctx_order = [i for b in batches for i in b.contexts]
         starts = _candidate_starts(plan)
@@ -82,7 +81,8 @@ class ModelWithHeads(torch.nn.Module):
                                   dtype=torch.long)
         tokens = _tokens_in_request_order(results, cand_order, wanted, device) if needs.per_token else {}
         # Zeros that tie every output to the lockstep padding calls and to every trainable weight (see forward.py).
-        with self.token_adapters.throwaway() if self.token_adapters is not None else contextlib.nullcontext():
+        routing = routing_of(self.model)  # a pass mixing adapters: padding calls run on the base weights
+        with routing.throwaway() if routing is not None else contextlib.nullcontext():
             tie = graph_zero(self._throwaway_calls(extra_calls)) if extra_calls else None
         if anchor is not None:
             tie = anchor if tie is None else tie + anchor

@@ -33,6 +33,7 @@ import contextlib
 import torch
 
 MIXED = "\x00mixed"  # the adapter of a token path several contexts of different adapters share (never to be run)
+ROUTER = "_llmrl_token_adapters"  # the attribute of a hooked model that holds its TokenAdapters (routing_of)
 
 
 class TokenAdapters:
@@ -127,13 +128,22 @@ class TokenAdapters:
             if "forward" in vars(module):
                 raise RuntimeError(f"layer {name}'s forward is already replaced")
             layers.append(module)
+        if routing_of(model) is not None:
+            raise RuntimeError("the model is already hooked for a pass mixing adapters")
         try:
             for module in layers:
                 module.forward = TokenLora(module, self)  # (an instance attribute: removed below)
+            vars(model)[ROUTER] = self  # (how the pass's model calls find it: make_caller)
             yield self
         finally:
+            vars(model).pop(ROUTER, None)
             for module in layers:
                 vars(module).pop("forward", None)
+
+
+def routing_of(model) -> TokenAdapters | None:
+    """The :class:`TokenAdapters` ``model`` is hooked for (None outside a pass mixing adapters)."""
+    return vars(model).get(ROUTER)
 
 
 def _holds(module, adapters) -> bool:

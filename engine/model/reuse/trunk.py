@@ -72,15 +72,17 @@ def candidate_rows(ctxs, inputs: list[list[int]], contexts: list[int]) -> list[T
                      ctxs[a].adapter) for r, a in enumerate(contexts)]
 
 
-def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[list[TrunkRow]]],
-                token_adapters=None):
+def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[list[TrunkRow]]]):
     """``call(rows, **kwargs)``: the model call, through the trunk when there is one. ``calls()`` lists the rows
     of every call the batch will make: it is replayed whole when the trunk holds every token they compute. A
     key/value cache given as ``cache`` reaches the model under the name its ``forward`` takes
-    (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`). ``token_adapters`` (a pass mixing LoRA adapters:
-    :class:`~llmrl.engine.model.token_adapters.TokenAdapters`) is told each call's rows before it runs."""
+    (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`). A model hooked for a pass mixing LoRA adapters
+    (:class:`~llmrl.engine.model.token_adapters.TokenAdapters`) is told each call's rows before it runs."""
+    from llmrl.engine.model.token_adapters import routing_of
+
+    token_adapters = routing_of(model)
     if token_adapters is not None:
-        plain = make_caller(model, needs, trunk, replayable, calls)
+        plain = _plain_caller(model, needs, trunk, replayable, calls)
 
         def routed(rows, **kwargs):
             ids = kwargs["input_ids"]
@@ -88,6 +90,10 @@ def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[
                 return plain(rows, **kwargs)
 
         return routed
+    return _plain_caller(model, needs, trunk, replayable, calls)
+
+
+def _plain_caller(model, needs, trunk, replayable: bool, calls):
     name = cache_kwarg(model)
 
     def named(kwargs: dict) -> dict:

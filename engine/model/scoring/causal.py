@@ -36,15 +36,13 @@ from llmrl.engine.model.scoring.results import (
 )
 
 
-def run_causal(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache=None, trunk=None,
-               token_adapters=None) -> BatchResult:
+def run_causal(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache=None, trunk=None) -> BatchResult:
     """Run one unpacked causal batch (exactly ``batch.model_calls`` model calls)."""
     ctxs = [plan.contexts[i] for i in batch.contexts]
     offsets = context_offsets(plan, batch)
     state = BatchPass(needs, len(ctxs), offsets[-1])
     keep_last = {"logits_to_keep": 1} if keep_logits else {}
-    call = _caller(model, plan, batch, needs, ctxs, trunk, replayable=prefix_cache is None,
-                   token_adapters=token_adapters)
+    call = _caller(model, plan, batch, needs, ctxs, trunk, replayable=prefix_cache is None)
     if prefix_cache is None:
         cache, prefix_mask = _encode_prefixes(call, ctxs, batch, state, pad_id, device, keep_last)
     else:
@@ -177,7 +175,7 @@ def _encode_prefixes_with_cache(call, ctxs, batch, state: BatchPass, pad_id, dev
     return cache, mask
 
 
-def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool, token_adapters=None):
+def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool):
     """The batch's model call (see :func:`~llmrl.engine.model.reuse.trunk.make_caller`), told the rows of every
     call the batch makes."""
     def calls():
@@ -191,4 +189,4 @@ def _caller(model, plan, batch, needs, ctxs, trunk, replayable: bool, token_adap
                                        [a for a, _ in chunk]))
         return rows
 
-    return make_caller(model, needs, trunk, replayable, calls, token_adapters)
+    return make_caller(model, needs, trunk, replayable, calls)

@@ -195,8 +195,7 @@ class _Packing:
         return as_cache(layers)
 
 
-def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache=None, trunk=None,
-               token_adapters=None):
+def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache=None, trunk=None):
     """Run one packed batch (``batch.packed``): the common prefix's pass if planned, then one call for the rest.
     Same arguments and result as :func:`llmrl.engine.model.scoring.run.run_batch`."""
     ctxs = [plan.contexts[i] for i in batch.contexts]
@@ -218,11 +217,11 @@ def run_packed(model, plan, batch, needs, pad_id, device, keep_logits, prefix_ca
     if prefix_cache is None:  # every context continues from the common prefix: the layout is known before any call
         packing = packing_for([common] * n, common if common > 0 else None, [])
         calls = ([common_rows(ctxs, common)] if common > 0 else []) + [packing.trunk_rows()]
-        call = make_caller(model, needs, trunk, True, lambda: calls, token_adapters)
+        call = make_caller(model, needs, trunk, True, lambda: calls)
         common_kv = encode_common(call, ctxs, common, state, device, keep_last) if common > 0 else None
         packing.pieces_of = [[common_kv]] * n if common_kv is not None else [[] for _ in range(n)]
     else:
-        call = make_caller(model, needs, trunk, False, lambda: [], token_adapters)
+        call = make_caller(model, needs, trunk, False, lambda: [])
         common_kv = encode_common(call, ctxs, common, state, device, keep_last, prefix_cache) if common > 0 else None
         starts, pieces_of = cached_starts(ctxs, common, common_kv, prefix_cache)
         packing = packing_for(starts, None, pieces_of)

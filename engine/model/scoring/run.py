@@ -45,13 +45,11 @@ def accepts_logits_to_keep(model) -> bool:
 
 
 def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: int, device,
-              keep_logits: bool, decoder_start_id: int | None = None, prefix_cache=None, trunk=None,
-              token_adapters=None) -> BatchResult:
+              keep_logits: bool, decoder_start_id: int | None = None, prefix_cache=None, trunk=None) -> BatchResult:
     """Run one planned batch (exactly ``batch.model_calls`` model calls). ``prefix_cache`` (causal models, no-grad
     scoring only) is a :class:`~llmrl.engine.model.reuse.prefix_cache.CacheUse`: prefixes are read from and added
     to that cache across calls. ``trunk`` (causal models) is a :class:`~llmrl.engine.model.reuse.trunk.Trunk` in
-    its recording or replaying mode. ``token_adapters`` (causal models): a
-    :class:`~llmrl.engine.model.token_adapters.TokenAdapters` hooked into the model, told each call's token paths."""
+    its recording or replaying mode."""
     if plan.kind == "seq2seq":
         return run_seq2seq(model, plan, batch, needs, pad_id, device, decoder_start_id)
     if prefix_cache is not None and prefix_cache.cache.stale_from is not None and trunk is not None:
@@ -59,4 +57,4 @@ def run_batch(model, plan: TokenPlan, batch: BatchSpec, needs: Needs, pad_id: in
         prefix_cache.cache.refresh(prefix_cache.namespace, [plan.contexts[i].prefix for i in batch.contexts],
                                    lambda paths: trunk.top_layers_kv(model, paths, keep_logits))
     run = run_packed if batch.packed else run_causal
-    return run(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache, trunk, token_adapters)
+    return run(model, plan, batch, needs, pad_id, device, keep_logits, prefix_cache, trunk)
