@@ -61,6 +61,8 @@ def check_report(out, reference_models, replicas):
     return report
 
 
+@pytest.mark.budget(120, why="a whole `llmrl run` from an empty model cache (the builtin model built first), two LLMs "
+                              "on four ranks: 62 s on a 2-core AVX2-only EPYC with the other worker busy")
 def test_llmrl_run(tmp_path, tiny):
     """As a user runs it on a fresh machine: a builtin model in an empty model cache, which `llmrl run` builds
     before the launcher starts. Also: the script closes a second LLM first (Caller.close_llm); its rank's early,
