@@ -64,27 +64,49 @@ def run_calls(model, tokenizer, groups: dict, kwargs: dict, device: str, decoder
         return generate(model, tokenizer, "causal", plan, device, seed=0, decoder=decoder)
 
 
-def main(argv=None) -> int:
-    from llmrl.engine.config.types import GenerationSettings
-    from llmrl.engine.model.decoding.runtime import Decoder
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the multi-LoRA benchmarks: the device, the model's shape and dtype, the adapters, the
+    repeats, the tokenizer and the JSON output."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def model_of(args):
+    """(the PEFT model with ``args.adapters`` adapters, their names, its dtype, the tokenizer)."""
     cuda = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
-    torch.set_grad_enabled(False)
     model, names = with_adapters(build(args.shape, dtype, args.device), args.adapters)
-    tokenizer = tokenizer_from(args.tokenizer)
+    return model, names, dtype, tokenizer_from(args.tokenizer)
+
+
+def write_figures(path: str | None, figures: dict) -> None:
+    """``figures`` with the run's provenance, as JSON at ``path`` (nothing without one)."""
+    if not path:
+        return
+    from llmrl.engine.provenance import run_provenance
+
+    with open(path, "w") as f:
+        json.dump({"provenance": run_provenance(), **figures}, f, indent=2)
+
+
+def main(argv=None) -> int:
+    from llmrl.engine.config.types import GenerationSettings
+    from llmrl.engine.model.decoding.runtime import Decoder
+
+    parser = common_arguments(__doc__)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, names, dtype, tokenizer = model_of(args)
     prompts = prompt_ids(tokenizer, args.adapters * args.prompts, args.prompt_tokens)
     groups = {name: prompts[k * args.prompts:(k + 1) * args.prompts] for k, name in enumerate(names)}
     kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
@@ -107,16 +129,12 @@ def main(argv=None) -> int:
     print(f"  {args.adapters} adapters x {args.prompts} prompts ({rows} rows), {args.new_tokens} new tokens, "
           f"{args.shape} {str(dtype).replace('torch.', '')} on {args.device}: one call is {ratio:.2f}x the "
           f"adapter-a-call rate; greedy tokens the same: {same}; largest log-prob difference {gap:.2e}")
-    if args.out:
-        from llmrl.engine.provenance import run_provenance
-
-        with open(args.out, "w") as f:
-            json.dump({"provenance": run_provenance(), "device": args.device, "shape": args.shape,
-                       "dtype": str(dtype), "adapters": args.adapters, "prompts_per_adapter": args.prompts,
-                       "prompt_tokens": args.prompt_tokens,
-                       "new_tokens": args.new_tokens, "one_adapter_a_call_s": seconds[False],
-                       "one_call_s": seconds[True], "speedup": ratio, "same_tokens": same,
-                       "largest_logprob_difference": gap, "decoding": decoder.stats()["calls"]}, f, indent=2)
+    write_figures(args.out, {"device": args.device, "shape": args.shape, "dtype": str(dtype),
+                             "adapters": args.adapters, "prompts_per_adapter": args.prompts,
+                             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                             "one_adapter_a_call_s": seconds[False], "one_call_s": seconds[True], "speedup": ratio,
+                             "same_tokens": same, "largest_logprob_difference": gap,
+                             "decoding": decoder.stats()["calls"]})
     return 0
 
 

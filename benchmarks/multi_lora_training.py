@@ -18,13 +18,8 @@ nothing.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import torch
-
-from benchmarks.decoding import build, prompt_ids, sync, timed, tokenizer_from
-from benchmarks.multi_lora import with_adapters
+from benchmarks.decoding import prompt_ids, sync, timed
+from benchmarks.multi_lora import common_arguments, model_of, write_figures
 
 
 def one_pass(model, tokenizer, sequences: list, names: list | None, call: tuple, device: str):
@@ -73,21 +68,11 @@ def run(model, tokenizer, groups: dict, device: str, together: bool):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--shape", default="smollm2-135m")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--adapters", type=int, default=8)
+    parser = common_arguments(__doc__)
     parser.add_argument("--sequences", type=int, default=4, help="sequences per adapter")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    cuda = args.device.startswith("cuda")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
-    model, names = with_adapters(build(args.shape, dtype, args.device), args.adapters)
-    tokenizer = tokenizer_from(args.tokenizer)
+    model, names, dtype, tokenizer = model_of(args)
     sequences = prompt_ids(tokenizer, args.adapters * args.sequences, args.tokens)
     groups = {name: sequences[k * args.sequences:(k + 1) * args.sequences] for k, name in enumerate(names)}
     results, seconds = {}, {}
@@ -106,15 +91,11 @@ def main(argv=None) -> int:
           f"{str(dtype).replace('torch.', '')} on {args.device}: one pass is {ratio:.2f}x the adapter-a-pass rate; "
           f"largest log-prob difference {logprob_gap:.2e}, largest gradient difference {grad_gap:.2e} (of "
           f"gradients up to {largest:.2e}); gradients of the same weights: {alone_grads.keys() == mixed_grads.keys()}")
-    if args.out:
-        from llmrl.engine.provenance import run_provenance
-
-        with open(args.out, "w") as f:
-            json.dump({"provenance": run_provenance(), "device": args.device, "shape": args.shape,
-                       "dtype": str(dtype), "adapters": args.adapters, "sequences_per_adapter": args.sequences,
-                       "tokens": args.tokens, "one_adapter_a_pass_s": seconds[False], "one_pass_s": seconds[True],
-                       "speedup": ratio, "largest_logprob_difference": logprob_gap,
-                       "largest_gradient_difference": grad_gap, "largest_gradient": largest}, f, indent=2)
+    write_figures(args.out, {"device": args.device, "shape": args.shape, "dtype": str(dtype),
+                             "adapters": args.adapters, "sequences_per_adapter": args.sequences,
+                             "tokens": args.tokens, "one_adapter_a_pass_s": seconds[False],
+                             "one_pass_s": seconds[True], "speedup": ratio, "largest_logprob_difference": logprob_gap,
+                             "largest_gradient_difference": grad_gap, "largest_gradient": largest})
     return 0
 
 

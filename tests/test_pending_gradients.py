@@ -67,13 +67,14 @@ def test_a_call_of_several_adapters_holds_their_earlier_gradients_apart():
     success adds the call's gradients to them, a failure discards the call's alone and keeps the earlier ones (and
     their pending counts)."""
     served, trainer, params = served_with(0)
-    with client_steps.held_apart(served, ("a", "b")):
+    with client_steps.set_aside(served, ("a", "b"), added_back=True):
         assert all(p.grad is None for p in params.values())
         for p in params.values():
             p.grad = torch.full((3,), 0.5)  # this call's
     assert all(torch.equal(p.grad, torch.full((3,), 2.5)) for p in params.values())
     served, trainer, params = served_with(0)
-    with pytest.raises(RuntimeError, match="out of memory"), client_steps.held_apart(served, ("a", "b")):
+    with pytest.raises(RuntimeError, match="out of memory"), \
+            client_steps.set_aside(served, ("a", "b"), added_back=True):
         params["a"].grad = torch.full((3,), 0.5)
         try:
             raise RuntimeError("out of memory")

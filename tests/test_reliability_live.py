@@ -168,7 +168,9 @@ def test_rows_of_several_adapters_are_refused_under_zero3_layer_by_layer_and_the
 def test_a_forward_of_several_adapters_runs_under_zero3_layer_by_layer(run):
     """The same layout: a ``forward`` whose datums name adapters a and b, one datum per replica. Each replica runs
     every adapter of the call in every layer (with no token where its share has none), so their module calls gather
-    together; each datum gets the log-probs of a forward of its adapter alone."""
+    together and the call ends. Adapters a and b start as the identity, so the log-probs checked against a forward of
+    each adapter alone check the gathers, not the routing (test_token_adapters.py and test_run_time_adapters_live.py
+    check that against adapters that differ)."""
     data = [{"model_input": [5, 9, 14, 3], "loss_fn_inputs": {"target_tokens": [9, 14, 3, 7]}},
             {"model_input": [8, 2, 11], "loss_fn_inputs": {"target_tokens": [2, 11, 6]}}]
     mixed = run.forward(data, llm="sharded", peft_adapter=["a", "b"])["loss_fn_outputs"]

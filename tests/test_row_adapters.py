@@ -16,6 +16,7 @@ from llmrl.engine.model.decoding.runtime import Decoder
 from llmrl.engine.model.generation import generate, plan_generate
 from llmrl.engine.model.row_adapters import RowAdapters
 from testkit.decoding import plain_logprobs
+from testkit.lora_tenants import four_adapters
 
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is"]
 ADAPTERS = ["red", "green", "teal", "blue", "green"]
@@ -23,26 +24,8 @@ ADAPTERS = ["red", "green", "teal", "blue", "green"]
 
 @pytest.fixture(scope="module")
 def adapters(reference_models):
-    """The tiny Llama with four LoRA adapters of random weights (B too: each changes the model's outputs)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(type(model.config)(**model.config.to_dict())).eval()
-    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "up_proj",
-                                                                                     "down_proj"])
-    peft_model = get_peft_model(base, config, adapter_name="red")
-    for name in ("green", "blue"):
-        peft_model.add_adapter(name, config)
-    # another rank and other layers (o_proj: teal's alone; up_proj and down_proj: not teal's)
-    peft_model.add_adapter("teal", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
-                                              target_modules=["q_proj", "o_proj"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    return peft_model.eval(), tok
+    """The tiny Llama with four LoRA adapters of random weights (testkit/lora_tenants.py)."""
+    return four_adapters(reference_models)
 
 
 def alone(model, adapter: str):

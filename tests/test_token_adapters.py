@@ -17,6 +17,7 @@ from llmrl.engine.model.module import ModelWithHeads
 from llmrl.engine.model.scoring.planning import Needs, plan_batches
 from llmrl.engine.model.scoring.tokenization import tokenize
 from llmrl.engine.model.token_adapters import TokenAdapters
+from testkit.lora_tenants import four_adapters
 
 TEXTS = ["You see a wall. go forward", "Goal: go to the red ball. You turn left", "x y", "a red key is here",
          "the door is open", "You see a wall. turn right", "Goal: go to the red ball. You pick it up"]
@@ -26,27 +27,9 @@ CALL = ("red", "green", "teal", "blue")
 
 @pytest.fixture(scope="module")
 def adapters(reference_models):
-    """The tiny Llama with four LoRA adapters of random weights; teal has another rank and other layers, blue adapts
-    the output layer too."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    model, tok = reference_models["llama"]
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(type(model.config)(**model.config.to_dict())).eval()
-    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "up_proj",
-                                                                                     "down_proj"])
-    peft_model = get_peft_model(base, config, adapter_name="red")
-    peft_model.add_adapter("green", config)
-    peft_model.add_adapter("blue", LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
-        "q_proj", "v_proj", "up_proj", "down_proj", "lm_head"]))  # the output layer too: it reads kept positions
-    peft_model.add_adapter("teal", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
-                                              target_modules=["q_proj", "o_proj"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    return peft_model.eval(), tok
+    """The tiny Llama with four LoRA adapters of random weights (testkit/lora_tenants.py); blue adapts the output
+    layer too."""
+    return four_adapters(reference_models, blue_on_output=True)
 
 
 def sequences(tok, texts=TEXTS):

@@ -60,16 +60,17 @@ class TokenAdapters:
                 raise RuntimeError("a pass over a prefix shared by contexts of different adapters was planned: its "
                                    "tokens would run on one adapter's weights for all of them")
             owner[row.row, torch.as_tensor(list(row.columns), dtype=torch.long)] = self._slot[row.adapter]
+        every = owner.reshape(-1)
         if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dtype == torch.bool:
             kept = owner[logits_to_keep.cpu()]
-        elif isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        elif isinstance(logits_to_keep, int) and 0 < logits_to_keep < owner.shape[1]:
             kept = owner[:, -logits_to_keep:].reshape(-1)
         else:
-            kept = owner.reshape(-1)
-        self._positions = {}
-        for flat in (kept, owner.reshape(-1)):  # (the same count: every position kept)
-            self._positions[flat.numel()] = [(flat == k).nonzero().squeeze(1).to(device)
-                                             for k in range(len(self.adapters))]
+            kept = every
+        # (a count of every position kept is the call's own: the same positions, mapped once)
+        flats = {every.numel(): every} if kept.numel() == every.numel() else {kept.numel(): kept, every.numel(): every}
+        self._positions = {count: [(flat == k).nonzero().squeeze(1).to(device) for k in range(len(self.adapters))]
+                           for count, flat in flats.items()}
         try:
             yield
         finally:

@@ -8,7 +8,7 @@ gradients of its own datums (:mod:`llmrl.engine.model.token_adapters`). Each cli
 outputs, and the loss summed over them. A call of several clients that fails for any reason (one client's input, a
 non-finite loss, memory) is sent again client by client, so the failure is only the client's at fault: the servers
 hold every adapter's earlier gradients apart during such a call and discard only the call's own
-(:func:`llmrl.engine.model.training.client_steps.held_apart`). The calls are sent in turn, the client served least
+(:func:`llmrl.engine.model.training.client_steps.set_aside`). The calls are sent in turn, the client served least
 recently first (:class:`~llmrl.engine.tinker.batching.CallBatcher`), so a client sending long requests delays another's
 short one by the calls already sent, never more.
 

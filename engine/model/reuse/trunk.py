@@ -35,6 +35,7 @@ import torch
 from llmrl.engine.model.families import family_of
 from llmrl.engine.model.reuse.hf_kv import cache_kwarg, cache_of, layer_cache
 from llmrl.engine.model.reuse.prefix_cache import PrefixKVCache
+from llmrl.engine.model.token_adapters import MIXED, routing_of
 
 
 class TrunkRow(NamedTuple):
@@ -54,8 +55,6 @@ def common_rows(ctxs, common: int) -> list[TrunkRow]:
 
 def shared_adapter(ctxs) -> str | None:
     """The adapter of a pass every context of ``ctxs`` shares: theirs, or :data:`MIXED` where they differ."""
-    from llmrl.engine.model.token_adapters import MIXED
-
     adapters = {c.adapter for c in ctxs}
     return adapters.pop() if len(adapters) == 1 else MIXED
 
@@ -78,8 +77,6 @@ def make_caller(model, needs, trunk, replayable: bool, calls: Callable[[], list[
     key/value cache given as ``cache`` reaches the model under the name its ``forward`` takes
     (:func:`~llmrl.engine.model.reuse.hf_kv.cache_kwarg`). A model hooked for a pass mixing LoRA adapters
     (:class:`~llmrl.engine.model.token_adapters.TokenAdapters`) is told each call's rows before it runs."""
-    from llmrl.engine.model.token_adapters import routing_of
-
     token_adapters = routing_of(model)
     if token_adapters is not None:
         plain = _plain_caller(model, needs, trunk, replayable, calls)

@@ -82,9 +82,10 @@ def separable(served: ServedModel, adapters) -> bool:
 
 
 @contextlib.contextmanager
-def set_aside(served: ServedModel, adapters):
-    """Inside, the gradients of ``adapters`` are off their parameters (no step or discard sees them); put back
-    after."""
+def set_aside(served: ServedModel, adapters, added_back: bool = False):
+    """Inside, the gradients of ``adapters`` are off their parameters (no step or discard sees them); put back after,
+    or, with ``added_back``, added to what the parameters then hold (a call's new gradients, or nothing where those
+    were discarded)."""
     saved = _pending_grads(served, adapters)
     for p, _ in saved:
         p.grad = None
@@ -92,7 +93,7 @@ def set_aside(served: ServedModel, adapters):
         yield
     finally:
         for p, grad in saved:
-            p.grad = grad
+            p.grad = grad if p.grad is None or not added_back else p.grad + grad
 
 
 def _pending_grads(served: ServedModel, adapters) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -164,7 +165,7 @@ def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[
     # a call of several adapters that can each be stepped alone holds their earlier gradients apart: a failure then
     # discards this call's gradients only, and a success adds them to the earlier ones
     apart = mixed and backward and separable(served, {*served.pending.adapters, *trained})
-    with held_apart(served, trained) if apart else contextlib.nullcontext():
+    with set_aside(served, trained, added_back=True) if apart else contextlib.nullcontext():
         try:
             with torch.set_grad_enabled(backward), frozen_linears(served.module):  # its backward pass too
                 out = trainer.forward(contexts, candidates, peft_adapter=adapter, per_token=True)
@@ -189,20 +190,6 @@ def forward_backward(served: ServedModel, tokens: list[list[int]], inputs: list[
     outputs = [{"logprobs": lp.detach().cpu(), "elementwise_loss": loss.detach().float().cpu()} if losses else
                {"logprobs": lp.detach().cpu()} for lp, loss in zip(logprobs, losses or logprobs)]
     return {"outputs": outputs, "loss": float(total.detach())}
-
-
-@contextlib.contextmanager
-def held_apart(served: ServedModel, adapters):
-    """Inside, the pending gradients of ``adapters`` are off their parameters; after, they are added to what the
-    parameters then hold (the new gradients, or nothing where those were discarded)."""
-    saved = _pending_grads(served, adapters)
-    for p, _ in saved:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, grad in saved:
-            p.grad = grad if p.grad is None else p.grad + grad
 
 
 def _discard_call(served: ServedModel, trainer: EngineTrainer, adapters) -> str:
