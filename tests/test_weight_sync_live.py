@@ -1,4 +1,5 @@
-"""``Caller.sync_weights``: a learner's weights copied into a sampler LLM that serves the same model on other ranks.
+"""``Caller.sync_weights``: a learner's weights copied into a sampler LLM that serves the same model on other ranks,
+over a group of the two LLMs' ranks (``via="group"``) and through the client (``via="client"``).
 
 After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
 (float32): one LoRA adapter's (the learner has 2 replicas under ZeRO-2), or the whole model's (1 replica, no LoRA).
@@ -66,11 +67,12 @@ def assert_equal_states(got: dict, expected: dict) -> None:
         assert torch.equal(got[key], value), f"{key} differs by {float((got[key] - value).abs().max())}"
 
 
-def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run):
+@pytest.mark.parametrize("via", ["group", "client"])
+def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run, via):
     base = {k: v for k, v in run.state_dict(llm="sampler").items() if without_adapter(k, "default") is None}
     for k in range(3):
-        version = step(run, "learner", k)
-        synced = run.sync_weights("learner", "sampler")
+        version = step(run, "learner", k + (10 if via == "client" else 0))
+        synced = run.sync_weights("learner", "sampler", via=via)
         assert (synced["adapter"], synced["policy_version"]) == ("default", version)
         learner = lora_weights(run.state_dict(llm="learner"))
         assert synced["tensors"] == len(learner) and synced["bytes"] == sum(v.numel() * 4 for v in learner.values())
@@ -85,10 +87,11 @@ def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_ste
     assert torch.allclose(torch.as_tensor(sampler_lp), torch.as_tensor(learner_lp), rtol=0, atol=1e-6)
 
 
-def test_a_learner_without_lora_reaches_the_sampler_whole_bit_for_bit_after_every_step(run):
+@pytest.mark.parametrize("via", ["group", "client"])
+def test_a_learner_without_lora_reaches_the_sampler_whole_bit_for_bit_after_every_step(run, via):
     for k in range(2):
-        version = step(run, "full", k)
-        synced = run.sync_weights("full", "sampler_full")
+        version = step(run, "full", k + (10 if via == "client" else 0))
+        synced = run.sync_weights("full", "sampler_full", via=via)
         assert (synced["adapter"], synced["policy_version"]) == (None, version)
         assert_equal_states(run.state_dict(llm="sampler_full"), run.state_dict(llm="full"))
         assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=1)[0][0]["policy_version"] == version
@@ -148,5 +151,7 @@ def test_a_sync_the_sampler_cannot_take_is_refused_and_the_sampler_keeps_its_wei
         run.sync_weights("sampler", "sampler")
     with pytest.raises(Exception, match="unknown llm 'nope'"):
         run.sync_weights("learner", "nope")
+    with pytest.raises(Exception, match="via must be 'group'"):
+        run.sync_weights("learner", "sampler", via="carrier pigeon")
     assert_equal_states(run.state_dict(llm="sampler_full"), before)
     assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=2)[0][0]["tokens"] is not None

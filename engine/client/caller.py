@@ -208,13 +208,15 @@ class Caller:
 
     @delegated(RunCalls.sync_weights)
     def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None,
-                     in_flight: bool = False) -> dict:
-        return self._run_calls.sync_weights(source, target, peft_adapter=peft_adapter, in_flight=in_flight)
+                     in_flight: bool = False, via: str = "group") -> dict:
+        return self._run_calls.sync_weights(source, target, peft_adapter=peft_adapter, in_flight=in_flight,
+                                            via=via)
 
     @delegated(RunCalls.sync_weights_async)
     def sync_weights_async(self, source: str, target: str, *, peft_adapter: str | None = None,
-                           in_flight: bool = False) -> concurrent.futures.Future:
-        return self._run_calls.sync_weights_async(source, target, peft_adapter=peft_adapter, in_flight=in_flight)
+                           in_flight: bool = False, via: str = "group") -> concurrent.futures.Future:
+        return self._run_calls.sync_weights_async(source, target, peft_adapter=peft_adapter, in_flight=in_flight,
+                                                  via=via)
 
     @delegated(RunCalls.ping)
     def ping(self, rank: int | None = None) -> float:

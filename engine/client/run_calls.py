@@ -13,12 +13,14 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from llmrl.engine.client import saving
 from llmrl.engine.errors import InvalidArgument, InvalidArgumentType, LLMClosedError, RequestTimeoutError
 from llmrl.engine.requests import admin, read_weights, write_weights
+from llmrl.engine.requests.base import every_rank
 
 if TYPE_CHECKING:
     from llmrl.engine.client.call_context import CallContext
@@ -38,6 +40,7 @@ class RunCalls:
         self._context: CallContext = context
         self._seeds = seeds
         self._tracker = tracker
+        self._syncs_lock = threading.Lock()
 
     def save(self, path: str | os.PathLike, *, client_state=None) -> str:
         """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`), with
@@ -57,7 +60,7 @@ class RunCalls:
         return saving.resumed_client_state(self._context.run.config)
 
     def sync_weights(self, source: str, target: str, *, peft_adapter: str | None = None,
-                     in_flight: bool = False) -> dict:
+                     in_flight: bool = False, via: str = "group") -> dict:
         """Copy LLM ``source``'s weights into LLM ``target``: a learner's into a sampler that serves the same model
         (see :mod:`llmrl.engine.model.weight_sync`). With LoRA, one adapter's weights (``peft_adapter``, default
         the source's active adapter) into the target's adapter of that name; without, the whole model. The target's
@@ -70,12 +73,17 @@ class RunCalls:
         says which in its ``policy_version``. Not for a ``generate`` with prompt log-probs or a ``steer``, nor one
         reading a weight snapshot: they finish on their weights first.
 
+        ``via="group"`` (the default): the source's group leader sends the weights straight to the target's ranks
+        over a process group of the two LLMs (:mod:`llmrl.engine.model.weight_channel`), on a thread of its own,
+        and the client relays only their layout and SHA-256. ``via="client"``: the weights come to the client and
+        go from it to each target rank (for nodes that reach rank 0 but not each other).
+
         Returns the target's answer: ``tensors`` and ``bytes`` copied, ``policy_version``, and ``adapter``."""
         return self._context.wait(self.sync_weights_async(source, target, peft_adapter=peft_adapter,
-                                                          in_flight=in_flight))
+                                                          in_flight=in_flight, via=via))
 
     def sync_weights_async(self, source: str, target: str, *, peft_adapter: str | None = None,
-                           in_flight: bool = False) -> concurrent.futures.Future:
+                           in_flight: bool = False, via: str = "group") -> concurrent.futures.Future:
         """``sync_weights`` that returns once the source's weights are read and sent to the target: the future of
         the target's answer. A learner goes on training while its sampler takes the weights (with ``in_flight``,
         between two decode batches of the ``generate`` it is running)."""
@@ -89,12 +97,18 @@ class RunCalls:
                                       f"{type(peft_adapter).__name__}")
         if not isinstance(in_flight, bool):
             raise InvalidArgumentType(f"in_flight must be True or False, got {type(in_flight).__name__}")
+        if via not in ("group", "client"):
+            raise InvalidArgument(f"via must be 'group' (the weights go from the source's ranks to the target's) or "
+                                  f"'client' (through this process), got {via!r}")
         run = self._context.run
-        read = self._context.wait(read_weights.send(run, source, read_weights.ReadWeightsRequest(peft_adapter)))
-        checks = {key: read[key] for key in ("scalings", "base") if key in read}
-        request = write_weights.WriteWeightsRequest(read["weights"], read["adapter"], read["version"], source,
-                                                    checks or None, in_flight)
-        return write_weights.send(run, target, request)
+        to, to_ranks = (target, len(every_rank(run, [target]))) if via == "group" else (None, 0)
+        with self._syncs_lock:  # a pair's syncs reach the target in the order their weights were read
+            read = self._context.wait(read_weights.send(
+                run, source, read_weights.ReadWeightsRequest(peft_adapter, to, to_ranks)))
+            checks = {key: read[key] for key in ("scalings", "base") if key in read}
+            request = write_weights.WriteWeightsRequest(read.get("weights"), read["adapter"], read["version"],
+                                                        source, checks or None, in_flight, read.get("staged"))
+            return write_weights.send(run, target, request)
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""

@@ -66,6 +66,9 @@ class ModelBackend(ABC):
         # (``sync_weights(in_flight=True)``), calling ``before()`` first; True if it ran one. ``generate`` calls it
         # between decode batches. None: nothing is taken during a request.
         self.queued_write_taker: Callable[[Callable[[], None]], bool] | None = None
+        # Set by the server: this rank's groups for ``sync_weights(via="group")``
+        # (:class:`llmrl.engine.model.weight_channel.WeightChannels`).
+        self.weight_channels = None
 
     # ------------------------------------------------------------------ start-up
 

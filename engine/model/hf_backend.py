@@ -352,15 +352,14 @@ class HFBackend(ModelBackend):
         return None if state is None else {k: v for k, v in state.items() if k.startswith(request.prefix)}
 
     def read_weights(self, request):
-        from llmrl.engine.model.weight_sync import read_weights
+        from llmrl.engine.model.weight_sync import read_to_send
 
-        return read_weights(self.served, request.adapter)
+        return read_to_send(self.served, request, self.weight_channels)
 
     def write_weights(self, request):
-        from llmrl.engine.model.weight_sync import write_weights
+        from llmrl.engine.model.weight_sync import write_sent
 
-        return write_weights(self.served, request.weights, request.adapter, request.version, request.source,
-                             self.prefix_cache, request.checks)
+        return write_sent(self.served, request, self.weight_channels, self.prefix_cache)
 
     def memory(self, request):
         import resource

@@ -67,6 +67,25 @@ def read_weights(served: ServedModel, adapter: str | None) -> dict | None:
     return {"weights": state, "version": version, "adapter": adapter, "llm": served.llm.name, **checks}
 
 
+def read_to_send(served: ServedModel, request, channels) -> dict | None:
+    """A ``read_weights`` request: :func:`read_weights`, whose tensors, when the request names a target LLM
+    (``via="group"``), are staged on this group leader's channel to it instead of returned
+    (:meth:`llmrl.engine.model.weight_channel.WeightChannels.stage`: the answer's ``staged``)."""
+    read = read_weights(served, request.adapter)
+    if read is not None and request.to is not None:
+        read["staged"] = channels.stage(request.to, request.to_ranks, read.pop("weights"))
+    return read
+
+
+def write_sent(served: ServedModel, request, channels, prefix_cache) -> dict:
+    """A ``write_weights`` request: the weights it carries, or, when they were staged on the source
+    (``request.staged``), those received over the pair's group (received before anything else is checked, so the
+    group's sends and receives stay paired), written by :func:`write_weights`."""
+    weights = request.weights if request.staged is None else channels.receive(request.staged)
+    return write_weights(served, weights, request.adapter, request.version, request.source, prefix_cache,
+                         request.checks)
+
+
 def writes_between_batches(served: ServedModel, adapter: str | None, take) -> Callable | None:
     """For a ``generate`` reading ``adapter``: the ``between_batches`` hook of
     :func:`llmrl.engine.model.generation.generate` that takes a weight write sent in flight when it is the next

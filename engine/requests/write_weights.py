@@ -20,12 +20,13 @@ NAME = "write_weights"
 
 @dataclass(frozen=True)
 class WriteWeightsRequest:
-    weights: dict  # name -> CPU tensor, named as in the module's state dict
+    weights: dict | None  # name -> CPU tensor, named as in the module's state dict (None: sent over a group)
     adapter: str | None  # the adapter written into (None: the whole model)
     version: int  # the learner's policy version of these weights
     source: str  # the LLM they were read from, for messages
     checks: dict | None = None  # the source adapter's LoRA scalings and a sample of its base weights, compared first
     in_flight: bool = False  # taken by a `generate` in progress between two decode batches (the next one queued)
+    staged: object = None  # weight_channel.Staged: the weights come over the source-target group, as it describes
 
 
 def send(run: Run, llm: str, request: WriteWeightsRequest) -> Future:

@@ -182,6 +182,7 @@ class Server:
         import torch
 
         from llmrl.engine.server.group import join_group
+        from llmrl.engine.model.weight_channel import WeightChannels
         from llmrl.engine.server.replica import Replica
 
         llm = self.config.llms[self.role.llm]
@@ -194,6 +195,8 @@ class Server:
         quiet_libraries(self.config)
         self.replica = Replica(self.config, self.role, device, group)
         self.replica.backend.queued_write_taker = self._take_queued_write
+        self.replica.backend.weight_channels = WeightChannels(self.store, self.role.llm, self.role.group_rank,
+                                                              self.role.group_size, self.config.timeouts.collective)
         self.replica.load()
 
     # ------------------------------------------------------------------ serving

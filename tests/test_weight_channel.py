@@ -1,0 +1,113 @@
+"""``sync_weights(via="group")``'s channel (:mod:`llmrl.engine.model.weight_channel`) on its own: a source leader
+and the two ranks of a target, as three ``WeightChannels`` on threads of this process sharing one TCPStore.
+
+What the targets receive equals what was staged, byte for byte, for every dtype; syncs arrive in order; bytes
+that do not match the digest the client relays are refused and the group stays paired (the next sync arrives
+whole); a target rank that is gone makes the sender form a new group for the next sync."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from llmrl.engine.model.weight_channel import WeightChannels, digest, pack, unpack
+
+
+@pytest.fixture()
+def store():
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+
+
+@pytest.fixture()
+def channels(store):
+    """``channels(llm, group_rank, group_size)``: a new rank's WeightChannels, closed after the test."""
+    made = []
+
+    def make(llm: str, rank: int, size: int) -> WeightChannels:
+        made.append(WeightChannels(store, llm, rank, size, timeout=60))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.close()
+
+
+def weights(k: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(k)
+    return {"a.lora_A.weight": torch.randn(4, 8, generator=g), "a.lora_B.weight": torch.randn(8, 4, generator=g),
+            "half": torch.randn(3, 5, generator=g).to(torch.bfloat16), "count": torch.tensor(7 + k),
+            "ids": torch.arange(6, dtype=torch.int32).reshape(2, 3), "mask": torch.tensor([True, False, True])}
+
+
+def receive_on(channels: list[WeightChannels], staged) -> list:
+    """Every target rank's receive, each on its own thread (as each is its own process in a run): the tensors, or
+    the exception, per rank."""
+    out: list = [None] * len(channels)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = channels[i].receive(staged)
+        except Exception as err:  # the test looks at it
+            out[i] = err
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(channels))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        assert torch.equal(got[name], value), name
+
+
+def test_pack_and_unpack_keep_every_dtype_and_shape_byte_for_byte():
+    w = weights(0)
+    buffer, layout = pack(w)
+    assert buffer.dtype == torch.uint8 and buffer.numel() >= sum(v.numel() * v.element_size() for v in w.values())
+    assert_same(unpack(buffer, layout), w)
+    flipped = buffer.clone()
+    flipped[3] ^= 1
+    assert digest(flipped) != digest(buffer) and digest(buffer.clone()) == digest(buffer)
+
+
+def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_refused(channels):
+    source = channels("learner", 0, 1)
+    targets = [channels("sampler", rank, 2) for rank in range(2)]
+    for k in range(3):
+        staged = source.stage("sampler", 2, weights(k))
+        assert (staged.generation, staged.sequence) == (1, k + 1)
+        for got in receive_on(targets, staged):
+            assert_same(got, weights(k))
+    forged = dataclasses.replace(source.stage("sampler", 2, weights(5)), digest="0" * 64)
+    for got in receive_on(targets, forged):
+        assert isinstance(got, ValueError) and "do not match the digest" in str(got)
+    source.stage("sampler", 2, weights(6))  # the next send; the targets are told of the one after it
+    following = source.stage("sampler", 2, weights(7))
+    for got in receive_on(targets, following):
+        assert isinstance(got, ValueError) and "out of step" in str(got)
+    for got in receive_on(targets, following):  # the group stayed paired: the send after arrives whole
+        assert_same(got, weights(7))
+
+
+def test_a_group_whose_target_is_gone_is_replaced_by_a_new_one_for_the_next_sync(channels):
+    source = channels("learner", 0, 1)
+    target = channels("sampler", 0, 1)
+    assert_same(receive_on([target], source.stage("sampler", 1, weights(0)))[0], weights(0))
+    target._received.clear()  # the target rank's end of the group closes, as when its process dies
+    sender = source._senders["sampler"]
+    source.stage("sampler", 1, weights(1))
+    sender.thread.join()  # the send fails on the closed connection and the sender ends
+    assert sender.failed is not None
+    staged = source.stage("sampler", 1, weights(2))
+    assert (staged.generation, staged.sequence) == (2, 1)
+    assert_same(receive_on([target], staged)[0], weights(2))
