@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from llmrl.engine.model import weight_channel
 from llmrl.engine.model.weight_channel import WeightChannels, digest, pack, unpack
 
 
@@ -78,9 +79,11 @@ def test_pack_and_unpack_keep_every_dtype_and_shape_byte_for_byte():
     flipped = buffer.clone()
     flipped[3] ^= 1
     assert digest(flipped) != digest(buffer) and digest(buffer.clone()) == digest(buffer)
+    assert len(weight_channel.chunks(torch.zeros(2 * weight_channel.CHUNK + 1, dtype=torch.uint8))) == 3
 
 
-def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_refused(channels):
+def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_refused(channels, monkeypatch):
+    monkeypatch.setattr(weight_channel, "CHUNK", 96)  # several broadcasts and digests a sync
     source = channels("learner", 0, 1)
     targets = [channels("sampler", rank, 2) for rank in range(2)]
     for k in range(3):

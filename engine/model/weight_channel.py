@@ -7,7 +7,8 @@ the source's group leader is its rank 0, the target's ranks follow in group-rank
 - **Staging** (the ``read_weights`` request, on the source): the weights :func:`read_weights` reads are packed into
   one byte buffer and queued for the leader's sender thread, which broadcasts it while the source goes on serving
   (a learner's next training step does not wait for the sampler). The request answers with the buffer's layout
-  (:class:`Staged`: tensor names, types, shapes, offsets), its SHA-256 and its sequence number, not the weights.
+  (:class:`Staged`: tensor names, types, shapes, offsets), its digest (SHA-256 over its chunks' SHA-256) and its
+  sequence number, not the weights.
 - **Receiving** (the ``write_weights`` request, on every target rank): the rank first receives the broadcast,
   whatever else is wrong with the request (so the group's sends and receives stay paired), then checks the
   sequence number and the digest that came through the client's authenticated link, then writes through
@@ -27,6 +28,7 @@ import hashlib
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +74,24 @@ def unpack(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
     return out
 
 
-def digest(buffer: torch.Tensor) -> str:
-    return hashlib.sha256(buffer.numpy().data).hexdigest() if buffer.numel() else hashlib.sha256().hexdigest()
+CHUNK = 64 * 2**20  # bytes a broadcast carries and a digest covers: a target hashes one while it receives the next
+
+
+def chunks(buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[start:start + CHUNK] for start in range(0, buffer.numel(), CHUNK)]
+
+
+def chunk_digest(chunk: torch.Tensor) -> bytes:
+    return hashlib.sha256(chunk.numpy().data).digest()  # (hashlib lets go of the GIL over large buffers)
+
+
+def digest(buffer: torch.Tensor, chunk_digests: list[bytes] | None = None) -> str:
+    """The buffer's SHA-256 digest: that of its :data:`CHUNK` chunks' SHA-256 digests in order (computed here on
+    up to 4 threads, unless given)."""
+    if chunk_digests is None:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            chunk_digests = list(pool.map(chunk_digest, chunks(buffer)))
+    return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
 
 
 def group_prefix(source: str, target: str, generation: int) -> str:
@@ -107,7 +125,7 @@ class WeightChannels:
         self.store, self.llm, self.timeout = store, llm, timeout
         self.group_rank, self.group_size = group_rank, group_size
         self._senders: dict[str, _Sender] = {}
-        self._received: dict[str, tuple[int, object, int]] = {}  # source -> (generation, group, last sequence)
+        self._received: dict[str, tuple[int, object]] = {}  # source LLM -> (generation, group)
 
     # ------------------------------------------------------------------ source side
 
@@ -134,26 +152,31 @@ class WeightChannels:
     def receive(self, staged: Staged) -> dict[str, torch.Tensor]:
         """This rank's copy of the weights ``staged`` describes, checked against its sequence and digest."""
         source = staged.source
-        generation, group, last = self._received.get(source, (0, None, 0))
+        generation, group = self._received.get(source, (0, None))
         if group is None or generation != staged.generation:
-            group = form_group(self.store, source, self.llm, staged.generation, 1 + self.group_rank,
-                               1 + self.group_size, self.timeout)
-            generation, last = staged.generation, 0
+            generation = staged.generation
+            group = form_group(self.store, source, self.llm, generation, 1 + self.group_rank, 1 + self.group_size,
+                               self.timeout)
+            self._received[source] = (generation, group)
         try:
             header = torch.zeros(2, dtype=torch.int64)
             broadcast(group, header)
             buffer = torch.empty(int(header[1]), dtype=torch.uint8)
-            broadcast(group, buffer)
+            with ThreadPoolExecutor(max_workers=1) as hasher:  # each chunk hashed while the next one arrives
+                hashed = []
+                for chunk in chunks(buffer):
+                    broadcast(group, chunk)
+                    hashed.append(hasher.submit(chunk_digest, chunk))
+                chunk_digests = [h.result() for h in hashed]
         except Exception:
             self._received.pop(source, None)
             raise
         sequence = int(header[0])
-        self._received[source] = (generation, group, sequence)
         if sequence != staged.sequence or buffer.numel() != staged.nbytes:
             raise ValueError(f"weight sync from LLM {source!r}: received send #{sequence} of {buffer.numel()} "
                              f"bytes where #{staged.sequence} of {staged.nbytes} was announced (the group's "
                              f"sends are out of step); nothing was synced")
-        if digest(buffer) != staged.digest:
+        if digest(buffer, chunk_digests) != staged.digest:
             raise ValueError(f"weight sync from LLM {source!r}: the bytes received over the group do not match "
                              f"the digest LLM {source!r} sent through the client; nothing was synced")
         return unpack(buffer, staged.layout)
@@ -188,7 +211,8 @@ class _Sender:
             while (item := self.outbox.get()) is not None:
                 sequence, buffer = item
                 broadcast(group, torch.tensor([sequence, buffer.numel()], dtype=torch.int64))
-                broadcast(group, buffer)
+                for chunk in chunks(buffer):
+                    broadcast(group, chunk)
         except Exception as err:  # a target rank died or timed out: this group is over, the next sync forms one
             self.failed = f"{type(err).__name__}: {err}"
             logger.error(f"weight sync to LLM {self.target!r} failed: {self.failed}")

@@ -15,8 +15,9 @@ progress (:func:`writes_between_batches`: the samples drawn before keep the old 
 values is dropped. Every tensor is checked (name, shape, and its values finite once cast to the
 sampler's type) before any is written: a mismatch is refused naming the tensor, and the sampler keeps its weights.
 
-This module reads and writes weights; the client relays them (:mod:`llmrl.engine.requests.read_weights`,
-:mod:`llmrl.engine.requests.write_weights`) and nothing here chooses when to sync.
+This module reads and writes weights; they travel over a group of the two LLMs' ranks
+(:mod:`llmrl.engine.model.weight_channel`) or through the client (:mod:`llmrl.engine.requests.read_weights`,
+:mod:`llmrl.engine.requests.write_weights`), and nothing here chooses when to sync.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from llmrl.engine.model.training.adapter_state import base_sample, scalings
 from llmrl.engine.model.version_counts import stamped, version_of
 
 
-def read_weights(served: ServedModel, adapter: str | None) -> dict | None:
+def read_weights(served: ServedModel, adapter: str | None, copy: bool = True) -> dict | None:
     """The weights to sync, as CPU tensors named as in the module's state dict, and their policy version; on the
     group leader (None on the other ranks). Collective over the LLM's ranks. ``adapter`` None: the active adapter
-    of a model with LoRA, the whole model without."""
+    of a model with LoRA, the whole model without. ``copy=False``: whole weights on the CPU are the module's own
+    tensors (for a caller that copies them before the module changes)."""
     adapter = adapter if adapter is not None else served.active_adapter()
     if adapter is not None:
         served.check_adapter(adapter)
@@ -61,7 +63,7 @@ def read_weights(served: ServedModel, adapter: str | None) -> dict | None:
     elif served.role.group_rank != 0:
         return None
     else:  # whole weights here: copy only what is synced
-        state = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items() if wanted(k)}
+        state = {k: v.detach().to("cpu", copy=copy) for k, v in engine.module.state_dict().items() if wanted(k)}
     checks = {"scalings": scalings(served.model, adapter), "base": base_sample(served.model, adapter)} \
         if adapter is not None else {}
     return {"weights": state, "version": version, "adapter": adapter, "llm": served.llm.name, **checks}
@@ -71,7 +73,7 @@ def read_to_send(served: ServedModel, request, channels) -> dict | None:
     """A ``read_weights`` request: :func:`read_weights`, whose tensors, when the request names a target LLM
     (``via="group"``), are staged on this group leader's channel to it instead of returned
     (:meth:`llmrl.engine.model.weight_channel.WeightChannels.stage`: the answer's ``staged``)."""
-    read = read_weights(served, request.adapter)
+    read = read_weights(served, request.adapter, copy=request.to is None)  # staging copies them into its buffer
     if read is not None and request.to is not None:
         read["staged"] = channels.stage(request.to, request.to_ranks, read.pop("weights"))
     return read

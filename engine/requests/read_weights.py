@@ -2,8 +2,10 @@
 LoRA adapter's, or the whole model's) and their policy version, as CPU tensors.
 
 Client half: every rank of the source LLM takes part (ZeRO-3 partitions and tensor-parallel shards are gathered
-collectively); the first rank answers. Server half: :func:`llmrl.engine.model.weight_sync.read_weights`. The
-second half is :mod:`llmrl.engine.requests.write_weights`.
+collectively); the first rank answers. Server half: :func:`llmrl.engine.model.weight_sync.read_to_send`. With a
+target LLM named (``via="group"``), the group leader stages the weights for its sender thread to that LLM's ranks
+and answers with their layout and digest instead (:mod:`llmrl.engine.model.weight_channel`). The second half is
+:mod:`llmrl.engine.requests.write_weights`.
 """
 
 from __future__ import annotations

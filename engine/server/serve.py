@@ -181,8 +181,8 @@ class Server:
         """Join the LLM's world and load the model (errors while loading are reported at set-up)."""
         import torch
 
-        from llmrl.engine.server.group import join_group
         from llmrl.engine.model.weight_channel import WeightChannels
+        from llmrl.engine.server.group import join_group
         from llmrl.engine.server.replica import Replica
 
         llm = self.config.llms[self.role.llm]

@@ -29,3 +29,16 @@ def sync_in_flight(caller, prompts: list[list[int]], source: str, target: str, g
     busy.result()
     samples = [per_prompt[0] for per_prompt in call.result()]
     return {"synced": synced.result(), "samples": [(s["policy_version"], list(s["tokens"])) for s in samples]}
+
+
+def timed_sync(caller, source: str, target: str, via: str) -> dict:
+    """One ``sync_weights_async`` from ``source`` into ``target`` by route ``via``, timed in the client: seconds
+    until it returned (the source's weights read and sent: the learner and the client are free again) and until
+    the target answered."""
+    import time
+
+    start = time.perf_counter()
+    future = caller.sync_weights_async(source, target, via=via)
+    returned = time.perf_counter() - start
+    answer = future.result()
+    return {"returned_s": returned, "answered_s": time.perf_counter() - start, "answer": answer}
