@@ -2,7 +2,8 @@
 over a group of the two LLMs' ranks (``via="group"``) and through the client (``via="client"``).
 
 After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
-(float32): one LoRA adapter's (the learner has 2 replicas under ZeRO-2), or the whole model's (1 replica, no LoRA).
+(float32): one LoRA adapter's (a learner of 2 replicas under ZeRO-2, and one of 1), or the whole model's (no LoRA:
+2 replicas under ZeRO-1, and 1; into a sampler of 2 replicas).
 The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
 while the sampler has a ``generate`` in flight leaves that call on the old weights; one sent ``in_flight`` reaches the
 call's batches after it, and each sample says which version it came from. A sync the sampler cannot take
@@ -37,10 +38,12 @@ def run(tiny, gate):
     llms = {
         "learner": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "trainable": True,
                     "training": {**adam, "zero_stage": 2}},
-        "full": {"model": tiny["llama"], "trainable": True, "training": adam},
+        "learner_one": {"model": tiny["llama"], "initializers": [LORA], "trainable": True, "training": adam},
+        "full": {"model": tiny["llama"], "replicas": 2, "trainable": True, "training": {**adam, "zero_stage": 1}},
+        "full_one": {"model": tiny["llama"], "trainable": True, "training": adam},
         "sampler": {"model": tiny["llama"], "initializers": [LORA],
                     "heads": {"gate": {"plugin": "llmrl_test_plugins:GateHead", "args": {"path": gate}}}},
-        "sampler_full": {"model": tiny["llama"]},
+        "sampler_full": {"model": tiny["llama"], "replicas": 2},
         "sampler_alpha": {"model": tiny["llama"], "initializers": [LORA_ALPHA_64]},  # same shapes, another scaling
     }
     live = LiveRun({"llms": llms, "threads_per_rank": 1})
@@ -67,33 +70,36 @@ def assert_equal_states(got: dict, expected: dict) -> None:
         assert torch.equal(got[key], value), f"{key} differs by {float((got[key] - value).abs().max())}"
 
 
+@pytest.mark.parametrize("learner", ["learner", "learner_one"])
 @pytest.mark.parametrize("via", ["group", "client"])
-def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run, via):
+def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run, via, learner):
     base = {k: v for k, v in run.state_dict(llm="sampler").items() if without_adapter(k, "default") is None}
     for k in range(3):
-        version = step(run, "learner", k + (10 if via == "client" else 0))
-        synced = run.sync_weights("learner", "sampler", via=via)
+        version = step(run, learner, k + (10 if via == "client" else 0))
+        synced = run.sync_weights(learner, "sampler", via=via)
         assert (synced["adapter"], synced["policy_version"]) == ("default", version)
-        learner = lora_weights(run.state_dict(llm="learner"))
-        assert synced["tensors"] == len(learner) and synced["bytes"] == sum(v.numel() * 4 for v in learner.values())
+        learner_weights = lora_weights(run.state_dict(llm=learner))
+        assert synced["tensors"] == len(learner_weights)
+        assert synced["bytes"] == sum(v.numel() * 4 for v in learner_weights.values())
         sampler = run.state_dict(llm="sampler")
-        assert_equal_states(lora_weights(sampler), learner)
+        assert_equal_states(lora_weights(sampler), learner_weights)
         assert_equal_states({k: v for k, v in sampler.items() if k in base}, base)  # the base is untouched
         assert run.generate([PROMPT], llm="sampler", max_new_tokens=1)[0][0]["policy_version"] == version
-    assert any(float(v.abs().max()) > 0 for k, v in learner.items() if "lora_B" in k)  # the steps moved B off 0
+    assert any(float(v.abs().max()) > 0 for k, v in learner_weights.items() if "lora_B" in k)  # B moved off 0
     datum = {"model_input": PROMPT + [29], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [29, 31]}}
     sampler_lp, learner_lp = (run.forward([datum], llm=llm)["loss_fn_outputs"][0]["logprobs"]
-                              for llm in ("sampler", "learner"))
+                              for llm in ("sampler", learner))
     assert torch.allclose(torch.as_tensor(sampler_lp), torch.as_tensor(learner_lp), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("learner", ["full", "full_one"])
 @pytest.mark.parametrize("via", ["group", "client"])
-def test_a_learner_without_lora_reaches_the_sampler_whole_bit_for_bit_after_every_step(run, via):
+def test_a_learner_without_lora_reaches_the_sampler_whole_bit_for_bit_after_every_step(run, via, learner):
     for k in range(2):
-        version = step(run, "full", k + (10 if via == "client" else 0))
-        synced = run.sync_weights("full", "sampler_full", via=via)
+        version = step(run, learner, k + (10 if via == "client" else 0))
+        synced = run.sync_weights(learner, "sampler_full", via=via)
         assert (synced["adapter"], synced["policy_version"]) == (None, version)
-        assert_equal_states(run.state_dict(llm="sampler_full"), run.state_dict(llm="full"))
+        assert_equal_states(run.state_dict(llm="sampler_full"), run.state_dict(llm=learner))
         assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=1)[0][0]["policy_version"] == version
 
 
