@@ -1,6 +1,6 @@
 """The two routes of ``Caller.sync_weights`` side by side, in one run: ``via="client"`` (the learner's weights come
 to rank 0's client and go from it to each rank of the sampler) and ``via="group"`` (the learner's group leader sends
-them straight to the sampler's ranks over a gloo group of the two LLMs; the client relays only their layout and
+them straight to each sampler rank over a gloo group of the two; the client relays only their layout and
 digest).
 
     .venv/bin/python -m benchmarks.weight_sync                   # SmolLM2-135M-Instruct on CPU

@@ -1,9 +1,10 @@
 """``sync_weights(via="group")``'s channel (:mod:`llmrl.engine.model.weight_channel`) on its own: a source leader
-and the two ranks of a target, as three ``WeightChannels`` on threads of this process sharing one TCPStore.
+and the ranks of a target, as ``WeightChannels`` on threads of this process sharing one TCPStore.
 
 What the targets receive equals what was staged, byte for byte, for every dtype; syncs arrive in order; bytes
-that do not match the digest the client relays are refused and the group stays paired (the next sync arrives
-whole); a target rank that is gone makes the sender form a new group for the next sync."""
+that do not match the digest the client relays are refused and the next sync arrives whole; a send whose write
+never came is discarded by the next one; an announcement of another size is refused before anything is allocated,
+and ends that group; a target rank that is gone makes the sender form a new group for the next sync."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def store():
 
 @pytest.fixture()
 def channels(store):
-    """``channels(llm, group_rank, group_size)``: a new rank's WeightChannels, closed after the test."""
+    """``channels(llm, group_rank)``: a new rank's WeightChannels, closed after the test."""
     made = []
 
-    def make(llm: str, rank: int, size: int) -> WeightChannels:
-        made.append(WeightChannels(store, llm, rank, size, timeout=60))
+    def make(llm: str, rank: int) -> WeightChannels:
+        made.append(WeightChannels(store, llm, rank, timeout=60))
         return made[-1]
 
     yield make
@@ -83,9 +84,9 @@ def test_pack_and_unpack_keep_every_dtype_and_shape_byte_for_byte():
 
 
 def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_refused(channels, monkeypatch):
-    monkeypatch.setattr(weight_channel, "CHUNK", 96)  # several broadcasts and digests a sync
-    source = channels("learner", 0, 1)
-    targets = [channels("sampler", rank, 2) for rank in range(2)]
+    monkeypatch.setattr(weight_channel, "CHUNK", 96)  # several chunks a sync
+    source = channels("learner", 0)
+    targets = [channels("sampler", rank) for rank in range(2)]
     for k in range(3):
         staged = source.stage("sampler", 2, weights(k))
         assert (staged.generation, staged.sequence) == (1, k + 1)
@@ -94,20 +95,42 @@ def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_ref
     forged = dataclasses.replace(source.stage("sampler", 2, weights(5)), digest="0" * 64)
     for got in receive_on(targets, forged):
         assert isinstance(got, ValueError) and "do not match the digest" in str(got)
-    source.stage("sampler", 2, weights(6))  # the next send; the targets are told of the one after it
-    following = source.stage("sampler", 2, weights(7))
-    for got in receive_on(targets, following):
-        assert isinstance(got, ValueError) and "out of step" in str(got)
-    for got in receive_on(targets, following):  # the group stayed paired: the send after arrives whole
-        assert_same(got, weights(7))
+    staged = source.stage("sampler", 2, weights(6))
+    for got in receive_on(targets, staged):  # the refused send did not unpair the group
+        assert_same(got, weights(6))
+
+
+def test_a_send_whose_write_never_came_is_discarded_by_the_next_sync(channels):
+    source, target = channels("learner", 0), channels("sampler", 0)
+    source.stage("sampler", 1, weights(0))  # the client gave up before sending its write
+    source.stage("sampler", 1, weights(1))  # (and this one's)
+    staged = source.stage("sampler", 1, weights(2))
+    assert_same(receive_on([target], staged)[0], weights(2))
+    staged = source.stage("sampler", 1, weights(3))
+    assert_same(receive_on([target], staged)[0], weights(3))
+
+
+def test_an_announcement_that_does_not_match_the_send_is_refused_before_anything_is_allocated(channels):
+    source, target = channels("learner", 0), channels("sampler", 0)
+    staged = source.stage("sampler", 1, weights(0))
+    bloated = dataclasses.replace(staged, nbytes=2**40)
+    got = receive_on([target], bloated)[0]
+    assert isinstance(got, ValueError) and f"of {staged.nbytes} bytes where #1 of {2**40}" in str(got)
+    sender = source._targets["sampler"].senders[0]
+    sender.thread.join()  # the target closed the group: the rest of the send fails, and its sender ends
+    assert "Connection" in sender.failed
+    late = dataclasses.replace(staged, sequence=2)  # a sync of the closed group is refused at once
+    assert "failed on this rank" in str(receive_on([target], late)[0])
+    staged = source.stage("sampler", 1, weights(1))
+    assert (staged.generation, staged.sequence) == (2, 1)
+    assert_same(receive_on([target], staged)[0], weights(1))
 
 
 def test_a_group_whose_target_is_gone_is_replaced_by_a_new_one_for_the_next_sync(channels):
-    source = channels("learner", 0, 1)
-    target = channels("sampler", 0, 1)
+    source, target = channels("learner", 0), channels("sampler", 0)
     assert_same(receive_on([target], source.stage("sampler", 1, weights(0)))[0], weights(0))
-    target._received.clear()  # the target rank's end of the group closes, as when its process dies
-    sender = source._senders["sampler"]
+    weight_channel.close_group(target._received.pop("learner")[1])  # the target rank's end closes, as at its death
+    sender = source._targets["sampler"].senders[0]
     source.stage("sampler", 1, weights(1))
     sender.thread.join()  # the send fails on the closed connection and the sender ends
     assert sender.failed is not None

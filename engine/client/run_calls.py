@@ -74,7 +74,7 @@ class RunCalls:
         reading a weight snapshot: they finish on their weights first.
 
         ``via="group"`` (the default): the source's group leader sends the weights straight to the target's ranks
-        over a process group of the two LLMs (:mod:`llmrl.engine.model.weight_channel`), on a thread of its own,
+        over a gloo group with each (:mod:`llmrl.engine.model.weight_channel`), on threads of its own,
         and the client relays only their layout and SHA-256. ``via="client"``: the weights come to the client and
         go from it to each target rank (for nodes that reach rank 0 but not each other).
 
@@ -101,10 +101,10 @@ class RunCalls:
             raise InvalidArgument(f"via must be 'group' (the weights go from the source's ranks to the target's) or "
                                   f"'client' (through this process), got {via!r}")
         run = self._context.run
-        to, to_ranks = (target, len(every_rank(run, [target]))) if via == "group" else (None, 0)
+        to, to_rank_count = (target, len(every_rank(run, [target]))) if via == "group" else (None, 0)
         with self._syncs_lock:  # a pair's syncs reach the target in the order their weights were read
             read = self._context.wait(read_weights.send(
-                run, source, read_weights.ReadWeightsRequest(peft_adapter, to, to_ranks)))
+                run, source, read_weights.ReadWeightsRequest(peft_adapter, to, to_rank_count)))
             checks = {key: read[key] for key in ("scalings", "base") if key in read}
             request = write_weights.WriteWeightsRequest(read.get("weights"), read["adapter"], read["version"],
                                                         source, checks or None, in_flight, read.get("staged"))

@@ -1,22 +1,28 @@
-"""Weight sync over a process group (``sync_weights(via="group")``): the learner's group leader sends the weights
-straight to every rank of the sampler, so no byte of them passes through rank 0's client.
+"""Weight sync over process groups (``sync_weights(via="group")``): the learner's group leader sends the weights
+straight to each rank of the sampler, so no byte of them passes through rank 0's client.
 
-Each (source LLM, target LLM) pair gets its own small gloo group, formed on first use through rank 0's run store:
-the source's group leader is its rank 0, the target's ranks follow in group-rank order. A sync is two halves:
+The source's group leader and each rank of the target LLM form a gloo group of two (rank 0 sends, rank 1
+receives), on first use, through rank 0's run store, under keys that name the pair, the target rank, the group's
+``generation`` and a random token that only the client's authenticated links carry. Each target rank has its own
+group and its own sender thread on the source, so the sampler's replicas take a sync each in its own time, as
+they take their other requests. A sync is two halves:
 
 - **Staging** (the ``read_weights`` request, on the source): the weights :func:`read_weights` reads are packed into
-  one byte buffer and queued for the leader's sender thread, which broadcasts it while the source goes on serving
-  (a learner's next training step does not wait for the sampler). The request answers with the buffer's layout
-  (:class:`Staged`: tensor names, types, shapes, offsets), its digest (SHA-256 over its chunks' SHA-256) and its
-  sequence number, not the weights.
-- **Receiving** (the ``write_weights`` request, on every target rank): the rank first receives the broadcast,
-  whatever else is wrong with the request (so the group's sends and receives stay paired), then checks the
-  sequence number and the digest that came through the client's authenticated link, then writes through
-  :func:`write_weights`, which checks every tensor before it writes any. Weights that do not match what the
-  learner read (a stray sender, a broken pairing) are refused, and the sampler keeps its own.
+  one byte buffer and queued for the sender threads, which send it in :data:`CHUNK` pieces while the source goes on
+  serving (a learner's next training step does not wait for the sampler). The request answers with the buffer's
+  layout (:class:`Staged`: tensor names, types, shapes, offsets), its digest (SHA-256 over its chunks' SHA-256) and
+  its sequence number, not the weights. At most :data:`PENDING` sends wait per target rank; a learner that gets
+  further ahead waits for the sampler.
+- **Receiving** (the ``write_weights`` request, on every target rank): each send starts with a header (sequence
+  number, size). The rank discards sends older than the one the client announced (their write never came: the
+  client gave up on it), refuses a header that does not match the announcement before it allocates anything, then
+  receives the bytes, hashing each chunk while the next arrives, and checks the digest that came through the
+  client. Only then does :func:`write_weights` check every tensor and write. Bytes that do not match what the
+  learner read are refused, and the sampler keeps its weights.
 
-A group whose send or receive fails (a rank died, a timeout) is dropped on both sides; the next sync forms a new
-one (its ``generation`` is part of the rendezvous keys). The client sends a pair's syncs one at a time, in order.
+A group whose send or receive fails (a rank died, a timeout) is dropped on both sides, and its generation is not
+formed again: the next sync forms a new one. A rank that dies closes its connections, so its peer's send or
+receive fails at once rather than at the timeout. The client sends a pair's syncs one at a time, in order.
 
 This module moves and checks bytes; what is synced and how it is written is :mod:`weight_sync`'s.
 """
@@ -27,6 +33,7 @@ import datetime
 import hashlib
 import logging
 import queue
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,17 +42,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+PENDING = 4  # sends queued per target rank before staging waits for the sampler
+
 
 @dataclass(frozen=True)
 class Staged:
     """What the client relays from the source's staging to the target's receiving: every field but the bytes."""
 
     source: str
-    generation: int  # which group of the pair (a new one after a failure)
-    sequence: int  # this sync's number on that group, from 1
+    generation: int  # which groups of the pair (new ones after a failure)
+    token: str  # random, per generation: part of the groups' rendezvous keys
+    sequence: int  # this sync's number in that generation, from 1
     layout: tuple  # (name, dtype name, shape, offset, nbytes) per tensor, in buffer order
     nbytes: int
-    digest: str  # SHA-256 of the buffer, hex
+    digest: str  # SHA-256 over the buffer's chunks' SHA-256 digests, hex
 
 
 ALIGN = 16  # every tensor starts at a multiple of this many bytes of the buffer (so it can be viewed in place)
@@ -94,19 +104,28 @@ def digest(buffer: torch.Tensor, chunk_digests: list[bytes] | None = None) -> st
     return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
 
 
-def group_prefix(source: str, target: str, generation: int) -> str:
-    return f"llmrl/weights/{source}/{target}/{generation}"
+def group_prefix(source: str, target: str, target_rank: int, generation: int, token: str) -> str:
+    return f"llmrl/weights/{source}/{target}/{target_rank}/{generation}/{token}"
 
 
-def form_group(store, source: str, target: str, generation: int, rank: int, size: int, timeout: float):
-    """The pair's gloo group (blocks until its ``size`` members have joined, at most ``timeout`` seconds). It meets
+def form_group(store, prefix: str, rank: int, timeout: float):
+    """A gloo group of two under ``prefix`` (blocks until both joined, at most ``timeout`` seconds). It meets
     through a connection of its own to ``store``'s server: one store client used from several threads at once
     (a sender forming its group while another waits) mixes up their replies."""
     import torch.distributed as dist
 
     wait = datetime.timedelta(seconds=timeout)
     own = dist.TCPStore(store.host, store.port, is_master=False, timeout=wait)
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_prefix(source, target, generation), own), rank, size, wait)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, own), rank, 2, wait)
+
+
+def close_group(group) -> None:
+    """Close a group's connections now (its peer's pending send or receive then fails at once), not when the
+    object is collected: a traceback that holds it would keep it open."""
+    try:
+        group.abort()
+    except Exception as err:  # (already closed, or broken past closing: either way it carries nothing more)
+        logger.debug(f"closing a weight-sync group: {err}")
 
 
 def broadcast(group, tensor: torch.Tensor) -> None:
@@ -118,33 +137,38 @@ def broadcast(group, tensor: torch.Tensor) -> None:
 
 
 class WeightChannels:
-    """This rank's groups for weight sync: as a source leader, one sender thread per target LLM; as a target
-    rank, one group per source LLM. ``store``: rank 0's run store; ``timeout``: the collective timeout (s)."""
+    """This rank's groups for weight sync: as a source leader, a sender thread per target rank; as a target rank,
+    a group per source LLM. ``store``: rank 0's run store; ``timeout``: the collective timeout (s)."""
 
-    def __init__(self, store, llm: str, group_rank: int, group_size: int, timeout: float):
-        self.store, self.llm, self.timeout = store, llm, timeout
-        self.group_rank, self.group_size = group_rank, group_size
-        self._senders: dict[str, _Sender] = {}
+    def __init__(self, store, llm: str, group_rank: int, timeout: float):
+        self.store, self.llm, self.group_rank, self.timeout = store, llm, group_rank, timeout
+        self._targets: dict[str, _Target] = {}
         self._received: dict[str, tuple[int, object]] = {}  # source LLM -> (generation, group)
+        self._dropped: dict[str, int] = {}  # source LLM -> the newest generation whose group failed here
 
     # ------------------------------------------------------------------ source side
 
     def stage(self, target: str, target_size: int, weights: dict[str, torch.Tensor]) -> Staged:
-        """Queue ``weights`` for the target LLM's ``target_size`` ranks; returns what the client relays."""
-        sender = self._senders.get(target)
-        if sender is None or sender.failed is not None:
-            generation = 1 if sender is None else sender.generation + 1
-            if sender is not None:
-                logger.warning(f"weight sync to LLM {target!r}: the group failed ({sender.failed}); forming a "
-                               f"new one (generation {generation})")
-            sender = self._senders[target] = _Sender(self, target, target_size, generation)
-        if sender.size != 1 + target_size:
-            raise ValueError(f"weight sync to LLM {target!r}: {target_size} target ranks, the group has "
-                             f"{sender.size - 1}")
+        """Queue ``weights`` for each of the target LLM's ``target_size`` ranks; returns what the client relays."""
+        sending = self._targets.get(target)
+        if sending is None or sending.failed() or len(sending.senders) != target_size:
+            generation = 1 if sending is None else sending.generation + 1
+            if sending is not None:
+                logger.warning(f"weight sync to LLM {target!r}: {sending.failed() or 'another rank count'}; "
+                               f"forming new groups (generation {generation})")
+                sending.stop()
+            sending = self._targets[target] = _Target(self, target, target_size, generation)
         buffer, layout = pack(weights)
-        sender.sequence += 1
-        staged = Staged(self.llm, sender.generation, sender.sequence, layout, buffer.numel(), digest(buffer))
-        sender.outbox.put((sender.sequence, buffer))
+        sending.sequence += 1
+        staged = Staged(self.llm, sending.generation, sending.token, sending.sequence, layout, buffer.numel(),
+                        digest(buffer))
+        for sender in sending.senders:
+            try:
+                sender.outbox.put((sending.sequence, buffer), timeout=self.timeout)
+            except queue.Full:
+                raise TimeoutError(f"weight sync to LLM {target!r}: {PENDING} syncs still wait for its rank "
+                                   f"{sender.target_rank} after {self.timeout:.0f} s (timeouts.collective); wait "
+                                   "for the answers of the syncs sent before") from None
         return staged
 
     # ------------------------------------------------------------------ target side
@@ -152,30 +176,31 @@ class WeightChannels:
     def receive(self, staged: Staged) -> dict[str, torch.Tensor]:
         """This rank's copy of the weights ``staged`` describes, checked against its sequence and digest."""
         source = staged.source
+        if staged.generation <= self._dropped.get(source, 0):
+            raise RuntimeError(f"weight sync from LLM {source!r}: its group (generation {staged.generation}) "
+                               "failed on this rank; nothing was synced, and the next sync forms a new one")
         generation, group = self._received.get(source, (0, None))
         if group is None or generation != staged.generation:
             generation = staged.generation
-            group = form_group(self.store, source, self.llm, generation, 1 + self.group_rank, 1 + self.group_size,
-                               self.timeout)
+            prefix = group_prefix(source, self.llm, self.group_rank, generation, staged.token)
+            try:
+                group = form_group(self.store, prefix, 1, self.timeout)
+            except Exception:
+                self._dropped[source] = generation
+                raise
             self._received[source] = (generation, group)
+        error = None
         try:
-            header = torch.zeros(2, dtype=torch.int64)
-            broadcast(group, header)
-            buffer = torch.empty(int(header[1]), dtype=torch.uint8)
-            with ThreadPoolExecutor(max_workers=1) as hasher:  # each chunk hashed while the next one arrives
-                hashed = []
-                for chunk in chunks(buffer):
-                    broadcast(group, chunk)
-                    hashed.append(hasher.submit(chunk_digest, chunk))
-                chunk_digests = [h.result() for h in hashed]
-        except Exception:
+            buffer, chunk_digests = _receive_announced(group, staged)
+        except Exception as err:  # re-raised below, without the traceback that would hold the group open
+            error = err if isinstance(err, ValueError) else RuntimeError(f"{type(err).__name__}: {err}")
+            error = type(error)(str(error))
+        if error is not None:
             self._received.pop(source, None)
-            raise
-        sequence = int(header[0])
-        if sequence != staged.sequence or buffer.numel() != staged.nbytes:
-            raise ValueError(f"weight sync from LLM {source!r}: received send #{sequence} of {buffer.numel()} "
-                             f"bytes where #{staged.sequence} of {staged.nbytes} was announced (the group's "
-                             f"sends are out of step); nothing was synced")
+            self._dropped[source] = generation
+            close_group(group)
+            del group
+            raise error
         if digest(buffer, chunk_digests) != staged.digest:
             raise ValueError(f"weight sync from LLM {source!r}: the bytes received over the group do not match "
                              f"the digest LLM {source!r} sent through the client; nothing was synced")
@@ -184,35 +209,88 @@ class WeightChannels:
     def close(self) -> None:
         """End the sender threads once their queued sends are done, and drop the groups (a server leaves them to
         its exit; a test closes them)."""
-        for sender in self._senders.values():
-            sender.outbox.put(None)
-        for sender in self._senders.values():
-            sender.thread.join(self.timeout)
-        self._senders.clear()
+        for sending in self._targets.values():
+            sending.stop(join=True)
+        self._targets.clear()
+        for _, group in self._received.values():
+            close_group(group)
         self._received.clear()
 
 
-class _Sender:
-    """The source leader's thread that broadcasts a target's staged buffers, in order."""
+def _receive_announced(group, staged: Staged) -> tuple[torch.Tensor, list[bytes]]:
+    """The buffer of send ``staged.sequence``, and its chunks' digests: older sends are received into a scratch
+    chunk and discarded; a newer one, or one of another size, ends the group (raises)."""
+    while True:
+        header = torch.zeros(2, dtype=torch.int64)
+        broadcast(group, header)
+        sequence, nbytes = int(header[0]), int(header[1])
+        if sequence >= staged.sequence:
+            break
+        scratch = torch.empty(min(nbytes, CHUNK), dtype=torch.uint8)
+        for start in range(0, nbytes, CHUNK):
+            broadcast(group, scratch[:min(CHUNK, nbytes - start)])
+        logger.warning(f"weight sync from LLM {staged.source!r}: send #{sequence} was never written here (its "
+                       "write did not come); discarded")
+    if sequence != staged.sequence or nbytes != staged.nbytes:
+        raise ValueError(f"weight sync from LLM {staged.source!r}: received send #{sequence} of {nbytes} bytes "
+                         f"where #{staged.sequence} of {staged.nbytes} was announced; nothing was synced")
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    with ThreadPoolExecutor(max_workers=1) as hasher:  # each chunk hashed while the next one arrives
+        hashed = []
+        for chunk in chunks(buffer):
+            broadcast(group, chunk)
+            hashed.append(hasher.submit(chunk_digest, chunk))
+        return buffer, [h.result() for h in hashed]
+
+
+class _Target:
+    """The source leader's senders to one target LLM, one per target rank, of one generation."""
 
     def __init__(self, channels: WeightChannels, target: str, target_size: int, generation: int):
-        self.channels, self.target, self.generation = channels, target, generation
-        self.size = 1 + target_size
-        self.sequence = 0
+        self.generation, self.token, self.sequence = generation, secrets.token_hex(16), 0
+        self.senders = [_Sender(channels, group_prefix(channels.llm, target, rank, generation, self.token), target,
+                                rank) for rank in range(target_size)]
+
+    def failed(self) -> str | None:
+        return next((s.failed for s in self.senders if s.failed is not None), None)
+
+    def stop(self, join: bool = False) -> None:
+        for sender in self.senders:
+            sender.stop(join)
+
+
+class _Sender:
+    """The source leader's thread that sends one target rank the staged buffers, in order. It ends on its first
+    failure, which it logs and keeps in ``failed`` (the next staging forms new groups), its group closed with it."""
+
+    def __init__(self, channels: WeightChannels, prefix: str, target: str, target_rank: int):
+        self.channels, self.prefix, self.target, self.target_rank = channels, prefix, target, target_rank
         self.failed: str | None = None
-        self.outbox: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name=f"llmrl-weights-to-{target}", daemon=True)
+        self.outbox: queue.Queue = queue.Queue(maxsize=PENDING)
+        self.thread = threading.Thread(target=self._run, name=f"llmrl-weights-to-{target}-{target_rank}",
+                                       daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
+    def stop(self, join: bool = False) -> None:
         try:
-            group = form_group(self.channels.store, self.channels.llm, self.target, self.generation, 0, self.size,
-                               self.channels.timeout)
+            self.outbox.put_nowait(None)
+        except queue.Full:
+            pass  # (a sender whose queue is full is stuck on its rank; it ends with the group)
+        if join:
+            self.thread.join(self.channels.timeout)
+
+    def _run(self) -> None:
+        group = None
+        try:
+            group = form_group(self.channels.store, self.prefix, 0, self.channels.timeout)
             while (item := self.outbox.get()) is not None:
                 sequence, buffer = item
                 broadcast(group, torch.tensor([sequence, buffer.numel()], dtype=torch.int64))
                 for chunk in chunks(buffer):
                     broadcast(group, chunk)
-        except Exception as err:  # a target rank died or timed out: this group is over, the next sync forms one
+        except Exception as err:  # a target rank died or timed out: these groups are over, the next sync forms new
             self.failed = f"{type(err).__name__}: {err}"
-            logger.error(f"weight sync to LLM {self.target!r} failed: {self.failed}")
+            logger.error(f"weight sync to LLM {self.target!r} rank {self.target_rank} failed: {self.failed}")
+        finally:
+            if group is not None:
+                close_group(group)

@@ -75,7 +75,7 @@ def read_to_send(served: ServedModel, request, channels) -> dict | None:
     (:meth:`llmrl.engine.model.weight_channel.WeightChannels.stage`: the answer's ``staged``)."""
     read = read_weights(served, request.adapter, copy=request.to is None)  # staging copies them into its buffer
     if read is not None and request.to is not None:
-        read["staged"] = channels.stage(request.to, request.to_ranks, read.pop("weights"))
+        read["staged"] = channels.stage(request.to, request.to_rank_count, read.pop("weights"))
     return read
 
 

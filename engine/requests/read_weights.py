@@ -22,7 +22,7 @@ NAME = "read_weights"
 class ReadWeightsRequest:
     adapter: str | None = None  # the LoRA adapter read (None: the active one; the whole model without LoRA)
     to: str | None = None  # the target LLM the leader sends the weights to over a group (None: to the client)
-    to_ranks: int = 0  # how many ranks that target has
+    to_rank_count: int = 0  # how many ranks that target has
 
 
 def send(run: Run, llm: str, request: ReadWeightsRequest) -> Future:

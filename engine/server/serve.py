@@ -196,7 +196,7 @@ class Server:
         self.replica = Replica(self.config, self.role, device, group)
         self.replica.backend.queued_write_taker = self._take_queued_write
         self.replica.backend.weight_channels = WeightChannels(self.store, self.role.llm, self.role.group_rank,
-                                                              self.role.group_size, self.config.timeouts.collective)
+                                                              self.config.timeouts.collective)
         self.replica.load()
 
     # ------------------------------------------------------------------ serving
