@@ -2,9 +2,10 @@
 and the ranks of a target, as ``WeightChannels`` on threads of this process sharing one TCPStore.
 
 What the targets receive equals what was staged, byte for byte, for every dtype; syncs arrive in order; bytes
-that do not match the digest the client relays are refused and the next sync arrives whole; a send whose write
-never came is discarded by the next one; an announcement of another size is refused before anything is allocated,
-and ends that group; a target rank that is gone makes the sender form a new group for the next sync."""
+that do not match the digest the client relays are refused and the next sync arrives whole; each target rank takes
+a sync in its own time; a send whose write never came is discarded by the next one; an announcement of another
+size is refused before anything is allocated, and ends that group; a target rank that is gone makes the sender
+form a new group for the next sync."""
 
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ def test_syncs_reach_every_target_rank_in_order_and_bytes_off_the_digest_are_ref
     staged = source.stage("sampler", 2, weights(6))
     for got in receive_on(targets, staged):  # the refused send did not unpair the group
         assert_same(got, weights(6))
+    staged = source.stage("sampler", 2, weights(7))
+    assert_same(receive_on(targets[:1], staged)[0], weights(7))  # one rank takes it while the other is busy
+    assert_same(receive_on(targets[1:], staged)[0], weights(7))
 
 
 def test_a_send_whose_write_never_came_is_discarded_by_the_next_sync(channels):
