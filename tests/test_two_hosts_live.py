@@ -3,7 +3,8 @@ address that exists only inside it, and each node is started as a user would on 
 ``llmrl run --config C --hostfile H --no_ssh --node_rank R --master_addr NODE0 --master_port P script``.
 
 Covered: an LLM group living entirely on node 1 (rank 0 alone on node 0), and an LLM whose 2 replicas
-are split across the nodes and train with ZeRO-2 (one update equals a plain PyTorch step). In both,
+are split across the nodes and train with ZeRO-2 (one update equals a plain PyTorch step; its weights then sync,
+over a group across the nodes, into a sampler LLM on node 1). In both,
 scores equal plain Hugging Face, every listening socket of every process of the run is bound to its
 node's own address, and killing node 1's launcher (the ``llmrl run`` command, or DeepSpeed's per-node
 launcher) makes the client raise ServerDiedError naming a rank of node 1, both nodes exit non-zero
@@ -307,12 +308,15 @@ def test_an_llm_group_entirely_on_node_1(two_node_run, tiny, reference_models):
 
 def test_replicas_split_across_nodes_train_with_zero2(two_node_run, tiny, reference_models):
     """Replica 0 on node 0 (beside the client), replica 1 on node 1: one process group across the two hosts.
-    One update equals a plain single-process PyTorch step on the whole batch. Killing node 1's DeepSpeed
-    launcher (SIGKILL) must fail node 1's `llmrl run` too (DeepSpeed alone would report success)."""
-    run = two_node_run({"llms": {"split": llm(tiny, zero=2, replicas=2, micro=2)}, "threads_per_rank": 1,
-                        "timeouts": {"startup": 120}}, slots=(2, 1), port=29501)
+    One update equals a plain single-process PyTorch step on the whole batch, and ``sync_weights`` sends the
+    trained weights from replica 0's rank (node 0) to a sampler LLM on node 1 over their group, bit for bit.
+    Killing node 1's DeepSpeed launcher (SIGKILL) must fail node 1's `llmrl run` too (DeepSpeed alone would
+    report success)."""
+    sampler = {"model": tiny["llama"], "heads": {"value": {"plugin": "value", "args": {"hidden": 16}}}}
+    run = two_node_run({"llms": {"split": llm(tiny, zero=2, replicas=2, micro=2), "sampler": sampler},
+                        "threads_per_rank": 1, "timeouts": {"startup": 120}}, slots=(2, 2), port=29501)
     report = run.report()
-    assert {int(r): run.node_of(s["pid"]) for r, s in report["servers"].items()} == {1: 0, 2: 1}
+    assert {int(r): run.node_of(s["pid"]) for r, s in report["servers"].items()} == {1: 0, 2: 1, 3: 1}
     check_scores(report, reference_models)
     weights = torch.load(run.out + ".pt")["split"]
     assert [s["replica"] for s in report["stats"]["split"]] == [0, 1]
@@ -320,8 +324,9 @@ def test_replicas_split_across_nodes_train_with_zero2(two_node_run, tiny, refere
     assert_params(weights["after"], plain_sgd_step(tiny, weights["before"], LR), weights["before"])
     first, second = weights["replicas"]
     assert all(torch.equal(first[k], second[k]) for k in first), "the replicas must hold the same weights"
+    assert report["synced"] == {"tensors": len(weights["after"]), "policy_version": 1, "equal": True}, report
     check_sockets(run, report)
     launcher = [p for p in run.nodes[1].tree() if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
     assert len(launcher) == 1, [p.cmdline() for p in run.nodes[1].tree()]
-    check_killing_node_1(run, launcher[0], node1_ranks={2})
-    assert "rank(s) 2 of this node ended without a clean stop" in run.nodes[1].log()
+    check_killing_node_1(run, launcher[0], node1_ranks={2, 3})
+    assert "rank(s) 2, 3 of this node ended without a clean stop" in run.nodes[1].log()

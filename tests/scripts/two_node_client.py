@@ -2,7 +2,8 @@
 
 It scores the request of ``REQUEST`` (JSON: contexts, candidates and the update's per-sample batch) on
 every LLM, trains LLMs that have an updater with one `update` call (weights before and after go to
-``OUT.pt``), writes what it saw to ``OUT`` (JSON), and then keeps pinging every server rank until one
+``OUT.pt``), syncs the first trained LLM's weights into an LLM named ``sampler`` when there is one (the report
+says whether the sampler then holds them), writes what it saw to ``OUT`` (JSON), and then keeps pinging every server rank until one
 dies: the test kills a node's launcher at that point. The ``ServerDiedError`` it then gets is written
 to ``OUT.died.json`` and re-raised, so the script (and the run) exits non-zero. If nothing dies within
 ``--wait`` seconds it exits with code 3.
@@ -48,6 +49,13 @@ def main() -> int:
                                 "replicas": [caller.state_dict(llm=llm, replica=r) for r in range(len(stats))]}
                 report["updated"].append(llm)
                 report["stats"][llm] = stats
+        if "sampler" in caller.llms and report["updated"]:  # the trained weights sent to the sampler's ranks
+            learner = report["updated"][0]
+            synced = caller.sync_weights(learner, "sampler")
+            held, after = caller.state_dict(llm="sampler"), weights[learner]["after"]
+            report["synced"] = {"tensors": synced["tensors"], "policy_version": synced["policy_version"],
+                                "equal": sorted(held) == sorted(after) and all(torch.equal(held[k], after[k])
+                                                                               for k in after)}
         torch.save(weights, out + ".pt")
         write_json(out, report)
         deadline = time.monotonic() + wait
