@@ -4,9 +4,9 @@ It scores the request of ``REQUEST`` (JSON: contexts, candidates and the update'
 every LLM, trains LLMs that have an updater with one `update` call (weights before and after go to
 ``OUT.pt``), syncs the first trained LLM's weights into an LLM named ``sampler`` when there is one (the report
 says whether the sampler then holds them), writes what it saw to ``OUT`` (JSON), and then keeps pinging every
-server rank until one dies: the test kills a node's launcher at that point. The ``ServerDiedError`` it then gets is written
-to ``OUT.died.json`` and re-raised, so the script (and the run) exits non-zero. If nothing dies within
-``--wait`` seconds it exits with code 3.
+server rank until one dies: the test kills a node's launcher at that point. The ``ServerDiedError`` it then
+gets is written to ``OUT.died.json`` and re-raised, so the script (and the run) exits non-zero. If nothing dies
+within ``--wait`` seconds it exits with code 3.
 
 Usage: two_node_client.py OUT REQUEST [--wait SECONDS]
 """
