@@ -161,3 +161,11 @@ def test_a_sync_the_sampler_cannot_take_is_refused_and_the_sampler_keeps_its_wei
         run.sync_weights("learner", "sampler", via="carrier pigeon")
     assert_equal_states(run.state_dict(llm="sampler_full"), before)
     assert run.generate([PROMPT], llm="sampler_full", max_new_tokens=2)[0][0]["tokens"] is not None
+
+
+def test_closing_the_learner_right_after_an_async_sync_still_delivers_it(run):
+    """``close_llm`` waits for the syncs its ranks still send (they go from the learner's leader, not the client).
+    The module's last test: it closes ``full_one``."""
+    step(run, "full_one", 30)
+    out = run.function("testkit.weight_sync:sync_then_close", "full_one", "sampler_full")
+    assert out["answer"]["tensors"] == out["shared"] > 0 and out["equal"], out

@@ -41,6 +41,7 @@ class RunCalls:
         self._seeds = seeds
         self._tracker = tracker
         self._syncs_lock = threading.Lock()
+        self._group_syncs: dict[str, list[concurrent.futures.Future]] = {}  # source -> its syncs via a group
 
     def save(self, path: str | os.PathLike, *, client_state=None) -> str:
         """Write a checkpoint of every LLM to ``path`` atomically (see :mod:`llmrl.engine.client.saving`), with
@@ -108,7 +109,11 @@ class RunCalls:
             checks = {key: read[key] for key in ("scalings", "base") if key in read}
             request = write_weights.WriteWeightsRequest(read.get("weights"), read["adapter"], read["version"],
                                                         source, checks or None, in_flight, read.get("staged"))
-            return write_weights.send(run, target, request)
+            future = write_weights.send(run, target, request)
+            if via == "group":
+                pending = [f for f in self._group_syncs.get(source, []) if not f.done()]
+                self._group_syncs[source] = [*pending, future]
+            return future
 
     def ping(self, rank: int | None = None) -> float:
         """Round-trip time in seconds of a minimal request to one server rank (default: the first)."""
@@ -128,7 +133,8 @@ class RunCalls:
         """Stop one LLM's servers cleanly while the run's other LLMs go on serving (free its memory once it is no
         longer needed: a reward model after scoring, a reference policy).
 
-        Calls already sent to it are answered first; this returns when its ranks have exited (code 0: the run
+        Calls already sent to it are answered first, and so are syncs of its weights to other LLMs (its ranks
+        send them); this returns when its ranks have exited (code 0: the run
         still ends cleanly). Later calls naming it raise :class:`~llmrl.engine.errors.LLMClosedError`, and so does
         ``save`` (a checkpoint holds every LLM). Closing an LLM twice does nothing.
 
@@ -143,6 +149,8 @@ class RunCalls:
         if llm in self._context.run.closed_llms:
             return
         name = self._context.target(llm)
+        for sync in self._group_syncs.pop(name, []):  # its ranks send these weights: let them arrive first
+            concurrent.futures.wait([sync], timeout=self._context.timeout)
         try:
             self._context.run.close_llm(name, self._context.timeout)
         except TimeoutError:

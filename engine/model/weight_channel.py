@@ -20,9 +20,13 @@ they take their other requests. A sync is two halves:
   client. Only then does :func:`write_weights` check every tensor and write. Bytes that do not match what the
   learner read are refused, and the sampler keeps its weights.
 
-A group whose send or receive fails (a rank died, a timeout) is dropped on both sides, and its generation is not
-formed again: the next sync forms a new one. A rank that dies closes its connections, so its peer's send or
-receive fails at once rather than at the timeout. The client sends a pair's syncs one at a time, in order.
+A sender forms its group and sends only once the target rank is in the write (the rank sets a ``ready`` key), so
+no collective waits on the sampler's other requests, however long they take; the two ends then meet within
+:data:`FORM_SECONDS`. A group whose send or receive fails (a rank died, a timeout) is dropped on both sides (the
+target rank says so under the pair's keys), and its generation is not formed again: the next sync forms a new one.
+A rank that dies closes its connections, so its peer's send or receive fails at once; a source that dies before
+the group formed fails the target's write within :data:`FORM_SECONDS`. The client sends a pair's syncs one at a
+time, in order, and ``close_llm`` of a source waits for the syncs its ranks still send.
 
 This module moves and checks bytes; what is synced and how it is written is :mod:`weight_sync`'s.
 """
@@ -43,6 +47,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PENDING = 4  # sends queued per target rank before staging waits for the sampler
+FORM_SECONDS = 120.0  # both ends form a group only once the target is in the write: they meet within this
 
 
 @dataclass(frozen=True)
@@ -104,19 +109,35 @@ def digest(buffer: torch.Tensor, chunk_digests: list[bytes] | None = None) -> st
     return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
 
 
-def group_prefix(source: str, target: str, target_rank: int, generation: int, token: str) -> str:
-    return f"llmrl/weights/{source}/{target}/{target_rank}/{generation}/{token}"
+def pair_prefix(source: str, target: str, generation: int, token: str) -> str:
+    """The keys of one generation of a pair's groups; each target rank's group meets under ``<prefix>/<rank>``, and
+    a target rank whose group failed sets ``<prefix>/closed``."""
+    return f"llmrl/weights/{source}/{target}/{generation}/{token}"
 
 
-def form_group(store, prefix: str, rank: int, timeout: float):
-    """A gloo group of two under ``prefix`` (blocks until both joined, at most ``timeout`` seconds). It meets
-    through a connection of its own to ``store``'s server: one store client used from several threads at once
-    (a sender forming its group while another waits) mixes up their replies."""
+CLOSED_KEY = "closed"
+
+
+def meeting_place(store, prefix: str, timeout: float):
+    """The keys under ``prefix`` of ``store``'s server, through a connection of their own: one store client used
+    from several threads at once (a sender forming its group while another waits) mixes up their replies."""
     import torch.distributed as dist
 
-    wait = datetime.timedelta(seconds=timeout)
-    own = dist.TCPStore(store.host, store.port, is_master=False, timeout=wait)
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, own), rank, 2, wait)
+    own = dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(prefix, own)
+
+
+def form_group(meeting, rank: int, timeout: float):
+    """A gloo group of two meeting at ``meeting`` (blocks until both joined, at most ``timeout`` seconds)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(meeting, rank, 2, datetime.timedelta(seconds=timeout))
+
+
+def ready_key(sequence: int) -> str:
+    """Set by the target rank when it is in the write of send ``sequence`` (or of a later one): the sender starts
+    the send only then, so no send waits in a collective for a sampler still busy with other requests."""
+    return f"ready/{sequence}"
 
 
 def close_group(group) -> None:
@@ -143,7 +164,7 @@ class WeightChannels:
     def __init__(self, store, llm: str, group_rank: int, timeout: float):
         self.store, self.llm, self.group_rank, self.timeout = store, llm, group_rank, timeout
         self._targets: dict[str, _Target] = {}
-        self._received: dict[str, tuple[int, object]] = {}  # source LLM -> (generation, group)
+        self._received: dict[str, _Receiving] = {}  # source LLM -> its group with this rank
         self._dropped: dict[str, int] = {}  # source LLM -> the newest generation whose group failed here
 
     # ------------------------------------------------------------------ source side
@@ -163,12 +184,11 @@ class WeightChannels:
         staged = Staged(self.llm, sending.generation, sending.token, sending.sequence, layout, buffer.numel(),
                         digest(buffer))
         for sender in sending.senders:
-            try:
-                sender.outbox.put((sending.sequence, buffer), timeout=self.timeout)
-            except queue.Full:
+            if not sender.room.acquire(timeout=self.timeout):
                 raise TimeoutError(f"weight sync to LLM {target!r}: {PENDING} syncs still wait for its rank "
                                    f"{sender.target_rank} after {self.timeout:.0f} s (timeouts.collective); wait "
-                                   "for the answers of the syncs sent before") from None
+                                   "for the answers of the syncs sent before")
+            sender.outbox.put((sending.sequence, buffer))
         return staged
 
     # ------------------------------------------------------------------ target side
@@ -179,27 +199,31 @@ class WeightChannels:
         if staged.generation <= self._dropped.get(source, 0):
             raise RuntimeError(f"weight sync from LLM {source!r}: its group (generation {staged.generation}) "
                                "failed on this rank; nothing was synced, and the next sync forms a new one")
-        generation, group = self._received.get(source, (0, None))
-        if group is None or generation != staged.generation:
-            generation = staged.generation
-            prefix = group_prefix(source, self.llm, self.group_rank, generation, staged.token)
-            try:
-                group = form_group(self.store, prefix, 1, self.timeout)
-            except Exception:
-                self._dropped[source] = generation
-                raise
-            self._received[source] = (generation, group)
+        generation = staged.generation
         error = None
         try:
-            buffer, chunk_digests = _receive_announced(group, staged)
+            receiving = self._received.get(source)
+            if receiving is None or receiving.generation != generation:
+                pair = meeting_place(self.store, pair_prefix(source, self.llm, generation, staged.token), self.timeout)
+                meeting = type(pair)(str(self.group_rank), pair)  # (a PrefixStore under the pair's)
+                receiving = self._received[source] = _Receiving(generation, pair, meeting)
+            for sequence in range(receiving.ready + 1, staged.sequence + 1):  # this send, and any skipped before
+                receiving.meeting.set(ready_key(sequence), b"1")
+            receiving.ready = max(receiving.ready, staged.sequence)
+            if receiving.group is None:
+                receiving.group = form_group(receiving.meeting, 1, min(self.timeout, FORM_SECONDS))
+            buffer, chunk_digests = _receive_announced(receiving.group, staged)
         except Exception as err:  # re-raised below, without the traceback that would hold the group open
             error = err if isinstance(err, ValueError) else RuntimeError(f"{type(err).__name__}: {err}")
             error = type(error)(str(error))
         if error is not None:
-            self._received.pop(source, None)
+            dropped = self._received.pop(source, None)
             self._dropped[source] = generation
-            close_group(group)
-            del group
+            if dropped is not None:
+                _say_closed(dropped.pair)
+                if dropped.group is not None:
+                    close_group(dropped.group)
+            del dropped, receiving
             raise error
         if digest(buffer, chunk_digests) != staged.digest:
             raise ValueError(f"weight sync from LLM {source!r}: the bytes received over the group do not match "
@@ -212,8 +236,9 @@ class WeightChannels:
         for sending in self._targets.values():
             sending.stop(join=True)
         self._targets.clear()
-        for _, group in self._received.values():
-            close_group(group)
+        for receiving in self._received.values():
+            if receiving.group is not None:
+                close_group(receiving.group)
         self._received.clear()
 
 
@@ -243,16 +268,40 @@ def _receive_announced(group, staged: Staged) -> tuple[torch.Tensor, list[bytes]
         return buffer, [h.result() for h in hashed]
 
 
+def _say_closed(pair) -> None:
+    try:
+        pair.set(CLOSED_KEY, b"1")  # the source forms new groups at its next staging
+    except Exception as err:  # (the store is gone with rank 0: the run is over)
+        logger.debug(f"weight sync: could not say the group closed: {err}")
+
+
+@dataclass
+class _Receiving:
+    """A target rank's group with one source LLM: the pair's keys, where this rank's group meets, the group once
+    formed, and the sends this rank said it is ready for."""
+
+    generation: int
+    pair: object
+    meeting: object
+    group: object = None
+    ready: int = 0
+
+
 class _Target:
     """The source leader's senders to one target LLM, one per target rank, of one generation."""
 
     def __init__(self, channels: WeightChannels, target: str, target_size: int, generation: int):
         self.generation, self.token, self.sequence = generation, secrets.token_hex(16), 0
-        self.senders = [_Sender(channels, group_prefix(channels.llm, target, rank, generation, self.token), target,
-                                rank) for rank in range(target_size)]
+        prefix = pair_prefix(channels.llm, target, generation, self.token)
+        self.pair = meeting_place(channels.store, prefix, channels.timeout)  # (read by the serving thread only)
+        self.senders = [_Sender(channels, f"{prefix}/{rank}", target, rank) for rank in range(target_size)]
 
     def failed(self) -> str | None:
-        return next((s.failed for s in self.senders if s.failed is not None), None)
+        """Why these groups are over (a sender failed, or a target rank closed its group), or None."""
+        failed = next((s.failed for s in self.senders if s.failed is not None), None)
+        if failed is None and self.pair.check([CLOSED_KEY]):
+            failed = "a target rank closed its group"
+        return failed
 
     def stop(self, join: bool = False) -> None:
         for sender in self.senders:
@@ -266,28 +315,47 @@ class _Sender:
     def __init__(self, channels: WeightChannels, prefix: str, target: str, target_rank: int):
         self.channels, self.prefix, self.target, self.target_rank = channels, prefix, target, target_rank
         self.failed: str | None = None
-        self.outbox: queue.Queue = queue.Queue(maxsize=PENDING)
+        self.outbox: queue.Queue = queue.Queue()  # (sequence, buffer), or None: stop
+        self.room = threading.BoundedSemaphore(PENDING)  # taken by each staged send, given back once it is sent
+        self.stopping = threading.Event()
+        self.waited = threading.Event()  # set once a wait for the target rank outlasted its timeout
         self.thread = threading.Thread(target=self._run, name=f"llmrl-weights-to-{target}-{target_rank}",
                                        daemon=True)
         self.thread.start()
 
     def stop(self, join: bool = False) -> None:
-        try:
-            self.outbox.put_nowait(None)
-        except queue.Full:
-            pass  # (a sender whose queue is full is stuck on its rank; it ends with the group)
+        self.stopping.set()
+        self.outbox.put(None)
         if join:
             self.thread.join(self.channels.timeout)
+
+    def _ready(self, meeting, sequence: int) -> bool:
+        """Wait until the target rank is in the write of send ``sequence``, however long its other requests take
+        (it wakes every minute, or every timeout if shorter, to see whether it was stopped); False if it was."""
+        import torch.distributed as dist
+
+        while not self.stopping.is_set():
+            try:
+                meeting.wait([ready_key(sequence)], datetime.timedelta(seconds=min(self.channels.timeout, 60)))
+                return True
+            except dist.DistStoreError:  # (the wait's timeout; a store that is gone raises another error)
+                self.waited.set()
+        return False
 
     def _run(self) -> None:
         group = None
         try:
-            group = form_group(self.channels.store, self.prefix, 0, self.channels.timeout)
+            meeting = meeting_place(self.channels.store, self.prefix, self.channels.timeout)
             while (item := self.outbox.get()) is not None:
                 sequence, buffer = item
+                if not self._ready(meeting, sequence):
+                    break
+                if group is None:
+                    group = form_group(meeting, 0, min(self.channels.timeout, FORM_SECONDS))
                 broadcast(group, torch.tensor([sequence, buffer.numel()], dtype=torch.int64))
                 for chunk in chunks(buffer):
                     broadcast(group, chunk)
+                self.room.release()
         except Exception as err:  # a target rank died or timed out: these groups are over, the next sync forms new
             self.failed = f"{type(err).__name__}: {err}"
             logger.error(f"weight sync to LLM {self.target!r} rank {self.target_rank} failed: {self.failed}")

@@ -42,3 +42,17 @@ def timed_sync(caller, source: str, target: str, via: str) -> dict:
     returned = time.perf_counter() - start
     answer = future.result()
     return {"returned_s": returned, "answered_s": time.perf_counter() - start, "answer": answer}
+
+
+def sync_then_close(caller, source: str, target: str) -> dict:
+    """``sync_weights_async`` from ``source`` into ``target``, then ``close_llm(source)`` at once: the sync's answer,
+    and whether ``target`` then holds the weights ``source`` had (every tensor of ``source`` that ``target`` has)."""
+    import torch
+
+    expected = caller.state_dict(llm=source)
+    future = caller.sync_weights_async(source, target)
+    caller.close_llm(source)
+    answer = future.result()
+    held = caller.state_dict(llm=target)
+    shared = [k for k in expected if k in held]
+    return {"answer": answer, "shared": len(shared), "equal": all(torch.equal(held[k], expected[k]) for k in shared)}
