@@ -70,9 +70,9 @@ def main() -> None:
             print(f"    {label:8s}  via client {r['client']:7.3f} s, via group {r['group']:7.3f} s   "
                   f"({r['group_over_client']:.2f}x the client's)")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**mark, "provenance": run_provenance(), "model": args.model, "repeats": args.repeats,
-                       "rows": rows}, f, indent=2)
+        record = {**mark, "provenance": run_provenance(), "model": args.model, "repeats": args.repeats, "rows": rows}
+        with open(args.out, "w") as f:  # (opened after the provenance: an emptied results file is a change)
+            json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":
