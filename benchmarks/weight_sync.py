@@ -8,11 +8,11 @@ digest).
 
 Two pairs of LLMs serve the same model: ``learner`` (LoRA r=16 on every linear layer, trainable) and ``sampler``
 (the same adapter, ``--sampler-replicas`` replicas) sync one adapter; ``full`` (no LoRA, trainable) and
-``sampler_full`` (one replica) sync the whole model. After one untimed sync of each route (the group forms on the
-first), each repetition times one ``sync_weights_async`` by each route, alternated, in the client: until it
-returned (the learner's weights read and sent: the learner and the client are free again) and until the sampler
-answered; it then checks that the sampler holds the learner's weights. It prints the medians, the bytes synced and
-the ratios. It writes ``--out`` (JSON) when
+``sampler_full`` (one replica) sync the whole model. After one untimed sync of each route (the group forms on
+the first), each repetition times one ``sync_weights_async`` by each route, alternated, from this process (each
+figure holds one round trip to the run's client process): until it returned (the learner's weights read and sent:
+the learner and the client are free again) and until the sampler answered; it then checks that the sampler holds
+the learner's weights. It prints the medians, the bytes synced and the ratios, and writes ``--out`` (JSON) when
 given.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 from benchmarks.kit import claim_results_file, testkit
 from llmrl.engine.provenance import run_provenance
@@ -50,7 +51,7 @@ def main() -> None:
                 synced = run.sync_weights(source, target, via=via)
             for _ in range(args.repeats):
                 for via in times:
-                    times[via].append(run.function("testkit.weight_sync:timed_sync", source, target, via))
+                    times[via].append(timed_sync(run, source, target, via))
             synced = times["group"][-1]["answer"]
             held = run.state_dict(llm=target)
             learner = run.state_dict(llm=source)
@@ -73,6 +74,17 @@ def main() -> None:
         record = {**mark, "provenance": run_provenance(), "model": args.model, "repeats": args.repeats, "rows": rows}
         with open(args.out, "w") as f:  # (opened after the provenance: an emptied results file is a change)
             json.dump(record, f, indent=2)
+
+
+def timed_sync(run, source: str, target: str, via: str) -> dict:
+    """One ``sync_weights_async`` by route ``via``: seconds until it returned (the learner and the client free
+    again) and until the target answered, each with one round trip to the run's client process (the same for
+    both routes)."""
+    start = time.perf_counter()
+    run.function("testkit.weight_sync:send_sync", source, target, via)
+    returned = time.perf_counter() - start
+    answer = run.function("testkit.weight_sync:sync_answer", source, target)
+    return {"returned_s": returned, "answered_s": time.perf_counter() - start, "answer": answer}
 
 
 if __name__ == "__main__":

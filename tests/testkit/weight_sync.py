@@ -31,17 +31,18 @@ def sync_in_flight(caller, prompts: list[list[int]], source: str, target: str, g
     return {"synced": synced.result(), "samples": [(s["policy_version"], list(s["tokens"])) for s in samples]}
 
 
-def timed_sync(caller, source: str, target: str, via: str) -> dict:
-    """One ``sync_weights_async`` from ``source`` into ``target`` by route ``via``, timed in the client: seconds
-    until it returned (the source's weights read and sent: the learner and the client are free again) and until
-    the target answered."""
-    import time
+_SENT: dict = {}  # (source, target) -> the future of a sync_weights_async sent by send_sync
 
-    start = time.perf_counter()
-    future = caller.sync_weights_async(source, target, via=via)
-    returned = time.perf_counter() - start
-    answer = future.result()
-    return {"returned_s": returned, "answered_s": time.perf_counter() - start, "answer": answer}
+
+def send_sync(caller, source: str, target: str, via: str) -> None:
+    """``sync_weights_async`` from ``source`` into ``target`` by route ``via``, returning as it returns (the
+    source's weights read and sent); its future stays in the client for :func:`sync_answer`."""
+    _SENT[(source, target)] = caller.sync_weights_async(source, target, via=via)
+
+
+def sync_answer(caller, source: str, target: str) -> dict:
+    """The target's answer to the sync :func:`send_sync` sent last for this pair."""
+    return _SENT.pop((source, target)).result()
 
 
 def sync_then_close(caller, source: str, target: str) -> dict:
