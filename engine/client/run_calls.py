@@ -76,7 +76,7 @@ class RunCalls:
 
         ``via="group"`` (the default): the source's group leader sends the weights straight to the target's ranks
         over a gloo group with each (:mod:`llmrl.engine.model.weight_channel`), on threads of its own,
-        and the client relays only their layout and SHA-256. ``via="client"``: the weights come to the client and
+        and the client relays only their layout and digest. ``via="client"``: the weights come to the client and
         go from it to each target rank (for nodes that reach rank 0 but not each other).
 
         Returns the target's answer: ``tensors`` and ``bytes`` copied, ``policy_version``, and ``adapter``."""

@@ -5,9 +5,9 @@ of every replica, with the learner's policy version.
 Client half: the same payload to every rank of the target LLM; the first replica's answer is returned. Server half:
 :func:`llmrl.engine.model.weight_sync.write_sent`: the weights the payload carries, or those received over the
 source-target group that its ``staged`` describes, written by ``write_weights``, which checks every tensor before
-it writes any. A write sent
-``in_flight`` is served in its turn, or earlier: inside a ``generate`` in progress, between two decode batches, when
-it is the next request queued (:meth:`llmrl.engine.server.serve.Server._take_queued_write`).
+it writes any. A write sent ``in_flight`` is served in its turn, or earlier: inside a ``generate`` in progress,
+between two decode batches, when it is the next request queued
+(:meth:`llmrl.engine.server.serve.Server._take_queued_write`).
 """
 
 from __future__ import annotations
