@@ -25,15 +25,16 @@ from testkit import LiveRun
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"f32z2r1": ("float32", 2, 1), "bf16z0r1": ("bfloat16", 0, 1), "bf16z2r1": ("bfloat16", 2, 1),
-           "f32z1r2": ("float32", 1, 2), "bf16z2r2": ("bfloat16", 2, 2), "f32z3r1": ("float32", 3, 1),
-           "bf16z3r2": ("bfloat16", 3, 2)}
+LAYOUTS = {"f32z2r1": ("float32", 2, 1, 1), "bf16z0r1": ("bfloat16", 0, 1, 1), "bf16z2r1": ("bfloat16", 2, 1, 1),
+           "f32z1r2": ("float32", 1, 2, 1), "bf16z2r2": ("bfloat16", 2, 2, 1), "f32z3r1": ("float32", 3, 1, 1),
+           "bf16z3r2": ("bfloat16", 3, 2, 1), "f32z0tp2": ("float32", 0, 1, 2), "bf16z2tp2": ("bfloat16", 2, 1, 2)}
+# (dtype, ZeRO stage, replicas, tensor-parallel ranks)
 ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 NEW = {"rank": 2, "targets": ["attention", "mlp"]}
 ADAPTERS = {"t": 3, "v": 20}  # created at run time: name -> seed (and the offset of its data's seeds)
 RATES = [3e-3, 2e-3, 2.5e-3]
-RESUMED = ["f32z2r1", "bf16z2r2", "bf16z3r2"]
+RESUMED = ["f32z2r1", "bf16z2r2", "bf16z3r2", "f32z0tp2"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3}  # float32: absolute; bfloat16: relative to the change (2-norm)
 # one generate call whose prompts name different adapters: created at run time, configured, snapshots of each
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is", "open it"]
@@ -57,9 +58,10 @@ def make_data(seed: int, lengths=(7, 12, 4)) -> list[dict]:
 def runs(tiny, tmp_path_factory):
     """Every layout through the sequence; the states along the way."""
     llms = {name: {"model": tiny["llama"], "dtype": dtype, "replicas": replicas, "initializers": [LORA],
+                   "tensor_parallel": tp,
                    "trainable": True,  # forward_backward in passes of at most 16 tokens: several per call
                    "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16}}
-            for name, (dtype, zero, replicas) in LAYOUTS.items()}
+            for name, (dtype, zero, replicas, tp) in LAYOUTS.items()}
     out = {}
     folder = tmp_path_factory.mktemp("run-time-adapters")
     with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:

@@ -41,8 +41,8 @@ RESERVED_MODEL_KWARGS = {
 # the spellings of the built-in LoRA initializer a config may write without importing it (a class resolved from any
 # other name is checked by loading.lora_tensor_parallel_problems, once the plugins are imported)
 LORA_SPELLINGS = ("lora", "qlora", "llmrl.plugins.lora:LoraInitializer")
-LORA_TP_MESSAGE = ("LoRA adapters are not split by DeepSpeed's tensor parallelism (the sharded layers no longer match "
-                   "their adapters' shapes); use replicas instead of tensor_parallel, or train every weight")
+LORA_TP_MESSAGE = ("LoRA adapters over tensor-parallel layers are whole on every rank, which each applies in part; "
+                   "ZeRO-3 would partition them: use zero_stage 0-2, or replicas instead of tensor_parallel")
 
 # entries of score()'s per-context result dicts that a head's output would replace (engine/requests/score.py)
 RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
@@ -94,7 +94,8 @@ def semantic_problems(data: dict) -> list[Problem]:
         for key in llm.get("heads") or {}:
             if head_key_problem(key):
                 problems.append((f"{at}.heads.{key}", head_key_problem(key)))
-        if tp > 1 and any(name in LORA_SPELLINGS for name in initializer_names(llm)):
+        if tp > 1 and llm_setting(llm, "training", "zero_stage") == 3 and any(
+                name in LORA_SPELLINGS for name in initializer_names(llm)):
             problems.append((f"{at}.initializers", LORA_TP_MESSAGE))
         problems += deepspeed_problems(at, (llm.get("training") or {}).get("deepspeed") or {})
         problems += inapplicable_problems(at, llm)

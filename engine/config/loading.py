@@ -360,7 +360,8 @@ def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
     problems: list[Problem] = []
     for name, llm in data["llms"].items():
         names = [n for n in initializer_names(llm) if n and not n.startswith("__main__:")]
-        if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not names:
+        zero3 = given_or_default(llm.get("training") or {}, "training", "zero_stage") == 3
+        if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not zero3 or not names:
             continue
         from llmrl.engine.errors import PluginError
         from llmrl.plugins.registry import resolve

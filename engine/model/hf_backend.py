@@ -114,8 +114,7 @@ class HFBackend(ModelBackend):
         self.trunk_depth = trunk_depth(self.model) if self.llm.type == "causal" else 0
 
     def build(self) -> dict:
-        import deepspeed
-
+        from llmrl.engine.model.tp_lora import built_engine
         from llmrl.engine.model.training.lr_schedule import make_scheduler
         from llmrl.engine.model.training.optimizer import AdapterSteps, make_optimizer
 
@@ -129,8 +128,8 @@ class HFBackend(ModelBackend):
         ds_config = dict(self.ds_config)
         if optimizer is None and self.llm.training.zero_stage in (1, 2):
             ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": 0}
-        engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config,
-                                          lr_scheduler=schedule, dist_init_required=False)
+        engine = built_engine(self.module, self.llm.tensor_parallel, optimizer=optimizer, config=ds_config,
+                              lr_scheduler=schedule, dist_init_required=False)
         engine.eval()
         self.served = ServedModel(
             llm=self.llm, role=self.role, device=self.device, group=self.group, info=self.info,

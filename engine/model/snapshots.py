@@ -31,6 +31,7 @@ from llmrl.engine.adapter_names import name_problem
 from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.partitioned_snapshots import copy_held, held_bytes
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.tp_lora import split_new_adapter
 from llmrl.engine.model.version_counts import copy_version, forget_version
 from llmrl.engine.model.zero3_gather import gathered_bytes
 
@@ -116,6 +117,7 @@ def take_snapshot(served: ServedModel, name: str, source: str | None, prefix_cac
     if name not in served.run_time.snapshots:
         with flags_kept(model):
             model.add_adapter(name, copy.deepcopy(model.peft_config[adapter]))
+        split_new_adapter(model, name)  # tensor parallelism: the parts of this rank (llmrl.engine.model.tp_lora)
     copies = adapter_params(model, name)
     if copies.keys() != originals.keys():
         with flags_kept(model):

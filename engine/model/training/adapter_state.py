@@ -42,9 +42,6 @@ FORMAT = 1
 
 def _check(served: ServedModel, name: str, what: str) -> None:
     llm = served.llm.name
-    if served.llm.tensor_parallel > 1:
-        raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} splits every weight over "
-                         f"{served.llm.tensor_parallel} tensor-parallel ranks: use Caller.save for the whole run")
     if any(hasattr(p, "ds_id") for p in adapter_params(served.model, name).values()):
         # an adapter created at run time is whole on every rank under ZeRO-3; a configured one is partitioned
         raise ValueError(f"{what} reads whole adapter weights on one rank; LLM {llm!r} partitions adapter {name!r} "
@@ -226,11 +223,13 @@ def scalings(model, name: str) -> dict[str, float]:
 def base_sample(model, name: str, modules: int = 4, values: int = 16) -> dict[str, torch.Tensor]:
     """A few values of the base weights adapter ``name`` adapts (its first ``modules`` layers, ``values`` evenly spaced
     entries of each): enough to tell the base model its weights were trained against from another model of the same
-    shapes, not from a close fine-tune of it. Quantized or partitioned weights are left out."""
+    shapes, not from a close fine-tune of it. Quantized or partitioned weights are left out, and so are weights split
+    by tensor parallelism (each rank holds another part)."""
     sample = {}
     for module_name, module in model.named_modules():
         adapted = isinstance(getattr(module, "scaling", None), dict) and name in module.scaling
-        weight = getattr(getattr(module, "base_layer", module), "weight", None)
+        base = getattr(module, "base_layer", module)
+        weight = None if hasattr(base, "mp_group") else getattr(base, "weight", None)
         if len(sample) < modules and adapted and isinstance(weight, torch.Tensor) and weight.is_floating_point() \
                 and weight.numel() > 0:
             flat = weight.detach().reshape(-1)

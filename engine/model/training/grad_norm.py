@@ -3,8 +3,9 @@ clips with a norm it then drops, and computes none without clipping (``get_globa
 
 :func:`recorded_norm` wraps one ``engine.step()``: with clipping it keeps the norm DeepSpeed's own clipping
 computes (the same call, the same collectives); without, it reads the gradients as the optimizer is about to
-step, after the replicas' all-reduce, on one rank's whole weights (tensor parallelism, whose ranks hold parts:
-none). It changes no gradient. Other layouts are left to DeepSpeed, which records theirs.
+step, after the replicas' all-reduce: on one rank's whole weights, or under tensor parallelism with DeepSpeed's
+clipping function and an infinite bound (its ranks hold parts of the split weights: it counts the whole ones on one
+rank of each group). It changes no gradient. Other layouts are left to DeepSpeed, which records theirs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def recorded_norm(engine):
                                               max_norm=engine.gradient_clipping(), mpu=engine.mpu))
 
     def before_step(optimizer, args, kwargs):
-        if "norm" not in found and engine.autotp_size() <= 1:
+        if "norm" not in found and engine.autotp_size() > 1:  # DeepSpeed's norm over split and whole weights
+            found["norm"] = float(clip_grad_norm_(parameters=engine.module.parameters(), max_norm=float("inf"),
+                                                  mpu=engine.mpu))  # (an infinite bound scales by 1)
+        if "norm" not in found:
             squares = [p.grad.detach().float().pow(2).sum() for p in engine.module.parameters() if p.grad is not None]
             found["norm"] = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
 

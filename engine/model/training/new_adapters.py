@@ -12,8 +12,9 @@ Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapte
 owns the step (ZeRO 1-3, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
 which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
 own (:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside
-the partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 and tensor parallelism are refused there, naming
-the field (:func:`refuse_own_optimizer`). Adapters created at run time are saved with a checkpoint and
+the partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 is refused there, naming the field
+(:func:`refuse_own_optimizer`). Under tensor parallelism a new adapter is whole on every rank and applied in parts
+(:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter adapts, or layers left whole. Adapters created at run time are saved with a checkpoint and
 created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
 Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
 adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
@@ -28,6 +29,7 @@ import torch
 from llmrl.engine.model.adapter_caps import check_room
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
+from llmrl.engine.model.tp_lora import check_split_targets, split_new_adapter
 from llmrl.engine.model.training.lr_schedule import fit_new_groups
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY
 from llmrl.engine.model.training.own_optimizers import OwnOptimizer
@@ -36,10 +38,14 @@ from llmrl.engine.model.version_counts import forget_version
 TARGET_WORDS = ("attention", "mlp", "unembed")
 
 
-def target_modules(model, targets) -> str | list[str]:
-    """PEFT's ``target_modules`` for ``targets`` (see the module doc)."""
-    if targets is None or targets == "all-linear":
+def target_modules(model, targets, tensor_parallel: int = 1) -> str | list[str]:
+    """PEFT's ``target_modules`` for ``targets`` (see the module doc). With ``tensor_parallel`` > 1, PEFT's
+    ``all-linear`` would not find the split layers: it is the attention and MLP layers by name."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if (targets is None or targets == "all-linear") and tensor_parallel <= 1:
         return "all-linear"
+    targets = ["attention", "mlp"] if targets is None or targets == "all-linear" else targets
     targets = [targets] if isinstance(targets, str) else list(targets)
     names = []
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -48,9 +54,8 @@ def target_modules(model, targets) -> str | list[str]:
             names.append(target)
             continue
         for name, module in base.named_modules():
-            # a layer an adapter already wraps (PEFT's lora.Linear holds the nn.Linear as its base_layer) counts too
-            linear = isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "base_layer", None),
-                                                                      torch.nn.Linear)
+            # a layer an adapter already wraps (PEFT's lora.Linear holds the linear, maybe split, as base_layer) too
+            linear = isinstance(module, (torch.nn.Linear, LoraLinear))
             if not linear or ".lora_" in f".{name}" or name.endswith("base_layer") or ".base_layer." in name:
                 continue
             parts = name.split(".")
@@ -73,8 +78,6 @@ def refuse_own_optimizer(served: ServedModel) -> None:
     if served.llm.dtype not in ("float32", "bfloat16"):
         why = (f"llms.{llm}.dtype is {served.llm.dtype} (DeepSpeed scales float16 losses, which the adapter's own "
                "optimizer would not undo): use bfloat16 or float32")
-    elif served.llm.tensor_parallel > 1:
-        why = f"llms.{llm}.tensor_parallel is {served.llm.tensor_parallel}: use 1"
     if why is not None:
         raise ValueError(f"adapters created at run time on LLM {llm!r} get an optimizer of their own outside "
                          f"DeepSpeed's flat parameter copies, which is not supported here: {why}; or declare the "
@@ -104,13 +107,17 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     check_room(served, "adapter", name)
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
     config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                        lora_dropout=dropout, target_modules=target_modules(model, targets))
+                        lora_dropout=dropout,
+                        target_modules=target_modules(model, targets, served.llm.tensor_parallel))
+    if served.llm.tensor_parallel > 1:
+        check_split_targets(model, config.target_modules, f"LLM {llm!r}")
     devices = [served.device.index or 0] if served.device.type == "cuda" else []
     with flags_kept(model), torch.random.fork_rng(devices=devices):  # the run's own random streams go on unchanged
         torch.manual_seed(seed)
         model.add_adapter(name, config)
     params = list(adapter_params(model, name).values())
     try:
+        split_new_adapter(model, name)
         check_room(served, "adapter", name, sum(p.numel() * p.element_size() for p in params))
         for p in params:
             p.requires_grad_(True)

@@ -6,8 +6,8 @@ Such an adapter's parameters stay outside DeepSpeed: they are in no group of its
 reductions, clipping and steps never touch them (autograd fills their ``.grad`` during ``engine.backward``). Each
 adapter gets an :class:`OwnOptimizer`: float32 master copies of its weights (the weights themselves where PEFT made
 them float32), a torch optimizer of the config's kind over the masters, and a step that averages the adapter's
-gradients over the LLM's replicas (one all-reduce of their flat float32 concatenation on the LLM's world: with
-``tensor_parallel`` 1 every rank is a replica), clips them to the step's ``gradient_clipping`` by the adapter's own
+gradients over the LLM's replicas (one all-reduce of their flat float32 concatenation on the LLM's world, divided by
+its rank count: the tensor-parallel ranks of a replica hold the same whole gradient, :mod:`llmrl.engine.model.tp_lora`), clips them to the step's ``gradient_clipping`` by the adapter's own
 norm, steps the masters and copies them back into the weights. The step's learning rate, betas, eps, weight decay
 and momentum are read from the engine's torch optimizer when it steps (the config's ``lr_schedule`` and a script's
 ``optim_step`` settings land there). Its moments are its own, as a configured adapter's group is
@@ -45,17 +45,18 @@ class OwnOptimizer:
         self.optimizer = torch_optimizer(list(self.masters.values()), spec)
         self.last_norm: float | None = None
 
-    def reduce_gradients(self, replicas: int) -> None:
-        """Every master's ``.grad``: its weight's gradient (zero where none) averaged over the ``replicas``
+    def reduce_gradients(self, ranks: int) -> None:
+        """Every master's ``.grad``: its weight's gradient (zero where none) averaged over the LLM's ``ranks`` (each
+        holds its replica's whole gradient: tensor-parallel ranks the same one, see :mod:`llmrl.engine.model.tp_lora`)
         (collective: every rank of the LLM calls it, in the same order of adapters)."""
         grads = [p.grad.detach().float().reshape(-1) if p.grad is not None
                  else torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in self.params.values()]
         flat = torch.cat(grads)
-        if replicas > 1:
+        if ranks > 1:
             import torch.distributed as dist
 
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= replicas
+            flat /= ranks
         offset = 0
         for p, master in zip(self.params.values(), self.masters.values()):
             p.grad = None
@@ -134,7 +135,7 @@ def reduce_own(served, trained) -> list:
     names (collective; every rank of the LLM trains the same adapters in a step)."""
     names = [name for name in served.run_time.optimizers if name in trained]
     for name in names:
-        served.run_time.optimizers[name].reduce_gradients(served.llm.replicas)
+        served.run_time.optimizers[name].reduce_gradients(served.llm.replicas * served.llm.tensor_parallel)
     return names
 
 
