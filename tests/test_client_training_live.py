@@ -1,6 +1,7 @@
 """Training steps written in the script (``forward_backward`` / ``forward`` / ``forward_backward_custom`` /
 ``optim_step``) equal the same steps on a plain PEFT model with plain torch AdamW, to 1e-5, for 1 and 2 replicas and
-ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens).
+ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens), and for 2 tensor-parallel ranks at ZeRO-2 (the adapter whole
+on each rank, applied in parts over the split layers: :mod:`llmrl.engine.model.tp_lora`).
 
 The reference computes every loss by hand from its definition (Tinker's), sums it over all target tokens of all
 datums, back-propagates, clips with ``torch.nn.utils.clip_grad_norm_`` and steps ``torch.optim.AdamW`` with the
@@ -20,15 +21,16 @@ from testkit import LiveRun, assert_same_training
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"r1z0": (1, 0), "r2z0": (2, 0), "r1z1": (1, 1), "r2z2": (2, 2), "r2z3": (2, 3)}
+LAYOUTS = {"r1z0": (1, 0, 1), "r2z0": (2, 0, 1), "r1z1": (1, 1, 1), "r2z2": (2, 2, 1), "r2z3": (2, 3, 1),
+           "tp2z2": (1, 2, 2)}  # (replicas, ZeRO stage, tensor-parallel ranks)
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 
 
 @pytest.fixture(scope="module")
 def run(tiny):
     llms = {name: {"model": tiny["llama"], "replicas": replicas, "initializers": [LORA], "trainable": True,
-                   "training": {"zero_stage": zero, "optimizer": {"type": "adamw", "lr": 1e-3}}}
-            for name, (replicas, zero) in LAYOUTS.items()}
+                   "tensor_parallel": tp, "training": {"zero_stage": zero, "optimizer": {"type": "adamw", "lr": 1e-3}}}
+            for name, (replicas, zero, tp) in LAYOUTS.items()}
     llms["r1z1"]["training"]["max_tokens_per_micro_batch"] = 16  # a call's 23 tokens go back in passes
     llms["frozen"] = {"model": tiny["llama"]}
     live = LiveRun({"llms": llms, "threads_per_rank": 1})

@@ -2,12 +2,16 @@
 optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two adapters created, then three times
 ``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a plain
 PEFT model stepped by torch AdamW over float32 master copies of the adapter's weights (the forward in the model's
-dtype), for 1 and 2 replicas; the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
+dtype), for 1 and 2 replicas, and for 2 tensor-parallel ranks (float32 at ZeRO 0, where a run-time adapter is a group
+of the engine's own optimizer, and bfloat16 at ZeRO-2; the adapters are whole on each rank, which applies them in
+parts: :mod:`llmrl.engine.model.tp_lora`); the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
 ``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does a checkpoint (a
 resumed run steps it as the saved one would have); a snapshot of it scores as it does. Under ZeRO-3 the base and the
 configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.
 
-Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8); bfloat16: the served and the reference
+Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8, and 2.5e-7 with tensor parallelism, whose
+ranks sum the row-parallel layers' parts in another order; without the sum of the column-parallel A's output gradient
+over the ranks it is 7e-3); bfloat16: the served and the reference
 forwards round differently, and Adam moves a weight by about its learning rate whatever the size of its gradient, so
 a gradient near zero whose sign the rounding flips moves its weight the other way: the weights' change over the
 three steps is compared as a whole (2-norm of the difference over 2-norm of the change: 0.3; measured 0.02-0.15), and
