@@ -28,8 +28,10 @@ OPTIMIZERS = {
     "adamw": {"type": "adamw", "lr": 1e-2, "betas": [0.85, 0.9], "eps": 1e-4, "weight_decay": 0.1},
     "sgdm": {"type": "sgd", "lr": 0.5, "momentum": 0.9},
 }
-# Each ZeRO stage once, each optimizer, both replica counts.
-LAYOUTS = {"adam-z0r1": "adam", "adamw-z1r2": "adamw", "sgdm-z2r2": "sgdm", "adam-z3r2": "adam"}
+# Each ZeRO stage once, each optimizer, both replica counts; and 2 tensor-parallel ranks (the adapters whole on each,
+# applied in parts over the split layers: llmrl.engine.model.tp_lora). name -> (optimizer, ZeRO stage, replicas, TP)
+LAYOUTS = {"adam-z0r1": ("adam", 0, 1, 1), "adamw-z1r2": ("adamw", 1, 2, 1), "sgdm-z2r2": ("sgdm", 2, 2, 1),
+           "adam-z3r2": ("adam", 3, 2, 1), "adamw-z2tp2": ("adamw", 2, 1, 2)}
 BEFORE_SAVE = ["b", "b", "a", "a"]
 AFTER_RESUME = ["b"]
 CLIP_AFTER_RESUME = 0.05  # training.gradient_clipping of the resumed run (saved without): ZeRO-1/2 kept the saved 0
@@ -38,10 +40,10 @@ CLIP_AFTER_RESUME = 0.05  # training.gradient_clipping of the resumed run (saved
 def config(tiny, checkpoint=None) -> dict:
     lora = {"plugin": "lora", "args": {"adapters": {"a": {"r": 4}, "b": {"r": 4}}}}
     llms = {}
-    for name, optimizer in LAYOUTS.items():
-        llms[name] = {"model": tiny["llama"], "replicas": int(name[-1]), "initializers": [lora],
+    for name, (optimizer, zero, replicas, tp) in LAYOUTS.items():
+        llms[name] = {"model": tiny["llama"], "replicas": replicas, "tensor_parallel": tp, "initializers": [lora],
                       "updater": "llmrl_test_plugins:ChosenScoreUpdater",
-                      "training": {"zero_stage": int(name[-3]), "optimizer": OPTIMIZERS[optimizer],
+                      "training": {"zero_stage": zero, "optimizer": OPTIMIZERS[optimizer],
                                    "micro_batch_size": 8, "gradient_accumulation_steps": 1}}
         if checkpoint:
             llms[name]["checkpoint"] = checkpoint
@@ -144,7 +146,7 @@ def trained(tiny, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_adapters_trained_in_turn_each_equal_a_plain_peft_model_with_its_own_optimizer(trained, tiny, name):
     start, end = trained[name, "start"], trained[name, "end"]
-    expected, clipped = reference(tiny, start, BEFORE_SAVE + AFTER_RESUME, OPTIMIZERS[LAYOUTS[name]])
+    expected, clipped = reference(tiny, start, BEFORE_SAVE + AFTER_RESUME, OPTIMIZERS[LAYOUTS[name][0]])
     assert min(clipped) > 2 * CLIP_AFTER_RESUME, clipped  # the resumed run's clipping changes its steps
     moved = 0
     for key, want in expected.items():

@@ -35,3 +35,15 @@ def test_a_state_saved_on_another_base_model_is_refused_and_the_same_one_in_bflo
                                          r"'llama-seed1'\): the base weights of .*q_proj differ"):
         _check_base(served(adapted(1), "llama-seed1"), "default", "state", state)
     _check_base(served(adapted(1), "llama-seed1"), "default", "state", {"model": "old"})  # saved before: unchecked
+
+
+def test_the_sample_of_a_weight_over_2_to_the_24_entries_stays_in_bounds_and_ends_at_its_last_entry():
+    """An output layer of 49,152 x 576 (SmolLM2's): float32 rounds its last index, 28,311,551, up to its length."""
+    layer = torch.nn.Module()
+    layer.scaling = {"default": 1.0}
+    layer.base_layer = torch.nn.Linear(1, 1, bias=False)
+    weight = torch.zeros(49152 * 576, dtype=torch.bfloat16)
+    weight[-1], weight[0] = 7.0, 3.0
+    layer.base_layer.weight = torch.nn.Parameter(weight.view(49152, 576), requires_grad=False)
+    sample = base_sample(layer, "default")[""]
+    assert sample.shape == (16,) and float(sample[0]) == 3.0 and float(sample[-1]) == 7.0

@@ -70,22 +70,29 @@ def test_other_deepspeed_keys_stay_allowed_and_sections_must_be_mappings(base):
 # ----------------------------------------------------------------------------- 2. LoRA and tensor parallelism
 
 
-def test_lora_by_its_module_class_spelling_is_refused_with_tensor_parallel(base):
-    base["llms"]["main"].update({"tensor_parallel": 2, "initializers": ["llmrl.plugins.lora:LoraInitializer"]})
+def test_lora_by_its_module_class_spelling_is_refused_with_tensor_parallel_under_zero3_only(base):
+    base["llms"]["main"].update({"tensor_parallel": 2, "initializers": ["llmrl.plugins.lora:LoraInitializer"],
+                                 "training": {"zero_stage": 3}})
     problems = _problems(base, check_environment=False, check_plugins=False)  # the cheap check: no plugin import
-    assert "not split by DeepSpeed's tensor parallelism" in problems["llms.main.initializers"]
+    assert "ZeRO-3 would partition them" in problems["llms.main.initializers"]
     base["llms"]["main"]["initializers"] = [{"plugin": "llmrl.plugins.lora:LoraInitializer", "args": {}}]
     assert "llms.main.initializers" in _problems(base, check_environment=False, check_plugins=False)
+    base["llms"]["main"]["training"]["zero_stage"] = 2  # ZeRO 0-2: the adapters are whole on every rank
+    load_config(raw=base, check_environment=False, check_plugins=False)
 
 
-def test_a_lora_subclass_is_refused_with_tensor_parallel_once_plugins_resolve(base, tmp_path, monkeypatch):
+def test_a_lora_subclass_is_refused_with_tensor_parallel_under_zero3_once_plugins_resolve(base, tmp_path,
+                                                                                         monkeypatch):
     (tmp_path / "my_lora_plugins.py").write_text(
         "from llmrl.plugins.lora import LoraInitializer\n\n\nclass MyLora(LoraInitializer):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    base["llms"]["main"].update({"tensor_parallel": 2, "initializers": ["my_lora_plugins:MyLora"]})
+    base["llms"]["main"].update({"tensor_parallel": 2, "initializers": ["my_lora_plugins:MyLora"],
+                                 "training": {"zero_stage": 3}})
     problems = _problems(base)
     assert "'my_lora_plugins:MyLora' is a LoRA initializer" in problems["llms.main.initializers"]
-    base["llms"]["main"]["initializers"] = ["freeze"]  # not LoRA: accepted
+    base["llms"]["main"]["training"]["zero_stage"] = 1
+    load_config(raw=base)
+    base["llms"]["main"].update({"initializers": ["freeze"], "training": {"zero_stage": 3}})  # not LoRA: accepted
     load_config(raw=base)
 
 

@@ -233,7 +233,9 @@ def base_sample(model, name: str, modules: int = 4, values: int = 16) -> dict[st
         if len(sample) < modules and adapted and isinstance(weight, torch.Tensor) and weight.is_floating_point() \
                 and weight.numel() > 0:
             flat = weight.detach().reshape(-1)
-            sample[module_name] = flat[torch.linspace(0, flat.numel() - 1, values).long()].float().cpu()
+            # (float32 rounds the last index of a weight over 2**24 entries past its end: kept in bounds)
+            at = torch.linspace(0, flat.numel() - 1, values).long().clamp_(max=flat.numel() - 1)
+            sample[module_name] = flat[at].float().cpu()
     return sample
 
 
