@@ -33,8 +33,8 @@ def step_contexts(t: int, envs: int = 4) -> list[str]:
 @pytest.fixture(scope="module")
 def twins(tiny):
     def llm(layout, cache):
-        # LoRA where it can go (its adapters are not split by DeepSpeed's tensor parallelism): the cache then
-        # lives in the adapter's namespace; tensor-parallel 2 trains every weight.
+        # LoRA in the other layouts: the cache then lives in the adapter's namespace; tensor-parallel 2 trains every
+        # weight.
         lora = [{"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}] if layout != "tp2" else []
         return {"model": tiny["llama"], **LAYOUTS[layout], "kv_cache_mb": CAP_MB if cache else 0,
                 "initializers": lora, "updater": "llmrl_test_plugins:ChosenScoreUpdater",

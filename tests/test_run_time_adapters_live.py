@@ -2,9 +2,9 @@
 optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two adapters created, then three times
 ``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a plain
 PEFT model stepped by torch AdamW over float32 master copies of the adapter's weights (the forward in the model's
-dtype), for 1 and 2 replicas, and for 2 tensor-parallel ranks (float32 at ZeRO 0, where a run-time adapter is a group
-of the engine's own optimizer, and bfloat16 at ZeRO-2; the adapters are whole on each rank, which applies them in
-parts: :mod:`llmrl.engine.model.tp_lora`); the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
+dtype), for 1 and 2 replicas, and for 2 tensor-parallel ranks (float32 at ZeRO 0, where a run-time adapter is a group of
+the engine's own optimizer, and bfloat16 at ZeRO-2; the adapters are whole on each rank, which applies them in parts:
+:mod:`llmrl.engine.model.tp_lora`); the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
 ``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does a checkpoint (a
 resumed run steps it as the saved one would have); a snapshot of it scores as it does. Under ZeRO-3 the base and the
 configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.

@@ -94,7 +94,7 @@ class AdapterCalls:
 
         Unlike :meth:`save`, which checkpoints the whole run, this saves one adapter, to load into a new adapter
         of this run or of another (:meth:`load_adapter`). ``path`` must not exist (nothing is overwritten) and
-        must be readable by every server rank that will load it. Needs no tensor parallelism and no pending
+        must be readable by every server rank that will load it. Needs no pending
         ``forward_backward`` gradients on the adapter; on a trained LLM under ZeRO 1-3 or bfloat16, an adapter
         created at run time. Returns ``{"adapter", "path", "parameters", "optimizer_state"}``.
         """

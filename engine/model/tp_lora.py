@@ -134,7 +134,7 @@ def lora_set_aside(module: torch.nn.Module, tensor_parallel: int):
         built = True
     finally:
         del module._modules[HOLDING]
-        for name, parent, attr, layer in placed:
+        for _, parent, attr, layer in placed:
             if built:
                 layer.base_layer = getattr(parent, attr)  # the sharded layer AutoTP put there
             setattr(parent, attr, layer)

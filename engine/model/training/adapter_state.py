@@ -1,23 +1,23 @@
 """One LoRA adapter's state in a folder of its own, saved and loaded while the servers run
 (``Caller.save_adapter`` / ``load_adapter``; Tinker's ``save_state`` and training clients created from a state).
 
-``save_adapter`` writes ``<path>/adapter_state.pt``: the adapter's weights, how to make it again (rank, alpha,
-targets) and, on a trainable LLM, its optimizer state (each parameter's Adam moments and step count), plus
-``<path>/peft`` (``adapter_config.json`` and ``adapter_model.safetensors``, which plain ``peft`` loads). The LLM's
-group leader writes (the replicas hold the same weights); the folder must not exist yet, so nothing is
-overwritten. It is written as ``.<name>.partial-<pid>`` beside it and renamed when whole; such a folder that a
-save killed half-way left behind is removed, with a log line, by the next save into the same parent folder.
-``load_adapter`` reads it on every rank: into an adapter created at run time under the given name
-(or into an existing adapter of the same shapes, in place), with the saved optimizer state or, without it, fresh
-moments. Both refuse while the adapter has ``forward_backward`` gradients pending (they are not saved). The state is
-kept per parameter: in the engine's torch optimizer at ZeRO 0 in float32, in the adapter's own optimizer (moments
-of its float32 masters) for an adapter created at run time under ZeRO 1-3 or bfloat16; a configured adapter there
-is in DeepSpeed's flat buffers and refused. Under ZeRO-3 an adapter created at run time is whole on every rank and
-saved as it is; weights that ZeRO-3 or tensor parallelism partition are refused. A bfloat16 adapter is saved and
-loaded as its bfloat16 weights: loading one makes its masters from those. Every field of a state is checked before
-anything changes
-(:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused naming the field,
-and the adapter keeps its weights and moments.
+``save_adapter`` writes ``<path>/adapter_state.pt``: the adapter's weights, how to make it again (rank, alpha, targets)
+and, on a trainable LLM, its optimizer state (each parameter's Adam moments and step count), plus ``<path>/peft``
+(``adapter_config.json`` and ``adapter_model.safetensors``, which plain ``peft`` loads). The LLM's group leader writes
+(the replicas hold the same weights); the folder must not exist yet, so nothing is overwritten. It is written as
+``.<name>.partial-<pid>`` beside it and renamed when whole; such a folder that a save killed half-way left behind is
+removed, with a log line, by the next save into the same parent folder. ``load_adapter`` reads it on every rank: into an
+adapter created at run time under the given name (or into an existing adapter of the same shapes, in place), with the
+saved optimizer state or, without it, fresh moments. Both refuse while the adapter has ``forward_backward`` gradients
+pending (they are not saved). The state is kept per parameter: in the engine's torch optimizer at ZeRO 0 in float32, in
+the adapter's own optimizer (moments of its float32 masters) for an adapter created at run time under ZeRO 1-3 or
+bfloat16; a configured adapter there is in DeepSpeed's flat buffers and refused. Under ZeRO-3 an adapter created at run
+time is whole on every rank and saved as it is; weights that ZeRO-3 partitions are refused. Under tensor parallelism
+adapters are whole on every rank (:mod:`llmrl.engine.model.tp_lora`), and the sample of the base weights leaves the
+split layers out. A bfloat16 adapter is saved and loaded as its bfloat16 weights: loading one makes its masters from
+those. Every field of a state is checked before anything changes
+(:mod:`llmrl.engine.model.training.adapter_state_checks`): a damaged or crafted file is refused naming the field, and
+the adapter keeps its weights and moments.
 
 This module does not save the run (:mod:`llmrl.engine.model.checkpoint` does) nor choose paths.
 """

@@ -8,16 +8,17 @@ steps are its own, and a step that trains another adapter leaves it bit-identica
 ``"unembed"`` (the output layer), or module names as PEFT takes them; the default is PEFT's ``all-linear``
 (attention and MLP).
 
-Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed
-owns the step (ZeRO 1-3, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with,
-which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its
-own (:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside
-the partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 is refused there, naming the field
+Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed owns
+the step (ZeRO 1-3, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with, which a
+parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its own
+(:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside the
+partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 is refused there, naming the field
 (:func:`refuse_own_optimizer`). Under tensor parallelism a new adapter is whole on every rank and applied in parts
-(:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter adapts, or layers left whole. Adapters created at run time are saved with a checkpoint and
-created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`).
-Deleting one removes its weights, its optimizer group and state, and its entries in the cache across calls; only
-adapters created at run time can be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
+(:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter adapts, or layers left whole. Adapters
+created at run time are saved with a checkpoint and created again, in order, on resume
+(:mod:`llmrl.engine.model.checkpoint`). Deleting one removes its weights, its optimizer group and state, and its entries
+in the cache across calls; only adapters created at run time can be deleted. Their count and bytes are capped
+(:mod:`llmrl.engine.model.adapter_caps`).
 
 This module changes the model and optimizer of one rank; the request kind runs it on every rank of the LLM.
 """

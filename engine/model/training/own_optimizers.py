@@ -4,16 +4,16 @@ parameters once, when the engine is built, so a parameter added later can never 
 
 Such an adapter's parameters stay outside DeepSpeed: they are in no group of its optimizer, so its backward hooks,
 reductions, clipping and steps never touch them (autograd fills their ``.grad`` during ``engine.backward``). Each
-adapter gets an :class:`OwnOptimizer`: float32 master copies of its weights (the weights themselves where PEFT made
-them float32), a torch optimizer of the config's kind over the masters, and a step that averages the adapter's
-gradients over the LLM's replicas (one all-reduce of their flat float32 concatenation on the LLM's world, divided by
-its rank count: the tensor-parallel ranks of a replica hold the same whole gradient, :mod:`llmrl.engine.model.tp_lora`), clips them to the step's ``gradient_clipping`` by the adapter's own
-norm, steps the masters and copies them back into the weights. The step's learning rate, betas, eps, weight decay
-and momentum are read from the engine's torch optimizer when it steps (the config's ``lr_schedule`` and a script's
-``optim_step`` settings land there). Its moments are its own, as a configured adapter's group is
-(:mod:`llmrl.engine.model.training.optimizer`); a step that stops half-way or leaves a non-finite value is undone
-with the others (:mod:`llmrl.engine.model.training.finite_steps` asks :func:`optimizer_for` whose state a tensor
-has).
+adapter gets an :class:`OwnOptimizer`: float32 master copies of its weights (the weights themselves where PEFT made them
+float32), a torch optimizer of the config's kind over the masters, and a step that averages the adapter's gradients over
+the LLM's replicas (one all-reduce of their flat float32 concatenation on the LLM's world, divided by its rank count:
+the tensor-parallel ranks of a replica hold the same whole gradient, :mod:`llmrl.engine.model.tp_lora`), clips them to
+the step's ``gradient_clipping`` by the adapter's own norm, steps the masters and copies them back into the weights. The
+step's learning rate, betas, eps, weight decay and momentum are read from the engine's torch optimizer when it steps
+(the config's ``lr_schedule`` and a script's ``optim_step`` settings land there). Its moments are its own, as a
+configured adapter's group is (:mod:`llmrl.engine.model.training.optimizer`); a step that stops half-way or leaves a
+non-finite value is undone with the others (:mod:`llmrl.engine.model.training.finite_steps` asks :func:`optimizer_for`
+whose state a tensor has).
 
 This module does not decide when to step (the trainer does: after DeepSpeed's step, only when DeepSpeed applied
 it) nor create adapters (:mod:`llmrl.engine.model.training.new_adapters` does).
