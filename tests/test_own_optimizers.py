@@ -29,7 +29,7 @@ def gradients(k: int) -> dict:
 def step(own: OwnOptimizer, k: int, clip: float = 0.0, record=None) -> None:
     for key, p in own.params.items():
         p.grad = gradients(k)[key].clone()
-    own.reduce_gradients(replicas=1)
+    own.reduce_gradients(ranks=1)
     own.step({"lr": 2e-2 if k else 1e-2}, clip, record, "t")
 
 
@@ -58,7 +58,7 @@ def test_clipping_uses_the_adapters_own_norm():
     clipped = OwnOptimizer(weights(), SPEC)
     for key, p in clipped.params.items():
         p.grad = gradients(0)[key].float().mul(0.5 / (norm + 1e-6)).bfloat16()
-    clipped.reduce_gradients(replicas=1)
+    clipped.reduce_gradients(ranks=1)
     clipped.step({"lr": 1e-2}, 0.0, None, "t")
     for key in own.masters:  # (Adam's first step barely depends on the scale: compare the moments)
         torch.testing.assert_close(own.optimizer.state[own.masters[key]]["exp_avg"],
