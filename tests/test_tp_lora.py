@@ -95,3 +95,49 @@ def test_a_new_adapter_on_a_split_layer_no_configured_adapter_wraps_is_refused_b
     with pytest.raises(ValueError, match=r"LLM 'p': mlp\.up_proj is split over the tensor-parallel ranks"):
         tp_lora.check_split_targets(model, ["up_proj", "lm_head"], "LLM 'p'")
     tp_lora.check_split_targets(model, ["lm_head"], "LLM 'p'")  # a whole layer: PEFT wraps it
+
+
+def test_rows_of_several_adapters_run_in_the_calls_order_as_peft_mixes_them(group):
+    """A split layer's rows of several adapters (a generate call naming one per prompt): each adapter in the call's
+    order, whatever order a ``set`` of the names takes in this process, and the output PEFT's mixed forward gives."""
+    from peft import LoraConfig, get_peft_model
+
+    from llmrl.engine.model.row_adapters import RowAdapters
+
+    base = torch.nn.Sequential()
+    base.add_module("proj", torch.nn.Linear(6, 5))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["proj"], init_lora_weights=False))
+    for name in ("zeta", "alpha", "mid"):
+        model.add_adapter(name, LoraConfig(r=2, target_modules=["proj"], init_lora_weights=False))
+    layer = model.base_model.model.proj
+    names = ["mid", "zeta", "alpha", "zeta"]
+    x = torch.randn(4, 3, 6)
+    with torch.no_grad():
+        want = layer._mixed_batch_forward(x, adapter_names=names)
+        rows = RowAdapters(names)
+        rows.use_batch([0, 1, 2, 3])
+        seen = []
+        hooks = [layer.lora_A[n].register_forward_hook(lambda m, i, o, n=n: seen.append(n)) for n in rows.adapters]
+        got = tp_lora.OrderedRows(layer, rows)(x)
+        for hook in hooks:
+            hook.remove()
+    assert seen == ["mid", "zeta", "alpha"]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_a_word_target_naming_a_split_layer_no_adapter_wraps_is_refused_not_skipped():
+    """``targets=["attention"]`` on a model whose o_proj is split and wrapped by no LoRA layer: o_proj is named, so
+    the new adapter is refused rather than made without it."""
+    from llmrl.engine.model.training.new_adapters import target_modules
+
+    class Split(torch.nn.Module):
+        mp_group = None
+
+    model = torch.nn.Module()
+    model.self_attn = torch.nn.Module()
+    model.self_attn.q_proj = torch.nn.Linear(2, 2)
+    model.self_attn.o_proj = Split()
+    names = target_modules(model, ["attention"], tensor_parallel=2)
+    assert names == ["self_attn.o_proj", "self_attn.q_proj"]
+    with pytest.raises(ValueError, match=r"self_attn\.o_proj is split over the tensor-parallel ranks"):
+        tp_lora.check_split_targets(model, names, "LLM 'p'")

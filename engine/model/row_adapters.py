@@ -14,6 +14,8 @@ How a layer computes its rows' adapters:
     adapters stacked and applied in two batched products over the rows grouped by adapter
     (:mod:`llmrl.engine.model.stacked_lora`, as Punica's segmented products), the layer's ``forward`` pointed at it
     for the call;
+  - a layer split over tensor-parallel ranks: each adapter's rows in the call's order
+    (:class:`llmrl.engine.model.tp_lora.OrderedRows`: each rank must sum the same adapter's parts);
   - otherwise PEFT's own mixed-batch forward (its ``adapter_names`` argument, passed by a forward pre-hook), which
     runs each adapter's A and B over its rows one adapter at a time.
 PEFT's other per-adapter modules (``modules_to_save`` copies, trainable tokens) take ``adapter_names`` too. Each row
@@ -93,6 +95,7 @@ class RowAdapters:
         from peft.utils.other import AuxiliaryTrainingWrapper
 
         from llmrl.engine.model.stacked_lora import StackedLora
+        from llmrl.engine.model.tp_lora import OrderedRows, is_split
 
         handles, stacked = [], []
         try:
@@ -103,6 +106,9 @@ class RowAdapters:
                     continue
                 if whole and "forward" not in vars(module) and StackedLora.takes(module, self.adapters):
                     module.forward = StackedLora(module, self)  # (an instance attribute: removed below)
+                    stacked.append(module)
+                elif "forward" not in vars(module) and is_split(module):  # tensor parallelism: in the call's order
+                    module.forward = OrderedRows(module, self)
                     stacked.append(module)
                 else:
                     handles.append(module.register_forward_pre_hook(self.pass_names, with_kwargs=True))

@@ -102,6 +102,37 @@ class AdapterPart(torch.nn.Linear):
         return f"{self.in_features}, {self.out_features}, {part}"
 
 
+def is_split(layer) -> bool:
+    """Whether a PEFT LoRA layer's base layer is split over tensor-parallel ranks (its adapters hold parts)."""
+    return any(isinstance(part, AdapterPart) for part in (*layer.lora_A.values(), *layer.lora_B.values()))
+
+
+class OrderedRows:
+    """A split LoRA layer's ``forward`` while the rows of a ``generate`` pass read different adapters
+    (:class:`~llmrl.engine.model.row_adapters.RowAdapters` puts it in place): each adapter's rows in the call's order.
+    PEFT's own mixed-batch forward walks the adapters as a ``set``, whose order differs from process to process; a
+    row-split layer sums each adapter's part over the ranks, so ranks walking in other orders would add one adapter's
+    part to another's."""
+
+    same_without_grad = True  # (the written-out decode step calls the layer as a module: this forward runs there)
+
+    def __init__(self, layer, rows):
+        self.layer, self.rows = layer, rows
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        layer = self.layer
+        result = layer.base_layer(x, *args, **kwargs)
+        groups = self.rows.groups_of_rows(x.shape[0], x.device)
+        for name, members in zip(groups.adapters, groups.members):  # the same on every rank of the replica
+            if name not in layer.lora_A:
+                continue
+            a, b = layer.lora_A[name], layer.lora_B[name]
+            part = x.index_select(0, members).to(a.weight.dtype)
+            delta = b(a(layer.lora_dropout[name](part))) * layer.scaling[name]
+            result = result.index_add(0, members, delta.to(result.dtype))
+        return result
+
+
 def _lora_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     from peft.tuners.lora import LoraLayer
 

@@ -55,8 +55,9 @@ def target_modules(model, targets, tensor_parallel: int = 1) -> str | list[str]:
             names.append(target)
             continue
         for name, module in base.named_modules():
-            # a layer an adapter already wraps (PEFT's lora.Linear holds the linear, maybe split, as base_layer) too
-            linear = isinstance(module, (torch.nn.Linear, LoraLinear))
+            # a layer an adapter already wraps (PEFT's lora.Linear holds the linear, maybe split, as base_layer) too,
+            # and a layer split over tensor-parallel ranks that none wraps (check_split_targets refuses it by name)
+            linear = isinstance(module, (torch.nn.Linear, LoraLinear)) or hasattr(module, "mp_group")
             if not linear or ".lora_" in f".{name}" or name.endswith("base_layer") or ".base_layer." in name:
                 continue
             parts = name.split(".")
