@@ -2,7 +2,7 @@
 over a group of the two LLMs' ranks (``via="group"``) and through the client (``via="client"``).
 
 After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
-(float32): one LoRA adapter's (a learner of 2 replicas under ZeRO-2, and one of 1), or the whole model's (no LoRA:
+(float32): one LoRA adapter's (a learner of 2 replicas under ZeRO-2, one of 1, and one of 2 tensor-parallel ranks), or the whole model's (no LoRA:
 2 replicas under ZeRO-1, and 1; into a sampler of 2 replicas).
 The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
 while the sampler has a ``generate`` in flight leaves that call on the old weights; one sent ``in_flight`` reaches the
@@ -39,6 +39,8 @@ def run(tiny, gate):
         "learner": {"model": tiny["llama"], "replicas": 2, "initializers": [LORA], "trainable": True,
                     "training": {**adam, "zero_stage": 2}},
         "learner_one": {"model": tiny["llama"], "initializers": [LORA], "trainable": True, "training": adam},
+        "learner_tp": {"model": tiny["llama"], "tensor_parallel": 2, "initializers": [LORA], "trainable": True,
+                       "training": adam},  # the adapter whole on each rank, applied in parts (tp_lora)
         "full": {"model": tiny["llama"], "replicas": 2, "trainable": True, "training": {**adam, "zero_stage": 1}},
         "full_one": {"model": tiny["llama"], "trainable": True, "training": adam},
         "sampler": {"model": tiny["llama"], "initializers": [LORA],
@@ -70,7 +72,7 @@ def assert_equal_states(got: dict, expected: dict) -> None:
         assert torch.equal(got[key], value), f"{key} differs by {float((got[key] - value).abs().max())}"
 
 
-@pytest.mark.parametrize("learner", ["learner", "learner_one"])
+@pytest.mark.parametrize("learner", ["learner", "learner_one", "learner_tp"])
 @pytest.mark.parametrize("via", ["group", "client"])
 def test_a_lora_learners_adapter_reaches_the_sampler_bit_for_bit_after_every_step(run, via, learner):
     base = {k: v for k, v in run.state_dict(llm="sampler").items() if without_adapter(k, "default") is None}

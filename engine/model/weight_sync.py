@@ -55,7 +55,8 @@ def read_weights(served: ServedModel, adapter: str | None, copy: bool = True) ->
         return without_adapter(key, adapter) is not None if adapter is not None else not _adapter_key(key, served)
 
     engine = served.engine
-    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+    split = engine.autotp_size() > 1 and adapter is None  # (adapters are whole on every tensor-parallel rank)
+    if engine.zero_optimization_partition_weights() or split:
         state = full_state_dict(served)  # gathered collectively; the leader keeps what is synced
         if state is None:
             return None
