@@ -1,14 +1,13 @@
 """``Caller.sync_weights``: a learner's weights copied into a sampler LLM that serves the same model on other ranks,
 over a group of the two LLMs' ranks (``via="group"``) and through the client (``via="client"``).
 
-After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit
-(float32): one LoRA adapter's (a learner of 2 replicas under ZeRO-2, one of 1, and one of 2 tensor-parallel ranks), or the whole model's (no LoRA:
-2 replicas under ZeRO-1, and 1; into a sampler of 2 replicas).
-The sampler's samples then carry the learner's policy version, and its log-probs equal the learner's. A sync sent
-while the sampler has a ``generate`` in flight leaves that call on the old weights; one sent ``in_flight`` reaches the
-call's batches after it, and each sample says which version it came from. A sync the sampler cannot take
-(it trains, its adapter has other tensors or another LoRA scaling) is refused naming why, and the sampler keeps its
-weights."""
+After every optimizer step of the learner and a sync, the sampler's weights equal the learner's bit for bit (float32):
+one LoRA adapter's (a learner of 2 replicas under ZeRO-2, one of 1, and one of 2 tensor-parallel ranks), or the whole
+model's (no LoRA: 2 replicas under ZeRO-1, and 1; into a sampler of 2 replicas). The sampler's samples then carry the
+learner's policy version, and its log-probs equal the learner's. A sync sent while the sampler has a ``generate`` in
+flight leaves that call on the old weights; one sent ``in_flight`` reaches the call's batches after it, and each sample
+says which version it came from. A sync the sampler cannot take (it trains, its adapter has other tensors or another
+LoRA scaling) is refused naming why, and the sampler keeps its weights."""
 
 from __future__ import annotations
 
