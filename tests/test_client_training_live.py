@@ -1,6 +1,6 @@
 """Training steps written in the script (``forward_backward`` / ``forward`` / ``forward_backward_custom`` /
 ``optim_step``) equal the same steps on a plain PEFT model with plain torch AdamW, to 1e-5, for 1 and 2 replicas and
-ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens), and for 2 tensor-parallel ranks at ZeRO-2 (the adapter whole
+ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens), and for 2 replicas of 2 tensor-parallel ranks each at ZeRO-2 (the adapter whole
 on each rank, applied in parts over the split layers: :mod:`llmrl.engine.model.tp_lora`).
 
 The reference computes every loss by hand from its definition (Tinker's), sums it over all target tokens of all
@@ -22,7 +22,7 @@ from testkit import LiveRun, assert_same_training
 pytestmark = pytest.mark.slow
 
 LAYOUTS = {"r1z0": (1, 0, 1), "r2z0": (2, 0, 1), "r1z1": (1, 1, 1), "r2z2": (2, 2, 1), "r2z3": (2, 3, 1),
-           "tp2z2": (1, 2, 2)}  # (replicas, ZeRO stage, tensor-parallel ranks)
+           "r2tp2z2": (2, 2, 2)}  # (replicas, ZeRO stage, tensor-parallel ranks)
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 
 
