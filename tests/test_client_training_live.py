@@ -1,7 +1,7 @@
 """Training steps written in the script (``forward_backward`` / ``forward`` / ``forward_backward_custom`` /
 ``optim_step``) equal the same steps on a plain PEFT model with plain torch AdamW, to 1e-5, for 1 and 2 replicas and
-ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens), and for 2 replicas of 2 tensor-parallel ranks each at ZeRO-2 (the adapter whole
-on each rank, applied in parts over the split layers: :mod:`llmrl.engine.model.tp_lora`).
+ZeRO 0-3 (ZeRO-1 with backward passes bounded by tokens), and for 2 replicas of 2 tensor-parallel ranks each at ZeRO-2
+(the adapter whole on each rank, applied in parts over the split layers: :mod:`llmrl.engine.model.tp_lora`).
 
 The reference computes every loss by hand from its definition (Tinker's), sums it over all target tokens of all
 datums, back-propagates, clips with ``torch.nn.utils.clip_grad_norm_`` and steps ``torch.optim.AdamW`` with the
