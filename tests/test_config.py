@@ -114,7 +114,6 @@ BROKEN = [
     ("llms.main.pad_token_id", 3.0, "llms.main.pad_token_id", "expected integer or null"),
     ("llms.main.kv_cache_mb", -1, "llms.main.kv_cache_mb", "must be >= 0"),
     ("llms.main.kv_cache_mb", "1GB", "llms.main.kv_cache_mb", "a size in MB such as 1024"),
-    ("llms.main.initializers", ["lora"], "llms.main.initializers", "ZeRO-3 would partition them"),
     ("llms.main.heads", {"score": "value"}, "llms.main.heads.score", "collides with the 'score' entry of score()'s "
      "results"),
     ("llms.main.heads", {"logprobs": "value"}, "llms.main.heads.logprobs", "rename the head, e.g. 'logprobs_head'"),
@@ -127,10 +126,8 @@ BROKEN = [
                          ids=[f"{b[0]} deleted" if b[1] is _DELETE else f"{b[0]}={b[1]!r}" for b in BROKEN])
 def test_broken_config_names_the_field(base, key, value, path, words):
     config = _mutate(copy.deepcopy(base), key, value)
-    if key in ("llms.main.quantization", "llms.main.initializers"):
+    if key == "llms.main.quantization":
         config["llms"]["main"]["tensor_parallel"] = 2
-    if key == "llms.main.initializers":  # LoRA over tensor-parallel layers: refused under ZeRO-3 only
-        config["llms"]["main"].setdefault("training", {})["zero_stage"] = 3
     with pytest.raises(ConfigError) as err:
         load_config(raw=config)
     problems = err.value.problems

@@ -3,11 +3,12 @@ optimizer of their own (:mod:`llmrl.engine.model.training.own_optimizers`): two 
 ``forward_backward`` of each (both pending at once) and ``optim_step(peft_adapter=...)`` of each: each equals a plain
 PEFT model stepped by torch AdamW over float32 master copies of the adapter's weights (the forward in the model's
 dtype), for 1 and 2 replicas, and for 2 tensor-parallel ranks (float32 at ZeRO 0, where a run-time adapter is a group of
-the engine's own optimizer, and bfloat16 at ZeRO-2; the adapters are whole on each rank, which applies them in parts:
-:mod:`llmrl.engine.model.tp_lora`); the configured adapter and the base weights stay bit-identical; ``save_adapter`` /
-``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does a checkpoint (a
-resumed run steps it as the saved one would have); a snapshot of it scores as it does. Under ZeRO-3 the base and the
-configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.
+the engine's own optimizer, bfloat16 at ZeRO-2, and bfloat16 at ZeRO-3 with 2 replicas of 2 ranks, where the base's
+shards and the configured adapter are partitioned over the replicas; the adapters are whole on each rank, which applies
+them in parts: :mod:`llmrl.engine.model.tp_lora`); the configured adapter and the base weights stay bit-identical;
+``save_adapter`` / ``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does
+a checkpoint (a resumed run steps it as the saved one would have); a snapshot of it scores as it does. Under ZeRO-3 the
+base and the configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.
 
 Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8, and 2.5e-7 with tensor parallelism, whose
 ranks sum the row-parallel layers' parts in another order; without the sum of the column-parallel A's output gradient
@@ -31,14 +32,15 @@ pytestmark = pytest.mark.slow
 
 LAYOUTS = {"f32z2r1": ("float32", 2, 1, 1), "bf16z0r1": ("bfloat16", 0, 1, 1), "bf16z2r1": ("bfloat16", 2, 1, 1),
            "f32z1r2": ("float32", 1, 2, 1), "bf16z2r2": ("bfloat16", 2, 2, 1), "f32z3r1": ("float32", 3, 1, 1),
-           "bf16z3r2": ("bfloat16", 3, 2, 1), "f32z0tp2": ("float32", 0, 1, 2), "bf16z2tp2": ("bfloat16", 2, 1, 2)}
+           "bf16z3r2": ("bfloat16", 3, 2, 1), "f32z0tp2": ("float32", 0, 1, 2), "bf16z2tp2": ("bfloat16", 2, 1, 2),
+           "bf16z3r2tp2": ("bfloat16", 3, 2, 2)}
 # (dtype, ZeRO stage, replicas, tensor-parallel ranks)
 ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 NEW = {"rank": 2, "targets": ["attention", "mlp"]}
 ADAPTERS = {"t": 3, "v": 20}  # created at run time: name -> seed (and the offset of its data's seeds)
 RATES = [3e-3, 2e-3, 2.5e-3]
-RESUMED = ["f32z2r1", "bf16z2r2", "bf16z3r2", "f32z0tp2"]
+RESUMED = ["f32z2r1", "bf16z2r2", "bf16z3r2", "f32z0tp2", "bf16z3r2tp2"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3}  # float32: absolute; bfloat16: relative to the change (2-norm)
 # one generate call whose prompts name different adapters: created at run time, configured, snapshots of each
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is", "open it"]

@@ -34,6 +34,14 @@ def lora(features_in: int, features_out: int, rank: int = 3, seed: int = 0):
     return a, b
 
 
+def part(linear: torch.nn.Linear, group, **how) -> tp_lora.AdapterPart:
+    """A part over ``linear``'s weight (a new linear sharing it: :meth:`~tp_lora.AdapterPart.of` changes the linear
+    it is given, and each simulated rank here needs its own)."""
+    twin = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
+    twin.weight = linear.weight
+    return tp_lora.AdapterPart.of(twin, group, **how)
+
+
 @pytest.mark.parametrize("sizes", [[4, 4], [3, 5], [2, 2, 4]])
 def test_column_split_parts_give_the_whole_outputs_in_turn(group, sizes):
     a, b = lora(6, sum(sizes))
@@ -41,8 +49,8 @@ def test_column_split_parts_give_the_whole_outputs_in_turn(group, sizes):
     whole = b(a(x))
     parts, start = [], 0
     for size in sizes:
-        part_a = tp_lora.AdapterPart(a, group, sum_gradient=True)
-        part_b = tp_lora.AdapterPart(b, group, dim=0, start=start, size=size)
+        part_a = part(a, group, sum_gradient=True)
+        part_b = part(b, group, dim=0, start=start, size=size)
         parts.append(part_b(part_a(x)))
         start += size
     torch.testing.assert_close(torch.cat(parts, -1), whole, atol=1e-6, rtol=0)
@@ -58,7 +66,7 @@ def test_row_split_parts_sum_to_the_whole_output_and_gradients(group, sizes):
     a.weight.grad = b.weight.grad = None
     summed, start = 0, 0
     for size in sizes:  # each rank's part of A's output (the sum over ranks is the identity here: added by hand)
-        part_a = tp_lora.AdapterPart(a, group, dim=1, start=start, size=size, sum_output=True)
+        part_a = part(a, group, dim=1, start=start, size=size, sum_output=True)
         summed = summed + part_a(x[..., start:start + size])
         start += size
     out = b(summed)
@@ -68,11 +76,20 @@ def test_row_split_parts_sum_to_the_whole_output_and_gradients(group, sizes):
     torch.testing.assert_close(b.weight.grad, want_b, atol=1e-4, rtol=1e-5)
 
 
-def test_a_part_holds_the_adapters_own_weight(group):
+def test_a_part_is_the_adapters_own_linear_with_its_weight_and_hooks(group):
+    """The part is the PEFT linear itself: the same object, weight and forward hooks (ZeRO-3 gathers a weight in
+    hooks on the module that owns it), and a linear that is already a part, or has a bias, is refused."""
     a, _ = lora(4, 4)
-    part = tp_lora.AdapterPart(a, group, dim=1, start=0, size=2)
-    assert part.weight is a.weight and dict(part.named_parameters()) == {"weight": a.weight}
-    assert "columns 0:2" in repr(part)
+    weight, calls = a.weight, []
+    a.register_forward_pre_hook(lambda module, args: calls.append(module))
+    made = tp_lora.AdapterPart.of(a, group, dim=1, start=0, size=2)
+    assert made is a and isinstance(a, tp_lora.AdapterPart) and dict(a.named_parameters()) == {"weight": weight}
+    assert "columns 0:2" in repr(a)
+    a(torch.randn(3, 2))
+    assert calls == [a]
+    for wrong in (a, torch.nn.Linear(4, 4)):
+        with pytest.raises(TypeError, match="torch.nn.Linear without bias"):
+            tp_lora.AdapterPart.of(wrong, group)
 
 
 def test_a_layer_split_in_a_way_llmrl_does_not_split_adapters_for_is_refused_by_name():

@@ -1,12 +1,11 @@
 """Checks of a config that the JSON Schema cannot express: across keys, and against this machine.
 
-:func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the
-machine (model folders, GPUs and their ids, bitsandbytes, tensor-parallel divisibility, ``max_length`` against the
-model's position limit) and may read a model's config. Keys that would be silently overridden or ignored are
-:mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`); LoRA under tensor parallelism
-by any other name is :func:`llmrl.engine.config.loading.lora_tensor_parallel_problems`' (it resolves plugins).
-All return ``(dotted path, message)`` problems; none raises. :func:`strict_validator` is the JSON Schema
-validator the config and plugin ``args`` share (strict integers).
+:func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the machine (model
+folders, GPUs and their ids, bitsandbytes, tensor-parallel divisibility, ``max_length`` against the model's position
+limit) and may read a model's config. Keys that would be silently overridden or ignored are
+:mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`). All return ``(dotted path, message)``
+problems; none raises. :func:`strict_validator` is the JSON Schema validator the config and plugin ``args`` share
+(strict integers).
 :func:`world_size_problem` words a launch whose rank count does not match the config.
 
 This module loads no model weights, downloads nothing and starts nothing.
@@ -37,12 +36,6 @@ RESERVED_MODEL_KWARGS = {
     "tp_plan": "tensor_parallel", "tp_size": "tensor_parallel",
     "pretrained_model_name_or_path": "model", "config": "model",
 }
-
-# the spellings of the built-in LoRA initializer a config may write without importing it (a class resolved from any
-# other name is checked by loading.lora_tensor_parallel_problems, once the plugins are imported)
-LORA_SPELLINGS = ("lora", "qlora", "llmrl.plugins.lora:LoraInitializer")
-LORA_TP_MESSAGE = ("LoRA adapters over tensor-parallel layers are whole on every rank, which each applies in part; "
-                   "ZeRO-3 would partition them: use zero_stage 0-2, or replicas instead of tensor_parallel")
 
 # entries of score()'s per-context result dicts that a head's output would replace (engine/requests/score.py)
 RESERVED_HEAD_KEYS = ("score", "tokens", "logprobs", "entropy")
@@ -94,9 +87,6 @@ def semantic_problems(data: dict) -> list[Problem]:
         for key in llm.get("heads") or {}:
             if head_key_problem(key):
                 problems.append((f"{at}.heads.{key}", head_key_problem(key)))
-        if tp > 1 and llm_setting(llm, "training", "zero_stage") == 3 and any(
-                name in LORA_SPELLINGS for name in initializer_names(llm)):
-            problems.append((f"{at}.initializers", LORA_TP_MESSAGE))
         problems += deepspeed_problems(at, (llm.get("training") or {}).get("deepspeed") or {})
         problems += inapplicable_problems(at, llm)
         schedule = (llm.get("training") or {}).get("lr_schedule") or {}
@@ -161,10 +151,6 @@ def strict_validator():
     strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
     return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)
-
-
-def initializer_names(llm: dict) -> list[str]:
-    return [spec if isinstance(spec, str) else (spec or {}).get("plugin") for spec in llm.get("initializers") or []]
 
 
 def looks_like_local_path(model: str) -> bool:

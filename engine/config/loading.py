@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.engine.config.checks import (
-    LORA_TP_MESSAGE,
     environment_problems,
-    initializer_names,
     semantic_problems,
     strict_validator,
 )
-from llmrl.engine.config.reference import given_or_default, load_schema
+from llmrl.engine.config.reference import load_schema
 from llmrl.engine.config.types import (
     Config,
     GenerationSettings,
@@ -73,8 +71,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         from llmrl.plugins.registry import plugin_problems
 
         problems += plugin_problems(data)
-        if not problems:
-            problems += lora_tensor_parallel_problems(data)
     if problems:
         raise ConfigError(created_llm_hints(problems, data, given_llms), source)
     return build_config(data, source)
@@ -350,32 +346,3 @@ def _llm_config(name: str, raw: dict) -> LLMConfig:
     fields["updater"] = PluginSpec.coerce(fields["updater"]) if fields.get("updater") else None
     fields["model_kwargs"] = dict(fields.get("model_kwargs") or {})
     return LLMConfig(name=name, **fields)
-
-
-def lora_tensor_parallel_problems(data: dict) -> list[Problem]:
-    """LoRA initializers of tensor-parallel LLMs under any name (an entry point, ``module:Class``, a subclass), found
-    by resolving each initializer, and the built-in LoRA initializer (entry point ``lora``), as the plugin registry
-    does. Run after the plugins were checked (so that resolving
-    imports nothing new); ``__main__:Name`` plugins and names that do not resolve are left to the plugin checks."""
-    problems: list[Problem] = []
-    for name, llm in data["llms"].items():
-        names = [n for n in initializer_names(llm) if n and not n.startswith("__main__:")]
-        zero3 = given_or_default(llm.get("training") or {}, "training", "zero_stage") == 3
-        if given_or_default(llm, "llm", "tensor_parallel") <= 1 or not zero3 or not names:
-            continue
-        from llmrl.engine.errors import PluginError
-        from llmrl.plugins.registry import resolve
-
-        try:  # the built-in LoRA initializer, found as any plugin is (the engine imports no built-in plugin)
-            lora = resolve("initializer", "lora")
-        except PluginError:
-            return problems
-        for plugin in names:
-            try:
-                cls = resolve("initializer", plugin)
-            except PluginError:
-                continue
-            if isinstance(cls, type) and issubclass(cls, lora):
-                problems.append((f"llms.{name}.initializers", f"{plugin!r} is a LoRA initializer: {LORA_TP_MESSAGE}"))
-                break
-    return problems

@@ -36,9 +36,9 @@ def full_state_dict(served: ServedModel) -> dict[str, torch.Tensor] | None:
     Collective: every rank of the LLM must call it (ZeRO-3 partitions and tensor-parallel shards are gathered).
     """
     engine = served.engine
-    if engine.zero_optimization_partition_weights() and engine.autotp_size() <= 1:
-        state = zero3_state_dict(engine.module, served.role.group_rank == 0)  # run-time adapters are whole
-    elif engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+    if engine.zero_optimization_partition_weights():  # (run-time adapters are whole: not DeepSpeed's to gather)
+        state = zero3_state_dict(engine.module, served.role.group_rank == 0, engine.autotp_size() > 1)
+    elif engine.autotp_size() > 1:
         state = engine._consolidated_16bit_state_dict()
     else:
         state = engine.module.state_dict() if served.role.group_rank == 0 else None

@@ -1,4 +1,4 @@
-"""LoRA adapters over a tensor-parallel base model (``tensor_parallel`` > 1 with LoRA, at ZeRO 0-2).
+"""LoRA adapters over a tensor-parallel base model (``tensor_parallel`` > 1 with LoRA, at every ZeRO stage).
 
 DeepSpeed's AutoTP replaces a model's linear layers by sharded ones when the engine is built. A PEFT LoRA layer
 holds its base linear inside, and stands where the base linear stood, so AutoTP would replace the LoRA layer whole
@@ -20,10 +20,12 @@ weights. DeepSpeed counts a parameter that is not split for tensor parallelism o
 takes the gradient norm. Because the weights stay whole, whatever reads or writes them (snapshots, ``save_adapter``,
 weight sync, checkpoints, the optimizers of adapters created at run time) works as it does without tensor
 parallelism; :func:`split_new_adapter` gives an adapter added later (created at run time, or a snapshot) its parts.
+Under ZeRO-3 the configured adapter is partitioned over the replicas like any weight the engine was built with: a
+part is the PEFT linear itself (:meth:`AdapterPart.of`), so the hooks ZeRO-3 put on it gather its weight whole for
+each pass.
 
-Not supported, each refused by name: ZeRO-3 (the config check: it would partition the whole weights each rank
-applies a part of), LoRA with a bias or a variant (DoRA), base layers AutoTP splits in pieces that are not one
-contiguous block (fused projections). This module changes no weight's value.
+Not supported, each refused by name: LoRA with a bias or a variant (DoRA), base layers AutoTP splits in pieces that
+are not one contiguous block (fused projections). This module changes no weight's value.
 """
 
 from __future__ import annotations
@@ -71,17 +73,27 @@ class _SumForward(torch.autograd.Function):
 class AdapterPart(torch.nn.Linear):
     """One LoRA matrix (``lora_A`` or ``lora_B`` of one adapter), whole, applied to this rank's part: the rows
     ``start:start+size`` of ``dim`` 0 (outputs) or the columns of ``dim`` 1 (inputs) of its weight, its output summed
-    over ``group`` (``sum_output``) or its output's gradient summed (``sum_gradient``). It holds the PEFT linear's
-    own weight, so the parameter's name, value and optimizer state are those of the adapter."""
+    over ``group`` (``sum_output``) or its output's gradient summed (``sum_gradient``).
 
-    def __init__(self, linear: torch.nn.Linear, group, dim: int | None = None, start: int = 0, size: int = 0,
-                 sum_output: bool = False, sum_gradient: bool = False):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.register_parameter("bias", None)
-        self.group, self.dim, self.start, self.size = group, dim, start, size
-        self.sum_output, self.sum_gradient = sum_output, sum_gradient
+    :meth:`of` makes the PEFT linear itself a part (it changes the object's class), so the parameter's name, value
+    and optimizer state stay the adapter's, and so do the hooks ZeRO-3 put on that module to gather its weight for
+    each pass."""
+
+    group = None
+    dim: int | None = None
+    start = size = 0
+    sum_output = sum_gradient = False
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear, group, dim: int | None = None, start: int = 0, size: int = 0,
+           sum_output: bool = False, sum_gradient: bool = False) -> AdapterPart:
+        """``linear`` (a plain ``nn.Linear`` without bias), made a part in place; returned."""
+        if type(linear) is not torch.nn.Linear or linear.bias is not None:
+            raise TypeError(f"an adapter part is made of a torch.nn.Linear without bias, not {linear!r}")
+        linear.__class__ = cls
+        linear.group, linear.dim, linear.start, linear.size = group, dim, start, size
+        linear.sum_output, linear.sum_gradient = sum_output, sum_gradient
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -228,10 +240,10 @@ def split_adapter(layer, adapter: str, name: str) -> None:
     kind, start, size, group = shape
     a, b = layer.lora_A[adapter], layer.lora_B[adapter]
     if kind == "column":
-        layer.lora_A[adapter] = AdapterPart(a, group, sum_gradient=True)
-        layer.lora_B[adapter] = AdapterPart(b, group, dim=0, start=start, size=size)
+        AdapterPart.of(a, group, sum_gradient=True)
+        AdapterPart.of(b, group, dim=0, start=start, size=size)
     else:
-        layer.lora_A[adapter] = AdapterPart(a, group, dim=1, start=start, size=size, sum_output=True)
+        AdapterPart.of(a, group, dim=1, start=start, size=size, sum_output=True)
 
 
 def _split_of(base, name: str) -> tuple[str, int, int, object] | None:
@@ -249,7 +261,8 @@ def _split_of(base, name: str) -> tuple[str, int, int, object] | None:
                          "target_modules, or use replicas instead of tensor_parallel")
     kind, dim = kinds[type(base)]
     sizes, index = list(base._partition_sizes), base.tp_index
-    if base.weight.shape[dim] != sizes[index]:
-        raise ValueError(f"LoRA layer {name}: its base weight holds {base.weight.shape[dim]} of {sum(sizes)} "
+    shape = getattr(base.weight, "ds_shape", base.weight.shape)  # (ZeRO-3 partitions it over the replicas)
+    if shape[dim] != sizes[index]:
+        raise ValueError(f"LoRA layer {name}: its base weight holds {shape[dim]} of {sum(sizes)} "
                          f"features on this rank, where DeepSpeed's partition says {sizes[index]}")
     return kind, sum(sizes[:index]), sizes[index], base.mp_group

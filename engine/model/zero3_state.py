@@ -8,8 +8,9 @@ parameters only (it starts by releasing every parameter, which fails on a whole 
 ``ds_id``); :func:`zero3_state_dict` gathers the partitioned ones module by module, as it does, and reads the whole
 ones as they are.
 
-This module does not save anything (:mod:`llmrl.engine.model.checkpoint` does) and does not handle tensor
-parallelism (DeepSpeed's consolidation does; adapters are not created at run time there).
+Under tensor parallelism too, each layer AutoTP split is gathered from the ranks of its group after its partitions
+(as DeepSpeed's consolidation does); adapters stay whole on every rank (:mod:`llmrl.engine.model.tp_lora`). This
+module does not save anything (:mod:`llmrl.engine.model.checkpoint` does).
 """
 
 from __future__ import annotations
@@ -78,19 +79,23 @@ def whole_hidden(module: torch.nn.Module):
                 mod._parameters[key] = p
 
 
-def zero3_state_dict(module: torch.nn.Module, leader: bool) -> dict[str, torch.Tensor] | None:
-    """``module``'s state dict, weights whole and on the CPU, on the ``leader`` (None elsewhere).
+def zero3_state_dict(module: torch.nn.Module, leader: bool, tensor_parallel: bool = False
+                     ) -> dict[str, torch.Tensor] | None:
+    """``module``'s state dict, weights whole and on the CPU, on the ``leader`` (None elsewhere); with
+    ``tensor_parallel``, the split layers' shards gathered too.
 
     Collective: every rank of the LLM calls it, in the same order of modules (each module's partitioned weights are
     gathered in turn, so no more than one module's weights are whole at once)."""
     import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
     state: dict[str, torch.Tensor] | None = OrderedDict() if leader else None
     shared: dict[int, str] = {}
 
     def visit(mod: torch.nn.Module, prefix: str) -> None:
         params = [p for p in mod.parameters(recurse=False) if partitioned(p)]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None), \
+                GatherReplacedLayerParams(params, mod, enabled=tensor_parallel and bool(params)):
             if state is not None:
                 for name, param in mod.named_parameters(recurse=False):
                     if param is None:

@@ -76,7 +76,10 @@ def load_model(llm: LLMConfig, device: torch.device, deepspeed_config: dict | No
     if deepspeed_config and deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
-        keepalive = HfDeepSpeedConfig(deepspeed_config)
+        # (without its tensor_parallel section: transformers refuses to load a checkpoint whose weight names it
+        # maps under DeepSpeed's tensor parallelism; the weights load whole, partitioned over the ranks, and
+        # DeepSpeed's AutoTP gathers each and keeps this rank's shard when the engine is built)
+        keepalive = HfDeepSpeedConfig({k: v for k, v in deepspeed_config.items() if k != "tensor_parallel"})
     common = {"trust_remote_code": llm.trust_remote_code, "revision": llm.revision}
     try:
         model = _construct(cls, path, llm, dtype, device, common)
