@@ -104,20 +104,3 @@ def test_the_server_refuses_a_payload_of_another_kind_and_deletes_nothing(calls)
     assert calls == []
     assert _dispatch("delete_adapter", delete_adapter.DeleteAdapterRequest("b")) == {"ran": "delete_adapter"}
     assert [call[0] for call in calls] == ["delete_adapter"]
-
-
-@pytest.mark.parametrize("dtype, zero, tp, field", [("float16", 2, 1, "dtype is float16"),
-                                                    ("float16", 1, 2, "dtype is float16")])
-def test_a_run_time_adapter_is_refused_naming_the_field_where_it_cannot_step_alone(dtype, zero, tp, field):
-    served = SimpleNamespace(llm=SimpleNamespace(name="p", dtype=dtype, tensor_parallel=tp,
-                                                 training=SimpleNamespace(zero_stage=zero)))
-    with pytest.raises(ValueError, match=rf"llms\.p\.{field}"):
-        new_adapters.refuse_own_optimizer(served)
-
-
-@pytest.mark.parametrize("dtype, zero, tp", [("float32", 3, 1), ("bfloat16", 3, 1), ("bfloat16", 1, 1),
-                                            ("bfloat16", 2, 2)])
-def test_a_run_time_adapter_is_allowed_at_every_zero_stage_in_float32_and_bfloat16(dtype, zero, tp):
-    served = SimpleNamespace(llm=SimpleNamespace(name="p", dtype=dtype, tensor_parallel=tp,
-                                                 training=SimpleNamespace(zero_stage=zero)))
-    new_adapters.refuse_own_optimizer(served)  # no error: ZeRO-3 keeps the new adapter whole on every rank

@@ -75,7 +75,6 @@ BROKEN = [
     ("llms.main.tensor_parallel", 3, "llms.main.tensor_parallel", "does not divide"),
     ("llms.main.devices", [0, 1, 2], "llms.main.devices", "one id per rank"),
     ("llms.main.devices", "gpu", "llms.main.devices", "write cpu, auto, or a list"),
-    ("llms.main.dtype", "float16", "llms.main.dtype", "not supported on CPU"),
     ("llms.main.training.zero_stage", 4, "llms.main.training.zero_stage", "is not one of"),
     ("llms.main.training.optimizer.lr", -1, "llms.main.training.optimizer.lr", "must be > 0"),
     # NaN passes JSON Schema's bounds (every comparison with it is false): a NaN lr trained every weight into NaN

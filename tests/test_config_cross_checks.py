@@ -80,6 +80,20 @@ def test_lora_with_tensor_parallel_is_accepted_at_every_zero_stage(base, zero):
     assert (llm.tensor_parallel, llm.training.zero_stage) == (2, zero)
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_float16_on_cpu_follows_deepspeeds_test_of_the_cpus_float16_kernels(base, monkeypatch, kernels):
+    """DeepSpeed's CPU accelerator computes float16 where oneDNN has float16 kernels (AVX-512 FP16, AMX) and refuses
+    it elsewhere: the config says so at validation, naming dtype, instead of DeepSpeed at start-up."""
+    from llmrl.engine.config import checks
+
+    monkeypatch.setattr(checks, "cpu_float16", lambda: kernels)
+    base["llms"]["main"]["dtype"] = "float16"
+    if kernels:
+        assert load_config(raw=base, check_plugins=False).llms["main"].dtype == "float16"
+    else:
+        assert "needs oneDNN's float16 kernels" in _problems(base, check_plugins=False)["llms.main.dtype"]
+
+
 # ----------------------------------------------------------------------------- 3. max_length
 
 

@@ -27,21 +27,26 @@ import pytest
 import torch
 
 from testkit import LiveRun
+from testkit.cpu_float16 import FLOAT16_ENV
 
 pytestmark = pytest.mark.slow
 
 LAYOUTS = {"f32z2r1": ("float32", 2, 1, 1), "bf16z0r1": ("bfloat16", 0, 1, 1), "bf16z2r1": ("bfloat16", 2, 1, 1),
            "f32z1r2": ("float32", 1, 2, 1), "bf16z2r2": ("bfloat16", 2, 2, 1), "f32z3r1": ("float32", 3, 1, 1),
            "bf16z3r2": ("bfloat16", 3, 2, 1), "f32z0tp2": ("float32", 0, 1, 2), "bf16z2tp2": ("bfloat16", 2, 1, 2),
-           "bf16z3r2tp2": ("bfloat16", 3, 2, 2)}
+           "bf16z3r2tp2": ("bfloat16", 3, 2, 2), "f16z0r1": ("float16", 0, 1, 1), "f16z2r2": ("float16", 2, 2, 1),
+           "f16z3r1": ("float16", 3, 1, 1)}
 # (dtype, ZeRO stage, replicas, tensor-parallel ranks)
+CPU_FLOAT16 = {FLOAT16_ENV: "1"}  # DeepSpeed's CPU accelerator computes float16 here too (testkit.cpu_float16)
+FLOAT16 = {"fp16": {"initial_scale_power": 8}}  # a loss scale of 256: no overflow (OVERFLOW's is 2**20)
+OVERFLOW = "f16overflow"  # float16 at ZeRO-2, whose first steps overflow: float16_overflow()
 ADAMW = {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 LORA = {"plugin": "lora", "args": {"adapters": {"default": {"r": 4}}}}
 NEW = {"rank": 2, "targets": ["attention", "mlp"]}
 ADAPTERS = {"t": 3, "v": 20}  # created at run time: name -> seed (and the offset of its data's seeds)
 RATES = [3e-3, 2e-3, 2.5e-3]
 RESUMED = ["f32z2r1", "bf16z2r2", "bf16z3r2", "f32z0tp2", "bf16z3r2tp2"]
-TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3}  # float32: absolute; bfloat16: relative to the change (2-norm)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 0.3, "float16": 0.3}  # float32: absolute; else relative to the change
 # one generate call whose prompts name different adapters: created at run time, configured, snapshots of each
 PROMPTS = ["You see a wall", "Goal: go to the red ball. You", "x", "a red key", "the door is", "open it"]
 MIXED = ["t", "default", "s", "v", "t", "d"]
@@ -66,11 +71,14 @@ def runs(tiny, tmp_path_factory):
     llms = {name: {"model": tiny["llama"], "dtype": dtype, "replicas": replicas, "initializers": [LORA],
                    "tensor_parallel": tp,
                    "trainable": True,  # forward_backward in passes of at most 16 tokens: several per call
-                   "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16}}
+                   "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16,
+                                **({"deepspeed": FLOAT16} if dtype == "float16" else {})}}
             for name, (dtype, zero, replicas, tp) in LAYOUTS.items()}
+    llms[OVERFLOW] = {**llms["f16z2r2"], "replicas": 1, "training": {
+        **llms["f16z2r2"]["training"], "deepspeed": {"fp16": {"initial_scale_power": 20}}}}
     out = {}
     folder = tmp_path_factory.mktemp("run-time-adapters")
-    with LiveRun({"llms": llms, "threads_per_rank": 1}) as run:
+    with LiveRun({"llms": llms, "threads_per_rank": 1}, env=CPU_FLOAT16) as run:
         for name in LAYOUTS:
             out[name, "start"] = run.state_dict(llm=name)
             for adapter in ADAPTERS:
@@ -109,12 +117,35 @@ def runs(tiny, tmp_path_factory):
             for adapter in ("t", "u", "v"):
                 run.delete_adapter(adapter, llm=name)
             out[name, "deleted"] = run.state_dict(llm=name)
+        out["overflow"] = float16_overflow(run)
     for name in RESUMED:  # the masters and moments of t come back with the checkpoint
         llms[name]["checkpoint"] = str(folder / "checkpoint")
-    with LiveRun({"llms": {name: llms[name] for name in RESUMED}, "threads_per_rank": 1}) as run:
+    with LiveRun({"llms": {name: llms[name] for name in RESUMED}, "threads_per_rank": 1}, env=CPU_FLOAT16) as run:
         for name in RESUMED:
             step_after_save(run, name)
             out[name, "stepped after the resume"] = run.state_dict(llm=name)
+    return out
+
+
+def float16_overflow(run) -> dict:
+    """On OVERFLOW (float16, a loss scale of 2**20, which the tiny model's gradients overflow): adapter t's
+    forward_backward and optim_step until a step is taken (each overflow skips the step, drops the gradients and
+    halves the scale: the forward_backward is sent again); then v's forward_backward, pending while adapter w's
+    gradients (of datums weighted 1e5) overflow at w's optim_step, and v's optim_step. The states and answers."""
+    for adapter, seed in {**ADAPTERS, "w": 5}.items():
+        run.create_adapter(adapter, llm=OVERFLOW, **NEW, seed=seed)
+    out = {"created": run.state_dict(llm=OVERFLOW), "t": []}
+    while not out["t"] or out["t"][-1]["optimizer_steps"] == 0 and len(out["t"]) < 30:
+        run.forward_backward(make_data(ADAPTERS["t"]), "cross_entropy", llm=OVERFLOW, peft_adapter="t")
+        out["t"].append(run.optim_step({"learning_rate": RATES[0]}, llm=OVERFLOW, peft_adapter="t"))
+    run.forward_backward(make_data(ADAPTERS["v"]), "cross_entropy", llm=OVERFLOW, peft_adapter="v")
+    heavy = make_data(5)
+    for datum in heavy:
+        datum["loss_fn_inputs"]["weights"] = [1e5 * w for w in datum["loss_fn_inputs"]["weights"]]
+    run.forward_backward(heavy, "cross_entropy", llm=OVERFLOW, peft_adapter="w")
+    out["w"] = run.optim_step({"learning_rate": RATES[0]}, llm=OVERFLOW, peft_adapter="w")
+    out["v"] = [run.optim_step({"learning_rate": RATES[0]}, llm=OVERFLOW, peft_adapter="v")]
+    out["end"] = run.state_dict(llm=OVERFLOW)
     return out
 
 
@@ -145,7 +176,7 @@ def step_after_save(run, name: str) -> None:
     run.optim_step({"learning_rate": 2e-3}, llm=name, peft_adapter="t")
 
 
-def reference(tiny, dtype: str, created: dict, adapter: str):
+def reference(tiny, dtype: str, created: dict, adapter: str, rates=RATES):
     """A plain PEFT model holding ``created`` (adapters default and ``adapter``), AdamW over float32 masters of the
     adapter's weights, stepped as the run stepped it; its weights at the end and the gradient norms."""
     from peft import LoraConfig, get_peft_model
@@ -163,7 +194,7 @@ def reference(tiny, dtype: str, created: dict, adapter: str):
     masters = {k: p.detach().float().clone().requires_grad_(True) for k, p in params.items()}
     optimizer = torch.optim.AdamW(list(masters.values()), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     norms = []
-    for k, rate in enumerate(RATES):
+    for k, rate in enumerate(rates):
         for p in params.values():
             p.requires_grad_(True)
             p.grad = None
@@ -280,7 +311,7 @@ def test_datums_naming_two_adapters_train_in_one_call_as_each_alone(runs, name):
     none, moves the weights by the whole change."""
     got = runs[name, "two in one call"]
     created, end, norms = got["created"], got["end"], got["norms"]
-    half = LAYOUTS[name][0] == "bfloat16"
+    half = LAYOUTS[name][0] != "float32"
     for one, twin in (("p", "p2"), ("q", "q2")):
         keys = {k: k.replace(f".{one}.", f".{twin}.") for k in created if f".{one}." in k and ".lora_" in k}
         assert keys and all(torch.equal(created[k], created[t]) for k, t in keys.items())  # the same start
@@ -304,3 +335,30 @@ def test_datums_naming_two_adapters_train_in_one_call_as_each_alone(runs, name):
                 torch.testing.assert_close(mine[key], alone[key], atol=5e-2 if half else 1e-5, rtol=0)
         total = ours["metrics"]["loss:sum"] + theirs["metrics"]["loss:sum"]
         assert mixed["metrics"]["loss:sum"] == pytest.approx(total, rel=1e-2 if half else 1e-5)
+
+
+def test_a_float16_overflow_skips_the_adapters_step_and_halves_the_loss_scale(runs, tiny):
+    """Each optim_step whose gradients overflow at the loss scale is skipped (its answer says so, with the halved
+    scale) and changes nothing; the step taken at last, and the step of an adapter whose gradients were pending
+    while another's overflow halved the scale, equal one step of plain PEFT + AdamW (float16 tolerance as above;
+    gradient norms to 5e-2: a gradient left at the scale it was computed at would be off by 2x)."""
+    got = runs["overflow"]
+    t, w, v = got["t"], got["w"], got["v"]
+    assert len(t) >= 2 and t[-1]["optimizer_steps"] == 1 and t[-1]["adapters"] == ["t"], t
+    scales = [answer["loss_scale"] for answer in t[:-1]]
+    assert all(answer == {"optimizer_steps": 0, "adapters": [], "grad_norm": None, "skipped": ["t"],
+                          "loss_scale": scale, "policy_version": 0} for answer, scale in zip(t[:-1], scales)), t
+    assert scales == [2.0 ** (19 - k) for k in range(len(scales))] and "skipped" not in t[-1]
+    assert w == {"optimizer_steps": 0, "adapters": [], "grad_norm": None, "skipped": ["w"],
+                 "loss_scale": scales[-1] / 2, "policy_version": 0}
+    assert v[-1]["optimizer_steps"] == 1 and v[-1]["adapters"] == ["v"], v
+    assert all(torch.equal(got["end"][k], got["created"][k]) for k in got["created"] if ".w." in k)
+    for adapter, answers in (("t", t), ("v", v)):
+        expected, norms = reference(tiny, "float16", got["created"], adapter, rates=RATES[:1])
+        keys = sorted(expected)
+        change = torch.cat([(expected[k] - got["created"][k]).float().flatten() for k in keys])
+        off = torch.cat([(got["end"][k] - expected[k]).float().flatten() for k in keys])
+        print(f"overflow {adapter}: relative to the change (2-norm) {float(off.norm() / change.norm()):.3g}; "
+              f"grad norm {answers[-1]['grad_norm']} vs {norms}")
+        assert float(off.norm() / change.norm()) <= TOLERANCE["float16"], float(off.norm() / change.norm())
+        torch.testing.assert_close(torch.tensor([answers[-1]["grad_norm"]]), torch.tensor(norms), rtol=5e-2, atol=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmrl.engine.tinker.params import check_optimizer, loss_inputs
+from llmrl.engine.tinker.params import check_optimizer, loss_inputs, step_metrics
 
 
 def test_a_training_client_is_refused_unless_the_config_steps_adamw():
@@ -38,3 +38,10 @@ def test_an_existing_ready_file_is_refused_before_anything_starts(tmp_path, caps
     assert serve.main(["--ready-file", str(mine), "--api-key", "tml-x"]) == 2
     assert mine.read_text() == "the user's own"
     assert f"--ready-file {mine} exists; it is not overwritten" in capsys.readouterr().err
+
+
+def test_optim_step_metrics_say_a_skipped_float16_step_and_its_halved_scale():
+    assert step_metrics({"optimizer_steps": 1, "adapters": ["t"], "grad_norm": 2.5}) == {"grad_norm:mean": 2.5}
+    assert step_metrics({"optimizer_steps": 0, "adapters": [], "grad_norm": None}) == {}
+    skipped = {"optimizer_steps": 0, "adapters": [], "grad_norm": None, "skipped": ["t"], "loss_scale": 32768.0}
+    assert step_metrics(skipped) == {"skipped:sum": 1.0, "loss_scale:mean": 32768.0}

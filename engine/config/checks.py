@@ -1,8 +1,8 @@
 """Checks of a config that the JSON Schema cannot express: across keys, and against this machine.
 
 :func:`semantic_problems` is pure (it reads the mapping only); :func:`environment_problems` looks at the machine (model
-folders, GPUs and their ids, bitsandbytes, tensor-parallel divisibility, ``max_length`` against the model's position
-limit) and may read a model's config. Keys that would be silently overridden or ignored are
+folders, GPUs and their ids, the CPU's float16 kernels, bitsandbytes, tensor-parallel divisibility, ``max_length``
+against the model's position limit) and may read a model's config. Keys that would be silently overridden or ignored are
 :mod:`llmrl.engine.config.key_conflicts`' (called from :func:`semantic_problems`). All return ``(dotted path, message)``
 problems; none raises. :func:`strict_validator` is the JSON Schema validator the config and plugin ``args`` share
 (strict integers).
@@ -111,10 +111,6 @@ def semantic_problems(data: dict) -> list[Problem]:
         if llm.get("trainable") is False and llm.get("updater"):
             problems.append((f"{at}.trainable", "an LLM with an updater is trained: remove the updater, or set "
                              "trainable: true (or leave it out)"))
-        dtype = llm_setting(llm, "dtype")
-        if dtype == "float16" and devices == "cpu":
-            problems.append((f"{at}.dtype",
-                             "float16 is not supported on CPU; use float32 (bfloat16 is very slow on CPU)"))
         quant = llm.get("quantization")
         if quant:
             if tp > 1:
@@ -153,6 +149,14 @@ def strict_validator():
     return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)
 
 
+def cpu_float16() -> bool:
+    """Whether DeepSpeed computes in float16 on this machine's CPU (its CPU accelerator's own test: oneDNN's float16
+    kernels)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    return bool(CPU_Accelerator().is_fp16_supported())
+
+
 def looks_like_local_path(model: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything else that names a folder is a local path."""
     return model.startswith(("/", ".", "~")) or model.rstrip("/").count("/") > 1
@@ -161,6 +165,7 @@ def looks_like_local_path(model: str) -> bool:
 def environment_problems(data: dict, check_devices: bool = True, single_node: bool | None = None) -> list[Problem]:
     """Checks that look at this machine: model folders, GPUs (unless ``check_devices`` is false: their presence, the
     listed ids, and ``devices: auto``'s ranks where the node's ranks are known, see :func:`auto_device_problems`),
+    float16 on a CPU without float16 kernels,
     ``max_length`` against the model's position limit (where its config is on this machine), bitsandbytes,
     tensor-parallel divisibility."""
     problems: list[Problem] = []
@@ -182,6 +187,10 @@ def environment_problems(data: dict, check_devices: bool = True, single_node: bo
             if not local.exists() and looks_like_local_path(model):
                 problems.append((f"{at}.model",
                                  f"model path {model!r} does not exist (a hub id looks like 'org/name')"))
+        if llm_setting(llm, "dtype") == "float16" and llm_setting(llm, "devices") == "cpu" and not cpu_float16():
+            problems.append((f"{at}.dtype", "float16 on CPU needs oneDNN's float16 kernels (AVX-512 FP16 or AMX), "
+                             "which this CPU lacks, so DeepSpeed refuses it; use float32 (bfloat16 is very slow "
+                             "on CPUs without AVX-512 BF16 or AMX)"))
         if check_devices and llm_setting(llm, "devices") != "cpu":
             if cuda_available is None:
                 import torch

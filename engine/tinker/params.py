@@ -16,6 +16,9 @@ optimizer, the sampling parameters, the prompt's chunks and the sample fields th
   length, at most :data:`UNSET_MAX_TOKENS` new tokens; ``stop`` as Tinker reads it (token ids: any of them; ``[]``:
   not even at EOS).
 
+- ``optim_step``'s metrics: ``grad_norm:mean``; a float16 step skipped for a loss-scale overflow reports
+  ``skipped:sum`` 1 and the halved ``loss_scale:mean`` instead (its gradients were dropped).
+
 This module maps fields; the service (:mod:`llmrl.engine.tinker.service`) makes the calls.
 """
 
@@ -100,6 +103,13 @@ def generate_kwargs(params: dict, count: int, prompt_logprobs: bool, room: int |
     if prompt_logprobs:
         kwargs["prompt_logprobs"] = True
     return kwargs
+
+
+def step_metrics(out: dict) -> dict[str, float]:
+    """Tinker's ``optim_step`` metrics of an answer of ``Caller.optim_step``."""
+    if out.get("skipped"):
+        return {"skipped:sum": 1.0, "loss_scale:mean": float(out["loss_scale"])}
+    return {} if out.get("grad_norm") is None else {"grad_norm:mean": out["grad_norm"]}
 
 
 def refuse_unserved(body: dict) -> None:

@@ -53,6 +53,7 @@ from llmrl.engine.tinker.params import (
     loss_inputs,
     new_model_id,
     refuse_unserved,
+    step_metrics,
 )
 from llmrl.engine.tinker.shared_training import SharedTraining
 from llmrl.engine.tinker.wire import forward_backward_output, parse_forward_backward, sample_response
@@ -187,8 +188,7 @@ class TinkerService:
                 raise ValueError(f"optimizer parameters {body.get('optimizer_params')!r} are not supported: send "
                                  "AdamParams")
             out = self.caller.optim_step(params, llm=self.llm, peft_adapter=client.adapter)
-            metrics = {} if out.get("grad_norm") is None else {"grad_norm:mean": out["grad_norm"]}
-            return Outcome("json", {"type": "optim_step", "metrics": metrics})
+            return Outcome("json", {"type": "optim_step", "metrics": step_metrics(out)})
 
         return self._in_order(client, body, work)
 

@@ -105,6 +105,9 @@ def _run_child(command: list[str], env: dict, sigint) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler if sigint is not signal.SIG_IGN else sigint)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         unbuffered_output()
+        from testkit.cpu_float16 import allow_if_asked
+
+        allow_if_asked()  # (only where the run's environment asks: float16 tests on CPUs without float16 kernels)
         if command[0] == "-m":
             sys.argv = ["-m", *command[2:]]
             runpy.run_module(command[1], run_name="__main__", alter_sys=True)

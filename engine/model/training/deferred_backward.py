@@ -21,6 +21,7 @@ from llmrl.engine.adapter_names import ContextAdapters
 from llmrl.engine.graph import graph_zero
 from llmrl.engine.model.forward import ForwardPlan, plan_forward, plan_part, run_forward
 from llmrl.engine.model.served import ServedModel
+from llmrl.engine.model.training.loss_scale import backward_factor
 from llmrl.engine.model.training.passes import (
     DeferredForward,
     form_passes,
@@ -102,8 +103,9 @@ class DeferredBackward:
         deferred, self.forwards = self.forwards, []
         engine = self.served.engine
         self.served.pending.engine_backwards += 1
+        factor = backward_factor(engine)  # (float16 at ZeRO 0: the loss scale, which DeepSpeed leaves to us there)
         if not deferred:
-            engine.backward(loss, scale_wrt_gas=False)
+            engine.backward(loss * factor if factor != 1.0 else loss, scale_wrt_gas=False)
             return
         grads = torch.autograd.grad(loss, [leaf for d in deferred for _, _, leaf in d.leaves], retain_graph=True,
                                     allow_unused=True)
@@ -113,7 +115,8 @@ class DeferredBackward:
             count, done = self.votes.agree(BACKWARD, len(d.passes)), set()
             for k in range(count):
                 part = self._replay_pass(d, k if k < len(d.passes) else None, mine, done)
-                engine.backward(part if pending is None else pending + part, scale_wrt_gas=False)
+                part = part if pending is None else pending + part
+                engine.backward(part * factor if factor != 1.0 else part, scale_wrt_gas=False)
                 pending = None
             self.passes_with_gradients += count
             d.spent.append(True)

@@ -9,15 +9,15 @@ steps are its own, and a step that trains another adapter leaves it bit-identica
 (attention and MLP).
 
 Where the engine steps its torch optimizer itself (ZeRO 0 in float32) the adapter is a group of it. Where DeepSpeed owns
-the step (ZeRO 1-3, bfloat16) it keeps flat (and float32 master) copies of the parameters it was built with, which a
-parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its own
+the step (ZeRO 1-3, bfloat16, float16) it keeps flat (and float32 master) copies of the parameters it was built with,
+which a parameter added later cannot join: the adapter then stays outside them and steps with an optimizer of its own
 (:mod:`llmrl.engine.model.training.own_optimizers`). Under ZeRO-3 such an adapter is whole on every rank, beside the
-partitioned base (:mod:`llmrl.engine.model.zero3_state`). Float16 is refused there, naming the field
-(:func:`refuse_own_optimizer`). Under tensor parallelism a new adapter is whole on every rank and applied in parts
-(:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter adapts, or layers left whole. Adapters
-created at run time are saved with a checkpoint and created again, in order, on resume
-(:mod:`llmrl.engine.model.checkpoint`). Deleting one removes its weights, its optimizer group and state, and its entries
-in the cache across calls; only adapters created at run time can be deleted. Their count and bytes are capped
+partitioned base (:mod:`llmrl.engine.model.zero3_state`). In float16 its gradients carry DeepSpeed's loss scale, which
+its optimizer divides out (:mod:`llmrl.engine.model.training.loss_scale`). Under tensor parallelism a new adapter is
+whole on every rank and applied in parts (:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter
+adapts, or layers left whole. Adapters created at run time are saved with a checkpoint and created again, in order, on
+resume (:mod:`llmrl.engine.model.checkpoint`). Deleting one removes its weights, its optimizer group and state, and its
+entries in the cache across calls; only adapters created at run time can be deleted. Their count and bytes are capped
 (:mod:`llmrl.engine.model.adapter_caps`).
 
 This module changes the model and optimizer of one rank; the request kind runs it on every rank of the LLM.
@@ -72,20 +72,6 @@ def target_modules(model, targets, tensor_parallel: int = 1) -> str | list[str]:
     return sorted(set(names))
 
 
-def refuse_own_optimizer(served: ServedModel) -> None:
-    """Refuse the layouts where an adapter created at run time cannot have an optimizer of its own (tested: ZeRO 0-3
-    in float32 and bfloat16, 1 and 2 replicas), naming the config field."""
-    llm = served.llm.name
-    why = None
-    if served.llm.dtype not in ("float32", "bfloat16"):
-        why = (f"llms.{llm}.dtype is {served.llm.dtype} (DeepSpeed scales float16 losses, which the adapter's own "
-               "optimizer would not undo): use bfloat16 or float32")
-    if why is not None:
-        raise ValueError(f"adapters created at run time on LLM {llm!r} get an optimizer of their own outside "
-                         f"DeepSpeed's flat parameter copies, which is not supported here: {why}; or declare the "
-                         "adapter in the config")
-
-
 def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
                    prefix_cache=None, dropout: float = 0.0) -> dict:
     from peft import LoraConfig, TaskType
@@ -98,8 +84,6 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     if steps is None:
         raise ValueError(f"LLM {llm!r} holds no optimizer: set llms.{llm}.trainable: true to train new adapters")
     own = served.engine.optimizer is not steps.optimizer  # DeepSpeed's flat copies are built once: not joinable
-    if own:
-        refuse_own_optimizer(served)
     if served.module.trunk is not None:
         raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
                          f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")

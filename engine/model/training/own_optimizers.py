@@ -45,10 +45,12 @@ class OwnOptimizer:
         self.optimizer = torch_optimizer(list(self.masters.values()), spec)
         self.last_norm: float | None = None
 
-    def reduce_gradients(self, ranks: int) -> None:
+    def reduce_gradients(self, ranks: int, scale: float = 1.0) -> bool:
         """Every master's ``.grad``: its weight's gradient (zero where none) averaged over the LLM's ``ranks`` (each
         holds its replica's whole gradient: tensor-parallel ranks the same one, see :mod:`llmrl.engine.model.tp_lora`)
-        (collective: every rank of the LLM calls it, in the same order of adapters)."""
+        and divided by the float16 loss ``scale`` (:mod:`llmrl.engine.model.training.loss_scale`); whether they are
+        finite. Where they are not (a float16 overflow), none is kept: the gradients are dropped (collective: every
+        rank of the LLM calls it, in the same order of adapters, and finds the same)."""
         grads = [p.grad.detach().float().reshape(-1) if p.grad is not None
                  else torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in self.params.values()]
         flat = torch.cat(grads)
@@ -56,12 +58,17 @@ class OwnOptimizer:
             import torch.distributed as dist
 
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= ranks
+        flat /= ranks * scale
+        if not bool(torch.isfinite(flat).all()):
+            self.zero_grad()
+            self.last_norm = None
+            return False
         offset = 0
         for p, master in zip(self.params.values(), self.masters.values()):
             p.grad = None
             master.grad = flat[offset:offset + p.numel()].view_as(master).clone()
             offset += p.numel()
+        return True
 
     def step(self, settings: dict, clip: float, record: list | None, owner: str) -> None:
         """Clip the reduced gradients to ``clip`` (0: not clipped), step with ``settings`` (a param group of the
@@ -130,13 +137,14 @@ def optimizer_for(served, owner) -> torch.optim.Optimizer:
     return own.optimizer if own is not None else served.adapter_steps.optimizer
 
 
-def reduce_own(served, trained) -> list:
-    """Average the gradients of the run-time adapters in ``trained`` over the replicas; returns those adapters'
-    names (collective; every rank of the LLM trains the same adapters in a step)."""
+def reduce_own(served, trained, scale: float = 1.0) -> tuple[list, list]:
+    """Average the gradients of the run-time adapters in ``trained`` over the replicas, divided by the float16 loss
+    ``scale``; returns those adapters' names, and the names of those whose gradients overflowed (dropped: their
+    step is skipped) (collective; every rank of the LLM trains the same adapters in a step)."""
     names = [name for name in served.run_time.optimizers if name in trained]
-    for name in names:
-        served.run_time.optimizers[name].reduce_gradients(served.llm.replicas * served.llm.tensor_parallel)
-    return names
+    ranks = served.llm.replicas * served.llm.tensor_parallel
+    overflowed = [name for name in names if not served.run_time.optimizers[name].reduce_gradients(ranks, scale)]
+    return names, overflowed
 
 
 def step_own(served, names, record: list | None) -> None:
@@ -145,6 +153,12 @@ def step_own(served, names, record: list | None) -> None:
     clip = float(served.engine._config.gradient_clipping or 0.0)
     for name in names:
         served.run_time.optimizers[name].step(settings, clip, record, name)
+
+
+def drop_own(served, names) -> None:
+    """Drop the reduced gradients of the own optimizers of adapters ``names`` (a step that was skipped)."""
+    for name in names:
+        served.run_time.optimizers[name].zero_grad()
 
 
 def engine_step(served, own) -> bool:

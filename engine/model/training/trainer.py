@@ -43,8 +43,9 @@ from llmrl.engine.model.training import guards
 from llmrl.engine.model.training.deferred_backward import DeferredBackward, adapters_off, throwaway_inputs
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
+from llmrl.engine.model.training.loss_scale import loss_scale, lower_loss_scale
 from llmrl.engine.model.training.model_access import ModelAccess
-from llmrl.engine.model.training.own_optimizers import engine_step, reduce_own, step_own
+from llmrl.engine.model.training.own_optimizers import drop_own, engine_step, reduce_own, step_own
 from llmrl.engine.model.training.passes import refuse_too_long
 from llmrl.engine.model.training.replica_votes import (
     BACKWARD,
@@ -78,6 +79,7 @@ class EngineTrainer(ModelAccess, Trainer):
         self.pending_micro_steps = self.backwards_since_step = 0  # micro-steps, backward calls since the last step
         self.last_lr: float | None = None  # the learning rate of the last optimizer step
         self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
+        self.skipped: set = set()  # adapters whose last step a float16 overflow skipped (see flush)
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
         self.last_forward_empty = False
@@ -168,10 +170,15 @@ class EngineTrainer(ModelAccess, Trainer):
 
     def flush(self) -> None:
         """Take the optimizer step if micro-steps are pending (the end of a pass, or of the update). Replicas
-        first agree that every gradient they hold is finite; otherwise none steps."""
+        first agree that every gradient they hold is finite; otherwise none steps. In float16 a gradient that is not
+        finite is a loss-scale overflow instead: the step of the weights it is in is skipped and the scale lowered
+        (by DeepSpeed for its parameters, :mod:`llmrl.engine.model.training.loss_scale` for the others); the
+        adapters skipped are in ``self.skipped`` (None: the weights DeepSpeed steps)."""
+        self.skipped = set()
         if self.pending_micro_steps == 0:
             return
-        bad = first_non_finite_gradient(self.engine.module)
+        float16 = self.engine.fp16_enabled()
+        bad = None if float16 else first_non_finite_gradient(self.engine.module)
         everyone_ok, bad_replica = self.votes.vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
         self.votes.stop_unless(everyone_ok, None)  # a peer failed before its step: none steps (its collectives wait)
         if bad_replica:
@@ -184,13 +191,22 @@ class EngineTrainer(ModelAccess, Trainer):
         self.last_lr = float(self.engine.optimizer.param_groups[0]["lr"])  # the rate this step takes (lr_schedule)
         with steps.only(self.trained_adapters) if steps is not None else contextlib.nullcontext(), \
                 copied_step(self.served, self.trained_adapters) as copy:
-            own = reduce_own(self.served, self.trained_adapters)  # before DeepSpeed's step may clear gradients
+            own, overflowed = reduce_own(self.served, self.trained_adapters,  # before DeepSpeed's step may clear
+                                         loss_scale(self.engine))               # gradients
             applied = engine_step(self.served, own)
             if own and applied:
-                step_own(self.served, own, copy.stepped)
+                step_own(self.served, [name for name in own if name not in overflowed], copy.stepped)
+            elif own:  # DeepSpeed skipped the step: so do the adapters stepping with it
+                drop_own(self.served, own)
+            if overflowed and applied:  # (where DeepSpeed found an overflow of its own, it lowered the scale)
+                lower_loss_scale(self.engine)
         clear_zero3_gradients(self.engine)
+        trained, self.trained_adapters = self.trained_adapters, set()
         self.pending_micro_steps = self.backwards_since_step = 0
-        self.trained_adapters = set()
+        self.skipped = set(overflowed) if applied else set(trained)
+        if float16 and (not applied or (self.skipped and self.skipped >= trained)):  # an overflow skipped it all
+            return
+        copy = replace(copy, trained=copy.trained - self.skipped)
         if not applied:  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
             self.votes.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "

@@ -1,0 +1,49 @@
+"""Float16 loss scaling for the weights that step outside DeepSpeed's optimizer (the own optimizers of adapters
+created at run time, :mod:`llmrl.engine.model.training.own_optimizers`).
+
+In float16 DeepSpeed multiplies each backward pass's loss by its loss scale (at ZeRO 0 llmrl does, as DeepSpeed's
+float16 optimizer there expects: :func:`backward_factor`), so every gradient the pass leaves, on
+DeepSpeed's parameters and on the others alike, is that many times the true one; DeepSpeed divides its own by the
+scale at its step, skips a step whose gradients overflowed and lowers the scale (its dynamic loss scaler). The
+own optimizers divide by the same scale (:func:`loss_scale`), skip the step of an adapter whose gradients
+overflowed, and lower the scale when DeepSpeed did not (:func:`lower_loss_scale`: it checks its own parameters
+only). Gradients still pending when the scale changes are brought to the new one (:func:`rescale`), so each
+gradient always carries the current scale. The scale never grows from here: DeepSpeed grows it after its own
+steps without overflow.
+
+This module does not decide when to step (the trainer does); without float16 every scale here is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def loss_scale(engine) -> float:
+    """The scale of the loss of the engine's backward passes: DeepSpeed's current float16 loss scale, or 1."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return float(engine.optimizer.loss_scale)
+
+
+def backward_factor(engine) -> float:
+    """What to multiply a loss by before ``engine.backward``: the loss scale for DeepSpeed's float16 optimizer at
+    ZeRO 0, 1 elsewhere. DeepSpeed 0.19's ``engine.backward`` scales the loss of its ZeRO optimizers only, while its
+    float16 optimizer at ZeRO 0 divides every gradient by the scale at its step (measured: a step of SGD moved a
+    weight 1/256 of the way at a scale of 256)."""
+    if engine.fp16_enabled() and not engine.zero_optimization():
+        return loss_scale(engine)
+    return 1.0
+
+
+def lower_loss_scale(engine) -> None:
+    """Halve DeepSpeed's float16 loss scale, not below 1 (after an overflow in gradients it does not check)."""
+    engine.optimizer.loss_scale = max(loss_scale(engine) / 2, 1.0)
+
+
+def rescale(grads, factor: float) -> None:
+    """Multiply each gradient tensor in ``grads`` by ``factor`` in place (nothing when it is 1)."""
+    if factor != 1.0:
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(factor)
