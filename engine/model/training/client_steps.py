@@ -38,7 +38,7 @@ from llmrl.engine.graph import keep_in_graph
 from llmrl.engine.model.cpu_matmul import frozen_linears
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.training.grad_norm import recorded_norm
-from llmrl.engine.model.training.loss_scale import loss_scale, rescale
+from llmrl.engine.model.training.loss_scale import loss_scale, rescale, unscaled_norm
 from llmrl.engine.model.training.optimizer import ADAPTER_KEY, adapter_of
 from llmrl.engine.model.training.own_optimizers import own_norm
 from llmrl.engine.model.training.replica_votes import END
@@ -227,22 +227,22 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
     trained, scale = set(trainer.trained_adapters), loss_scale(served.engine)
     try:
         with set_aside(served, others), step_settings(served, settings), recorded_norm(served.engine) as recorded:
-            trainer.flush()
+            skipped = trainer.flush()
     except Exception as err:
         raise _noted(err, _discard(served, trainer, adapter))  # noqa: B904 - the same error, its message completed
     rescale([grad for _, grad in _pending_grads(served, others)], loss_scale(served.engine) / scale)  # float16
     served.pending.keep(others)
-    stepped = sorted(a for a in trained if a is not None and a not in trainer.skipped)
-    if trainer.skipped:  # float16: the gradients overflowed (dropped); the loss scale is lowered
-        skipped = {"skipped": sorted(trainer.skipped, key=str), "loss_scale": loss_scale(served.engine)}
-        if trainer.skipped >= trained:
-            return {"optimizer_steps": 0, "adapters": [], "grad_norm": None, **skipped}
+    stepped = sorted(a for a in trained if a is not None and a not in skipped)
+    said = {"skipped": sorted(skipped, key=str), "loss_scale": loss_scale(served.engine)} if skipped else {}
+    if skipped and skipped >= trained:  # float16: the gradients overflowed (dropped); the loss scale is lowered
+        return {"optimizer_steps": 0, "adapters": [], "grad_norm": None, **said}
     norm = served.engine.get_global_grad_norm() if hasattr(served.engine, "get_global_grad_norm") else None
     norm = float(norm) if isinstance(norm, (int, float, torch.Tensor)) else recorded.get("norm")
+    norm = unscaled_norm(served.engine, norm, scale)
     own = own_norm(served, stepped)  # adapters created at run time step outside DeepSpeed's norm
     if own is not None:
         norm = own if norm is None else (norm * norm + own * own) ** 0.5
-    return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm, **(skipped if trainer.skipped else {})}
+    return {"optimizer_steps": 1, "adapters": stepped, "grad_norm": norm, **said}
 
 
 @contextlib.contextmanager

@@ -36,6 +36,17 @@ def backward_factor(engine) -> float:
     return 1.0
 
 
+def unscaled_norm(engine, norm: float | None, scale: float) -> float | None:
+    """The gradient norm DeepSpeed reports for a step (``norm``), without the loss ``scale`` of its gradients:
+    DeepSpeed's float16 optimizer for torch optimizers at ZeRO 0 (``FP16_UnfusedOptimizer``) reports the norm of the
+    scaled gradients (it divides by the scale where it clips), the others the norm of the true ones."""
+    if norm is None or not engine.fp16_enabled() or engine.zero_optimization():
+        return norm
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return norm / scale if isinstance(engine.optimizer, FP16_UnfusedOptimizer) else norm
+
+
 def lower_loss_scale(engine) -> None:
     """Halve DeepSpeed's float16 loss scale, not below 1 (after an overflow in gradients it does not check)."""
     engine.optimizer.loss_scale = max(loss_scale(engine) / 2, 1.0)

@@ -79,7 +79,6 @@ class EngineTrainer(ModelAccess, Trainer):
         self.pending_micro_steps = self.backwards_since_step = 0  # micro-steps, backward calls since the last step
         self.last_lr: float | None = None  # the learning rate of the last optimizer step
         self.trained_adapters: set[str] = set()  # adapters of the passes with gradients since the last step
-        self.skipped: set = set()  # adapters whose last step a float16 overflow skipped (see flush)
         self.without_adapters = False  # inside adapters_disabled()
         self.inside_backward = False
         self.last_forward_empty = False
@@ -168,15 +167,14 @@ class EngineTrainer(ModelAccess, Trainer):
         if self.pending_micro_steps >= self.gradient_accumulation_steps:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self) -> set:
         """Take the optimizer step if micro-steps are pending (the end of a pass, or of the update). Replicas
         first agree that every gradient they hold is finite; otherwise none steps. In float16 a gradient that is not
         finite is a loss-scale overflow instead: the step of the weights it is in is skipped and the scale lowered
         (by DeepSpeed for its parameters, :mod:`llmrl.engine.model.training.loss_scale` for the others); the
-        adapters skipped are in ``self.skipped`` (None: the weights DeepSpeed steps)."""
-        self.skipped = set()
+        adapters skipped are returned (None: the weights DeepSpeed steps)."""
         if self.pending_micro_steps == 0:
-            return
+            return set()
         float16 = self.engine.fp16_enabled()
         bad = None if float16 else first_non_finite_gradient(self.engine.module)
         everyone_ok, bad_replica = self.votes.vote(True, STEP, 0 if bad is None else self.served.role.replica + 1)
@@ -203,10 +201,10 @@ class EngineTrainer(ModelAccess, Trainer):
         clear_zero3_gradients(self.engine)
         trained, self.trained_adapters = self.trained_adapters, set()
         self.pending_micro_steps = self.backwards_since_step = 0
-        self.skipped = set(overflowed) if applied else set(trained)
-        if float16 and (not applied or (self.skipped and self.skipped >= trained)):  # an overflow skipped it all
-            return
-        copy = replace(copy, trained=copy.trained - self.skipped)
+        skipped = set(overflowed) if applied else set(trained) or {None}  # (None: a model without adapters)
+        if float16 and (not applied or (skipped and skipped >= trained)):  # an overflow skipped it all
+            return skipped
+        copy = replace(copy, trained=copy.trained - skipped)
         if not applied:  # DeepSpeed found the gradient norm not finite (ZeRO 1-3)
             self.votes.failed_vote_cast = True  # the norm is reduced over the replicas: every rank is here
             raise NonFiniteUpdate(f"the gradient norm of optimizer step {self.optimizer_steps + 1} was not finite: "
@@ -214,6 +212,7 @@ class EngineTrainer(ModelAccess, Trainer):
                                   "this update were taken")
         keep_finite(self, copy, lambda bad: self.votes.agree(STEP, bad))  # undone on every replica, or kept by all
         self.optimizer_steps += 1
+        return skipped
 
     @property
     def has_adapters(self) -> bool:
