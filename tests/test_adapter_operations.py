@@ -104,3 +104,23 @@ def test_the_server_refuses_a_payload_of_another_kind_and_deletes_nothing(calls)
     assert calls == []
     assert _dispatch("delete_adapter", delete_adapter.DeleteAdapterRequest("b")) == {"ran": "delete_adapter"}
     assert [call[0] for call in calls] == ["delete_adapter"]
+
+
+def test_a_new_adapter_over_a_frozen_trunk_takes_the_layers_above_it_and_refuses_those_below(reference_models):
+    """``above_trunk`` on the tiny Llama (2 layers) with the trunk ending at layer 1: the default targets are the
+    attention and MLP linears of layer 1 only, ``unembed`` the output layer, a full module name above the trunk is
+    kept, and a name that reaches layer 0 (``q_proj`` names both layers' q_proj) is refused naming the module."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(reference_models["llama"][0]),
+                           LoraConfig(r=2, target_modules=["q_proj", "v_proj"], layers_to_transform=[1]))
+    chosen = new_adapters.above_trunk(model, None, 1, "LLM 'p'")
+    assert chosen and all(".layers.1." in name for name in chosen), chosen
+    everything = new_adapters.target_modules(model, ["attention", "mlp"])
+    assert sorted(chosen) == sorted(n for n in everything if ".layers.1." in n)  # none of layer 1 left out
+    assert new_adapters.above_trunk(model, ["unembed"], 1, "LLM 'p'") == ["lm_head"]
+    assert new_adapters.above_trunk(model, ["layers.1.mlp.up_proj"], 1, "LLM 'p'") == ["layers.1.mlp.up_proj"]
+    with pytest.raises(ValueError, match=r"LLM 'p': model\.layers\.0\.self_attn\.q_proj is in layer 0, below layer 1"):
+        new_adapters.above_trunk(model, ["q_proj"], 1, "LLM 'p'")

@@ -9,10 +9,10 @@ them in parts: :mod:`llmrl.engine.model.tp_lora`); the configured adapter and th
 ``save_adapter`` / ``load_adapter`` carry the adapter and its moments (the copy then steps as the original), and so does
 a checkpoint (a resumed run steps it as the saved one would have); a snapshot of it scores as it does. Under ZeRO-3 the
 base and the configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.
-In float16 (at ZeRO 0, 2 with 2 replicas, and 3; DeepSpeed's CPU accelerator computes it here:
+In float16 (at ZeRO 0, and 3 with 2 replicas; DeepSpeed's CPU accelerator computes it here:
 ``testkit.cpu_float16``) the gradients carry the loss scale, which each step divides out
-(:mod:`llmrl.engine.model.training.loss_scale`); a step whose gradients overflow it is skipped, on an LLM whose scale
-starts at 2**20.
+(:mod:`llmrl.engine.model.training.loss_scale`); a step whose gradients overflow it is skipped, on an LLM at ZeRO-2 whose
+scale starts at 2**20 (whose steps are checked against plain PEFT too).
 
 Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8, and 2.5e-7 with tensor parallelism, whose
 ranks sum the row-parallel layers' parts in another order; without the sum of the column-parallel A's output gradient
@@ -37,10 +37,9 @@ from testkit.cpu_float16 import FLOAT16_ENV
 pytestmark = pytest.mark.slow
 
 LAYOUTS = {"f32z2r1": ("float32", 2, 1, 1), "bf16z0r1": ("bfloat16", 0, 1, 1),
-           "f32z1r2": ("float32", 1, 2, 1), "bf16z2r2": ("bfloat16", 2, 2, 1), "f32z3r1": ("float32", 3, 1, 1),
+           "bf16z2r2": ("bfloat16", 2, 2, 1), "f32z3r1": ("float32", 3, 1, 1),
            "bf16z3r2": ("bfloat16", 3, 2, 1), "f32z0tp2": ("float32", 0, 1, 2), "bf16z2tp2": ("bfloat16", 2, 1, 2),
-           "bf16z3r2tp2": ("bfloat16", 3, 2, 2), "f16z0r1": ("float16", 0, 1, 1), "f16z2r2": ("float16", 2, 2, 1),
-           "f16z3r1": ("float16", 3, 1, 1)}
+           "bf16z3r2tp2": ("bfloat16", 3, 2, 2), "f16z0r1": ("float16", 0, 1, 1), "f16z3r2": ("float16", 3, 2, 1)}
 # (dtype, ZeRO stage, replicas, tensor-parallel ranks)
 CPU_FLOAT16 = {FLOAT16_ENV: "1"}  # DeepSpeed's CPU accelerator computes float16 here too (testkit.cpu_float16)
 FLOAT16 = {"fp16": {"initial_scale_power": 8}}  # a loss scale of 256: no overflow (OVERFLOW's is 2**20)
@@ -79,8 +78,8 @@ def runs(tiny, tmp_path_factory):
                    "training": {"zero_stage": zero, "optimizer": ADAMW, "max_tokens_per_micro_batch": 16,
                                 **({"deepspeed": FLOAT16} if dtype == "float16" else {})}}
             for name, (dtype, zero, replicas, tp) in LAYOUTS.items()}
-    llms[OVERFLOW] = {**llms["f16z2r2"], "replicas": 1, "training": {
-        **llms["f16z2r2"]["training"], "deepspeed": {"fp16": {"initial_scale_power": 20}}}}
+    llms[OVERFLOW] = {**llms["f16z0r1"], "training": {  # ZeRO-2: the float16 layouts' stage not above
+        **llms["f16z0r1"]["training"], "zero_stage": 2, "deepspeed": {"fp16": {"initial_scale_power": 20}}}}
     out = {}
     folder = tmp_path_factory.mktemp("run-time-adapters")
     with LiveRun({"llms": llms, "threads_per_rank": 1}, env=CPU_FLOAT16) as run:
@@ -229,10 +228,9 @@ def same(a: dict, b: dict, keys) -> bool:
     return all(torch.equal(a[k], b[k]) for k in keys)
 
 
-@pytest.mark.budget(150, why="its first case starts the module's shared run (twelve layouts of one LLM and a "
+@pytest.mark.budget(150, why="its first case starts the module's shared run (ten layouts of one LLM and a "
                               "float16 one that overflows, trained, snapshotted, saved and resumed, for every test "
-                              "here): 100-110 s alone on a 2-core AVX2-only "
-                              "EPYC")
+                              "here): 90-115 s in the suite on a 2-core AVX2-only EPYC")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("adapter", list(ADAPTERS))
 def test_a_run_time_adapter_steps_as_plain_peft_with_adamw_over_float32_masters(runs, tiny, name, adapter):

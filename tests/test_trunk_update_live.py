@@ -4,7 +4,8 @@
 ``test_rlhf_live``): statistics and every weight after two SGD updates equal to 1e-5 (Adam would magnify float32
 rounding in near-zero gradients), and the servers report passes
 replayed through the top layer only: ``ppo_tokens`` on 2 replicas, ``grpo`` on 1. The frozen layers multiply through
-oneDNN (``cpu_matmul``) where this torch has it."""
+oneDNN (``cpu_matmul``) where this torch has it. An adapter created at run time over the trunk adapts the layers above
+it only, and trains as the same adapter on the twin."""
 
 from __future__ import annotations
 
@@ -97,3 +98,38 @@ def test_samples_the_llm_generated_leave_it_their_trunk(run, updater, replicas):
     assert [memory[rank]["trunk"]["whole_calls"] for rank in ranks] == before
     # the servers decoded with the written-out step (its trunk capture included), a value head's hooks in place
     assert all(memory[rank]["decoding"]["llama_step_batches"] > 0 for rank in ranks), memory
+
+
+def test_an_adapter_created_at_run_time_adapts_the_layers_above_the_trunk_only(run):
+    """With ``trunk_reuse_mb`` a new adapter's default targets (attention and MLP) are taken from the trunk's depth up,
+    so the states the trunk keeps stay exact: its ``forward_backward`` and step equal those of the same adapter made
+    on the LLM without the trunk by naming those modules (to 1e-5); a module name below the trunk is refused by name
+    and the servers go on."""
+    from llmrl.engine.errors import RequestError
+    from llmrl.engine.model.reuse.trunk import layer_of
+
+    trunk, whole = "grpo-1-trunk", "grpo-1-whole"
+    run.create_adapter("t", llm=trunk, rank=2, seed=3)
+    made = [k for k in run.state_dict(llm=trunk) if ".lora_A.t." in k]
+    depth = min(layer_of(k) for k in made)
+    assert depth == 1 and made, made  # LoRA's last_layers: 1 of the tiny model's 2 layers
+    modules = sorted(k[k.index("layers."):k.index(".lora_A.")] for k in made)
+    run.create_adapter("t", llm=whole, rank=2, seed=3, targets=modules)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for n in (9, 6):
+        tokens = torch.randint(3, 100, (n,), generator=g).tolist()
+        data.append({"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:],
+                                                                     "weights": [1.0] * (n - 1)}})
+    got = {llm: run.forward_backward(data, "cross_entropy", llm=llm, peft_adapter="t") for llm in (trunk, whole)}
+    assert got[trunk]["metrics"]["loss:sum"] == pytest.approx(got[whole]["metrics"]["loss:sum"], abs=1e-5)
+    for llm in (trunk, whole):
+        run.optim_step({"learning_rate": 0.05}, llm=llm, peft_adapter="t")
+    a, b = run.state_dict(llm=trunk), run.state_dict(llm=whole)
+    assert sorted(k for k in a if ".t." in k) == sorted(k for k in b if ".t." in k)
+    for key in (k for k in b if ".t." in k):
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    with pytest.raises(RequestError, match=r"layers\.0\.self_attn\.q_proj is in layer 0, below layer 1"):
+        run.create_adapter("u", llm=trunk, rank=2, targets=["q_proj"])
+    for llm in (trunk, whole):
+        run.delete_adapter("t", llm=llm)

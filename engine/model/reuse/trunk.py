@@ -108,6 +108,12 @@ def _plain_caller(model, needs, trunk, replayable: bool, calls):
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def layer_of(name: str) -> int | None:
+    """The index of the decoder layer a parameter or module ``name`` sits in (``...layers.<i>....``), or None."""
+    found = _LAYER.search(name + ".")
+    return int(found.group(1)) if found else None
+
+
 def decoder_layers(model):
     """The model's list of decoder layers (under PEFT wrappers), or None when it is not where its family's record
     says (``trunk_layers``: ``model.layers`` for a model type no family claims; None, not served)."""

@@ -15,10 +15,11 @@ which a parameter added later cannot join: the adapter then stays outside them a
 partitioned base (:mod:`llmrl.engine.model.zero3_state`). In float16 its gradients carry DeepSpeed's loss scale, which
 its optimizer divides out (:mod:`llmrl.engine.model.training.loss_scale`). Under tensor parallelism a new adapter is
 whole on every rank and applied in parts (:mod:`llmrl.engine.model.tp_lora`); it adapts layers the configured adapter
-adapts, or layers left whole. Adapters created at run time are saved with a checkpoint and created again, in order, on
-resume (:mod:`llmrl.engine.model.checkpoint`). Deleting one removes its weights, its optimizer group and state, and its
-entries in the cache across calls; only adapters created at run time can be deleted. Their count and bytes are capped
-(:mod:`llmrl.engine.model.adapter_caps`).
+adapts, or layers left whole. With frozen-trunk reuse (``trunk_reuse_mb``) it adapts the layers above the trunk only
+(:func:`above_trunk`), so the states kept across calls stay exact. Adapters created at run time are saved with a
+checkpoint and created again, in order, on resume (:mod:`llmrl.engine.model.checkpoint`). Deleting one removes its
+weights, its optimizer group and state, and its entries in the cache across calls; only adapters created at run time can
+be deleted. Their count and bytes are capped (:mod:`llmrl.engine.model.adapter_caps`).
 
 This module changes the model and optimizer of one rank; the request kind runs it on every rank of the LLM.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from llmrl.engine.model.adapter_caps import check_room
+from llmrl.engine.model.reuse.trunk import layer_of
 from llmrl.engine.model.served import ServedModel
 from llmrl.engine.model.snapshots import adapter_params, check_adapter_name, flags_kept, parameters_changed
 from llmrl.engine.model.tp_lora import check_split_targets, split_new_adapter
@@ -72,6 +74,28 @@ def target_modules(model, targets, tensor_parallel: int = 1) -> str | list[str]:
     return sorted(set(names))
 
 
+def above_trunk(model, targets, depth: int, who: str) -> list[str]:
+    """The module names a new adapter adapts on a model whose layers below ``depth`` are a frozen trunk whose states
+    are reused across calls (``trunk_reuse_mb``): of the words (``attention``, ``mlp``, ``unembed``, the default),
+    the modules from layer ``depth`` up; a module name (PEFT's rule: the name, or the end of it) that reaches below
+    is refused, naming the module."""
+    words = ["attention", "mlp"] if targets is None or targets == "all-linear" else \
+        [targets] if isinstance(targets, str) else list(targets)
+    named = [t for t in words if t not in TARGET_WORDS]
+    picked = target_modules(model, [t for t in words if t in TARGET_WORDS]) if len(named) < len(words) else []
+    chosen = [name for name in picked if layer_of(name) is None or layer_of(name) >= depth]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for target in named:
+        below = [name for name, _ in base.named_modules() if (name == target or name.endswith(f".{target}"))
+                 and layer_of(name) is not None and layer_of(name) < depth]
+        if below:
+            raise ValueError(f"{who}: {below[0]} is in layer {layer_of(below[0])}, below layer {depth}, where the "
+                             "frozen trunk whose states trunk_reuse_mb keeps across calls ends: adapt layers from "
+                             f"{depth} up (the words attention and mlp pick them), or set trunk_reuse_mb to 0")
+        chosen.append(target)
+    return sorted(set(chosen))
+
+
 def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | None, seed: int, targets,
                    prefix_cache=None, dropout: float = 0.0) -> dict:
     from peft import LoraConfig, TaskType
@@ -84,17 +108,16 @@ def create_adapter(served: ServedModel, name: str, rank: int, alpha: float | Non
     if steps is None:
         raise ValueError(f"LLM {llm!r} holds no optimizer: set llms.{llm}.trainable: true to train new adapters")
     own = served.engine.optimizer is not steps.optimizer  # DeepSpeed's flat copies are built once: not joinable
-    if served.module.trunk is not None:
-        raise ValueError(f"LLM {llm!r} reuses its frozen trunk (trunk_reuse_mb), whose layers a new adapter could "
-                         f"adapt: set llms.{llm}.trunk_reuse_mb to 0 to create adapters at run time")
     check_adapter_name(name, "an adapter")
     if name in served.adapters or name in served.run_time.snapshots:
         raise ValueError(f"LLM {llm!r} already has an adapter or snapshot named {name!r}")
     check_room(served, "adapter", name)
     task = TaskType.SEQ_2_SEQ_LM if served.llm.type == "seq2seq" else TaskType.CAUSAL_LM
+    trunk = served.module.trunk  # (its states stay exact: the new adapter adapts no layer below its depth)
+    modules = target_modules(model, targets, served.llm.tensor_parallel) if trunk is None else \
+        above_trunk(model, targets, trunk.depth, f"LLM {llm!r}")
     config = LoraConfig(task_type=task, r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                        lora_dropout=dropout,
-                        target_modules=target_modules(model, targets, served.llm.tensor_parallel))
+                        lora_dropout=dropout, target_modules=modules)
     if served.llm.tensor_parallel > 1:
         check_split_targets(model, config.target_modules, f"LLM {llm!r}")
     devices = [served.device.index or 0] if served.device.type == "cuda" else []
