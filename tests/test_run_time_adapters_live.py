@@ -11,8 +11,8 @@ a checkpoint (a resumed run steps it as the saved one would have); a snapshot of
 base and the configured adapter are partitioned over the replicas, and the adapter created at run time is whole on each.
 In float16 (at ZeRO 0, and 3 with 2 replicas; DeepSpeed's CPU accelerator computes it here:
 ``testkit.cpu_float16``) the gradients carry the loss scale, which each step divides out
-(:mod:`llmrl.engine.model.training.loss_scale`); a step whose gradients overflow it is skipped, on an LLM at ZeRO-2 whose
-scale starts at 2**20 (whose steps are checked against plain PEFT too).
+(:mod:`llmrl.engine.model.training.loss_scale`); a step whose gradients overflow it is skipped, on an LLM at ZeRO-2
+whose scale starts at 2**20 (whose steps are checked against plain PEFT too).
 
 Tolerances: float32 1e-5 (absolute, on weights of order 1e-1; measured 7e-8, and 2.5e-7 with tensor parallelism, whose
 ranks sum the row-parallel layers' parts in another order; without the sum of the column-parallel A's output gradient
