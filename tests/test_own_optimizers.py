@@ -1,7 +1,9 @@
 """The optimizer of its own that an adapter created at run time steps with where DeepSpeed owns the step
 (:mod:`llmrl.engine.model.training.own_optimizers`), on bfloat16 weights (their float32 masters kept apart): steps
 equal torch AdamW over float32 masters cast into the weights after each step; clipping uses the adapter's own norm;
-a recorded step is undone bit for bit; a saved state loaded into another optimizer steps on as the original.
+a recorded step is undone bit for bit; a saved state loaded into another optimizer steps on as the original; float16
+gradients lose their loss scale, an overflow is dropped, and the scale follows DeepSpeed's dynamic rule for steps it
+does not see (:mod:`llmrl.engine.model.training.loss_scale`).
 """
 
 from __future__ import annotations
@@ -84,3 +86,46 @@ def test_a_recorded_step_is_undone_and_a_saved_state_steps_on_as_the_original():
     for key in own.masters:
         assert torch.equal(own.masters[key], loaded.masters[key])
         assert torch.equal(own.params[key], loaded.params[key])
+
+
+def test_float16_gradients_are_unscaled_and_an_overflow_is_dropped():
+    """``reduce_gradients(ranks, scale)`` divides by the loss scale (a gradient of 512 at a scale of 256 is 2); a
+    gradient with an infinity is dropped, the masters untouched, and reported."""
+    own = OwnOptimizer({"a": torch.zeros(3, requires_grad=True)}, SPEC)
+    own.params["a"].grad = torch.tensor([512.0, -256.0, 0.0])
+    assert own.reduce_gradients(ranks=1, scale=256.0) is True
+    assert own.masters["a"].grad.tolist() == [2.0, -1.0, 0.0]
+    own.params["a"].grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert own.reduce_gradients(ranks=1, scale=256.0) is False
+    assert own.params["a"].grad is None and own.masters["a"].grad is None and own.last_norm is None
+
+
+class _Float16Engine:
+    """What :func:`after_own_step` reads of a DeepSpeed engine in float16 with a dynamic loss scale."""
+
+    def __init__(self, scale: float, window: int, dynamic: bool = True):
+        self.optimizer = SimpleNamespace(loss_scale=scale)
+        self.window, self.dynamic = window, dynamic
+
+    def fp16_enabled(self):
+        return True
+
+    def dynamic_loss_scale(self):
+        return self.dynamic
+
+    def dynamic_loss_scale_args(self):
+        return {"scale_window": self.window, "min_scale": 4.0}
+
+
+def test_own_steps_alone_halve_the_scale_on_overflow_and_double_it_after_a_window_without_one():
+    from llmrl.engine.model.training.loss_scale import after_own_step
+
+    engine, run_time = _Float16Engine(scale=16.0, window=3), SimpleNamespace(steps_without_overflow=0)
+    seen = []
+    for overflow in (True, True, True, False, False, False, False, False, False, True):
+        after_own_step(engine, run_time, overflow)
+        seen.append(engine.optimizer.loss_scale)
+    assert seen == [8.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 8.0]  # not below min_scale 4; x2 every 3 clean
+    static = _Float16Engine(scale=16.0, window=3, dynamic=False)
+    after_own_step(static, run_time, True)
+    assert static.optimizer.loss_scale == 16.0  # fp16.loss_scale > 0: DeepSpeed keeps it, and so does llmrl

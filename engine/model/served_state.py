@@ -54,6 +54,8 @@ class RunTimeAdapters:
             bfloat16: :mod:`llmrl.engine.model.training.own_optimizers`); absent where the engine's torch optimizer
             holds it in a group of its own (ZeRO 0, float32).
         swapped_in: the weight snapshot whose weights are in place now, or None (a read nested in another keeps them).
+        steps_without_overflow: float16: the own optimizers' steps without DeepSpeed's since the last overflow
+            (:func:`llmrl.engine.model.training.loss_scale.after_own_step` grows the scale after a window of them).
     """
 
     created: dict = field(default_factory=dict)
@@ -62,6 +64,7 @@ class RunTimeAdapters:
     versions: dict = field(default_factory=dict)
     optimizers: dict = field(default_factory=dict)
     swapped_in: str | None = None
+    steps_without_overflow: int = 0
 
     def is_snapshot(self, name) -> bool:
         """Whether ``name`` is a snapshot (frozen: read, never trained)."""

@@ -6,10 +6,10 @@ float16 optimizer there expects: :func:`backward_factor`), so every gradient the
 DeepSpeed's parameters and on the others alike, is that many times the true one; DeepSpeed divides its own by the
 scale at its step, skips a step whose gradients overflowed and lowers the scale (its dynamic loss scaler). The
 own optimizers divide by the same scale (:func:`loss_scale`), skip the step of an adapter whose gradients
-overflowed, and lower the scale when DeepSpeed did not (:func:`lower_loss_scale`: it checks its own parameters
-only). Gradients still pending when the scale changes are brought to the new one (:func:`rescale`), so each
-gradient always carries the current scale. The scale never grows from here: DeepSpeed grows it after its own
-steps without overflow.
+overflowed, lower the scale when DeepSpeed did not (it checks its own parameters only), and grow it after a window of
+steps without overflow where only they stepped (:func:`after_own_step`).
+Gradients still pending when the scale changes are brought to the new one (:func:`rescale`), so each gradient always
+carries the current scale.
 
 This module does not decide when to step (the trainer does); without float16 every scale here is 1.
 """
@@ -47,9 +47,22 @@ def unscaled_norm(engine, norm: float | None, scale: float) -> float | None:
     return norm / scale if isinstance(engine.optimizer, FP16_UnfusedOptimizer) else norm
 
 
-def lower_loss_scale(engine) -> None:
-    """Halve DeepSpeed's float16 loss scale, not below 1 (after an overflow in gradients it does not check)."""
-    engine.optimizer.loss_scale = max(loss_scale(engine) / 2, 1.0)
+def after_own_step(engine, run_time, overflow: bool) -> None:
+    """DeepSpeed's dynamic loss scaling, for a step of the own optimizers that DeepSpeed did not see: after an
+    overflow the scale is halved (not below the config's ``fp16.min_loss_scale``); after ``fp16.loss_scale_window``
+    own steps in a row without one, alone (DeepSpeed grows the scale after its own steps), it doubles. A static scale
+    (``fp16.loss_scale`` > 0) stays. ``run_time``: the LLM's :class:`~llmrl.engine.model.served_state.RunTimeAdapters`
+    (its count of steps since the last overflow)."""
+    if not engine.fp16_enabled() or not engine.dynamic_loss_scale():
+        return
+    args = engine.dynamic_loss_scale_args()
+    if overflow:
+        engine.optimizer.loss_scale = max(loss_scale(engine) / 2, float(args["min_scale"]))
+        run_time.steps_without_overflow = 0
+        return
+    run_time.steps_without_overflow += 1
+    if run_time.steps_without_overflow % int(args["scale_window"]) == 0:
+        engine.optimizer.loss_scale = loss_scale(engine) * 2
 
 
 def rescale(grads, factor: float) -> None:

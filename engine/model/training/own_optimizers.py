@@ -161,13 +161,20 @@ def drop_own(served, names) -> None:
         served.run_time.optimizers[name].zero_grad()
 
 
+def steps_alone(served, own) -> bool:
+    """Whether a step leaves DeepSpeed's step out: every adapter it trains steps with an optimizer of its own
+    (``own``), and DeepSpeed ran no backward since its last step (another adapter's ``optim_step`` took it)."""
+    trained = served.adapter_steps.trained if served.adapter_steps is not None else None
+    return bool(own) and served.pending.engine_backwards == 0 and trained is not None and trained <= {None, *own}
+
+
 def engine_step(served, own) -> bool:
     """DeepSpeed's step (its optimizer, clipping, schedule); whether it was applied. Left out when every adapter
     the step trains steps with an optimizer of its own and DeepSpeed ran no backward since its last step (another
     adapter's ``optim_step`` took it): DeepSpeed would find no gradient to finalize. The schedule and step count
     move on all the same, as they do for each ``optim_step`` at ZeRO 0."""
-    engine, trained = served.engine, served.adapter_steps.trained if served.adapter_steps is not None else None
-    if own and served.pending.engine_backwards == 0 and trained is not None and trained <= {None, *own}:
+    engine = served.engine
+    if steps_alone(served, own):
         scheduler = getattr(engine, "lr_scheduler", None)
         if scheduler is not None:
             scheduler.step()

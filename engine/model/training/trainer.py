@@ -43,9 +43,9 @@ from llmrl.engine.model.training import guards
 from llmrl.engine.model.training.deferred_backward import DeferredBackward, adapters_off, throwaway_inputs
 from llmrl.engine.model.training.finite_steps import NonFiniteUpdate, copied_step, keep_finite
 from llmrl.engine.model.training.guards import first_non_finite_gradient, guarded, nothing_of, plain_stats
-from llmrl.engine.model.training.loss_scale import loss_scale, lower_loss_scale
+from llmrl.engine.model.training.loss_scale import after_own_step, loss_scale
 from llmrl.engine.model.training.model_access import ModelAccess
-from llmrl.engine.model.training.own_optimizers import drop_own, engine_step, reduce_own, step_own
+from llmrl.engine.model.training.own_optimizers import drop_own, engine_step, reduce_own, step_own, steps_alone
 from llmrl.engine.model.training.passes import refuse_too_long
 from llmrl.engine.model.training.replica_votes import (
     BACKWARD,
@@ -191,13 +191,14 @@ class EngineTrainer(ModelAccess, Trainer):
                 copied_step(self.served, self.trained_adapters) as copy:
             own, overflowed = reduce_own(self.served, self.trained_adapters,  # before DeepSpeed's step may clear
                                          loss_scale(self.engine))               # gradients
+            alone = steps_alone(self.served, own)
             applied = engine_step(self.served, own)
             if own and applied:
                 step_own(self.served, [name for name in own if name not in overflowed], copy.stepped)
             elif own:  # DeepSpeed skipped the step: so do the adapters stepping with it
                 drop_own(self.served, own)
-            if overflowed and applied:  # (where DeepSpeed found an overflow of its own, it lowered the scale)
-                lower_loss_scale(self.engine)
+            if alone or (overflowed and applied):  # float16: DeepSpeed saw neither these steps nor this overflow
+                after_own_step(self.engine, self.served.run_time, bool(overflowed))
         clear_zero3_gradients(self.engine)
         trained, self.trained_adapters = self.trained_adapters, set()
         self.pending_micro_steps = self.backwards_since_step = 0
