@@ -230,7 +230,8 @@ def optim_step(served: ServedModel, settings: dict, adapter: str | None) -> dict
             skipped = trainer.flush()
     except Exception as err:
         raise _noted(err, _discard(served, trainer, adapter))  # noqa: B904 - the same error, its message completed
-    rescale([grad for _, grad in _pending_grads(served, others)], loss_scale(served.engine) / scale)  # float16
+    finally:  # float16: the gradients kept pending take a scale the step changed (also where it failed after)
+        rescale([grad for _, grad in _pending_grads(served, others)], loss_scale(served.engine) / scale)
     served.pending.keep(others)
     stepped = sorted(a for a in trained if a is not None and a not in skipped)
     said = {"skipped": sorted(skipped, key=str), "loss_scale": loss_scale(served.engine)} if skipped else {}
